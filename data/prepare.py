@@ -1,0 +1,489 @@
+"""Prepare a dataset for nanodepth: token ids in flat binary files plus meta.json.
+
+    python data/prepare.py synthetic [--seed 1337] [--num_tokens 2000000] [--mix copy=0.3,count=0.2,noise=0.2,add=0.3]
+    python data/prepare.py shakespeare_char [--input FILE]      # default ../shared/data/tinyshakespeare.txt, else download
+    python data/prepare.py enwik8 [--input enwik8|enwik8.zip]   # else download mattmahoney.net/dc/enwik8.zip
+    python data/prepare.py fineweb_edu [--input F.parquet|F.jsonl|F.txt] [--max_docs 100000] [--val_fraction 0.005]
+    python data/prepare.py text --input FILE [--tokenizer char|byte|gpt2] [--val_fraction 0.1] [--name NAME]
+    common options: --out_dir DIR (default data/<dataset>, or data/<name>), --dtype auto|uint16|uint32
+
+Writes train.bin, val.bin (and test.bin for enwik8): raw little-endian token ids, uint16 unless
+vocab_size > 65535 (then uint32); read with np.memmap(path, dtype=meta["dtype"], mode="r").
+meta.json is written last and lists every file with its byte size and sha256, so a folder without
+a meta.json, or whose files do not match it, is incomplete: check_prepared(folder) says so and
+prints the command to run. Every file is written to a temporary name and renamed into place; a
+rerun with the same arguments and input gives byte-identical files (nothing time-based is stored).
+
+Documents (fineweb_edu, text with --tokenizer gpt2): a .parquet gives its `text` column, a .jsonl
+the `text` field of each line, a .txt file is split into documents at lines that hold only
+<|endoftext|> (no such line: the whole file is one document). GPT-2 BPE (tiktoken, encode_ordinary)
+with the EOT token 50256 appended after every document. fineweb_edu puts the last val_fraction of
+the documents (at least one) in val; `text` cuts its token stream at (1 - val_fraction).
+
+Synthetic grammar (34 one-character tokens: digits 0-9, letters a-p, and | C N R A > + =).
+The stream is a sequence of segments, each followed by the separator "|". A segment starts with
+a kind letter and a length digit L in 1..9 (both sampled: the kind from --mix, L uniformly):
+    copy   C L x1..xL > x1..xL            x: uniform random letters; after ">" they are repeated
+    count  N L s t1..tL                   s: uniform random digit; t_i = (s + i) mod 10
+    noise  R L x1..xL                     x: uniform random letters
+    add    A L a1..aL + b1..bL = c1..cL+1 a, b: uniform random digits; c = a + b; all three numbers
+                                          are written least-significant digit first, c has L+1 digits
+                                          (the last is the final carry, possibly 0)
+e.g. "C3kap>kap|N478901|R2fp|A247+38=751|" (74 + 83 = 157). Each split is its own stream of whole
+segments (train from seed (seed, 0), val from (seed, 1)), stopped once it holds >= its share
+(90/10) of --num_tokens. train_difficulty.bin / val_difficulty.bin (uint8, one per token) give the
+class of the TARGET token i, i.e. how hard token i is to predict from tokens < i:
+    0 structure  "|", ">", "+", "=": their place is fixed by the kind and L
+    1 trivial    copied letters and counting digits t_i: a lookup of earlier tokens
+    2 noise      the random letters x and digits s, a, b: best loss is log 16 resp. log 10
+    3 hard       the sum digits c: multi-digit addition with carries
+    4 header     the kind letter and L: sampled from the mix and from 1..9
+"""
+import argparse
+import hashlib
+import io
+import json
+import os
+import re
+import shlex
+import shutil
+import sys
+import urllib.request
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+DATA_DIR = Path(__file__).resolve().parent
+REPO_ROOT = DATA_DIR.parent
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+ENWIK8_URL = "http://mattmahoney.net/dc/enwik8.zip"
+GPT2_EOT = 50256
+TIKTOKEN_FILES = {"vocab.bpe": "6d1cbeee0f20b3d9449abfede4726ed8212e3aee",
+                  "encoder.json": "6c7ea1a7e38e3a7f062df639a5b80947f075ffe6"}
+COMMON_DEFAULTS = {"dtype": "auto"}
+DEFAULTS = {
+    "synthetic": {"seed": 1337, "num_tokens": 2_000_000, "mix": "copy=0.3,count=0.2,noise=0.2,add=0.3"},
+    "shakespeare_char": {"input": None},
+    "enwik8": {"input": None},
+    "fineweb_edu": {"input": None, "max_docs": 100_000, "val_fraction": 0.005},
+    "text": {"input": None, "tokenizer": "char", "val_fraction": 0.1, "name": None},
+}
+
+
+class PrepareError(Exception):
+    """Bad input or an incomplete dataset folder; the message says what to do."""
+
+
+# ----------------------------------------------------------------------------- synthetic corpus
+SYMBOLS = list("0123456789abcdefghijklmnop|CNRA>+=")
+SEP, GT, PLUS, EQ = (SYMBOLS.index(c) for c in "|>+=")
+KINDS = ["copy", "count", "noise", "add"]
+KIND_TOKENS = [SYMBOLS.index(c) for c in "CNRA"]
+DIFFICULTY_CLASSES = ["structure", "trivial", "noise", "hard", "header"]
+STRUCT, TRIVIAL, NOISE, HARD, HEADER = range(5)
+
+
+def parse_mix(mix):
+    """'copy=0.3,count=0.2,...' -> probabilities in KINDS order (missing kinds get 0)."""
+    weights = dict.fromkeys(KINDS, 0.0)
+    for item in filter(None, (s.strip() for s in str(mix).split(","))):
+        key, _, value = item.partition("=")
+        if key.strip() not in weights:
+            raise PrepareError(f"--mix: unknown segment kind {key.strip()!r}; kinds are {', '.join(KINDS)}")
+        try:
+            weights[key.strip()] = float(value)
+        except ValueError:
+            raise PrepareError(f"--mix: {item!r} is not kind=weight (e.g. copy=0.3)") from None
+    w = np.array([weights[k] for k in KINDS])
+    if not np.all(np.isfinite(w)) or (w < 0).any() or w.sum() <= 0:
+        raise PrepareError(f"--mix {mix!r}: weights must be >= 0 and not all 0")
+    return w / w.sum()
+
+
+def generate_synthetic(num_tokens, seed, mix=DEFAULTS["synthetic"]["mix"]):
+    """Whole segments until >= num_tokens tokens; seed is an int or a list of ints (numpy SeedSequence).
+    Returns (tokens, difficulty), two uint8 arrays of the same length."""
+    probs, rng = parse_mix(mix), np.random.default_rng(seed)
+    toks, cls = [], []
+    while len(toks) < num_tokens:
+        n_seg = 16 + (num_tokens - len(toks)) // 8  # more than needed; unused draws are dropped
+        kinds, lens = rng.choice(4, size=n_seg, p=probs).tolist(), rng.integers(1, 10, size=n_seg).tolist()
+        letters, pl = rng.integers(10, 26, size=9 * n_seg).tolist(), 0
+        digits, pd = rng.integers(0, 10, size=18 * n_seg).tolist(), 0
+        for kind, n in zip(kinds, lens):
+            if kind == 0:    # copy
+                x, pl = letters[pl:pl + n], pl + n
+                body, c = x + [GT] + x, [NOISE] * n + [STRUCT] + [TRIVIAL] * n
+            elif kind == 1:  # count
+                s, pd = digits[pd], pd + 1
+                body, c = [s] + [(s + i) % 10 for i in range(1, n + 1)], [NOISE] + [TRIVIAL] * n
+            elif kind == 2:  # noise
+                body, pl, c = letters[pl:pl + n], pl + n, [NOISE] * n
+            else:            # add, least-significant digit first
+                a, b, pd = digits[pd:pd + n], digits[pd + n:pd + 2 * n], pd + 2 * n
+                total, carry = [], 0
+                for da, db in zip(a, b):
+                    carry, d = divmod(da + db + carry, 10)
+                    total.append(d)
+                body = a + [PLUS] + b + [EQ] + total + [carry]
+                c = [NOISE] * n + [STRUCT] + [NOISE] * n + [STRUCT] + [HARD] * (n + 1)
+            toks += [KIND_TOKENS[kind], n] + body + [SEP]
+            cls += [HEADER, HEADER] + c + [STRUCT]
+            if len(toks) >= num_tokens:
+                break
+    return np.array(toks, dtype=np.uint8), np.array(cls, dtype=np.uint8)
+
+
+def build_synthetic(a):
+    n, seed = int(a["num_tokens"]), int(a["seed"])
+    n_train = int(n * 0.9)
+    if n_train < 1 or n - n_train < 1:
+        raise PrepareError(f"--num_tokens {n}: a split would be empty; use at least 10")
+    if seed < 0:
+        raise PrepareError(f"--seed {seed}: must be >= 0")
+    splits, diff, h = {}, {}, hashlib.sha256()
+    for i, (split, target) in enumerate([("train", n_train), ("val", n - n_train)]):
+        splits[split], diff[split] = generate_synthetic(target, [seed, i], a["mix"])
+        h.update(to_array(splits[split], len(SYMBOLS), a["dtype"]).tobytes())
+    meta = {"tokenizer": "synthetic", "vocab_size": len(SYMBOLS), "itos": SYMBOLS, "source": "builtin",
+            "source_sha256": h.hexdigest(),
+            "split": "90/10: train and val are separate streams of whole segments, seeds (seed,0) and (seed,1)",
+            "difficulty_classes": DIFFICULTY_CLASSES,
+            "difficulty_counts": {s: dict(zip(DIFFICULTY_CLASSES, np.bincount(d, minlength=5).tolist()))
+                                  for s, d in diff.items()}}
+    extra = {f"{s}_difficulty": d for s, d in diff.items()}
+    return splits, extra, meta
+
+
+# ----------------------------------------------------------------------------- inputs and tokenizers
+def read_input(path):
+    p = Path(path)
+    if not p.is_file():
+        raise PrepareError(f"input file not found: {p}")
+    raw = p.read_bytes()
+    if not raw:
+        raise PrepareError(f"input file is empty: {p}")
+    return raw
+
+
+def fetch(url, cache):
+    """Download url once into the file `cache` (reused on later runs)."""
+    if cache.is_file() and cache.stat().st_size > 0:
+        return cache.read_bytes()
+    print(f"downloading {url} ...", file=sys.stderr)
+    try:
+        with urllib.request.urlopen(url, timeout=60) as r:
+            raw = r.read()
+    except OSError as e:
+        raise PrepareError(f"could not download {url} ({e}); pass --input FILE with a local copy") from None
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    write_file(cache, raw)
+    return raw
+
+
+def decode_utf8(raw, path):
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PrepareError(f"{path} is not valid UTF-8 (byte offset {e.start}); "
+                           "use --tokenizer byte for binary data") from None
+
+
+def ensure_tiktoken_cache():
+    """Serve tiktoken's gpt2 files from <repo>/../shared/data/gpt2 when TIKTOKEN_CACHE_DIR is unset."""
+    if "TIKTOKEN_CACHE_DIR" in os.environ:
+        return os.environ["TIKTOKEN_CACHE_DIR"]
+    src = SHARED_DATA / "gpt2"
+    if not all((src / f).is_file() for f in TIKTOKEN_FILES):
+        return None  # tiktoken downloads as usual
+    cache = Path.home() / ".cache" / "nanodepth" / "tiktoken"
+    cache.mkdir(parents=True, exist_ok=True)
+    for name, key in TIKTOKEN_FILES.items():  # file names are sha1(url) of tiktoken's download urls
+        if not (cache / key).is_file() or (cache / key).stat().st_size != (src / name).stat().st_size:
+            shutil.copyfile(src / name, cache / f"{key}.tmp-{os.getpid()}")
+            os.replace(cache / f"{key}.tmp-{os.getpid()}", cache / key)
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(cache)
+    return str(cache)
+
+
+def gpt2_encoding():
+    ensure_tiktoken_cache()
+    import tiktoken
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:
+        raise PrepareError(f"could not load tiktoken's gpt2 encoding ({e}); put the BPE files in "
+                           "../shared/data/gpt2 or set TIKTOKEN_CACHE_DIR (see its README.txt)") from None
+
+
+def encode_docs(docs):
+    """GPT-2 BPE of each document followed by EOT, as one uint32 array."""
+    enc = gpt2_encoding()
+    ids = enc.encode_ordinary_batch(docs)
+    return np.fromiter((t for doc in ids for t in (*doc, GPT2_EOT)), dtype=np.uint32,
+                       count=sum(len(d) + 1 for d in ids))
+
+
+def split_txt_docs(text):
+    docs = re.split(r"^<\|endoftext\|>[ \t]*$\n?", text, flags=re.M)
+    return [d for d in docs if d.strip()]
+
+
+def load_docs(path, max_docs):
+    """Documents (strings) from a .parquet, .jsonl or .txt file, at most max_docs of them."""
+    raw, suffix = read_input(path), Path(path).suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+        try:
+            table = pq.read_table(io.BytesIO(raw), columns=["text"])
+        except Exception as e:
+            raise PrepareError(f"{path}: cannot read a `text` column from this parquet file ({e})") from None
+        docs = [t for t in table.column("text").slice(0, max_docs).to_pylist() if t]
+    elif suffix == ".jsonl":
+        lines = [(n, line) for n, line in enumerate(decode_utf8(raw, path).splitlines(), 1) if line.strip()]
+        docs = [json_text(line, f"{path} line {n}") for n, line in lines[:max_docs]]
+    else:
+        docs = split_txt_docs(decode_utf8(raw, path))[:max_docs]
+    docs = [d for d in docs if d]
+    if not docs:
+        raise PrepareError(f"{path} holds no documents")
+    return raw, docs
+
+
+def json_text(line, where):
+    try:
+        text = json.loads(line)["text"]
+    except (ValueError, KeyError, TypeError):
+        text = None
+    if not isinstance(text, str):
+        raise PrepareError(f"{where}: not a JSON object with a string 'text' field")
+    return text
+
+
+def stream_fineweb_edu(max_docs):
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        raise PrepareError("fineweb_edu without --input needs the `datasets` package: pip install datasets, "
+                           "or pass --input with a local .parquet/.jsonl/.txt file, e.g. "
+                           "--input ../shared/data/fineweb_sample_legal.parquet") from None
+    ds = load_dataset("HuggingFaceFW/fineweb-edu", name="sample-10BT", split="train", streaming=True)
+    docs = [row["text"] for _, row in zip(range(max_docs), ds)]
+    return "\n<|endoftext|>\n".join(docs).encode("utf-8"), docs
+
+
+# ----------------------------------------------------------------------------- dataset builders
+def check_fraction(f):
+    if not 0 < float(f) < 1:
+        raise PrepareError(f"--val_fraction {f}: must be between 0 and 1")
+    return float(f)
+
+
+def split_tokens(ids, val_fraction, what):
+    n_train = int(len(ids) * (1 - check_fraction(val_fraction)))
+    if n_train < 1 or n_train >= len(ids):
+        raise PrepareError(f"{what}: {len(ids)} tokens with --val_fraction {val_fraction} would leave the "
+                           f"{'train' if n_train < 1 else 'val'} split empty; use a larger input or fraction")
+    return {"train": ids[:n_train], "val": ids[n_train:]}
+
+
+def tokenize_text(raw, path, tokenizer):
+    """-> (ids, vocab_size, extra meta) for the char, byte or gpt2 tokenizer."""
+    if tokenizer == "byte":
+        return np.frombuffer(raw, dtype=np.uint8), 256, {}
+    text = decode_utf8(raw, path)
+    if tokenizer == "gpt2":
+        return encode_docs(split_txt_docs(text) or [text]), GPT2_EOT + 1, {"eot_token": GPT2_EOT}
+    if tokenizer != "char":
+        raise PrepareError(f"--tokenizer {tokenizer!r}: choose char, byte or gpt2")
+    codepoints = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
+    vocab, ids = np.unique(codepoints, return_inverse=True)
+    return ids, len(vocab), {"chars": [chr(c) for c in vocab.tolist()]}
+
+
+def build_text(a, default_input=None, url=None):
+    tokenizer = a.get("tokenizer", "char")
+    path = a["input"] or default_input
+    if path is None and url is None:
+        raise PrepareError("dataset text needs --input FILE")
+    if path is not None:
+        raw, source = read_input(path), str(Path(path).resolve())
+    else:
+        raw, source = fetch(url, a["_out"] / "input.txt"), url
+    ids, vocab, extra = tokenize_text(raw, path or url, tokenizer)
+    splits = split_tokens(ids, a.get("val_fraction", 0.1), source)
+    pct = round(100 * (1 - float(a.get("val_fraction", 0.1))))
+    meta = {"tokenizer": tokenizer, "vocab_size": vocab, **extra, "source": source,
+            "source_sha256": hashlib.sha256(raw).hexdigest(),
+            "split": f"{pct}/{100 - pct} by {'characters' if tokenizer == 'char' else tokenizer + ' tokens'}"}
+    return splits, {}, meta
+
+
+def build_shakespeare_char(a):
+    local = SHARED_DATA / "tinyshakespeare.txt"
+    return build_text(a, default_input=local if local.is_file() else None, url=SHAKESPEARE_URL)
+
+
+def build_enwik8(a):
+    raw = read_input(a["input"]) if a["input"] else fetch(ENWIK8_URL, a["_out"] / "enwik8.zip")
+    data = raw
+    if raw[:4] == b"PK\x03\x04":
+        try:  # the member named enwik8, else the first one
+            with zipfile.ZipFile(io.BytesIO(raw)) as z:
+                data = z.read("enwik8" if "enwik8" in z.namelist() else z.namelist()[0])
+        except (zipfile.BadZipFile, IndexError) as e:
+            raise PrepareError(f"{a['input'] or ENWIK8_URL}: not a readable enwik8 zip ({e})") from None
+        if not data:
+            raise PrepareError(f"{a['input'] or ENWIK8_URL}: the enwik8 member is empty")
+    n = len(data)
+    if n == 100_000_000:
+        cuts, split = (90_000_000, 95_000_000), "90M/5M/5M bytes"
+    else:
+        cuts = (int(n * 0.9), int(n * 0.9) + int(n * 0.05))
+        split = f"90/5/5 by bytes, proportional ({n} bytes, not the standard 100M)"
+    ids = np.frombuffer(data, dtype=np.uint8)
+    splits = {"train": ids[:cuts[0]], "val": ids[cuts[0]:cuts[1]], "test": ids[cuts[1]:]}
+    if any(len(v) == 0 for v in splits.values()):
+        raise PrepareError(f"enwik8 input of {n} bytes is too small: the val split would be empty")
+    meta = {"tokenizer": "byte", "vocab_size": 256, "source": str(Path(a["input"]).resolve())
+            if a["input"] else ENWIK8_URL, "source_sha256": hashlib.sha256(raw).hexdigest(), "split": split}
+    return splits, {}, meta
+
+
+def build_fineweb_edu(a):
+    max_docs, frac = int(a["max_docs"]), check_fraction(a["val_fraction"])
+    if a["input"]:
+        (raw, docs), source = load_docs(a["input"], max_docs), str(Path(a["input"]).resolve())
+    else:
+        (raw, docs), source = stream_fineweb_edu(max_docs), "hf://HuggingFaceFW/fineweb-edu/sample-10BT"
+    n_val = max(1, int(len(docs) * frac))
+    if len(docs) - n_val < 1:
+        raise PrepareError(f"{source}: {len(docs)} document(s) cannot fill both train and val; need at least 2")
+    splits = {"train": encode_docs(docs[:-n_val]), "val": encode_docs(docs[-n_val:])}
+    meta = {"tokenizer": "gpt2", "vocab_size": GPT2_EOT + 1, "eot_token": GPT2_EOT, "source": source,
+            "source_sha256": hashlib.sha256(raw).hexdigest(),
+            "split": f"by documents: first {len(docs) - n_val} train, last {n_val} val", "documents": len(docs)}
+    return splits, {}, meta
+
+
+BUILDERS = {"synthetic": build_synthetic, "shakespeare_char": build_shakespeare_char, "enwik8": build_enwik8,
+            "fineweb_edu": build_fineweb_edu, "text": build_text}
+
+
+# ----------------------------------------------------------------------------- writing and checking
+def to_array(ids, vocab_size, dtype="auto"):
+    """Token ids as little-endian uint16 (vocab_size <= 65535) or uint32."""
+    if dtype not in ("auto", "uint16", "uint32"):
+        raise PrepareError(f"--dtype {dtype!r}: choose auto, uint16 or uint32")
+    if dtype == "uint16" and vocab_size > 65535:
+        raise PrepareError(f"vocab_size {vocab_size} does not fit --dtype uint16; use uint32 or auto")
+    big = dtype == "uint32" or (dtype == "auto" and vocab_size > 65535)
+    return np.asarray(ids).astype("<u4" if big else "<u2")
+
+
+def write_file(path, data):
+    """Write bytes (or a contiguous array) to path.tmp-<pid>, then rename it into place."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write_chunks(f, memoryview(data).cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_chunks(f, view, chunk=1 << 26):
+    for i in range(0, len(view), chunk):
+        f.write(view[i:i + chunk])
+
+
+def command_for(dataset, args, out):
+    parts = ["python", "data/prepare.py", dataset]
+    defaults = {**COMMON_DEFAULTS, **DEFAULTS[dataset]}
+    parts += [f"--{k}={v}" for k, v in args.items() if v is not None and v != defaults[k]]
+    if out.resolve() != (DATA_DIR / (args.get("name") or dataset)).resolve():
+        parts.append(f"--out_dir={out}")
+    return shlex.join(parts)
+
+
+def output_dir(dataset, out_dir=None, name=None):
+    return Path(out_dir) if out_dir else DATA_DIR / (name or dataset)
+
+
+def prepare(dataset, out_dir=None, **opts):
+    """Build `dataset` in memory, check it, then write it atomically to out_dir. Returns meta."""
+    if dataset not in BUILDERS:
+        raise PrepareError(f"unknown dataset {dataset!r}; valid datasets: {', '.join(BUILDERS)}")
+    args = {**COMMON_DEFAULTS, **DEFAULTS[dataset]}
+    unknown = sorted(k for k, v in opts.items() if k not in args and v is not None)
+    if unknown:
+        raise PrepareError(f"option(s) {', '.join('--' + k for k in unknown)} do not apply to dataset {dataset}; "
+                           f"its options: {', '.join('--' + k for k in args)}")
+    args.update({k: v for k, v in opts.items() if v is not None})
+    out = output_dir(dataset, out_dir, args.get("name"))
+    splits, extra, meta = BUILDERS[dataset]({**args, "_out": out})
+    arrays = {k: to_array(v, meta["vocab_size"], args["dtype"]) for k, v in splits.items()}
+    arrays.update(extra)
+    meta = {"dataset": dataset, **meta, "dtype": np.dtype(arrays["train"].dtype).name,
+            **{f"{k}_tokens": len(v) for k, v in splits.items()}, "prepare_args": args,
+            "command": command_for(dataset, args, out), "files": {}}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "meta.json").unlink(missing_ok=True)  # the folder is incomplete until meta.json is back
+    for name, arr in arrays.items():
+        write_file(out / f"{name}.bin", arr)
+        meta["files"][f"{name}.bin"] = {"bytes": arr.nbytes, "sha256": hashlib.sha256(arr).hexdigest()}
+    write_file(out / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
+    return meta
+
+
+def check_prepared(folder):
+    """Load folder/meta.json and check that every listed file exists with its recorded size."""
+    folder = Path(folder)
+    name = folder.name if folder.name in BUILDERS else "<dataset>"
+    cmd = f"python data/prepare.py {name}"
+    if folder.resolve() != (DATA_DIR / folder.name).resolve():
+        cmd += f" --out_dir={shlex.quote(str(folder))}"
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        files = meta["files"]
+        cmd = meta.get("command", cmd)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise PrepareError(f"{folder} is not a prepared dataset (meta.json missing or unreadable: {e}); "
+                           f"run: {cmd}") from None
+    problems = [f"{n} not listed in meta.json" for n in ("train.bin", "val.bin") if n not in files]
+    for n, info in files.items():
+        size = (folder / n).stat().st_size if (folder / n).is_file() else None
+        expected = info.get("bytes") if isinstance(info, dict) else None
+        if size is None or size != expected:
+            problems.append(f"{n} missing" if size is None else f"{n} has {size} bytes, meta.json says {expected}")
+    if problems:
+        raise PrepareError(f"{folder} is incomplete ({'; '.join(problems)}); run: {cmd}")
+    return meta
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("dataset", help=", ".join(BUILDERS))
+    p.add_argument("--out_dir")
+    for key, kind in [("dtype", str), ("seed", int), ("num_tokens", int), ("mix", str), ("input", str),
+                      ("max_docs", int), ("val_fraction", float), ("tokenizer", str), ("name", str)]:
+        p.add_argument(f"--{key}", type=kind)
+    a = vars(p.parse_args(argv))
+    try:
+        meta = prepare(**a)
+    except PrepareError as e:
+        print(f"prepare.py: error: {e}", file=sys.stderr)
+        return 2
+    counts = ", ".join(f"{s} {meta[s + '_tokens']:,}" for s in ("train", "val", "test") if s + "_tokens" in meta)
+    where = output_dir(meta["dataset"], a["out_dir"], a["name"])
+    print(f"{meta['dataset']}: {meta['tokenizer']} tokenizer, vocab {meta['vocab_size']}, {meta['dtype']}; "
+          f"tokens: {counts}; written to {where}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,421 @@
+"""Tests for data/prepare.py: every dataset end to end on small inputs, the synthetic grammar
+(checked by an independent parser), errors, idempotence and atomic writes."""
+import hashlib
+import io
+import json
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "data"))
+import prepare as P  # noqa: E402
+
+SHARED = REPO.parent / "shared" / "data"
+SHAKESPEARE = SHARED / "tinyshakespeare.txt"
+FINEWEB = SHARED / "fineweb_sample_legal.parquet"
+CLASS_CHARS = "STNHh"  # structure, trivial, noise, hard, header (index = class id)
+
+
+def load(folder, name, meta):
+    return np.fromfile(Path(folder) / name, dtype=meta["dtype"] if "difficulty" not in name else np.uint8)
+
+
+def folder_bytes(folder):
+    return {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir())}
+
+
+def need_gpt2(cache):
+    if cache is None:
+        pytest.skip("../shared/data/gpt2 is absent: no offline tiktoken files")
+
+
+# ----------------------------------------------------------------------------- synthetic
+def expected_classes(text):
+    """Independent parser of the synthetic grammar. Checks every segment's content and
+    returns the class of every position as a string over CLASS_CHARS."""
+    assert text.endswith("|"), "a split ends with a whole segment"
+    out = []
+    for seg in text[:-1].split("|"):
+        kind, n, body = seg[0], int(seg[1]), seg[2:]
+        assert 1 <= n <= 9
+        if kind == "C":
+            m = re.fullmatch(f"([a-p]{{{n}}})>([a-p]{{{n}}})", body)
+            assert m and m[1] == m[2], f"copy not copied: {seg}"
+            cls = "N" * n + "S" + "T" * n
+        elif kind == "N":
+            assert re.fullmatch(f"[0-9]{{{n + 1}}}", body), seg
+            assert all(int(body[i]) == (int(body[0]) + i) % 10 for i in range(1, n + 1)), f"bad count: {seg}"
+            cls = "N" + "T" * n
+        elif kind == "R":
+            assert re.fullmatch(f"[a-p]{{{n}}}", body), seg
+            cls = "N" * n
+        elif kind == "A":
+            m = re.fullmatch(f"([0-9]{{{n}}})\\+([0-9]{{{n}}})=([0-9]{{{n + 1}}})", body)
+            assert m, seg
+            a, b = int(m[1][::-1]), int(m[2][::-1])  # least-significant digit first
+            assert m[3] == str(a + b).zfill(n + 1)[::-1], f"wrong sum: {seg}"
+            cls = "N" * n + "S" + "N" * n + "S" + "H" * (n + 1)
+        else:
+            raise AssertionError(f"unknown segment kind in {seg!r}")
+        out.append("hh" + cls + "S")
+    return "".join(out)
+
+
+def decode_synth(tokens, diff):
+    return "".join(P.SYMBOLS[t] for t in tokens.tolist()), "".join(CLASS_CHARS[c] for c in diff.tolist())
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 2**63), n=st.integers(1, 3000),
+       weights=st.lists(st.integers(0, 5), min_size=4, max_size=4).filter(any))
+def test_synthetic_grammar_property(seed, n, weights):
+    mix = ",".join(f"{k}={w}" for k, w in zip(P.KINDS, weights))
+    tokens, diff = P.generate_synthetic(n, seed, mix)
+    assert len(tokens) == len(diff) >= n
+    text, classes = decode_synth(tokens, diff)
+    assert classes == expected_classes(text)
+    last_segment = text[:-1].rsplit("|", 1)[-1] + "|"
+    assert len(text) - len(last_segment) < n, "stops right after reaching n tokens"
+    present_kinds = {seg[0] for seg in text[:-1].split("|")}
+    assert present_kinds <= {"CNRA"[i] for i, w in enumerate(weights) if w > 0}
+
+
+def test_synthetic_end_to_end(tmp_path):
+    out = tmp_path / "synthetic"
+    meta = P.prepare("synthetic", out, num_tokens=20_000)
+    assert meta == json.loads((out / "meta.json").read_text())
+    assert meta["tokenizer"] == "synthetic" and meta["vocab_size"] == len(meta["itos"]) < 64
+    assert meta["dtype"] == "uint16" and meta["source"] == "builtin"
+    assert meta["difficulty_classes"][:4] == ["structure", "trivial", "noise", "hard"]
+    assert set(meta["files"]) == {"train.bin", "val.bin", "train_difficulty.bin", "val_difficulty.bin"}
+    raw = b""
+    for split in ("train", "val"):
+        tokens, diff = load(out, f"{split}.bin", meta), load(out, f"{split}_difficulty.bin", meta)
+        assert len(tokens) == len(diff) == meta[f"{split}_tokens"]
+        counts = np.bincount(diff, minlength=len(meta["difficulty_classes"]))
+        assert (counts > 0).all(), "every class is present"
+        assert dict(zip(meta["difficulty_classes"], counts.tolist())) == meta["difficulty_counts"][split]
+        text, classes = decode_synth(tokens, diff)
+        assert classes == expected_classes(text)
+        raw += tokens.tobytes()
+    assert meta["train_tokens"] >= 18_000 and meta["val_tokens"] >= 2_000
+    assert meta["source_sha256"] == hashlib.sha256(raw).hexdigest()
+    for name, info in meta["files"].items():
+        data = (out / name).read_bytes()
+        assert info == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert P.check_prepared(out) == meta
+
+
+def test_synthetic_determinism(tmp_path):
+    a = P.prepare("synthetic", tmp_path / "a", num_tokens=5000, seed=7)
+    b = P.prepare("synthetic", tmp_path / "b", num_tokens=5000, seed=7)
+    c = P.prepare("synthetic", tmp_path / "c", num_tokens=5000, seed=8)
+    assert folder_bytes(tmp_path / "a")["train.bin"] == folder_bytes(tmp_path / "b")["train.bin"]
+    assert a["files"] == b["files"] and a["source_sha256"] == b["source_sha256"]
+    assert (tmp_path / "a" / "train.bin").read_bytes() != (tmp_path / "c" / "train.bin").read_bytes()
+    assert a["source_sha256"] != c["source_sha256"]
+    train, val = (tmp_path / "a" / "train.bin").read_bytes(), (tmp_path / "a" / "val.bin").read_bytes()
+    assert val not in train, "val is its own stream"
+
+
+def test_synthetic_mix():
+    tokens, diff = P.generate_synthetic(500, 0, "add=1")
+    text, _ = decode_synth(tokens, diff)
+    assert {seg[0] for seg in text[:-1].split("|")} == {"A"}
+    assert list(P.parse_mix("copy=1, noise=3")) == [0.25, 0, 0.75, 0]
+    for bad in ["copy=1,foo=2", "copy=x", "copy=0,add=0", "copy=-1,add=2"]:
+        with pytest.raises(P.PrepareError, match="--mix"):
+            P.parse_mix(bad)
+
+
+def test_synthetic_default_is_fast_enough():
+    tokens, _ = P.generate_synthetic(200_000, 1337)
+    assert len(tokens) >= 200_000
+
+
+# ----------------------------------------------------------------------------- file datasets
+@pytest.mark.skipif(not SHAKESPEARE.is_file(), reason="../shared/data/tinyshakespeare.txt absent")
+def test_shakespeare_char_from_shared_default(tmp_path):
+    meta = P.prepare("shakespeare_char", tmp_path / "sc")
+    text = SHAKESPEARE.read_text()
+    assert meta["source"] == str(SHAKESPEARE.resolve())
+    assert meta["vocab_size"] == 65 == len(meta["chars"]) and meta["chars"] == sorted(set(text))
+    assert meta["train_tokens"] == int(len(text) * 0.9) and meta["val_tokens"] == len(text) - int(len(text) * 0.9)
+    assert meta["split"] == "90/10 by characters" and meta["tokenizer"] == "char"
+    train = load(tmp_path / "sc", "train.bin", meta)
+    assert "".join(meta["chars"][i] for i in train[:200]) == text[:200]
+    assert meta["source_sha256"] == hashlib.sha256(SHAKESPEARE.read_bytes()).hexdigest()
+
+
+def test_enwik8_small_raw_and_zip(tmp_path):
+    data = np.random.default_rng(0).integers(0, 256, 2000, dtype=np.uint8).tobytes()
+    (tmp_path / "enwik8").write_bytes(data)
+    with zipfile.ZipFile(tmp_path / "enwik8.zip", "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("enwik8", data)
+    metas = []
+    for name in ("enwik8", "enwik8.zip"):
+        out = tmp_path / f"out_{name}"
+        meta = P.prepare("enwik8", out, input=str(tmp_path / name))
+        assert (meta["vocab_size"], meta["tokenizer"], meta["dtype"]) == (256, "byte", "uint16")
+        assert (meta["train_tokens"], meta["val_tokens"], meta["test_tokens"]) == (1800, 100, 100)
+        assert "proportional" in meta["split"]
+        got = b"".join(load(out, f"{s}.bin", meta).astype(np.uint8).tobytes() for s in ("train", "val", "test"))
+        assert got == data
+        assert meta["source_sha256"] == hashlib.sha256((tmp_path / name).read_bytes()).hexdigest()
+        metas.append(meta)
+    assert metas[0]["files"] == metas[1]["files"]
+
+
+@pytest.mark.skipif(not FINEWEB.is_file(), reason="../shared/data/fineweb_sample_legal.parquet absent")
+def test_fineweb_edu_from_parquet(tmp_path, tiktoken_cache):
+    need_gpt2(tiktoken_cache)
+    import pyarrow.parquet as pq
+    import tiktoken
+    meta = P.prepare("fineweb_edu", tmp_path / "fw", input=str(FINEWEB), max_docs=50)
+    assert (meta["vocab_size"], meta["eot_token"], meta["dtype"], meta["documents"]) == (50257, 50256, "uint16", 50)
+    train, val = load(tmp_path / "fw", "train.bin", meta), load(tmp_path / "fw", "val.bin", meta)
+    assert (train == 50256).sum() == 49 and (val == 50256).sum() == 1, "one EOT per document, 1 val doc"
+    assert train[-1] == val[-1] == 50256
+    first = pq.read_table(FINEWEB, columns=["text"]).column("text")[0].as_py()
+    end = int(np.argmax(train == 50256))
+    assert tiktoken.get_encoding("gpt2").decode(train[:end].tolist()) == first
+
+
+def test_fineweb_edu_jsonl_and_txt(tmp_path, tiktoken_cache):
+    need_gpt2(tiktoken_cache)
+    docs = ["first doc\nwith two lines", "second <|endoftext|> inline stays text", "third", "fourth"]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    (tmp_path / "d.txt").write_text("".join(d + "\n<|endoftext|>\n" for d in docs))
+    for name, max_docs in (("d.jsonl", 3), ("d.txt", 3)):
+        meta = P.prepare("fineweb_edu", tmp_path / name.replace(".", "_"), input=str(tmp_path / name),
+                         max_docs=max_docs)
+        train = load(tmp_path / name.replace(".", "_"), "train.bin", meta)
+        val = load(tmp_path / name.replace(".", "_"), "val.bin", meta)
+        assert meta["documents"] == 3 and (train == 50256).sum() == 2 and (val == 50256).sum() == 1
+        import tiktoken
+        texts = tiktoken.get_encoding("gpt2").decode(np.concatenate([train, val]).tolist()).split("<|endoftext|>")
+        sep = "\n" if name.endswith("txt") else ""
+        assert texts[0] == docs[0] + sep and texts[-1] == ""
+
+
+@pytest.mark.parametrize("tokenizer", ["char", "byte", "gpt2"])
+def test_text_each_tokenizer(tmp_path, tiktoken_cache, tokenizer):
+    if tokenizer == "gpt2":
+        need_gpt2(tiktoken_cache)
+    text = "héllo wörld, nanodepth 🚀\n" * 40
+    (tmp_path / "in.txt").write_text(text, encoding="utf-8")
+    meta = P.prepare("text", tmp_path / "t", input=str(tmp_path / "in.txt"), tokenizer=tokenizer)
+    ids = np.concatenate([load(tmp_path / "t", f"{s}.bin", meta) for s in ("train", "val")])
+    assert meta["val_tokens"] == len(ids) - int(len(ids) * 0.9) > 0
+    if tokenizer == "char":
+        assert meta["vocab_size"] == len(set(text)) and "".join(meta["chars"][i] for i in ids) == text
+    elif tokenizer == "byte":
+        assert meta["vocab_size"] == 256 and ids.astype(np.uint8).tobytes() == text.encode()
+    else:
+        import tiktoken
+        assert meta["eot_token"] == 50256 and ids[-1] == 50256 and (ids == 50256).sum() == 1
+        assert tiktoken.get_encoding("gpt2").decode(ids[:-1].tolist()) == text
+
+
+def test_text_name_sets_default_folder_and_command(tmp_path, monkeypatch):
+    monkeypatch.setattr(P, "DATA_DIR", tmp_path)
+    (tmp_path / "in.txt").write_text("abcdefghij" * 5)
+    meta = P.prepare("text", input=str(tmp_path / "in.txt"), name="mine", val_fraction=0.2)
+    assert (tmp_path / "mine" / "meta.json").is_file()
+    assert meta["command"] == f"python data/prepare.py text --input={tmp_path / 'in.txt'} --val_fraction=0.2 --name=mine"
+    assert meta["split"] == "80/20 by characters"
+
+
+# ----------------------------------------------------------------------------- dtype
+def test_dtype_choice():
+    ids = np.array([0, 65535, 69999])
+    assert P.to_array(ids, 70000).dtype == np.dtype("<u4") and P.to_array(ids, 70000).tolist() == ids.tolist()
+    assert P.to_array(ids[:2], 65535).dtype == np.dtype("<u2")
+    assert P.to_array(ids[:2], 100, "uint32").dtype == np.dtype("<u4")
+    with pytest.raises(P.PrepareError, match="uint16"):
+        P.to_array(ids, 70000, "uint16")
+    with pytest.raises(P.PrepareError, match="--dtype"):
+        P.to_array(ids, 100, "int8")
+
+
+def test_large_char_vocab_uses_uint32(tmp_path):
+    chars = [chr(c) for c in range(0x21, 0x21 + 70_000) if not 0xD800 <= c < 0xE000]
+    (tmp_path / "wide.txt").write_text("".join(chars), encoding="utf-8")
+    meta = P.prepare("text", tmp_path / "w", input=str(tmp_path / "wide.txt"))
+    assert meta["vocab_size"] == len(chars) > 65535 and meta["dtype"] == "uint32"
+    assert (tmp_path / "w" / "train.bin").stat().st_size == 4 * meta["train_tokens"]
+    with pytest.raises(P.PrepareError, match="does not fit --dtype uint16"):
+        P.prepare("text", tmp_path / "w16", input=str(tmp_path / "wide.txt"), dtype="uint16")
+    assert not (tmp_path / "w16").exists()
+
+
+# ----------------------------------------------------------------------------- errors
+def error_cases(tmp):
+    (tmp / "empty.txt").write_bytes(b"")
+    (tmp / "bad.txt").write_bytes(b"good text\xff\xfe more")
+    (tmp / "tiny.txt").write_text("abc")
+    (tmp / "one.txt").write_text("a")
+    (tmp / "tiny.bin").write_bytes(b"0123456789")
+    (tmp / "one.jsonl").write_text(json.dumps({"text": "only one doc"}) + "\n")
+    (tmp / "broken.jsonl").write_text('{"text": "ok"}\nnot json\n')
+    return [
+        (("text",), dict(input=str(tmp / "nope.txt")), f"input file not found: {tmp / 'nope.txt'}"),
+        (("enwik8",), dict(input=str(tmp / "nope.zip")), "not found"),
+        (("text",), dict(input=str(tmp / "empty.txt")), "empty"),
+        (("text",), dict(input=str(tmp / "bad.txt")), "not valid UTF-8 (byte offset 9)"),
+        (("text",), dict(input=str(tmp / "bad.txt"), tokenizer="gpt2"), "byte offset 9"),
+        (("text",), {}, "needs --input"),
+        (("wikipedia",), {}, "unknown dataset 'wikipedia'; valid datasets: synthetic, shakespeare_char"),
+        (("text",), dict(input=str(tmp / "one.txt")), "would leave the train split empty"),
+        (("text",), dict(input=str(tmp / "tiny.txt"), val_fraction=1.5), "between 0 and 1"),
+        (("text",), dict(input=str(tmp / "tiny.txt"), tokenizer="bpe"), "char, byte or gpt2"),
+        (("enwik8",), dict(input=str(tmp / "tiny.bin")), "val split would be empty"),
+        (("synthetic",), dict(num_tokens=1), "a split would be empty"),
+        (("synthetic",), dict(tokenizer="char"), "--tokenizer do not apply to dataset synthetic"),
+        (("synthetic",), dict(dtype="float"), "--dtype"),
+        (("fineweb_edu",), dict(input=str(tmp / "one.jsonl")), "at least 2"),
+        (("fineweb_edu",), dict(input=str(tmp / "broken.jsonl")), "line 2"),
+        (("fineweb_edu",), dict(input=str(tmp / "tiny.txt"), val_fraction=0), "between 0 and 1"),
+    ]
+
+
+def test_errors_are_clear_and_write_nothing(tmp_path, tiktoken_cache):
+    for args, opts, message in error_cases(tmp_path):
+        out = tmp_path / "out"
+        with pytest.raises(P.PrepareError) as e:
+            P.prepare(*args, out, **opts)
+        assert message in str(e.value), (args, opts, str(e.value))
+        assert not out.exists(), f"{args} {opts} wrote something"
+
+
+def test_fineweb_without_input_or_datasets(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
+    with pytest.raises(P.PrepareError, match="pip install datasets.*fineweb_sample_legal.parquet"):
+        P.prepare("fineweb_edu", tmp_path / "fw")
+    assert not (tmp_path / "fw").exists()
+
+
+def test_download_failure_says_pass_input(tmp_path, monkeypatch):
+    def offline(*a, **k):
+        raise OSError("network is unreachable")
+    monkeypatch.setattr(P.urllib.request, "urlopen", offline)
+    with pytest.raises(P.PrepareError, match="could not download http://mattmahoney.net.*pass --input FILE"):
+        P.prepare("enwik8", tmp_path / "e")
+    monkeypatch.setattr(P, "SHARED_DATA", tmp_path / "no_shared")
+    with pytest.raises(P.PrepareError, match="could not download https://raw.githubusercontent.com.*--input FILE"):
+        P.prepare("shakespeare_char", tmp_path / "s")
+    assert not (tmp_path / "e").exists() and not (tmp_path / "s").exists()
+
+
+def test_cli(tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, str(REPO / "data" / "prepare.py"), *args],
+                              capture_output=True, text=True, timeout=60)
+    r = run("nope")
+    assert r.returncode == 2 and "unknown dataset 'nope'" in r.stderr and "synthetic" in r.stderr
+    r = run("text", "--input", str(tmp_path / "missing.txt"), "--out_dir", str(tmp_path / "x"))
+    assert r.returncode == 2 and "missing.txt" in r.stderr and not (tmp_path / "x").exists()
+    r = run("synthetic", "--num_tokens", "3000", "--seed", "3", "--out_dir", str(tmp_path / "s"))
+    assert r.returncode == 0, r.stderr
+    assert "synthetic" in r.stdout and "vocab 34" in r.stdout and str(tmp_path / "s") in r.stdout
+    meta = P.check_prepared(tmp_path / "s")
+    assert meta["prepare_args"] == {"dtype": "auto", "seed": 3, "num_tokens": 3000,
+                                    "mix": P.DEFAULTS["synthetic"]["mix"]}
+    from_cli = folder_bytes(tmp_path / "s")
+    P.prepare("synthetic", tmp_path / "s", num_tokens=3000, seed=3)
+    assert folder_bytes(tmp_path / "s") == from_cli
+
+
+# ----------------------------------------------------------------------------- idempotence, atomicity, check
+def test_idempotent(tmp_path):
+    (tmp_path / "in.txt").write_text("some text to tokenize, twice\n" * 50)
+    for dataset, opts in [("synthetic", dict(num_tokens=4000)), ("text", dict(input=str(tmp_path / "in.txt")))]:
+        out = tmp_path / dataset
+        m1 = P.prepare(dataset, out, **opts)
+        first = folder_bytes(out)
+        m2 = P.prepare(dataset, out, **opts)
+        assert m1 == m2 and folder_bytes(out) == first
+        assert not [p for p in out.iterdir() if ".tmp-" in p.name]
+
+
+def test_crash_between_files_leaves_nothing_acceptable(tmp_path, monkeypatch):
+    out = tmp_path / "synthetic"
+    P.prepare("synthetic", out, num_tokens=3000, seed=1)  # an older complete dataset in the folder
+    real, calls = P.write_file, []
+
+    def crashing(path, data):
+        calls.append(path.name)
+        if len(calls) == 2:
+            raise RuntimeError("simulated crash")
+        real(path, data)
+    monkeypatch.setattr(P, "write_file", crashing)
+    with pytest.raises(RuntimeError, match="simulated"):
+        P.prepare("synthetic", out, num_tokens=3000, seed=2)
+    assert calls == ["train.bin", "val.bin"]
+    assert not (out / "meta.json").exists()
+    with pytest.raises(P.PrepareError, match="python data/prepare.py synthetic"):
+        P.check_prepared(out)
+    assert not [p for p in out.iterdir() if ".tmp-" in p.name]
+
+
+def test_crash_inside_a_file_leaves_no_partial_file(tmp_path, monkeypatch):
+    def half_then_crash(f, view):
+        f.write(view[: len(view) // 2])
+        raise OSError("disk full")
+    monkeypatch.setattr(P, "write_chunks", half_then_crash)
+    out = tmp_path / "synthetic"
+    with pytest.raises(OSError, match="disk full"):
+        P.prepare("synthetic", out, num_tokens=3000)
+    assert list(out.iterdir()) == []
+    with pytest.raises(P.PrepareError):
+        P.check_prepared(out)
+
+
+def test_check_prepared_messages(tmp_path, monkeypatch):
+    monkeypatch.setattr(P, "DATA_DIR", tmp_path)
+    with pytest.raises(P.PrepareError) as e:
+        P.check_prepared(tmp_path / "enwik8")
+    assert str(e.value).endswith("run: python data/prepare.py enwik8")
+    with pytest.raises(P.PrepareError) as e:
+        P.check_prepared(tmp_path / "elsewhere" / "shakespeare_char")
+    assert f"run: python data/prepare.py shakespeare_char --out_dir={tmp_path / 'elsewhere' / 'shakespeare_char'}" \
+        in str(e.value)
+
+    meta = P.prepare("synthetic", num_tokens=3000, seed=5)
+    folder = tmp_path / "synthetic"
+    assert meta["command"] == "python data/prepare.py synthetic --seed=5 --num_tokens=3000"
+    assert P.check_prepared(folder)["files"] == meta["files"]
+    with open(folder / "val.bin", "ab") as f:
+        f.write(b"\0\0")
+    with pytest.raises(P.PrepareError, match="val.bin has .* bytes, meta.json says") as e:
+        P.check_prepared(folder)
+    assert str(e.value).endswith(f"run: {meta['command']}")
+    (folder / "train_difficulty.bin").unlink()
+    with pytest.raises(P.PrepareError, match="train_difficulty.bin missing"):
+        P.check_prepared(folder)
+    (folder / "meta.json").write_text("{not json")
+    with pytest.raises(P.PrepareError, match="python data/prepare.py synthetic"):
+        P.check_prepared(folder)
+
+
+def test_ensure_tiktoken_cache(tmp_path, monkeypatch, tiktoken_cache):
+    need_gpt2(tiktoken_cache)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "/some/where")
+    assert P.ensure_tiktoken_cache() == "/some/where"
+    monkeypatch.delenv("TIKTOKEN_CACHE_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cache = Path(P.ensure_tiktoken_cache())
+    assert cache == tmp_path / ".cache" / "nanodepth" / "tiktoken"
+    assert P.os.environ["TIKTOKEN_CACHE_DIR"] == str(cache)
+    for name, key in P.TIKTOKEN_FILES.items():
+        assert (cache / key).read_bytes() == (P.SHARED_DATA / "gpt2" / name).read_bytes()
+    monkeypatch.setattr(P, "SHARED_DATA", tmp_path / "absent")
+    monkeypatch.delenv("TIKTOKEN_CACHE_DIR")
+    assert P.ensure_tiktoken_cache() is None and "TIKTOKEN_CACHE_DIR" not in P.os.environ
