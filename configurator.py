@@ -1,0 +1,75 @@
+"""
+Config files and typed --key=value overrides, nanoGPT-style but strict.
+
+    python train.py config/shakespeare_char.py --batch_size=32 --compile=False
+
+The defaults are a dict (train.py's module-level values). Arguments are applied left to right: a path
+ending in .py is executed and every top-level name it assigns must be a known key; `--key=value` is
+parsed with ast.literal_eval (a bare word is taken as a string) and must have the default's type
+(an int is accepted for a float key; None-valued defaults accept anything). An unknown key or a wrong
+type raises ConfigError naming the key and the closest valid one, before any work is done.
+"""
+import ast
+import difflib
+import os
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _unknown(key, defaults):
+    close = difflib.get_close_matches(key, list(defaults), n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ''
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _check_type(key, value, default, where):
+    if default is None or value is None:
+        return value
+    if isinstance(default, bool) or isinstance(value, bool):
+        ok = isinstance(default, bool) and isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float))
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, type(default))
+    if not ok:
+        raise ConfigError(f"config key '{key}' from {where} must be {type(default).__name__}, "
+                          f"got {type(value).__name__} {value!r}")
+    return value
+
+
+def parse_value(text):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text        # a bare word such as --dataset=synthetic
+
+
+def load_config(defaults, argv):
+    """Return a new dict: `defaults` updated by the config files and --key=value items of argv."""
+    config = dict(defaults)
+    for arg in argv:
+        if not arg.startswith('--'):
+            if not arg.endswith('.py'):
+                raise ConfigError(f"expected a config file ending in .py or --key=value, got '{arg}'")
+            if not os.path.isfile(arg):
+                raise ConfigError(f"config file not found: {arg}")
+            namespace = {}
+            with open(arg) as f:
+                exec(compile(f.read(), arg, 'exec'), namespace)
+            for key, value in namespace.items():
+                if key.startswith('_') or key == '__builtins__' or callable(value) or type(value).__name__ == 'module':
+                    continue
+                if key not in defaults:
+                    raise _unknown(key, defaults)
+                config[key] = _check_type(key, value, defaults[key], arg)
+        else:
+            key, eq, text = arg[2:].partition('=')
+            if not eq:
+                raise ConfigError(f"expected --key=value, got '{arg}'")
+            if key not in defaults:
+                raise _unknown(key, defaults)
+            config[key] = _check_type(key, parse_value(text), defaults[key], f"'{arg}'")
+    return config

@@ -1,0 +1,192 @@
+"""
+FLOPs accounting and device peaks.
+
+Conventions (the same as torch.utils.flop_counter.FlopCounterMode, which the tests compare against):
+a matmul of (m×k)·(k×n) costs 2·m·k·n; attention costs QKᵀ plus AV over the full T×T score matrix
+(4·T²·d per layer and sequence; the causal half is not subtracted, as no kernel skips it exactly);
+element-wise ops, norms, softmax and embedding lookups are not counted. A backward pass costs twice
+its forward for every matmul whose weight and input both need gradients.
+"""
+import torch
+
+
+def dense_forward_flops(config, T):
+    """Forward FLOPs of the dense model on one sequence of length T (logits at every position)."""
+    d, L, V = config.n_embd, config.n_layer, config.vocab_size
+    per_layer = 2 * T * d * 3 * d + 4 * T * T * d + 2 * T * d * d + 2 * 2 * T * d * 4 * d
+    return L * per_layer + 2 * T * d * V
+
+
+# Dense (no structured sparsity) tensor-core peaks in FLOP/s from the vendors' datasheets, by device
+# name fragment and dtype. 'float32' means plain FP32 unless TF32 matmuls are enabled (then 'tf32').
+# The first matching fragment wins, so specific names come before general ones.
+PEAK_FLOPS = [
+    ('H100 PCIe', {'bfloat16': 756e12, 'float16': 756e12, 'tf32': 378e12, 'float32': 51.2e12}),
+    ('H100', {'bfloat16': 989.4e12, 'float16': 989.4e12, 'tf32': 494.7e12, 'float32': 66.9e12}),
+    ('H200', {'bfloat16': 989.4e12, 'float16': 989.4e12, 'tf32': 494.7e12, 'float32': 66.9e12}),
+    ('A100', {'bfloat16': 312e12, 'float16': 312e12, 'tf32': 156e12, 'float32': 19.5e12}),
+    ('L4', {'bfloat16': 121e12, 'float16': 121e12, 'tf32': 60e12, 'float32': 30.3e12}),
+    ('A10', {'bfloat16': 125e12, 'float16': 125e12, 'tf32': 62.5e12, 'float32': 31.2e12}),
+    ('V100', {'float16': 125e12, 'float32': 15.7e12}),   # no bf16 tensor cores on V100
+]
+
+
+def peak_flops(device, dtype):
+    """Peak FLOP/s of `device` (a torch.device or string) computing in `dtype` (str or torch.dtype),
+    or None when unknown (every CPU, an unlisted GPU, or a dtype the GPU has no fast path for)."""
+    device = torch.device(device)
+    if device.type != 'cuda' or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device)
+    dt = str(dtype).replace('torch.', '')
+    if dt == 'float32' and torch.backends.cuda.matmul.allow_tf32:
+        dt = 'tf32'
+    for fragment, table in PEAK_FLOPS:
+        if fragment in name:
+            return table.get(dt)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------
+# routed models (route='ffn'): forward and training-step FLOPs for a given realised routing
+
+def _costs(config, T):
+    """Forward FLOPs per token of each piece of a layer (attention core counted at length T)."""
+    d, gh, lat = config.n_embd, config.gate_hidden, config.jepa_latent
+    return dict(
+        attn_proj=2 * d * 3 * d + 2 * d * d, attn_core=4 * T * d, full=2 * 2 * d * 4 * d,
+        cheap=2 * 2 * d * config.cheap_rank, head=2 * d * config.vocab_size,
+        gate_fc=2 * d * gh, gate_out=2 * gh * (lat if config.gate == 'jepa' else 1),
+        gate_read=2 * lat if (config.gate == 'jepa' and config.jepa_readout == 'linear') else 0,
+        jepa_target=2 * d * lat, pred_fc=2 * d * gh, pred_out=2 * gh)
+
+
+def _gate_kind(config, layer):
+    from model import controlled_layer_ids
+    if layer not in controlled_layer_ids(config):
+        return None
+    return config.gate
+
+
+def forward_flops(config, T, mode='train', full_frac=None):
+    """Forward FLOPs of one sequence of length T.
+    mode 'train': training forward, both paths dense and mixed by the mask, plus training-only heads
+                  (JEPA targets, membership predictor); oracle passes are counted by oracle_flops.
+    mode 'eval':  causal forward with both paths dense (the masked reference).
+    mode 'policy': a no-grad pass under training decisions without loss heads (on-policy oracle).
+    mode 'sparse': the full FFN only on a fraction full_frac (a float or one per controlled layer)
+                  of the tokens and the cheap FFN on the rest, as sparse execution does."""
+    c, L = _costs(config, T), config.n_layer
+    total = c['head']
+    ctrl_i = 0
+    for layer in range(L):
+        total += c['attn_proj'] + c['attn_core']
+        kind = _gate_kind(config, layer)
+        if kind is None or kind == 'static_full':
+            total += c['full']
+            continue
+        if kind == 'static_cheap':
+            total += c['cheap']
+            continue
+        if mode == 'sparse':
+            f = full_frac[ctrl_i] if isinstance(full_frac, (list, tuple)) else full_frac
+            total += f * c['full'] + (1 - f) * c['cheap']
+        else:
+            total += c['full'] + c['cheap']
+        ctrl_i += 1
+        if kind in ('mlp', 'jepa'):
+            n_out = 2 if kind == 'jepa' else 1            # JEPA forecasts both actions
+            total += c['gate_fc'] + n_out * c['gate_out'] + c['gate_read']
+            if kind == 'jepa' and mode == 'train' and config.jepa_weight > 0:
+                total += 2 * c['jepa_target']
+            if config.infer_rule == 'predictor' and (mode in ('eval', 'sparse') or
+                                                     (mode == 'train' and config.predictor_weight > 0)):
+                total += c['pred_fc'] + c['pred_out']
+        elif kind == 'oracle':        # both actions again, then two all-full suffixes, per layer
+            total += c['full'] + c['cheap'] + 2 * _suffix(config, layer, c)
+    return T * total
+
+
+def _suffix(config, l, c):
+    """Per-token FLOPs of layers l+1.. all full, plus the LM head."""
+    return (config.n_layer - 1 - l) * (c['attn_proj'] + c['attn_core'] + c['full']) + c['head']
+
+
+def oracle_flops(config, T, layers):
+    """No-grad FLOPs per sequence of the oracle labels at the sampled controlled layers.
+    Off-policy: one all-full forward, then per layer the cheap FFN at l and an all-full suffix.
+    On-policy: per layer, both actions at l and two suffixes routed by the gates (masked dense)."""
+    if not layers:
+        return 0
+    c = _costs(config, T)
+    if config.oracle_policy == 'off':
+        return dense_forward_flops(config, T) + T * sum(c['cheap'] + _suffix(config, l, c) for l in layers)
+    per_layer_train = [0] * config.n_layer
+    for layer in range(config.n_layer):
+        one = forward_flops(_single_layer(config, layer), T, mode='policy') / T
+        per_layer_train[layer] = one
+    total = 0
+    for l in layers:
+        suffix = sum(per_layer_train[l + 1:]) + c['head']
+        total += c['full'] + c['cheap'] + 2 * suffix
+    return T * total
+
+
+def _single_layer(config, layer):
+    """A copy of config reduced to layer `layer` alone, with the head zeroed (for per-layer costs)."""
+    from dataclasses import replace
+    from model import controlled_layer_ids
+    routed = layer in controlled_layer_ids(config)
+    return replace(config, n_layer=1, vocab_size=0, controlled_layers='0' if routed else 'all',
+                   route=config.route if routed else 'none')
+
+
+def train_step_flops(config, T, trainable='all', oracle_layers=()):
+    """FLOPs of one training step on one sequence: forward, backward and oracle passes, counted the
+    way autograd runs them. trainable='all' (joint) or 'controller' (frozen backbone: the backward
+    computes activation gradients only, and nothing below the first gate in the LM-loss graph)."""
+    c, L = _costs(config, T), config.n_layer
+    fwd = forward_flops(config, T, mode='train')
+    joint = trainable == 'all'
+    aux_on_score = config.util_weight > 0 or config.rank_weight > 0
+    stream = joint                      # does the residual stream entering this layer need a gradient?
+    bwd = 0
+    for layer in range(L):
+        kind = _gate_kind(config, layer)
+        w = 2 if joint else 1           # backbone matmuls: input grad (+ weight grad when trainable)
+        if stream:
+            bwd += w * c['attn_proj'] + 2 * c['attn_core']
+        if kind in (None, 'static_full'):
+            bwd += w * c['full'] if stream else 0
+            continue
+        if kind == 'static_cheap':
+            bwd += w * c['cheap'] if stream else 0
+            continue
+        if stream:
+            bwd += w * (c['full'] + c['cheap'])
+        if kind not in ('mlp', 'jepa'):
+            continue
+        score_in_graph = config.gate_grad != 'none' or (aux_on_score and layer in oracle_layers)
+        preds_in_graph = score_in_graph or (kind == 'jepa' and config.jepa_weight > 0)
+        n_out = 2 if kind == 'jepa' else 1
+        if preds_in_graph:              # gate weights always trainable; its input needs grad only if the stream does
+            bwd += (2 if stream else 1) * c['gate_fc'] + 2 * n_out * c['gate_out']
+        if score_in_graph:
+            bwd += 2 * c['gate_read']
+        if config.infer_rule == 'predictor' and config.predictor_weight > 0:
+            bwd += c['pred_fc'] + 2 * c['pred_out']        # its input is detached
+        if config.gate_grad != 'none':
+            stream = True               # the mixed update now depends on trainable gate weights
+    if stream:
+        bwd += (2 if joint else 1) * c['head']
+    bwd *= T
+    orc = oracle_flops(config, T, oracle_layers)
+    return dict(forward=fwd, backward=bwd, oracle=orc, total=fwd + bwd + orc)
+
+
+def flops_proxy(config, T, oracle_layers=()):
+    """The paper's training FLOPs proxy of one step relative to a full-only step, reconstructed as
+    (3 x training forward + oracle forwards) / (3 x dense forward): a step counts as three forwards
+    whatever is frozen, and the oracle passes as forwards (they run without gradients)."""
+    return (3 * forward_flops(config, T, mode='train') + oracle_flops(config, T, oracle_layers)) / \
+        (3 * dense_forward_flops(config, T))

@@ -1,0 +1,148 @@
+"""Invariants of the dense model: KV cache vs recompute, causality, RoPE, FLOPs vs FlopCounterMode,
+GPT-2 weight mapping, MFU peaks."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+import flops
+from model import GPT, GPTConfig, KVCache
+
+SETTINGS = dict(max_examples=12, deadline=None)
+
+
+def tiny(seed=0, **kw):
+    torch.manual_seed(seed)
+    args = dict(block_size=24, vocab_size=37, n_layer=2, n_head=2, n_embd=16)
+    args.update(kw)
+    return GPT(GPTConfig(**args)).eval()
+
+
+@settings(**SETTINGS)
+@given(seed=st.integers(0, 10_000), pos=st.sampled_from(['learned', 'rope']), B=st.integers(1, 3),
+       T0=st.integers(1, 20), new=st.integers(1, 12), bias=st.booleans())
+def test_kv_cache_greedy_equals_full_recompute(seed, pos, B, T0, new, bias):
+    # new tokens may run past block_size (24): then generate crops the context, as without a cache
+    model = tiny(seed, pos=pos, bias=bias)
+    idx = torch.randint(0, 37, (B, T0), generator=torch.Generator().manual_seed(seed))
+    full = model.generate(idx, new, temperature=0, use_cache=False)
+    cached = model.generate(idx, new, temperature=0, use_cache=True)
+    assert torch.equal(full, cached)
+
+
+@settings(**SETTINGS)
+@given(seed=st.integers(0, 10_000), pos=st.sampled_from(['learned', 'rope']), T=st.integers(2, 24))
+def test_cached_logits_match_full_forward(seed, pos, T):
+    model = tiny(seed, pos=pos)
+    idx = torch.randint(0, 37, (2, T), generator=torch.Generator().manual_seed(seed))
+    ref = model(idx, idx)[0]
+    cache = KVCache(model.config, 2, 24, idx.device, torch.float32)
+    split = T // 2
+    p = torch.arange(T).expand(2, T)
+    a = model(idx[:, :split], pos=p[:, :split], cache=cache, last_only=False)[0] if split else ref[:, :0]
+    b = torch.cat([model(idx[:, t:t + 1], pos=p[:, t:t + 1], cache=cache)[0] for t in range(split, T)], 1)
+    torch.testing.assert_close(torch.cat([a, b], 1), ref, rtol=1e-5, atol=1e-5)
+
+
+@settings(**SETTINGS)
+@given(seed=st.integers(0, 10_000), pos=st.sampled_from(['learned', 'rope']), T=st.integers(2, 24),
+       data=st.data())
+def test_causal_future_tokens_never_change_past_logits(seed, pos, T, data):
+    model = tiny(seed, pos=pos)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, 37, (2, T), generator=g)
+    t = data.draw(st.integers(0, T - 2))
+    other = idx.clone()
+    other[:, t + 1:] = torch.randint(0, 37, (2, T - t - 1), generator=g)
+    a, b = model(idx, idx)[0], model(other, other)[0]
+    torch.testing.assert_close(a[:, :t + 1], b[:, :t + 1], rtol=0, atol=0)
+
+
+def test_rope_depends_only_on_relative_positions():
+    model = tiny(3, pos='rope')
+    idx = torch.randint(0, 37, (2, 10))
+    base = model(idx, last_only=False)[0]
+    shifted = model(idx, pos=torch.arange(7, 17).expand(2, 10), last_only=False)[0]
+    torch.testing.assert_close(base, shifted, rtol=1e-4, atol=1e-4)
+    learned = tiny(3, pos='learned')
+    assert not torch.allclose(learned(idx, last_only=False)[0],
+                              learned(idx, pos=torch.arange(7, 17).expand(2, 10), last_only=False)[0])
+
+
+@settings(**SETTINGS)
+@given(n_layer=st.integers(1, 3), n_head=st.sampled_from([1, 2, 4]), hd=st.sampled_from([4, 8]),
+       T=st.integers(1, 24), B=st.integers(1, 3), V=st.integers(5, 70), pos=st.sampled_from(['learned', 'rope']),
+       bias=st.booleans())
+def test_analytic_flops_match_flop_counter(n_layer, n_head, hd, T, B, V, pos, bias):
+    cfg = GPTConfig(block_size=24, vocab_size=V, n_layer=n_layer, n_head=n_head, n_embd=n_head * hd,
+                    pos=pos, bias=bias)
+    model = GPT(cfg)
+    idx = torch.randint(0, V, (B, T))
+    with sdpa_kernel(SDPBackend.MATH):           # the fused CPU kernel is invisible to FlopCounterMode
+        with FlopCounterMode(display=False) as fc:
+            with torch.no_grad():
+                model(idx, idx)
+        fwd = fc.get_total_flops()
+        with FlopCounterMode(display=False) as fc:
+            model(idx, idx)[1].backward()
+        fwdbwd = fc.get_total_flops()
+    assert fwd == B * flops.dense_forward_flops(cfg, T)
+    assert fwdbwd == 3 * fwd
+    assert model.flops_per_token(T, training=True) * B * T == fwdbwd
+
+
+def test_peak_flops_table(monkeypatch):
+    assert flops.peak_flops('cpu', 'float32') is None
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    names = {'NVIDIA H100 80GB HBM3': ('bfloat16', 989.4e12), 'NVIDIA H100 PCIe': ('bfloat16', 756e12),
+             'Tesla V100-SXM2-32GB': ('float16', 125e12), 'NVIDIA A100-SXM4-40GB': ('bfloat16', 312e12)}
+    for name, (dt, peak) in names.items():
+        monkeypatch.setattr(torch.cuda, 'get_device_name', lambda d=None, n=name: n)
+        assert flops.peak_flops('cuda', dt) == peak
+    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda d=None: 'Tesla V100-SXM2-32GB')
+    assert flops.peak_flops('cuda', 'bfloat16') is None           # no fast bf16 path on V100
+    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda d=None: 'Some Future GPU')
+    assert flops.peak_flops('cuda', 'bfloat16') is None
+    assert tiny().estimate_mfu(1e6, 'cpu', 'float32') is None
+
+
+def test_mfu_uses_device_peak(monkeypatch):
+    model = tiny()
+    monkeypatch.setattr(flops, 'peak_flops', lambda d, t: 1e12)
+    assert model.estimate_mfu(1000, 'cuda', 'bfloat16') == pytest.approx(model.flops_per_token() * 1000 / 1e12)
+
+
+def test_tied_embeddings_and_optimizer_groups():
+    model = tiny()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    n_opt = sum(p.numel() for g in opt.param_groups for p in g['params'])
+    assert n_opt == sum(p.numel() for p in model.parameters())     # parameters() dedups the tie
+    assert all(p.dim() < 2 for p in opt.param_groups[1]['params'])
+
+
+def test_bad_config_is_rejected():
+    with pytest.raises(ValueError, match='divisible'):
+        GPTConfig(n_embd=10, n_head=4)
+    with pytest.raises(ValueError, match='pos'):
+        GPTConfig(pos='alibi')
+    with pytest.raises(ValueError, match='block_size'):
+        tiny()(torch.zeros(1, 25, dtype=torch.long))
+
+
+def test_from_pretrained_matches_transformers(tmp_path):
+    transformers = pytest.importorskip('transformers')
+    torch.manual_seed(0)
+    hf_cfg = transformers.GPT2Config(vocab_size=61, n_positions=32, n_embd=24, n_layer=2, n_head=3,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     initializer_range=0.3)   # large weights: an activation mismatch shows
+    hf = transformers.GPT2LMHeadModel(hf_cfg).eval()
+    hf.save_pretrained(tmp_path)
+    ours = GPT.from_pretrained(str(tmp_path)).eval()
+    idx = torch.randint(0, 61, (2, 32))
+    with torch.no_grad():
+        ref = hf(idx).logits
+    torch.testing.assert_close(ours(idx, last_only=False)[0], ref, rtol=1e-4, atol=1e-4)
+    ours.crop_block_size(16)
+    torch.testing.assert_close(ours(idx[:, :16], last_only=False)[0], ref[:, :16], rtol=1e-4, atol=1e-4)
