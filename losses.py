@@ -1,0 +1,63 @@
+"""
+Loss terms, as pure functions. Each docstring gives its equation; shapes are (B, T) per token unless
+stated. All computed in fp32.
+
+Notation: s_t the gate score of token t at a controlled layer l, m_t in {0,1} its top-k membership,
+U_t the oracle utility label of taking the full rather than the cheap path at l.
+"""
+import torch
+import torch.nn.functional as F
+
+
+def per_token_ce(logits, targets):
+    """CE_t = −log softmax(logits_t)[y_t], (B, T); positions with target −1 give 0."""
+    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1, reduction='none')
+    return ce.view(targets.shape)
+
+
+def lm_loss(logits, targets):
+    """L_LM = mean_t CE_t over positions whose target is not −1."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+
+
+def oracle_utility(ce_cheap, ce_full):
+    """U_t = CE_t(cheap at l) − CE_t(full at l), the later layers fixed by the label's policy
+    (off-policy: all full; on-policy: the current gate policy). U_t > 0: the full path helps t."""
+    return (ce_cheap - ce_full).detach()
+
+
+def utility_regression(score, utility):
+    """L_util = mean_t (s_t − U_t)²: the score regressed onto the raw label (no rescaling)."""
+    return (score.float() - utility).pow(2).mean()
+
+
+def pairwise_rank(score, utility, n_pairs, kind='logistic', margin=0.1, generator=None):
+    """Pairs (i, j) drawn uniformly within each sequence (n_pairs per sequence, static shape), ordered
+    so that U_i > U_j (ties dropped). With δ = s_i − s_j:
+        logistic: L_rank = mean log(1 + exp(−δ))
+        margin:   L_rank = mean max(0, margin − δ)"""
+    B, T = score.shape
+    i = torch.randint(0, T, (B, n_pairs), device=score.device, generator=generator)
+    j = torch.randint(0, T, (B, n_pairs), device=score.device, generator=generator)
+    du = utility.gather(1, i) - utility.gather(1, j)
+    sign = torch.sign(du)
+    delta = sign * (score.float().gather(1, i) - score.float().gather(1, j))
+    loss = F.softplus(-delta) if kind == 'logistic' else F.relu(margin - delta)
+    valid = (sign != 0).float()
+    return (loss * valid).sum() / valid.sum().clamp(min=1)
+
+
+def jepa_alignment(pred, target):
+    """L_JEPA = mean_t ||P(h_t, a) − sg(T·outcome_t(a))||² / latent, summed over the actions a given
+    (pred, target are lists of (B, T, latent) tensors, one per action)."""
+    return sum((p.float() - z.detach().float()).pow(2).mean() for p, z in zip(pred, target))
+
+
+def membership_bce(logit, mask):
+    """L_pred = BCE(σ(q_t), m_t): a causal predictor q of top-k membership (targets stop-gradient)."""
+    return F.binary_cross_entropy_with_logits(logit.float(), mask.float().detach())
+
+
+def cheap_mimic(cheap_out, full_out):
+    """L_mimic = mean ||cheap(h) − sg(full(h))||²: teaches the cheap FFN to imitate the full one."""
+    return (cheap_out.float() - full_out.detach().float()).pow(2).mean()

@@ -1,0 +1,95 @@
+"""Analytic FLOPs (flops.py) against torch's FlopCounterMode, for random routed configs: the forward,
+and a whole training step (forward, backward, oracle passes) with the backbone trainable or frozen."""
+import random
+
+import torch
+from hypothesis import given, settings, strategies as st
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+import flops
+from model import GPT, GPTConfig, controlled_layer_ids
+
+
+def counted(fn):
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:   # fused CPU SDPA is uncounted
+        fn()
+    return fc.get_total_flops()
+
+
+@st.composite
+def routed_configs(draw):
+    n_layer = draw(st.integers(1, 4))
+    n_head = draw(st.sampled_from([1, 2]))
+    gate = draw(st.sampled_from(['mlp', 'jepa', 'random', 'static_full', 'static_cheap']))
+    spec = draw(st.sampled_from(['all', 'every_other', 'list']))
+    if spec == 'every_other' and n_layer < 2:
+        spec = 'all'
+    if spec == 'list':
+        spec = ','.join(str(i) for i in sorted(draw(st.sets(st.integers(0, n_layer - 1), min_size=1))))
+    scored = gate in ('mlp', 'jepa')
+    cfg = GPTConfig(block_size=16, vocab_size=draw(st.integers(5, 40)), n_layer=n_layer, n_head=n_head,
+                    n_embd=n_head * draw(st.sampled_from([4, 8])), bias=draw(st.booleans()),
+                    route='ffn', gate=gate, budget=draw(st.floats(0.05, 1.0)), controlled_layers=spec,
+                    cheap_rank=draw(st.integers(1, 6)), gate_hidden=draw(st.integers(1, 6)),
+                    gate_grad=draw(st.sampled_from(['ste', 'scale', 'none'])),
+                    infer_rule=draw(st.sampled_from(['threshold', 'predictor'])),
+                    jepa_latent=draw(st.integers(1, 5)), jepa_readout=draw(st.sampled_from(['distance', 'linear'])),
+                    jepa_weight=draw(st.sampled_from([0.0, 1.0])),
+                    util_weight=draw(st.sampled_from([0.0, 1.0])) if scored else 0.0,
+                    rank_weight=draw(st.sampled_from([0.0, 0.5])) if scored else 0.0,
+                    oracle_policy=draw(st.sampled_from(['off', 'on'])),
+                    predictor_weight=draw(st.sampled_from([0.0, 1.0])))
+    return cfg
+
+
+@settings(max_examples=40, deadline=None)
+@given(cfg=routed_configs(), T=st.integers(2, 16), B=st.integers(1, 2), seed=st.integers(0, 99))
+def test_forward_flops_match_counter(cfg, T, B, seed):
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (B, T))
+    with torch.no_grad():
+        model.train()
+        assert counted(lambda: model(idx, idx)) == B * flops.forward_flops(cfg, T, mode='train')
+        model.eval()
+        assert counted(lambda: model(idx, idx)) == B * flops.forward_flops(cfg, T, mode='eval')
+
+
+@settings(max_examples=40, deadline=None)
+@given(cfg=routed_configs(), T=st.integers(2, 16), B=st.integers(1, 2), seed=st.integers(0, 99),
+       trainable=st.sampled_from(['all', 'controller']), data=st.data())
+def test_train_step_flops_match_counter(cfg, T, B, seed, trainable, data):
+    torch.manual_seed(seed)
+    model = GPT(cfg).train()
+    ctrl = {id(p) for p in model.controller_parameters()}
+    if trainable == 'controller':
+        for p in model.parameters():
+            p.requires_grad_(id(p) in ctrl)
+    ids = controlled_layer_ids(cfg)
+    oracle_layers = ()
+    if cfg.gate in ('mlp', 'jepa') and (cfg.util_weight > 0 or cfg.rank_weight > 0):
+        oracle_layers = tuple(sorted(data.draw(st.sets(st.sampled_from(ids), min_size=1, max_size=2))))
+    idx = torch.randint(0, cfg.vocab_size, (B, T))
+
+    def step():
+        loss = model(idx, idx, oracle_layers=oracle_layers)[1]
+        if loss.requires_grad:
+            loss.backward()
+    expect = flops.train_step_flops(cfg, T, trainable, oracle_layers)
+    assert counted(step) == B * expect['total'], expect
+
+
+def test_dense_config_costs_match_dense_formula():
+    cfg = GPTConfig(n_layer=3, n_embd=32, n_head=2, vocab_size=50)
+    assert flops.forward_flops(cfg, 20) == flops.dense_forward_flops(cfg, 20)
+    assert flops.train_step_flops(cfg, 20)['total'] == 3 * flops.dense_forward_flops(cfg, 20)
+
+
+def test_sparse_flops_interpolate_between_paths():
+    cfg = GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=50, route='ffn', gate='mlp', cheap_rank=4)
+    lo = flops.forward_flops(cfg, 20, mode='sparse', full_frac=0.0)
+    hi = flops.forward_flops(cfg, 20, mode='sparse', full_frac=1.0)
+    mid = flops.forward_flops(cfg, 20, mode='sparse', full_frac=0.5)
+    assert lo < mid < hi and abs(mid - (lo + hi) / 2) < 1e-6
+    assert hi > flops.dense_forward_flops(cfg, 20)          # gates cost something
