@@ -1,0 +1,619 @@
+"""
+Train a nanodepth model.
+
+    python train.py                                   # quickstart: synthetic corpus, small model, CPU
+    python train.py config/shakespeare_char.py --max_iters=500 --compile=False
+    torchrun --standalone --nproc_per_node=2 train.py config/gpt2_124m_fineweb.py   # DDP
+
+Writes into out_dir: metrics.jsonl (one JSON object per log line and per eval), config.json (the
+resolved config), run_info.json (code version, torch, device), ckpt.pt (written atomically: model,
+optimizer, scaler, RNG states, iteration, best val loss, config, sampler state). `--init_from=resume`
+continues exactly where ckpt.pt left off. Ctrl-C / SIGTERM finishes the current step, saves, exits 0.
+"""
+import importlib.util
+import json
+import math
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, fields
+
+import numpy as np
+import torch
+
+import eval as evaluation
+import flops
+from configurator import ConfigError, load_config
+from model import GPT, GPTConfig, controlled_layer_ids
+
+# ----------------------------------------------------------------------------------------------------
+# defaults (override with a config file and/or --key=value); the quickstart trains on these
+# I/O
+out_dir = 'out/quickstart'
+eval_interval = 100
+log_interval = 10
+eval_iters = 20
+eval_only = False
+init_from = 'scratch'        # 'scratch', 'resume', a checkpoint file (e.g. out/stage1/ckpt.pt: weights only,
+                             # fresh optimizer; for stage 2 of controller-only training), or GPT-2: 'gpt2', ...
+# data
+dataset = 'synthetic'        # a folder data/<dataset> written by data/prepare.py
+data_dir = ''                # where dataset folders live; '' means data/ beside this file
+batch_size = 16              # sequences per micro-batch per process
+block_size = 128
+gradient_accumulation_steps = 1   # micro-batches per optimizer step, summed over all DDP processes
+# model
+n_layer = 4
+n_head = 4
+n_embd = 128
+dropout = 0.0
+bias = False
+pos = 'learned'              # 'learned' or 'rope'
+vocab_size = 0               # 0: from the data's meta.json (rounded up to a multiple of 64 above 1024)
+# routing (every field of model.GPTConfig is a config key; see model.py for the full list)
+route = 'ffn'                # the quickstart trains G1-routed FFNs; 'none' is the dense baseline
+gate = 'mlp'
+budget = 0.5
+cheap_rank = 16
+trainable = 'all'            # 'all' (joint) or 'controller' (backbone frozen: gates and predictors only)
+oracle_layers_per_step = 1   # controlled layers given oracle utility labels per step (util/rank losses)
+calib_iters = 4              # train-split batches that calibrate the causal thresholds before each eval
+lm_thresholds = ''           # e.g. '2.5,2.0': report the first iteration the train LM falls below each
+avg_lm_until = 0.5           # avg LM = mean logged train LM over the first avg_lm_until of the run
+# AdamW and schedule
+learning_rate = 2e-3
+max_iters = 600
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0              # 0 disables clipping (the grad norm is still logged)
+decay_lr = True
+warmup_iters = 50
+lr_decay_iters = 0           # 0: max_iters
+min_lr = 2e-4
+# system
+device = 'auto'              # 'auto', 'cpu', 'cuda', 'cuda:1', ...
+dtype = 'auto'               # 'auto', 'float32', 'bfloat16', 'float16' (float16 uses a GradScaler)
+compile = False              # torch.compile(dynamic=False)
+seed = 1337
+max_fp16_skips = 50          # stop if this many consecutive fp16 steps overflow
+DEFAULTS = {k: v for k, v in globals().items()
+            if not k.startswith('_') and k.islower() and isinstance(v, (int, float, bool, str))}
+for _f in fields(GPTConfig):
+    DEFAULTS.setdefault(_f.name, _f.default)
+# fields that define the backbone's weights: a resumed or stage-2 run must agree with its checkpoint
+MODEL_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'pos', 'vocab_size', 'route',
+              'controlled_layers', 'cheap_rank')
+RESUME_KEYS = MODEL_KEYS + ('gate', 'gate_hidden', 'infer_rule', 'jepa_latent', 'jepa_readout')
+HERE = os.path.dirname(os.path.abspath(__file__))
+# ----------------------------------------------------------------------------------------------------
+
+
+class TrainError(Exception):
+    """A problem with the user's input: printed as 'error: ...' and exit code 2, before any work."""
+
+
+def load_prepare_module():
+    spec = importlib.util.spec_from_file_location('prepare', os.path.join(HERE, 'data', 'prepare.py'))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def load_dataset_meta(cfg, master):
+    """Check data/<dataset> is completely prepared (preparing the built-in synthetic corpus if absent)
+    and return its meta.json."""
+    prep = load_prepare_module()
+    folder = os.path.join(cfg.data_dir or os.path.join(HERE, 'data'), cfg.dataset)
+    if cfg.dataset == 'synthetic' and not os.path.exists(os.path.join(folder, 'meta.json')):
+        if master:
+            print(f"no synthetic corpus at {folder}: preparing it (python data/prepare.py synthetic)")
+        prep.prepare('synthetic', out_dir=folder)
+    try:
+        meta = prep.check_prepared(folder)
+    except prep.PrepareError as e:
+        raise TrainError(str(e)) from None
+    meta['folder'] = folder
+    return meta
+
+
+class Batches:
+    """Stateless, exactly reproducible sampler. Training windows are the non-overlapping (block_size+1)
+    slices of the token file, visited in a fresh random order each epoch (plus a random shift per
+    epoch); micro-batch j takes rows j·B .. j·B+B-1 of that endless sequence. Since a batch is a pure
+    function of (seed, j), resume needs only the iteration number, and DDP rank r at micro-step m of
+    iteration i reads j = (i·accum + m)·world + r: ranks read disjoint windows, and 1 process with
+    accumulation 2 reads the same batches as 2 processes with accumulation 1."""
+
+    def __init__(self, path, np_dtype, block_size, batch_size, seed, device):
+        self.path, self.np_dtype = path, np_dtype
+        self.T, self.B, self.seed, self.device = block_size, batch_size, seed, device
+        n = len(np.memmap(path, dtype=np_dtype, mode='r'))
+        self.n_windows = (n - 1 - block_size) // block_size
+        if self.n_windows < 1:
+            raise TrainError(f"{path} holds {n} tokens, too few for block_size={block_size}")
+        self._perm = {}
+
+    def _epoch(self, e):
+        if e not in self._perm:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + e)
+            self._perm = {e: (torch.randperm(self.n_windows, generator=g).numpy(),
+                              int(torch.randint(0, self.T, (1,), generator=g)))}
+        return self._perm[e]
+
+    def starts(self, j):
+        rows = np.arange(j * self.B, (j + 1) * self.B)
+        out = np.empty(self.B, dtype=np.int64)
+        for i, r in enumerate(rows):
+            perm, shift = self._epoch(int(r // self.n_windows))
+            out[i] = perm[r % self.n_windows] * self.T + shift
+        return out
+
+    def fetch(self, starts):
+        data = np.memmap(self.path, dtype=self.np_dtype, mode='r')   # re-open: avoids a memmap leak
+        x = torch.from_numpy(np.stack([data[s:s + self.T].astype(np.int64) for s in starts]))
+        y = torch.from_numpy(np.stack([data[s + 1:s + 1 + self.T].astype(np.int64) for s in starts]))
+        if self.device.type == 'cuda':
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        return x.to(self.device), y.to(self.device)
+
+    def get(self, j):
+        return self.fetch(self.starts(j))
+
+    def eval_batches(self, n, split_seed):
+        """n fixed random batches, the same at every eval, so successive evals are comparable."""
+        g = torch.Generator().manual_seed(self.seed * 7919 + split_seed)
+        hi = (self.n_windows - 1) * self.T + 1
+        return [torch.randint(0, hi, (self.B,), generator=g).numpy() for _ in range(n)]
+
+
+def lr_at(cfg, it):
+    if not cfg.decay_lr:
+        return cfg.learning_rate
+    if it < cfg.warmup_iters:
+        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
+    decay_iters = cfg.lr_decay_iters or cfg.max_iters
+    if it >= decay_iters:
+        return cfg.min_lr
+    ratio = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
+
+
+def resolve_device_dtype(cfg):
+    dev = cfg.device
+    if dev == 'auto':
+        dev = 'cuda' if torch.cuda.is_available() else 'cpu'
+    dev = torch.device(dev)
+    if dev.type == 'cuda' and not torch.cuda.is_available():
+        raise TrainError("device=cuda but no CUDA device is available; use --device=cpu")
+    dt = cfg.dtype
+    if dt == 'auto':
+        if dev.type != 'cuda':
+            dt = 'float32'
+        else:
+            major, _ = torch.cuda.get_device_capability(dev)
+            dt = 'bfloat16' if major >= 8 else 'float16'    # V100 (7.x): fp16 + GradScaler
+    if dt not in ('float32', 'bfloat16', 'float16'):
+        raise TrainError(f"dtype must be auto, float32, bfloat16 or float16, got {dt!r}")
+    if dt == 'float16' and dev.type != 'cuda':
+        raise TrainError("dtype=float16 is for CUDA (with a GradScaler); on CPU use float32 or bfloat16")
+    return dev, dt
+
+
+def run_info(cfg, dev, dt, world_size):
+    def git(*args):
+        try:
+            return subprocess.run(['git', *args], cwd=HERE, capture_output=True, text=True, timeout=10).stdout.strip()
+        except Exception:
+            return ''
+    return dict(git_sha=git('rev-parse', 'HEAD') or None, git_dirty=bool(git('status', '--porcelain')),
+                torch=torch.__version__, cuda=torch.version.cuda, python=sys.version.split()[0],
+                device=str(dev), device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
+                dtype=dt, world_size=world_size, host=socket.gethostname(), argv=sys.argv,
+                threads=torch.get_num_threads(), started=time.strftime('%Y-%m-%dT%H:%M:%S%z'))
+
+
+def save_checkpoint(path, state):
+    """Atomic: write a temp file in the same folder, then rename over the old checkpoint."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def rng_state():
+    return dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
+                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+
+def set_rng_state(s):
+    torch.set_rng_state(s['torch'])
+    np.random.set_state(s['numpy'])
+    random.setstate(s['python'])
+    if s.get('cuda') is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s['cuda'])
+
+
+def model_config(cfg, **override):
+    d = {f.name: getattr(cfg, f.name) for f in fields(GPTConfig) if hasattr(cfg, f.name)}
+    d.update(override)
+    try:
+        return GPTConfig(**d)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
+
+
+def check_against_checkpoint(cfg, meta, ckpt, keys):
+    margs = ckpt['model_args']
+    for k in keys:
+        want = getattr(cfg, k)
+        if k == 'vocab_size' and want == 0:
+            continue
+        if margs.get(k) != want:
+            raise TrainError(f"config field '{k}' differs from the checkpoint: checkpoint has "
+                             f"{margs.get(k)!r}, config has {want!r}")
+    cmeta = ckpt.get('data_meta', {})
+    for k in ('dataset', 'tokenizer', 'vocab_size'):
+        if k in cmeta and cmeta[k] != meta.get(k):
+            raise TrainError(f"data field '{k}' differs from the checkpoint's data: checkpoint has "
+                             f"{cmeta[k]!r}, data/{cfg.dataset} has {meta.get(k)!r}")
+
+
+def build_model(cfg, meta, ckpt):
+    """Model from scratch, from a checkpoint (resume: everything; a checkpoint file: the backbone, with
+    fresh gates), or from GPT-2 weights, with the checks that the data and the checkpoint agree."""
+    data_vocab = meta['vocab_size']
+    if ckpt is not None and cfg.init_from == 'resume':
+        check_against_checkpoint(cfg, meta, ckpt, RESUME_KEYS)
+        model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
+        model.load_state_dict(ckpt['model'])
+    elif ckpt is not None:
+        check_against_checkpoint(cfg, meta, ckpt, MODEL_KEYS)
+        model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
+        controller = {n for n, _ in model.named_parameters() if '.gate.' in n or '.predictor.' in n}
+        backbone = {k: v for k, v in ckpt['model'].items() if '.gate.' not in k and '.predictor.' not in k
+                    and not k.endswith('.tau')}
+        missing, unexpected = model.load_state_dict(backbone, strict=False)
+        bad = [k for k in missing if k not in controller and not k.endswith('.tau')] + list(unexpected)
+        if bad:
+            raise TrainError(f"checkpoint {cfg.init_from} does not fit this model's backbone: {bad[:5]}")
+    elif cfg.init_from == 'scratch':
+        vs = cfg.vocab_size or (data_vocab if data_vocab <= 1024 else ((data_vocab + 63) // 64) * 64)
+        model = GPT(model_config(cfg, vocab_size=vs))
+    else:
+        if meta.get('tokenizer') != 'gpt2':
+            raise TrainError(f"init_from={cfg.init_from} needs GPT-2 BPE data; data/{cfg.dataset} uses "
+                             f"the {meta.get('tokenizer')!r} tokenizer")
+        routing = {f.name: getattr(cfg, f.name) for f in fields(GPTConfig)
+                   if f.name not in ('n_layer', 'n_head', 'n_embd', 'vocab_size', 'block_size', 'bias', 'pos', 'gelu')}
+        model = GPT.from_pretrained(cfg.init_from, routing)
+        if cfg.block_size < model.config.block_size:
+            model.crop_block_size(cfg.block_size)
+    if data_vocab > model.config.vocab_size:
+        raise TrainError(f"field 'vocab_size' differs: data/{cfg.dataset} has {data_vocab} tokens but the "
+                         f"model's vocabulary is {model.config.vocab_size}")
+    if cfg.block_size != model.config.block_size:
+        raise TrainError(f"field 'block_size' differs: config {cfg.block_size}, model {model.config.block_size}")
+    return model
+
+
+def trainable_parameters(model, cfg):
+    """Joint training: everything. Controller-only: freeze the backbone (requires_grad=False) and
+    return only the gates' and predictors' parameters."""
+    if cfg.trainable == 'all':
+        return list(model.parameters())
+    if cfg.trainable != 'controller':
+        raise TrainError(f"trainable must be 'all' or 'controller', got {cfg.trainable!r}")
+    ctrl = model.controller_parameters()
+    if not ctrl:
+        raise TrainError(f"trainable=controller needs a gate with parameters (route='ffn', gate='mlp' or "
+                         f"'jepa'); this config (route={cfg.route!r}, gate={cfg.gate!r}) has none")
+    ids = {id(p) for p in ctrl}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in ids)
+    return ctrl
+
+
+def run_summary(log_lines, evals, cfg, wall_s):
+    """avg LM, best LM, threshold hits: the seed paper's optimisation metrics, from this run's logs."""
+    lm = [(r['iter'], r['lm_loss']) for r in log_lines]
+    early = [v for it, v in lm if it <= cfg.avg_lm_until * cfg.max_iters]
+    out = dict(avg_lm=float(np.mean(early)) if early else None,
+               best_train_lm=min((v for _, v in lm), default=None),
+               best_val_lm=min((e['val_loss'] for e in evals), default=None), wall_s=wall_s)
+    for th in [float(t) for t in str(cfg.lm_thresholds).split(',') if t.strip()]:
+        out[f'hit_{th:g}'] = next((it for it, v in lm if v < th), None)
+    return out
+
+
+def print_routing(r):
+    print(f"val loss (causal routing) {r['val_loss']['loss']:.4f} | all-full {r['val_loss_full']:.4f} | "
+          f"all-cheap {r['val_loss_cheap']:.4f} | realised full-path fraction "
+          f"{np.mean(r['val_loss']['full_frac']):.3f} (budget {r['budget']})")
+    for name, per_layer in r.get('full_frac_by_class', {}).items():
+        print(f"  full-path fraction for {name:>9} targets: " + ' '.join(f"L{l}:{v:.2f}" for l, v in per_layer.items()))
+
+
+class StopFlag:
+    """First Ctrl-C / SIGTERM: finish the step, checkpoint, exit 0. A second Ctrl-C aborts at once."""
+
+    def __init__(self):
+        self.signum = None
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+
+def main(argv):
+    try:
+        cfg_dict = load_config(DEFAULTS, argv)
+    except ConfigError as e:
+        raise TrainError(str(e)) from None
+    cfg = type('Config', (), {})()
+    cfg.__dict__.update(cfg_dict)
+    if cfg.init_from not in ('scratch', 'resume') and not cfg.init_from.startswith('gpt2') \
+            and not os.path.exists(cfg.init_from):
+        raise TrainError(f"init_from must be scratch, resume, a checkpoint file, gpt2[-medium|-large|-xl] "
+                         f"or a local HF GPT-2 directory; {cfg.init_from!r} is none of these")
+    model_config(cfg)                           # validates routing fields before any work
+
+    # DDP: torchrun sets RANK / WORLD_SIZE; NCCL on GPU, gloo on CPU
+    ddp = int(os.environ.get('RANK', -1)) != -1
+    rank, local_rank, world = (int(os.environ['RANK']), int(os.environ['LOCAL_RANK']),
+                               int(os.environ['WORLD_SIZE'])) if ddp else (0, 0, 1)
+    master = rank == 0
+    if cfg.gradient_accumulation_steps % world:
+        raise TrainError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} must be a "
+                         f"multiple of the number of processes ({world})")
+    accum = cfg.gradient_accumulation_steps // world
+    dev, dt = resolve_device_dtype(cfg)
+    if ddp and dev.type == 'cuda':
+        dev = torch.device(f'cuda:{local_rank}')
+        torch.cuda.set_device(dev)
+    meta = load_dataset_meta(cfg, master)
+
+    ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
+    ckpt = None
+    if cfg.init_from == 'resume':
+        if not os.path.exists(ckpt_path):
+            raise TrainError(f"init_from=resume but there is no checkpoint at {ckpt_path}")
+        ckpt = torch.load(ckpt_path, map_location='cpu', weights_only=False)
+    elif os.path.isfile(cfg.init_from):
+        ckpt = torch.load(cfg.init_from, map_location='cpu', weights_only=False)
+    torch.manual_seed(cfg.seed + rank)
+    random.seed(cfg.seed + rank)
+    np.random.seed(cfg.seed + rank)
+    model = build_model(cfg, meta, ckpt).to(dev)
+
+    if ddp:
+        from torch.distributed import init_process_group
+        init_process_group(backend='nccl' if dev.type == 'cuda' else 'gloo')
+    if dev.type == 'cuda':
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    np_dtype = np.uint32 if meta.get('dtype') == 'uint32' else np.uint16
+    train_data = Batches(os.path.join(meta['folder'], 'train.bin'), np_dtype, cfg.block_size, cfg.batch_size, cfg.seed, dev)
+    val_data = Batches(os.path.join(meta['folder'], 'val.bin'), np_dtype, cfg.block_size, cfg.batch_size, cfg.seed, dev)
+    eval_sets = {'train': (train_data, train_data.eval_batches(cfg.eval_iters, 1)),
+                 'val': (val_data, val_data.eval_batches(cfg.eval_iters, 2))}
+
+    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dt]
+    autocast = nullcontext() if dt == 'float32' else torch.autocast(device_type=dev.type, dtype=ptdtype)
+    scaler = torch.amp.GradScaler(dev.type, enabled=(dt == 'float16'))
+    params = trainable_parameters(model, cfg)
+    ctrl_params = model.controller_parameters()
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), dev.type,
+                                           params=params)
+    iter_num, best_val = 0, float('inf')
+    init_state = None
+    if ckpt is not None and cfg.init_from == 'resume':
+        init_state = dict(flops_state=ckpt['flops_state'], history=ckpt['history'])
+        optimizer.load_state_dict(ckpt['optimizer'])
+        scaler.load_state_dict(ckpt['scaler'])
+        iter_num, best_val = ckpt['iter_num'], ckpt['best_val_loss']
+        if master and ckpt.get('rng') is not None:
+            set_rng_state(ckpt['rng'])
+    ckpt = None
+    raw_model = model
+    if cfg.compile:
+        model = torch.compile(model, dynamic=False)
+    if ddp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(model, device_ids=[local_rank] if dev.type == 'cuda' else None)
+    mcfg = raw_model.config
+    ctrl_ids = controlled_layer_ids(mcfg)
+    oracle_on = mcfg.gate in ('mlp', 'jepa') and (mcfg.util_weight > 0 or mcfg.rank_weight > 0)
+    k_oracle = min(cfg.oracle_layers_per_step, len(ctrl_ids))
+    calib = [train_data.fetch(s)[0] for s in train_data.eval_batches(cfg.calib_iters, 3)]
+
+    metrics_f = None
+    if master:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        with open(os.path.join(cfg.out_dir, 'config.json'), 'w') as f:
+            json.dump(cfg_dict, f, indent=2)
+        with open(os.path.join(cfg.out_dir, 'run_info.json'), 'w') as f:
+            json.dump(run_info(cfg, dev, dt, world), f, indent=2)
+        metrics_f = open(os.path.join(cfg.out_dir, 'metrics.jsonl'), 'a')
+        n_params = raw_model.get_num_params()
+        print(f"model: {n_params / 1e6:.2f}M parameters | data: {cfg.dataset} ({meta['vocab_size']} tokens "
+              f"vocab, {meta['train_tokens']:,} train tokens) | device {dev}, {dt}, world {world}")
+
+    def log(obj):
+        if metrics_f is not None:
+            metrics_f.write(json.dumps(obj) + '\n')
+            metrics_f.flush()
+
+    def estimate_loss():
+        """LM loss on fixed train/val batches in eval mode: causal routing, thresholds calibrated
+        first on separate train-split batches (never on val)."""
+        with autocast:
+            raw_model.calibrate(torch.cat(calib))
+        return {split: evaluation.evaluate(raw_model, [batches.fetch(s) for s in starts_list], autocast)
+                for split, (batches, starts_list) in eval_sets.items()}
+
+    def checkpoint():
+        for p in raw_model.parameters():       # never overwrite a good checkpoint with a broken model
+            if not torch.isfinite(p).all():
+                raise TrainError(f"non-finite weights at iteration {iter_num}; the last good checkpoint "
+                                 f"{ckpt_path} is left untouched")
+        save_checkpoint(ckpt_path, dict(
+            model=raw_model.state_dict(), optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
+            model_args=asdict(raw_model.config), iter_num=iter_num, best_val_loss=best_val, config=cfg_dict,
+            history=history, flops_state=flops_state,
+            rng=rng_state(), sampler=dict(kind='epoch-permutation', seed=cfg.seed, next_iter=iter_num,
+                                          micro_batches_per_iter=cfg.gradient_accumulation_steps),
+            data_meta={k: meta.get(k) for k in ('dataset', 'tokenizer', 'vocab_size', 'source_sha256')}))
+
+    stop = StopFlag()
+    seqs_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size
+    tokens_per_iter = seqs_per_iter * cfg.block_size
+    dense_step = 3 * flops.dense_forward_flops(mcfg, cfg.block_size)      # a full-only step, per sequence
+    skipped = torch.zeros((), device=dev)        # fp16 overflow steps, counted on device (no sync)
+    last_skipped, consecutive_skips = 0, 0
+    # cumulative training FLOPs: exact (autograd's count) and the paper's proxy, both per sequence
+    flops_state = dict(exact=0.0, proxy_num=0.0, dense=0.0, wall_s=0.0)
+    history = dict(train=[], eval=[])            # (iter, lm) and eval records, for the run summary
+    if init_state is not None:
+        flops_state, history = init_state['flops_state'], init_state['history']
+    interval = dict(lm=torch.zeros((), device=dev), frac=None, ctrl_norm=torch.zeros((), device=dev), n=0)
+    t_last, it_last = time.time(), iter_num
+    t_run = time.time() - flops_state['wall_s']
+    while True:
+        if iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters or cfg.eval_only:
+            if master:
+                res = estimate_loss()
+                best_val = min(best_val, res['val']['loss'])
+                frac = res['val']['full_frac']
+                print(f"iter {iter_num}: train loss {res['train']['loss']:.4f}, val loss {res['val']['loss']:.4f}"
+                      + (f", val full-path fraction {np.mean(frac):.3f}" if frac else ''))
+                rec = dict(type='eval', iter=iter_num, train_loss=res['train']['loss'], val_loss=res['val']['loss'],
+                           val_full_frac=frac)
+                history['eval'].append(rec)
+                log(rec)
+                flops_state['wall_s'] = time.time() - t_run
+                if not cfg.eval_only and iter_num > 0:
+                    checkpoint()
+            t_last, it_last = time.time(), iter_num
+        if iter_num >= cfg.max_iters or cfg.eval_only:
+            break
+
+        lr = lr_at(cfg, iter_num)
+        for group in optimizer.param_groups:
+            group['lr'] = lr
+        oracle_layers = tuple(sorted(random.sample(ctrl_ids, k_oracle))) if oracle_on else ()
+        loss_sum = torch.zeros((), device=dev)
+        for micro in range(accum):
+            j = (iter_num * accum + micro) * world + rank
+            x, y = train_data.get(j)
+            if ddp:
+                model.require_backward_grad_sync = micro == accum - 1
+            with autocast:
+                _, loss, aux = model(x, y, oracle_layers=oracle_layers)
+                loss = loss / accum
+            scaler.scale(loss).backward()
+            loss_sum += loss.detach().float()
+            interval['lm'] += aux['lm_loss'].float() / accum
+            if 'full_frac' in aux:
+                f = aux['full_frac'].float() / accum
+                interval['frac'] = f if interval['frac'] is None else interval['frac'] + f
+        scaler.unscale_(optimizer)
+        if ctrl_params:                           # controller gradient norm, before clipping
+            grads = [p.grad.float().norm() for p in ctrl_params if p.grad is not None]
+            interval['ctrl_norm'] += torch.stack(grads).norm() if grads else 0.0
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float('inf'))
+        skipped += ~torch.isfinite(norm)          # exactly the steps the GradScaler skips
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        iter_num += 1
+        interval['n'] += 1
+        step = flops.train_step_flops(mcfg, cfg.block_size, cfg.trainable, oracle_layers)
+        flops_state['exact'] += seqs_per_iter * step['total']
+        flops_state['proxy_num'] += seqs_per_iter * 3 * flops.flops_proxy(mcfg, cfg.block_size, oracle_layers) \
+            * flops.dense_forward_flops(mcfg, cfg.block_size)
+        flops_state['dense'] += seqs_per_iter * dense_step
+
+        if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
+            lossf = loss_sum.item()
+            dtime = (time.time() - t_last) / max(1, iter_num - it_last)
+            t_last, it_last = time.time(), iter_num
+            n_skipped = int(skipped.item())
+            consecutive_skips = consecutive_skips + (n_skipped - last_skipped) if n_skipped > last_skipped else 0
+            last_skipped = n_skipped
+            if not math.isfinite(lossf) and not scaler.is_enabled():
+                raise TrainError(f"loss is {lossf} at iteration {iter_num}; stopping. The last good checkpoint "
+                                 f"({ckpt_path}) is left untouched. Try a lower learning_rate or grad_clip.")
+            if scaler.is_enabled() and consecutive_skips >= cfg.max_fp16_skips:
+                raise TrainError(f"{consecutive_skips} consecutive fp16 overflow steps by iteration {iter_num}; "
+                                 f"stopping. Try dtype=bfloat16/float32 or a lower learning_rate.")
+            n = max(1, interval['n'])
+            lm = interval['lm'].item() / n
+            frac = (interval['frac'] / n).tolist() if interval['frac'] is not None else None
+            ctrl_norm = interval['ctrl_norm'].item() / n if ctrl_params else None
+            interval = dict(lm=torch.zeros((), device=dev), frac=None, ctrl_norm=torch.zeros((), device=dev), n=0)
+            if master:
+                tps = tokens_per_iter / dtime
+                peak = flops.peak_flops(dev, dt)         # MFU from the FLOPs this step really ran
+                mfu = step['total'] * seqs_per_iter / dtime / peak if peak else None
+                proxy = flops_state['proxy_num'] / flops_state['dense']
+                print(f"iter {iter_num}: loss {lossf:.4f}, lm {lm:.4f}, lr {lr:.2e}, {dtime * 1000:.1f} ms/iter, "
+                      f"{tps:,.0f} tok/s" + (f", mfu {mfu * 100:.1f}%" if mfu is not None else '')
+                      + (f", full {np.mean(frac):.3f}, flops proxy {proxy:.3f}x" if frac else ''))
+                rec = dict(type='train', iter=iter_num, loss=lossf, lm_loss=lm, lr=lr, ms_per_iter=dtime * 1000,
+                           tokens_per_s=tps, mfu=mfu, grad_norm=float(norm), ctrl_grad_norm=ctrl_norm,
+                           full_frac=frac, flops_proxy=proxy, train_flops=flops_state['exact'],
+                           train_flops_vs_dense=flops_state['exact'] / flops_state['dense'],
+                           skipped_steps=n_skipped)
+                rec.update({k: float(v) for k, v in aux.items() if k.endswith('_loss') and k != 'lm_loss'})
+                history['train'].append(dict(iter=iter_num, lm_loss=lm))
+                log(rec)
+            if ddp:                                # agree on stopping at a common iteration
+                flag = torch.tensor(float(stop.signum is not None), device=dev)
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+                stop_now = flag.item() > 0
+            else:
+                stop_now = stop.signum is not None
+        else:
+            stop_now = stop.signum is not None and not ddp
+        if stop_now:
+            if master:
+                checkpoint()
+                print(f"stopped by signal at iteration {iter_num}; checkpoint saved to {ckpt_path}.\n"
+                      f"resume with: python train.py {' '.join(argv)} --init_from=resume")
+            break
+
+    if master:
+        flops_state['wall_s'] = time.time() - t_run
+        summary = run_summary(history['train'], history['eval'], cfg, flops_state['wall_s'])
+        summary.update(type='summary', iter=iter_num, best_val_loss=best_val, skipped_steps=int(skipped.item()),
+                       flops_proxy=flops_state['proxy_num'] / max(1.0, flops_state['dense']),
+                       train_flops=flops_state['exact'])
+        if not cfg.eval_only and stop.signum is None and mcfg.route != 'none':
+            summary['routing'] = evaluation.report(raw_model, train_data, val_data, meta, cfg.eval_iters,
+                                                   cfg.calib_iters, autocast)
+            print_routing(summary['routing'])
+        log(summary)
+        metrics_f.close()
+        if stop.signum is None:
+            print(f"done: {iter_num} iterations, best val loss {best_val:.4f}. Outputs in {cfg.out_dir}/ "
+                  f"(ckpt.pt, metrics.jsonl, config.json, run_info.json).\n"
+                  f"sample with: python sample.py --out_dir={cfg.out_dir}")
+    if ddp:
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == '__main__':
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except TrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
