@@ -25,7 +25,7 @@ def _unknown(key, defaults):
 
 
 def _check_type(key, value, default, where):
-    if default is None or value is None:
+    if default is None:
         return value
     if isinstance(default, bool) or isinstance(value, bool):
         ok = isinstance(default, bool) and isinstance(value, bool)
@@ -71,5 +71,8 @@ def load_config(defaults, argv):
                 raise ConfigError(f"expected --key=value, got '{arg}'")
             if key not in defaults:
                 raise _unknown(key, defaults)
-            config[key] = _check_type(key, parse_value(text), defaults[key], f"'{arg}'")
+            value = parse_value(text)
+            if isinstance(defaults[key], str) and not isinstance(value, str):
+                value = text       # a str key takes the text as written: --controlled_layers=0,2,5, --out_dir=2024
+            config[key] = _check_type(key, value, defaults[key], f"'{arg}'")
     return config

@@ -71,7 +71,7 @@ def main(argv):
     torch.manual_seed(cfg['seed'])
     x = torch.tensor(ids, dtype=torch.long, device=dev)[None].repeat(cfg['num_samples'], 1)
     t0 = time.time()
-    y = model.generate(x, cfg['max_new_tokens'], temperature=cfg['temperature'], top_k=cfg['top_k'],
+    y = model.generate(x, cfg['max_new_tokens'], temperature=cfg['temperature'], top_k=cfg['top_k'] or None,
                        use_cache=cfg['use_cache'])
     dt = time.time() - t0
     for row in y.tolist():

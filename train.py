@@ -15,6 +15,7 @@ import json
 import math
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -113,7 +114,11 @@ def load_dataset_meta(cfg, master):
     if cfg.dataset == 'synthetic' and not os.path.exists(os.path.join(folder, 'meta.json')):
         if master:
             print(f"no synthetic corpus at {folder}: preparing it (python data/prepare.py synthetic)")
-        prep.prepare('synthetic', out_dir=folder)
+            prep.prepare('synthetic', out_dir=folder)
+        else:                        # DDP: rank 0 prepares (meta.json is written last); the others wait
+            deadline = time.time() + 600
+            while not os.path.exists(os.path.join(folder, 'meta.json')) and time.time() < deadline:
+                time.sleep(0.5)
     try:
         meta = prep.check_prepared(folder)
     except prep.PrepareError as e:
@@ -208,7 +213,8 @@ def resolve_device_dtype(cfg):
 def run_info(cfg, dev, dt, world_size):
     def git(*args):
         try:
-            return subprocess.run(['git', *args], cwd=HERE, capture_output=True, text=True, timeout=10).stdout.strip()
+            r = subprocess.run(['git', *args], cwd=HERE, capture_output=True, text=True, timeout=10)
+            return r.stdout.strip() if r.returncode == 0 else ''   # e.g. no commits yet: not a sha
         except Exception:
             return ''
     return dict(git_sha=git('rev-parse', 'HEAD') or None, git_dirty=bool(git('status', '--porcelain')),
@@ -221,8 +227,15 @@ def run_info(cfg, dev, dt, world_size):
 def save_checkpoint(path, state):
     """Atomic: write a temp file in the same folder, then rename over the old checkpoint."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, 'wb') as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):           # torch.save failed (disk full, ...): drop the partial file
+            os.remove(tmp)
 
 
 def rng_state():
@@ -269,6 +282,11 @@ def build_model(cfg, meta, ckpt):
     data_vocab = meta['vocab_size']
     if ckpt is not None and cfg.init_from == 'resume':
         check_against_checkpoint(cfg, meta, ckpt, RESUME_KEYS)
+        for k in ('batch_size', 'gradient_accumulation_steps', 'seed'):   # they fix which data comes next
+            if ckpt['config'].get(k) != getattr(cfg, k):
+                raise TrainError(f"config field '{k}' differs from the checkpoint: checkpoint has "
+                                 f"{ckpt['config'].get(k)!r}, config has {getattr(cfg, k)!r}; resuming would "
+                                 f"change the data order")
         model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
         model.load_state_dict(ckpt['model'])
     elif ckpt is not None:
@@ -481,6 +499,7 @@ def main(argv):
     # cumulative training FLOPs: exact (autograd's count) and the paper's proxy, both per sequence
     flops_state = dict(exact=0.0, proxy_num=0.0, dense=0.0, wall_s=0.0)
     history = dict(train=[], eval=[])            # (iter, lm) and eval records, for the run summary
+    step_costs = {}
     if init_state is not None:
         flops_state, history = init_state['flops_state'], init_state['history']
     interval = dict(lm=torch.zeros((), device=dev), frac=None, ctrl_norm=torch.zeros((), device=dev), n=0)
@@ -490,6 +509,10 @@ def main(argv):
         if iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters or cfg.eval_only:
             if master:
                 res = estimate_loss()
+                if not all(math.isfinite(res[s]['loss']) for s in res):
+                    raise TrainError(f"eval loss is not finite at iteration {iter_num} (train {res['train']['loss']}, "
+                                     f"val {res['val']['loss']}); stopping. The last good checkpoint ({ckpt_path}) is "
+                                     f"left untouched. Try a lower learning_rate or grad_clip.")
                 best_val = min(best_val, res['val']['loss'])
                 frac = res['val']['full_frac']
                 print(f"iter {iter_num}: train loss {res['train']['loss']:.4f}, val loss {res['val']['loss']:.4f}"
@@ -508,7 +531,8 @@ def main(argv):
         lr = lr_at(cfg, iter_num)
         for group in optimizer.param_groups:
             group['lr'] = lr
-        oracle_layers = tuple(sorted(random.sample(ctrl_ids, k_oracle))) if oracle_on else ()
+        oracle_layers = (tuple(sorted(random.Random(cfg.seed * 1_000_003 + iter_num).sample(ctrl_ids, k_oracle)))
+                         if oracle_on else ())     # the same on every rank, and a pure function of the step
         loss_sum = torch.zeros((), device=dev)
         for micro in range(accum):
             j = (iter_num * accum + micro) * world + rank
@@ -529,19 +553,26 @@ def main(argv):
             grads = [p.grad.float().norm() for p in ctrl_params if p.grad is not None]
             interval['ctrl_norm'] += torch.stack(grads).norm() if grads else 0.0
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float('inf'))
-        skipped += ~torch.isfinite(norm)          # exactly the steps the GradScaler skips
+        if scaler.is_enabled():
+            skipped += ~torch.isfinite(norm)      # exactly the steps the GradScaler skips
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         iter_num += 1
         interval['n'] += 1
-        step = flops.train_step_flops(mcfg, cfg.block_size, cfg.trainable, oracle_layers)
+        if oracle_layers not in step_costs:    # analytic, so computed once per set of oracle layers
+            step_costs[oracle_layers] = (flops.train_step_flops(mcfg, cfg.block_size, cfg.trainable, oracle_layers),
+                                         flops.flops_proxy(mcfg, cfg.block_size, oracle_layers))
+        step, proxy_step = step_costs[oracle_layers]
         flops_state['exact'] += seqs_per_iter * step['total']
-        flops_state['proxy_num'] += seqs_per_iter * 3 * flops.flops_proxy(mcfg, cfg.block_size, oracle_layers) \
-            * flops.dense_forward_flops(mcfg, cfg.block_size)
+        flops_state['proxy_num'] += seqs_per_iter * proxy_step * dense_step
         flops_state['dense'] += seqs_per_iter * dense_step
 
         if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
+            if ddp:                                # log the global mean, not rank 0's share
+                both = torch.stack([loss_sum, interval['lm']])
+                torch.distributed.all_reduce(both)
+                loss_sum, interval['lm'] = both[0] / world, both[1] / world
             lossf = loss_sum.item()
             dtime = (time.time() - t_last) / max(1, iter_num - it_last)
             t_last, it_last = time.time(), iter_num
@@ -562,7 +593,7 @@ def main(argv):
             if master:
                 tps = tokens_per_iter / dtime
                 peak = flops.peak_flops(dev, dt)         # MFU from the FLOPs this step really ran
-                mfu = step['total'] * seqs_per_iter / dtime / peak if peak else None
+                mfu = step['total'] * seqs_per_iter / world / dtime / peak if peak else None
                 proxy = flops_state['proxy_num'] / flops_state['dense']
                 print(f"iter {iter_num}: loss {lossf:.4f}, lm {lm:.4f}, lr {lr:.2e}, {dtime * 1000:.1f} ms/iter, "
                       f"{tps:,.0f} tok/s" + (f", mfu {mfu * 100:.1f}%" if mfu is not None else '')
@@ -572,7 +603,7 @@ def main(argv):
                            full_frac=frac, flops_proxy=proxy, train_flops=flops_state['exact'],
                            train_flops_vs_dense=flops_state['exact'] / flops_state['dense'],
                            skipped_steps=n_skipped)
-                rec.update({k: float(v) for k, v in aux.items() if k.endswith('_loss') and k != 'lm_loss'})
+                rec.update({k: float(v.detach()) for k, v in aux.items() if k.endswith('_loss') and k != 'lm_loss'})
                 history['train'].append(dict(iter=iter_num, lm_loss=lm))
                 log(rec)
             if ddp:                                # agree on stopping at a common iteration
@@ -587,7 +618,7 @@ def main(argv):
             if master:
                 checkpoint()
                 print(f"stopped by signal at iteration {iter_num}; checkpoint saved to {ckpt_path}.\n"
-                      f"resume with: python train.py {' '.join(argv)} --init_from=resume")
+                      f"resume with: python train.py {shlex.join(argv)} --init_from=resume")
             break
 
     if master:

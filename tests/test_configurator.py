@@ -1,0 +1,210 @@
+"""Tests for configurator.load_config: config files, typed --key=value overrides, and the errors that
+name the key (and the closest valid key) before any work is done."""
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from configurator import ConfigError, load_config, parse_value  # noqa: E402
+
+DEFAULTS = dict(out_dir='out/quickstart', dataset='synthetic', n_layer=4, batch_size=16, learning_rate=2e-3,
+                dropout=0.0, decay_lr=True, compile=False, controlled_layers='all', lm_thresholds='',
+                device='auto', init_from='scratch')
+
+
+def write(tmp_path, text, name='cfg.py'):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+# ----------------------------------------------------------------------------------------------------
+# values
+
+def test_no_args_returns_a_copy_of_the_defaults():
+    d = dict(DEFAULTS)
+    out = load_config(d, [])
+    assert out == DEFAULTS and out is not d
+    out['n_layer'] = 99
+    assert d['n_layer'] == 4                       # the defaults are not mutated
+
+
+@pytest.mark.parametrize("arg,key,value", [
+    ("--n_layer=6", "n_layer", 6),
+    ("--batch_size=0", "batch_size", 0),
+    ("--learning_rate=3e-4", "learning_rate", 3e-4),
+    ("--learning_rate=1", "learning_rate", 1.0),         # an int is accepted for a float key ...
+    ("--dropout=0.25", "dropout", 0.25),
+    ("--decay_lr=False", "decay_lr", False),
+    ("--compile=True", "compile", True),
+    ("--dataset=shakespeare_char", "dataset", "shakespeare_char"),   # a bare word is a string
+    ("--init_from=gpt2-medium", "init_from", "gpt2-medium"),
+    ("--out_dir=out/run 1", "out_dir", "out/run 1"),
+    ("--device=cuda:1", "device", "cuda:1"),
+    ("--dataset='quoted'", "dataset", "quoted"),                     # a quoted string loses its quotes
+    ('--dataset="dq"', "dataset", "dq"),
+    ("--lm_thresholds=", "lm_thresholds", ""),
+])
+def test_typed_overrides(arg, key, value):
+    out = load_config(DEFAULTS, [arg])
+    assert out[key] == value and type(out[key]) is type(value)
+    assert {k: v for k, v in out.items() if k != key} == {k: v for k, v in DEFAULTS.items() if k != key}
+
+
+def test_int_for_float_key_becomes_float():
+    assert type(load_config(DEFAULTS, ["--learning_rate=1"])["learning_rate"]) is float
+
+
+def test_later_arguments_override_earlier_ones(tmp_path):
+    cfg = write(tmp_path, "n_layer = 8\nbatch_size = 32\n")
+    out = load_config(DEFAULTS, ["--n_layer=2", cfg, "--batch_size=4"])
+    assert out["n_layer"] == 8 and out["batch_size"] == 4             # the file overrode --n_layer=2
+    out = load_config(DEFAULTS, [cfg, "--n_layer=2", "--n_layer=3"])
+    assert out["n_layer"] == 3
+    cfg2 = write(tmp_path, "n_layer = 5\n", "b.py")
+    assert load_config(DEFAULTS, [cfg, cfg2])["n_layer"] == 5
+
+
+@settings(max_examples=50, deadline=None)
+@given(values=st.lists(st.integers(-10**6, 10**6), min_size=1, max_size=6))
+def test_last_of_many_overrides_wins(values):
+    assert load_config(DEFAULTS, [f"--n_layer={v}" for v in values])["n_layer"] == values[-1]
+
+
+@settings(max_examples=50, deadline=None)
+@given(x=st.floats(allow_nan=False, allow_infinity=False))
+def test_float_round_trips(x):
+    assert load_config(DEFAULTS, [f"--learning_rate={x!r}"])["learning_rate"] == x
+
+
+def test_config_file_assigns_keys(tmp_path):
+    cfg = write(tmp_path, "import math\n"
+                          "_private = 3\n"
+                          "def helper():\n    return 1\n"
+                          "n_layer = 2 * 3\n"
+                          "learning_rate = 6e-4\n"
+                          "dataset = 'shakespeare_char'\n"
+                          "decay_lr = False\n"
+                          "dropout = 0\n")
+    out = load_config(DEFAULTS, [cfg])
+    assert out["n_layer"] == 6 and out["learning_rate"] == 6e-4 and out["dataset"] == "shakespeare_char"
+    assert out["decay_lr"] is False and out["dropout"] == 0.0 and type(out["dropout"]) is float
+    assert "math" not in out and "helper" not in out and "_private" not in out
+
+
+def test_repo_train_config_files_load():
+    """Every config/*.py meant for train.py loads with train's defaults (sweep configs, which assign
+    `arms`, are for sweep.py and are skipped)."""
+    import ast
+    import train
+    checked = 0
+    for cfg in sorted((REPO / "config").glob("*.py")):
+        names = {t.id for node in ast.parse(cfg.read_text()).body if isinstance(node, ast.Assign)
+                 for t in node.targets if isinstance(t, ast.Name)}
+        if "arms" in names:
+            continue
+        out = load_config(train.DEFAULTS, [str(cfg)])
+        assert set(out) == set(train.DEFAULTS), cfg
+        checked += 1
+    assert checked >= 2
+
+
+# ----------------------------------------------------------------------------------------------------
+# errors
+
+@pytest.mark.parametrize("arg,bad,close", [
+    ("--n_layers=2", "n_layers", "n_layer"),
+    ("--batchsize=2", "batchsize", "batch_size"),
+    ("--learning_rat=1e-3", "learning_rat", "learning_rate"),
+])
+def test_unknown_key_names_it_and_the_closest(arg, bad, close):
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULTS, [arg])
+    assert f"'{bad}'" in str(e.value) and f"'{close}'" in str(e.value)
+
+
+def test_unknown_key_without_close_match():
+    with pytest.raises(ConfigError, match="zzzzqqq"):
+        load_config(DEFAULTS, ["--zzzzqqq=1"])
+
+
+@pytest.mark.parametrize("arg,key", [
+    ("--batch_size=abc", "batch_size"),
+    ("--batch_size=2.5", "batch_size"),
+    ("--batch_size=True", "batch_size"),           # a bool is not an int here
+    ("--decay_lr=1", "decay_lr"),
+    ("--decay_lr=yes", "decay_lr"),
+    ("--learning_rate=fast", "learning_rate"),
+    ("--learning_rate=True", "learning_rate"),
+    ("--n_layer=[2]", "n_layer"),
+])
+def test_wrong_type_names_the_key(arg, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULTS, [arg])
+    assert f"'{key}'" in str(e.value)
+
+
+def test_config_file_unknown_key(tmp_path):
+    cfg = write(tmp_path, "n_layer = 2\nn_heads = 4\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULTS, [cfg])
+    assert "'n_heads'" in str(e.value)
+
+
+def test_config_file_wrong_type(tmp_path):
+    cfg = write(tmp_path, "batch_size = '32'\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULTS, [cfg])
+    assert "'batch_size'" in str(e.value) and "cfg.py" in str(e.value)
+
+
+def test_missing_config_file(tmp_path):
+    missing = str(tmp_path / "nope.py")
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(DEFAULTS, [missing])
+
+
+@pytest.mark.parametrize("arg", ["--n_layer", "--n_layer 2", "n_layer=2", "-n_layer=2", "config/thing.txt"])
+def test_malformed_arguments(arg):
+    with pytest.raises(ConfigError):
+        load_config(DEFAULTS, [arg])
+
+
+def test_arg_without_equals_mentions_key_value():
+    with pytest.raises(ConfigError, match="--key=value"):
+        load_config(DEFAULTS, ["--n_layer"])
+
+
+def test_parse_value():
+    assert parse_value("3") == 3 and parse_value("3.5") == 3.5 and parse_value("False") is False
+    assert parse_value("word") == "word" and parse_value("'q'") == "q" and parse_value("a b") == "a b"
+
+
+# ----------------------------------------------------------------------------------------------------
+# regressions: None for a typed key, and str keys given number-like or tuple-like text
+
+@pytest.mark.parametrize("arg", ["--batch_size=None", "--learning_rate=None", "--decay_lr=None"])
+def test_none_for_a_typed_key_is_an_error(arg):
+    try:
+        load_config(DEFAULTS, [arg])
+    except ConfigError as e:
+        assert arg[2:].split("=")[0] in str(e)
+    else:
+        raise AssertionError(f"{arg} was accepted")
+
+
+@pytest.mark.parametrize("arg,key,value", [
+    ("--controlled_layers=0,2,5", "controlled_layers", "0,2,5"),
+    ("--controlled_layers=1", "controlled_layers", "1"),
+    ("--lm_thresholds=2.5,2.0", "lm_thresholds", "2.5,2.0"),
+    ("--out_dir=2024", "out_dir", "2024"),
+])
+def test_str_key_takes_numeric_looking_text(arg, key, value):
+    try:
+        out = load_config(DEFAULTS, [arg])
+    except ConfigError as e:
+        raise AssertionError(str(e)) from None
+    assert out[key] == value
