@@ -38,7 +38,7 @@ def topk_mask(score, k):
 def straight_through(mask, score):
     """Forward value: the hard 0/1 mask. Backward: the gradient of sigmoid(score)."""
     soft = torch.sigmoid(score)
-    return mask.to(soft.dtype) + soft - soft.detach()
+    return mask.to(soft.dtype) + (soft - soft.detach())   # the bracket is exactly 0: (m + σ) − σ would round
 
 
 def fp32(module_call):

@@ -74,7 +74,7 @@ class GPTConfig:
                 raise ValueError(f"{key} must be one of {allowed}, got {getattr(self, key)!r}")
         if not 0.0 < self.budget <= 1.0:
             raise ValueError(f"budget must be in (0, 1], got {self.budget}")
-        controlled_layer_ids(self)      # validates the layer list
+        _check_some_controlled(self)    # validates the layer list
 
     @classmethod
     def from_dict(cls, d):
@@ -90,7 +90,7 @@ def controlled_layer_ids(config):
     if spec == 'all':
         return list(range(L))
     if spec == 'every_other':
-        return list(range(1, L, 2))
+        return list(range(1, L, 2))        # may be empty for L = 1: GPTConfig refuses that
     try:
         ids = sorted({int(t) for t in spec.replace(' ', '').split(',') if t})
     except ValueError:
@@ -98,6 +98,12 @@ def controlled_layer_ids(config):
     if not ids or ids[0] < 0 or ids[-1] >= L:
         raise ValueError(f"controlled_layers {spec!r} must name layers in 0..{L - 1}")
     return ids
+
+
+def _check_some_controlled(config):
+    if config.route == 'ffn' and not controlled_layer_ids(config):
+        raise ValueError(f"controlled_layers={config.controlled_layers!r} routes no layer of a "
+                         f"{config.n_layer}-layer model")
 
 
 class RouteCtx:
@@ -383,7 +389,7 @@ class GPT(nn.Module):
         if targets is not None:
             loss = losses.lm_loss(logits, targets)
             aux['lm_loss'] = loss.detach()
-            if oracle_layers:
+            if oracle_layers and (cfg.util_weight > 0 or cfg.rank_weight > 0):
                 self.oracle_losses(ctx, tuple(oracle_layers), idx, targets, pos, aux)
             weights = dict(util_loss=cfg.util_weight, rank_loss=cfg.rank_weight, jepa_loss=cfg.jepa_weight,
                            pred_loss=cfg.predictor_weight, mimic_loss=cfg.mimic_weight)

@@ -1,0 +1,825 @@
+"""Property tests of the per-token FFN routing (route='ffn', gates G1/G3 and baselines).
+
+Every check compares the model against an independent computation written here: exact-fraction
+capacities, a dense GPT with the same backbone weights, hand-written forwards built from the blocks'
+submodules, gather/scatter execution, brute-force loss definitions. Models are tiny (n_layer <= 3,
+n_embd = 16, T <= 24) so the file runs in well under a minute on 2 CPU cores."""
+import math
+from fractions import Fraction
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import gates
+import losses
+import train
+from model import GPT, GPTConfig, RouteCtx, controlled_layer_ids
+
+SETTINGS = dict(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+V = 29
+BASE = dict(block_size=24, vocab_size=V, n_head=2, n_embd=16, cheap_rank=4, gate_hidden=8, jepa_latent=6)
+ZERO_AUX = dict(util_weight=0.0, rank_weight=0.0, jepa_weight=0.0, predictor_weight=0.0, mimic_weight=0.0)
+SCORING_GATES = ('mlp', 'jepa')
+
+
+# ----------------------------------------------------------------------------------------------------
+# helpers
+
+def build(seed, n_layer=2, noise=0.3, **kw):
+    """A tiny routed GPT; `noise` is added to every parameter so gate scores, predictors and the
+    full/cheap difference are far from their near-zero initialisation (continuous values, no ties)."""
+    args = dict(BASE, n_layer=n_layer, route='ffn', **ZERO_AUX)
+    args.update(kw)
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**args))
+    if noise:
+        g = torch.Generator().manual_seed(seed + 7)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(noise * torch.randn(p.shape, generator=g))
+    return model
+
+
+def tokens(seed, B, T, vocab=V, distinct_first=False):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, vocab, (B, T), generator=g)
+    if distinct_first:      # rows start differently: no two tokens share a hidden state (no score ties)
+        idx[:, 0] = torch.randperm(vocab, generator=g)[:B]
+    return idx
+
+
+def ceil_frac(budget, T):
+    """ceil(budget·T) in exact rational arithmetic."""
+    return -((-budget.numerator * T) // budget.denominator)
+
+
+# budgets as the decimals a user types (exact Fractions; the model gets float(budget))
+BUDGETS = st.one_of(st.integers(1, 100).map(lambda n: Fraction(n, 100)),
+                    st.integers(1, 10_000).map(lambda n: Fraction(n, 10_000)))
+SEEDS = st.integers(0, 10_000)
+
+
+@pytest.fixture(autouse=True, scope='module')
+def one_thread():
+    """Tiny ops: intra-op threads only add synchronisation (10-100x slower on a loaded 2-core box)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@st.composite
+def layouts(draw, max_layers=3):
+    """(n_layer, controlled_layers spec, the layer ids it means, computed here)."""
+    n_layer = draw(st.integers(1, max_layers))
+    kind = draw(st.sampled_from(['all', 'every_other', 'list']))
+    if kind == 'all':
+        return n_layer, 'all', list(range(n_layer))
+    if kind == 'every_other' and n_layer >= 2:
+        return n_layer, 'every_other', [i for i in range(n_layer) if i % 2 == 1]
+    ids = draw(st.lists(st.integers(0, n_layer - 1), min_size=1, max_size=4))   # repeats, any order
+    sep = draw(st.sampled_from([',', ', ', ' , ']))
+    return n_layer, sep.join(map(str, ids)), sorted(set(ids))
+
+
+def record_ln2(model, layers):
+    """Forward hooks on ln_2 of the given blocks; calls[l] lists (input x, output h) per call. The
+    routed pass calls ln_2 once per block, before any oracle fork."""
+    calls = {l: [] for l in layers}
+    handles = [model.transformer.h[l].ln_2.register_forward_hook(
+        lambda mod, inp, out, l=l: calls[l].append((inp[0].detach(), out.detach()))) for l in layers]
+    return calls, handles
+
+
+def record_updates(model, layers):
+    """Wrap Block.routed_ffn_update of the given blocks to record what it returns."""
+    out = {l: [] for l in layers}
+    for l in layers:
+        block = model.transformer.h[l]
+        orig = block.routed_ffn_update
+
+        def wrapped(x, ctx, orig=orig, l=l):
+            u = orig(x, ctx)
+            out[l].append(u.detach())
+            return u
+        block.routed_ffn_update = wrapped
+    return out
+
+
+def embed_ref(model, idx):
+    x = model.transformer.wte(idx)
+    if model.transformer.wpe is not None:
+        x = x + model.transformer.wpe(torch.arange(idx.size(1)))
+    return x
+
+
+def topk_ref(score, k):
+    """(B, T) bool: the k largest scores of each row (via a full sort, not topk)."""
+    order = score.argsort(dim=-1, descending=True)[:, :k]
+    mask = torch.zeros_like(score, dtype=torch.bool)
+    for b in range(score.size(0)):
+        mask[b, order[b]] = True
+    return mask
+
+
+def ffn_ref(block, x, action, budget=None):
+    """One block's FFN update from its submodules. action: 'full', 'cheap', or 'policy' (training
+    top-k of this block's gate scores at ceil(budget·T), hard mixture)."""
+    h = block.ln_2(x)
+    if action == 'full':
+        return block.mlp(h)
+    if action == 'cheap':
+        return block.cheap(h)
+    score = block.gate(h)
+    mask = topk_ref(score, ceil_frac(budget, x.size(1)))
+    full = block.mlp(h)
+    if block.cfg.gate_grad == 'scale':
+        full = torch.sigmoid(score)[..., None] * full
+    return torch.where(mask[..., None], full, block.cheap(h))
+
+
+def suffix_ref(model, x, start, actions, budget=None):
+    """Run blocks start.. by hand: attention, then ffn_ref with actions[layer] (default 'full')."""
+    for i in range(start, len(model.transformer.h)):
+        block = model.transformer.h[i]
+        x = x + block.attn(block.ln_1(x))
+        x = x + ffn_ref(block, x, actions.get(i, 'full'), budget)
+    return x
+
+
+def logits_ref(model, x):
+    return model.lm_head(model.transformer.ln_f(x))
+
+
+def ce_ref(logits, targets):
+    return -torch.log_softmax(logits.double(), -1).gather(-1, targets[..., None]).squeeze(-1)
+
+
+def dense_twin(routed_model, seed):
+    """A dense GPT (route='none') with random weights, loaded into the routed model's backbone."""
+    cfg = routed_model.config
+    torch.manual_seed(seed + 99)
+    dense = GPT(GPTConfig(**dict(BASE, n_layer=cfg.n_layer, pos=cfg.pos, bias=cfg.bias,
+                                 block_size=cfg.block_size)))
+    g = torch.Generator().manual_seed(seed + 5)
+    with torch.no_grad():
+        for p in dense.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    missing, unexpected = routed_model.load_state_dict(dense.state_dict(), strict=False)
+    assert not unexpected
+    assert all(any(s in k for s in ('.cheap.', '.gate.', '.predictor.')) or k.endswith('.tau') for k in missing)
+    return dense
+
+
+# ----------------------------------------------------------------------------------------------------
+# 1. training decisions: exactly ceil(budget·T) full tokens per row, and they are the top-k scores
+
+@settings(**SETTINGS)
+@given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 24), budget=BUDGETS,
+       gate=st.sampled_from(['mlp', 'jepa', 'random']), layout=layouts(),
+       readout=st.sampled_from(['distance', 'linear']), block_size=st.sampled_from([24, 48]),
+       gate_grad=st.sampled_from(['ste', 'scale', 'none']))
+def test_train_masks_hold_exactly_ceil_budget_T_top_scoring_tokens(seed, B, T, budget, gate, layout, readout,
+                                                                    block_size, gate_grad):
+    n_layer, spec, ids = layout
+    model = build(seed, n_layer, gate=gate, budget=float(budget), controlled_layers=spec, jepa_readout=readout,
+                  block_size=block_size, gate_grad=gate_grad).train()
+    assert controlled_layer_ids(model.config) == ids
+    idx = tokens(seed, B, T, distinct_first=True)
+    calls, handles = record_ln2(model, ids)
+    torch.manual_seed(seed)
+    aux = model(idx, idx)[2]
+    for hnd in handles:
+        hnd.remove()
+    k = ceil_frac(budget, T)            # of the actual T, never of block_size
+    assert sorted(aux['masks']) == ids
+    torch.manual_seed(seed)             # the random gate draws one (B, T) uniform tensor per layer, in order
+    with torch.no_grad():
+        scores = {l: (torch.rand(B, T) if gate == 'random' else model.transformer.h[l].gate(calls[l][0][1]))
+                  for l in ids}
+    for l in ids:
+        mask = aux['masks'][l]
+        assert mask.shape == (B, T) and mask.dtype == torch.bool
+        assert mask.sum(1).tolist() == [k] * B
+        s = scores[l]
+        for b in range(B):
+            if 0 < k < T:
+                assert s[b][mask[b]].min() >= s[b][~mask[b]].max()
+    torch.testing.assert_close(aux['full_frac'], torch.full((len(ids),), k / T), rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2. gate forced open (or budget 1.0) == the dense model; forced shut == a hand-written cheap forward
+
+DENSE_EQ = dict(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 24), layout=layouts(),
+                pos=st.sampled_from(['learned', 'rope']), bias=st.booleans())
+
+
+@settings(**SETTINGS)
+@given(**DENSE_EQ, gate=st.sampled_from(SCORING_GATES), readout=st.sampled_from(['distance', 'linear']),
+       infer_rule=st.sampled_from(['threshold', 'predictor']))
+def test_budget_one_no_grad_equals_dense_bitwise(seed, B, T, layout, pos, bias, gate, readout, infer_rule):
+    n_layer, spec, ids = layout
+    model = build(seed, n_layer, gate=gate, budget=1.0, controlled_layers=spec, pos=pos, bias=bias,
+                  jepa_readout=readout, gate_grad='none', infer_rule=infer_rule)
+    dense = dense_twin(model, seed)
+    idx = tokens(seed, B, T)
+    ref = dense.eval()(idx, idx)[0]
+    out, _, aux = model.train()(idx, idx)
+    assert all(m.all() for m in aux['masks'].values())
+    assert torch.equal(out, ref)
+    model.calibrate(tokens(seed + 1, 2, T))      # budget 1.0: every token passes the causal threshold
+    out, _, aux = model.eval()(idx, idx)
+    assert all(m.all() for m in aux['masks'].values())
+    assert torch.equal(out, ref)
+
+
+STE_CASES = [(seed, gate, readout) for seed, (gate, readout) in
+             enumerate([('mlp', 'distance'), ('jepa', 'distance'), ('jepa', 'linear')])]
+
+
+def check_budget_one_ste_equals_dense(seed, B, T, layout, pos, bias, gate, readout, exact):
+    n_layer, spec, ids = layout
+    model = build(seed, n_layer, gate=gate, budget=1.0, controlled_layers=spec, pos=pos, bias=bias,
+                  jepa_readout=readout, gate_grad='ste')
+    dense = dense_twin(model, seed)
+    idx = tokens(seed, B, T)
+    out, ref = model.train()(idx, idx)[0], dense.eval()(idx, idx)[0]
+    if exact:
+        assert torch.equal(out, ref)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+# Regression: straight_through once computed (m + σ) − σ, which rounds 1 to 1 − 2**-24 for ~20% of
+# tokens; fixed cases here, hypothesis below.
+@pytest.mark.parametrize('seed,gate,readout', STE_CASES)
+def test_budget_one_ste_equals_dense_bitwise(seed, gate, readout):
+    check_budget_one_ste_equals_dense(seed, 2, 16, (3, 'all', [0, 1, 2]), 'learned', False, gate, readout, True)
+
+
+@settings(**SETTINGS)
+@given(**DENSE_EQ, gate=st.sampled_from(SCORING_GATES), readout=st.sampled_from(['distance', 'linear']))
+def test_budget_one_ste_equals_dense_property(seed, B, T, layout, pos, bias, gate, readout):
+    check_budget_one_ste_equals_dense(seed, B, T, layout, pos, bias, gate, readout, True)
+
+
+@settings(**SETTINGS)
+@given(**DENSE_EQ, gate=st.sampled_from(['mlp', 'jepa', 'random', 'static_full']),
+       gate_grad=st.sampled_from(['ste', 'scale', 'none']), budget=BUDGETS, training=st.booleans())
+def test_forced_full_and_static_full_equal_dense_bitwise(seed, B, T, layout, pos, bias, gate, gate_grad, budget,
+                                                        training):
+    n_layer, spec, ids = layout
+    model = build(seed, n_layer, gate=gate, budget=float(budget), controlled_layers=spec, pos=pos, bias=bias,
+                  gate_grad=gate_grad).train(training)
+    dense = dense_twin(model, seed)
+    idx = tokens(seed, B, T)
+    ref = dense.eval()(idx, idx)[0]
+    assert torch.equal(model(idx, idx, force='full')[0], ref)
+    if gate == 'static_full':
+        assert torch.equal(model(idx, idx)[0], ref)
+
+
+@settings(**SETTINGS)
+@given(**DENSE_EQ, gate=st.sampled_from(['mlp', 'jepa', 'random', 'static_cheap']),
+       gate_grad=st.sampled_from(['ste', 'scale', 'none']), training=st.booleans())
+def test_forced_cheap_and_static_cheap_equal_hand_written_forward(seed, B, T, layout, pos, bias, gate, gate_grad,
+                                                                  training):
+    n_layer, spec, ids = layout
+    model = build(seed, n_layer, gate=gate, controlled_layers=spec, pos=pos, bias=bias,
+                  gate_grad=gate_grad).train(training)
+    idx = tokens(seed, B, T)
+    with torch.no_grad():
+        x = embed_ref(model, idx)
+        for i, block in enumerate(model.transformer.h):
+            x = x + block.attn(block.ln_1(x))
+            x = x + (block.cheap if i in ids else block.mlp)(block.ln_2(x))
+        ref = model.lm_head(model.transformer.ln_f(x))
+        assert torch.equal(model(idx, idx, force='cheap')[0], ref)
+        if gate == 'static_cheap':
+            assert torch.equal(model(idx, idx)[0], ref)
+        # and the cheap model is a different function from the full one
+        assert not torch.equal(model(idx, idx, force='full')[0], ref)
+
+
+def test_routed_model_from_checkpoint_file_keeps_backbone_and_gets_fresh_gates():
+    """train.build_model with init_from=<ckpt file>: backbone (incl. cheap FFNs) from the file, gates
+    fresh; forced full/cheap logits are bitwise those of the source model."""
+    kw = dict(n_layer=2, gate='mlp', controlled_layers='all')
+    src = build(11, **kw)
+    ckpt = dict(model_args=dict(src.config.__dict__), model=src.state_dict())
+    fields = dict(src.config.__dict__)
+    cfg = SimpleNamespace(**fields, init_from='stage1/ckpt.pt', dataset='synthetic')
+    model = train.build_model(cfg, dict(vocab_size=V), ckpt)
+    idx = tokens(3, 2, 12)
+    for force in ('full', 'cheap'):
+        assert torch.equal(model(idx, idx, force=force)[0], src(idx, idx, force=force)[0])
+    g_src = dict(src.named_parameters())
+    assert any(not torch.equal(p, g_src[n]) for n, p in model.named_parameters() if '.gate.' in n)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3. masked mixture == gather -> compute -> scatter
+
+@settings(**SETTINGS)
+@given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 24), p=st.floats(0.0, 1.0),
+       gate=st.sampled_from(SCORING_GATES), gate_grad=st.sampled_from(['ste', 'scale', 'none']),
+       layer=st.integers(0, 1))
+def test_masked_update_equals_gather_scatter(seed, B, T, p, gate, gate_grad, layer):
+    model = build(seed, 2, gate=gate, gate_grad=gate_grad).eval()
+    block = model.transformer.h[layer]
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(B, T, generator=g) < p
+    mag = 0.1 + 3 * torch.rand(B, T, generator=g)
+    score = torch.where(mask, mag, -mag)           # the decision: score > tau = 0
+    if gate == 'mlp':
+        block.gate.forward = lambda h: score
+    else:
+        block.gate.score = lambda p_full, p_cheap: score
+    block.tau.fill_(0.0)
+    x = torch.randn(B, T, model.config.n_embd, generator=g)
+    ctx = RouteCtx()
+    with torch.no_grad():
+        out = block.routed_ffn_update(x, ctx)
+        h = block.ln_2(x)
+        sel, rest = mask.nonzero(as_tuple=True), (~mask).nonzero(as_tuple=True)
+        full = block.mlp(h[sel])                          # (N, C): only the selected tokens
+        if gate_grad == 'scale':
+            full = torch.sigmoid(score[sel])[:, None] * full
+        ref = torch.zeros_like(h)
+        ref[sel] = full
+        ref[rest] = block.cheap(h[rest])
+    assert torch.equal(ctx.masks[layer], mask)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4. eval mode is causal for every gate and decision rule
+
+@settings(**SETTINGS)
+@given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(2, 24), budget=BUDGETS, layout=layouts(),
+       gate=st.sampled_from(['mlp', 'jepa', 'random', 'static_full', 'static_cheap']),
+       infer_rule=st.sampled_from(['threshold', 'predictor']), gate_grad=st.sampled_from(['ste', 'scale', 'none']),
+       readout=st.sampled_from(['distance', 'linear']), pos=st.sampled_from(['learned', 'rope']), data=st.data())
+def test_eval_routing_is_causal(seed, B, T, budget, layout, gate, infer_rule, gate_grad, readout, pos, data):
+    n_layer, spec, ids = layout
+    model = build(seed, n_layer, gate=gate, budget=float(budget), controlled_layers=spec, infer_rule=infer_rule,
+                  gate_grad=gate_grad, jepa_readout=readout, pos=pos)
+    model.calibrate(tokens(seed + 1, 4, 24))
+    model.eval()
+    idx = tokens(seed, B, T)
+    t = data.draw(st.integers(0, T - 2))
+    other = idx.clone()
+    other[:, t + 1:] = tokens(seed + 2, B, T - t - 1)
+    torch.manual_seed(seed)
+    la, _, aux_a = model(idx, last_only=False)
+    torch.manual_seed(seed)
+    lb, _, aux_b = model(other, last_only=False)
+    assert torch.equal(la[:, :t + 1], lb[:, :t + 1])
+    expect_masks = ids if gate in ('mlp', 'jepa', 'random') else []
+    assert sorted(aux_a.get('masks', {})) == expect_masks
+    for l in expect_masks:
+        assert torch.equal(aux_a['masks'][l][:, :t + 1], aux_b['masks'][l][:, :t + 1])
+
+
+@settings(**SETTINGS)
+@given(seed=SEEDS, B=st.integers(1, 2), T0=st.integers(1, 10), new=st.integers(1, 8),
+       gate=st.sampled_from(['mlp', 'jepa', 'static_full', 'static_cheap']),
+       infer_rule=st.sampled_from(['threshold', 'predictor']), gate_grad=st.sampled_from(['ste', 'scale', 'none']),
+       pos=st.sampled_from(['learned', 'rope']), layout=layouts())
+def test_eval_routing_kv_cache_decoding_equals_recompute(seed, B, T0, new, gate, infer_rule, gate_grad, pos, layout):
+    """Per-token causal decisions: one token at a time through the KV cache routes (and so predicts)
+    exactly as the full recompute does."""
+    n_layer, spec, ids = layout
+    model = build(seed, n_layer, gate=gate, controlled_layers=spec, infer_rule=infer_rule, gate_grad=gate_grad,
+                  pos=pos)
+    model.calibrate(tokens(seed + 1, 4, 24))
+    model.eval()
+    idx = tokens(seed, B, T0)
+    assert torch.equal(model.generate(idx, new, temperature=0, use_cache=True),
+                       model.generate(idx, new, temperature=0, use_cache=False))
+
+
+@pytest.mark.parametrize('training', [True, False])
+def test_oracle_gate_needs_targets(training):
+    model = build(0, 2, gate='oracle').train(training)
+    idx = tokens(0, 2, 8)
+    with pytest.raises(ValueError, match='target'):
+        model(idx)
+    if training:        # with targets it routes ceil(budget·T) tokens by their utility labels
+        aux = model(idx, idx)[2]
+        assert all(m.sum(1).tolist() == [4, 4] for m in aux['masks'].values())
+
+
+# ----------------------------------------------------------------------------------------------------
+# 5. the LM loss alone trains the gate (ste, scale); gate_grad='none' cuts it off
+
+def gate_params_on_score(block):
+    """Gate parameters the score is a function of. JEPA: the output bias cancels in
+    P(h, full) - P(h, cheap), so the score does not depend on it."""
+    return {n: p for n, p in block.gate.named_parameters()
+            if not (isinstance(block.gate, gates.JEPAGate) and n == 'out.bias')}
+
+
+@settings(**SETTINGS)
+@given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(2, 24), budget=BUDGETS, layout=layouts(),
+       gate=st.sampled_from(SCORING_GATES), readout=st.sampled_from(['distance', 'linear']),
+       gate_grad=st.sampled_from(['ste', 'scale', 'none']), infer_rule=st.sampled_from(['threshold', 'predictor']))
+def test_lm_loss_alone_reaches_the_gate(seed, B, T, budget, layout, gate, readout, gate_grad, infer_rule):
+    n_layer, spec, ids = layout
+    model = build(seed, n_layer, gate=gate, jepa_readout=readout, budget=float(budget), controlled_layers=spec,
+                  gate_grad=gate_grad, infer_rule=infer_rule).train()
+    idx = tokens(seed, B, T)
+    _, loss, aux = model(idx, idx)
+    assert torch.equal(loss.detach(), aux['lm_loss'])              # no auxiliary term in the loss
+    assert not any(k.endswith('_loss') and k != 'lm_loss' for k in aux)
+    loss.backward()
+    for l in ids:
+        block = model.transformer.h[l]
+        for n, p in gate_params_on_score(block).items():
+            if gate_grad == 'none':
+                assert p.grad is None or not p.grad.any(), n
+            else:
+                assert p.grad is not None and p.grad.abs().sum() > 0, (l, n)
+        if block.predictor is not None:           # predictor_weight = 0: nothing trains it
+            assert all(p.grad is None or not p.grad.any() for p in block.predictor.parameters())
+
+
+def test_jepa_target_projection_is_a_fixed_buffer():
+    model = build(4, 2, gate='jepa', jepa_weight=1.0, util_weight=1.0, rank_weight=1.0).train()
+    names = {n for n, _ in model.named_parameters()}
+    targets = {n: b.clone() for n, b in model.named_buffers() if n.endswith('gate.target')}
+    assert sorted(targets) == ['transformer.h.0.gate.target', 'transformer.h.1.gate.target']
+    assert not any(n.endswith('gate.target') for n in names)
+    gate_before = [p.detach().clone() for p in model.controller_parameters()]
+    opt = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), 'cpu')
+    for step in range(3):
+        idx = tokens(step, 2, 16)
+        loss = model(idx, idx, oracle_layers=(step % 2,))[1]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    bufs = dict(model.named_buffers())
+    assert all(torch.equal(bufs[n], b) for n, b in targets.items())
+    assert any(not torch.equal(a, p) for a, p in zip(gate_before, model.controller_parameters()))
+
+
+# ----------------------------------------------------------------------------------------------------
+# 6. straight-through: forward value is the hard mixture
+
+def check_hard_mixture(seed, B, T, budget, layout, gate, gate_grad, readout, exact=True):
+    n_layer, spec, ids = layout
+    model = build(seed, n_layer, gate=gate, jepa_readout=readout, budget=float(budget), controlled_layers=spec,
+                  gate_grad=gate_grad).train()
+    idx = tokens(seed, B, T)
+    calls, handles = record_ln2(model, ids)
+    updates = record_updates(model, ids)
+    aux = model(idx, idx)[2]
+    for hnd in handles:
+        hnd.remove()
+    with torch.no_grad():
+        for l in ids:
+            block = model.transformer.h[l]
+            x = calls[l][0][0]
+            h = block.ln_2(x)
+            full, cheap = block.mlp(h), block.cheap(h)
+            if gate_grad == 'scale':
+                full = torch.sigmoid(block.gate(h))[..., None] * full
+            ref = torch.where(aux['masks'][l][..., None], full, cheap)
+            if exact:
+                assert torch.equal(updates[l][0], ref), l
+            torch.testing.assert_close(updates[l][0], ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize('seed,gate,readout', STE_CASES)
+def test_ste_forward_is_the_hard_mixture_bitwise(seed, gate, readout):
+    check_hard_mixture(seed, 2, 16, Fraction(1, 2), (3, 'all', [0, 1, 2]), gate, 'ste', readout)
+
+
+@settings(**SETTINGS)
+@given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 24), budget=BUDGETS, layout=layouts(),
+       gate=st.sampled_from(SCORING_GATES), readout=st.sampled_from(['distance', 'linear']))
+def test_ste_forward_is_the_hard_mixture_property(seed, B, T, budget, layout, gate, readout):
+    check_hard_mixture(seed, B, T, budget, layout, gate, 'ste', readout, exact=True)
+
+
+@settings(**SETTINGS)
+@given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 24), budget=BUDGETS, layout=layouts(),
+       gate=st.sampled_from(SCORING_GATES), readout=st.sampled_from(['distance', 'linear']),
+       gate_grad=st.sampled_from(['scale', 'none']))
+def test_scale_and_none_forward_is_the_hard_mixture(seed, B, T, budget, layout, gate, readout, gate_grad):
+    check_hard_mixture(seed, B, T, budget, layout, gate, gate_grad, readout)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 7. calibration hits the budget
+
+@settings(**SETTINGS)
+@given(seed=SEEDS, B=st.integers(1, 4), T=st.integers(1, 24), budget=BUDGETS, layout=layouts(),
+       gate=st.sampled_from(SCORING_GATES), infer_rule=st.sampled_from(['threshold', 'predictor']),
+       readout=st.sampled_from(['distance', 'linear']))
+def test_calibration_hits_budget_on_its_own_batch(seed, B, T, budget, layout, gate, infer_rule, readout):
+    n_layer, spec, ids = layout
+    model = build(seed, n_layer, gate=gate, budget=float(budget), controlled_layers=spec, infer_rule=infer_rule,
+                  jepa_readout=readout).train()
+    x_cal = tokens(seed, B, T, distinct_first=True)
+    fracs = model.calibrate(x_cal)
+    assert model.training                   # calibrate restores the mode
+    frac = model.eval()(x_cal)[2]['full_frac']
+    assert torch.equal(fracs, frac)
+    assert (frac - float(budget)).abs().max().item() <= 1 / (B * T) + 1e-6
+
+
+# Held-out batch: N = 32·24 = 768 tokens per batch. If the calibration quantile and the fresh batch's
+# fraction were both binomial, the difference would have std <= sqrt(2·0.25/768) ≈ 0.026, so ±0.1 is
+# ~4 std. derandomize=True keeps the drawn examples fixed, so the test cannot flake.
+@settings(**dict(SETTINGS, derandomize=True))
+@given(seed=SEEDS, budget=st.integers(5, 95).map(lambda n: Fraction(n, 100)), layout=layouts(),
+       gate=st.sampled_from(SCORING_GATES), infer_rule=st.sampled_from(['threshold', 'predictor']))
+def test_calibration_generalises_to_a_fresh_batch(seed, budget, layout, gate, infer_rule):
+    n_layer, spec, ids = layout
+    model = build(seed, n_layer, gate=gate, budget=float(budget), controlled_layers=spec, infer_rule=infer_rule,
+                  vocab_size=61)
+    model.calibrate(tokens(seed, 32, 24, vocab=61))
+    frac = model.eval()(tokens(seed + 1, 32, 24, vocab=61))[2]['full_frac']
+    assert (frac - float(budget)).abs().max().item() <= 0.1
+
+
+@pytest.mark.parametrize('gate', ['random', 'static_full', 'static_cheap'])
+def test_calibrate_without_scores_returns_none(gate):
+    assert build(0, 2, gate=gate).calibrate(tokens(0, 2, 8)) is None
+
+
+# ----------------------------------------------------------------------------------------------------
+# 8. a weight of 0 means the computation does not run
+
+def boom(*args, **kwargs):
+    raise AssertionError('this computation should not run')
+
+
+@pytest.mark.parametrize('gate', SCORING_GATES)
+def test_no_oracle_pass_without_oracle_layers(gate):
+    model = build(0, 2, gate=gate, util_weight=1.0, rank_weight=1.0).train()
+    idx = tokens(0, 2, 12)
+    model.fork_utility = boom
+    model(idx, idx)
+    model(idx, idx, oracle_layers=())
+    model.eval()(idx, idx)
+    with pytest.raises(AssertionError):        # the patch is live: an oracle layer does call it
+        model.train()(idx, idx, oracle_layers=(0,))
+
+
+def test_jepa_weight_zero_never_projects_targets(monkeypatch):
+    idx = tokens(0, 2, 12)
+    monkeypatch.setattr(gates.JEPAGate, 'target_of', boom)
+    build(0, 2, gate='jepa', jepa_weight=0.0).train()(idx, idx)
+    with pytest.raises(AssertionError):
+        build(0, 2, gate='jepa', jepa_weight=1.0).train()(idx, idx)
+
+
+def test_predictor_weight_zero_never_runs_predictor_in_training(monkeypatch):
+    idx = tokens(0, 2, 12)
+    monkeypatch.setattr(gates.MembershipPredictor, 'forward', boom)
+    build(0, 2, gate='mlp', infer_rule='predictor', predictor_weight=0.0).train()(idx, idx)
+    with pytest.raises(AssertionError):
+        build(0, 2, gate='mlp', infer_rule='predictor', predictor_weight=1.0).train()(idx, idx)
+
+
+def test_mimic_weight_zero_never_runs_mimic(monkeypatch):
+    idx = tokens(0, 2, 12)
+    monkeypatch.setattr(losses, 'cheap_mimic', boom)
+    build(0, 2, gate='mlp', mimic_weight=0.0).train()(idx, idx)
+    with pytest.raises(AssertionError):
+        build(0, 2, gate='mlp', mimic_weight=1.0).train()(idx, idx)
+
+
+def test_util_and_rank_weight_zero_compute_no_util_or_rank_term(monkeypatch):
+    """With util_weight = rank_weight = 0 no oracle pass runs even when a caller passes oracle_layers."""
+    monkeypatch.setattr(losses, 'utility_regression', boom)
+    monkeypatch.setattr(losses, 'pairwise_rank', boom)
+    model = build(0, 2, gate='mlp').train()
+    monkeypatch.setattr(model, 'fork_utility', boom)
+    idx = tokens(0, 2, 12)
+    _, loss, aux = model(idx, idx, oracle_layers=(1,))
+    assert 'util_loss' not in aux and 'rank_loss' not in aux and 'utility_mean' not in aux
+    assert torch.equal(loss.detach(), aux['lm_loss'])
+
+
+# ----------------------------------------------------------------------------------------------------
+# 9. oracle labels against hand-written forks
+
+@settings(**SETTINGS)
+@given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 24), n_layer=st.integers(1, 3), data=st.data(),
+       gate=st.sampled_from(SCORING_GATES), training=st.booleans())
+def test_off_policy_label_matches_hand_written_forks(seed, B, T, n_layer, data, gate, training):
+    l = data.draw(st.integers(0, n_layer - 1))
+    model = build(seed, n_layer, gate=gate, budget=0.5).train(training)
+    idx, tgt = tokens(seed, B, T), tokens(seed + 1, B, T)
+    with torch.no_grad():
+        x = embed_ref(model, idx)
+        for i in range(l):                                      # all-full prefix
+            block = model.transformer.h[i]
+            x = x + block.attn(block.ln_1(x))
+            x = x + block.mlp(block.ln_2(x))
+        block = model.transformer.h[l]
+        x_mid = x + block.attn(block.ln_1(x))
+        ce = {}
+        for action in ('full', 'cheap'):
+            y = x_mid + ffn_ref(block, x_mid, action)
+            y = suffix_ref(model, y, l + 1, {})                  # every later layer full
+            ce[action] = ce_ref(logits_ref(model, y), tgt)
+        U_ref = (ce['cheap'] - ce['full']).float()
+    U = model.fork_utility(l, x_mid, tgt, None, later='full')
+    assert U.shape == (B, T) and not U.requires_grad
+    torch.testing.assert_close(U, U_ref, rtol=0, atol=1e-5)
+
+
+@settings(**SETTINGS)
+@given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(2, 24), gate=st.sampled_from(SCORING_GATES),
+       gate_grad=st.sampled_from(['ste', 'scale', 'none']), budget=st.integers(10, 90).map(lambda n: Fraction(n, 100)))
+def test_on_policy_label_matches_hand_written_forks(seed, B, T, gate, gate_grad, budget):
+    model = build(seed, 3, gate=gate, budget=float(budget), gate_grad=gate_grad).train()
+    idx, tgt = tokens(seed, B, T, distinct_first=True), tokens(seed + 1, B, T)
+    l = 0
+    with torch.no_grad():
+        block = model.transformer.h[0]
+        x_mid = embed_ref(model, idx)
+        x_mid = x_mid + block.attn(block.ln_1(x_mid))
+        ce = {}
+        for action in ('full', 'cheap'):
+            y = x_mid + ffn_ref(block, x_mid, action)
+            y = suffix_ref(model, y, 1, {1: 'policy', 2: 'policy'}, budget)   # later layers: top-k
+            ce[action] = ce_ref(logits_ref(model, y), tgt)
+        U_ref = (ce['cheap'] - ce['full']).float()
+    U_on = model.fork_utility(l, x_mid, tgt, None, later='policy')
+    U_off = model.fork_utility(l, x_mid, tgt, None, later='full')
+    torch.testing.assert_close(U_on, U_ref, rtol=0, atol=1e-5)
+    if ceil_frac(budget, T) < T:      # later layers route some tokens cheap: a different future
+        assert not torch.allclose(U_on, U_off, rtol=0, atol=1e-4)
+    elif gate_grad != 'scale':        # every token full (and unscaled): on-policy == off-policy
+        torch.testing.assert_close(U_on, U_off, rtol=0, atol=1e-6)
+
+
+@settings(**SETTINGS)
+@given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(2, 24), gate=st.sampled_from(SCORING_GATES),
+       policy=st.sampled_from(['off', 'on']), data=st.data())
+def test_util_loss_regresses_routed_score_onto_reference_labels(seed, B, T, gate, policy, data):
+    """End to end through forward(oracle_layers=...): off-policy labels fork the all-full pass, on-policy
+    labels fork this routed pass's own state; the regressed score is this pass's gate score."""
+    l = data.draw(st.integers(0, 2))
+    model = build(seed, 3, gate=gate, budget=0.5, util_weight=1.0, oracle_policy=policy).train()
+    idx, tgt = tokens(seed, B, T, distinct_first=True), tokens(seed + 1, B, T)
+    calls, handles = record_ln2(model, [l])
+    _, loss, aux = model(idx, tgt, oracle_layers=(l,))
+    for hnd in handles:
+        hnd.remove()
+    budget = Fraction(1, 2)
+    with torch.no_grad():
+        x_routed, h_routed = calls[l][0]
+        score = model.transformer.h[l].gate(h_routed)
+        if policy == 'off':
+            x = embed_ref(model, idx)
+            for i in range(l):
+                block = model.transformer.h[i]
+                x = x + block.attn(block.ln_1(x))
+                x = x + block.mlp(block.ln_2(x))
+            block = model.transformer.h[l]
+            x_mid = x + block.attn(block.ln_1(x))
+            later = {}
+        else:
+            x_mid, later = x_routed, {i: 'policy' for i in range(l + 1, 3)}
+        ce = {}
+        for action in ('full', 'cheap'):
+            y = x_mid + ffn_ref(model.transformer.h[l], x_mid, action)
+            ce[action] = ce_ref(logits_ref(model, suffix_ref(model, y, l + 1, later, budget)), tgt)
+        U_ref = (ce['cheap'] - ce['full']).float()
+    torch.testing.assert_close(aux['util_loss'].detach(), ((score - U_ref) ** 2).mean(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(aux['utility_mean'], U_ref.mean(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(loss.detach(), aux['lm_loss'] + aux['util_loss'].detach(), rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 10. utility regression and pairwise rank against brute force
+
+def rank_brute(score, U, i, j, kind, margin):
+    vals = []
+    for b in range(score.size(0)):
+        for p in range(i.size(1)):
+            a, c = i[b, p].item(), j[b, p].item()
+            du = U[b, a].item() - U[b, c].item()
+            if du == 0:
+                continue
+            hi, lo = (a, c) if du > 0 else (c, a)
+            d = score[b, hi].item() - score[b, lo].item()
+            vals.append(math.log1p(math.exp(-d)) if kind == 'logistic' else max(0.0, margin - d))
+    return sum(vals) / len(vals) if vals else 0.0
+
+
+@settings(**dict(SETTINGS, max_examples=25))
+@given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 12), n_pairs=st.integers(1, 40),
+       kind=st.sampled_from(['logistic', 'margin']), margin=st.floats(0.0, 2.0), levels=st.integers(1, 4))
+def test_pairwise_rank_equals_brute_force(seed, B, T, n_pairs, kind, margin, levels):
+    g = torch.Generator().manual_seed(seed)
+    score = torch.randn(B, T, generator=g)
+    U = torch.randint(0, levels, (B, T), generator=g).float()       # few levels: ties get dropped
+    loss = losses.pairwise_rank(score, U, n_pairs, kind, margin, generator=torch.Generator().manual_seed(seed))
+    g2 = torch.Generator().manual_seed(seed)
+    i = torch.randint(0, T, (B, n_pairs), generator=g2)
+    j = torch.randint(0, T, (B, n_pairs), generator=g2)
+    assert loss.item() == pytest.approx(rank_brute(score, U, i, j, kind, margin), rel=1e-5, abs=1e-6)
+
+
+@settings(**SETTINGS)
+@given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(2, 16))
+def test_pairwise_rank_is_small_when_ordered_and_large_when_reversed(seed, B, T):
+    g = torch.Generator().manual_seed(seed)
+    U = torch.stack([torch.randperm(T, generator=g) for _ in range(B)]).float()   # distinct utilities
+    gen = lambda: torch.Generator().manual_seed(seed)
+    ordered = 50.0 * U                 # every untied pair has a score gap >= 50 in the right direction
+    assert losses.pairwise_rank(ordered, U, 64, 'logistic', generator=gen()).item() < 1e-6
+    assert losses.pairwise_rank(ordered, U, 64, 'margin', 0.1, generator=gen()).item() == 0.0
+    rev = losses.pairwise_rank(-ordered, U, 64, 'logistic', generator=gen()).item()
+    rev_margin = losses.pairwise_rank(-ordered, U, 64, 'margin', 0.1, generator=gen()).item()
+    g2 = gen()
+    i, j = torch.randint(0, T, (B, 64), generator=g2), torch.randint(0, T, (B, 64), generator=g2)
+    if (i != j).any():                 # some untied pair drawn: each costs >= 50 when reversed
+        assert rev >= 50.0 * 0.999 and rev_margin >= 50.0
+    else:
+        assert rev == 0.0 and rev_margin == 0.0
+
+
+@settings(**SETTINGS)
+@given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 16))
+def test_utility_regression_equals_brute_force(seed, B, T):
+    g = torch.Generator().manual_seed(seed)
+    s, U = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+    brute = sum((s[b, t].item() - U[b, t].item()) ** 2 for b in range(B) for t in range(T)) / (B * T)
+    assert losses.utility_regression(s, U).item() == pytest.approx(brute, rel=1e-5, abs=1e-7)
+    assert losses.utility_regression(U, U).item() == 0.0
+
+
+# ----------------------------------------------------------------------------------------------------
+# 11. controller-only training touches the controller and nothing else
+
+@pytest.mark.parametrize('gate,infer_rule', [('mlp', 'threshold'), ('jepa', 'predictor'), ('mlp', 'predictor')])
+def test_controller_only_training_freezes_the_backbone(gate, infer_rule):
+    model = build(1, 3, gate=gate, infer_rule=infer_rule, controlled_layers='0,2', util_weight=1.0,
+                  rank_weight=1.0, jepa_weight=1.0, predictor_weight=1.0, mimic_weight=1.0).train()
+    cfg = SimpleNamespace(trainable='controller', route='ffn', gate=gate)
+    params = train.trainable_parameters(model, cfg)
+    opt = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), 'cpu', params=params)
+    in_opt = {id(p) for group in opt.param_groups for p in group['params']}
+    ctrl = {n for n, _ in model.named_parameters() if '.gate.' in n or '.predictor.' in n}
+    assert in_opt == {id(p) for p in model.controller_parameters()}
+    assert in_opt == {id(p) for n, p in model.named_parameters() if n in ctrl}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for step in range(3):
+        idx = tokens(step, 2, 16)
+        loss = model(idx, idx, oracle_layers=((0, 2)[step % 2],))[1]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    after = model.state_dict()
+    for k, v in before.items():
+        if k not in ctrl:
+            assert torch.equal(after[k], v), k
+    changed = {k for k in ctrl if not torch.equal(after[k], before[k])}
+    for l in (0, 2):
+        assert any(k.startswith(f'transformer.h.{l}.gate.') for k in changed)
+        if infer_rule == 'predictor':
+            assert any(k.startswith(f'transformer.h.{l}.predictor.') for k in changed)
+
+
+@pytest.mark.parametrize('kw', [dict(gate='random'), dict(gate='static_full'), dict(route='none')])
+def test_controller_only_needs_gate_parameters(kw):
+    model = build(0, 2, **kw)
+    cfg = SimpleNamespace(trainable='controller', route=model.config.route, gate=model.config.gate)
+    with pytest.raises(train.TrainError, match='controller'):
+        train.trainable_parameters(model, cfg)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 12. config validation names the field
+
+@pytest.mark.parametrize('field,value', [
+    ('budget', 0.0), ('budget', 1.5), ('budget', -0.5), ('budget', float('nan')),
+    ('gate', 'g2'), ('route', 'moe'), ('gate_grad', 'gumbel'), ('infer_rule', 'topk'),
+    ('jepa_outcome', 'x'), ('jepa_readout', 'x'), ('rank_kind', 'hinge'), ('oracle_policy', 'both'),
+    ('controlled_layers', '7'), ('controlled_layers', 'x'), ('controlled_layers', '-1'),
+    ('controlled_layers', '0,3'), ('controlled_layers', ''), ('controlled_layers', '1.5')])
+def test_config_validation_names_the_field(field, value):
+    args = dict(BASE, n_layer=3, route='ffn')
+    args[field] = value
+    with pytest.raises(ValueError, match=field):
+        GPTConfig(**args)
+
+
+@settings(**SETTINGS)
+@given(layout=layouts(), budget=BUDGETS)
+def test_valid_config_accepted(layout, budget):
+    n_layer, spec, ids = layout
+    cfg = GPTConfig(**dict(BASE, n_layer=n_layer, route='ffn', controlled_layers=spec, budget=float(budget)))
+    assert controlled_layer_ids(cfg) == ids
+    assert [i for i, b in enumerate(GPT(cfg).transformer.h) if b.routed] == ids
