@@ -10,6 +10,7 @@ Reports medians over bench_steps timed repeats after bench_warmup untimed ones; 
 exactly one JSON object.
 """
 import json
+import os
 import statistics
 import sys
 import time
@@ -17,9 +18,10 @@ from contextlib import nullcontext
 
 import torch
 
+import flops
 import train
 from configurator import ConfigError, load_config
-from model import GPT, GPTConfig
+from model import GPT
 
 BENCH_DEFAULTS = dict(bench_steps=10, bench_warmup=3, decode_tokens=32, decode_batches='1,8')
 
@@ -47,8 +49,11 @@ def bench(cfg):
     if dev.type == 'cuda':
         torch.backends.cuda.matmul.allow_tf32 = True
     torch.manual_seed(cfg['seed'])
-    mcfg = GPTConfig(block_size=cfg['block_size'], vocab_size=cfg['vocab_size'] or 50304, n_layer=cfg['n_layer'],
-                     n_head=cfg['n_head'], n_embd=cfg['n_embd'], dropout=cfg['dropout'], bias=cfg['bias'], pos=cfg['pos'])
+    vocab = cfg['vocab_size']
+    if not vocab:          # the dataset's vocabulary if it is prepared, else GPT-2's (padded)
+        meta_path = os.path.join(cfg['data_dir'] or os.path.join(train.HERE, 'data'), cfg['dataset'], 'meta.json')
+        vocab = json.load(open(meta_path))['vocab_size'] if os.path.exists(meta_path) else 50304
+    mcfg = train.model_config(type('C', (), cfg)(), vocab_size=vocab)
     model = GPT(mcfg).to(dev)
     B, T = cfg['batch_size'], cfg['block_size']
     x = torch.randint(0, mcfg.vocab_size, (B, T), device=dev)
@@ -82,13 +87,15 @@ def bench(cfg):
                 model.generate(prompt, cfg['decode_tokens'], temperature=0, use_cache=True)
         decode[db] = db * cfg['decode_tokens'] / timed(gen, max(1, cfg['bench_steps'] // 3), 1, dev)
     train_tps, prefill_tps = B * T / t_train, B * T / t_prefill
-    mfu = model.estimate_mfu(train_tps, dev, dt)
-    return dict(device=str(dev), device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
+    peak = flops.peak_flops(dev, dt)          # MFU from the FLOPs the step really runs (routed or not)
+    step_flops = B * flops.train_step_flops(mcfg, T)['total']
+    mfu = step_flops / t_train / peak if peak else None
+    return dict(route=mcfg.route, gate=mcfg.gate, budget=mcfg.budget, vocab_size=mcfg.vocab_size, device=str(dev), device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
                 dtype=dt, compile=cfg['compile'], torch=torch.__version__, threads=torch.get_num_threads(),
                 params=model.get_num_params(), batch_size=B, block_size=T,
                 train_ms_per_step=t_train * 1e3, train_tokens_per_s=train_tps, train_mfu=mfu,
                 prefill_tokens_per_s=prefill_tps, decode_tokens_per_s={str(k): v for k, v in decode.items()},
-                flops_per_token_train=model.flops_per_token(T, training=True))
+                train_flops_per_step=step_flops)
 
 
 def main(argv):

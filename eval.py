@@ -87,19 +87,19 @@ def main(argv):
     B = args['batch_size'] or cfg.batch_size
     tr = train.Batches(os.path.join(meta['folder'], 'train.bin'), np_dtype, cfg.block_size, B, cfg.seed, dev)
     va = train.Batches(os.path.join(meta['folder'], 'val.bin'), np_dtype, cfg.block_size, B, cfg.seed, dev)
-    res = report(model, tr, va, meta, args['eval_iters'], args['calib_iters'])
+    res = report(model, tr, va, meta, args['eval_iters'], args['calib_iters'], eval_seed=cfg.eval_seed)
     res['ckpt'] = args['ckpt']
     print(json.dumps(res) if as_json else json.dumps(res, indent=2))
     return 0
 
 
-def report(model, train_data, val_data, meta, eval_iters, calib_iters, autocast=nullcontext()):
+def report(model, train_data, val_data, meta, eval_iters, calib_iters, autocast=nullcontext(), eval_seed=1337):
     """The end-of-run numbers: causal val loss beside the forced-full and forced-cheap references,
     realised budget, and per-difficulty-class routing (synthetic corpus)."""
-    calib = [train_data.fetch(s)[0] for s in train_data.eval_batches(calib_iters, 3)]
-    if model.calibrate(torch.cat(calib)) is None and model.config.route == 'ffn':
-        pass                                            # gates without scores need no calibration
-    starts = val_data.eval_batches(eval_iters, 2)
+    calib = [train_data.fetch(s)[0] for s in train_data.eval_batches(calib_iters, 3, eval_seed)]
+    with autocast:
+        model.calibrate(torch.cat(calib))               # a no-op for gates without scores
+    starts = val_data.eval_batches(eval_iters, 2, eval_seed)
     batches = [val_data.fetch(s) for s in starts]
     out = dict(val_loss=evaluate(model, batches, autocast))
     if model.config.route == 'ffn':

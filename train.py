@@ -82,6 +82,7 @@ device = 'auto'              # 'auto', 'cpu', 'cuda', 'cuda:1', ...
 dtype = 'auto'               # 'auto', 'float32', 'bfloat16', 'float16' (float16 uses a GradScaler)
 compile = False              # torch.compile(dynamic=False)
 seed = 1337
+eval_seed = 1337             # eval/calibration batches: fixed, so every run of a study sees the same ones
 max_fp16_skips = 50          # stop if this many consecutive fp16 steps overflow
 DEFAULTS = {k: v for k, v in globals().items()
             if not k.startswith('_') and k.islower() and isinstance(v, (int, float, bool, str))}
@@ -170,9 +171,10 @@ class Batches:
     def get(self, j):
         return self.fetch(self.starts(j))
 
-    def eval_batches(self, n, split_seed):
-        """n fixed random batches, the same at every eval, so successive evals are comparable."""
-        g = torch.Generator().manual_seed(self.seed * 7919 + split_seed)
+    def eval_batches(self, n, split_seed, eval_seed=1337):
+        """n fixed random batches, the same at every eval and, for a given eval_seed, in every run
+        whatever its training seed, so evals and runs are comparable."""
+        g = torch.Generator().manual_seed(eval_seed * 7919 + split_seed)
         hi = (self.n_windows - 1) * self.T + 1
         return [torch.randint(0, hi, (self.B,), generator=g).numpy() for _ in range(n)]
 
@@ -292,11 +294,11 @@ def build_model(cfg, meta, ckpt):
     elif ckpt is not None:
         check_against_checkpoint(cfg, meta, ckpt, MODEL_KEYS)
         model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
-        controller = {n for n, _ in model.named_parameters() if '.gate.' in n or '.predictor.' in n}
-        backbone = {k: v for k, v in ckpt['model'].items() if '.gate.' not in k and '.predictor.' not in k
-                    and not k.endswith('.tau')}
+        def is_controller(k):        # gates, predictors (parameters and buffers) and thresholds
+            return '.gate.' in k or '.predictor.' in k or k.endswith('.tau')
+        backbone = {k: v for k, v in ckpt['model'].items() if not is_controller(k)}
         missing, unexpected = model.load_state_dict(backbone, strict=False)
-        bad = [k for k in missing if k not in controller and not k.endswith('.tau')] + list(unexpected)
+        bad = [k for k in missing if not is_controller(k)] + list(unexpected)
         if bad:
             raise TrainError(f"checkpoint {cfg.init_from} does not fit this model's backbone: {bad[:5]}")
     elif cfg.init_from == 'scratch':
@@ -420,8 +422,8 @@ def main(argv):
     np_dtype = np.uint32 if meta.get('dtype') == 'uint32' else np.uint16
     train_data = Batches(os.path.join(meta['folder'], 'train.bin'), np_dtype, cfg.block_size, cfg.batch_size, cfg.seed, dev)
     val_data = Batches(os.path.join(meta['folder'], 'val.bin'), np_dtype, cfg.block_size, cfg.batch_size, cfg.seed, dev)
-    eval_sets = {'train': (train_data, train_data.eval_batches(cfg.eval_iters, 1)),
-                 'val': (val_data, val_data.eval_batches(cfg.eval_iters, 2))}
+    eval_sets = {'train': (train_data, train_data.eval_batches(cfg.eval_iters, 1, cfg.eval_seed)),
+                 'val': (val_data, val_data.eval_batches(cfg.eval_iters, 2, cfg.eval_seed))}
 
     ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dt]
     autocast = nullcontext() if dt == 'float32' else torch.autocast(device_type=dev.type, dtype=ptdtype)
@@ -450,7 +452,11 @@ def main(argv):
     ctrl_ids = controlled_layer_ids(mcfg)
     oracle_on = mcfg.gate in ('mlp', 'jepa') and (mcfg.util_weight > 0 or mcfg.rank_weight > 0)
     k_oracle = min(cfg.oracle_layers_per_step, len(ctrl_ids))
-    calib = [train_data.fetch(s)[0] for s in train_data.eval_batches(cfg.calib_iters, 3)]
+    calib = [train_data.fetch(s)[0] for s in train_data.eval_batches(cfg.calib_iters, 3, cfg.eval_seed)]
+    if cfg.compile and oracle_on:       # one graph per sampled oracle-layer set: let every one compile
+        import torch._dynamo as dynamo         # (a bare `import torch._dynamo` would make torch local here)
+        limit = 'recompile_limit' if hasattr(dynamo.config, 'recompile_limit') else 'cache_size_limit'
+        setattr(dynamo.config, limit, max(getattr(dynamo.config, limit), len(ctrl_ids) + 8))
 
     metrics_f = None
     if master:
@@ -629,7 +635,7 @@ def main(argv):
                        train_flops=flops_state['exact'])
         if not cfg.eval_only and stop.signum is None and mcfg.route != 'none':
             summary['routing'] = evaluation.report(raw_model, train_data, val_data, meta, cfg.eval_iters,
-                                                   cfg.calib_iters, autocast)
+                                                   cfg.calib_iters, autocast, cfg.eval_seed)
             print_routing(summary['routing'])
         log(summary)
         metrics_f.close()

@@ -304,20 +304,21 @@ def test_forced_cheap_and_static_cheap_equal_hand_written_forward(seed, B, T, la
         assert not torch.equal(model(idx, idx, force='full')[0], ref)
 
 
-def test_routed_model_from_checkpoint_file_keeps_backbone_and_gets_fresh_gates():
-    """train.build_model with init_from=<ckpt file>: backbone (incl. cheap FFNs) from the file, gates
-    fresh; forced full/cheap logits are bitwise those of the source model."""
-    kw = dict(n_layer=2, gate='mlp', controlled_layers='all')
-    src = build(11, **kw)
+@pytest.mark.parametrize('src_gate,gate,rule', [('mlp', 'mlp', 'threshold'), ('random', 'mlp', 'predictor'),
+                                                 ('random', 'jepa', 'threshold'), ('mlp', 'jepa', 'predictor')])
+def test_routed_model_from_checkpoint_file_keeps_backbone_and_gets_fresh_gates(src_gate, gate, rule):
+    """train.build_model with init_from=<ckpt file> (stage 2: typically a random-gate backbone): backbone
+    (incl. cheap FFNs) from the file, gates fresh; forced full/cheap logits equal the source model's."""
+    src = build(11, 2, gate=src_gate, controlled_layers='all')
     ckpt = dict(model_args=dict(src.config.__dict__), model=src.state_dict())
-    fields = dict(src.config.__dict__)
+    fields = dict(src.config.__dict__, gate=gate, infer_rule=rule)
     cfg = SimpleNamespace(**fields, init_from='stage1/ckpt.pt', dataset='synthetic')
     model = train.build_model(cfg, dict(vocab_size=V), ckpt)
     idx = tokens(3, 2, 12)
     for force in ('full', 'cheap'):
         assert torch.equal(model(idx, idx, force=force)[0], src(idx, idx, force=force)[0])
     g_src = dict(src.named_parameters())
-    assert any(not torch.equal(p, g_src[n]) for n, p in model.named_parameters() if '.gate.' in n)
+    assert any(n not in g_src or not torch.equal(p, g_src[n]) for n, p in model.named_parameters() if '.gate.' in n)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,0 +1,25 @@
+# Stage 2 on Tiny Shakespeare: controller-only G1 standard recipe; arms as for the synthetic corpus.
+init_from = 'out/ffn_stage1_shakespeare/ckpt.pt'
+out_dir = 'out/ffn_stage2_shakespeare'
+dataset = 'shakespeare_char'
+trainable = 'controller'
+route = 'ffn'
+gate = 'mlp'
+budget = 0.5
+cheap_rank = 16
+n_layer = 4
+n_head = 4
+n_embd = 128
+block_size = 128
+batch_size = 32
+dropout = 0.0
+util_weight = 1.0
+rank_weight = 1.0
+max_iters = 300
+eval_interval = 100
+log_interval = 10
+learning_rate = 3e-3
+min_lr = 3e-4
+warmup_iters = 20
+weight_decay = 0.0
+lm_thresholds = '1.75,1.70,1.65'

@@ -1,0 +1,16 @@
+# The seed paper's A3 at CPU scale (SPEC §1): G1 and G3, standard recipe (util + rank from off-policy
+# oracle labels) vs util/rank removed, 3 seeds, plus the on-policy-label arm the paper never ran.
+# Stage 1 (random-routing backbone) runs once first; every arm trains gates only on top of it.
+#   python sweep.py config/study_a3.py
+base = 'config/ffn_stage2_synthetic.py'
+out_root = 'out/study_a3'
+before = [['config/ffn_stage1_synthetic.py', '--out_dir=out/ffn_stage1_synthetic']]
+seeds = [1, 2, 3]
+arms = {
+    'G1_std': ['--gate=mlp'],
+    'G1_A3': ['--gate=mlp', '--util_weight=0', '--rank_weight=0'],
+    'G3_std': ['--gate=jepa'],
+    'G3_A3': ['--gate=jepa', '--util_weight=0', '--rank_weight=0'],
+    'G1_onpolicy': ['--gate=mlp', '--oracle_policy=on'],
+}
+reference = 'G1_std'

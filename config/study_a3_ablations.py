@@ -1,0 +1,16 @@
+# The seed paper's other ablations at CPU scale: A1 (G3 without JEPA alignment: does the predictor
+# collapse?), A4 (lambda_JEPA in {0.25, 1, 2}), and the 25% budget check. Same stage 1 as study_a3.
+#   python sweep.py config/study_a3_ablations.py
+base = 'config/ffn_stage2_synthetic.py'
+out_root = 'out/study_a3_ablations'
+before = [['config/ffn_stage1_synthetic.py', '--out_dir=out/ffn_stage1_synthetic']]
+seeds = [1, 2, 3]
+arms = {
+    'G3_std': ['--gate=jepa'],
+    'G3_A1_nojepa': ['--gate=jepa', '--jepa_weight=0'],
+    'G3_A4_0.25': ['--gate=jepa', '--jepa_weight=0.25'],
+    'G3_A4_2.0': ['--gate=jepa', '--jepa_weight=2.0'],
+    'G1_budget25': ['--gate=mlp', '--budget=0.25'],
+    'G3_budget25': ['--gate=jepa', '--budget=0.25'],
+}
+reference = 'G3_std'

@@ -1,0 +1,217 @@
+"""
+Run a study: a grid of arms x seeds, each arm a list of overrides on a base config, then summarise.
+
+    python sweep.py config/study_a3.py                 # run what is missing, then summarise
+    python sweep.py config/study_a3.py --jobs=2        # two runs at a time
+    python sweep.py config/study_a3.py --summarize_only
+
+A study file defines: base (a config file), overrides (for every run), arms {name: [overrides]},
+seeds, out_root, reference (the arm the others are compared with), and optionally before (train.py
+argument lists run once first, e.g. stage 1 of a two-stage recipe). Run r of arm a writes to
+out_root/a/seed<s>/. A finished run (its metrics.jsonl ends with a summary at max_iters) is skipped;
+an interrupted one (ckpt.pt but no summary) is resumed. The summary (summary.md, summary.json in
+out_root) gives per arm mean ± std over seeds and, against the reference arm, per-seed paired
+differences: wins in k/n seeds and the mean difference with a 95% t-interval. Runs made by different
+code versions (git SHA / dirty tree, from run_info.json) are flagged in the summary.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# two-sided 95% quantiles of Student's t for df = 1..10 (df > 10 uses the normal 1.96 as a bound)
+T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]
+# metric -> (where it comes from, lower is better?)
+METRICS = {
+    'avg_lm': ('summary', True), 'best_val_lm': ('summary', True), 'final_val_loss': ('eval', True),
+    'causal_val_loss': ('routing', True), 'realised_full_frac': ('routing', None),
+    'ctrl_grad_norm': ('train', True), 'flops_proxy': ('summary', True), 'wall_s': ('summary', True),
+}
+
+
+def load_study(path):
+    ns = {}
+    with open(path) as f:
+        exec(compile(f.read(), path, 'exec'), ns)
+    missing = [k for k in ('base', 'arms', 'seeds', 'out_root') if k not in ns]
+    if missing:
+        raise SystemExit(f"error: study {path} must define {missing}")
+    ns.setdefault('overrides', [])
+    ns.setdefault('before', [])
+    ns.setdefault('reference', next(iter(ns['arms'])))
+    if ns['reference'] not in ns['arms']:
+        raise SystemExit(f"error: reference arm {ns['reference']!r} is not one of {list(ns['arms'])}")
+    return ns
+
+
+def read_metrics(out_dir):
+    path = os.path.join(out_dir, 'metrics.jsonl')
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def finished(out_dir):
+    recs = read_metrics(out_dir)
+    cfg_path = os.path.join(out_dir, 'config.json')
+    if not recs or recs[-1].get('type') != 'summary' or not os.path.exists(cfg_path):
+        return False
+    with open(cfg_path) as f:
+        return recs[-1]['iter'] >= json.load(f)['max_iters']
+
+
+def run_one(argv, out_dir, log_path):
+    """Run train.py (resuming if a checkpoint exists); returns (out_dir, exit code)."""
+    if finished(out_dir):
+        return out_dir, 0
+    args = [sys.executable, os.path.join(HERE, 'train.py'), *argv, f'--out_dir={out_dir}']
+    if os.path.exists(os.path.join(out_dir, 'ckpt.pt')):
+        args.append('--init_from=resume')
+    os.makedirs(out_dir, exist_ok=True)
+    with open(log_path, 'a') as log:
+        code = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, cwd=HERE).returncode
+    return out_dir, code
+
+
+def run_metrics(out_dir):
+    """The numbers one run contributes to the summary."""
+    recs = read_metrics(out_dir)
+    summ = next((r for r in reversed(recs) if r.get('type') == 'summary'), {})
+    evals = [r for r in recs if r.get('type') == 'eval']
+    train = [r for r in recs if r.get('type') == 'train']
+    out = {k: summ.get(k) for k in ('avg_lm', 'best_val_lm', 'flops_proxy', 'wall_s')}
+    out.update({k: v for k, v in summ.items() if k.startswith('hit_')})
+    out['final_val_loss'] = evals[-1]['val_loss'] if evals else None
+    norms = [r['ctrl_grad_norm'] for r in train if r.get('ctrl_grad_norm') is not None]
+    out['ctrl_grad_norm'] = float(np.mean(norms)) if norms else None
+    routing = summ.get('routing') or {}
+    if routing:
+        out['causal_val_loss'] = routing['val_loss']['loss']
+        out['realised_full_frac'] = float(np.mean(routing['val_loss']['full_frac']))
+    try:
+        with open(os.path.join(out_dir, 'run_info.json')) as f:
+            info = json.load(f)
+        out['code'] = f"{(info.get('git_sha') or 'unknown')[:10]}{'+dirty' if info.get('git_dirty') else ''}"
+    except FileNotFoundError:
+        out['code'] = 'unknown'
+    return out
+
+
+def mean_std(values):
+    v = [x for x in values if x is not None]
+    if not v:
+        return None, None
+    return float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else 0.0
+
+
+def paired(arm_vals, ref_vals, lower_better):
+    """Per-seed differences arm − reference: wins, mean and 95% t-interval of the difference."""
+    d = [a - r for a, r in zip(arm_vals, ref_vals) if a is not None and r is not None]
+    if not d:
+        return None
+    n, m = len(d), float(np.mean(d))
+    half = (T95[n - 2] if n - 2 < len(T95) else 1.96) * float(np.std(d, ddof=1)) / math.sqrt(n) if n > 1 else float('nan')
+    wins = sum(x < 0 for x in d) if lower_better else sum(x > 0 for x in d)
+    return dict(n=n, wins=wins, mean_diff=m, ci95=[m - half, m + half])
+
+
+def summarize(study, results):
+    arms, seeds = list(study['arms']), study['seeds']
+    keys = list(METRICS) + sorted({k for r in results.values() for k in r if k.startswith('hit_')})
+    table = {}
+    for arm in arms:
+        table[arm] = {}
+        for k in keys:
+            vals = [results.get((arm, s), {}).get(k) for s in seeds]
+            mu, sd = mean_std(vals)
+            entry = dict(mean=mu, std=sd, per_seed=vals)
+            lower = METRICS.get(k, (None, True))[1]
+            if arm != study['reference'] and lower is not None:
+                entry['vs_reference'] = paired(vals, [results.get((study['reference'], s), {}).get(k) for s in seeds], lower)
+            table[arm][k] = entry
+    codes = sorted({r.get('code', 'unknown') for r in results.values()})
+    return dict(study=study['__file__'] if '__file__' in study else None, reference=study['reference'], seeds=seeds,
+                code_versions=codes, mixed_code_versions=len(codes) > 1, table=table)
+
+
+def markdown(summary):
+    lines = []
+    if summary['mixed_code_versions']:
+        lines.append(f"**Warning: these runs come from different code versions: {summary['code_versions']}**\n")
+    arms = list(summary['table'])
+    keys = [k for k in summary['table'][arms[0]] if any(summary['table'][a][k]['mean'] is not None for a in arms)]
+    lines.append('| arm | ' + ' | '.join(keys) + ' |')
+    lines.append('|---' * (len(keys) + 1) + '|')
+    for arm in arms:
+        cells = []
+        for k in keys:
+            e = summary['table'][arm][k]
+            if e['mean'] is None:
+                cells.append('—')
+                continue
+            cell = f"{e['mean']:.4g} ± {e['std']:.2g}"
+            vs = e.get('vs_reference')
+            if vs:
+                cell += f" (wins {vs['wins']}/{vs['n']}, Δ {vs['mean_diff']:+.3g})"
+            cells.append(cell)
+        lines.append(f"| {arm} | " + ' | '.join(cells) + ' |')
+    lines.append(f"\nmean ± std over seeds {summary['seeds']}; (wins k/n, Δ) = per-seed paired comparison with "
+                 f"the reference arm `{summary['reference']}` (wins: better in k of n seeds; Δ = mean of arm − "
+                 f"reference). Code: {', '.join(summary['code_versions'])}.")
+    return '\n'.join(lines)
+
+
+def main(argv):
+    if not argv or not argv[0].endswith('.py'):
+        raise SystemExit("usage: python sweep.py config/study_<name>.py [--jobs=N] [--summarize_only] [--dry_run]")
+    opts = {a.split('=')[0]: (a.split('=', 1)[1] if '=' in a else True) for a in argv[1:]}
+    unknown = set(opts) - {'--jobs', '--summarize_only', '--dry_run'}
+    if unknown:
+        raise SystemExit(f"error: unknown option(s) {sorted(unknown)}")
+    study = load_study(argv[0])
+    study['__file__'] = argv[0]
+    root = study['out_root']
+    os.makedirs(root, exist_ok=True)
+    grid = [(arm, s, [study['base'], *study['overrides'], *ov, f'--seed={s}'])
+            for arm, ov in study['arms'].items() for s in study['seeds']]
+    if opts.get('--dry_run'):
+        for argv_ in study['before']:
+            print('before:', 'python train.py', ' '.join(argv_))
+        for arm, s, a in grid:
+            print(f"{arm} seed {s}:", 'python train.py', ' '.join(a), f'--out_dir={root}/{arm}/seed{s}')
+        return 0
+    if not opts.get('--summarize_only'):
+        for argv_ in study['before']:
+            out = next((a.split('=', 1)[1] for a in argv_ if a.startswith('--out_dir=')), None)
+            if out is None:
+                raise SystemExit("error: every 'before' run must give --out_dir=")
+            print(f"before: {' '.join(argv_)}", flush=True)
+            _, code = run_one([a for a in argv_ if not a.startswith('--out_dir=')], out, os.path.join(root, 'before.log'))
+            if code:
+                raise SystemExit(f"error: 'before' run failed (exit {code}); see {root}/before.log")
+        t0 = time.time()
+        with ThreadPoolExecutor(max_workers=int(opts.get('--jobs', 1))) as pool:
+            futs = [pool.submit(run_one, a, f'{root}/{arm}/seed{s}', f'{root}/{arm}/seed{s}.log') for arm, s, a in grid]
+            for f in futs:
+                out, code = f.result()
+                print(f"{'done' if code == 0 else f'FAILED (exit {code})'}: {out} [{time.time() - t0:.0f}s]", flush=True)
+    results = {(arm, s): run_metrics(f'{root}/{arm}/seed{s}') for arm, s, _ in grid if finished(f'{root}/{arm}/seed{s}')}
+    summary = summarize(study, results)
+    with open(os.path.join(root, 'summary.json'), 'w') as f:
+        json.dump(summary, f, indent=2)
+    md = markdown(summary)
+    with open(os.path.join(root, 'summary.md'), 'w') as f:
+        f.write(md + '\n')
+    print(md)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main(sys.argv[1:]))
