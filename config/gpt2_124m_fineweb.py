@@ -3,6 +3,7 @@
 #   torchrun --standalone --nproc_per_node=8 train.py config/gpt2_124m_fineweb.py
 out_dir = 'out/gpt2_124m_fineweb'
 dataset = 'fineweb_edu'
+route = 'none'               # dense GPT-2 small
 batch_size = 32
 block_size = 1024
 gradient_accumulation_steps = 16      # total over all processes: 32 * 1024 * 16 = 524,288 tokens per step

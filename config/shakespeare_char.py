@@ -2,6 +2,7 @@
 #   python data/prepare.py shakespeare_char && python train.py config/shakespeare_char.py
 out_dir = 'out/shakespeare_char'
 dataset = 'shakespeare_char'
+route = 'none'               # dense baseline (train.py's quickstart default is a routed model)
 eval_interval = 250
 eval_iters = 20
 log_interval = 25

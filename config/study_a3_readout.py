@@ -1,0 +1,13 @@
+# G3's score readout (unstated in the paper): 'distance' (the default, as in study_a3) vs 'linear',
+# each with and without util/rank, against G1's standard recipe. Same stage 1 as study_a3.
+#   python sweep.py config/study_a3_readout.py
+base = 'config/ffn_stage2_synthetic.py'
+out_root = 'out/study_a3_readout'
+before = [['config/ffn_stage1_synthetic.py', '--out_dir=out/ffn_stage1_synthetic']]
+seeds = [1, 2, 3]
+arms = {
+    'G1_std': ['--gate=mlp'],
+    'G3lin_std': ['--gate=jepa', '--jepa_readout=linear'],
+    'G3lin_A3': ['--gate=jepa', '--jepa_readout=linear', '--util_weight=0', '--rank_weight=0'],
+}
+reference = 'G1_std'

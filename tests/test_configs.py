@@ -1,0 +1,24 @@
+"""Every shipped config file parses with train.py's typed keys and builds its model."""
+import os
+
+import pytest
+
+import train
+from configurator import load_config
+from model import GPT
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(f for f in os.listdir(os.path.join(HERE, 'config')) if f.endswith('.py') and not f.startswith('study_'))
+
+
+@pytest.mark.parametrize('name', CONFIGS)
+def test_config_parses_and_builds(name):
+    cfg = load_config(train.DEFAULTS, [os.path.join(HERE, 'config', name)])
+    c = type('C', (), cfg)()
+    mcfg = train.model_config(c, vocab_size=cfg['vocab_size'] or 65)
+    if mcfg.n_embd * mcfg.n_layer <= 256 * 6:          # build the CPU-sized ones for real
+        model = GPT(mcfg)
+        assert model.get_num_params() > 0
+    if cfg['trainable'] == 'controller':
+        assert cfg['route'] == 'ffn' and cfg['gate'] in ('mlp', 'jepa')
+        assert cfg['init_from'].endswith('ckpt.pt')
