@@ -5,7 +5,9 @@ realised full-path fraction per controlled layer; and, on the synthetic corpus, 
 per difficulty class.
 
     python eval.py --ckpt out/quickstart/ckpt.pt --json
-    python eval.py --ckpt out/quickstart/ckpt.pt --eval_iters=50 --device=cpu
+    python eval.py --ckpt=out/quickstart/ckpt.pt --eval_iters=50 --device=cpu
+
+eval_iters / calib_iters / batch_size default to the run's own values (0 = from the checkpoint).
 
 train.py uses the functions here for its periodic evals and its end-of-run summary.
 """
@@ -69,7 +71,11 @@ def main(argv):
     from model import GPT, GPTConfig
     as_json = '--json' in argv
     argv = [a for a in argv if a != '--json']
-    args = load_config(dict(ckpt='', eval_iters=20, calib_iters=4, device='auto', dtype='float32',
+    for i, a in enumerate(argv[:-1]):          # also accept the space-separated form: --ckpt PATH
+        if a == '--ckpt':
+            argv = argv[:i] + [f'--ckpt={argv[i + 1]}'] + argv[i + 2:]
+            break
+    args = load_config(dict(ckpt='', eval_iters=0, calib_iters=0, device='auto', dtype='float32',
                             data_dir='', batch_size=0), argv)
     if not args['ckpt'] or not os.path.isfile(args['ckpt']):
         raise train.TrainError(f"--ckpt must name a checkpoint file, got {args['ckpt']!r}")
@@ -79,7 +85,8 @@ def main(argv):
     cfg.data_dir = args['data_dir'] or cfg.data_dir
     cfg.device, cfg.dtype = args['device'], args['dtype']
     dev, dt = train.resolve_device_dtype(cfg)
-    meta = train.load_dataset_meta(cfg, master=False)
+    meta = train.load_dataset_meta(cfg, master=True)
+    train.check_against_checkpoint(cfg, meta, ck, ())      # the data must be the run's (names the field)
     model = GPT(GPTConfig.from_dict(ck['model_args']))
     model.load_state_dict(ck['model'])
     model.to(dev)
@@ -87,7 +94,9 @@ def main(argv):
     B = args['batch_size'] or cfg.batch_size
     tr = train.Batches(os.path.join(meta['folder'], 'train.bin'), np_dtype, cfg.block_size, B, cfg.seed, dev)
     va = train.Batches(os.path.join(meta['folder'], 'val.bin'), np_dtype, cfg.block_size, B, cfg.seed, dev)
-    res = report(model, tr, va, meta, args['eval_iters'], args['calib_iters'], eval_seed=cfg.eval_seed)
+    torch.manual_seed(cfg.eval_seed)
+    res = report(model, tr, va, meta, args['eval_iters'] or cfg.eval_iters, args['calib_iters'] or cfg.calib_iters,
+                 eval_seed=cfg.eval_seed)
     res['ckpt'] = args['ckpt']
     print(json.dumps(res) if as_json else json.dumps(res, indent=2))
     return 0
@@ -115,8 +124,9 @@ def report(model, train_data, val_data, meta, eval_iters, calib_iters, autocast=
 
 if __name__ == '__main__':
     import train
+    from configurator import ConfigError
     try:
         sys.exit(main(sys.argv[1:]))
-    except train.TrainError as e:
+    except (train.TrainError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

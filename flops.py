@@ -7,6 +7,8 @@ a matmul of (m×k)·(k×n) costs 2·m·k·n; attention costs QKᵀ plus AV over 
 element-wise ops, norms, softmax and embedding lookups are not counted. A backward pass costs twice
 its forward for every matmul whose weight and input both need gradients.
 """
+import re
+
 import torch
 
 
@@ -42,7 +44,7 @@ def peak_flops(device, dtype):
     if dt == 'float32' and torch.backends.cuda.matmul.allow_tf32:
         dt = 'tf32'
     for fragment, table in PEAK_FLOPS:
-        if fragment in name:
+        if re.search(rf'\b{re.escape(fragment)}\b', name):     # whole words: 'L4' is not 'L40S'
             return table.get(dt)
     return None
 

@@ -102,7 +102,7 @@ class JEPAGate(nn.Module):
         diff = p_full - p_cheap
         if self.read is None:
             return diff.pow(2).sum(-1) / self.latent
-        return self.read(diff).squeeze(-1)
+        return fp32(lambda d: self.read(d).squeeze(-1))(diff)
 
     def target_of(self, outcome):
         """Fixed projection of an action's actual outcome (stop-gradient)."""

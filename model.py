@@ -12,6 +12,7 @@ its real causal order at its real positions, and a KV cache can hold slots that 
     logits, loss = model(idx, targets)[:2]    # third element: dict of loss terms and routing stats
 """
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 import torch
@@ -306,10 +307,12 @@ class Block(nn.Module):
 
     def collect_losses(self, ctx, x, h, full, cheap, mask, preds):
         cfg = self.cfg
+        if preds is not None:           # collapse monitor (A1): spread of the forecasts across tokens
+            ctx.add('jepa_pred_std', torch.cat(preds, -1).detach().flatten(0, 1).std(0, correction=0).mean()
+                    / len(controlled_layer_ids(cfg)))
         if preds is not None and cfg.jepa_weight > 0:
             outcomes = (full, cheap) if cfg.jepa_outcome == 'delta' else (x + full, x + cheap)
             ctx.add('jepa_loss', losses.jepa_alignment(preds, [self.gate.target_of(o) for o in outcomes]))
-            ctx.add('jepa_pred_std', torch.cat(preds, -1).detach().flatten(0, 1).std(0).mean())
         if self.predictor is not None and cfg.predictor_weight > 0:
             ctx.add('pred_loss', losses.membership_bce(self.predictor(h), mask))
         if cfg.mimic_weight > 0:
@@ -409,20 +412,34 @@ class GPT(nn.Module):
     # ------------------------------------------------------------------------------------------------
     # oracle utility labels (route='ffn')
 
+    @contextmanager
+    def no_dropout(self):
+        """Dropout off (routing stays in training mode): the two forks of an oracle label must differ
+        only in the action at l, not in their dropout masks."""
+        mods = [m for m in self.modules() if isinstance(m, (nn.Dropout, CausalSelfAttention)) and m.training]
+        for m in mods:
+            m.training = False
+        try:
+            yield
+        finally:
+            for m in mods:
+                m.training = True
+
     @torch.no_grad()
     def fork_utility(self, l, x_mid, targets, pos, later, ce_full=None):
         """U_t at controlled layer l from the state x_mid (after layer l's attention): per-token CE with
         the cheap FFN at l minus with the full FFN at l; the later layers all full (later='full') or
         following the current gate policy (later='policy'). ce_full, when known, skips that fork."""
         block = self.transformer.h[l]
-        h = block.ln_2(x_mid)
         ce = {'full': ce_full, 'cheap': None}
-        for action in ('full', 'cheap'):
-            if ce[action] is None:
-                update = block.mlp(h) if action == 'full' else block.cheap(h)
-                sub = RouteCtx(force='full' if later == 'full' else None, collect=False)
-                x = self.run_blocks(x_mid + update, pos, None, sub, start=l + 1)
-                ce[action] = losses.per_token_ce(self.lm_head(self.transformer.ln_f(x)), targets)
+        with self.no_dropout():
+            h = block.ln_2(x_mid)
+            for action in ('full', 'cheap'):
+                if ce[action] is None:
+                    update = block.mlp(h) if action == 'full' else block.cheap(h)
+                    sub = RouteCtx(force='full' if later == 'full' else None, collect=False)
+                    x = self.run_blocks(x_mid + update, pos, None, sub, start=l + 1)
+                    ce[action] = losses.per_token_ce(self.lm_head(self.transformer.ln_f(x)), targets)
         return losses.oracle_utility(ce['cheap'], ce['full'])
 
     def oracle_losses(self, ctx, layers, idx, targets, pos, aux):
@@ -435,7 +452,7 @@ class GPT(nn.Module):
             if l not in ctx.scores:
                 raise ValueError(f"oracle_layers names layer {l}, which has no trainable gate score")
         if cfg.oracle_policy == 'off':
-            with torch.no_grad():
+            with torch.no_grad(), self.no_dropout():
                 full_ctx = RouteCtx(force='full', collect=False, keep_mid=layers)
                 x = self.run_blocks(self.embed(idx, pos), pos, None, full_ctx)
                 ce_full = losses.per_token_ce(self.lm_head(self.transformer.ln_f(x)), targets)
@@ -531,11 +548,12 @@ class GPT(nn.Module):
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
     def flops_per_token(self, seq_len=None, training=True):
-        """Analytic FLOPs per token of a forward (training=False) or forward+backward (True) at
-        sequence length seq_len (default block_size); see flops.py."""
+        """Analytic FLOPs per token of a training-mode forward (training=False) or a whole joint
+        training step (True) at sequence length seq_len (default block_size), routing included."""
         T = seq_len or self.config.block_size
-        f = flops_lib.dense_forward_flops(self.config, T) / T
-        return 3 * f if training else f
+        if training:
+            return flops_lib.train_step_flops(self.config, T)['total'] / T
+        return flops_lib.forward_flops(self.config, T, mode='train') / T
 
     def estimate_mfu(self, tokens_per_s, device, dtype, seq_len=None):
         """Model FLOPs utilisation against the peak of the device in use (None when unknown, e.g. CPU)."""
@@ -565,7 +583,8 @@ class GPT(nn.Module):
         sd, sd_hf = model.state_dict(), hf.state_dict()
         transposed = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
         keys = [k for k in sd_hf if not k.endswith(('.attn.masked_bias', '.attn.bias'))]
-        missing = set(k for k in sd if not k.endswith('.attn.bias')) - set(keys)
+        fresh = ('.cheap.', '.gate.', '.predictor.', 'halt.')    # routing modules keep their init
+        missing = {k for k in sd if not k.endswith(('.attn.bias', '.tau')) and not any(f in k for f in fresh)} - set(keys)
         if missing:
             raise ValueError(f"from_pretrained: no HF weights for {sorted(missing)}")
         with torch.no_grad():

@@ -60,11 +60,16 @@ def main(argv):
         raise ConfigError(f"no checkpoint at {path}; train one first with: python train.py --out_dir={cfg['out_dir']}")
     dev = torch.device(cfg['device'] if cfg['device'] != 'auto' else ('cuda' if torch.cuda.is_available() else 'cpu'))
     ckpt = torch.load(path, map_location='cpu', weights_only=False)
+    if ckpt['model_args'].get('route') == 'ffn' and ckpt['model_args'].get('gate') == 'oracle':
+        raise ConfigError("gate='oracle' routes by the targets, so it cannot generate; sample from a model with a causal gate")
     model = GPT(GPTConfig.from_dict(ckpt['model_args']))
     model.load_state_dict(ckpt['model'])
     model.eval().to(dev)
     tcfg = ckpt['config']
     folder = os.path.join(cfg['data_dir'] or tcfg.get('data_dir') or os.path.join(HERE, 'data'), tcfg['dataset'])
+    if not os.path.exists(os.path.join(folder, 'meta.json')):
+        raise ConfigError(f"no {folder}/meta.json to decode with: run python data/prepare.py {tcfg['dataset']} "
+                          f"(or pass --data_dir=...)")
     with open(os.path.join(folder, 'meta.json')) as f:
         encode, decode = load_tokenizer(json.load(f))
     ids = encode(cfg['start']) or [0]

@@ -89,8 +89,8 @@ DEFAULTS = {k: v for k, v in globals().items()
 for _f in fields(GPTConfig):
     DEFAULTS.setdefault(_f.name, _f.default)
 # fields that define the backbone's weights: a resumed or stage-2 run must agree with its checkpoint
-MODEL_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'pos', 'vocab_size', 'route',
-              'controlled_layers', 'cheap_rank')
+MODEL_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'pos', 'vocab_size', 'gelu', 'rope_base',
+              'route', 'controlled_layers', 'cheap_rank')
 RESUME_KEYS = MODEL_KEYS + ('gate', 'gate_hidden', 'infer_rule', 'jepa_latent', 'jepa_readout')
 HERE = os.path.dirname(os.path.abspath(__file__))
 # ----------------------------------------------------------------------------------------------------
@@ -284,11 +284,11 @@ def build_model(cfg, meta, ckpt):
     data_vocab = meta['vocab_size']
     if ckpt is not None and cfg.init_from == 'resume':
         check_against_checkpoint(cfg, meta, ckpt, RESUME_KEYS)
-        for k in ('batch_size', 'gradient_accumulation_steps', 'seed'):   # they fix which data comes next
+        for k in ('batch_size', 'gradient_accumulation_steps', 'seed', 'trainable'):   # data order, optimizer
             if ckpt['config'].get(k) != getattr(cfg, k):
                 raise TrainError(f"config field '{k}' differs from the checkpoint: checkpoint has "
-                                 f"{ckpt['config'].get(k)!r}, config has {getattr(cfg, k)!r}; resuming would "
-                                 f"change the data order")
+                                 f"{ckpt['config'].get(k)!r}, config has {getattr(cfg, k)!r}; resume with the "
+                                 f"run's original value")
         model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
         model.load_state_dict(ckpt['model'])
     elif ckpt is not None:
@@ -313,6 +313,8 @@ def build_model(cfg, meta, ckpt):
         model = GPT.from_pretrained(cfg.init_from, routing)
         if cfg.block_size < model.config.block_size:
             model.crop_block_size(cfg.block_size)
+        for k in MODEL_KEYS:            # the checkpoint's shape wins: record it, so config.json and resume agree
+            setattr(cfg, k, getattr(model.config, k))
     if data_vocab > model.config.vocab_size:
         raise TrainError(f"field 'vocab_size' differs: data/{cfg.dataset} has {data_vocab} tokens but the "
                          f"model's vocabulary is {model.config.vocab_size}")
@@ -384,6 +386,14 @@ def main(argv):
         raise TrainError(f"init_from must be scratch, resume, a checkpoint file, gpt2[-medium|-large|-xl] "
                          f"or a local HF GPT-2 directory; {cfg.init_from!r} is none of these")
     model_config(cfg)                           # validates routing fields before any work
+    try:
+        [float(t) for t in str(cfg.lm_thresholds).split(',') if t.strip()]
+    except ValueError:
+        raise TrainError(f"lm_thresholds must be comma-separated numbers such as '2.5,2.0', got {cfg.lm_thresholds!r}") from None
+    if cfg.oracle_layers_per_step < 1:
+        raise TrainError(f"oracle_layers_per_step must be >= 1, got {cfg.oracle_layers_per_step}")
+    if cfg.eval_interval < 1 or cfg.log_interval < 1 or cfg.eval_iters < 1:
+        raise TrainError("eval_interval, log_interval and eval_iters must be >= 1")
 
     # DDP: torchrun sets RANK / WORLD_SIZE; NCCL on GPU, gloo on CPU
     ddp = int(os.environ.get('RANK', -1)) != -1
@@ -412,6 +422,7 @@ def main(argv):
     random.seed(cfg.seed + rank)
     np.random.seed(cfg.seed + rank)
     model = build_model(cfg, meta, ckpt).to(dev)
+    cfg_dict.update({k: getattr(cfg, k) for k in MODEL_KEYS})    # what was built (GPT-2 init sets the shape)
 
     if ddp:
         from torch.distributed import init_process_group
@@ -447,7 +458,10 @@ def main(argv):
         model = torch.compile(model, dynamic=False)
     if ddp:
         from torch.nn.parallel import DistributedDataParallel as DDP
-        model = DDP(model, device_ids=[local_rank] if dev.type == 'cuda' else None)
+        m = raw_model.config            # configs where some parameters get no gradient in a step
+        partial = m.route == 'ffn' and (m.gate in ('static_full', 'static_cheap') or m.gate_grad == 'none'
+                                        or (m.infer_rule == 'predictor' and m.predictor_weight == 0))
+        model = DDP(model, device_ids=[local_rank] if dev.type == 'cuda' else None, find_unused_parameters=partial)
     mcfg = raw_model.config
     ctrl_ids = controlled_layer_ids(mcfg)
     oracle_on = mcfg.gate in ('mlp', 'jepa') and (mcfg.util_weight > 0 or mcfg.rank_weight > 0)
@@ -478,10 +492,12 @@ def main(argv):
     def estimate_loss():
         """LM loss on fixed train/val batches in eval mode: causal routing, thresholds calibrated
         first on separate train-split batches (never on val)."""
-        with autocast:
-            raw_model.calibrate(torch.cat(calib))
-        return {split: evaluation.evaluate(raw_model, [batches.fetch(s) for s in starts_list], autocast)
-                for split, (batches, starts_list) in eval_sets.items()}
+        with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []):
+            torch.manual_seed(cfg.eval_seed)
+            with autocast:
+                raw_model.calibrate(torch.cat(calib))
+            return {split: evaluation.evaluate(raw_model, [batches.fetch(s) for s in starts_list], autocast)
+                    for split, (batches, starts_list) in eval_sets.items()}
 
     def checkpoint():
         for p in raw_model.parameters():       # never overwrite a good checkpoint with a broken model
@@ -508,11 +524,13 @@ def main(argv):
     step_costs = {}
     if init_state is not None:
         flops_state, history = init_state['flops_state'], init_state['history']
-    interval = dict(lm=torch.zeros((), device=dev), frac=None, ctrl_norm=torch.zeros((), device=dev), n=0)
+    interval = dict(lm=torch.zeros((), device=dev), frac=None, ctrl_norm=torch.zeros((), device=dev), n=0, aux={})
     t_last, it_last = time.time(), iter_num
     t_run = time.time() - flops_state['wall_s']
+    start_iter = iter_num
     while True:
-        if iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters or cfg.eval_only:
+        evaluated_already = init_state is not None and iter_num == start_iter   # the resumed run logged it
+        if (iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters or cfg.eval_only) and not evaluated_already:
             if master:
                 res = estimate_loss()
                 if not all(math.isfinite(res[s]['loss']) for s in res):
@@ -551,6 +569,9 @@ def main(argv):
             scaler.scale(loss).backward()
             loss_sum += loss.detach().float()
             interval['lm'] += aux['lm_loss'].float() / accum
+            for k, v in aux.items():
+                if (k.endswith('_loss') and k != 'lm_loss') or k in ('jepa_pred_std', 'utility_mean'):
+                    interval['aux'][k] = interval['aux'].get(k, 0.0) + v.detach().float() / accum
             if 'full_frac' in aux:
                 f = aux['full_frac'].float() / accum
                 interval['frac'] = f if interval['frac'] is None else interval['frac'] + f
@@ -595,7 +616,8 @@ def main(argv):
             lm = interval['lm'].item() / n
             frac = (interval['frac'] / n).tolist() if interval['frac'] is not None else None
             ctrl_norm = interval['ctrl_norm'].item() / n if ctrl_params else None
-            interval = dict(lm=torch.zeros((), device=dev), frac=None, ctrl_norm=torch.zeros((), device=dev), n=0)
+            aux_means = {k: float(v) / n for k, v in interval['aux'].items()}
+            interval = dict(lm=torch.zeros((), device=dev), frac=None, ctrl_norm=torch.zeros((), device=dev), n=0, aux={})
             if master:
                 tps = tokens_per_iter / dtime
                 peak = flops.peak_flops(dev, dt)         # MFU from the FLOPs this step really ran
@@ -609,7 +631,7 @@ def main(argv):
                            full_frac=frac, flops_proxy=proxy, train_flops=flops_state['exact'],
                            train_flops_vs_dense=flops_state['exact'] / flops_state['dense'],
                            skipped_steps=n_skipped)
-                rec.update({k: float(v.detach()) for k, v in aux.items() if k.endswith('_loss') and k != 'lm_loss'})
+                rec.update(aux_means)            # auxiliary terms, averaged over the log interval
                 history['train'].append(dict(iter=iter_num, lm_loss=lm))
                 log(rec)
             if ddp:                                # agree on stopping at a common iteration
@@ -634,8 +656,10 @@ def main(argv):
                        flops_proxy=flops_state['proxy_num'] / max(1.0, flops_state['dense']),
                        train_flops=flops_state['exact'])
         if not cfg.eval_only and stop.signum is None and mcfg.route != 'none':
-            summary['routing'] = evaluation.report(raw_model, train_data, val_data, meta, cfg.eval_iters,
-                                                   cfg.calib_iters, autocast, cfg.eval_seed)
+            with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []):
+                torch.manual_seed(cfg.eval_seed)
+                summary['routing'] = evaluation.report(raw_model, train_data, val_data, meta, cfg.eval_iters,
+                                                       cfg.calib_iters, autocast, cfg.eval_seed)
             print_routing(summary['routing'])
         log(summary)
         metrics_f.close()

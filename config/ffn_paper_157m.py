@@ -1,6 +1,7 @@
 # Paper-scale (seed paper: 157.5M-parameter decoder, 12 controlled layers, 50% budget, controller-only,
-# 20k steps, fineweb-edu), for one GPU. n_embd=864 with 12 layers and cheap rank 256 gives 157.0M
-# parameters with the G1 gate (the paper does not give its shape). Stage 1 (backbone, random routing):
+# 20k steps, fineweb-edu), for one GPU. n_embd=864 with 12 layers and cheap rank 256 gives 157.8M
+# parameters with the G1 gate (156.97M without position embeddings, as train.py prints; the paper
+# does not give its shape). Stage 1 (backbone, random routing):
 #   python data/prepare.py fineweb_edu --max_docs=2000000
 #   python train.py config/ffn_paper_157m.py --gate=random --trainable=all --init_from=scratch \
 #       --util_weight=0 --rank_weight=0 --out_dir=out/ffn157m_stage1 --max_iters=50000 --learning_rate=6e-4

@@ -102,6 +102,10 @@ def test_peak_flops_table(monkeypatch):
         assert flops.peak_flops('cuda', dt) == peak
     monkeypatch.setattr(torch.cuda, 'get_device_name', lambda d=None: 'Tesla V100-SXM2-32GB')
     assert flops.peak_flops('cuda', 'bfloat16') is None           # no fast bf16 path on V100
+    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda d=None: 'NVIDIA L40S')   # not the L4
+    assert flops.peak_flops('cuda', 'bfloat16') is None
+    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda d=None: 'NVIDIA L4')
+    assert flops.peak_flops('cuda', 'bfloat16') == 121e12
     monkeypatch.setattr(torch.cuda, 'get_device_name', lambda d=None: 'Some Future GPU')
     assert flops.peak_flops('cuda', 'bfloat16') is None
     assert tiny().estimate_mfu(1e6, 'cpu', 'float32') is None
@@ -144,5 +148,7 @@ def test_from_pretrained_matches_transformers(tmp_path):
     with torch.no_grad():
         ref = hf(idx).logits
     torch.testing.assert_close(ours(idx, last_only=False)[0], ref, rtol=1e-4, atol=1e-4)
+    routed = GPT.from_pretrained(str(tmp_path), dict(route='ffn', gate='mlp', cheap_rank=4)).eval()
+    torch.testing.assert_close(routed(idx, last_only=False, force='full')[0], ref, rtol=1e-4, atol=1e-4)
     ours.crop_block_size(16)
     torch.testing.assert_close(ours(idx[:, :16], last_only=False)[0], ref[:, :16], rtol=1e-4, atol=1e-4)

@@ -824,3 +824,36 @@ def test_valid_config_accepted(layout, budget):
     cfg = GPTConfig(**dict(BASE, n_layer=n_layer, route='ffn', controlled_layers=spec, budget=float(budget)))
     assert controlled_layer_ids(cfg) == ids
     assert [i for i, b in enumerate(GPT(cfg).transformer.h) if b.routed] == ids
+
+
+# ----------------------------------------------------------------------------------------------------
+# regressions from review
+
+@pytest.mark.parametrize('gate,readout,rule', [('mlp', 'distance', 'threshold'), ('jepa', 'distance', 'threshold'),
+                                                ('jepa', 'linear', 'predictor')])
+def test_gate_scores_are_fp32_under_bf16_autocast(gate, readout, rule):
+    model = build(0, 2, gate=gate, jepa_readout=readout, infer_rule=rule)
+    block = model.transformer.h[0]
+    h = torch.randn(2, 7, model.config.n_embd)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        assert block.gate(h).dtype == torch.float32
+        if block.predictor is not None:
+            assert block.predictor(h).dtype == torch.float32
+
+
+def test_oracle_labels_ignore_dropout():
+    """With dropout on, the two forks of a label must differ only in the action: repeated labels agree."""
+    model = build(0, 2, gate='mlp', dropout=0.5).train()
+    idx = tokens(0, 2, 12)
+    x_mid = torch.randn(2, 12, model.config.n_embd)
+    a = model.fork_utility(1, x_mid, idx, None, later='full')
+    b = model.fork_utility(1, x_mid, idx, None, later='full')
+    assert torch.equal(a, b)
+    assert model.transformer.drop.training          # dropout is back on afterwards
+
+
+def test_jepa_pred_std_is_reported_without_alignment():
+    """A1 (jepa_weight=0) is the arm that needs the collapse monitor."""
+    model = build(0, 2, gate='jepa', jepa_weight=0.0).train()
+    aux = model(tokens(0, 2, 12), tokens(1, 2, 12))[2]
+    assert 'jepa_pred_std' in aux and aux['jepa_pred_std'] > 0

@@ -186,13 +186,16 @@ def snapshot(folder):
 # 1. exact resume
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n,eval_interval,log_interval,accum", [(6, 4, 1, 1), (5, 3, 4, 2)],
-                         ids=["eval4-N6", "eval3-log4-accum2-N5"])
-def test_resume_is_bit_exact(synth, tmp_path, n, eval_interval, log_interval, accum):
+@pytest.mark.parametrize("n,eval_interval,log_interval,accum,gate", [(6, 4, 1, 1, "mlp"), (5, 3, 4, 2, "mlp"),
+                                                                    (6, 4, 2, 1, "random")],
+                         ids=["eval4-N6", "eval3-log4-accum2-N5", "random-gate-N6"])
+def test_resume_is_bit_exact(synth, tmp_path, n, eval_interval, log_interval, accum, gate):
     """2N iterations in one go == N iterations, then --init_from=resume to 2N: every model and optimizer
     tensor identical. dropout=0.1 so the restored RNG state matters; lr_decay_iters is fixed at 2N so
-    both runs follow the same schedule (with lr_decay_iters=0 it would follow max_iters)."""
-    common = [*TINY, *data_args(synth), "--dropout=0.1", f"--eval_interval={eval_interval}",
+    both runs follow the same schedule (with lr_decay_iters=0 it would follow max_iters). gate=random
+    draws random numbers at eval too (stage 1 of the controller-only recipe): evals must not disturb
+    the training RNG, or the resumed run's extra eval at N would change what follows."""
+    common = [*TINY, *data_args(synth), "--dropout=0.1", f"--eval_interval={eval_interval}", f"--gate={gate}",
               f"--log_interval={log_interval}", f"--gradient_accumulation_steps={accum}",
               f"--lr_decay_iters={2 * n}"]
     a, b = tmp_path / "a", tmp_path / "b"
@@ -663,11 +666,14 @@ def bad_input_cases(synth, text_data, base_copy):
                                  "n_layer"),
         "resume_other_data": ([*TINY, f"--data_dir={text_data.parent}", f"--dataset={text_data.name}",
                                "--init_from=resume", f"--out_dir={base_copy}"], ("vocab_size", "dataset")),
+        "resume_changed_trainable": ([*TINY, *d, "--init_from=resume", "--trainable=controller",
+                                      f"--out_dir={base_copy}"], "trainable"),
+        "bad_lm_thresholds": ([*TINY, *d, "--lm_thresholds=2.5;2.0"], "lm_thresholds"),
     }
 
 
 CASES = ["unknown_dataset", "unknown_key", "wrong_type", "float16_on_cpu", "bad_init_from", "resume_no_ckpt",
-         "resume_changed_model", "resume_other_data"]
+         "resume_changed_model", "resume_other_data", "resume_changed_trainable", "bad_lm_thresholds"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -715,6 +721,18 @@ def test_quickstart_prepares_trains_and_samples(tmp_path):
     P.check_prepared(data / "synthetic")
     assert "sample.py" in r.stdout.strip().splitlines()[-1]
     assert load_ckpt(out)["iter_num"] == 2
+    # the routed quickstart's summary: causal routing calibrated on train batches, judged on val
+    summary = [m for m in read_metrics(out) if m["type"] == "summary"][-1]
+    routing = summary["routing"]
+    assert abs(float(np.mean(routing["val_loss"]["full_frac"])) - routing["budget"]) <= 0.05
+    assert set(routing["full_frac_by_class"]) == set(P.DIFFICULTY_CLASSES)
+    assert routing["val_loss_cheap"] > 0 and routing["val_loss_full"] > 0
+    # eval.py in the documented form (--ckpt PATH --json) prints one JSON object; a bad key is a clean error
+    e = ok(run_py("eval.py", ["--ckpt", str(out / "ckpt.pt"), "--json", f"--data_dir={data}", "--eval_iters=1"]))
+    res = json.loads(e.stdout.strip().splitlines()[-1])
+    assert abs(float(np.mean(res["val_loss"]["full_frac"])) - res["budget"]) <= 0.05
+    bad = run_py("eval.py", [f"--ckpt={out / 'ckpt.pt'}", "--eval_iter=1"])
+    assert bad.returncode == 2 and "error:" in bad.stderr and "Traceback" not in bad.stderr
     s = ok(run_py("sample.py", [f"--out_dir={out}", "--num_samples=1", "--max_new_tokens=10", f"--data_dir={data}"]))
     first = s.stdout.splitlines()[0]
     symbols = set(P.SYMBOLS)
