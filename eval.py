@@ -65,6 +65,32 @@ def difficulty_fractions(model, batches, difficulty, class_names, autocast=nullc
             for c, name in enumerate(class_names)}
 
 
+def halt_report(model, batches, autocast=nullcontext(), taus=(0.3, 0.5, 0.7, 0.9)):
+    """TSA: validation loss with the soft (1 − p) scaling the model was trained with, and with hard
+    skipping (skip block l+1 where p_l > τ) at several τ — the comparison the paper never showed.
+    Kept tokens add (1 − p)·Δ as in training ('scaled') or the whole Δ ('binary'). α is the mean active
+    fraction (soft: mean 1 − p; hard: the fraction not skipped), TLOps saved 1 − (1 + (L−1)α)/L."""
+    cfg = model.config
+    saved = (cfg.halt_soft_eval, cfg.halt_tau, cfg.halt_hard)
+
+    def row(**kw):
+        r = evaluate(model, batches, autocast)
+        alpha = float(np.mean(r['full_frac']))
+        return dict(loss=r['loss'], alpha=alpha, tlops_saved=1 - (1 + (cfg.n_layer - 1) * alpha) / cfg.n_layer, **kw)
+    try:
+        cfg.halt_soft_eval = True
+        soft = row()
+        cfg.halt_soft_eval = False
+        hard = []
+        for mode in ('scaled', 'binary'):
+            for tau in taus:
+                cfg.halt_tau, cfg.halt_hard = tau, mode
+                hard.append(row(tau=tau, mode=mode))
+    finally:
+        cfg.halt_soft_eval, cfg.halt_tau, cfg.halt_hard = saved
+    return dict(soft=soft, hard=hard)
+
+
 def main(argv):
     import train
     from configurator import load_config
@@ -111,6 +137,8 @@ def report(model, train_data, val_data, meta, eval_iters, calib_iters, autocast=
     starts = val_data.eval_batches(eval_iters, 2, eval_seed)
     batches = [val_data.fetch(s) for s in starts]
     out = dict(val_loss=evaluate(model, batches, autocast))
+    if model.config.route == 'halt':
+        out['halt'] = halt_report(model, batches, autocast)
     if model.config.route == 'ffn':
         out['val_loss_full'] = evaluate(model, batches, autocast, force='full')['loss']
         out['val_loss_cheap'] = evaluate(model, batches, autocast, force='cheap')['loss']

@@ -58,6 +58,7 @@ def _costs(config, T):
     return dict(
         attn_proj=2 * d * 3 * d + 2 * d * d, attn_core=4 * T * d, full=2 * 2 * d * 4 * d,
         cheap=2 * 2 * d * config.cheap_rank, head=2 * d * config.vocab_size,
+        halt_fc=2 * d * max(16, d // 4), halt_out=2 * max(16, d // 4),
         gate_fc=2 * d * gh, gate_out=2 * gh * (lat if config.gate == 'jepa' else 1),
         gate_read=2 * lat if (config.gate == 'jepa' and config.jepa_readout == 'linear') else 0,
         jepa_target=2 * d * lat, pred_fc=2 * d * gh, pred_out=2 * gh)
@@ -83,6 +84,12 @@ def forward_flops(config, T, mode='train', full_frac=None):
     ctrl_i = 0
     for layer in range(L):
         total += c['attn_proj'] + c['attn_core']
+        if config.route == 'halt' and layer > 0:      # TSA: the router before it; sparse skips the FFN
+            total += c['halt_fc'] + c['halt_out']
+            if mode == 'sparse':
+                f = full_frac[layer - 1] if isinstance(full_frac, (list, tuple)) else full_frac
+                total += f * c['full']
+                continue
         kind = _gate_kind(config, layer)
         if kind is None or kind == 'static_full':
             total += c['full']
@@ -156,6 +163,13 @@ def train_step_flops(config, T, trainable='all', oracle_layers=()):
     for layer in range(L):
         kind = _gate_kind(config, layer)
         w = 2 if joint else 1           # backbone matmuls: input grad (+ weight grad when trainable)
+        if config.route == 'halt' and layer > 0:      # TSA: x + keep·Δattn(x), then + keep·Δffn(·)
+            bwd += (2 if stream else 1) * c['halt_fc'] + 2 * c['halt_out']      # the router is trainable
+            if stream:                  # Δattn reads x: a gradient only if x already needs one
+                bwd += w * c['attn_proj'] + 2 * c['attn_core']
+            bwd += w * c['full']        # the FFN reads x + keep·Δattn, which depends on trainable p
+            stream = True
+            continue
         if stream:
             bwd += w * c['attn_proj'] + 2 * c['attn_core']
         if kind in (None, 'static_full'):

@@ -123,3 +123,18 @@ class MembershipPredictor(nn.Module):
 
     def forward(self, h):
         return fp32(lambda t: self.out(F.gelu(self.fc(t.detach()))).squeeze(-1))(h)
+
+
+class HaltingRouter(nn.Module):
+    """TSA (SPEC §2): p = σ(W2·ReLU(W1·h + b1) + b2) in (0, 1) per token, hidden max(16, d/4), b2 = −1 at
+    init (so p ≈ 0.27: blocks start mostly on). p is the probability of skipping the next block."""
+
+    def __init__(self, n_embd):
+        super().__init__()
+        hidden = max(16, n_embd // 4)
+        self.fc = nn.Linear(n_embd, hidden)
+        self.out = nn.Linear(hidden, 1)
+        nn.init.constant_(self.out.bias, -1.0)
+
+    def forward(self, h):
+        return fp32(lambda t: torch.sigmoid(self.out(F.relu(self.fc(t)))).squeeze(-1))(h)

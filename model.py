@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import flops as flops_lib
 import losses
-from gates import GATES, JEPAGate, MembershipPredictor, MLPGate, capacity, straight_through, topk_mask
+from gates import GATES, HaltingRouter, JEPAGate, MembershipPredictor, MLPGate, capacity, straight_through, topk_mask
 
 
 @dataclass
@@ -36,7 +36,8 @@ class GPTConfig:
     pos: str = 'learned'      # 'learned' absolute position embeddings, or 'rope'
     rope_base: float = 10000.0
     gelu: str = 'none'        # GELU approximation: 'none' (exact) or 'tanh' (what GPT-2 checkpoints use)
-    # routing family: 'none' (dense) or 'ffn' (cheap-vs-full FFN per token at controlled layers)
+    # routing family: 'none' (dense), 'ffn' (cheap-vs-full FFN per token at controlled layers) or
+    # 'halt' (TSA: a halting router after every block but the last scales the next block's updates)
     route: str = 'none'
     gate: str = 'mlp'         # 'mlp' (G1), 'jepa' (G3), 'random', 'static_full', 'static_cheap', 'oracle'
     budget: float = 0.5       # fraction of tokens per sequence on the full path: ceil(budget·T) in training
@@ -58,6 +59,11 @@ class GPTConfig:
     jepa_weight: float = 1.0          # λ_JEPA (G3 only)
     predictor_weight: float = 1.0     # BCE of the membership predictor (infer_rule='predictor' only)
     mimic_weight: float = 0.0         # cheap FFN imitates the full FFN
+    # route='halt' (TSA, SPEC §2)
+    halt_lambda: float = 0.001        # depth regulariser λ on the mean active fraction
+    halt_tau: float = 0.5             # eval: a token skips block l+1 where p_l > halt_tau
+    halt_soft_eval: bool = False      # eval with the soft (1 − p) scaling instead of hard skipping
+    halt_hard: str = 'scaled'         # hard eval: kept tokens add (1 − p)·Δ as in training, or 'binary': Δ
 
     def __post_init__(self):
         if self.pos not in ('learned', 'rope'):
@@ -66,15 +72,19 @@ class GPTConfig:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.pos == 'rope' and (self.n_embd // self.n_head) % 2:
             raise ValueError("rope needs an even head dimension (n_embd // n_head)")
-        choices = dict(route=('none', 'ffn'), gate=GATES, gate_grad=('ste', 'scale', 'none'),
+        choices = dict(route=('none', 'ffn', 'halt'), gate=GATES, gate_grad=('ste', 'scale', 'none'),
                        infer_rule=('threshold', 'predictor'), jepa_outcome=('delta', 'hidden'),
                        jepa_readout=('distance', 'linear'), rank_kind=('logistic', 'margin'),
-                       oracle_policy=('off', 'on'))
+                       oracle_policy=('off', 'on'), halt_hard=('scaled', 'binary'))
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key} must be one of {allowed}, got {getattr(self, key)!r}")
         if not 0.0 < self.budget <= 1.0:
             raise ValueError(f"budget must be in (0, 1], got {self.budget}")
+        if self.route == 'halt' and self.n_layer < 2:
+            raise ValueError("route='halt' needs n_layer >= 2 (block 0 is the stem that always runs)")
+        if not 0.0 <= self.halt_tau <= 1.0:
+            raise ValueError(f"halt_tau must be in [0, 1], got {self.halt_tau}")
         _check_some_controlled(self)    # validates the layer list
 
     @classmethod
@@ -334,10 +344,15 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight   # tied embeddings
+        # route='halt': router l (after block l, l = 0..L-2) gates block l+1; block 0 is the stem
+        self.halt = (nn.ModuleList([HaltingRouter(config.n_embd) for _ in range(config.n_layer - 1)])
+                     if config.route == 'halt' else None)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():             # scaled init of residual projections (GPT-2)
             if name.endswith('c_proj.weight'):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        for router in self.halt or ():                      # TSA: b2 = −1 (after the generic init above)
+            nn.init.constant_(router.out.bias, -1.0)
 
     @staticmethod
     def _init_weights(module):
@@ -389,24 +404,58 @@ class GPT(nn.Module):
         if ctx.masks:
             aux['full_frac'] = torch.stack([ctx.masks[l].float().mean() for l in sorted(ctx.masks)])
             aux['masks'] = ctx.masks
+            if self.halt is not None:     # TSA's metrics: active fraction α and TLOps saved
+                alpha = aux['full_frac'].mean()
+                aux['alpha'] = alpha
+                aux['tlops_saved'] = 1 - (1 + (cfg.n_layer - 1) * alpha) / cfg.n_layer
         if targets is not None:
             loss = losses.lm_loss(logits, targets)
             aux['lm_loss'] = loss.detach()
             if oracle_layers and (cfg.util_weight > 0 or cfg.rank_weight > 0):
                 self.oracle_losses(ctx, tuple(oracle_layers), idx, targets, pos, aux)
+            if 'halt_active' in aux:      # TSA depth regulariser: λ · mean active fraction
+                aux['depth_loss'] = aux['halt_active']
             weights = dict(util_loss=cfg.util_weight, rank_loss=cfg.rank_weight, jepa_loss=cfg.jepa_weight,
-                           pred_loss=cfg.predictor_weight, mimic_loss=cfg.mimic_weight)
+                           pred_loss=cfg.predictor_weight, mimic_loss=cfg.mimic_weight, depth_loss=cfg.halt_lambda)
             for name, w in weights.items():
                 if name in aux:
                     loss = loss + w * aux[name]
         for k, v in aux.items():
             if torch.is_tensor(v) and k not in ('masks', 'lm_loss'):
-                aux[k] = v.detach() if k in ('full_frac', 'jepa_pred_std', 'utility_mean') else v
+                aux[k] = v.detach() if k in ('full_frac', 'jepa_pred_std', 'utility_mean', 'alpha',
+                                             'tlops_saved', 'halt_active') else v
         return logits, loss, aux
 
     def run_blocks(self, x, pos, cache, ctx, start=0):
+        if self.halt is not None:
+            return self.run_halting(x, pos, cache, ctx)
         for block in self.transformer.h[start:]:
             x = block(x, pos, cache, ctx)
+        return x
+
+    def run_halting(self, x, pos, cache, ctx):
+        """TSA: p_l = r_l(h) after block l; block l+1 adds (1 − p_l)·Δattn and (1 − p_l)·Δffn. In eval
+        (hard, causal per token) a token skips both updates where p_l > halt_tau, and the others add
+        (1 − p_l)·Δ as in training (halt_hard='scaled') or the whole Δ ('binary'); a skipped token's K/V
+        are still computed, so later tokens attend to it as in training. force='full' keeps every
+        update whole (the dense model)."""
+        cfg, blocks = self.config, self.transformer.h
+        x = blocks[0](x, pos, cache)
+        for l, router in enumerate(self.halt):
+            p = router(x)
+            if ctx.force == 'full':
+                keep = active = torch.ones_like(p)
+            elif self.training or cfg.halt_soft_eval:
+                keep = active = 1 - p
+            else:                       # skip where p > τ; kept tokens as trained ('scaled') or whole
+                active = (p <= cfg.halt_tau).to(p.dtype)
+                keep = active * (1 - p) if cfg.halt_hard == 'scaled' else active
+            block = blocks[l + 1]
+            x = x + keep[..., None] * block.attn_update(x, pos, cache)
+            x = x + keep[..., None] * block.ffn_update(x)
+            if ctx.collect:             # α's per-token share: 1 − p (soft) or not-skipped (hard)
+                ctx.masks[l + 1] = active.detach()
+                ctx.add('halt_active', (1 - p).mean() / len(self.halt))    # α of the soft router
         return x
 
     # ------------------------------------------------------------------------------------------------
@@ -472,7 +521,7 @@ class GPT(nn.Module):
     def controller_parameters(self):
         """The parameters controller-only training updates: gates and predictors (not the cheap FFNs,
         which belong to the backbone)."""
-        return [p for n, p in self.named_parameters() if '.gate.' in n or '.predictor.' in n]
+        return [p for n, p in self.named_parameters() if '.gate.' in n or '.predictor.' in n or n.startswith('halt.')]
 
     @torch.no_grad()
     def calibrate(self, idx):

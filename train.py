@@ -332,8 +332,8 @@ def trainable_parameters(model, cfg):
         raise TrainError(f"trainable must be 'all' or 'controller', got {cfg.trainable!r}")
     ctrl = model.controller_parameters()
     if not ctrl:
-        raise TrainError(f"trainable=controller needs a gate with parameters (route='ffn', gate='mlp' or "
-                         f"'jepa'); this config (route={cfg.route!r}, gate={cfg.gate!r}) has none")
+        raise TrainError(f"trainable=controller needs a gate with parameters (route='ffn' with gate='mlp' or "
+                         f"'jepa', or route='halt'); this config (route={cfg.route!r}, gate={cfg.gate!r}) has none")
     ids = {id(p) for p in ctrl}
     for p in model.parameters():
         p.requires_grad_(id(p) in ids)
@@ -353,6 +353,13 @@ def run_summary(log_lines, evals, cfg, wall_s):
 
 
 def print_routing(r):
+    if 'halt' in r:
+        print(f"val loss soft-gated {r['halt']['soft']['loss']:.4f} (α {r['halt']['soft']['alpha']:.3f}, "
+              f"TLOps saved {r['halt']['soft']['tlops_saved']:.3f}); hard skipping where p > τ:")
+        for row in r['halt']['hard']:
+            print(f"  {row['mode']:>6} τ={row['tau']:.2f}: val loss {row['loss']:.4f}, α {row['alpha']:.3f}, "
+                  f"TLOps saved {row['tlops_saved']:.3f}")
+        return
     print(f"val loss (causal routing) {r['val_loss']['loss']:.4f} | all-full {r['val_loss_full']:.4f} | "
           f"all-cheap {r['val_loss_cheap']:.4f} | realised full-path fraction "
           f"{np.mean(r['val_loss']['full_frac']):.3f} (budget {r['budget']})")
@@ -464,7 +471,7 @@ def main(argv):
         model = DDP(model, device_ids=[local_rank] if dev.type == 'cuda' else None, find_unused_parameters=partial)
     mcfg = raw_model.config
     ctrl_ids = controlled_layer_ids(mcfg)
-    oracle_on = mcfg.gate in ('mlp', 'jepa') and (mcfg.util_weight > 0 or mcfg.rank_weight > 0)
+    oracle_on = mcfg.route == 'ffn' and mcfg.gate in ('mlp', 'jepa') and (mcfg.util_weight > 0 or mcfg.rank_weight > 0)
     k_oracle = min(cfg.oracle_layers_per_step, len(ctrl_ids))
     calib = [train_data.fetch(s)[0] for s in train_data.eval_batches(cfg.calib_iters, 3, cfg.eval_seed)]
     if cfg.compile and oracle_on:       # one graph per sampled oracle-layer set: let every one compile
@@ -632,6 +639,9 @@ def main(argv):
                            train_flops_vs_dense=flops_state['exact'] / flops_state['dense'],
                            skipped_steps=n_skipped)
                 rec.update(aux_means)            # auxiliary terms, averaged over the log interval
+                if mcfg.route == 'halt' and frac:    # TSA: mean active fraction α and TLOps saved
+                    rec['alpha'] = float(np.mean(frac))
+                    rec['tlops_saved'] = 1 - (1 + (mcfg.n_layer - 1) * rec['alpha']) / mcfg.n_layer
                 history['train'].append(dict(iter=iter_num, lm_loss=lm))
                 log(rec)
             if ddp:                                # agree on stopping at a common iteration

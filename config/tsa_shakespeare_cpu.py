@@ -1,0 +1,19 @@
+# TSA on Tiny Shakespeare, CPU-sized (a few minutes on 2 cores): same recipe as config/tsa_shakespeare.py,
+# smaller and shorter. Dense baseline: --route=none.
+out_dir = 'out/tsa_shakespeare_cpu'
+dataset = 'shakespeare_char'
+route = 'halt'
+halt_lambda = 0.001
+n_layer = 6
+n_head = 4
+n_embd = 128
+block_size = 128
+batch_size = 32
+dropout = 0.1
+max_iters = 800
+learning_rate = 1e-3
+min_lr = 1e-4
+warmup_iters = 50
+eval_interval = 200
+eval_iters = 20
+log_interval = 25
