@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, fields
 
 import numpy as np
@@ -496,11 +496,18 @@ def main(argv):
             metrics_f.write(json.dumps(obj) + '\n')
             metrics_f.flush()
 
+    @contextmanager
+    def eval_rng():
+        """Evals draw random numbers (gate='random' decides per token at eval): fork the RNG and seed
+        it, so evaluating never changes training and every eval is repeatable."""
+        with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []):
+            torch.manual_seed(cfg.eval_seed)
+            yield
+
     def estimate_loss():
         """LM loss on fixed train/val batches in eval mode: causal routing, thresholds calibrated
         first on separate train-split batches (never on val)."""
-        with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []):
-            torch.manual_seed(cfg.eval_seed)
+        with eval_rng():
             with autocast:
                 raw_model.calibrate(torch.cat(calib))
             return {split: evaluation.evaluate(raw_model, [batches.fetch(s) for s in starts_list], autocast)
@@ -666,8 +673,7 @@ def main(argv):
                        flops_proxy=flops_state['proxy_num'] / max(1.0, flops_state['dense']),
                        train_flops=flops_state['exact'])
         if not cfg.eval_only and stop.signum is None and mcfg.route != 'none':
-            with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []):
-                torch.manual_seed(cfg.eval_seed)
+            with eval_rng():
                 summary['routing'] = evaluation.report(raw_model, train_data, val_data, meta, cfg.eval_iters,
                                                        cfg.calib_iters, autocast, cfg.eval_seed)
             print_routing(summary['routing'])
