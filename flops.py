@@ -206,3 +206,43 @@ def flops_proxy(config, T, oracle_layers=()):
     whatever is frozen, and the oracle passes as forwards (they run without gradients)."""
     return (3 * forward_flops(config, T, mode='train') + oracle_flops(config, T, oracle_layers)) / \
         (3 * dense_forward_flops(config, T))
+
+
+def main(argv):
+    """python flops.py CONFIG [--key=value ...]: the training-FLOPs breakdown of a routed config, for G1
+    and G3 with util/rank on and off, averaged over the uniformly sampled oracle layer."""
+    import json
+    import os
+    from dataclasses import replace
+
+    import train
+    from configurator import load_config
+    from model import controlled_layer_ids
+    cfg = load_config(train.DEFAULTS, argv)
+    vocab = cfg['vocab_size']
+    meta = os.path.join(cfg['data_dir'] or os.path.join(train.HERE, 'data'), cfg['dataset'], 'meta.json')
+    if not vocab:
+        vocab = json.load(open(meta))['vocab_size'] if os.path.exists(meta) else 50304
+    base = train.model_config(type('C', (), cfg)(), vocab_size=vocab)
+    T, dense = base.block_size, dense_forward_flops(base, base.block_size)
+    ids = controlled_layer_ids(base)
+    print(f"{argv[0] if argv else 'defaults'} (vocab {vocab}, T={T}, {len(ids)} controlled layers, "
+          f"trainable={cfg['trainable']})")
+    print('| gate | util/rank | training forward / dense forward | oracle passes (dense forwards) '
+          '| flops_proxy | exact step / dense joint step |')
+    for gate in ('mlp', 'jepa'):
+        for on in (True, False):
+            c = replace(base, gate=gate, util_weight=1.0 if on else 0.0, rank_weight=1.0 if on else 0.0)
+            layer_sets = [(l,) for l in ids] if on else [()]
+            avg = lambda f: sum(f(ls) for ls in layer_sets) / len(layer_sets)
+            print(f"| {'G1' if gate == 'mlp' else 'G3'} | {'on' if on else 'off'} "
+                  f"| {forward_flops(c, T, mode='train') / dense:.3f} "
+                  f"| {avg(lambda ls: oracle_flops(c, T, ls)) / dense:.3f} "
+                  f"| {avg(lambda ls: flops_proxy(c, T, ls)):.3f} "
+                  f"| {avg(lambda ls: train_step_flops(c, T, cfg['trainable'], ls)['total']) / (3 * dense):.3f} |")
+    return 0
+
+
+if __name__ == '__main__':
+    import sys
+    sys.exit(main(sys.argv[1:]))

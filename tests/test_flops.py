@@ -93,3 +93,18 @@ def test_sparse_flops_interpolate_between_paths():
     mid = flops.forward_flops(cfg, 20, mode='sparse', full_frac=0.5)
     assert lo < mid < hi and abs(mid - (lo + hi) / 2) < 1e-6
     assert hi > flops.dense_forward_flops(cfg, 20)          # gates cost something
+
+
+def test_flops_cli_prints_the_breakdown(capsys):
+    """python flops.py CONFIG: one row per gate and util/rank setting, proxy = the function's value."""
+    import os
+    import train
+    from configurator import load_config
+    from dataclasses import replace
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'config', 'ffn_paper_157m.py')
+    assert flops.main([path]) == 0
+    rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith('| G')]
+    assert len(rows) == 4
+    cfg = train.model_config(type('C', (), load_config(train.DEFAULTS, [path]))(), vocab_size=50304)
+    off = replace(cfg, gate='mlp', util_weight=0.0, rank_weight=0.0)
+    assert rows[1].split('|')[5].strip() == f"{flops.flops_proxy(off, cfg.block_size):.3f}"
