@@ -676,18 +676,23 @@ CASES = ["unknown_dataset", "unknown_key", "wrong_type", "float16_on_cpu", "bad_
          "resume_changed_model", "resume_other_data", "resume_changed_trainable", "bad_lm_thresholds"]
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_bad_input_in_process(case, synth, text_data, base_run, tmp_path):
+def bad_case(case, synth, text_data, base_run, tmp_path):
+    """(args, needles, fresh out_dir, the base run's copy, its snapshot) for one bad-input case."""
     base_copy = copy_run(base_run, tmp_path)
     args, needle = bad_input_cases(synth, text_data, base_copy)[case]
     fresh = tmp_path / "fresh_out"
     if not any(a.startswith("--out_dir=") for a in args):
         args = [*args, f"--out_dir={fresh}"]
-    before = snapshot(base_copy)
+    needles = needle if isinstance(needle, tuple) else (needle,)
+    return args, needles, fresh, base_copy, snapshot(base_copy)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_in_process(case, synth, text_data, base_run, tmp_path):
+    args, needles, fresh, base_copy, before = bad_case(case, synth, text_data, base_run, tmp_path)
     with pytest.raises(train.TrainError) as e:
         train.main(args)
     msg = str(e.value)
-    needles = needle if isinstance(needle, tuple) else (needle,)
     assert any(n in msg for n in needles), msg
     if case == "unknown_key":
         assert "n_layers" in msg                   # names the bad key and the close match
@@ -697,16 +702,10 @@ def test_bad_input_in_process(case, synth, text_data, base_run, tmp_path):
 
 @pytest.mark.parametrize("case", ["unknown_key", "resume_other_data"])
 def test_bad_input_cli_exit_code(case, synth, text_data, base_run, tmp_path):
-    base_copy = copy_run(base_run, tmp_path)
-    args, needle = bad_input_cases(synth, text_data, base_copy)[case]
-    fresh = tmp_path / "fresh_out"
-    if not any(a.startswith("--out_dir=") for a in args):
-        args = [*args, f"--out_dir={fresh}"]
-    before = snapshot(base_copy)
+    args, needles, fresh, base_copy, before = bad_case(case, synth, text_data, base_run, tmp_path)
     r = run_train(args)
     assert r.returncode == 2
     assert r.stderr.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
-    needles = needle if isinstance(needle, tuple) else (needle,)
     assert any(n in r.stderr for n in needles), r.stderr
     assert not fresh.exists() and snapshot(base_copy) == before
 
