@@ -683,7 +683,8 @@ def main(argv):
             print(f"done: {iter_num} iterations, best val loss {best_val:.4f}. Outputs in {cfg.out_dir}/ "
                   f"(ckpt.pt, metrics.jsonl, config.json, run_info.json).\n"
                   f"sample with: python sample.py --out_dir={cfg.out_dir}")
-    if ddp:
+    if ddp:                     # rank 0 may still be writing its summary: leave together, or a rank
+        torch.distributed.barrier()            # tearing gloo down early can abort the others
         torch.distributed.destroy_process_group()
     return 0
 
