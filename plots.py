@@ -1,0 +1,233 @@
+"""
+Plots of a study, as PNG files in OUT_ROOT/plots/, from each run's metrics.jsonl (OUT_ROOT/<arm>/seed<s>/,
+the layout sweep.py writes). sweep.py calls write_plots after its summary (--no_plots to skip); alone:
+
+    python plots.py out/study_a3
+
+- loss_curves.png   train LM loss and val loss against iteration, one colour per arm: the mean over
+                    seeds, with a band from the lowest to the highest seed.
+- pareto_flops.png  final val loss against the FLOPs proxy (flops_proxy of the run summary), one point
+                    per arm with mean ± std error bars in both directions; the arms on the Pareto front
+                    (no other arm is at least as good in both) are ringed and joined.
+- pareto_tlops.png  the same against TLOps saved (higher is better): the last 'tlops_saved' any
+                    record of the run holds (for TSA, train.py's training-time value); arms that never
+                    log it are left out, and the plot is skipped with a note when no run does.
+- grad_norms.png    controller gradient norm (ctrl_grad_norm) against iteration, log scale, mean and
+                    min–max band over seeds.
+- full_frac.png     realised full-path fraction per routed layer over training, one panel per arm
+                    (mean over seeds): on the training batches ('full_frac' of train records, lines) and
+                    under causal eval-mode routing on validation ('val_full_frac' of evals, dots).
+
+matplotlib is optional: without it write_plots prints one line saying the plots were skipped and how
+to install it, and returns []. The data helpers (find_runs, seed_band, pareto_front, arm_points)
+need only numpy.
+"""
+import json
+import os
+import sys
+
+import numpy as np
+
+import sweep
+
+SKIPPED = "plots skipped: matplotlib is not installed (pip install matplotlib)"
+
+
+def pyplot():
+    """matplotlib.pyplot on the non-interactive Agg backend, or None when matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    return plt
+
+
+# ----------------------------------------------------------------------------------------------------
+# data
+
+def find_runs(root, arms=None):
+    """{arm: {seed: out_dir}} for every root/<arm>/seed<s>/ holding a metrics.jsonl. Arms in the given
+    order, else in summary.json's order when there is one, else sorted."""
+    if arms is None:
+        try:
+            with open(os.path.join(root, 'summary.json')) as f:
+                arms = list(json.load(f)['table'])
+        except (FileNotFoundError, KeyError, ValueError):
+            arms = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+    runs = {}
+    for arm in arms:
+        folder = os.path.join(root, arm)
+        seeds = [d for d in (os.listdir(folder) if os.path.isdir(folder) else []) if d.startswith('seed')]
+        dirs = {int(d[4:]): os.path.join(folder, d) for d in seeds if d[4:].isdigit()
+                and os.path.exists(os.path.join(folder, d, 'metrics.jsonl'))}
+        if dirs:
+            runs[arm] = dict(sorted(dirs.items()))
+    return runs
+
+
+def curve(recs, kind, key):
+    """{iter: value} over the records of type `kind` that have `key` (a number or a per-layer list)."""
+    return {r['iter']: r[key] for r in recs if r.get('type') == kind and r.get(key) is not None}
+
+
+def seed_band(dirs, kind, key):
+    """(iters, mean, lo, hi) over the seeds of one arm at the iterations every seed logged; for per-layer
+    lists the last three have a layer axis. None when no seed logged key."""
+    curves = [c for c in (curve(sweep.read_metrics(d), kind, key) for d in dirs.values()) if c]
+    iters = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    if not iters:
+        return None
+    v = np.array([[c[i] for i in iters] for c in curves], dtype=float)     # (seeds, iters[, layers])
+    return np.array(iters), v.mean(0), v.min(0), v.max(0)
+
+
+def arm_points(runs, xkey, ykey='final_val_loss'):
+    """{arm: (x mean, x std, y mean, y std)} over the seeds where both of sweep.run_metrics' xkey and
+    ykey are present; arms with none are left out."""
+    points = {}
+    for arm, dirs in runs.items():
+        ms = [sweep.run_metrics(d) for d in dirs.values()]
+        pairs = [(m[xkey], m[ykey]) for m in ms if m.get(xkey) is not None and m.get(ykey) is not None]
+        if pairs:
+            x, y = np.array(pairs, dtype=float).T
+            points[arm] = (x.mean(), x.std(), y.mean(), y.std())
+    return points
+
+
+def pareto_front(xs, ys):
+    """Indices of the points no other point dominates when both coordinates are minimised (j dominates
+    i if x_j <= x_i and y_j <= y_i, one of them strictly), in increasing x. Negate x to maximise it."""
+    pts = list(zip(xs, ys))
+    front = [i for i, (x, y) in enumerate(pts)
+             if not any(a <= x and b <= y and (a < x or b < y) for a, b in pts)]
+    return sorted(front, key=lambda i: (xs[i], ys[i]))
+
+
+# ----------------------------------------------------------------------------------------------------
+# figures: each returns a matplotlib figure, or a string saying why there is nothing to draw
+
+def arm_colours(runs):
+    return {arm: f'C{i % 10}' for i, arm in enumerate(runs)}
+
+
+def draw_band(ax, band, colour, label):
+    iters, mean, lo, hi = band
+    ax.plot(iters, mean, color=colour, label=label)
+    ax.fill_between(iters, lo, hi, color=colour, alpha=0.2, linewidth=0)
+
+
+def plot_loss_curves(plt, runs):
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    colours = arm_colours(runs)
+    for ax, (kind, key, title) in zip(axes, [('train', 'lm_loss', 'train LM loss'), ('eval', 'val_loss', 'val loss')]):
+        for arm, dirs in runs.items():
+            band = seed_band(dirs, kind, key)
+            if band is not None:
+                draw_band(ax, band, colours[arm], arm)
+        ax.set(title=f'{title} (mean over seeds, band: min–max)', xlabel='iteration', ylabel=title)
+        ax.legend(fontsize=8)
+    return fig
+
+
+def plot_pareto(plt, runs, key, xlabel, maximise=False):
+    points = arm_points(runs, key)
+    if not points:
+        return f"no run records '{key}'"
+    arms = list(points)
+    xs, xsd, ys, ysd = (np.array([points[a][k] for a in arms]) for k in range(4))
+    colours = arm_colours(runs)
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for i, arm in enumerate(arms):
+        ax.errorbar(xs[i], ys[i], xerr=xsd[i], yerr=ysd[i], fmt='o', color=colours[arm], label=arm, capsize=3)
+    front = pareto_front(-xs if maximise else xs, ys)
+    ax.plot(xs[front], ys[front], 'k--', linewidth=1)
+    ax.scatter(xs[front], ys[front], s=180, facecolors='none', edgecolors='k', label='Pareto front')
+    ax.set(xlabel=xlabel, ylabel='final val loss',
+           title=f"val loss vs {xlabel.split(' (')[0]} (mean ± std over seeds)")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_grad_norms(plt, runs):
+    bands = {arm: seed_band(dirs, 'train', 'ctrl_grad_norm') for arm, dirs in runs.items()}
+    bands = {arm: b for arm, b in bands.items() if b is not None}
+    if not bands:
+        return "no run records 'ctrl_grad_norm'"
+    colours = arm_colours(runs)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for arm, band in bands.items():
+        draw_band(ax, band, colours[arm], arm)
+    if all((b[2] > 0).all() for b in bands.values()):
+        ax.set_yscale('log')
+    ax.set(xlabel='iteration', ylabel='controller grad norm', title='controller gradient norm (band: min–max over seeds)')
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_full_frac(plt, runs):
+    bands = {arm: (seed_band(dirs, 'train', 'full_frac'), seed_band(dirs, 'eval', 'val_full_frac'))
+             for arm, dirs in runs.items()}
+    bands = {arm: b for arm, b in bands.items() if b[0] is not None or b[1] is not None}
+    if not bands:
+        return "no run records a per-layer 'full_frac' (dense runs only?)"
+    ncols = min(3, len(bands))
+    nrows = -(-len(bands) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.6 * nrows), squeeze=False, sharey=True)
+    for ax, (arm, (train_band, eval_band)) in zip(axes.flat, bands.items()):
+        if train_band is not None:
+            for j in range(train_band[1].shape[-1]):
+                ax.plot(train_band[0], train_band[1][:, j], color=f'C{j % 10}', label=f'layer slot {j}')
+        if eval_band is not None:
+            for j in range(eval_band[1].shape[-1]):
+                ax.plot(eval_band[0], eval_band[1][:, j], 'o:', color=f'C{j % 10}', markersize=3)
+        ax.set(title=arm, xlabel='iteration', ylabel='full-path fraction', ylim=(-0.02, 1.02))
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(bands):]:
+        ax.axis('off')
+    fig.suptitle('realised full-path fraction per routed layer (lines: train batches, dots: causal eval on val; '
+                 'slot j = j-th entry of full_frac)', fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def figures(plt, runs):
+    """(file name, figure or reason) for every plot."""
+    yield 'loss_curves.png', plot_loss_curves(plt, runs)
+    yield 'pareto_flops.png', plot_pareto(plt, runs, 'flops_proxy', 'FLOPs proxy (training, × dense)')
+    yield 'pareto_tlops.png', plot_pareto(plt, runs, 'tlops_saved', 'TLOps saved (last logged value)', maximise=True)
+    yield 'grad_norms.png', plot_grad_norms(plt, runs)
+    yield 'full_frac.png', plot_full_frac(plt, runs)
+
+
+def write_plots(root, arms=None, out_dir=None):
+    """Write every plot of the study in root to out_dir (root/plots by default); returns the paths.
+    Never raises for a missing matplotlib or missing data: it prints what it skipped and why."""
+    plt = pyplot()
+    if plt is None:
+        print(SKIPPED)
+        return []
+    runs = find_runs(root, arms)
+    if not runs:
+        print(f"plots skipped: no runs with a metrics.jsonl under {root}/<arm>/seed<s>/")
+        return []
+    out_dir = out_dir or os.path.join(root, 'plots')
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    for name, fig in figures(plt, runs):
+        if isinstance(fig, str):
+            print(f"plots: skipped {name}: {fig}")
+            continue
+        path = os.path.join(out_dir, name)
+        fig.savefig(path, dpi=110, bbox_inches='tight')
+        plt.close(fig)
+        written.append(path)
+    print(f"plots: wrote {len(written)} PNG files to {out_dir}/")
+    return written
+
+
+if __name__ == '__main__':
+    if len(sys.argv) != 2 or not os.path.isdir(sys.argv[1]):
+        raise SystemExit("usage: python plots.py OUT_ROOT   (a study's out_root, as written by sweep.py)")
+    write_plots(sys.argv[1])
