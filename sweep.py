@@ -1,18 +1,34 @@
 """
 Run a study: a grid of arms x seeds, each arm a list of overrides on a base config, then summarise.
 
-    python sweep.py config/study_a3.py                 # run what is missing, then summarise
+    python sweep.py config/study_a3.py                 # run what is missing, then summarise and plot
     python sweep.py config/study_a3.py --jobs=2        # two runs at a time
     python sweep.py config/study_a3.py --summarize_only
+    python sweep.py config/study_a3.py --no_plots      # summary only (plots need matplotlib)
 
 A study file defines: base (a config file), overrides (for every run), arms {name: [overrides]},
 seeds, out_root, reference (the arm the others are compared with), and optionally before (train.py
-argument lists run once first, e.g. stage 1 of a two-stage recipe). Run r of arm a writes to
-out_root/a/seed<s>/. A finished run (its metrics.jsonl ends with a summary at max_iters) is skipped;
-an interrupted one (ckpt.pt but no summary) is resumed. The summary (summary.md, summary.json in
-out_root) gives per arm mean ± std over seeds and, against the reference arm, per-seed paired
-differences: wins in k/n seeds and the mean difference with a 95% t-interval. Runs made by different
-code versions (git SHA / dirty tree, from run_info.json) are flagged in the summary.
+argument lists run once first, e.g. stage 1 of a two-stage recipe) and threshold (see below). Run r
+of arm a writes to out_root/a/seed<s>/. A finished run (its metrics.jsonl ends with a summary at
+max_iters) is skipped; an interrupted one (ckpt.pt but no summary) is resumed. --jobs=N runs N
+train.py processes at a time; results do not depend on N (each run is its own process and seed).
+
+The summary (summary.md, summary.json in out_root) gives per arm mean ± std over seeds of: avg LM,
+best val LM, final val loss, causal val loss and realised full-path fraction (routed families),
+threshold-hit iteration, controller grad norm, FLOPs proxy, TLOps saved (families that log
+'tlops_saved'; its last logged value), wall time, and train.py's own hit_<x> columns when the runs
+set lm_thresholds. Against the reference arm it gives per-seed paired differences: wins in k/n seeds
+and the mean difference with a 95% t-interval. Runs made by different code versions (git SHA / dirty
+tree, from run_info.json) are flagged in the summary.
+
+Threshold-hit iteration: the first logged iteration whose train LM loss (the 'lm_loss' of 'train'
+records) is below a threshold: the study file's `threshold` if it sets one, else 1.05 × the reference
+arm's final train LM loss (the last logged value, mean over its seeds). 1.05 makes "reached 5% of
+where the reference ends" a question every arm can answer early, which is what the metric is for
+(speed of optimisation, not endpoint). The value used and where it came from are in the summary.
+Runs that never get there count as missing (n in the paired comparison says how many did).
+
+Afterwards the plots of plots.py go to out_root/plots/ (skipped, with a note, without matplotlib).
 """
 import json
 import math
@@ -25,13 +41,16 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+TRAIN = os.path.join(HERE, 'train.py')
 # two-sided 95% quantiles of Student's t for df = 1..10 (df > 10 uses the normal 1.96 as a bound)
 T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]
-# metric -> (where it comes from, lower is better?)
+THRESHOLD_FACTOR = 1.05     # default threshold: 1.05 × the reference arm's final train LM loss
+# metric -> (where it comes from, lower is better?), in the summary's column order
 METRICS = {
     'avg_lm': ('summary', True), 'best_val_lm': ('summary', True), 'final_val_loss': ('eval', True),
     'causal_val_loss': ('routing', True), 'realised_full_frac': ('routing', None),
-    'ctrl_grad_norm': ('train', True), 'flops_proxy': ('summary', True), 'wall_s': ('summary', True),
+    'threshold_hit': ('train', True), 'ctrl_grad_norm': ('train', True), 'flops_proxy': ('summary', True),
+    'tlops_saved': ('any', False), 'wall_s': ('summary', True),
 }
 
 
@@ -71,7 +90,7 @@ def run_one(argv, out_dir, log_path):
     """Run train.py (resuming if a checkpoint exists); returns (out_dir, exit code)."""
     if finished(out_dir):
         return out_dir, 0
-    args = [sys.executable, os.path.join(HERE, 'train.py'), *argv, f'--out_dir={out_dir}']
+    args = [sys.executable, TRAIN, *argv, f'--out_dir={out_dir}']
     if os.path.exists(os.path.join(out_dir, 'ckpt.pt')):
         args.append('--init_from=resume')
     os.makedirs(out_dir, exist_ok=True)
@@ -89,6 +108,9 @@ def run_metrics(out_dir):
     out = {k: summ.get(k) for k in ('avg_lm', 'best_val_lm', 'flops_proxy', 'wall_s')}
     out.update({k: v for k, v in summ.items() if k.startswith('hit_')})
     out['final_val_loss'] = evals[-1]['val_loss'] if evals else None
+    lm = train_lm_curve(recs)
+    out['final_train_lm'] = lm[-1][1] if lm else None
+    out['tlops_saved'] = last_value(recs, 'tlops_saved')
     norms = [r['ctrl_grad_norm'] for r in train if r.get('ctrl_grad_norm') is not None]
     out['ctrl_grad_norm'] = float(np.mean(norms)) if norms else None
     routing = summ.get('routing') or {}
@@ -102,6 +124,33 @@ def run_metrics(out_dir):
     except FileNotFoundError:
         out['code'] = 'unknown'
     return out
+
+
+def last_value(recs, key):
+    """The last non-None value of key in any record, or None."""
+    return next((r[key] for r in reversed(recs) if r.get(key) is not None), None)
+
+
+def train_lm_curve(recs):
+    """[(iter, train LM loss)] of the 'train' records."""
+    return [(r['iter'], r['lm_loss']) for r in recs if r.get('type') == 'train' and r.get('lm_loss') is not None]
+
+
+def lm_threshold(study, results):
+    """(threshold, where it came from): the study's `threshold`, else THRESHOLD_FACTOR × the mean over
+    seeds of the reference arm's final train LM loss; (None, why) when neither is available."""
+    if study.get('threshold') is not None:
+        return float(study['threshold']), 'study file'
+    finals = [m.get('final_train_lm') for (arm, _), m in results.items() if arm == study['reference']]
+    finals = [v for v in finals if v is not None]
+    if not finals:
+        return None, 'no train LM loss logged by the reference arm'
+    return THRESHOLD_FACTOR * float(np.mean(finals)), f"{THRESHOLD_FACTOR} × reference arm's final train LM"
+
+
+def threshold_hit(out_dir, threshold):
+    """First logged iteration whose train LM loss is below threshold (None if never)."""
+    return next((it for it, v in train_lm_curve(read_metrics(out_dir)) if v < threshold), None)
 
 
 def mean_std(values):
@@ -122,7 +171,7 @@ def paired(arm_vals, ref_vals, lower_better):
     return dict(n=n, wins=wins, mean_diff=m, ci95=[m - half, m + half])
 
 
-def summarize(study, results):
+def summarize(study, results, threshold=(None, None)):
     arms, seeds = list(study['arms']), study['seeds']
     keys = list(METRICS) + sorted({k for r in results.values() for k in r if k.startswith('hit_')})
     table = {}
@@ -138,7 +187,8 @@ def summarize(study, results):
             table[arm][k] = entry
     codes = sorted({r.get('code', 'unknown') for r in results.values()})
     return dict(study=study['__file__'] if '__file__' in study else None, reference=study['reference'], seeds=seeds,
-                code_versions=codes, mixed_code_versions=len(codes) > 1, table=table)
+                code_versions=codes, mixed_code_versions=len(codes) > 1,
+                threshold=dict(value=threshold[0], source=threshold[1]), table=table)
 
 
 def markdown(summary):
@@ -165,14 +215,18 @@ def markdown(summary):
     lines.append(f"\nmean ± std over seeds {summary['seeds']}; (wins k/n, Δ) = per-seed paired comparison with "
                  f"the reference arm `{summary['reference']}` (wins: better in k of n seeds; Δ = mean of arm − "
                  f"reference). Code: {', '.join(summary['code_versions'])}.")
+    th = summary.get('threshold') or {}
+    if th.get('value') is not None:
+        lines.append(f"threshold_hit: first logged iteration with train LM < {th['value']:.4g} ({th['source']}).")
     return '\n'.join(lines)
 
 
 def main(argv):
     if not argv or not argv[0].endswith('.py'):
-        raise SystemExit("usage: python sweep.py config/study_<name>.py [--jobs=N] [--summarize_only] [--dry_run]")
+        raise SystemExit("usage: python sweep.py config/study_<name>.py [--jobs=N] [--summarize_only] [--dry_run] "
+                         "[--no_plots]")
     opts = {a.split('=')[0]: (a.split('=', 1)[1] if '=' in a else True) for a in argv[1:]}
-    unknown = set(opts) - {'--jobs', '--summarize_only', '--dry_run'}
+    unknown = set(opts) - {'--jobs', '--summarize_only', '--dry_run', '--no_plots'}
     if unknown:
         raise SystemExit(f"error: unknown option(s) {sorted(unknown)}")
     study = load_study(argv[0])
@@ -203,13 +257,19 @@ def main(argv):
                 out, code = f.result()
                 print(f"{'done' if code == 0 else f'FAILED (exit {code})'}: {out} [{time.time() - t0:.0f}s]", flush=True)
     results = {(arm, s): run_metrics(f'{root}/{arm}/seed{s}') for arm, s, _ in grid if finished(f'{root}/{arm}/seed{s}')}
-    summary = summarize(study, results)
+    threshold = lm_threshold(study, results)
+    for (arm, s), m in results.items():
+        m['threshold_hit'] = None if threshold[0] is None else threshold_hit(f'{root}/{arm}/seed{s}', threshold[0])
+    summary = summarize(study, results, threshold)
     with open(os.path.join(root, 'summary.json'), 'w') as f:
         json.dump(summary, f, indent=2)
     md = markdown(summary)
     with open(os.path.join(root, 'summary.md'), 'w') as f:
         f.write(md + '\n')
     print(md)
+    if not opts.get('--no_plots'):
+        import plots          # here, not at the top: plots.py imports this module
+        plots.write_plots(root, arms=list(study['arms']))
     return 0
 
 

@@ -1,8 +1,10 @@
-"""sweep.py: grid expansion, skip/resume decisions, summary statistics against hand computation, and
-the mixed-code-version flag. Runs are faked as folders of metrics (no training)."""
+"""sweep.py: grid expansion, skip/resume decisions, summary statistics against hand computation, the
+mixed-code-version flag, threshold hits, and --jobs. Runs are faked as folders of metrics (no
+training); the --jobs test runs a fake train.py (a few lines of Python, no torch) as real processes."""
 import json
 import math
 import os
+import textwrap
 
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ import pytest
 import sweep
 
 
-def fake_run(path, max_iters, summary=None, evals=(), norms=(), sha='abc123', dirty=False):
+def fake_run(path, max_iters, summary=None, evals=(), norms=(), sha='abc123', dirty=False, lms=(), tlops=()):
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, 'config.json'), 'w') as f:
         json.dump(dict(max_iters=max_iters), f)
@@ -19,6 +21,8 @@ def fake_run(path, max_iters, summary=None, evals=(), norms=(), sha='abc123', di
     with open(os.path.join(path, 'metrics.jsonl'), 'w') as f:
         for i, n in enumerate(norms):
             f.write(json.dumps(dict(type='train', iter=i, ctrl_grad_norm=n)) + '\n')
+        for i, (lm, t) in enumerate(zip(lms, tlops or [None] * len(lms))):
+            f.write(json.dumps(dict(type='train', iter=10 * (i + 1), lm_loss=lm, tlops_saved=t)) + '\n')
         for i, v in enumerate(evals):
             f.write(json.dumps(dict(type='eval', iter=i, val_loss=v)) + '\n')
         if summary is not None:
@@ -97,3 +101,81 @@ def test_study_files_parse():
             study = sweep.load_study(os.path.join(here, 'config', name))
             assert study['reference'] in study['arms'] and len(study['seeds']) >= 1
             assert os.path.exists(os.path.join(here, study['base']))
+
+
+def test_run_metrics_reads_tlops_saved_and_final_train_lm(tmp_path):
+    fake_run(tmp_path / 'tsa', 5, summary=dict(iter=5), lms=[3.0, 2.5], tlops=[0.1, 0.3])
+    fake_run(tmp_path / 'ffn', 5, summary=dict(iter=5), lms=[3.0, 2.0])
+    tsa, ffn = sweep.run_metrics(str(tmp_path / 'tsa')), sweep.run_metrics(str(tmp_path / 'ffn'))
+    assert tsa['tlops_saved'] == 0.3 and tsa['final_train_lm'] == 2.5      # the last logged values
+    assert ffn['tlops_saved'] is None and ffn['final_train_lm'] == 2.0
+
+
+def test_threshold_hit_default_and_from_the_study(tmp_path):
+    curves = {('ref', 1): [3.0, 2.2, 2.0], ('ref', 2): [3.0, 2.3, 2.2], ('arm', 1): [2.2, 2.05, 1.9], ('arm', 2): [3.0, 3.0, 3.0]}
+    results = {}
+    for (arm, s), lms in curves.items():
+        fake_run(tmp_path / arm / f'seed{s}', 5, summary=dict(iter=5), lms=lms)
+        results[(arm, s)] = sweep.run_metrics(str(tmp_path / arm / f'seed{s}'))
+    study = dict(arms={'ref': [], 'arm': []}, seeds=[1, 2], reference='ref')
+    th, source = sweep.lm_threshold(study, results)
+    assert th == pytest.approx(1.05 * (2.0 + 2.2) / 2) and 'reference' in source      # 2.205
+    hits = {k: sweep.threshold_hit(str(tmp_path / k[0] / f'seed{k[1]}'), th) for k in curves}
+    assert hits == {('ref', 1): 20, ('ref', 2): 30, ('arm', 1): 10, ('arm', 2): None}   # iters 10, 20, 30
+    assert sweep.lm_threshold(dict(study, threshold=2.1), results) == (2.1, 'study file')
+    assert sweep.threshold_hit(str(tmp_path / 'arm' / 'seed1'), 2.1) == 20
+
+
+FAKE_TRAIN = textwrap.dedent("""
+    # A stand-in for train.py: writes a finished run's files from its --seed and --shift arguments. With
+    # FAKE_BARRIER set, it first waits (up to 20 s) until a second run has started: it can finish only
+    # if two runs are in flight at the same time.
+    import json, os, sys, time
+    args = dict(a[2:].split('=', 1) for a in sys.argv[2:])
+    out, seed, shift = args['out_dir'], int(args['seed']), float(args.get('shift', 0))
+    barrier = os.environ.get('FAKE_BARRIER')
+    if barrier:
+        open(os.path.join(barrier, str(os.getpid())), 'w').close()
+        deadline = time.time() + 20
+        while len(os.listdir(barrier)) < 2 and time.time() < deadline:
+            time.sleep(0.02)
+        if len(os.listdir(barrier)) < 2:
+            sys.exit(3)
+    os.makedirs(out, exist_ok=True)
+    json.dump(dict(max_iters=4), open(os.path.join(out, 'config.json'), 'w'))
+    json.dump(dict(git_sha='fake', git_dirty=False), open(os.path.join(out, 'run_info.json'), 'w'))
+    with open(os.path.join(out, 'metrics.jsonl'), 'w') as f:
+        for it in (1, 2, 3, 4):
+            f.write(json.dumps(dict(type='train', iter=it, lm_loss=3 - 0.3 * it + shift + 0.01 * seed,
+                                    ctrl_grad_norm=0.1 * seed)) + '\\n')
+        f.write(json.dumps(dict(type='eval', iter=4, val_loss=2 + shift + 0.01 * seed)) + '\\n')
+        f.write(json.dumps(dict(type='summary', iter=4, avg_lm=2.5 + shift + 0.01 * seed, best_val_lm=2 + shift,
+                                flops_proxy=1 + shift, wall_s=1.0)) + '\\n')
+""")
+
+
+def fake_study(tmp_path, name):
+    path = tmp_path / f'{name}.py'
+    path.write_text(f"base = 'cfg.py'\nout_root = {str(tmp_path / name)!r}\nseeds = [1, 2]\n"
+                    f"arms = {{'A': [], 'B': ['--shift=0.5']}}\nreference = 'A'\n")
+    return str(path)
+
+
+def test_jobs_2_runs_two_at_once_and_summarises_as_sequential(tmp_path, monkeypatch):
+    (tmp_path / 'fake_train.py').write_text(FAKE_TRAIN)
+    monkeypatch.setattr(sweep, 'TRAIN', str(tmp_path / 'fake_train.py'))
+    (tmp_path / 'barrier').mkdir()
+    monkeypatch.setenv('FAKE_BARRIER', str(tmp_path / 'barrier'))
+    assert sweep.main([fake_study(tmp_path, 'par'), '--jobs=2', '--no_plots']) == 0
+    assert all(sweep.finished(str(tmp_path / 'par' / arm / f'seed{s}')) for arm in 'AB' for s in (1, 2))
+    monkeypatch.delenv('FAKE_BARRIER')
+    assert sweep.main([fake_study(tmp_path, 'seq'), '--no_plots']) == 0
+    par, seq = (json.loads((tmp_path / n / 'summary.json').read_text()) for n in ('par', 'seq'))
+    assert par.pop('study') != seq.pop('study') and par == seq
+    a, b = par['table']['A'], par['table']['B']
+    assert a['avg_lm']['per_seed'] == pytest.approx([2.51, 2.52]) and b['avg_lm']['per_seed'] == pytest.approx([3.01, 3.02])
+    # default threshold: 1.05 × A's final train LM (1.81, 1.82) -> 1.90575; A gets there at iter 4, B never
+    assert par['threshold']['value'] == pytest.approx(1.05 * 1.815)
+    assert a['threshold_hit']['per_seed'] == [4, 4] and b['threshold_hit']['per_seed'] == [None, None]
+    assert not (tmp_path / 'par' / 'plots').exists()
+    assert 'threshold_hit' in (tmp_path / 'par' / 'summary.md').read_text()
