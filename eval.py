@@ -6,8 +6,17 @@ per difficulty class.
 
     python eval.py --ckpt out/quickstart/ckpt.pt --json
     python eval.py --ckpt=out/quickstart/ckpt.pt --eval_iters=50 --device=cpu
+    python eval.py --ckpt out/quickstart/ckpt.pt --routing-map [--out FILE.png]
 
 eval_iters / calib_iters / batch_size default to the run's own values (0 = from the checkpoint).
+
+--routing-map: which path each token of a validation snippet (the first row of the first eval batch,
+up to 64 tokens) took at each layer under causal eval-mode routing, printed as text ('#' full path,
+'.' cheap path or skipped, '-' layer not routed) and drawn as a PNG (tokens as columns, layers as
+rows; --out, default routing_map.png beside the checkpoint; needs matplotlib, else skipped with a
+note). On the synthetic corpus also the full-path fraction per difficulty class per layer over the
+eval batches (a table, and a second PNG, <out>_by_class.png). With --json, one JSON object instead of
+the text.
 
 train.py uses the functions here for its periodic evals and its end-of-run summary.
 """
@@ -91,20 +100,149 @@ def halt_report(model, batches, autocast=nullcontext(), taus=(0.3, 0.5, 0.7, 0.9
     return dict(soft=soft, hard=hard)
 
 
+@torch.no_grad()
+def routing_map(model, x, y=None, autocast=nullcontext()):
+    """Eval-mode (causal, hard) routing of one sequence x (1, T): an (L, T) float array whose row l is
+    aux['masks'][l][0] (1 = full path / active, values in [0, 1]) and NaN where layer l is not routed
+    (absent from the masks). Rows cover the model's layers and any other layer index the masks name.
+    Column t is the decision taken while processing input token x[0, t]."""
+    was_training = model.training
+    model.eval()
+    with autocast:
+        masks = model(x, y)[2].get('masks', {})
+    model.train(was_training)
+    grid = np.full((max([model.config.n_layer, *[int(l) + 1 for l in masks]]), x.size(1)), np.nan)
+    for l, m in masks.items():
+        grid[int(l)] = m[0].float().cpu().numpy()
+    return grid
+
+
+def token_text(decode, ids, width=8):
+    """Each token id as printable text: spaces as '␣', newlines and other control characters escaped,
+    cut to `width` characters."""
+    out = []
+    for i in ids:
+        t = decode([i]).replace(' ', '␣')
+        t = ''.join(c if c.isprintable() else repr(c)[1:-1] for c in t) or '∅'
+        out.append(t if len(t) <= width else t[:width - 1] + '…')
+    return out
+
+
+def map_cell(v):
+    return '-' if np.isnan(v) else ('#' if v >= 0.5 else '.')
+
+
+def routing_map_text(grid, tokens, per_line=32):
+    """The map as text, per_line tokens per block: a line of tokens, then one line per layer ('#' full
+    path (mask ≥ 0.5), '.' cheap or skipped, '-' layer not routed); cells right-aligned to the widest
+    token plus one space."""
+    w = max(len(t) for t in tokens) + 1
+    blocks = []
+    for a in range(0, len(tokens), per_line):
+        lines = ['tok  ' + ''.join(t.rjust(w) for t in tokens[a:a + per_line])]
+        lines += [f'L{l:<4}' + ''.join(map_cell(v).rjust(w) for v in row[a:a + per_line]) for l, row in enumerate(grid)]
+        blocks.append('\n'.join(lines))
+    return '\n\n'.join(blocks)
+
+
+def class_table_text(by_class):
+    """{class: {layer: fraction}} as a table: one row per class, one column per routed layer."""
+    layers = sorted({l for row in by_class.values() for l in row})
+    lines = ['class     ' + ''.join(f'{"L" + str(l):>7}' for l in layers)]
+    lines += [f'{name:<10}' + ''.join(f'{row[l]:7.3f}' for l in layers) for name, row in by_class.items()]
+    return '\n'.join(lines)
+
+
+def draw_routing_map(path, grid, tokens, by_class=None):
+    """The map as a PNG at path and, when given, the per-class fractions as a second PNG beside it
+    (<path>_by_class.png); returns the paths written, [] without matplotlib (after saying so)."""
+    from plots import SKIPPED, pyplot
+    plt = pyplot()
+    if plt is None:
+        print(SKIPPED.replace('plots', 'routing map pictures'))
+        return []
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.28 * len(tokens) + 2), 1.2 + 0.45 * len(grid)))
+    cmap = plt.get_cmap('viridis').with_extremes(bad='lightgrey')
+    im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=1, aspect='auto', interpolation='nearest')
+    ax.set_xticks(range(len(tokens)), tokens, rotation=90 if max(map(len, tokens)) > 1 else 0, fontsize=8)
+    ax.set_yticks(range(len(grid)), [f'L{l}' for l in range(len(grid))])
+    ax.set_title('path per token and layer (1 = full / active, 0 = cheap / skipped, grey = not routed)', fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.02)
+    paths = [save_figure(plt, fig, path)]
+    if by_class:
+        layers = sorted({l for row in by_class.values() for l in row})
+        table = np.array([[row[l] for l in layers] for row in by_class.values()])
+        fig, ax = plt.subplots(figsize=(1.5 + 0.8 * len(layers), 0.8 + 0.4 * len(by_class)))
+        im = ax.imshow(table, cmap='viridis', vmin=0, vmax=1, aspect='auto')
+        for (i, j), v in np.ndenumerate(table):
+            ax.text(j, i, f'{v:.2f}', ha='center', va='center', color='w' if v < 0.6 else 'k', fontsize=8)
+        ax.set_xticks(range(len(layers)), [f'L{l}' for l in layers])
+        ax.set_yticks(range(len(by_class)), list(by_class))
+        ax.set_title('full-path fraction per class of the target token', fontsize=9)
+        paths.append(save_figure(plt, fig, os.path.splitext(path)[0] + '_by_class.png'))
+    return paths
+
+
+def save_figure(plt, fig, path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def routing_map_report(model, train_data, val_data, meta, eval_iters, calib_iters, autocast=nullcontext(),
+                       eval_seed=1337, n_tokens=64):
+    """The routing map of the first row of the first eval batch (its first n_tokens tokens; the whole
+    row is run, which gives the same decisions since eval routing is causal), after the same threshold
+    calibration report() does, and the per-difficulty-class fractions over all eval batches."""
+    from sample import load_tokenizer
+    batches, starts = calibrated_eval_batches(model, train_data, val_data, eval_iters, calib_iters, autocast, eval_seed)
+    x, y = batches[0]
+    T = min(n_tokens, x.size(1))
+    grid = routing_map(model, x[:1], y[:1], autocast)[:, :T]
+    ids = x[0, :T].tolist()
+    out = dict(start=int(starts[0][0]), ids=ids, tokens=token_text(load_tokenizer(meta)[1], ids),
+               map=[[None if np.isnan(v) else float(v) for v in row] for row in grid])
+    if meta.get('difficulty_classes'):
+        diff = np.memmap(os.path.join(meta['folder'], 'val_difficulty.bin'), dtype=np.uint8, mode='r')
+        out['full_frac_by_class'] = difficulty_fractions(
+            model, [(x, y, s) for (x, y), s in zip(batches, starts)], diff, meta['difficulty_classes'], autocast)
+    return out
+
+
+def print_routing_map(res, png, as_json):
+    """Write the PNG and print the map (text or one JSON object)."""
+    grid = np.array([[np.nan if v is None else v for v in row] for row in res['map']])
+    res['png'] = draw_routing_map(png, grid, res['tokens'], res.get('full_frac_by_class'))
+    if as_json:
+        print(json.dumps(res))
+        return
+    print(f"routing map, eval mode, val tokens {res['start']}..{res['start'] + len(res['ids']) - 1} "
+          f"('#' full path, '.' cheap / skipped, '-' not routed):")
+    print(routing_map_text(grid, res['tokens']))
+    if res.get('full_frac_by_class'):
+        print('\nfull-path fraction per difficulty class of the target token (eval batches):')
+        print(class_table_text(res['full_frac_by_class']))
+    if res['png']:
+        print(f"\nwrote {', '.join(res['png'])}")
+
+
 def main(argv):
     import train
     from configurator import load_config
     from model import GPT, GPTConfig
-    as_json = '--json' in argv
-    argv = [a for a in argv if a != '--json']
-    for i, a in enumerate(argv[:-1]):          # also accept the space-separated form: --ckpt PATH
-        if a == '--ckpt':
-            argv = argv[:i] + [f'--ckpt={argv[i + 1]}'] + argv[i + 2:]
-            break
+    as_json, routing = '--json' in argv, '--routing-map' in argv
+    argv = [a for a in argv if a not in ('--json', '--routing-map')]
+    for flag in ('--ckpt', '--out'):           # also accept the space-separated form: --ckpt PATH
+        if flag in argv[:-1]:
+            i = argv.index(flag)
+            argv = argv[:i] + [f'{flag}={argv[i + 1]}'] + argv[i + 2:]
     args = load_config(dict(ckpt='', eval_iters=0, calib_iters=0, device='auto', dtype='float32',
-                            data_dir='', batch_size=0), argv)
+                            data_dir='', batch_size=0, out=''), argv)
     if not args['ckpt'] or not os.path.isfile(args['ckpt']):
         raise train.TrainError(f"--ckpt must name a checkpoint file, got {args['ckpt']!r}")
+    if args['out'] and not routing:
+        raise train.TrainError("--out names the routing map's PNG: use it with --routing-map")
     ck = torch.load(args['ckpt'], map_location='cpu', weights_only=False)
     cfg = type('C', (), {})()
     cfg.__dict__.update({**train.DEFAULTS, **ck['config']})
@@ -121,6 +259,12 @@ def main(argv):
     tr = train.Batches(os.path.join(meta['folder'], 'train.bin'), np_dtype, cfg.block_size, B, cfg.seed, dev)
     va = train.Batches(os.path.join(meta['folder'], 'val.bin'), np_dtype, cfg.block_size, B, cfg.seed, dev)
     torch.manual_seed(cfg.eval_seed)
+    if routing:
+        res = routing_map_report(model, tr, va, meta, args['eval_iters'] or cfg.eval_iters,
+                                 args['calib_iters'] or cfg.calib_iters, eval_seed=cfg.eval_seed)
+        res['ckpt'] = args['ckpt']
+        print_routing_map(res, args['out'] or os.path.join(os.path.dirname(args['ckpt']), 'routing_map.png'), as_json)
+        return 0
     res = report(model, tr, va, meta, args['eval_iters'] or cfg.eval_iters, args['calib_iters'] or cfg.calib_iters,
                  eval_seed=cfg.eval_seed)
     res['ckpt'] = args['ckpt']
@@ -128,14 +272,20 @@ def main(argv):
     return 0
 
 
-def report(model, train_data, val_data, meta, eval_iters, calib_iters, autocast=nullcontext(), eval_seed=1337):
-    """The end-of-run numbers: causal val loss beside the forced-full and forced-cheap references,
-    realised budget, and per-difficulty-class routing (synthetic corpus)."""
+def calibrated_eval_batches(model, train_data, val_data, eval_iters, calib_iters, autocast, eval_seed):
+    """Calibrate the causal thresholds on held-out train-split batches, then fetch the fixed
+    validation batches: ([(x, y), ...], their start offsets)."""
     calib = [train_data.fetch(s)[0] for s in train_data.eval_batches(calib_iters, 3, eval_seed)]
     with autocast:
         model.calibrate(torch.cat(calib))               # a no-op for gates without scores
     starts = val_data.eval_batches(eval_iters, 2, eval_seed)
-    batches = [val_data.fetch(s) for s in starts]
+    return [val_data.fetch(s) for s in starts], starts
+
+
+def report(model, train_data, val_data, meta, eval_iters, calib_iters, autocast=nullcontext(), eval_seed=1337):
+    """The end-of-run numbers: causal val loss beside the forced-full and forced-cheap references,
+    realised budget, and per-difficulty-class routing (synthetic corpus)."""
+    batches, starts = calibrated_eval_batches(model, train_data, val_data, eval_iters, calib_iters, autocast, eval_seed)
     out = dict(val_loss=evaluate(model, batches, autocast))
     if model.config.route == 'halt':
         out['halt'] = halt_report(model, batches, autocast)
