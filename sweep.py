@@ -217,7 +217,7 @@ def markdown(summary):
                  f"reference). Code: {', '.join(summary['code_versions'])}.")
     th = summary.get('threshold') or {}
     if th.get('value') is not None:
-        lines.append(f"threshold_hit: first logged iteration with train LM < {th['value']:.4g} ({th['source']}).")
+        lines.append(f"threshold_hit: first logged iteration with train LM < {th['value']:.4f} ({th['source']}).")
     return '\n'.join(lines)
 
 
