@@ -71,14 +71,17 @@ def _gate_kind(config, layer):
     return config.gate
 
 
-def forward_flops(config, T, mode='train', full_frac=None):
+def forward_flops(config, T, mode='train', full_frac=None, exits=None):
     """Forward FLOPs of one sequence of length T.
     mode 'train': training forward, both paths dense and mixed by the mask, plus training-only heads
                   (JEPA targets, membership predictor); oracle passes are counted by oracle_flops.
     mode 'eval':  causal forward with both paths dense (the masked reference).
     mode 'policy': a no-grad pass under training decisions without loss heads (on-policy oracle).
     mode 'sparse': the full FFN only on a fraction full_frac (a float or one per controlled layer)
-                  of the tokens and the cheap FFN on the rest, as sparse execution does."""
+                  of the tokens and the cheap FFN on the rest, as sparse execution does.
+    route 'mod', 'exit', 'ensemble': see family_forward_flops (exits: the exit depths trained)."""
+    if config.route in ('mod', 'exit', 'ensemble'):
+        return family_forward_flops(config, T, mode, full_frac, exits)
     c, L = _costs(config, T), config.n_layer
     total = c['head']
     ctrl_i = 0
@@ -116,6 +119,101 @@ def forward_flops(config, T, mode='train', full_frac=None):
     return T * total
 
 
+def _frac(full_frac, i):
+    return full_frac[i] if isinstance(full_frac, (list, tuple)) else full_frac
+
+
+def family_forward_flops(config, T, mode='train', full_frac=None, exits=None):
+    """Forward FLOPs of one sequence for route 'mod', 'exit' and 'ensemble' (modes as forward_flops).
+    mod:      a routed layer costs its router on every token, then the whole block on n tokens with
+              attention among them (4·n²·d): n = ceil(budget·T) in training, T masked-dense ('eval'),
+              and in 'sparse' n = full_frac·T per routed layer, where full_frac is the padded row
+              length over T (sparse execution pads every row to the longest).
+    exit:     the dense body plus every exit head on every token ('eval'), the trained exits
+              ('train', all unless `exits` names them), or ('sparse', full_frac one per layer = the
+              fraction of tokens still running into block l) the FFN of block l and the head at d on
+              the running tokens only.
+    ensemble: the dense body, k late-layer heads and the router (and in training, with a KL weight,
+              the teacher's head)."""
+    from gates import capacity
+    from model import controlled_layer_ids, exit_depths
+    c, L, d = _costs(config, T), config.n_layer, config.n_embd
+    attn = c['attn_proj'] + c['attn_core']
+    total = T * c['head']
+    if config.route == 'mod':
+        ids, router = controlled_layer_ids(config), config.gate == 'mlp'
+        for l in range(L):
+            if l not in ids:
+                total += T * (attn + c['full'])
+                continue
+            n = capacity(config.budget, T) if mode in ('train', 'policy') else \
+                _frac(full_frac, ids.index(l)) * T if mode == 'sparse' else T
+            total += T * 2 * d * router + n * (c['attn_proj'] + c['full']) + 4 * n * n * d
+            if router and config.infer_rule == 'predictor' and (mode != 'train' or config.predictor_weight > 0):
+                total += T * (c['pred_fc'] + c['pred_out'])
+        return total
+    if config.route == 'exit':
+        all_exits = exit_depths(config)
+        heads = all_exits if (mode != 'train' or exits is None) else exits
+        for l in range(L):
+            f = _frac(full_frac, l) if mode == 'sparse' else 1.0
+            total += T * (attn + f * c['full'])
+            if l + 1 in heads:
+                total += f * T * c['head']
+        return total
+    k = config.ens_layers
+    teacher = mode == 'train' and config.ens_kl_weight > 0
+    return total + T * (L * (attn + c['full']) + (k - 1 + teacher) * c['head'] + 2 * d * k)
+
+
+def family_train_step_flops(config, T, trainable='all', exits=None):
+    """Backward FLOPs of one training step (one sequence) for 'mod', 'exit', 'ensemble', counted the
+    way autograd runs them: a matmul costs 2x its forward when its input and weight both need
+    gradients, 1x when only one does. trainable 'all' or 'controller' (routers / own exit heads /
+    ensemble norms and router, on a frozen backbone)."""
+    from gates import capacity
+    from model import controlled_layer_ids, exit_depths
+    c, L, d = _costs(config, T), config.n_layer, config.n_embd
+    joint = trainable == 'all'
+    w = 2 if joint else 1
+    if config.route == 'mod':
+        ids, router = controlled_layer_ids(config), config.gate == 'mlp'
+        stream, bwd = joint, 0
+        for l in range(L):
+            n = capacity(config.budget, T) if l in ids else T
+            if stream:                  # the block (on its n tokens) needs input grads at least
+                bwd += n * w * (c['attn_proj'] + c['full']) + 2 * 4 * n * n * d
+            if l in ids and router:     # r = wᵀx: weight grad, and input grad once x needs one
+                bwd += T * 2 * d * (2 if stream else 1)
+                if config.infer_rule == 'predictor' and config.predictor_weight > 0:
+                    bwd += T * (c['pred_fc'] + 2 * c['pred_out'])      # its input is detached
+                stream = True           # σ(r) multiplies the update from here on
+        return bwd + (T * w * c['head'] if stream else 0)
+    if config.route == 'exit':
+        trained = exit_depths(config) if exits is None else exits
+        if joint:
+            return 2 * family_forward_flops(config, T, 'train', exits=exits)
+        # own heads only: the trainable norm before each projection makes it 2x
+        return 2 * len(trained) * T * c['head'] if config.exit_head == 'own' else 0
+    k = config.ens_layers                # ensemble: the router's input is detached (weight grad only)
+    if joint:
+        return 2 * T * (L * (c['attn_proj'] + c['attn_core'] + c['full']) + k * c['head']) + T * 2 * d * k
+    return T * k * c['head'] + T * 2 * d * k        # frozen head, trainable norms before it: input grads
+
+
+def _last_layers_step_flops(config, T):
+    """trainable='last_layers' on a dense model: the last k = ens_layers blocks train, all 2x (their
+    first op, ln_1, has trainable weights, so even the first c_attn needs its input gradient); the
+    frozen (tied) LM head computes its input gradient only."""
+    if config.route != 'none':
+        raise ValueError("trainable='last_layers' is the dense fine-tuning baseline (route='none')")
+    c, k = _costs(config, T), config.ens_layers
+    fwd = dense_forward_flops(config, T)
+    layer = 2 * (c['attn_proj'] + c['full']) + 2 * c['attn_core']
+    bwd = T * (k * layer + c['head'])
+    return dict(forward=fwd, backward=bwd, oracle=0, total=fwd + bwd)
+
+
 def _suffix(config, l, c):
     """Per-token FLOPs of layers l+1.. all full, plus the LM head."""
     return (config.n_layer - 1 - l) * (c['attn_proj'] + c['attn_core'] + c['full']) + c['head']
@@ -150,10 +248,17 @@ def _single_layer(config, layer):
                    route=config.route if routed else 'none')
 
 
-def train_step_flops(config, T, trainable='all', oracle_layers=()):
+def train_step_flops(config, T, trainable='all', oracle_layers=(), exits=None):
     """FLOPs of one training step on one sequence: forward, backward and oracle passes, counted the
     way autograd runs them. trainable='all' (joint) or 'controller' (frozen backbone: the backward
-    computes activation gradients only, and nothing below the first gate in the LM-loss graph)."""
+    computes activation gradients only, and nothing below the first gate in the LM-loss graph).
+    exits: route='exit', the exit depths trained this step (None = all)."""
+    if trainable == 'last_layers':
+        return _last_layers_step_flops(config, T)
+    if config.route in ('mod', 'exit', 'ensemble'):
+        fwd = family_forward_flops(config, T, 'train', exits=exits)
+        bwd = family_train_step_flops(config, T, trainable, exits)
+        return dict(forward=fwd, backward=bwd, oracle=0, total=fwd + bwd)
     c, L = _costs(config, T), config.n_layer
     fwd = forward_flops(config, T, mode='train')
     joint = trainable == 'all'
@@ -200,11 +305,11 @@ def train_step_flops(config, T, trainable='all', oracle_layers=()):
     return dict(forward=fwd, backward=bwd, oracle=orc, total=fwd + bwd + orc)
 
 
-def flops_proxy(config, T, oracle_layers=()):
+def flops_proxy(config, T, oracle_layers=(), exits=None):
     """The paper's training FLOPs proxy of one step relative to a full-only step, reconstructed as
     (3 x training forward + oracle forwards) / (3 x dense forward): a step counts as three forwards
     whatever is frozen, and the oracle passes as forwards (they run without gradients)."""
-    return (3 * forward_flops(config, T, mode='train') + oracle_flops(config, T, oracle_layers)) / \
+    return (3 * forward_flops(config, T, mode='train', exits=exits) + oracle_flops(config, T, oracle_layers)) / \
         (3 * dense_forward_flops(config, T))
 
 

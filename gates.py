@@ -13,6 +13,8 @@ Config values -> modules:
                fixed random projection of each action's actual outcome; the score is read from them
   gate='random' | 'static_full' | 'static_cheap': baselines without parameters (StaticGate)
   gate='oracle': scores are the oracle utility labels themselves (see model.py); analysis only
+Other families' routers: HaltingRouter (route='halt', TSA), ModRouter (route='mod', Mixture-of-Depths),
+EnsembleRouter (route='ensemble'); MembershipPredictor is the causal stand-in for top-k in 'ffn' and 'mod'.
 """
 import math
 
@@ -138,3 +140,30 @@ class HaltingRouter(nn.Module):
 
     def forward(self, h):
         return fp32(lambda t: torch.sigmoid(self.out(F.relu(self.fc(t)))).squeeze(-1))(h)
+
+
+class ModRouter(nn.Module):
+    """Mixture-of-Depths (SPEC §3): a scalar linear router r = wᵀx on the block input, in fp32. Top-k
+    of r picks the tokens the block runs on; the selected tokens' update is scaled by σ(r), which is
+    what trains w (σ rather than the raw r: a raw logit multiplied into the residual can blow up)."""
+
+    def __init__(self, n_embd):
+        super().__init__()
+        self.w = nn.Linear(n_embd, 1, bias=False)
+        nn.init.normal_(self.w.weight, std=0.02)
+
+    def forward(self, x):
+        return fp32(lambda t: self.w(t).squeeze(-1))(x)
+
+
+class EnsembleRouter(nn.Module):
+    """Mixture-of-Depths Ensemble (SPEC §5): G(x) = softmax(x·W_g) over the k late layers, per token.
+    W_g starts at zero, so the mixture starts uniform."""
+
+    def __init__(self, n_embd, k):
+        super().__init__()
+        self.w = nn.Linear(n_embd, k, bias=False)
+        nn.init.zeros_(self.w.weight)
+
+    def forward(self, x):
+        return fp32(lambda t: F.softmax(self.w(t), dim=-1))(x)

@@ -61,3 +61,37 @@ def membership_bce(logit, mask):
 def cheap_mimic(cheap_out, full_out):
     """L_mimic = mean ||cheap(h) − sg(full(h))||²: teaches the cheap FFN to imitate the full one."""
     return (cheap_out.float() - full_out.detach().float()).pow(2).mean()
+
+
+def exit_loss_weights(depths, n_layer, schedule, scale=1.0):
+    """Weights α_d of the early-exit losses in L = L_n + Σ_d α_d·L_d, for exits after d blocks
+    (d in depths, all < n_layer), summing to `scale`:
+        uniform:   α_d ∝ 1
+        calm:      α_d ∝ d                         (CALM: ω_i ∝ i)
+        layerskip: α_d ∝ e_scale·Σ_{i≤d} i = d(d+1)/2   (LayerSkip's e(l); e_scale cancels in the
+                   normalisation, so `scale` plays its part)
+    schedule 'mean' is TSA's early-exit baseline: L = mean over every exit and the final layer, i.e.
+    the final weight is 1/(|D|+1) rather than 1; it returns the weights of the exits and of the final
+    layer together as {d: w} with n_layer included."""
+    depths = sorted(depths)
+    if schedule == 'mean':
+        return {d: 1.0 / (len(depths) + 1) for d in depths + [n_layer]}
+    raw = {'uniform': lambda d: 1.0, 'calm': lambda d: float(d),
+           'layerskip': lambda d: d * (d + 1) / 2}[schedule]
+    total = sum(raw(d) for d in depths)
+    w = {d: scale * raw(d) / total for d in depths} if depths else {}
+    w[n_layer] = 1.0
+    return w
+
+
+def distill_kl(student_logits, teacher_logits, direction='forward'):
+    """Distillation from a stop-gradient teacher, mean over tokens, in fp32:
+        forward: KL(p_teacher ‖ p_student) = Σ p_t (log p_t − log p_s)   (the usual distillation)
+        reverse: KL(p_student ‖ p_teacher)"""
+    log_s = F.log_softmax(student_logits.float(), -1)
+    log_t = F.log_softmax(teacher_logits.detach().float(), -1)
+    if direction == 'forward':
+        kl = (log_t.exp() * (log_t - log_s)).sum(-1)
+    else:
+        kl = (log_s.exp() * (log_s - log_t)).sum(-1)
+    return kl.mean()

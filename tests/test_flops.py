@@ -1,5 +1,6 @@
 """Analytic FLOPs (flops.py) against torch's FlopCounterMode, for random routed configs: the forward,
 and a whole training step (forward, backward, oracle passes) with the backbone trainable or frozen."""
+import math
 import random
 
 import torch
@@ -53,7 +54,11 @@ def test_forward_flops_match_counter(cfg, T, B, seed):
         model.train()
         assert counted(lambda: model(idx, idx)) == B * flops.forward_flops(cfg, T, mode='train')
         model.eval()
-        assert counted(lambda: model(idx, idx)) == B * flops.forward_flops(cfg, T, mode='eval')
+        assert counted(lambda: model(idx, idx, sparse=False)) == B * flops.forward_flops(cfg, T, mode='eval')
+        out = []                                            # sparse execution: each path on its own tokens
+        got = counted(lambda: out.append(model(idx, idx)[2].get('masks', {})))
+        frac = [int(m.sum()) / m.numel() for _, m in sorted(out[0].items())] or None
+        assert math.isclose(got, B * flops.forward_flops(cfg, T, mode='sparse', full_frac=frac), rel_tol=1e-9)
 
 
 @settings(max_examples=40, deadline=None)
