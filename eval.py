@@ -37,16 +37,51 @@ def evaluate(model, batches, autocast=nullcontext(), force=None):
     full-path fraction per controlled layer (None for a dense model)."""
     was_training = model.training
     model.eval()
-    losses, fracs = [], []
+    losses, fracs, extra = [], [], {}
     for x, y in batches:
         with autocast:
             _, loss, aux = model(x, y, force=force)
         losses.append(float(aux['lm_loss']))
         if 'full_frac' in aux:
             fracs.append(aux['full_frac'].float().cpu())
+        for k in ('tlops_saved', 'mod_acc'):     # families that skip blocks; MoD's causal-rule accuracy
+            if k in aux:
+                extra.setdefault(k, []).append(float(aux[k]))
     model.train(was_training)
-    return dict(loss=float(np.mean(losses)),
-                full_frac=torch.stack(fracs).mean(0).tolist() if fracs else None)
+    return dict(loss=float(np.mean(losses)), full_frac=torch.stack(fracs).mean(0).tolist() if fracs else None,
+                **{k: float(np.mean(v)) for k, v in extra.items()})
+
+
+def exit_report(model, batches, autocast=nullcontext(), thresholds=(0.5, 0.7, 0.8, 0.9, 0.95, 0.99)):
+    """route='exit': validation loss and TLOps saved of per-token early exit at several confidence
+    thresholds (the model's exit_conf), beside the loss of each exit head read alone (every token
+    leaving at that depth: the 'usable cheaper models' deep supervision promises)."""
+    cfg = model.config
+    saved = cfg.exit_threshold
+    rows = []
+    try:
+        for thr in thresholds:
+            cfg.exit_threshold = thr
+            r = evaluate(model, batches, autocast)
+            rows.append(dict(threshold=thr, loss=r['loss'], tlops_saved=r['tlops_saved'], running=r['full_frac']))
+    finally:
+        cfg.exit_threshold = saved
+    was_training = model.training
+    model.eval()
+    per_exit = {}
+    with torch.no_grad():
+        for d in model.exit_ids:
+            vals = []
+            for x, y in batches:
+                with autocast:
+                    h = model.embed(x)
+                    for block in model.transformer.h[:d]:
+                        h = block(h)
+                    vals.append(float(torch.nn.functional.cross_entropy(
+                        model.exit_logits(d, h).float().flatten(0, 1), y.flatten())))
+            per_exit[d] = float(np.mean(vals))
+    model.train(was_training)
+    return dict(thresholds=rows, per_exit_loss=per_exit)
 
 
 @torch.no_grad()
@@ -283,16 +318,22 @@ def calibrated_eval_batches(model, train_data, val_data, eval_iters, calib_iters
 
 
 def report(model, train_data, val_data, meta, eval_iters, calib_iters, autocast=nullcontext(), eval_seed=1337):
-    """The end-of-run numbers: causal val loss beside the forced-full and forced-cheap references,
-    realised budget, and per-difficulty-class routing (synthetic corpus)."""
+    """The end-of-run numbers: causal val loss beside the forced-full (dense) and forced-cheap
+    references, realised budget, TLOps saved, MoD's causal-rule accuracy, TSA's soft vs hard and the
+    exits' threshold sweep, and per-difficulty-class routing (synthetic corpus)."""
     batches, starts = calibrated_eval_batches(model, train_data, val_data, eval_iters, calib_iters, autocast, eval_seed)
+    route = model.config.route
     out = dict(val_loss=evaluate(model, batches, autocast))
-    if model.config.route == 'halt':
+    if route == 'halt':
         out['halt'] = halt_report(model, batches, autocast)
-    if model.config.route == 'ffn':
+    if route == 'exit':
+        out['exit'] = exit_report(model, batches, autocast)
+    if route in ('ffn', 'mod', 'exit', 'ensemble'):      # forced full = the dense model (no exits, one head)
         out['val_loss_full'] = evaluate(model, batches, autocast, force='full')['loss']
+    if route in ('ffn', 'mod'):                         # forced cheap: cheap FFNs / routed blocks skipped
         out['val_loss_cheap'] = evaluate(model, batches, autocast, force='cheap')['loss']
         out['budget'] = model.config.budget
+    if route in ('ffn', 'mod', 'exit'):
         if meta.get('difficulty_classes'):
             diff = np.memmap(os.path.join(meta['folder'], 'val_difficulty.bin'), dtype=np.uint8, mode='r')
             out['full_frac_by_class'] = difficulty_fractions(

@@ -50,7 +50,8 @@ METRICS = {
     'avg_lm': ('summary', True), 'best_val_lm': ('summary', True), 'final_val_loss': ('eval', True),
     'causal_val_loss': ('routing', True), 'realised_full_frac': ('routing', None),
     'threshold_hit': ('train', True), 'ctrl_grad_norm': ('train', True), 'flops_proxy': ('summary', True),
-    'tlops_saved': ('any', False), 'wall_s': ('summary', True),
+    'tlops_saved': ('any', False), 'eval_tlops_saved': ('routing', False),
+    'eval_flops_vs_dense': ('summary', True), 'wall_s': ('summary', True),
 }
 
 
@@ -105,7 +106,7 @@ def run_metrics(out_dir):
     summ = next((r for r in reversed(recs) if r.get('type') == 'summary'), {})
     evals = [r for r in recs if r.get('type') == 'eval']
     train = [r for r in recs if r.get('type') == 'train']
-    out = {k: summ.get(k) for k in ('avg_lm', 'best_val_lm', 'flops_proxy', 'wall_s')}
+    out = {k: summ.get(k) for k in ('avg_lm', 'best_val_lm', 'flops_proxy', 'eval_flops_vs_dense', 'wall_s')}
     out.update({k: v for k, v in summ.items() if k.startswith('hit_')})
     out['final_val_loss'] = evals[-1]['val_loss'] if evals else None
     lm = train_lm_curve(recs)
@@ -116,7 +117,9 @@ def run_metrics(out_dir):
     routing = summ.get('routing') or {}
     if routing:
         out['causal_val_loss'] = routing['val_loss']['loss']
-        out['realised_full_frac'] = float(np.mean(routing['val_loss']['full_frac']))
+        frac = routing['val_loss'].get('full_frac')
+        out['realised_full_frac'] = float(np.mean(frac)) if frac else None
+        out['eval_tlops_saved'] = routing['val_loss'].get('tlops_saved')   # under eval (hard) routing
     try:
         with open(os.path.join(out_dir, 'run_info.json')) as f:
             info = json.load(f)

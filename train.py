@@ -30,7 +30,7 @@ import torch
 import eval as evaluation
 import flops
 from configurator import ConfigError, load_config
-from model import GPT, GPTConfig, controlled_layer_ids
+from model import GPT, GPTConfig, controlled_layer_ids, is_controller_key
 
 # ----------------------------------------------------------------------------------------------------
 # defaults (override with a config file and/or --key=value); the quickstart trains on these
@@ -61,7 +61,8 @@ route = 'ffn'                # the quickstart trains G1-routed FFNs; 'none' is t
 gate = 'mlp'
 budget = 0.5
 cheap_rank = 16
-trainable = 'all'            # 'all' (joint) or 'controller' (backbone frozen: gates and predictors only)
+trainable = 'all'            # 'all' (joint), 'controller' (backbone frozen: gates, routers, predictors,
+                             # exit heads, ensemble norms) or 'last_layers' (the last ens_layers blocks + ln_f)
 oracle_layers_per_step = 1   # controlled layers given oracle utility labels per step (util/rank losses)
 calib_iters = 4              # train-split batches that calibrate the causal thresholds before each eval
 lm_thresholds = ''           # e.g. '2.5,2.0': report the first iteration the train LM falls below each
@@ -292,15 +293,17 @@ def build_model(cfg, meta, ckpt):
         model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
         model.load_state_dict(ckpt['model'])
     elif ckpt is not None:
-        check_against_checkpoint(cfg, meta, ckpt, MODEL_KEYS)
+        # the routing family may change (e.g. a dense backbone under a halting, MoD or ensemble
+        # controller) as long as every backbone weight comes from the checkpoint: checked below
+        check_against_checkpoint(cfg, meta, ckpt, [k for k in MODEL_KEYS if k not in ('route', 'controlled_layers')])
         model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
-        def is_controller(k):        # gates, predictors (parameters and buffers) and thresholds
-            return '.gate.' in k or '.predictor.' in k or k.endswith('.tau')
-        backbone = {k: v for k, v in ckpt['model'].items() if not is_controller(k)}
+        backbone = {k: v for k, v in ckpt['model'].items() if not is_controller_key(k)}
         missing, unexpected = model.load_state_dict(backbone, strict=False)
-        bad = [k for k in missing if not is_controller(k)] + list(unexpected)
+        bad = [k for k in missing if not is_controller_key(k)] + list(unexpected)
         if bad:
-            raise TrainError(f"checkpoint {cfg.init_from} does not fit this model's backbone: {bad[:5]}")
+            raise TrainError(f"checkpoint {cfg.init_from} does not fit this model's backbone (route "
+                             f"{ckpt['model_args'].get('route')!r} -> {cfg.route!r}): {bad[:5]}")
+        model.init_ensemble_norms()
     elif cfg.init_from == 'scratch':
         vs = cfg.vocab_size or (data_vocab if data_vocab <= 1024 else ((data_vocab + 63) // 64) * 64)
         model = GPT(model_config(cfg, vocab_size=vs))
@@ -325,12 +328,17 @@ def build_model(cfg, meta, ckpt):
 
 def trainable_parameters(model, cfg):
     """Joint training: everything. Controller-only: freeze the backbone (requires_grad=False) and
-    return only the gates' and predictors' parameters."""
+    return only the controller's parameters (model.is_controller_key). 'last_layers': only the last
+    ens_layers blocks and the final norm (the fine-tuning baseline of the ensemble family)."""
     if cfg.trainable == 'all':
         return list(model.parameters())
-    if cfg.trainable != 'controller':
-        raise TrainError(f"trainable must be 'all' or 'controller', got {cfg.trainable!r}")
-    ctrl = model.controller_parameters()
+    if cfg.trainable not in ('controller', 'last_layers'):
+        raise TrainError(f"trainable must be 'all', 'controller' or 'last_layers', got {cfg.trainable!r}")
+    if cfg.trainable == 'last_layers':    # plain fine-tuning of the last ens_layers blocks and ln_f
+        k = model.config.ens_layers
+        ctrl = [p for b in model.transformer.h[-k:] for p in b.parameters()] + list(model.transformer.ln_f.parameters())
+    else:
+        ctrl = model.controller_parameters()
     if not ctrl:
         raise TrainError(f"trainable=controller needs a gate with parameters (route='ffn' with gate='mlp' or "
                          f"'jepa', or route='halt'); this config (route={cfg.route!r}, gate={cfg.gate!r}) has none")
@@ -360,9 +368,21 @@ def print_routing(r):
             print(f"  {row['mode']:>6} τ={row['tau']:.2f}: val loss {row['loss']:.4f}, α {row['alpha']:.3f}, "
                   f"TLOps saved {row['tlops_saved']:.3f}")
         return
-    print(f"val loss (causal routing) {r['val_loss']['loss']:.4f} | all-full {r['val_loss_full']:.4f} | "
-          f"all-cheap {r['val_loss_cheap']:.4f} | realised full-path fraction "
-          f"{np.mean(r['val_loss']['full_frac']):.3f} (budget {r['budget']})")
+    v = r['val_loss']
+    if 'exit' in r:
+        print(f"val loss with early exit {v['loss']:.4f} (TLOps saved {v['tlops_saved']:.3f}) | no exit "
+              f"{r['val_loss_full']:.4f} | each exit alone: "
+              + ' '.join(f"d{d}:{l:.4f}" for d, l in r['exit']['per_exit_loss'].items()))
+        for row in r['exit']['thresholds']:
+            print(f"  threshold {row['threshold']:.2f}: val loss {row['loss']:.4f}, TLOps saved {row['tlops_saved']:.3f}")
+    elif 'val_loss_cheap' in r:
+        print(f"val loss (causal routing) {v['loss']:.4f} | all-full {r['val_loss_full']:.4f} | "
+              f"all-cheap {r['val_loss_cheap']:.4f} | realised full-path fraction "
+              f"{np.mean(v['full_frac']):.3f} (budget {r['budget']})"
+              + (f" | causal rule agrees with top-k on {v['mod_acc']:.3f}" if 'mod_acc' in v else '')
+              + (f" | TLOps saved {v['tlops_saved']:.3f}" if 'tlops_saved' in v else ''))
+    else:                                               # ensemble
+        print(f"val loss (late-layer ensemble) {v['loss']:.4f} | final layer alone {r['val_loss_full']:.4f}")
     for name, per_layer in r.get('full_frac_by_class', {}).items():
         print(f"  full-path fraction for {name:>9} targets: " + ' '.join(f"L{l}:{v:.2f}" for l, v in per_layer.items()))
 
@@ -466,8 +486,10 @@ def main(argv):
     if ddp:
         from torch.nn.parallel import DistributedDataParallel as DDP
         m = raw_model.config            # configs where some parameters get no gradient in a step
-        partial = m.route == 'ffn' and (m.gate in ('static_full', 'static_cheap') or m.gate_grad == 'none'
-                                        or (m.infer_rule == 'predictor' and m.predictor_weight == 0))
+        partial = ((m.route == 'ffn' and (m.gate in ('static_full', 'static_cheap') or m.gate_grad == 'none'
+                                          or (m.infer_rule == 'predictor' and m.predictor_weight == 0)))
+                   or (m.route == 'mod' and m.infer_rule == 'predictor' and m.predictor_weight == 0)
+                   or (m.route == 'exit' and m.exit_head == 'own' and m.exit_rotation > 0))
         model = DDP(model, device_ids=[local_rank] if dev.type == 'cuda' else None, find_unused_parameters=partial)
     mcfg = raw_model.config
     ctrl_ids = controlled_layer_ids(mcfg)
@@ -488,8 +510,9 @@ def main(argv):
             json.dump(run_info(cfg, dev, dt, world), f, indent=2)
         metrics_f = open(os.path.join(cfg.out_dir, 'metrics.jsonl'), 'a')
         n_params = raw_model.get_num_params()
-        print(f"model: {n_params / 1e6:.2f}M parameters | data: {cfg.dataset} ({meta['vocab_size']} tokens "
-              f"vocab, {meta['train_tokens']:,} train tokens) | device {dev}, {dt}, world {world}")
+        n_trainable = sum(p.numel() for p in {id(p): p for p in params}.values())    # tied weights once
+        print(f"model: {n_params / 1e6:.2f}M parameters ({n_trainable:,} trainable) | data: {cfg.dataset} "
+              f"({meta['vocab_size']} tokens vocab, {meta['train_tokens']:,} train tokens) | device {dev}, {dt}, world {world}")
 
     def log(obj):
         if metrics_f is not None:
@@ -571,6 +594,7 @@ def main(argv):
             group['lr'] = lr
         oracle_layers = (tuple(sorted(random.Random(cfg.seed * 1_000_003 + iter_num).sample(ctrl_ids, k_oracle)))
                          if oracle_on else ())     # the same on every rank, and a pure function of the step
+        exits = raw_model.active_exits(iter_num) if mcfg.route == 'exit' else None    # curriculum
         loss_sum = torch.zeros((), device=dev)
         for micro in range(accum):
             j = (iter_num * accum + micro) * world + rank
@@ -578,13 +602,13 @@ def main(argv):
             if ddp:
                 model.require_backward_grad_sync = micro == accum - 1
             with autocast:
-                _, loss, aux = model(x, y, oracle_layers=oracle_layers)
+                _, loss, aux = model(x, y, oracle_layers=oracle_layers, exits=exits)
                 loss = loss / accum
             scaler.scale(loss).backward()
             loss_sum += loss.detach().float()
             interval['lm'] += aux['lm_loss'].float() / accum
             for k, v in aux.items():
-                if (k.endswith('_loss') and k != 'lm_loss') or k in ('jepa_pred_std', 'utility_mean'):
+                if (k.endswith('_loss') and k != 'lm_loss') or k in ('jepa_pred_std', 'utility_mean', 'tlops_saved'):
                     interval['aux'][k] = interval['aux'].get(k, 0.0) + v.detach().float() / accum
             if 'full_frac' in aux:
                 f = aux['full_frac'].float() / accum
@@ -601,10 +625,11 @@ def main(argv):
         optimizer.zero_grad(set_to_none=True)
         iter_num += 1
         interval['n'] += 1
-        if oracle_layers not in step_costs:    # analytic, so computed once per set of oracle layers
-            step_costs[oracle_layers] = (flops.train_step_flops(mcfg, cfg.block_size, cfg.trainable, oracle_layers),
-                                         flops.flops_proxy(mcfg, cfg.block_size, oracle_layers))
-        step, proxy_step = step_costs[oracle_layers]
+        key = (oracle_layers, exits)
+        if key not in step_costs:              # analytic, so computed once per set of oracle layers / exits
+            step_costs[key] = (flops.train_step_flops(mcfg, cfg.block_size, cfg.trainable, oracle_layers, exits),
+                               flops.flops_proxy(mcfg, cfg.block_size, oracle_layers, exits))
+        step, proxy_step = step_costs[key]
         flops_state['exact'] += seqs_per_iter * step['total']
         flops_state['proxy_num'] += seqs_per_iter * proxy_step * dense_step
         flops_state['dense'] += seqs_per_iter * dense_step
@@ -646,9 +671,8 @@ def main(argv):
                            train_flops_vs_dense=flops_state['exact'] / flops_state['dense'],
                            skipped_steps=n_skipped)
                 rec.update(aux_means)            # auxiliary terms, averaged over the log interval
-                if mcfg.route == 'halt' and frac:    # TSA: mean active fraction α and TLOps saved
+                if mcfg.route == 'halt' and frac:    # TSA: mean active fraction α (TLOps saved comes in aux)
                     rec['alpha'] = float(np.mean(frac))
-                    rec['tlops_saved'] = 1 - (1 + (mcfg.n_layer - 1) * rec['alpha']) / mcfg.n_layer
                 history['train'].append(dict(iter=iter_num, lm_loss=lm))
                 log(rec)
             if ddp:                                # agree on stopping at a common iteration
@@ -670,6 +694,7 @@ def main(argv):
         flops_state['wall_s'] = time.time() - t_run
         summary = run_summary(history['train'], history['eval'], cfg, flops_state['wall_s'])
         summary.update(type='summary', iter=iter_num, best_val_loss=best_val, skipped_steps=int(skipped.item()),
+                       trainable_params=sum(p.numel() for p in {id(p): p for p in params}.values()),
                        flops_proxy=flops_state['proxy_num'] / max(1.0, flops_state['dense']),
                        train_flops=flops_state['exact'])
         if not cfg.eval_only and stop.signum is None and mcfg.route != 'none':
@@ -677,6 +702,9 @@ def main(argv):
                 summary['routing'] = evaluation.report(raw_model, train_data, val_data, meta, cfg.eval_iters,
                                                        cfg.calib_iters, autocast, cfg.eval_seed)
             print_routing(summary['routing'])
+            frac = summary['routing']['val_loss']['full_frac']    # the eval forward at the realised routing
+            summary['eval_flops_vs_dense'] = (flops.forward_flops(mcfg, cfg.block_size, 'sparse', full_frac=frac)
+                                              / flops.dense_forward_flops(mcfg, cfg.block_size))
         log(summary)
         metrics_f.close()
         if stop.signum is None:
