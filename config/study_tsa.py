@@ -1,15 +1,16 @@
-# TSA's lambda sweep against the dense baseline (SPEC §2 table), CPU-sized; each run's summary also
-# reports validation loss under hard skipping at tau in {0.3, 0.5, 0.7, 0.9} beside the soft loss.
-# (The early-exit baseline at matched alpha needs route='exit', not yet implemented.)
-#   python data/prepare.py shakespeare_char && python sweep.py config/study_tsa.py
+# TSA (SPEC §2), CPU-sized: the λ sweep against the dense baseline, and TSA against its early-exit
+# baseline (one exit per block, mean CE) at matched α. Every TSA run's summary reports validation loss
+# under soft gating and under hard skipping at τ in {0.3, 0.5, 0.7, 0.9}; the exit run's summary sweeps
+# its confidence threshold, so the two are compared at the same TLOps saved.
+#   python data/prepare.py shakespeare_char && python sweep.py config/study_tsa.py   (~30 min on 2 CPU cores)
+# GPU paper setting: config/study_tsa_gpu.py.
 base = 'config/tsa_shakespeare_cpu.py'
 out_root = 'out/study_tsa'
 seeds = [1]
 arms = {
     'dense': ['--route=none'],
-    'tsa_l0': ['--halt_lambda=0'],
     'tsa_l0.001': ['--halt_lambda=0.001'],
     'tsa_l0.05': ['--halt_lambda=0.05'],
-    'tsa_l0.5': ['--halt_lambda=0.5'],
+    'exit_mean': ['--route=exit', '--exit_layers=every', '--exit_schedule=mean', '--exit_head=shared'],
 }
 reference = 'dense'
