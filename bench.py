@@ -8,6 +8,19 @@ Takes every key of train.py (model shape, batch_size, block_size, device, dtype,
 bench_steps / bench_warmup / decode_tokens / decode_batches. Random tokens, so no data is needed.
 Reports medians over bench_steps timed repeats after bench_warmup untimed ones; with --json prints
 exactly one JSON object.
+
+Routed vs dense (issue 5's table): with --budgets=1.0,0.75,0.5,0.25,0.125 the config's routed model
+(route=ffn or mod) is timed at each budget beside the dense model of the same shape, in eval mode:
+prefill of each --prefill_shapes BxT (last-position logits, as generation's prefill) and KV-cached
+decode at each --decode_batches. Per row: measured time ratio routed/dense, analytic forward-FLOPs ratio
+routed/dense at the realised routing, and their quotient flops_ratio / time_ratio = the share of the
+FLOPs-ideal speedup realised (1.0 = all of it). Routing: ffn uses its gate with the threshold
+calibrated on the benchmark batch; mod uses gate='random' at the capacity (an untrained router's
+σ(r) > 0.5 rule would not hold the budget; the router is one dot product per token). Also the
+training step of controller-only G1 (util/rank off) against the dense joint step, and with --profile
+where the routed prefill at budget 0.5 spends its time (torch.profiler, by op kind).
+
+    python bench.py config/bench_cpu.py --budgets=1.0,0.75,0.5,0.25,0.125 --json
 """
 import json
 import os
@@ -23,7 +36,8 @@ import train
 from configurator import ConfigError, load_config
 from model import GPT
 
-BENCH_DEFAULTS = dict(bench_steps=10, bench_warmup=3, decode_tokens=32, decode_batches='1,8')
+BENCH_DEFAULTS = dict(bench_steps=10, bench_warmup=3, decode_tokens=32, decode_batches='1,8',
+                      budgets='', prefill_shapes='8x512', sparse=True, profile=False, decode_prompt=0)
 
 
 def timed(fn, steps, warmup, dev):
@@ -98,10 +112,181 @@ def bench(cfg):
                 train_flops_per_step=step_flops)
 
 
+def eval_model(mcfg, dev):
+    return GPT(mcfg).to(dev).eval()
+
+
+def op_kind(name):
+    """Coarse class of an aten op for the profile breakdown."""
+    if any(k in name for k in ('mm', 'addmm', 'matmul', 'linear')):
+        return 'matmul'
+    if any(k in name for k in ('attention', 'softmax', 'bmm', 'baddbmm')):
+        return 'attention'
+    if any(k in name for k in ('index', 'nonzero', 'gather', 'scatter', 'sort', 'masked', 'where')):
+        return 'gather/scatter'
+    if any(k in name for k in ('gelu', 'layer_norm', 'add', 'mul', 'sigmoid', 'copy', 'cat', 'zeros', 'fill', 'empty')):
+        return 'elementwise/norm'
+    return 'other'
+
+
+def profile_breakdown(fn):
+    """Self CPU time (ms) by op kind over one call of fn, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    out = {}
+    for e in prof.key_averages():
+        if e.key.startswith('aten::'):
+            k = op_kind(e.key)
+            out[k] = out.get(k, 0.0) + e.self_cpu_time_total / 1e3
+    total = sum(out.values())
+    return {k: dict(ms=v, share=v / total) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+
+
+def bench_routed(cfg):
+    """The routed-vs-dense table (see the module docstring)."""
+    dev, dt = train.resolve_device_dtype(type('C', (), cfg)())
+    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dt]
+    autocast = nullcontext() if dt == 'float32' else torch.autocast(device_type=dev.type, dtype=ptdtype)
+    base = train.model_config(type('C', (), cfg)(), vocab_size=cfg['vocab_size'] or 50304)
+    if base.route not in ('ffn', 'mod'):
+        raise train.TrainError(f"--budgets times route='ffn' or 'mod' against dense; this config has route={base.route!r}")
+    from dataclasses import replace
+    shapes = [tuple(int(v) for v in s.lower().split('x')) for s in str(cfg['prefill_shapes']).split(',') if s]
+    if any(T > base.block_size for _, T in shapes):
+        raise train.TrainError(f"prefill_shapes {cfg['prefill_shapes']} exceed block_size {base.block_size}")
+    steps, warm = cfg['bench_steps'], cfg['bench_warmup']
+    g = torch.Generator().manual_seed(cfg['seed'])
+    xs = {s: torch.randint(0, base.vocab_size, s, generator=g).to(dev) for s in shapes}
+    torch.manual_seed(cfg['seed'])
+    dense = eval_model(replace(base, route='none'), dev)
+    state = dense.state_dict()
+    decode_bs = [int(b) for b in str(cfg['decode_batches']).split(',') if b]
+    run = lambda m, x, **kw: (lambda: torch.no_grad()(lambda: m(x, sparse=cfg['sparse'], **kw))())
+
+    def time_model(m, rng_seed):
+        """{shape: seconds} prefill and {batch: tokens/s} decode of model m."""
+        pre = {}
+        for s, x in xs.items():
+            torch.manual_seed(rng_seed)
+            with autocast:
+                pre[s] = timed(run(m, x), steps, warm, dev)
+        dec = {}
+        for b in decode_bs:
+            n = cfg['decode_prompt'] or max(1, base.block_size - cfg['decode_tokens'])    # prompt tokens
+            prompt = torch.randint(0, base.vocab_size, (b, n), generator=g).to(dev)
+            with autocast:
+                t = timed(lambda: m.generate(prompt, cfg['decode_tokens'], temperature=0), max(1, steps // 3), 1, dev)
+            dec[b] = b * cfg['decode_tokens'] / t
+        return pre, dec
+
+    d_pre, d_dec = time_model(dense, cfg['seed'])
+    rows, profile = [], None
+    for budget in [float(b) for b in str(cfg['budgets']).split(',') if b]:
+        mcfg = replace(base, budget=budget, gate='random' if base.route == 'mod' else base.gate)
+        torch.manual_seed(cfg['seed'])
+        m = eval_model(mcfg, dev)
+        m.load_state_dict(state, strict=False)                     # the same backbone as the dense model
+        for s, x in xs.items():
+            with torch.no_grad(), autocast:
+                m.calibrate(x)                                      # ffn: threshold that holds the budget
+        r_pre, r_dec = time_model(m, cfg['seed'])
+        for s, x in xs.items():
+            torch.manual_seed(cfg['seed'])
+            with torch.no_grad(), autocast:
+                masks = m(x, sparse=cfg['sparse'])[2].get('masks', {})
+            frac = [int(v.sum()) / v.numel() for _, v in sorted(masks.items())]
+            last_only = (s[1] - 1) * 2 * base.n_embd * base.vocab_size    # prefill: logits of the last position only
+            f_ratio = (flops.forward_flops(mcfg, s[1], 'sparse', full_frac=frac) - last_only) / (
+                flops.forward_flops(replace(base, route='none'), s[1], 'eval') - last_only)
+            t_ratio = r_pre[s] / d_pre[s]
+            rows.append(dict(kind='prefill', budget=budget, batch=s[0], seq=s[1], realised_frac=sum(frac) / len(frac),
+                             layer_fracs=frac,
+                             dense_ms=d_pre[s] * 1e3, routed_ms=r_pre[s] * 1e3, time_ratio=t_ratio,
+                             flops_ratio=f_ratio, ideal_realised=f_ratio / t_ratio))
+        for b in decode_bs:
+            rows.append(dict(kind='decode', budget=budget, batch=b, dense_tokens_per_s=d_dec[b],
+                             routed_tokens_per_s=r_dec[b], time_ratio=d_dec[b] / r_dec[b]))
+        if cfg['profile'] and abs(budget - 0.5) < 1e-9:
+            s, x = shapes[-1], xs[shapes[-1]]
+            with autocast:
+                profile = dict(shape=f"{s[0]}x{s[1]}", routed=profile_breakdown(run(m, x)),
+                               dense=profile_breakdown(run(dense, x)))
+    return dict(route=base.route, gate=base.gate, device=str(dev), dtype=dt, compile=cfg['compile'],
+                sparse=cfg['sparse'], torch=torch.__version__, threads=torch.get_num_threads(),
+                n_layer=base.n_layer, n_embd=base.n_embd, cheap_rank=base.cheap_rank,
+                controlled_layers=base.controlled_layers, rows=rows, train=bench_controller_step(cfg, base, dev, autocast),
+                profile=profile)
+
+
+def bench_controller_step(cfg, base, dev, autocast):
+    """Training step of controller-only G1 without util/rank (frozen backbone, gates only) against a
+    dense joint training step of the same backbone, at batch_size x block_size."""
+    from dataclasses import replace
+    B, T = cfg['batch_size'], base.block_size
+    g = torch.Generator().manual_seed(cfg['seed'])
+    x = torch.randint(0, base.vocab_size, (B, T), generator=g).to(dev)
+    y = torch.randint(0, base.vocab_size, (B, T), generator=g).to(dev)
+    out = {}
+    for name, mcfg in (('dense_joint', replace(base, route='none')),
+                       ('g1_controller', replace(base, route='ffn', gate='mlp', util_weight=0.0, rank_weight=0.0))):
+        torch.manual_seed(cfg['seed'])
+        m = GPT(mcfg).to(dev).train()
+        params = list(m.parameters())
+        if name == 'g1_controller':
+            ctrl = {id(p) for p in m.controller_parameters()}
+            for p in m.parameters():
+                p.requires_grad_(id(p) in ctrl)
+            params = m.controller_parameters()
+        opt = m.configure_optimizers(0.1, 1e-4, (0.9, 0.95), dev.type, params=params)
+        fwd = torch.compile(m, dynamic=False) if cfg['compile'] else m
+
+        def step():
+            with autocast:
+                loss = fwd(x, y)[1]
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out[name + '_ms'] = timed(step, cfg['bench_steps'], cfg['bench_warmup'], dev) * 1e3
+    out['ratio'] = out['g1_controller_ms'] / out['dense_joint_ms']
+    return out
+
+
+def print_routed(res):
+    print(f"{res['route']} routing vs dense | {res['device']} {res['dtype']} compile={res['compile']} "
+          f"sparse={res['sparse']} torch {res['torch']} threads {res['threads']} | L={res['n_layer']} d={res['n_embd']}")
+    print('| budget | BxT | realised | dense ms | routed ms | time ratio | FLOPs ratio | ideal realised |')
+    print('|---|---|---|---|---|---|---|---|')
+    for r in res['rows']:
+        if r['kind'] == 'prefill':
+            print(f"| {r['budget']} | {r['batch']}x{r['seq']} | {r['realised_frac']:.3f} | {r['dense_ms']:.1f} | "
+                  f"{r['routed_ms']:.1f} | {r['time_ratio']:.3f} | {r['flops_ratio']:.3f} | {r['ideal_realised']:.2f} |")
+    print('| budget | decode batch | dense tok/s | routed tok/s | time ratio |')
+    print('|---|---|---|---|---|')
+    for r in res['rows']:
+        if r['kind'] == 'decode':
+            print(f"| {r['budget']} | {r['batch']} | {r['dense_tokens_per_s']:.0f} | {r['routed_tokens_per_s']:.0f} | "
+                  f"{r['time_ratio']:.3f} |")
+    t = res['train']
+    print(f"training step: dense joint {t['dense_joint_ms']:.1f} ms, controller-only G1 (no util/rank) "
+          f"{t['g1_controller_ms']:.1f} ms, ratio {t['ratio']:.3f}")
+    if res['profile']:
+        for name in ('routed', 'dense'):
+            print(f"profile of the {name} prefill {res['profile']['shape']} at budget 0.5: " + ', '.join(
+                f"{k} {v['ms']:.0f} ms ({v['share'] * 100:.0f}%)" for k, v in res['profile'][name].items()))
+
+
 def main(argv):
     as_json = '--json' in argv
     argv = [a for a in argv if a != '--json']
     cfg = load_config({**train.DEFAULTS, **BENCH_DEFAULTS}, argv)
+    if cfg['budgets']:
+        res = bench_routed(cfg)
+        if as_json:
+            print(json.dumps(res))
+        else:
+            print_routed(res)
+        return 0
     res = bench(cfg)
     if as_json:
         print(json.dumps(res))

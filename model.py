@@ -876,37 +876,79 @@ class GPT(nn.Module):
     # generation
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True):
-        """Sample max_new_tokens continuations of idx (B, T). With use_cache, the prompt is prefilled
-        once and each new token costs one single-position forward; once the sequence outgrows
-        block_size the context is cropped as in nanoGPT, which shifts every position, so the
-        remaining tokens are computed by full recomputation on the cropped window (identical to
-        use_cache=False by construction)."""
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, lengths=None, stats=None):
+        """Sample max_new_tokens continuations of idx (B, T), routed as model.eval() routes. With
+        use_cache, the prompt is prefilled once and each new token costs one single-position forward;
+        once the sequence outgrows block_size the context is cropped as in nanoGPT, which shifts every
+        position, so the remaining tokens are computed by full recomputation on the cropped window
+        (identical to use_cache=False by construction).
+        lengths: prompts of different lengths, right-padded in idx (B, max len), row b's prompt being
+        idx[b, :lengths[b]]: each row continues at its own positions (the cache slots the padding
+        wrote are emptied after the prefill); returns a list of 1-D tensors. Needs the cache and
+        max(lengths) + max_new_tokens <= block_size.
+        stats: a dict to fill with the mean realised full-path fraction per routed layer over every
+        forward ('full_frac') and the mean TLOps saved ('tlops_saved'), where the family has them."""
         bs = self.config.block_size
-        cache = None
-        for _ in range(max_new_tokens):
-            T = idx.size(1)
-            if use_cache and T <= bs:
-                if cache is None:
-                    cache = KVCache(self.config, idx.size(0), bs, idx.device, self.lm_head.weight.dtype)
-                    start = 0
+        record = (lambda aux: [stats.setdefault(k, []).append(aux[k].float()) for k in ('full_frac', 'tlops_saved')
+                               if k in aux]) if stats is not None else (lambda aux: None)
+        if lengths is not None:
+            idx = self.generate_ragged(idx, list(lengths), max_new_tokens, temperature, top_k, record)
+        else:
+            cache = None
+            for _ in range(max_new_tokens):
+                T = idx.size(1)
+                if use_cache and T <= bs:
+                    if cache is None:
+                        cache = KVCache(self.config, idx.size(0), bs, idx.device, self.lm_head.weight.dtype)
+                        start = 0
+                    else:
+                        start = T - 1
+                    pos = torch.arange(start, T, device=idx.device).expand(idx.size(0), -1)
+                    logits, _, aux = self(idx[:, start:], pos=pos, cache=cache)
                 else:
-                    start = T - 1
-                pos = torch.arange(start, T, device=idx.device).expand(idx.size(0), -1)
-                logits = self(idx[:, start:], pos=pos, cache=cache)[0]
-            else:
-                logits = self(idx[:, -bs:])[0]
-            logits = logits[:, -1, :]
-            if temperature == 0:
-                nxt = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                    logits[logits < v[:, [-1]]] = -float('inf')
-                nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-            idx = torch.cat((idx, nxt), dim=1)
+                    logits, _, aux = self(idx[:, -bs:])
+                record(aux)
+                idx = torch.cat((idx, self.sample_next(logits[:, -1, :], temperature, top_k)), dim=1)
+        if stats:
+            for k in [k for k in ('full_frac', 'tlops_saved') if k in stats]:
+                stats[k] = torch.stack(stats[k]).mean(0).tolist()
         return idx
+
+    def generate_ragged(self, idx, lengths, max_new_tokens, temperature, top_k, record):
+        B, dev = idx.size(0), idx.device
+        if len(lengths) != B or min(lengths) < 1 or max(lengths) > idx.size(1):
+            raise ValueError(f"lengths {lengths} must give 1..{idx.size(1)} prompt tokens for each of {B} rows")
+        if max(lengths) + max_new_tokens > self.config.block_size:
+            raise ValueError(f"the longest prompt ({max(lengths)}) plus {max_new_tokens} new tokens exceeds "
+                             f"block_size {self.config.block_size}")
+        cache = KVCache(self.config, B, self.config.block_size, dev, self.lm_head.weight.dtype)
+        n = torch.tensor(lengths, device=dev)
+        T = idx.size(1)
+        logits, _, aux = self(idx, pos=torch.arange(T, device=dev).expand(B, T), cache=cache, last_only=False)
+        record(aux)
+        slot = torch.arange(cache.max_len, device=dev)[None, :]
+        cache.kpos[:, (slot >= n[:, None]) & (slot < T)] = -1           # forget what the padding wrote
+        logits = logits[torch.arange(B, device=dev), n - 1]
+        out = torch.zeros(B, max(lengths) + max_new_tokens, dtype=idx.dtype, device=dev)
+        out[:, :T] = idx
+        for step in range(max_new_tokens):
+            nxt = self.sample_next(logits, temperature, top_k)
+            out[torch.arange(B, device=dev), n + step] = nxt[:, 0]
+            if step + 1 < max_new_tokens:
+                logits, _, aux = self(nxt, pos=(n + step)[:, None], cache=cache)
+                record(aux)
+                logits = logits[:, -1]
+        return [out[b, :lengths[b] + max_new_tokens] for b in range(B)]
+
+    @staticmethod
+    def sample_next(logits, temperature, top_k):
+        if temperature == 0:
+            return logits.argmax(dim=-1, keepdim=True)
+        logits = logits / temperature
+        if top_k is not None:
+            v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+            logits[logits < v[:, [-1]]] = -float('inf')
+        return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
 
     # ------------------------------------------------------------------------------------------------
     # training helpers

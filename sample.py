@@ -4,7 +4,9 @@ Sample from a trained nanodepth model.
     python sample.py --out_dir=out/quickstart --start="12+34=" --num_samples=3 --max_new_tokens=100
 
 Decodes with the tokenizer recorded in the data's meta.json (char, byte, gpt2 or the synthetic
-corpus's symbols) and uses the KV cache unless --use_cache=False.
+corpus's symbols) and uses the KV cache unless --use_cache=False. Routed models decode routed (as
+model.eval() routes, causal per token) and print the realised full-path fraction per routed layer.
+--prompts_file=FILE: one prompt per line, decoded together as one batch of different lengths.
 """
 import json
 import os
@@ -17,7 +19,7 @@ from configurator import ConfigError, load_config
 from model import GPT, GPTConfig
 
 DEFAULTS = dict(out_dir='out/quickstart', start='\n', num_samples=3, max_new_tokens=200, temperature=0.8,
-                top_k=200, seed=1337, device='auto', use_cache=True, data_dir='')
+                top_k=200, seed=1337, device='auto', use_cache=True, data_dir='', prompts_file='')
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -72,17 +74,33 @@ def main(argv):
                           f"(or pass --data_dir=...)")
     with open(os.path.join(folder, 'meta.json')) as f:
         encode, decode = load_tokenizer(json.load(f))
-    ids = encode(cfg['start']) or [0]
     torch.manual_seed(cfg['seed'])
-    x = torch.tensor(ids, dtype=torch.long, device=dev)[None].repeat(cfg['num_samples'], 1)
+    stats, lengths = {}, None
+    if cfg['prompts_file']:            # a batch of prompts of different lengths, right-padded
+        with open(cfg['prompts_file']) as f:
+            prompts = [encode(line.rstrip('\n')) or [0] for line in f if line.strip()]
+        if not prompts:
+            raise ConfigError(f"{cfg['prompts_file']} has no prompts")
+        lengths = [len(p) for p in prompts]
+        if max(lengths) + cfg['max_new_tokens'] > model.config.block_size:
+            raise ConfigError(f"the longest prompt ({max(lengths)} tokens) plus max_new_tokens exceeds "
+                              f"block_size {model.config.block_size}")
+        x = torch.tensor([p + [0] * (max(lengths) - len(p)) for p in prompts], dtype=torch.long, device=dev)
+    else:
+        ids = encode(cfg['start']) or [0]
+        x = torch.tensor(ids, dtype=torch.long, device=dev)[None].repeat(cfg['num_samples'], 1)
     t0 = time.time()
     y = model.generate(x, cfg['max_new_tokens'], temperature=cfg['temperature'], top_k=cfg['top_k'] or None,
-                       use_cache=cfg['use_cache'])
+                       use_cache=cfg['use_cache'], lengths=lengths, stats=stats)
     dt = time.time() - t0
-    for row in y.tolist():
-        print(decode(row))
+    for row in y:
+        print(decode(row.tolist()))
         print('---------------')
-    print(f"{cfg['num_samples'] * cfg['max_new_tokens'] / dt:,.0f} tokens/s ({dev}, cache={cfg['use_cache']})")
+    print(f"{len(y) * cfg['max_new_tokens'] / dt:,.0f} tokens/s ({dev}, cache={cfg['use_cache']}, "
+          f"route={model.config.route})")
+    if 'full_frac' in stats:
+        print("realised full-path fraction per routed layer: " + ' '.join(f"{f:.3f}" for f in stats['full_frac'])
+              + (f" | TLOps saved {stats['tlops_saved']:.3f}" if 'tlops_saved' in stats else ''))
     return 0
 
 

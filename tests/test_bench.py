@@ -1,6 +1,7 @@
 """bench.py --json prints exactly one JSON object whose numbers come from this run: positive speeds,
 no MFU on CPU, and the step FLOPs the analytic accountant gives for this config."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -10,6 +11,8 @@ import pytest
 import flops
 import train
 from configurator import load_config
+from dataclasses import replace
+from model import controlled_layer_ids
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ['--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=2', '--vocab_size=50',
@@ -37,3 +40,37 @@ def test_bench_json(route):
 def test_bench_bad_key_is_a_clean_error():
     r = subprocess.run([sys.executable, 'bench.py', '--n_layers=2'], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "n_layer" in r.stderr and 'Traceback' not in r.stderr
+
+
+@pytest.mark.parametrize('route', ['ffn', 'mod'])
+def test_bench_routed_table(route):
+    """--budgets: one prefill row per (budget, shape) and one decode row per (budget, batch); the FLOPs
+    ratio is the analytic one at the realised routing (recomputed here), last-position logits only."""
+    args = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=2', '--vocab_size=50',
+            '--bench_steps=1', '--bench_warmup=0', '--decode_tokens=2', '--decode_batches=1,2', f'--route={route}',
+            '--budgets=1.0,0.5', '--prefill_shapes=2x16,1x32', '--cheap_rank=4', '--json']
+    r = subprocess.run([sys.executable, 'bench.py', *args], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    pre = [x for x in res['rows'] if x['kind'] == 'prefill']
+    dec = [x for x in res['rows'] if x['kind'] == 'decode']
+    assert [(x['budget'], x['batch'], x['seq']) for x in pre] == [(1.0, 2, 16), (1.0, 1, 32), (0.5, 2, 16), (0.5, 1, 32)]
+    assert [(x['budget'], x['batch']) for x in dec] == [(1.0, 1), (1.0, 2), (0.5, 1), (0.5, 2)]
+    for x in pre:
+        assert x['time_ratio'] > 0 and math.isclose(x['ideal_realised'], x['flops_ratio'] / x['time_ratio'])
+        cfg = load_config({**train.DEFAULTS, 'bench_steps': 0, 'bench_warmup': 0, 'decode_tokens': 0,
+                           'decode_batches': '', 'budgets': '', 'prefill_shapes': '', 'sparse': True, 'profile': False},
+                          [a for a in args if a != '--json'])
+        mcfg = replace(train.model_config(type('C', (), cfg)(), vocab_size=50), budget=x['budget'])
+        if route == 'mod':
+            mcfg = replace(mcfg, gate='random')
+        assert len(x['layer_fracs']) == len(controlled_layer_ids(mcfg))
+        assert math.isclose(x['realised_frac'], sum(x['layer_fracs']) / len(x['layer_fracs']))
+        head = (x['seq'] - 1) * 2 * 32 * 50
+        want = (flops.forward_flops(mcfg, x['seq'], 'sparse', full_frac=x['layer_fracs']) - head) / \
+            (flops.dense_forward_flops(mcfg, x['seq']) - head)
+        assert math.isclose(x['flops_ratio'], want, rel_tol=1e-6)
+        if x['budget'] == 1.0:
+            assert x['realised_frac'] == 1.0 or route == 'mod'
+    assert res['train']['ratio'] > 0
