@@ -12,6 +12,9 @@ the layout sweep.py writes). sweep.py calls write_plots after its summary (--no_
 - pareto_tlops.png  the same against TLOps saved (higher is better): the last 'tlops_saved' any
                     record of the run holds (for TSA, train.py's training-time value); arms that never
                     log it are left out, and the plot is skipped with a note when no run does.
+- pareto_eval_flops.png, pareto_eval_tlops.png  the same against the end-of-run summary's eval forward
+                    FLOPs at the realised routing (× dense) and TLOps saved under eval (hard, causal)
+                    routing; a dense run sits at 1.0 and 0.
 - grad_norms.png    controller gradient norm (ctrl_grad_norm) against iteration, log scale, mean and
                     min–max band over seeds.
 - full_frac.png     realised full-path fraction per routed layer over training, one panel per arm
@@ -197,6 +200,10 @@ def figures(plt, runs):
     yield 'loss_curves.png', plot_loss_curves(plt, runs)
     yield 'pareto_flops.png', plot_pareto(plt, runs, 'flops_proxy', 'FLOPs proxy (training, × dense)')
     yield 'pareto_tlops.png', plot_pareto(plt, runs, 'tlops_saved', 'TLOps saved (last logged value)', maximise=True)
+    yield 'pareto_eval_flops.png', plot_pareto(plt, runs, 'eval_flops_vs_dense',
+                                               'eval forward FLOPs at the realised routing (× dense)')
+    yield 'pareto_eval_tlops.png', plot_pareto(plt, runs, 'eval_tlops_saved', 'TLOps saved under eval routing',
+                                               maximise=True)
     yield 'grad_norms.png', plot_grad_norms(plt, runs)
     yield 'full_frac.png', plot_full_frac(plt, runs)
 

@@ -120,6 +120,12 @@ def run_metrics(out_dir):
         frac = routing['val_loss'].get('full_frac')
         out['realised_full_frac'] = float(np.mean(frac)) if frac else None
         out['eval_tlops_saved'] = routing['val_loss'].get('tlops_saved')   # under eval (hard) routing
+    try:                                # a dense run is the reference point of the FLOPs/TLOps axes
+        with open(os.path.join(out_dir, 'config.json')) as f:
+            if json.load(f).get('route') == 'none' and summ:
+                out['eval_flops_vs_dense'], out['eval_tlops_saved'] = 1.0, 0.0
+    except FileNotFoundError:
+        pass
     try:
         with open(os.path.join(out_dir, 'run_info.json')) as f:
             info = json.load(f)
