@@ -12,9 +12,10 @@ exactly one JSON object.
 Routed vs dense (issue 5's table): with --budgets=1.0,0.75,0.5,0.25,0.125 the config's routed model
 (route=ffn or mod) is timed at each budget beside the dense model of the same shape, in eval mode:
 prefill of each --prefill_shapes BxT (last-position logits, as generation's prefill) and KV-cached
-decode at each --decode_batches. Per row: measured time ratio routed/dense, analytic forward-FLOPs ratio
-routed/dense at the realised routing, and their quotient flops_ratio / time_ratio = the share of the
-FLOPs-ideal speedup realised (1.0 = all of it). Routing: ffn uses its gate with the threshold
+decode at each --decode_batches (decode alone: the prefill's time is subtracted). Per row: measured
+time ratio routed/dense, analytic forward-FLOPs ratio routed/dense at the realised routing (ideal;
+and as executed, where MoD pads each row to the longest), and their quotient flops_ratio /
+time_ratio = the share of the FLOPs-ideal speedup realised (1.0 = all of it). Routing: ffn uses its gate with the threshold
 calibrated on the benchmark batch; mod uses gate='random' at the capacity (an untrained router's
 σ(r) > 0.5 rule would not hold the budget; the router is one dot product per token). Also the
 training step of controller-only G1 (util/rank off) against the dense joint step, and with --profile
@@ -167,17 +168,20 @@ def bench_routed(cfg):
     def time_model(m, rng_seed):
         """{shape: seconds} prefill and {batch: tokens/s} decode of model m."""
         pre = {}
+        fwd = torch.compile(m, dynamic=False) if cfg['compile'] else m     # prefill compiled; decode eager
         for s, x in xs.items():
             torch.manual_seed(rng_seed)
             with autocast:
-                pre[s] = timed(run(m, x), steps, warm, dev)
+                pre[s] = timed(run(fwd, x), steps, warm, dev)
         dec = {}
-        for b in decode_bs:
-            n = cfg['decode_prompt'] or max(1, base.block_size - cfg['decode_tokens'])    # prompt tokens
+        for b in decode_bs:             # decode alone: (prefill + 1 + N steps) − (prefill + 1), over N
+            n = cfg['decode_prompt'] or max(1, base.block_size - cfg['decode_tokens'] - 1)    # prompt tokens
             prompt = torch.randint(0, base.vocab_size, (b, n), generator=g).to(dev)
+            gen = lambda k: (lambda: m.generate(prompt, k, temperature=0))
             with autocast:
-                t = timed(lambda: m.generate(prompt, cfg['decode_tokens'], temperature=0), max(1, steps // 3), 1, dev)
-            dec[b] = b * cfg['decode_tokens'] / t
+                t = (timed(gen(1 + cfg['decode_tokens']), max(1, steps // 2), 1, dev)
+                     - timed(gen(1), max(1, steps // 2), 1, dev))
+            dec[b] = b * cfg['decode_tokens'] / max(t, 1e-9)
         return pre, dec
 
     d_pre, d_dec = time_model(dense, cfg['seed'])
@@ -196,14 +200,17 @@ def bench_routed(cfg):
             with torch.no_grad(), autocast:
                 masks = m(x, sparse=cfg['sparse'])[2].get('masks', {})
             frac = [int(v.sum()) / v.numel() for _, v in sorted(masks.items())]
+            # MoD's sparse rows are padded to the longest row: what it executes, beside the ideal
+            run_frac = [int(v.sum(1).max()) / v.size(1) for _, v in sorted(masks.items())] if base.route == 'mod' else frac
             last_only = (s[1] - 1) * 2 * base.n_embd * base.vocab_size    # prefill: logits of the last position only
-            f_ratio = (flops.forward_flops(mcfg, s[1], 'sparse', full_frac=frac) - last_only) / (
-                flops.forward_flops(replace(base, route='none'), s[1], 'eval') - last_only)
+            dense_f = flops.forward_flops(replace(base, route='none'), s[1], 'eval') - last_only
+            f_ratio = (flops.forward_flops(mcfg, s[1], 'sparse', full_frac=frac) - last_only) / dense_f
+            exec_ratio = (flops.forward_flops(mcfg, s[1], 'sparse', full_frac=run_frac) - last_only) / dense_f
             t_ratio = r_pre[s] / d_pre[s]
             rows.append(dict(kind='prefill', budget=budget, batch=s[0], seq=s[1], realised_frac=sum(frac) / len(frac),
-                             layer_fracs=frac,
+                             layer_fracs=frac, executed_fracs=run_frac,
                              dense_ms=d_pre[s] * 1e3, routed_ms=r_pre[s] * 1e3, time_ratio=t_ratio,
-                             flops_ratio=f_ratio, ideal_realised=f_ratio / t_ratio))
+                             flops_ratio=f_ratio, executed_flops_ratio=exec_ratio, ideal_realised=f_ratio / t_ratio))
         for b in decode_bs:
             rows.append(dict(kind='decode', budget=budget, batch=b, dense_tokens_per_s=d_dec[b],
                              routed_tokens_per_s=r_dec[b], time_ratio=d_dec[b] / r_dec[b]))
@@ -255,12 +262,13 @@ def bench_controller_step(cfg, base, dev, autocast):
 def print_routed(res):
     print(f"{res['route']} routing vs dense | {res['device']} {res['dtype']} compile={res['compile']} "
           f"sparse={res['sparse']} torch {res['torch']} threads {res['threads']} | L={res['n_layer']} d={res['n_embd']}")
-    print('| budget | BxT | realised | dense ms | routed ms | time ratio | FLOPs ratio | ideal realised |')
+    print('| budget | BxT | realised | dense ms | routed ms | time ratio | FLOPs ratio (ideal / executed) | ideal realised |')
     print('|---|---|---|---|---|---|---|---|')
     for r in res['rows']:
         if r['kind'] == 'prefill':
             print(f"| {r['budget']} | {r['batch']}x{r['seq']} | {r['realised_frac']:.3f} | {r['dense_ms']:.1f} | "
-                  f"{r['routed_ms']:.1f} | {r['time_ratio']:.3f} | {r['flops_ratio']:.3f} | {r['ideal_realised']:.2f} |")
+                  f"{r['routed_ms']:.1f} | {r['time_ratio']:.3f} | {r['flops_ratio']:.3f} / "
+                  f"{r['executed_flops_ratio']:.3f} | {r['ideal_realised']:.2f} |")
     print('| budget | decode batch | dense tok/s | routed tok/s | time ratio |')
     print('|---|---|---|---|---|')
     for r in res['rows']:

@@ -33,22 +33,27 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 @torch.no_grad()
 def evaluate(model, batches, autocast=nullcontext(), force=None):
-    """Mean loss over batches [(x, y), ...] in eval mode (causal, hard routing) and the mean realised
-    full-path fraction per controlled layer (None for a dense model)."""
+    """Mean loss over batches [(x, y), ...] in eval mode (causal, hard routing), the mean realised
+    full-path fraction per controlled layer (None for a dense model), and exec_frac: the fraction
+    sparse execution runs (MoD: the longest row's, every row being padded to it; else full_frac)."""
     was_training = model.training
     model.eval()
-    losses, fracs, extra = [], [], {}
+    losses, fracs, execs, extra = [], [], [], {}
     for x, y in batches:
         with autocast:
             _, loss, aux = model(x, y, force=force)
         losses.append(float(aux['lm_loss']))
         if 'full_frac' in aux:
             fracs.append(aux['full_frac'].float().cpu())
+            if model.config.route == 'mod':      # sparse MoD pads each row to the longest: what it runs
+                execs.append(torch.stack([m.sum(1).max() / m.size(1) for _, m in sorted(aux['masks'].items())]).float().cpu())
         for k in ('tlops_saved', 'mod_acc'):     # families that skip blocks; MoD's causal-rule accuracy
             if k in aux:
                 extra.setdefault(k, []).append(float(aux[k]))
     model.train(was_training)
-    return dict(loss=float(np.mean(losses)), full_frac=torch.stack(fracs).mean(0).tolist() if fracs else None,
+    full = torch.stack(fracs).mean(0).tolist() if fracs else None
+    return dict(loss=float(np.mean(losses)), full_frac=full,
+                exec_frac=torch.stack(execs).mean(0).tolist() if execs else full,
                 **{k: float(np.mean(v)) for k, v in extra.items()})
 
 

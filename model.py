@@ -220,17 +220,12 @@ class KVCache:
 
     def write(self, layer, k, v, pos, valid=None):
         """k, v: (B, H, T, hd) for tokens at positions pos (B, T), distinct within a row; where valid
-        (B, T) is False the slot keeps what it held. Returns this layer's full K, V, kpos."""
+        (B, T) is False (a token that skips this layer) the slot is marked empty. Returns this
+        layer's full K, V, kpos."""
         b = torch.arange(k.size(0), device=k.device)[:, None]
-        k, v, p = k.transpose(1, 2).to(self.k.dtype), v.transpose(1, 2).to(self.v.dtype), pos
-        if valid is not None:
-            keep = valid[..., None, None]
-            k = torch.where(keep, k, self.k[layer][b, :, pos])
-            v = torch.where(keep, v, self.v[layer][b, :, pos])
-            p = torch.where(valid, pos, self.kpos[layer][b, pos])
-        self.k[layer][b, :, pos] = k
-        self.v[layer][b, :, pos] = v
-        self.kpos[layer][b, pos] = p
+        self.k[layer][b, :, pos] = k.transpose(1, 2).to(self.k.dtype)
+        self.v[layer][b, :, pos] = v.transpose(1, 2).to(self.v.dtype)
+        self.kpos[layer][b, pos] = pos if valid is None else torch.where(valid, pos, -1)
         return self.k[layer], self.v[layer], self.kpos[layer]
 
 
@@ -752,12 +747,17 @@ class GPT(nn.Module):
         normed = [norm(h) for norm, h in zip(self.ens_norms, states)]
         r_in = self.transformer.ln_f(states[-1]) if cfg.ens_router_input == 'final' else torch.stack(normed).mean(0)
         g = self.ens_router(r_in.detach())                              # (B, T, k), fp32
-        per = torch.stack([self.lm_head(h).float() for h in normed], dim=-1)    # (B, T, V, k)
-        if cfg.ens_mix == 'logit':
-            return (per * g[..., None, :]).sum(-1)
-        if cfg.ens_mix == 'logprob':
-            return (F.log_softmax(per, dim=-2) * g[..., None, :]).sum(-1)
-        return torch.logsumexp(F.log_softmax(per, dim=-2) + torch.log(g.clamp_min(1e-30))[..., None, :], dim=-1)
+        out = None                      # accumulated one layer at a time: never k vocab-sized tensors at once
+        for j, h in enumerate(normed):
+            lg, w = self.lm_head(h).float(), g[..., j:j + 1]
+            if cfg.ens_mix == 'logit':
+                term = w * lg
+            elif cfg.ens_mix == 'logprob':
+                term = w * F.log_softmax(lg, dim=-1)
+            else:
+                term = F.log_softmax(lg, dim=-1) + torch.log(w.clamp_min(1e-30))
+            out = term if out is None else (torch.logaddexp(out, term) if cfg.ens_mix == 'prob' else out + term)
+        return out
 
     def run_halting(self, x, pos, cache, ctx):
         """TSA: p_l = r_l(h) after block l; block l+1 adds (1 − p_l)·Δattn and (1 − p_l)·Δffn. In eval

@@ -96,10 +96,10 @@ def main(argv):
     for row in y:
         print(decode(row.tolist()))
         print('---------------')
-    print(f"{len(y) * cfg['max_new_tokens'] / dt:,.0f} tokens/s ({dev}, cache={cfg['use_cache']}, "
+    print(f"{len(y) * cfg['max_new_tokens'] / dt:,.0f} tokens/s ({dev}, cache={cfg['use_cache'] or lengths is not None}, "
           f"route={model.config.route})")
     if 'full_frac' in stats:
-        print("realised full-path fraction per routed layer: " + ' '.join(f"{f:.3f}" for f in stats['full_frac'])
+        print("realised full-path fraction per routed layer (mean over forwards): " + ' '.join(f"{f:.3f}" for f in stats['full_frac'])
               + (f" | TLOps saved {stats['tlops_saved']:.3f}" if 'tlops_saved' in stats else ''))
     return 0
 

@@ -266,12 +266,14 @@ def model_config(cfg, **override):
 def check_against_checkpoint(cfg, meta, ckpt, keys):
     margs = ckpt['model_args']
     for k in keys:
-        want = getattr(cfg, k)
+        want, have = getattr(cfg, k), margs.get(k)
         if k == 'vocab_size' and want == 0:
             continue
-        if margs.get(k) != want:
+        if k == 'controlled_layers':    # compare the layers meant ('auto' is the family's default)
+            want, have = (controlled_layer_ids(GPTConfig.from_dict({**margs, 'controlled_layers': v})) for v in (want, have))
+        if have != want:
             raise TrainError(f"config field '{k}' differs from the checkpoint: checkpoint has "
-                             f"{margs.get(k)!r}, config has {want!r}")
+                             f"{margs.get(k)!r}, config has {getattr(cfg, k)!r}")
     cmeta = ckpt.get('data_meta', {})
     for k in ('dataset', 'tokenizer', 'vocab_size'):
         if k in cmeta and cmeta[k] != meta.get(k):
@@ -336,12 +338,16 @@ def trainable_parameters(model, cfg):
         raise TrainError(f"trainable must be 'all', 'controller' or 'last_layers', got {cfg.trainable!r}")
     if cfg.trainable == 'last_layers':    # plain fine-tuning of the last ens_layers blocks and ln_f
         k = model.config.ens_layers
+        if model.config.route != 'none' or not 1 <= k <= model.config.n_layer:
+            raise TrainError(f"trainable=last_layers fine-tunes the last ens_layers (1..n_layer) blocks of a dense "
+                             f"model (route='none'); got route={model.config.route!r}, ens_layers={k}")
         ctrl = [p for b in model.transformer.h[-k:] for p in b.parameters()] + list(model.transformer.ln_f.parameters())
     else:
         ctrl = model.controller_parameters()
     if not ctrl:
-        raise TrainError(f"trainable=controller needs a gate with parameters (route='ffn' with gate='mlp' or "
-                         f"'jepa', or route='halt'); this config (route={cfg.route!r}, gate={cfg.gate!r}) has none")
+        raise TrainError(f"trainable=controller needs a controller with parameters (route='ffn' or 'mod' with "
+                         f"gate='mlp', 'ffn' with 'jepa', route='halt', route='exit' with exit_head='own', or "
+                         f"route='ensemble'); this config (route={cfg.route!r}, gate={cfg.gate!r}) has none")
     ids = {id(p) for p in ctrl}
     for p in model.parameters():
         p.requires_grad_(id(p) in ids)
@@ -489,7 +495,8 @@ def main(argv):
         partial = ((m.route == 'ffn' and (m.gate in ('static_full', 'static_cheap') or m.gate_grad == 'none'
                                           or (m.infer_rule == 'predictor' and m.predictor_weight == 0)))
                    or (m.route == 'mod' and m.infer_rule == 'predictor' and m.predictor_weight == 0)
-                   or (m.route == 'exit' and m.exit_head == 'own' and m.exit_rotation > 0))
+                   or (m.route == 'exit' and m.exit_head == 'own' and m.exit_rotation > 0)
+                   or m.route == 'ensemble')     # ln_f feeds only the stop-gradient teacher
         model = DDP(model, device_ids=[local_rank] if dev.type == 'cuda' else None, find_unused_parameters=partial)
     mcfg = raw_model.config
     ctrl_ids = controlled_layer_ids(mcfg)
@@ -702,9 +709,12 @@ def main(argv):
                 summary['routing'] = evaluation.report(raw_model, train_data, val_data, meta, cfg.eval_iters,
                                                        cfg.calib_iters, autocast, cfg.eval_seed)
             print_routing(summary['routing'])
-            frac = summary['routing']['val_loss']['full_frac']    # the eval forward at the realised routing
-            summary['eval_flops_vs_dense'] = (flops.forward_flops(mcfg, cfg.block_size, 'sparse', full_frac=frac)
-                                              / flops.dense_forward_flops(mcfg, cfg.block_size))
+            # the eval forward at the realised routing: ideal (mean fractions) and as executed (MoD pads
+            # every row to the longest, so it runs more than the mean)
+            dense_fwd = flops.dense_forward_flops(mcfg, cfg.block_size)
+            for key, frac_key in (('eval_flops_vs_dense', 'full_frac'), ('eval_flops_executed_vs_dense', 'exec_frac')):
+                frac = summary['routing']['val_loss'][frac_key]
+                summary[key] = flops.forward_flops(mcfg, cfg.block_size, 'sparse', full_frac=frac) / dense_fwd
         log(summary)
         metrics_f.close()
         if stop.signum is None:

@@ -272,7 +272,8 @@ def test_exit_depths_and_loss_weights():
     w = losses.exit_loss_weights([1, 2, 3], 4, 'uniform', 0.6)
     assert w == pytest.approx({1: 0.2, 2: 0.2, 3: 0.2, 4: 1.0})
     assert losses.exit_loss_weights([1, 3], 4, 'calm') == pytest.approx({1: 0.25, 3: 0.75, 4: 1.0})
-    assert losses.exit_loss_weights([1, 2], 4, 'layerskip') == pytest.approx({1: 0.25, 2: 0.75, 4: 1.0})
+    assert losses.exit_loss_weights([1, 2, 3], 4, 'layerskip') == pytest.approx({1: 0.0, 2: 0.25, 3: 0.75, 4: 1.0})
+    assert losses.exit_loss_weights([1], 4, 'layerskip') == {1: 0.0, 4: 1.0}
     assert losses.exit_loss_weights([1, 2, 3], 4, 'mean') == pytest.approx({1: .25, 2: .25, 3: .25, 4: .25})
     cfg = GPTConfig(n_layer=5, route='exit', layer_dropout=0.2)
     assert layer_dropout_prob(cfg, 0) == 0 and layer_dropout_prob(cfg, 4) == pytest.approx(0.2)
@@ -299,7 +300,7 @@ def test_exit_training_loss_matches_hand_computation(seed, T, head, schedule):
                       else model.lm_head(model.transformer.ln_f(x)))
                 ce[d] = F.cross_entropy(lg.flatten(0, 1), tgt.flatten())
         ce[4] = F.cross_entropy(model.lm_head(model.transformer.ln_f(x)).flatten(0, 1), tgt.flatten())
-    raw = {'uniform': [1, 1, 1], 'calm': [1, 2, 3], 'layerskip': [1, 3, 6], 'mean': None}[schedule]
+    raw = {'uniform': [1, 1, 1], 'calm': [1, 2, 3], 'layerskip': [0, 1, 3], 'mean': None}[schedule]
     if raw is None:
         want = sum(ce.values()) / 4
     else:
@@ -471,3 +472,29 @@ def test_ragged_batched_generation_equals_each_prompt_alone(case, seed, lens, ne
         assert torch.equal(together[b], alone)
     if case[0] in ('ffn', 'mod', 'halt', 'exit'):
         assert len(stats['full_frac']) > 0 and all(0 <= f <= 1 for f in stats['full_frac'])
+
+
+def test_resume_compares_the_layers_meant_not_the_spelling():
+    """An ffn checkpoint saved with controlled_layers='all' resumes under the default 'auto' (the same
+    layers); a different layer set is refused by name."""
+    import train
+    from dataclasses import asdict
+    ck = dict(model_args=asdict(GPTConfig(**BASE, n_layer=4, route='ffn', controlled_layers='all')))
+    cfg = type('C', (), dict(**asdict(GPTConfig(**BASE, n_layer=4, route='ffn')), dataset='synthetic'))()
+    train.check_against_checkpoint(cfg, {}, ck, ['controlled_layers'])
+    cfg.controlled_layers = 'every_other'
+    with pytest.raises(train.TrainError, match="controlled_layers"):
+        train.check_against_checkpoint(cfg, {}, ck, ['controlled_layers'])
+
+
+def test_last_layers_needs_a_dense_model():
+    import train
+    cfg = type('C', (), dict(trainable='last_layers', route='mod', gate='mlp'))()
+    with pytest.raises(train.TrainError, match='last_layers'):
+        train.trainable_parameters(build('mod'), cfg)
+    dense = GPT(GPTConfig(**BASE, n_layer=4, ens_layers=2))
+    cfg.route = 'none'
+    params = train.trainable_parameters(dense, cfg)
+    want = {id(p) for p in [*dense.transformer.h[2:].parameters(), *dense.transformer.ln_f.parameters()]}
+    assert {id(p) for p in params} == want
+    assert all(p.requires_grad == (id(p) in want) for p in dense.parameters())
