@@ -10,6 +10,7 @@ init_from = 'out/dense_synthetic/ckpt.pt'
 route = 'ensemble'
 trainable = 'controller'
 ens_layers = 3
+cheap_rank = 4               # as the dense checkpoint was built (unused by its dense blocks)
 ens_router_input = 'final'
 ens_mix = 'logprob'
 ens_kl = 'forward'
