@@ -165,7 +165,7 @@ def bench_routed(cfg):
     decode_bs = [int(b) for b in str(cfg['decode_batches']).split(',') if b]
     run = lambda m, x, **kw: (lambda: torch.no_grad()(lambda: m(x, sparse=cfg['sparse'], **kw))())
 
-    def time_model(m, rng_seed):
+    def time_model(m, rng_seed, decode=True):
         """{shape: seconds} prefill and {batch: tokens/s} decode of model m."""
         pre = {}
         fwd = torch.compile(m, dynamic=False) if cfg['compile'] else m     # prefill compiled; decode eager
@@ -174,7 +174,7 @@ def bench_routed(cfg):
             with autocast:
                 pre[s] = timed(run(fwd, x), steps, warm, dev)
         dec = {}
-        for b in decode_bs:             # decode alone: (prefill + 1 + N steps) − (prefill + 1), over N
+        for b in decode_bs if decode else ():      # decode alone: (prefill + 1 + N steps) − (prefill + 1), over N
             n = cfg['decode_prompt'] or max(1, base.block_size - cfg['decode_tokens'] - 1)    # prompt tokens
             prompt = torch.randint(0, base.vocab_size, (b, n), generator=g).to(dev)
             gen = lambda k: (lambda: m.generate(prompt, k, temperature=0))
@@ -195,6 +195,7 @@ def bench_routed(cfg):
             with torch.no_grad(), autocast:
                 m.calibrate(x)                                      # ffn: threshold that holds the budget
         r_pre, r_dec = time_model(m, cfg['seed'])
+        d_pre = time_model(dense, cfg['seed'], decode=False)[0]     # dense again, in the same window
         for s, x in xs.items():
             torch.manual_seed(cfg['seed'])
             with torch.no_grad(), autocast:

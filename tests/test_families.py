@@ -24,7 +24,7 @@ BASE = dict(block_size=24, vocab_size=V, n_head=2, n_embd=16, gate_hidden=8)
 # every family and the gates/options that change its code path
 FAMILIES = {
     'mod': [dict(), dict(infer_rule='predictor'), dict(gate='random'), dict(controlled_layers='all', pos='rope')],
-    'exit': [dict(), dict(exit_head='own', exit_layers='every'), dict(exit_conf='margin', exit_threshold=0.05),
+    'exit': [dict(), dict(exit_head='own', exit_layers='every', exit_schedule='calm'), dict(exit_conf='margin', exit_threshold=0.05),
              dict(exit_conf='saturation', exit_threshold=0.5)],
     'ensemble': [dict(), dict(ens_mix='prob', ens_router_input='mean'), dict(ens_mix='logit', ens_layers=1)],
     'halt': [dict(), dict(halt_hard='binary', halt_tau=0.3)],
