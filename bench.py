@@ -28,7 +28,6 @@ import os
 import statistics
 import sys
 import time
-from contextlib import nullcontext
 
 import torch
 
@@ -59,8 +58,7 @@ def timed(fn, steps, warmup, dev):
 
 def bench(cfg):
     dev, dt = train.resolve_device_dtype(type('C', (), cfg)())
-    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dt]
-    autocast = nullcontext() if dt == 'float32' else torch.autocast(device_type=dev.type, dtype=ptdtype)
+    autocast = train.autocast_context(dev, dt)
     if dev.type == 'cuda':
         torch.backends.cuda.matmul.allow_tf32 = True
     torch.manual_seed(cfg['seed'])
@@ -147,8 +145,7 @@ def profile_breakdown(fn):
 def bench_routed(cfg):
     """The routed-vs-dense table (see the module docstring)."""
     dev, dt = train.resolve_device_dtype(type('C', (), cfg)())
-    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dt]
-    autocast = nullcontext() if dt == 'float32' else torch.autocast(device_type=dev.type, dtype=ptdtype)
+    autocast = train.autocast_context(dev, dt)
     base = train.model_config(type('C', (), cfg)(), vocab_size=cfg['vocab_size'] or 50304)
     if base.route not in ('ffn', 'mod'):
         raise train.TrainError(f"--budgets times route='ffn' or 'mod' against dense; this config has route={base.route!r}")

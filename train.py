@@ -254,6 +254,13 @@ def set_rng_state(s):
         torch.cuda.set_rng_state_all(s['cuda'])
 
 
+def autocast_context(dev, dt):
+    """The forward's precision context: none for float32, else autocast to bf16 / fp16 on dev."""
+    if dt == 'float32':
+        return nullcontext()
+    return torch.autocast(device_type=dev.type, dtype={'bfloat16': torch.bfloat16, 'float16': torch.float16}[dt])
+
+
 def model_config(cfg, **override):
     d = {f.name: getattr(cfg, f.name) for f in fields(GPTConfig) if hasattr(cfg, f.name)}
     d.update(override)
@@ -469,8 +476,7 @@ def main(argv):
     eval_sets = {'train': (train_data, train_data.eval_batches(cfg.eval_iters, 1, cfg.eval_seed)),
                  'val': (val_data, val_data.eval_batches(cfg.eval_iters, 2, cfg.eval_seed))}
 
-    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dt]
-    autocast = nullcontext() if dt == 'float32' else torch.autocast(device_type=dev.type, dtype=ptdtype)
+    autocast = autocast_context(dev, dt)
     scaler = torch.amp.GradScaler(dev.type, enabled=(dt == 'float16'))
     params = trainable_parameters(model, cfg)
     ctrl_params = model.controller_parameters()

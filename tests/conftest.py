@@ -30,3 +30,14 @@ def tiktoken_cache(tmp_path_factory):
         os.environ.pop("TIKTOKEN_CACHE_DIR", None)
     else:
         os.environ["TIKTOKEN_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny ops: intra-op threads only add synchronisation (10-100x slower on a loaded 2-core box).
+    Modules opt in with `pytestmark = pytest.mark.usefixtures('one_thread')`."""
+    import torch
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

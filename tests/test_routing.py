@@ -62,13 +62,7 @@ BUDGETS = st.one_of(st.integers(1, 100).map(lambda n: Fraction(n, 100)),
 SEEDS = st.integers(0, 10_000)
 
 
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():
-    """Tiny ops: intra-op threads only add synchronisation (10-100x slower on a loaded 2-core box)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures('one_thread')      # tiny ops: see conftest.py
 
 
 @st.composite
