@@ -14,8 +14,23 @@ import difflib
 import os
 
 
-class ConfigError(ValueError):
-    pass
+class UserError(Exception):
+    """A problem with the user's input (config, command line, data or checkpoint files): every script
+    prints it as one line 'error: ...' and exits with code 2, before any work is done."""
+
+
+class ConfigError(UserError, ValueError):
+    """A bad config file, key or value."""
+
+
+def run_cli(main):
+    """The scripts' entry point: sys.exit(main(sys.argv[1:])), a UserError as one line and exit 2."""
+    import sys
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def _unknown(key, defaults):
@@ -40,6 +55,11 @@ def _check_type(key, value, default, where):
     return value
 
 
+def _traceback_frames(e):
+    import traceback
+    return traceback.extract_tb(e.__traceback__)
+
+
 def parse_value(text):
     try:
         return ast.literal_eval(text)
@@ -57,8 +77,14 @@ def load_config(defaults, argv):
             if not os.path.isfile(arg):
                 raise ConfigError(f"config file not found: {arg}")
             namespace = {}
-            with open(arg) as f:
-                exec(compile(f.read(), arg, 'exec'), namespace)
+            try:
+                with open(arg) as f:
+                    exec(compile(f.read(), arg, 'exec'), namespace)
+            except SyntaxError as e:
+                raise ConfigError(f"config file {arg}, line {e.lineno}: {e.msg}; fix the file") from None
+            except Exception as e:       # a runtime error while executing the file
+                line = next((fr.lineno for fr in _traceback_frames(e) if fr.filename == arg), '?')
+                raise ConfigError(f"config file {arg}, line {line}: {type(e).__name__}: {e}; fix the file") from None
             for key, value in namespace.items():
                 if key.startswith('_') or key == '__builtins__' or callable(value) or type(value).__name__ == 'module':
                     continue

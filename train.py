@@ -29,7 +29,8 @@ import torch
 
 import eval as evaluation
 import flops
-from configurator import ConfigError, load_config
+from checkpoint import load_checkpoint, remove_stale_temps, save_checkpoint
+from configurator import ConfigError, UserError, load_config, run_cli
 from model import GPT, GPTConfig, controlled_layer_ids, is_controller_key
 
 # ----------------------------------------------------------------------------------------------------
@@ -97,7 +98,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # ----------------------------------------------------------------------------------------------------
 
 
-class TrainError(Exception):
+class TrainError(UserError):
     """A problem with the user's input: printed as 'error: ...' and exit code 2, before any work."""
 
 
@@ -225,20 +226,6 @@ def run_info(cfg, dev, dt, world_size):
                 device=str(dev), device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
                 dtype=dt, world_size=world_size, host=socket.gethostname(), argv=sys.argv,
                 threads=torch.get_num_threads(), started=time.strftime('%Y-%m-%dT%H:%M:%S%z'))
-
-
-def save_checkpoint(path, state):
-    """Atomic: write a temp file in the same folder, then rename over the old checkpoint."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, 'wb') as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):           # torch.save failed (disk full, ...): drop the partial file
-            os.remove(tmp)
 
 
 def rng_state():
@@ -455,9 +442,9 @@ def main(argv):
     if cfg.init_from == 'resume':
         if not os.path.exists(ckpt_path):
             raise TrainError(f"init_from=resume but there is no checkpoint at {ckpt_path}")
-        ckpt = torch.load(ckpt_path, map_location='cpu', weights_only=False)
+        ckpt = load_checkpoint(ckpt_path)
     elif os.path.isfile(cfg.init_from):
-        ckpt = torch.load(cfg.init_from, map_location='cpu', weights_only=False)
+        ckpt = load_checkpoint(cfg.init_from)
     torch.manual_seed(cfg.seed + rank)
     random.seed(cfg.seed + rank)
     np.random.seed(cfg.seed + rank)
@@ -734,8 +721,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except TrainError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main)

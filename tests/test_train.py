@@ -581,7 +581,7 @@ def test_save_checkpoint_failure_keeps_old_checkpoint(tmp_path, monkeypatch):
     train.save_checkpoint(path, {"iter_num": 1})
     before = Path(path).read_bytes()
     monkeypatch.setattr(torch, "save", failing_save)
-    with pytest.raises(OSError):
+    with pytest.raises(train.UserError, match="could not write checkpoint"):
         train.save_checkpoint(path, {"iter_num": 2})
     assert Path(path).read_bytes() == before
     monkeypatch.undo()
@@ -592,7 +592,7 @@ def test_save_checkpoint_failure_leaves_no_temp_file(tmp_path, monkeypatch):
     path = str(tmp_path / "ckpt.pt")
     train.save_checkpoint(path, {"iter_num": 1})
     monkeypatch.setattr(torch, "save", failing_save)
-    with pytest.raises(OSError):
+    with pytest.raises(train.UserError, match="could not write checkpoint"):
         train.save_checkpoint(path, {"iter_num": 2})
     assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
 
