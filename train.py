@@ -438,6 +438,9 @@ def main(argv):
     meta = load_dataset_meta(cfg, master)
 
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
+    if master:                  # temp files of a writer that was killed mid-save (the checkpoint is intact)
+        for tmp in remove_stale_temps(ckpt_path):
+            print(f"removed {tmp}, left by a checkpoint write that was killed")
     ckpt = None
     if cfg.init_from == 'resume':
         if not os.path.exists(ckpt_path):
