@@ -11,7 +11,9 @@ Writes train.bin, val.bin (and test.bin for enwik8): raw little-endian token ids
 vocab_size > 65535 (then uint32); read with np.memmap(path, dtype=meta["dtype"], mode="r").
 meta.json is written last and lists every file with its byte size and sha256, so a folder without
 a meta.json, or whose files do not match it, is incomplete: check_prepared(folder) says so and
-prints the command to run. Every file is written to a temporary name and renamed into place; a
+prints the command to run; verify_checksums(folder) also compares the sha256s, check_token_ids the
+token ids with a vocabulary size. Every file is written to a temporary name and renamed into place,
+and prepares into one folder take turns (a lock on <out>/.prepare.lock, where fcntl exists); a
 rerun with the same arguments and input gives byte-identical files (nothing time-based is stored).
 
 Documents (fineweb_edu, text with --tokenizer gpt2): a .parquet gives its `text` column, a .jsonl
@@ -40,6 +42,7 @@ class of the TARGET token i, i.e. how hard token i is to predict from tokens < i
     4 header     the kind letter and L: sampled from the mix and from 1..9
 """
 import argparse
+import contextlib
 import hashlib
 import io
 import json
@@ -53,6 +56,11 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory file locks, so prepares into one folder are not serialised
+    fcntl = None
 
 DATA_DIR = Path(__file__).resolve().parent
 REPO_ROOT = DATA_DIR.parent
@@ -432,25 +440,56 @@ def prepare(dataset, out_dir=None, **opts):
             **{f"{k}_tokens": len(v) for k, v in splits.items()}, "prepare_args": args,
             "command": command_for(dataset, args, out), "files": {}}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "meta.json").unlink(missing_ok=True)  # the folder is incomplete until meta.json is back
-    for name, arr in arrays.items():
-        write_file(out / f"{name}.bin", arr)
-        meta["files"][f"{name}.bin"] = {"bytes": arr.nbytes, "sha256": hashlib.sha256(arr).hexdigest()}
-    write_file(out / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
+    with folder_lock(out):  # a second prepare into out waits, then rewrites every file itself
+        remove_stale_tmp(out)
+        (out / "meta.json").unlink(missing_ok=True)  # the folder is incomplete until meta.json is back
+        for name, arr in arrays.items():
+            write_file(out / f"{name}.bin", arr)
+            meta["files"][f"{name}.bin"] = {"bytes": arr.nbytes, "sha256": hashlib.sha256(arr).hexdigest()}
+        write_file(out / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
     return meta
+
+
+@contextlib.contextmanager
+def folder_lock(out):
+    """Hold an exclusive flock on out/.prepare.lock. The lock file stays: deleting it would let a
+    waiter lock the old file while a newcomer locks a new one. The kernel drops it if we are killed."""
+    if fcntl is None:
+        yield
+        return
+    with open(out / ".prepare.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def pid_alive(pid):
+    if os.name != "posix":
+        return True  # os.kill(pid, 0) would signal the process on Windows; keep its files
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def remove_stale_tmp(out):
+    """Delete write_file's leftovers (<name>.tmp-<pid>) from processes that no longer exist (e.g. killed)."""
+    for p in out.iterdir():
+        m = re.fullmatch(r".+\.tmp-(\d+)", p.name)
+        if m and p.is_file() and not pid_alive(int(m[1])):
+            p.unlink(missing_ok=True)
 
 
 def check_prepared(folder):
     """Load folder/meta.json and check that every listed file exists with its recorded size."""
     folder = Path(folder)
-    name = folder.name if folder.name in BUILDERS else "<dataset>"
-    cmd = f"python data/prepare.py {name}"
-    if folder.resolve() != (DATA_DIR / folder.name).resolve():
-        cmd += f" --out_dir={shlex.quote(str(folder))}"
+    cmd = prepare_command(folder)
     try:
         meta = json.loads((folder / "meta.json").read_text())
         files = meta["files"]
-        cmd = meta.get("command", cmd)
+        cmd = prepare_command(folder, meta)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise PrepareError(f"{folder} is not a prepared dataset (meta.json missing or unreadable: {e}); "
                            f"run: {cmd}") from None
@@ -462,6 +501,76 @@ def check_prepared(folder):
             problems.append(f"{n} missing" if size is None else f"{n} has {size} bytes, meta.json says {expected}")
     if problems:
         raise PrepareError(f"{folder} is incomplete ({'; '.join(problems)}); run: {cmd}")
+    return meta
+
+
+def prepare_command(folder, meta=None):
+    """The command that rewrites folder: meta.json's own, else a guess from the folder's name."""
+    if isinstance(meta, dict) and meta.get("command"):
+        return meta["command"]
+    folder = Path(folder)
+    cmd = f"python data/prepare.py {folder.name if folder.name in BUILDERS else '<dataset>'}"
+    if folder.resolve() != (DATA_DIR / folder.name).resolve():
+        cmd += f" --out_dir={shlex.quote(str(folder))}"
+    return cmd
+
+
+def file_sha256(path, chunk=1 << 24):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_checksums(folder, meta=None, chunk=1 << 24):
+    """Check every file listed in meta.json (loaded with check_prepared if meta is None) against its
+    sha256: a same-size corruption or a mix of two prepares passes the size check alone. Returns meta."""
+    folder = Path(folder)
+    meta = check_prepared(folder) if meta is None else meta
+    cmd = prepare_command(folder, meta)
+    for name, info in meta["files"].items():
+        try:
+            digest = file_sha256(folder / name, chunk)
+        except OSError as e:
+            raise PrepareError(f"cannot read {folder / name} ({e.strerror}); run: {cmd}") from None
+        if digest != info.get("sha256"):
+            raise PrepareError(f"{folder / name} does not match its sha256 in meta.json (changed or corrupted "
+                               f"since it was prepared); run: {cmd}")
+    return meta
+
+
+def max_token_id(path, dtype, chunk=1 << 24):
+    """Largest token id in a .bin file (-1 if it is empty), read `chunk` ids at a time so a large
+    file needs little memory."""
+    dtype, size = np.dtype(dtype).newbyteorder("<"), Path(path).stat().st_size
+    if size % dtype.itemsize:
+        raise PrepareError(f"{path} has {size} bytes, not a whole number of {dtype.name} ids; "
+                           "re-run the prepare command that wrote it")
+    if size == 0:
+        return -1  # np.memmap cannot map an empty file
+    ids = np.memmap(path, dtype=dtype, mode="r")
+    return max(int(ids[i:i + chunk].max()) for i in range(0, len(ids), chunk))
+
+
+def check_token_ids(folder, meta, vocab_size, what="meta.json's vocab_size", chunk=1 << 24):
+    """Raise PrepareError if a split (train.bin, val.bin, test.bin) holds a token id >= vocab_size;
+    `what` names where vocab_size comes from, e.g. "the model's vocabulary"."""
+    folder, cmd = Path(folder), prepare_command(folder, meta)
+    for name in meta["files"]:
+        if f"{name.removesuffix('.bin')}_tokens" not in meta:
+            continue  # not token ids (e.g. the difficulty classes)
+        try:
+            top = max_token_id(folder / name, meta["dtype"], chunk)
+        except OSError as e:
+            raise PrepareError(f"cannot read {folder / name} ({e.strerror}); run: {cmd}") from None
+        if top < vocab_size:
+            continue
+        if top >= meta.get("vocab_size", vocab_size):
+            fix = f"the data and meta.json disagree; run: {cmd}"
+        else:
+            fix = f"too small for this data; use a model with vocab_size >= {meta['vocab_size']}"
+        raise PrepareError(f"{folder / name} holds token id {top} but {what} is {vocab_size}: {fix}")
     return meta
 
 

@@ -1,11 +1,13 @@
 """Tests for data/prepare.py: every dataset end to end on small inputs, the synthetic grammar
-(checked by an independent parser), errors, idempotence and atomic writes."""
+(checked by an independent parser), errors, idempotence, atomic and serialised writes, and the
+checksum and token-id checks."""
 import hashlib
 import io
 import json
 import re
 import subprocess
 import sys
+import threading
 import zipfile
 from pathlib import Path
 
@@ -373,7 +375,7 @@ def test_crash_inside_a_file_leaves_no_partial_file(tmp_path, monkeypatch):
     out = tmp_path / "synthetic"
     with pytest.raises(OSError, match="disk full"):
         P.prepare("synthetic", out, num_tokens=3000)
-    assert list(out.iterdir()) == []
+    assert [p.name for p in out.iterdir() if p.name != ".prepare.lock"] == []
     with pytest.raises(P.PrepareError):
         P.check_prepared(out)
 
@@ -419,3 +421,125 @@ def test_ensure_tiktoken_cache(tmp_path, monkeypatch, tiktoken_cache):
     monkeypatch.setattr(P, "SHARED_DATA", tmp_path / "absent")
     monkeypatch.delenv("TIKTOKEN_CACHE_DIR")
     assert P.ensure_tiktoken_cache() is None and "TIKTOKEN_CACHE_DIR" not in P.os.environ
+
+
+# ----------------------------------------------------------------------------- concurrent prepares, stale temp files
+def assert_consistent(folder):
+    meta = json.loads((Path(folder) / "meta.json").read_text())
+    for name, info in meta["files"].items():
+        assert hashlib.sha256((Path(folder) / name).read_bytes()).hexdigest() == info["sha256"], name
+    return meta
+
+
+def test_two_prepares_into_one_folder_take_turns(tmp_path, monkeypatch):
+    """A pauses right after writing train.bin and starts B; B must wait for A's lock, then rewrite
+    everything (without the lock B would finish inside A's pause and A's meta.json would describe
+    B's train.bin)."""
+    out, real, main = tmp_path / "synthetic", P.write_file, threading.current_thread()
+    b_done, errors = threading.Event(), []
+
+    def b():
+        try:
+            P.prepare("synthetic", out, num_tokens=3000, seed=2)
+        except Exception as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+        b_done.set()
+    thread = threading.Thread(target=b)
+
+    def pausing(path, data):
+        real(path, data)
+        if threading.current_thread() is main and path.name == "train.bin":
+            thread.start()
+            assert not b_done.wait(0.5), "B finished while A held the folder"
+    monkeypatch.setattr(P, "write_file", pausing)
+    P.prepare("synthetic", out, num_tokens=3000, seed=1)
+    thread.join(10)
+    assert not thread.is_alive() and not errors, errors
+    meta = assert_consistent(out)
+    assert meta["prepare_args"]["seed"] == 2, "the second writer rewrote every file"
+    assert P.verify_checksums(out) == meta
+
+
+def test_prepare_without_fcntl(tmp_path, monkeypatch):
+    monkeypatch.setattr(P, "fcntl", None)
+    P.prepare("synthetic", tmp_path / "s", num_tokens=3000)
+    assert_consistent(tmp_path / "s")
+    assert not (tmp_path / "s" / ".prepare.lock").exists()
+
+
+def test_stale_tmp_files_of_dead_processes_are_removed(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # reaped: its pid no longer exists
+    assert not P.pid_alive(dead.pid) and P.pid_alive(P.os.getpid())
+    out = tmp_path / "synthetic"
+    out.mkdir()
+    stale, live = out / f"train.bin.tmp-{dead.pid}", out / f"input.txt.tmp-{P.os.getpid()}"
+    other = out / "notes.tmp-abc"
+    for p in (stale, live, other):
+        p.write_bytes(b"leftover")
+    P.prepare("synthetic", out, num_tokens=3000)
+    assert not stale.exists() and live.exists() and other.exists()
+    assert_consistent(out)
+
+
+# ----------------------------------------------------------------------------- checksums and token ids
+def test_verify_checksums_catches_same_size_corruption(tmp_path):
+    out = tmp_path / "synthetic"
+    meta = P.prepare("synthetic", out, num_tokens=3000, seed=4)
+    assert P.verify_checksums(out) == meta and P.verify_checksums(out, meta, chunk=7) == meta
+    data = bytearray((out / "train.bin").read_bytes())
+    data[1001] ^= 1
+    (out / "train.bin").write_bytes(bytes(data))
+    assert P.check_prepared(out) == meta, "the size check alone passes"
+    for chunk in (7, 1 << 20):
+        with pytest.raises(P.PrepareError) as e:
+            P.verify_checksums(out, chunk=chunk)
+        assert str(e.value).startswith(f"{out / 'train.bin'} does not match its sha256")
+        assert str(e.value).endswith(f"run: {meta['command']}") and "\n" not in str(e.value)
+    (out / "train.bin").unlink()
+    with pytest.raises(P.PrepareError, match="cannot read .*train.bin.*run: python data/prepare.py"):
+        P.verify_checksums(out, meta)
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_max_token_id_chunks_and_empty(tmp_path, dtype):
+    path = tmp_path / "x.bin"
+    path.write_bytes(b"")
+    assert P.max_token_id(path, dtype) == -1
+    ids = np.random.default_rng(0).integers(0, 1000, 100).astype("<u2" if dtype == "uint16" else "<u4")
+    for where in (0, 9, 10, 11, 99):  # the maximum at and around the chunk boundaries
+        arr = ids.copy()
+        arr[where] = 5000
+        arr.tofile(path)
+        for chunk in (1, 3, 10, 100, 1000):
+            assert P.max_token_id(path, dtype, chunk=chunk) == 5000
+    assert isinstance(P.max_token_id(path, dtype), int)
+    path.write_bytes(b"\0" * (np.dtype(dtype).itemsize + 1))
+    with pytest.raises(P.PrepareError, match=f"x.bin has .* bytes, not a whole number of {dtype} ids"):
+        P.max_token_id(path, dtype)
+
+
+def test_check_token_ids(tmp_path):
+    out = tmp_path / "synthetic"
+    meta = P.prepare("synthetic", out, num_tokens=3000, seed=4)
+    top = P.max_token_id(out / "train.bin", meta["dtype"])
+    assert top < meta["vocab_size"] == 34
+    assert P.check_token_ids(out, meta, meta["vocab_size"], chunk=5) == meta
+    with pytest.raises(P.PrepareError) as e:
+        P.check_token_ids(out, meta, 10, "the model's vocabulary")
+    assert str(e.value) == (f"{out / 'train.bin'} holds token id {top} but the model's vocabulary is 10: "
+                            "too small for this data; use a model with vocab_size >= 34")
+    ids = np.fromfile(out / "val.bin", dtype="<u2")
+    ids[len(ids) // 2] = 40
+    ids.tofile(out / "val.bin")  # same size: only the ids show it
+    for chunk in (1, 4, 1 << 20):
+        with pytest.raises(P.PrepareError) as e:
+            P.check_token_ids(out, meta, 34, "meta.json's vocab_size", chunk=chunk)
+        assert str(e.value) == (f"{out / 'val.bin'} holds token id 40 but meta.json's vocab_size is 34: "
+                                f"the data and meta.json disagree; run: {meta['command']}")
+    ids[:] = 0
+    ids[-1] = 33
+    ids.tofile(out / "val.bin")
+    P.check_token_ids(out, meta, 34)  # difficulty files (uint8 classes) are not token ids
+    (out / "val.bin").write_bytes(b"")
+    P.check_token_ids(out, meta, 34)
