@@ -26,18 +26,53 @@ where the routed prefill at budget 0.5 spends its time (torch.profiler, by op ki
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 
 import flops
 import train
-from configurator import ConfigError, load_config
+from configurator import ConfigError, load_config, run_cli
+from eval import cli_device
 from model import GPT
 
 BENCH_DEFAULTS = dict(bench_steps=10, bench_warmup=3, decode_tokens=32, decode_batches='1,8',
                       budgets='', prefill_shapes='8x512', sparse=True, profile=False, decode_prompt=0)
+BENCH_EXAMPLES = dict(budgets="'1.0,0.5'", decode_batches="'1,8'", prefill_shapes="'8x512' (BxT)")
+
+
+def numbers(cfg, key, kind):
+    """The comma-separated values of a list option such as --budgets=1.0,0.5, each parsed by kind."""
+    try:
+        return [kind(s) for s in str(cfg[key]).split(',') if s.strip()]
+    except ValueError:
+        raise ConfigError(f"{key} must be a comma-separated list of {kind.__name__} values such as "
+                          f"{BENCH_EXAMPLES[key]}, got {cfg[key]!r}") from None
+
+
+def shape(text):
+    b, t = text.lower().split('x')          # exactly two parts, else a ValueError
+    return int(b), int(t)
+
+
+def check_bench_config(cfg):
+    """The benchmark's own fields, refused before any model is built."""
+    at_least = dict(bench_steps=1, bench_warmup=0, block_size=1, batch_size=1, decode_tokens=1, decode_prompt=0)
+    for key, lo in at_least.items():
+        if cfg[key] < lo:
+            raise ConfigError(f"{key} must be >= {lo}, got {cfg[key]}")
+    if any(b < 1 for b in numbers(cfg, 'decode_batches', int)):
+        raise ConfigError(f"decode_batches must be batch sizes >= 1, got {cfg['decode_batches']!r}")
+    if any(not 0 < b <= 1 for b in numbers(cfg, 'budgets', float)):
+        raise ConfigError(f"budgets must be full-path fractions in (0, 1], got {cfg['budgets']!r}")
+    if any(min(s) < 1 for s in numbers(cfg, 'prefill_shapes', shape)):
+        raise ConfigError(f"prefill_shapes must be BxT with B, T >= 1, got {cfg['prefill_shapes']!r}")
+    # decode is timed with the KV cache: past block_size, generate would recompute the cropped window
+    prompt = (cfg['decode_prompt'] if cfg['budgets'] else 0) or 1
+    if prompt + cfg['decode_tokens'] > cfg['block_size']:
+        raise ConfigError(f"decode_tokens={cfg['decode_tokens']} plus a {prompt}-token prompt exceeds "
+                          f"block_size={cfg['block_size']}, so decode would not be KV-cached; lower decode_tokens"
+                          + (" or decode_prompt" if prompt > 1 else ''))
 
 
 def timed(fn, steps, warmup, dev):
@@ -92,7 +127,7 @@ def bench(cfg):
             fwd(x, y)
     t_prefill = timed(prefill, cfg['bench_steps'], cfg['bench_warmup'], dev)
     decode = {}
-    for db in [int(s) for s in str(cfg['decode_batches']).split(',')]:
+    for db in numbers(cfg, 'decode_batches', int):
         prompt = torch.randint(0, mcfg.vocab_size, (db, max(1, T - cfg['decode_tokens'])), device=dev)
 
         def gen():
@@ -150,7 +185,7 @@ def bench_routed(cfg):
     if base.route not in ('ffn', 'mod'):
         raise train.TrainError(f"--budgets times route='ffn' or 'mod' against dense; this config has route={base.route!r}")
     from dataclasses import replace
-    shapes = [tuple(int(v) for v in s.lower().split('x')) for s in str(cfg['prefill_shapes']).split(',') if s]
+    shapes = numbers(cfg, 'prefill_shapes', shape)
     if any(T > base.block_size for _, T in shapes):
         raise train.TrainError(f"prefill_shapes {cfg['prefill_shapes']} exceed block_size {base.block_size}")
     steps, warm = cfg['bench_steps'], cfg['bench_warmup']
@@ -159,7 +194,7 @@ def bench_routed(cfg):
     torch.manual_seed(cfg['seed'])
     dense = eval_model(replace(base, route='none'), dev)
     state = dense.state_dict()
-    decode_bs = [int(b) for b in str(cfg['decode_batches']).split(',') if b]
+    decode_bs = numbers(cfg, 'decode_batches', int)
     run = lambda m, x, **kw: (lambda: torch.no_grad()(lambda: m(x, sparse=cfg['sparse'], **kw))())
 
     def time_model(m, rng_seed, decode=True):
@@ -183,7 +218,7 @@ def bench_routed(cfg):
 
     d_pre, d_dec = time_model(dense, cfg['seed'])
     rows, profile = [], None
-    for budget in [float(b) for b in str(cfg['budgets']).split(',') if b]:
+    for budget in numbers(cfg, 'budgets', float):
         mcfg = replace(base, budget=budget, gate='random' if base.route == 'mod' else base.gate)
         torch.manual_seed(cfg['seed'])
         m = eval_model(mcfg, dev)
@@ -286,6 +321,8 @@ def main(argv):
     as_json = '--json' in argv
     argv = [a for a in argv if a != '--json']
     cfg = load_config({**train.DEFAULTS, **BENCH_DEFAULTS}, argv)
+    check_bench_config(cfg)
+    cli_device(cfg['device'], cfg['dtype'])
     if cfg['budgets']:
         res = bench_routed(cfg)
         if as_json:
@@ -303,8 +340,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except (ConfigError, train.TrainError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main)

@@ -23,7 +23,8 @@ train.py uses the functions here for its periodic evals and its end-of-run summa
 import json
 import os
 import sys
-from contextlib import nullcontext
+from contextlib import nullcontext, redirect_stdout
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -250,16 +251,18 @@ def routing_map_report(model, train_data, val_data, meta, eval_iters, calib_iter
     return out
 
 
-def print_routing_map(res, png, as_json):
-    """Write the PNG and print the map (text or one JSON object)."""
-    grid = np.array([[np.nan if v is None else v for v in row] for row in res['map']])
-    res['png'] = draw_routing_map(png, grid, res['tokens'], res.get('full_frac_by_class'))
+def map_grid(res):
+    return np.array([[np.nan if v is None else v for v in row] for row in res['map']])
+
+
+def print_routing_map(res, as_json):
+    """Print the map (text or one JSON object); res['png'] lists the PNGs written."""
     if as_json:
         print(json.dumps(res))
         return
     print(f"routing map, eval mode, val tokens {res['start']}..{res['start'] + len(res['ids']) - 1} "
           f"('#' full path, '.' cheap / skipped, '-' not routed):")
-    print(routing_map_text(grid, res['tokens']))
+    print(routing_map_text(map_grid(res), res['tokens']))
     if res.get('full_frac_by_class'):
         print('\nfull-path fraction per difficulty class of the target token (eval batches):')
         print(class_table_text(res['full_frac_by_class']))
@@ -267,9 +270,24 @@ def print_routing_map(res, png, as_json):
         print(f"\nwrote {', '.join(res['png'])}")
 
 
+def cli_device(device, dtype='float32'):
+    """train.resolve_device_dtype for a script's --device / --dtype, with a one-line error for a device
+    string torch cannot parse (or that is neither cpu nor cuda) as well as for a missing GPU."""
+    import train
+    from configurator import ConfigError
+    try:
+        kind = 'cpu' if device == 'auto' else torch.device(device).type
+    except RuntimeError:                 # torch.device('bogus')
+        kind = None
+    if kind not in ('cpu', 'cuda'):
+        raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return train.resolve_device_dtype(SimpleNamespace(device=device, dtype=dtype))
+
+
 def main(argv):
     import train
-    from configurator import load_config
+    from checkpoint import load_checkpoint
+    from configurator import ConfigError, load_config
     from model import GPT, GPTConfig
     as_json, routing = '--json' in argv, '--routing-map' in argv
     argv = [a for a in argv if a not in ('--json', '--routing-map')]
@@ -279,36 +297,42 @@ def main(argv):
             argv = argv[:i] + [f'{flag}={argv[i + 1]}'] + argv[i + 2:]
     args = load_config(dict(ckpt='', eval_iters=0, calib_iters=0, device='auto', dtype='float32',
                             data_dir='', batch_size=0, out=''), argv)
-    if not args['ckpt'] or not os.path.isfile(args['ckpt']):
-        raise train.TrainError(f"--ckpt must name a checkpoint file, got {args['ckpt']!r}")
+    if not args['ckpt']:
+        raise ConfigError("--ckpt must name a checkpoint file, e.g. --ckpt=out/quickstart/ckpt.pt")
     if args['out'] and not routing:
-        raise train.TrainError("--out names the routing map's PNG: use it with --routing-map")
-    ck = torch.load(args['ckpt'], map_location='cpu', weights_only=False)
-    cfg = type('C', (), {})()
-    cfg.__dict__.update({**train.DEFAULTS, **ck['config']})
-    cfg.data_dir = args['data_dir'] or cfg.data_dir
-    cfg.device, cfg.dtype = args['device'], args['dtype']
-    dev, dt = train.resolve_device_dtype(cfg)
-    meta = train.load_dataset_meta(cfg, master=True)
-    train.check_against_checkpoint(cfg, meta, ck, ())      # the data must be the run's (names the field)
-    model = GPT(GPTConfig.from_dict(ck['model_args']))
-    model.load_state_dict(ck['model'])
-    model.to(dev)
-    np_dtype = np.uint32 if meta.get('dtype') == 'uint32' else np.uint16
-    B = args['batch_size'] or cfg.batch_size
-    tr = train.Batches(os.path.join(meta['folder'], 'train.bin'), np_dtype, cfg.block_size, B, cfg.seed, dev)
-    va = train.Batches(os.path.join(meta['folder'], 'val.bin'), np_dtype, cfg.block_size, B, cfg.seed, dev)
-    torch.manual_seed(cfg.eval_seed)
-    if routing:
-        res = routing_map_report(model, tr, va, meta, args['eval_iters'] or cfg.eval_iters,
-                                 args['calib_iters'] or cfg.calib_iters, eval_seed=cfg.eval_seed)
-        res['ckpt'] = args['ckpt']
-        print_routing_map(res, args['out'] or os.path.join(os.path.dirname(args['ckpt']), 'routing_map.png'), as_json)
-        return 0
-    res = report(model, tr, va, meta, args['eval_iters'] or cfg.eval_iters, args['calib_iters'] or cfg.calib_iters,
-                 eval_seed=cfg.eval_seed)
+        raise ConfigError("--out names the routing map's PNG: use it with --routing-map")
+    for key in ('eval_iters', 'calib_iters', 'batch_size'):
+        if args[key] < 0:
+            raise ConfigError(f"{key} must be >= 1, or 0 for the checkpoint's own value; got {args[key]}")
+    dev, _ = cli_device(args['device'], args['dtype'])
+    ck = load_checkpoint(args['ckpt'])
+    # with --json, stdout holds exactly the one JSON object: notes printed on the way (e.g. preparing the
+    # synthetic corpus) go to stderr
+    with redirect_stdout(sys.stderr) if as_json else nullcontext():
+        cfg = SimpleNamespace(**{**train.DEFAULTS, **ck['config']})
+        cfg.data_dir = args['data_dir'] or cfg.data_dir
+        meta = train.load_dataset_meta(cfg, master=True)
+        train.check_against_checkpoint(cfg, meta, ck, ())      # the data must be the run's (names the field)
+        model = GPT(GPTConfig.from_dict(ck['model_args']))
+        model.load_state_dict(ck['model'])
+        model.to(dev)
+        np_dtype = np.uint32 if meta.get('dtype') == 'uint32' else np.uint16
+        B = args['batch_size'] or cfg.batch_size
+        tr = train.Batches(os.path.join(meta['folder'], 'train.bin'), np_dtype, cfg.block_size, B, cfg.seed, dev)
+        va = train.Batches(os.path.join(meta['folder'], 'val.bin'), np_dtype, cfg.block_size, B, cfg.seed, dev)
+        torch.manual_seed(cfg.eval_seed)
+        eval_iters, calib_iters = args['eval_iters'] or cfg.eval_iters, args['calib_iters'] or cfg.calib_iters
+        if routing:
+            res = routing_map_report(model, tr, va, meta, eval_iters, calib_iters, eval_seed=cfg.eval_seed)
+            png = args['out'] or os.path.join(os.path.dirname(args['ckpt']), 'routing_map.png')
+            res['png'] = draw_routing_map(png, map_grid(res), res['tokens'], res.get('full_frac_by_class'))
+        else:
+            res = report(model, tr, va, meta, eval_iters, calib_iters, eval_seed=cfg.eval_seed)
     res['ckpt'] = args['ckpt']
-    print(json.dumps(res) if as_json else json.dumps(res, indent=2))
+    if routing:
+        print_routing_map(res, as_json)
+    else:
+        print(json.dumps(res) if as_json else json.dumps(res, indent=2))
     return 0
 
 
@@ -347,10 +371,5 @@ def report(model, train_data, val_data, meta, eval_iters, calib_iters, autocast=
 
 
 if __name__ == '__main__':
-    import train
-    from configurator import ConfigError
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except (train.TrainError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from configurator import run_cli
+    run_cli(main)

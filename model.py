@@ -92,6 +92,18 @@ class GPTConfig:
     ens_kl_weight: float = 1.0        # λ of the distillation loss (teacher: the final layer, stop-gradient)
 
     def __post_init__(self):
+        for key in ('block_size', 'n_layer', 'n_head', 'n_embd', 'cheap_rank', 'gate_hidden', 'jepa_latent',
+                    'rank_pairs', 'ens_layers'):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.vocab_size < 0:
+            raise ValueError(f"vocab_size must be >= 0 (0: from the data), got {self.vocab_size}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        for key in ('util_weight', 'rank_weight', 'rank_margin', 'jepa_weight', 'predictor_weight', 'mimic_weight',
+                    'halt_lambda', 'router_bce_weight', 'exit_weight', 'ens_kl_weight', 'exit_rotation'):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key} must be >= 0, got {getattr(self, key)}")
         if self.pos not in ('learned', 'rope'):
             raise ValueError(f"pos must be 'learned' or 'rope', got {self.pos!r}")
         if self.n_embd % self.n_head:
@@ -876,7 +888,8 @@ class GPT(nn.Module):
     # generation
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, lengths=None, stats=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, lengths=None, stats=None,
+                 vocab_limit=None):
         """Sample max_new_tokens continuations of idx (B, T), routed as model.eval() routes. With
         use_cache, the prompt is prefilled once and each new token costs one single-position forward;
         once the sequence outgrows block_size the context is cropped as in nanoGPT, which shifts every
@@ -887,12 +900,14 @@ class GPT(nn.Module):
         wrote are emptied after the prefill); returns a list of 1-D tensors. Needs the cache and
         max(lengths) + max_new_tokens <= block_size.
         stats: a dict to fill with the mean realised full-path fraction per routed layer over every
-        forward ('full_frac') and the mean TLOps saved ('tlops_saved'), where the family has them."""
+        forward ('full_frac') and the mean TLOps saved ('tlops_saved'), where the family has them.
+        vocab_limit: sample only ids < vocab_limit (the tokenizer's real vocabulary; the model's is
+        padded, and a padding id has no text)."""
         bs = self.config.block_size
         record = (lambda aux: [stats.setdefault(k, []).append(aux[k].float()) for k in ('full_frac', 'tlops_saved')
                                if k in aux]) if stats is not None else (lambda aux: None)
         if lengths is not None:
-            idx = self.generate_ragged(idx, list(lengths), max_new_tokens, temperature, top_k, record)
+            idx = self.generate_ragged(idx, list(lengths), max_new_tokens, temperature, top_k, record, vocab_limit)
         else:
             cache = None
             for _ in range(max_new_tokens):
@@ -908,13 +923,13 @@ class GPT(nn.Module):
                 else:
                     logits, _, aux = self(idx[:, -bs:])
                 record(aux)
-                idx = torch.cat((idx, self.sample_next(logits[:, -1, :], temperature, top_k)), dim=1)
+                idx = torch.cat((idx, self.sample_next(logits[:, -1, :], temperature, top_k, vocab_limit)), dim=1)
         if stats:
             for k in [k for k in ('full_frac', 'tlops_saved') if k in stats]:
                 stats[k] = torch.stack(stats[k]).mean(0).tolist()
         return idx
 
-    def generate_ragged(self, idx, lengths, max_new_tokens, temperature, top_k, record):
+    def generate_ragged(self, idx, lengths, max_new_tokens, temperature, top_k, record, vocab_limit=None):
         B, dev = idx.size(0), idx.device
         if len(lengths) != B or min(lengths) < 1 or max(lengths) > idx.size(1):
             raise ValueError(f"lengths {lengths} must give 1..{idx.size(1)} prompt tokens for each of {B} rows")
@@ -932,7 +947,7 @@ class GPT(nn.Module):
         out = torch.zeros(B, max(lengths) + max_new_tokens, dtype=idx.dtype, device=dev)
         out[:, :T] = idx
         for step in range(max_new_tokens):
-            nxt = self.sample_next(logits, temperature, top_k)
+            nxt = self.sample_next(logits, temperature, top_k, vocab_limit)
             out[torch.arange(B, device=dev), n + step] = nxt[:, 0]
             if step + 1 < max_new_tokens:
                 logits, _, aux = self(nxt, pos=(n + step)[:, None], cache=cache)
@@ -941,7 +956,9 @@ class GPT(nn.Module):
         return [out[b, :lengths[b] + max_new_tokens] for b in range(B)]
 
     @staticmethod
-    def sample_next(logits, temperature, top_k):
+    def sample_next(logits, temperature, top_k, vocab_limit=None):
+        if vocab_limit is not None:       # ids are column indices, so dropping the padded columns excludes them
+            logits = logits[:, :vocab_limit]
         if temperature == 0:
             return logits.argmax(dim=-1, keepdim=True)
         logits = logits / temperature

@@ -7,6 +7,9 @@ Decodes with the tokenizer recorded in the data's meta.json (char, byte, gpt2 or
 corpus's symbols) and uses the KV cache unless --use_cache=False. Routed models decode routed (as
 model.eval() routes, causal per token) and print the realised full-path fraction per routed layer.
 --prompts_file=FILE: one prompt per line, decoded together as one batch of different lengths.
+--start (default a newline; on the synthetic corpus, which has none, '|', a segment boundary) and
+every prompt must encode to at least one token, with no character outside a char or synthetic
+vocabulary. Only the tokenizer's real ids are sampled, never the padding of the model's vocabulary.
 """
 import json
 import os
@@ -15,7 +18,9 @@ import time
 
 import torch
 
-from configurator import ConfigError, load_config
+from checkpoint import load_checkpoint
+from configurator import ConfigError, load_config, run_cli
+from eval import cli_device
 from model import GPT, GPTConfig
 
 DEFAULTS = dict(out_dir='out/quickstart', start='\n', num_samples=3, max_new_tokens=200, temperature=0.8,
@@ -24,7 +29,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def load_tokenizer(meta):
-    """(encode, decode) for the tokenizer named in a dataset's meta.json."""
+    """(encode, decode) for the tokenizer named in a dataset's meta.json. encode(text, where) refuses
+    characters outside a char or synthetic vocabulary with a ConfigError naming `where` (e.g. '--start')."""
     tok = meta.get('tokenizer')
     if tok == 'gpt2':
         sys.path.insert(0, os.path.join(HERE, 'data'))
@@ -32,66 +38,92 @@ def load_tokenizer(meta):
         import tiktoken
         ensure_tiktoken_cache()
         enc = tiktoken.get_encoding('gpt2')
-        return (lambda s: enc.encode(s, allowed_special={'<|endoftext|>'})), enc.decode
+        return (lambda s, where='': enc.encode(s, allowed_special={'<|endoftext|>'})), enc.decode
     if tok == 'byte':
-        return (lambda s: list(s.encode('utf-8'))), (lambda ids: bytes(ids).decode('utf-8', errors='replace'))
+        return (lambda s, where='': list(s.encode('utf-8'))), (lambda ids: bytes(ids).decode('utf-8', errors='replace'))
     itos = meta['chars'] if tok == 'char' else meta['itos']
     stoi = {s: i for i, s in enumerate(itos)}
-    if tok == 'char':
-        return (lambda s: [stoi[c] for c in s if c in stoi]), (lambda ids: ''.join(itos[i] for i in ids))
-    # synthetic: symbols may be multi-character; greedy longest match on encode
-    syms = sorted(stoi, key=len, reverse=True)
+    syms = sorted(stoi, key=len, reverse=True)     # synthetic symbols may be multi-character: longest match
+    listing = repr(''.join(itos)) if tok == 'char' else ' '.join(itos)
+    has = (f"the {tok} vocabulary has {len(itos)} {'characters' if tok == 'char' else 'symbols'}: "
+           f"{listing if len(listing) <= 100 else listing[:100] + '...'}")
 
-    def encode(s):
-        out, i = [], 0
+    def encode(s, where='the prompt'):
+        out, unknown, i = [], [], 0
         while i < len(s):
             m = next((t for t in syms if s.startswith(t, i)), None)
             if m is None:
+                unknown.append(s[i])
                 i += 1
                 continue
             out.append(stoi[m])
             i += len(m)
+        if unknown:
+            unknown = list(dict.fromkeys(unknown))
+            shown = ', '.join(map(repr, unknown[:5])) + (f' and {len(unknown) - 5} more' if len(unknown) > 5 else '')
+            raise ConfigError(f"{where} has characters outside the vocabulary: {shown} ({has}); use only those")
         return out
     return encode, (lambda ids: ''.join(itos[i] for i in ids))
 
 
+def encode_prompt(encode, text, where):
+    ids = encode(text, where)
+    if not ids:
+        raise ConfigError(f"{where} is empty: give at least one character to start from")
+    return ids
+
+
 def main(argv):
     cfg = load_config(DEFAULTS, argv)
+    for key, lo in (('num_samples', 1), ('max_new_tokens', 1), ('top_k', 0)):
+        if cfg[key] < lo:
+            raise ConfigError(f"{key} must be >= {lo}, got {cfg[key]}" + (' (0: no top-k)' if key == 'top_k' else ''))
+    if not cfg['temperature'] >= 0:            # also refuses NaN
+        raise ConfigError(f"temperature must be >= 0 (0: greedy), got {cfg['temperature']}")
+    if cfg['prompts_file'] and not os.path.isfile(cfg['prompts_file']):
+        raise ConfigError(f"prompts_file {cfg['prompts_file']!r} is not a file; give a text file of one prompt per line")
+    dev, _ = cli_device(cfg['device'])
     path = os.path.join(cfg['out_dir'], 'ckpt.pt')
     if not os.path.exists(path):
         raise ConfigError(f"no checkpoint at {path}; train one first with: python train.py --out_dir={cfg['out_dir']}")
-    dev = torch.device(cfg['device'] if cfg['device'] != 'auto' else ('cuda' if torch.cuda.is_available() else 'cpu'))
-    ckpt = torch.load(path, map_location='cpu', weights_only=False)
-    if ckpt['model_args'].get('route') == 'ffn' and ckpt['model_args'].get('gate') == 'oracle':
+    ckpt = load_checkpoint(path)
+    margs, tcfg = ckpt['model_args'], ckpt['config']
+    if margs.get('route') == 'ffn' and margs.get('gate') == 'oracle':
         raise ConfigError("gate='oracle' routes by the targets, so it cannot generate; sample from a model with a causal gate")
-    model = GPT(GPTConfig.from_dict(ckpt['model_args']))
-    model.load_state_dict(ckpt['model'])
-    model.eval().to(dev)
-    tcfg = ckpt['config']
     folder = os.path.join(cfg['data_dir'] or tcfg.get('data_dir') or os.path.join(HERE, 'data'), tcfg['dataset'])
     if not os.path.exists(os.path.join(folder, 'meta.json')):
         raise ConfigError(f"no {folder}/meta.json to decode with: run python data/prepare.py {tcfg['dataset']} "
                           f"(or pass --data_dir=...)")
     with open(os.path.join(folder, 'meta.json')) as f:
-        encode, decode = load_tokenizer(json.load(f))
-    torch.manual_seed(cfg['seed'])
-    stats, lengths = {}, None
+        meta = json.load(f)
+    encode, decode = load_tokenizer(meta)
+    lengths = None
     if cfg['prompts_file']:            # a batch of prompts of different lengths, right-padded
         with open(cfg['prompts_file']) as f:
-            prompts = [encode(line.rstrip('\n')) or [0] for line in f if line.strip()]
+            prompts = [encode_prompt(encode, line.rstrip('\n'), f"{cfg['prompts_file']} line {n}")
+                       for n, line in enumerate(f, 1) if line.strip()]
         if not prompts:
             raise ConfigError(f"{cfg['prompts_file']} has no prompts")
         lengths = [len(p) for p in prompts]
-        if max(lengths) + cfg['max_new_tokens'] > model.config.block_size:
+        if max(lengths) + cfg['max_new_tokens'] > margs['block_size']:
             raise ConfigError(f"the longest prompt ({max(lengths)} tokens) plus max_new_tokens exceeds "
-                              f"block_size {model.config.block_size}")
+                              f"block_size {margs['block_size']}")
         x = torch.tensor([p + [0] * (max(lengths) - len(p)) for p in prompts], dtype=torch.long, device=dev)
     else:
-        ids = encode(cfg['start']) or [0]
+        start = cfg['start']
+        if start == DEFAULTS['start'] and meta.get('tokenizer') == 'synthetic':
+            start = '|'                # no newline symbol there; '|' ends a segment, so a fresh one follows
+        ids = encode_prompt(encode, start, '--start')
         x = torch.tensor(ids, dtype=torch.long, device=dev)[None].repeat(cfg['num_samples'], 1)
+    model = GPT(GPTConfig.from_dict(margs))
+    model.load_state_dict(ckpt['model'])
+    model.eval().to(dev)
+    torch.manual_seed(cfg['seed'])
+    stats = {}
     t0 = time.time()
+    # the model's vocabulary is padded (e.g. GPT-2's 50257 to 50304): a padding id has no text to decode
     y = model.generate(x, cfg['max_new_tokens'], temperature=cfg['temperature'], top_k=cfg['top_k'] or None,
-                       use_cache=cfg['use_cache'], lengths=lengths, stats=stats)
+                       use_cache=cfg['use_cache'], lengths=lengths, stats=stats, vocab_limit=meta['vocab_size'])
     dt = time.time() - t0
     for row in y:
         print(decode(row.tolist()))
@@ -105,8 +137,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main)

@@ -29,6 +29,8 @@ where the reference ends" a question every arm can answer early, which is what t
 Runs that never get there count as missing (n in the paired comparison says how many did).
 
 Afterwards the plots of plots.py go to out_root/plots/ (skipped, with a note, without matplotlib).
+Exit code 1 when a run failed (after the summary of those that finished; the failed runs' logs are
+named), 2 for a bad study file or option.
 """
 import json
 import math
@@ -39,6 +41,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+from configurator import ConfigError, run_cli
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(HERE, 'train.py')
@@ -56,17 +60,27 @@ METRICS = {
 
 
 def load_study(path):
+    if not os.path.isfile(path):
+        raise ConfigError(f"study file not found: {path}")
     ns = {}
-    with open(path) as f:
-        exec(compile(f.read(), path, 'exec'), ns)
+    try:
+        with open(path) as f:
+            exec(compile(f.read(), path, 'exec'), ns)
+    except SyntaxError as e:
+        raise ConfigError(f"study {path}, line {e.lineno}: {e.msg}; fix the file") from None
+    except Exception as e:           # a runtime error while executing the file
+        raise ConfigError(f"study {path}: {type(e).__name__}: {e}; fix the file") from None
     missing = [k for k in ('base', 'arms', 'seeds', 'out_root') if k not in ns]
     if missing:
-        raise SystemExit(f"error: study {path} must define {missing}")
+        raise ConfigError(f"study {path} must define {', '.join(missing)}")
+    if not isinstance(ns['arms'], dict) or not ns['arms'] or not ns['seeds']:
+        raise ConfigError(f"study {path}: arms must be a non-empty dict {{name: [overrides]}} and seeds a "
+                          f"non-empty list")
     ns.setdefault('overrides', [])
     ns.setdefault('before', [])
     ns.setdefault('reference', next(iter(ns['arms'])))
     if ns['reference'] not in ns['arms']:
-        raise SystemExit(f"error: reference arm {ns['reference']!r} is not one of {list(ns['arms'])}")
+        raise ConfigError(f"study {path}: reference arm {ns['reference']!r} is not one of {list(ns['arms'])}")
     return ns
 
 
@@ -94,6 +108,8 @@ def run_one(argv, out_dir, log_path):
     args = [sys.executable, TRAIN, *argv, f'--out_dir={out_dir}']
     if os.path.exists(os.path.join(out_dir, 'ckpt.pt')):
         args.append('--init_from=resume')
+    else:                       # a run that died before its first checkpoint starts over
+        args.append('--overwrite=True')
     os.makedirs(out_dir, exist_ok=True)
     with open(log_path, 'a') as log:
         code = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, cwd=HERE).returncode
@@ -232,12 +248,16 @@ def markdown(summary):
 
 def main(argv):
     if not argv or not argv[0].endswith('.py'):
-        raise SystemExit("usage: python sweep.py config/study_<name>.py [--jobs=N] [--summarize_only] [--dry_run] "
-                         "[--no_plots]")
+        raise ConfigError("usage: python sweep.py config/study_<name>.py [--jobs=N] [--summarize_only] [--dry_run] "
+                          "[--no_plots]")
     opts = {a.split('=')[0]: (a.split('=', 1)[1] if '=' in a else True) for a in argv[1:]}
     unknown = set(opts) - {'--jobs', '--summarize_only', '--dry_run', '--no_plots'}
     if unknown:
-        raise SystemExit(f"error: unknown option(s) {sorted(unknown)}")
+        raise ConfigError(f"unknown option(s) {', '.join(sorted(unknown))}; the options are --jobs=N, "
+                          f"--summarize_only, --dry_run and --no_plots")
+    jobs = str(opts.get('--jobs', 1))
+    if not jobs.isdigit() or int(jobs) < 1:
+        raise ConfigError(f"--jobs must be a whole number >= 1, got {jobs!r}")
     study = load_study(argv[0])
     study['__file__'] = argv[0]
     root = study['out_root']
@@ -250,21 +270,25 @@ def main(argv):
         for arm, s, a in grid:
             print(f"{arm} seed {s}:", 'python train.py', ' '.join(a), f'--out_dir={root}/{arm}/seed{s}')
         return 0
+    failed = []
     if not opts.get('--summarize_only'):
+        if any(not any(a.startswith('--out_dir=') for a in argv_) for argv_ in study['before']):
+            raise ConfigError(f"study {argv[0]}: every 'before' run must give --out_dir=")
         for argv_ in study['before']:
-            out = next((a.split('=', 1)[1] for a in argv_ if a.startswith('--out_dir=')), None)
-            if out is None:
-                raise SystemExit("error: every 'before' run must give --out_dir=")
+            out = next(a.split('=', 1)[1] for a in argv_ if a.startswith('--out_dir='))
             print(f"before: {' '.join(argv_)}", flush=True)
             _, code = run_one([a for a in argv_ if not a.startswith('--out_dir=')], out, os.path.join(root, 'before.log'))
-            if code:
-                raise SystemExit(f"error: 'before' run failed (exit {code}); see {root}/before.log")
+            if code:          # every arm starts from it: nothing to run or summarise
+                print(f"error: 'before' run failed (exit {code}); see {root}/before.log", file=sys.stderr)
+                return 1
         t0 = time.time()
-        with ThreadPoolExecutor(max_workers=int(opts.get('--jobs', 1))) as pool:
+        with ThreadPoolExecutor(max_workers=int(jobs)) as pool:
             futs = [pool.submit(run_one, a, f'{root}/{arm}/seed{s}', f'{root}/{arm}/seed{s}.log') for arm, s, a in grid]
             for f in futs:
                 out, code = f.result()
                 print(f"{'done' if code == 0 else f'FAILED (exit {code})'}: {out} [{time.time() - t0:.0f}s]", flush=True)
+                if code:
+                    failed.append(out)
     results = {(arm, s): run_metrics(f'{root}/{arm}/seed{s}') for arm, s, _ in grid if finished(f'{root}/{arm}/seed{s}')}
     threshold = lm_threshold(study, results)
     for (arm, s), m in results.items():
@@ -279,8 +303,12 @@ def main(argv):
     if not opts.get('--no_plots'):
         import plots          # here, not at the top: plots.py imports this module
         plots.write_plots(root, arms=list(study['arms']))
+    if failed:            # a failed run is not a user error: exit 1, after summarising what finished
+        print(f"{len(failed)} of {len(grid)} runs failed; their logs: {', '.join(o + '.log' for o in failed)}",
+              file=sys.stderr)
+        return 1
     return 0
 
 
 if __name__ == '__main__':
-    sys.exit(main(sys.argv[1:]))
+    run_cli(main)
