@@ -1,0 +1,388 @@
+"""Fault injection for train.py's checkpointing: SIGKILL in the middle of a checkpoint write, SIGTERM
+during a training step, SIGINT while a checkpoint is being written, and corrupt / truncated ckpt.pt files.
+
+Faults are injected deterministically, not by timing: train.py runs in a subprocess through a small
+wrapper script (FAULT_WRAPPER, written to tmp_path) that patches torch.save or train.lr_at and then runs
+train.main through configurator.run_cli, exactly like `python train.py`. The wrapper writes a JSON
+record of what it did (before it dies) so that every test can assert the fault really happened.
+
+Every comparison with the uninterrupted reference run is bitwise (torch.equal): all runs are on this
+machine, on CPU, single-threaded (OMP_NUM_THREADS=1), with the same kernels, so an exact resume must
+reproduce the very same bits; any tolerance would hide a lost or replayed step."""
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from collections import namedtuple
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "data"))
+import prepare as P  # noqa: E402
+from checkpoint import load_checkpoint  # noqa: E402
+
+ENV = {k: v for k, v in os.environ.items()
+       if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+       and not k.startswith("FAULT_")}
+# one thread: quick on a loaded 2-core box and bit-reproducible; unbuffered, so a SIGKILLed child's
+# stdout (e.g. "removed ...") is not lost in its pipe buffer
+ENV.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONHASHSEED="0", PYTHONUNBUFFERED="1")
+MAX_ITERS, EVAL_INTERVAL = 12, 2        # checkpoints at iterations 2, 4, ..., 12 (none at 0)
+# dropout > 0 so that the RNG state restored on resume matters
+CFG = ["--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=4",
+       f"--eval_interval={EVAL_INTERVAL}", "--eval_iters=1", "--calib_iters=1", "--log_interval=1",
+       f"--max_iters={MAX_ITERS}", "--device=cpu", "--dropout=0.1"]
+TIMEOUT = 180
+
+FAULT_WRAPPER = r'''
+"""python wrapper.py <train.py args>: train.py with one injected fault, chosen by FAULT_* variables."""
+import hashlib, io, json, os, shutil, signal, sys, time
+sys.path.insert(0, {repo!r})
+import torch
+import train
+from configurator import run_cli
+
+MODE = os.environ["FAULT_MODE"]      # kill_in_save | sigint_in_save | sigterm_at_iter
+AT = int(os.environ["FAULT_AT"])     # the AT-th checkpoint write of this process (1-based) / iteration
+FRAC = float(os.environ.get("FAULT_FRAC", "0.5"))   # where in the file's bytes the fault strikes
+RECORD = os.environ["FAULT_RECORD"]
+COPY = os.environ.get("FAULT_COPY")
+_torch_save, _save_checkpoint, _lr_at = torch.save, train.save_checkpoint, train.lr_at
+saves, signalled, copied = 0, False, False
+
+
+def record(**kw):
+    with open(RECORD, "w") as f:
+        json.dump(kw, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def faulty_save(obj, f, *args, **kwargs):
+    global saves, signalled
+    name = getattr(f, "name", None)
+    if not (isinstance(name, str) and ".tmp-" in name):      # only checkpoint.save_checkpoint's writes
+        return _torch_save(obj, f, *args, **kwargs)
+    saves += 1
+    if saves != AT:
+        return _torch_save(obj, f, *args, **kwargs)
+    buf = io.BytesIO()
+    _torch_save(obj, buf, *args, **kwargs)
+    data = buf.getvalue()
+    cut = min(len(data), int(FRAC * (len(data) + 1)))
+    ckpt = name[:name.rindex(".tmp-")]
+    if MODE == "kill_in_save":
+        prev = hashlib.sha256(open(ckpt, "rb").read()).hexdigest() if os.path.exists(ckpt) else None
+        record(pid=os.getpid(), tmp=name, iter_num=obj["iter_num"], cut=cut, size=len(data), prev_sha256=prev)
+        f.write(data[:cut])
+        f.flush()
+        os.fsync(f.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)                                        # never reached
+    elif MODE == "sigint_in_save":                            # Ctrl-C part-way through the write
+        f.write(data[:cut])
+        f.flush()
+        os.kill(os.getpid(), signal.SIGINT)                   # os.kill runs the Python handler before returning
+        handler = signal.getsignal(signal.SIGINT)
+        seen = getattr(getattr(handler, "__self__", None), "signum", None)
+        f.write(data[cut:])
+        signalled = True
+        record(pid=os.getpid(), iter_num=obj["iter_num"], cut=cut, size=len(data),
+               sha256=hashlib.sha256(data).hexdigest(), handler_saw=seen)
+    else:
+        return _torch_save(obj, f, *args, **kwargs)
+
+
+def save_checkpoint(path, state):
+    global copied
+    _save_checkpoint(path, state)
+    if signalled and not copied and COPY:                     # the checkpoint the SIGINT landed in
+        shutil.copyfile(path, COPY)
+        copied = True
+
+
+def lr_at(cfg, it):
+    if MODE == "sigterm_at_iter" and it == AT:                # during the step it -> it+1, not in a write
+        record(pid=os.getpid(), iter=it)
+        os.kill(os.getpid(), signal.SIGTERM)
+    return _lr_at(cfg, it)
+
+
+torch.save = faulty_save
+train.save_checkpoint = save_checkpoint
+train.lr_at = lr_at
+run_cli(train.main)
+'''
+
+
+# ----------------------------------------------------------------------------------------------------
+# helpers and fixtures
+
+def run_py(script, args, env=None, timeout=TIMEOUT):
+    """Run to completion; returns (CompletedProcess, pid)."""
+    proc = subprocess.Popen([sys.executable, str(script), *map(str, args)], cwd=REPO, env=env or ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), proc.pid
+
+
+def run_train(args):
+    return run_py("train.py", args)[0]
+
+
+def ok(r):
+    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+    return r
+
+
+def fault_env(mode, at, record, frac=0.5, copy=None):
+    env = dict(ENV, FAULT_MODE=mode, FAULT_AT=str(at), FAULT_FRAC=repr(frac), FAULT_RECORD=str(record))
+    if copy is not None:
+        env["FAULT_COPY"] = str(copy)
+    return env
+
+
+def sha256(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def temps(out):
+    return sorted(p.name for p in Path(out).glob("ckpt.pt.tmp-*"))
+
+
+def assert_identical(a, b, where="ckpt"):
+    """Recursively: tensors torch.equal (same dtype and shape), everything else ==."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where}: tensors differ (max abs diff {(a.double() - b.double()).abs().max()})"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        for k in a:
+            assert_identical(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{where}[{i}]")
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b), where
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def assert_same_final_state(out, reference):
+    """Bitwise: every weight, every optimizer moment and step count, the scaler, the iteration and the
+    best val loss equal those of the uninterrupted run (same machine, same kernels: no tolerance)."""
+    mine, ref = load_checkpoint(str(Path(out) / "ckpt.pt")), reference.ckpt()
+    assert mine["iter_num"] == ref["iter_num"] == MAX_ITERS
+    assert_identical(mine["model"], ref["model"], "model")
+    assert_identical(mine["optimizer"], ref["optimizer"], "optimizer")
+    assert_identical(mine["scaler"], ref["scaler"], "scaler")
+    assert mine["best_val_loss"] == ref["best_val_loss"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A 60k-token synthetic corpus in <tmp>/data/syn (not named 'synthetic': never auto-prepared over)."""
+    folder = tmp_path_factory.mktemp("data") / "syn"
+    P.prepare("synthetic", out_dir=folder, num_tokens=60000)
+    return folder
+
+
+def data_args(folder):
+    return [f"--data_dir={folder.parent}", f"--dataset={folder.name}"]
+
+
+class Reference:
+    """The uninterrupted run, started in the background when first requested so that it overlaps the
+    first test's own runs (2 cores); ckpt() waits for it and returns its final checkpoint."""
+
+    def __init__(self, data_dir, out):
+        self.out, self._ckpt = out, None
+        self.proc = subprocess.Popen([sys.executable, "train.py", *CFG, *data_args(data_dir), f"--out_dir={out}"],
+                                     cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def ckpt(self):
+        if self._ckpt is None:
+            stdout, stderr = self.proc.communicate(timeout=TIMEOUT)
+            ok(subprocess.CompletedProcess(self.proc.args, self.proc.returncode, stdout, stderr))
+            assert temps(self.out) == []
+            self._ckpt = load_checkpoint(str(self.out / "ckpt.pt"))
+            assert self._ckpt["iter_num"] == MAX_ITERS
+        return self._ckpt
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir, tmp_path_factory):
+    ref = Reference(data_dir, tmp_path_factory.mktemp("reference") / "out")
+    yield ref
+    ref.close()
+
+
+@pytest.fixture
+def wrapper(tmp_path):
+    path = tmp_path / "fault_wrapper.py"
+    path.write_text(FAULT_WRAPPER.format(repo=str(REPO)))
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------
+# SIGTERM during a training step: save, exit 0, and the resume is bit-exact
+# (tests/test_train.py checks that a signalled run saves and that its printed resume command runs, but
+# not that the resumed run ends bit-equal to an uninterrupted one)
+
+def test_sigterm_mid_step_then_resume_is_bit_exact(reference, data_dir, wrapper, tmp_path):
+    out, rec = tmp_path / "out", tmp_path / "sigterm.json"
+    args = [*CFG, *data_args(data_dir), f"--out_dir={out}"]
+    r, pid = run_py(wrapper, args, fault_env("sigterm_at_iter", 4, rec))    # while computing step 4 -> 5
+    ok(r)
+    assert json.loads(rec.read_text()) == {"pid": pid, "iter": 4}, "the SIGTERM was never sent"
+    assert "stopped by signal at iteration 5" in r.stdout and "done:" not in r.stdout, r.stdout[-2000:]
+    assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 5      # 5: not an eval iteration
+    assert temps(out) == []
+    r2 = ok(run_train([*args, "--init_from=resume"]))
+    assert "done:" in r2.stdout
+    assert_same_final_state(out, reference)
+
+
+# ----------------------------------------------------------------------------------------------------
+# SIGINT while save_checkpoint is writing: the write completes, the file is valid, then the run stops
+
+def test_sigint_during_checkpoint_write_completes_the_save(reference, data_dir, wrapper, tmp_path):
+    """Ctrl-C arrives when 30% of the iteration-4 checkpoint is written: the handler only sets the stop
+    flag, so the save finishes (the file is exactly the bytes torch.save produced) and is renamed into
+    place; the run then finishes step 5, saves again and exits 0; resuming ends bit-equal to the
+    uninterrupted run."""
+    out, rec, copy = tmp_path / "out", tmp_path / "sigint.json", tmp_path / "saved_during_sigint.pt"
+    args = [*CFG, *data_args(data_dir), f"--out_dir={out}"]
+    r, pid = run_py(wrapper, args, fault_env("sigint_in_save", 2, rec, frac=0.3, copy=copy))
+    ok(r)
+    info = json.loads(rec.read_text())
+    assert info["pid"] == pid and info["iter_num"] == 4, info
+    assert 0 < info["cut"] < info["size"], info                      # really mid-write
+    assert info["handler_saw"] == signal.SIGINT, "train.py's handler did not run during the write"
+    assert copy.exists(), "the checkpoint write interrupted by SIGINT never completed"
+    assert sha256(copy) == info["sha256"]                           # complete, byte for byte
+    assert load_checkpoint(str(copy))["iter_num"] == 4
+    assert "stopped by signal at iteration 5" in r.stdout and "done:" not in r.stdout, r.stdout[-2000:]
+    assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 5
+    assert temps(out) == []
+    ok(run_train([*args, "--init_from=resume"]))
+    assert_same_final_state(out, reference)
+
+
+# ----------------------------------------------------------------------------------------------------
+# a truncated or foreign ckpt.pt: one clear error, exit 2, nothing touched
+
+@pytest.mark.parametrize("damage", ["truncated_half", "random_bytes"])
+def test_corrupt_checkpoint_resume_fails_cleanly(reference, data_dir, tmp_path, damage):
+    reference.ckpt()
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("config.json", "metrics.jsonl", "run_info.json"):
+        (out / name).write_bytes((reference.out / name).read_bytes())
+    real = (reference.out / "ckpt.pt").read_bytes()
+    bad = real[:len(real) // 2] if damage == "truncated_half" else random.Random(0).randbytes(len(real))
+    ckpt = out / "ckpt.pt"
+    ckpt.write_bytes(bad)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    r = run_train([*CFG, *data_args(data_dir), f"--out_dir={out}", "--init_from=resume"])
+    assert r.returncode == 2, f"exit {r.returncode}\n{r.stderr[-3000:]}"
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("error:") and str(ckpt) in lines[0] and "corrupt" in lines[0], lines[0]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before   # ckpt.pt and the rest untouched
+
+
+# ----------------------------------------------------------------------------------------------------
+# SIGKILL in the middle of checkpoint writes, then resume: bit-equal to the uninterrupted run
+
+KILL_SEED = 14      # a fixed seed; its plan is asserted to cover the cases below before anything runs
+N_KILLS = 3
+Kill = namedtuple("Kill", "start save iter_num frac survivor")   # start/survivor: ckpt iteration or None
+
+
+def kill_plan(seed):
+    """Where each of N_KILLS processes dies: its `save`-th checkpoint write (the one of iteration
+    iter_num) after a fraction `frac` of the file's bytes; each process resumes from the checkpoint the
+    previous one left (`start`, None: none, so it starts fresh). `survivor` is the checkpoint that must
+    be intact after the kill. A pure function of the seed."""
+    rng, start, plan = random.Random(seed), None, []
+    for _ in range(N_KILLS):
+        base = start or 0
+        save = rng.randint(1, (MAX_ITERS - base) // EVAL_INTERVAL)
+        frac = rng.choice((0.0, 1.0, rng.random(), rng.random()))   # empty temp, complete but unrenamed, partial
+        survivor = start if save == 1 else base + EVAL_INTERVAL * (save - 1)
+        plan.append(Kill(start, save, base + EVAL_INTERVAL * save, frac, survivor))
+        start = survivor
+    return plan
+
+
+@pytest.mark.slow
+def test_sigkill_during_checkpoint_writes_then_resume_is_bit_exact(reference, data_dir, wrapper, tmp_path):
+    plan = kill_plan(KILL_SEED)
+    # not vacuous: a kill before any checkpoint exists, kills with one, a kill in a resumed process,
+    # empty and partial temp files; and the last kill leaves a checkpoint, so the final run resumes
+    assert any(k.survivor is None for k in plan) and plan[-1].survivor is not None, plan
+    assert any(k.start is not None for k in plan), plan
+    assert any(k.frac == 0.0 for k in plan) and any(0 < k.frac < 1 for k in plan), plan
+
+    out = tmp_path / "out"
+    ckpt = out / "ckpt.pt"
+    base = [*CFG, *data_args(data_dir), f"--out_dir={out}"]
+    orphan = None                        # the temp file the last killed writer left
+    for n, kill in enumerate(plan):
+        rec = tmp_path / f"kill{n}.json"
+        args = [*base, "--init_from=resume"] if kill.start is not None else [*base, "--overwrite=True"] if n else base
+        r, pid = run_py(wrapper, args, fault_env("kill_in_save", kill.save, rec, frac=kill.frac))
+        where = f"kill {n} {kill}:\nstdout:\n{r.stdout[-2000:]}\nstderr:\n{r.stderr[-2000:]}"
+        assert r.returncode == -signal.SIGKILL, where
+        info = json.loads(rec.read_text())
+        assert info["pid"] == pid and info["iter_num"] == kill.iter_num, (info, where)
+        assert info["cut"] == min(info["size"], int(kill.frac * (info["size"] + 1))), info
+        if orphan is not None:           # the previous writer's orphan went at this run's start
+            assert f"removed {orphan}" in r.stdout, where
+            assert not orphan.exists()
+        # the killed writer's temp file is there (with exactly the bytes it got to write), and only it
+        orphan = out / f"ckpt.pt.tmp-{pid}"
+        assert info["tmp"] == str(orphan) and temps(out) == [orphan.name], (temps(out), info)
+        assert orphan.stat().st_size == info["cut"]
+        # the checkpoint from before the interrupted write is intact: unchanged and loadable
+        if kill.survivor is None:
+            assert info["prev_sha256"] is None and not ckpt.exists(), where
+        else:
+            assert info["prev_sha256"] is not None and sha256(ckpt) == info["prev_sha256"], where
+            assert load_checkpoint(str(ckpt))["iter_num"] == kill.survivor
+        if kill.survivor is None:
+            # killed before any checkpoint existed: resume refuses with one line and exit 2 (after
+            # removing the orphan); the next run starts afresh with --overwrite=True
+            r = run_train([*base, "--init_from=resume"])
+            assert r.returncode == 2, r.stderr[-3000:]
+            lines = r.stderr.splitlines()
+            assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+            assert "no checkpoint" in lines[0] and str(ckpt) in lines[0], lines[0]
+            assert f"removed {orphan}" in r.stdout and not orphan.exists() and not ckpt.exists(), r.stdout
+            orphan = None
+
+    # the last resume, unpatched: it removes the last orphan and ends bit-equal to the reference
+    r = ok(run_train([*base, "--init_from=resume"]))
+    assert f"removed {orphan}" in r.stdout and not orphan.exists(), r.stdout[-2000:]
+    assert "done:" in r.stdout and temps(out) == []
+    assert_same_final_state(out, reference)
