@@ -31,7 +31,7 @@ import eval as evaluation
 import flops
 from checkpoint import load_checkpoint, remove_stale_temps, save_checkpoint
 from configurator import ConfigError, UserError, load_config, run_cli
-from model import GPT, GPTConfig, controlled_layer_ids, is_controller_key
+from model import GPT, GPTConfig, controlled_layer_ids, exit_depths, is_controller_key
 
 # ----------------------------------------------------------------------------------------------------
 # defaults (override with a config file and/or --key=value); the quickstart trains on these
@@ -86,6 +86,9 @@ compile = False              # torch.compile(dynamic=False)
 seed = 1337
 eval_seed = 1337             # eval/calibration batches: fixed, so every run of a study sees the same ones
 max_fp16_skips = 50          # stop if this many consecutive fp16 steps overflow
+ddp_timeout = 900            # seconds a DDP process waits for a silent peer before stopping with an error
+overwrite = False            # a fresh run may replace the run already in out_dir (else it refuses)
+verify_data = True           # on resume / from a checkpoint: recompute the data files' sha256 against meta.json
 DEFAULTS = {k: v for k, v in globals().items()
             if not k.startswith('_') and k.islower() and isinstance(v, (int, float, bool, str))}
 for _f in fields(GPTConfig):
@@ -93,7 +96,8 @@ for _f in fields(GPTConfig):
 # fields that define the backbone's weights: a resumed or stage-2 run must agree with its checkpoint
 MODEL_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'pos', 'vocab_size', 'gelu', 'rope_base',
               'route', 'controlled_layers', 'cheap_rank')
-RESUME_KEYS = MODEL_KEYS + ('gate', 'gate_hidden', 'infer_rule', 'jepa_latent', 'jepa_readout')
+RESUME_KEYS = MODEL_KEYS + ('gate', 'gate_hidden', 'infer_rule', 'jepa_latent', 'jepa_readout', 'exit_layers',
+                            'exit_head', 'ens_layers')
 HERE = os.path.dirname(os.path.abspath(__file__))
 # ----------------------------------------------------------------------------------------------------
 
@@ -257,6 +261,32 @@ def model_config(cfg, **override):
         raise TrainError(str(e)) from None
 
 
+RUN_FILES = ('ckpt.pt', 'metrics.jsonl', 'config.json', 'run_info.json')
+
+
+def check_out_dir(cfg):
+    """A fresh run never silently replaces or appends to the run already in out_dir."""
+    if cfg.init_from == 'resume' or cfg.overwrite:
+        return
+    held = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
+    if held:
+        raise TrainError(f"out_dir {cfg.out_dir} already holds a run ({', '.join(held)}); continue it with "
+                         f"--init_from=resume, pick another --out_dir, or replace it with --overwrite=True")
+
+
+def check_data(cfg, meta, ckpt):
+    """Token ids within the vocabulary and, with verify_data, the files' bytes equal to meta.json's
+    sha256 (a same-size corruption or a half-finished re-prepare passes the size check alone)."""
+    if not cfg.verify_data:
+        return
+    prep = load_prepare_module()
+    try:
+        prep.verify_checksums(meta['folder'], meta)
+        prep.check_token_ids(meta['folder'], meta, meta['vocab_size'], "meta.json's vocab_size")
+    except prep.PrepareError as e:
+        raise TrainError(f"{e} (or skip this check with --verify_data=False)") from None
+
+
 def check_against_checkpoint(cfg, meta, ckpt, keys):
     margs = ckpt['model_args']
     for k in keys:
@@ -265,14 +295,48 @@ def check_against_checkpoint(cfg, meta, ckpt, keys):
             continue
         if k == 'controlled_layers':    # compare the layers meant ('auto' is the family's default)
             want, have = (controlled_layer_ids(GPTConfig.from_dict({**margs, 'controlled_layers': v})) for v in (want, have))
+        if k == 'exit_layers' and margs.get('route') == 'exit':
+            want, have = (exit_depths(GPTConfig.from_dict({**margs, 'exit_layers': v})) for v in (want, have))
         if have != want:
             raise TrainError(f"config field '{k}' differs from the checkpoint: checkpoint has "
                              f"{margs.get(k)!r}, config has {getattr(cfg, k)!r}")
-    cmeta = ckpt.get('data_meta', {})
-    for k in ('dataset', 'tokenizer', 'vocab_size'):
-        if k in cmeta and cmeta[k] != meta.get(k):
+    cmeta = ckpt.get('data_meta') or {}
+    for k in ('dataset', 'tokenizer', 'vocab_size', 'source_sha256', 'train_sha256'):
+        if cmeta.get(k) is not None and cmeta[k] != data_identity(meta).get(k):
             raise TrainError(f"data field '{k}' differs from the checkpoint's data: checkpoint has "
-                             f"{cmeta[k]!r}, data/{cfg.dataset} has {meta.get(k)!r}")
+                             f"{cmeta[k]!r}, {meta.get('folder', cfg.dataset)} has {data_identity(meta).get(k)!r}; "
+                             f"use the run's own data (--data_dir/--dataset)")
+
+
+def drop_records_after(path, iter_num):
+    """Keep the metrics records up to the resumed iteration: the steps after it run again."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [l for l in f if l.strip()]
+    keep = [l for l in lines if json.loads(l).get('iter', 0) <= iter_num]
+    if len(keep) < len(lines):
+        with open(path + '.tmp', 'w') as f:
+            f.writelines(keep)
+        os.replace(path + '.tmp', path)
+
+
+def check_state_fits(model, state, source):
+    """The same tensor names and shapes as the model, or one line naming the first differences
+    (a config field this check's key list does not name still changes the model's shape)."""
+    mine = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    theirs = {k: tuple(v.shape) for k, v in state.items()}
+    diff = sorted(set(mine) ^ set(theirs)) + sorted(k for k in set(mine) & set(theirs) if mine[k] != theirs[k])
+    if diff:
+        raise TrainError(f"checkpoint ({source}) does not fit the model this config builds: {diff[:4]} differ; "
+                         f"use the run's original model and routing options")
+
+
+def data_identity(meta):
+    """What a checkpoint records of its data, to recognise it on resume, stage 2 and eval."""
+    out = {k: meta.get(k) for k in ('dataset', 'tokenizer', 'vocab_size', 'source_sha256')}
+    out['train_sha256'] = (meta.get('files') or {}).get('train.bin', {}).get('sha256')
+    return out
 
 
 def build_model(cfg, meta, ckpt):
@@ -287,6 +351,7 @@ def build_model(cfg, meta, ckpt):
                                  f"{ckpt['config'].get(k)!r}, config has {getattr(cfg, k)!r}; resume with the "
                                  f"run's original value")
         model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
+        check_state_fits(model, ckpt['model'], cfg.init_from)
         model.load_state_dict(ckpt['model'])
     elif ckpt is not None:
         # the routing family may change (e.g. a dense backbone under a halting, MoD or ensemble
@@ -387,6 +452,79 @@ def print_routing(r):
         print(f"  full-path fraction for {name:>9} targets: " + ' '.join(f"L{l}:{v:.2f}" for l, v in per_layer.items()))
 
 
+def check_train_config(cfg):
+    """The training loop's own fields, checked before anything is read or written."""
+    if cfg.init_from not in ('scratch', 'resume') and not cfg.init_from.startswith('gpt2') \
+            and not os.path.exists(cfg.init_from):
+        raise TrainError(f"init_from must be scratch, resume, a checkpoint file, gpt2[-medium|-large|-xl] "
+                         f"or a local HF GPT-2 directory; {cfg.init_from!r} is none of these")
+    try:
+        [float(t) for t in str(cfg.lm_thresholds).split(',') if t.strip()]
+    except ValueError:
+        raise TrainError(f"lm_thresholds must be comma-separated numbers such as '2.5,2.0', got {cfg.lm_thresholds!r}") from None
+    at_least = dict(oracle_layers_per_step=1, eval_interval=1, log_interval=1, eval_iters=1, batch_size=1,
+                    block_size=1, gradient_accumulation_steps=1, max_iters=0, calib_iters=1, warmup_iters=0,
+                    lr_decay_iters=0, max_fp16_skips=1, ddp_timeout=1)
+    for key, lo in at_least.items():
+        if getattr(cfg, key) < lo:
+            raise TrainError(f"{key} must be >= {lo}, got {getattr(cfg, key)}")
+    for key in ('learning_rate', 'min_lr', 'weight_decay', 'grad_clip'):
+        if not getattr(cfg, key) >= 0:         # also refuses NaN
+            raise TrainError(f"{key} must be >= 0, got {getattr(cfg, key)}")
+    for key in ('beta1', 'beta2'):
+        if not 0 <= getattr(cfg, key) < 1:
+            raise TrainError(f"{key} must be in [0, 1), got {getattr(cfg, key)}")
+    if not 0 < cfg.avg_lm_until <= 1:
+        raise TrainError(f"avg_lm_until must be in (0, 1], got {cfg.avg_lm_until}")
+    for key in ('out_dir', 'data_dir'):
+        path = getattr(cfg, key)
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise TrainError(f"{key}={path!r} is a file, not a folder; choose a folder")
+    if cfg.device != 'auto':
+        try:
+            torch.device(cfg.device)
+        except RuntimeError:
+            raise TrainError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {cfg.device!r}") from None
+
+
+# Options that only one routing family (or a few) reads. Set on the command line for a family that
+# ignores them, they are a mistake (e.g. --route=halt --gate=jepa); set in a config file that several
+# studies share, they are only noted, since a study's arms switch route on a common base.
+FAMILY_OPTIONS = {
+    ('ffn', 'mod'): ('gate', 'budget', 'controlled_layers', 'infer_rule', 'predictor_weight', 'gate_hidden'),
+    ('ffn',): ('cheap_rank', 'gate_grad', 'jepa_latent', 'jepa_outcome', 'jepa_readout', 'util_weight', 'rank_weight',
+               'rank_kind', 'rank_margin', 'rank_pairs', 'oracle_policy', 'jepa_weight', 'mimic_weight',
+               'oracle_layers_per_step', 'calib_iters'),
+    ('mod',): ('router_bce_weight',),
+    ('halt',): ('halt_lambda', 'halt_tau', 'halt_soft_eval', 'halt_hard'),
+    ('exit',): ('exit_layers', 'exit_head', 'exit_schedule', 'exit_weight', 'exit_rotation', 'exit_conf',
+                'exit_threshold'),
+    ('exit', 'none'): ('layer_dropout',),
+    ('ensemble',): ('ens_router_input', 'ens_mix', 'ens_kl', 'ens_kl_weight'),
+    ('ensemble', 'last_layers'): ('ens_layers',),
+}
+
+
+def check_family_options(cfg, argv):
+    """Refuse another family's option given on the command line with a non-default value; note the
+    ones a config file set (they are recorded in config.json but change nothing)."""
+    given = {a[2:].partition('=')[0] for a in argv if a.startswith('--')}
+    family = 'last_layers' if cfg.trainable == 'last_layers' else cfg.route
+    inert = []
+    for families, keys in FAMILY_OPTIONS.items():
+        if family in families or cfg.route in families:
+            continue
+        for key in keys:
+            if getattr(cfg, key) == DEFAULTS[key]:
+                continue
+            if key in given:
+                raise TrainError(f"--{key} is an option of route={'/'.join(families)}, which route={cfg.route!r} "
+                                 f"does not read; drop it or set --route")
+            inert.append(key)
+    if inert and int(os.environ.get('RANK', 0)) == 0:
+        print(f"note: route={cfg.route} does not read {', '.join(sorted(inert))} (set in a config file)")
+
+
 class StopFlag:
     """First Ctrl-C / SIGTERM: finish the step, checkpoint, exit 0. A second Ctrl-C aborts at once."""
 
@@ -403,24 +541,24 @@ class StopFlag:
 
 def main(argv):
     try:
+        return train(argv)
+    except RuntimeError as e:          # DDP: a peer died, or hung past ddp_timeout, inside a collective
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            raise
+        raise TrainError(f"a DDP process stopped responding ({str(e).splitlines()[0][:160]}); this process "
+                         f"stops too. The last checkpoint is kept: resume with --init_from=resume") from None
+
+
+def train(argv):
+    try:
         cfg_dict = load_config(DEFAULTS, argv)
     except ConfigError as e:
         raise TrainError(str(e)) from None
     cfg = type('Config', (), {})()
     cfg.__dict__.update(cfg_dict)
-    if cfg.init_from not in ('scratch', 'resume') and not cfg.init_from.startswith('gpt2') \
-            and not os.path.exists(cfg.init_from):
-        raise TrainError(f"init_from must be scratch, resume, a checkpoint file, gpt2[-medium|-large|-xl] "
-                         f"or a local HF GPT-2 directory; {cfg.init_from!r} is none of these")
+    check_train_config(cfg)
     model_config(cfg)                           # validates routing fields before any work
-    try:
-        [float(t) for t in str(cfg.lm_thresholds).split(',') if t.strip()]
-    except ValueError:
-        raise TrainError(f"lm_thresholds must be comma-separated numbers such as '2.5,2.0', got {cfg.lm_thresholds!r}") from None
-    if cfg.oracle_layers_per_step < 1:
-        raise TrainError(f"oracle_layers_per_step must be >= 1, got {cfg.oracle_layers_per_step}")
-    if cfg.eval_interval < 1 or cfg.log_interval < 1 or cfg.eval_iters < 1:
-        raise TrainError("eval_interval, log_interval and eval_iters must be >= 1")
+    check_family_options(cfg, argv)
 
     # DDP: torchrun sets RANK / WORLD_SIZE; NCCL on GPU, gloo on CPU
     ddp = int(os.environ.get('RANK', -1)) != -1
@@ -435,19 +573,21 @@ def main(argv):
     if ddp and dev.type == 'cuda':
         dev = torch.device(f'cuda:{local_rank}')
         torch.cuda.set_device(dev)
-    meta = load_dataset_meta(cfg, master)
-
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
+    check_out_dir(cfg)
+    meta = load_dataset_meta(cfg, master)
     if master:                  # temp files of a writer that was killed mid-save (the checkpoint is intact)
         for tmp in remove_stale_temps(ckpt_path):
             print(f"removed {tmp}, left by a checkpoint write that was killed")
     ckpt = None
     if cfg.init_from == 'resume':
         if not os.path.exists(ckpt_path):
-            raise TrainError(f"init_from=resume but there is no checkpoint at {ckpt_path}")
+            raise TrainError(f"init_from=resume but there is no checkpoint at {ckpt_path}; start the run afresh "
+                             f"(with --overwrite=True if {cfg.out_dir} holds its other files)")
         ckpt = load_checkpoint(ckpt_path)
     elif os.path.isfile(cfg.init_from):
         ckpt = load_checkpoint(cfg.init_from)
+    check_data(cfg, meta, ckpt)
     torch.manual_seed(cfg.seed + rank)
     random.seed(cfg.seed + rank)
     np.random.seed(cfg.seed + rank)
@@ -456,7 +596,8 @@ def main(argv):
 
     if ddp:
         from torch.distributed import init_process_group
-        init_process_group(backend='nccl' if dev.type == 'cuda' else 'gloo')
+        from datetime import timedelta     # a silent (hung, stopped) peer ends the run instead of blocking it
+        init_process_group(backend='nccl' if dev.type == 'cuda' else 'gloo', timeout=timedelta(seconds=cfg.ddp_timeout))
     if dev.type == 'cuda':
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -511,6 +652,12 @@ def main(argv):
             json.dump(cfg_dict, f, indent=2)
         with open(os.path.join(cfg.out_dir, 'run_info.json'), 'w') as f:
             json.dump(run_info(cfg, dev, dt, world), f, indent=2)
+        if cfg.init_from != 'resume':      # --overwrite: the old run goes only now that every check has passed
+            for name in ('ckpt.pt', 'metrics.jsonl'):
+                if os.path.exists(os.path.join(cfg.out_dir, name)):
+                    os.remove(os.path.join(cfg.out_dir, name))
+        else:                              # records a killed run logged after its last checkpoint are redone
+            drop_records_after(os.path.join(cfg.out_dir, 'metrics.jsonl'), iter_num)
         metrics_f = open(os.path.join(cfg.out_dir, 'metrics.jsonl'), 'a')
         n_params = raw_model.get_num_params()
         n_trainable = sum(p.numel() for p in {id(p): p for p in params}.values())    # tied weights once
@@ -539,18 +686,21 @@ def main(argv):
             return {split: evaluation.evaluate(raw_model, [batches.fetch(s) for s in starts_list], autocast)
                     for split, (batches, starts_list) in eval_sets.items()}
 
+    def kept():
+        return (f"the last good checkpoint {ckpt_path} is left untouched" if os.path.exists(ckpt_path)
+                else "no checkpoint was saved yet")
+
     def checkpoint():
         for p in raw_model.parameters():       # never overwrite a good checkpoint with a broken model
             if not torch.isfinite(p).all():
-                raise TrainError(f"non-finite weights at iteration {iter_num}; the last good checkpoint "
-                                 f"{ckpt_path} is left untouched")
+                raise TrainError(f"non-finite weights at iteration {iter_num}; {kept()}")
         save_checkpoint(ckpt_path, dict(
             model=raw_model.state_dict(), optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
             model_args=asdict(raw_model.config), iter_num=iter_num, best_val_loss=best_val, config=cfg_dict,
             history=history, flops_state=flops_state,
             rng=rng_state(), sampler=dict(kind='epoch-permutation', seed=cfg.seed, next_iter=iter_num,
                                           micro_batches_per_iter=cfg.gradient_accumulation_steps),
-            data_meta={k: meta.get(k) for k in ('dataset', 'tokenizer', 'vocab_size', 'source_sha256')}))
+            data_meta=data_identity(meta)))
 
     stop = StopFlag()
     seqs_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size
@@ -568,6 +718,7 @@ def main(argv):
     t_last, it_last = time.time(), iter_num
     t_run = time.time() - flops_state['wall_s']
     start_iter = iter_num
+    stopped = False                   # by a signal to this process or, under DDP, to any process
     while True:
         evaluated_already = init_state is not None and iter_num == start_iter   # the resumed run logged it
         if (iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters or cfg.eval_only) and not evaluated_already:
@@ -575,8 +726,7 @@ def main(argv):
                 res = estimate_loss()
                 if not all(math.isfinite(res[s]['loss']) for s in res):
                     raise TrainError(f"eval loss is not finite at iteration {iter_num} (train {res['train']['loss']}, "
-                                     f"val {res['val']['loss']}); stopping. The last good checkpoint ({ckpt_path}) is "
-                                     f"left untouched. Try a lower learning_rate or grad_clip.")
+                                     f"val {res['val']['loss']}); stopping; {kept()}. Try a lower learning_rate or grad_clip.")
                 best_val = min(best_val, res['val']['loss'])
                 frac = res['val']['full_frac']
                 print(f"iter {iter_num}: train loss {res['train']['loss']:.4f}, val loss {res['val']['loss']:.4f}"
@@ -649,8 +799,8 @@ def main(argv):
             consecutive_skips = consecutive_skips + (n_skipped - last_skipped) if n_skipped > last_skipped else 0
             last_skipped = n_skipped
             if not math.isfinite(lossf) and not scaler.is_enabled():
-                raise TrainError(f"loss is {lossf} at iteration {iter_num}; stopping. The last good checkpoint "
-                                 f"({ckpt_path}) is left untouched. Try a lower learning_rate or grad_clip.")
+                raise TrainError(f"loss is {lossf} at iteration {iter_num}; stopping; {kept()}. "
+                                 f"Try a lower learning_rate or grad_clip.")
             if scaler.is_enabled() and consecutive_skips >= cfg.max_fp16_skips:
                 raise TrainError(f"{consecutive_skips} consecutive fp16 overflow steps by iteration {iter_num}; "
                                  f"stopping. Try dtype=bfloat16/float32 or a lower learning_rate.")
@@ -687,6 +837,7 @@ def main(argv):
         else:
             stop_now = stop.signum is not None and not ddp
         if stop_now:
+            stopped = True
             if master:
                 checkpoint()
                 print(f"stopped by signal at iteration {iter_num}; checkpoint saved to {ckpt_path}.\n"
@@ -700,7 +851,7 @@ def main(argv):
                        trainable_params=sum(p.numel() for p in {id(p): p for p in params}.values()),
                        flops_proxy=flops_state['proxy_num'] / max(1.0, flops_state['dense']),
                        train_flops=flops_state['exact'])
-        if not cfg.eval_only and stop.signum is None and mcfg.route != 'none':
+        if not cfg.eval_only and not stopped and mcfg.route != 'none':
             with eval_rng():
                 summary['routing'] = evaluation.report(raw_model, train_data, val_data, meta, cfg.eval_iters,
                                                        cfg.calib_iters, autocast, cfg.eval_seed)
@@ -713,10 +864,11 @@ def main(argv):
                 summary[key] = flops.forward_flops(mcfg, cfg.block_size, 'sparse', full_frac=frac) / dense_fwd
         log(summary)
         metrics_f.close()
-        if stop.signum is None:
+        if not stopped:
+            written = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
             print(f"done: {iter_num} iterations, best val loss {best_val:.4f}. Outputs in {cfg.out_dir}/ "
-                  f"(ckpt.pt, metrics.jsonl, config.json, run_info.json).\n"
-                  f"sample with: python sample.py --out_dir={cfg.out_dir}")
+                  f"({', '.join(written)})."
+                  + (f"\nsample with: python sample.py --out_dir={cfg.out_dir}" if 'ckpt.pt' in written else ''))
     if ddp:                     # rank 0 may still be writing its summary: leave together, or a rank
         torch.distributed.barrier()            # tearing gloo down early can abort the others
         torch.distributed.destroy_process_group()

@@ -333,6 +333,70 @@ def test_ddp_matches_single_process_with_oracle_losses(ddp_runs, synth, tmp_path
         torch.testing.assert_close(cd["model"][k], cs["model"][k], rtol=1e-5, atol=1e-6, msg=k)
 
 
+PID_WRAPPER = """\
+import os, runpy, sys
+sys.path.insert(0, {repo!r})
+with open(os.path.join({tmp!r}, 'pid' + os.environ['RANK']), 'w') as f:
+    f.write(str(os.getpid()))
+sys.argv = ['train.py'] + sys.argv[1:]
+runpy.run_path(os.path.join({repo!r}, 'train.py'), run_name='__main__')
+"""
+
+
+def start_ddp_and_wait_for_training(synth, tmp, extra):
+    """torchrun with 2 processes, each writing its pid to tmp/pid<rank>; returns (proc, out, pids) once
+    a train line is logged."""
+    wrapper = tmp / "pid_wrapper.py"
+    wrapper.write_text(PID_WRAPPER.format(repo=str(REPO), tmp=str(tmp)))
+    out = tmp / "out"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.Popen([*torchrun, str(wrapper), *TINY, *data_args(synth), "--gradient_accumulation_steps=2",
+                             "--max_iters=1000000", "--eval_interval=1000000", f"--out_dir={out}", *extra],
+                            cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "metrics.jsonl").exists() and '"type": "train"' in (out / "metrics.jsonl").read_text():
+            break
+        time.sleep(0.1)
+    if proc.poll() is not None:
+        r = finish(proc)
+        pytest.skip(f"torchrun/gloo did not start 2 CPU processes here: {r.stderr[-500:]}")
+    pids = {rank: int((tmp / f"pid{rank}").read_text()) for rank in (0, 1)}
+    return proc, out, pids
+
+
+@pytest.mark.slow
+def test_ddp_signal_to_one_worker_stops_all_with_one_message(synth, tmp_path):
+    """SIGTERM to rank 1 only: every rank stops at a common iteration, rank 0 saves and prints the
+    resume command, and nothing claims the run is done."""
+    proc, out, pids = start_ddp_and_wait_for_training(synth, tmp_path, [])
+    os.kill(pids[1], signal.SIGTERM)
+    r = finish(proc, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("stopped by signal") == 1 and "done:" not in r.stdout, r.stdout[-2000:]
+    assert load_ckpt(out)["iter_num"] > 0
+
+
+@pytest.mark.slow
+def test_ddp_hung_worker_times_out_with_an_error(synth, tmp_path):
+    """A stopped (hung) rank: the other gives up after ddp_timeout with one error line, instead of
+    waiting forever."""
+    proc, out, pids = start_ddp_and_wait_for_training(synth, tmp_path, ["--ddp_timeout=5"])
+    os.kill(pids[1], signal.SIGSTOP)
+    t0 = time.time()
+    try:
+        r = finish(proc, timeout=150)
+    finally:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pids[1], sig)
+            except ProcessLookupError:
+                pass
+    assert r.returncode != 0
+    assert "error: a DDP process stopped responding" in r.stderr, r.stderr[-3000:]
+    assert time.time() - t0 < 140
+
+
 # ----------------------------------------------------------------------------------------------------
 # 3. the sampler
 
@@ -642,6 +706,55 @@ def test_nonfinite_loss_from_scratch(nan_runs):
     assert r.returncode == 2 and re.search(r"error: .*iteration \d+", r.stderr), r.stderr
     assert "Traceback" not in r.stderr
     assert not (run.out / "ckpt.pt").exists()   # no eval happened after iteration 0: nothing to save
+    assert "no checkpoint was saved yet" in r.stderr and "left untouched" not in r.stderr
+
+
+def test_overwrite_replaces_the_old_run(base_run, synth, tmp_path):
+    """--overwrite=True: a fresh run into a used out_dir starts a new metrics.jsonl and checkpoint."""
+    out = copy_run(base_run, tmp_path)
+    ok(run_train([*TINY, *data_args(synth), f"--out_dir={out}", "--max_iters=2", "--eval_interval=2",
+                  "--overwrite=True"]))
+    recs = read_metrics(out)
+    assert [r["iter"] for r in recs if r["type"] == "eval"] == [0, 2]      # none of the old run's evals
+    assert load_ckpt(out)["iter_num"] == 2
+
+
+def test_max_iters_0_names_only_files_written(synth, tmp_path):
+    r = ok(run_train([*TINY, *data_args(synth), f"--out_dir={tmp_path / 'o'}", "--max_iters=0"]))
+    done = next(l for l in r.stdout.splitlines() if l.startswith("done:"))
+    assert "ckpt.pt" not in done and not (tmp_path / "o" / "ckpt.pt").exists()
+    assert "metrics.jsonl" in done
+
+
+def test_family_options_from_a_config_file_are_noted_not_refused(synth, tmp_path):
+    """A study's shared base file may set options of the family other arms use: noted, not an error."""
+    cfg = tmp_path / "base.py"
+    cfg.write_text("gate = 'jepa'\nbudget = 0.25\n")
+    r = ok(run_train([str(cfg), *TINY, *data_args(synth), f"--out_dir={tmp_path / 'o'}", "--route=halt",
+                      "--max_iters=1", "--eval_interval=1"]))
+    assert "note: route=halt does not read budget, gate" in r.stdout
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused(synth, tmp_path):
+    """A meta.json whose vocab_size is below the ids in the files: one error before training."""
+    data = tmp_path / "syn"
+    shutil.copytree(synth, data)
+    meta = json.loads((data / "meta.json").read_text())
+    meta["vocab_size"] = 20
+    (data / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(train.TrainError, match="vocab"):
+        train.main([*TINY, f"--data_dir={tmp_path}", "--dataset=syn", f"--out_dir={tmp_path / 'o'}"])
+    assert not (tmp_path / "o").exists()
+
+
+def test_same_size_corrupted_data_is_refused(synth, tmp_path):
+    data = tmp_path / "syn"
+    shutil.copytree(synth, data)
+    raw = bytearray((data / "train.bin").read_bytes())
+    raw[100:104] = b"\xff\xff\xff\xff"
+    (data / "train.bin").write_bytes(bytes(raw))
+    with pytest.raises(train.TrainError, match="train.bin"):
+        train.main([*TINY, f"--data_dir={tmp_path}", "--dataset=syn", f"--out_dir={tmp_path / 'o'}"])
 
 
 def test_nonfinite_eval_does_not_overwrite_checkpoint(nan_runs, synth):
@@ -669,11 +782,47 @@ def bad_input_cases(synth, text_data, base_copy):
         "resume_changed_trainable": ([*TINY, *d, "--init_from=resume", "--trainable=controller",
                                       f"--out_dir={base_copy}"], "trainable"),
         "bad_lm_thresholds": ([*TINY, *d, "--lm_thresholds=2.5;2.0"], "lm_thresholds"),
+        # a fresh run never replaces or appends to the run already in out_dir
+        "fresh_over_existing_run": ([*TINY, *d, f"--out_dir={base_copy}"], ("already holds a run", "--overwrite")),
+        # the same tokenizer and vocabulary, other data: recognised by its sha256
+        "resume_same_vocab_other_data": ([*TINY, f"--data_dir={synth.parent}", "--dataset=syn_other",
+                                          "--init_from=resume", f"--out_dir={base_copy}"], "sha256"),
+        "stage2_same_vocab_other_data": ([*TINY, f"--data_dir={synth.parent}", "--dataset=syn_other",
+                                          f"--init_from={base_copy / 'ckpt.pt'}"], "sha256"),
+        "resume_changed_cheap_rank": ([*TINY, *d, "--init_from=resume", "--cheap_rank=8", f"--out_dir={base_copy}"],
+                                      "cheap_rank"),
+        # numeric fields, each refused before anything is written
+        "n_head_0": ([*TINY, *d, "--n_head=0"], "n_head"),
+        "block_size_0": ([*TINY, *d, "--block_size=0"], "block_size"),
+        "batch_size_0": ([*TINY, *d, "--batch_size=0"], "batch_size"),
+        "accumulation_0": ([*TINY, *d, "--gradient_accumulation_steps=0"], "gradient_accumulation_steps"),
+        "negative_lr": ([*TINY, *d, "--learning_rate=-1e-3"], "learning_rate"),
+        "dropout_above_1": ([*TINY, *d, "--dropout=1.5"], "dropout"),
+        "negative_max_iters": ([*TINY, *d, "--max_iters=-1"], "max_iters"),
+        "bogus_device": ([*TINY, *d, "--device=bogus"], "device"),
+        "out_dir_is_a_file": ([*TINY, *d, f"--out_dir={synth / 'meta.json'}"], "out_dir"),
+        "data_dir_is_a_file": ([*TINY, f"--data_dir={synth / 'meta.json'}", "--dataset=syn"], "data_dir"),
+        # options of another routing family, given on the command line
+        "halt_with_gate": ([*TINY, *d, "--route=halt", "--gate=jepa"], ("--gate", "route=halt")),
+        "exit_with_gate": ([*TINY, *d, "--route=exit", "--gate=jepa"], ("--gate", "route=exit")),
+        "halt_with_jepa_weight": ([*TINY, *d, "--route=halt", "--jepa_weight=5"], "--jepa_weight"),
     }
 
 
 CASES = ["unknown_dataset", "unknown_key", "wrong_type", "float16_on_cpu", "bad_init_from", "resume_no_ckpt",
-         "resume_changed_model", "resume_other_data", "resume_changed_trainable", "bad_lm_thresholds"]
+         "resume_changed_model", "resume_other_data", "resume_changed_trainable", "bad_lm_thresholds",
+         "fresh_over_existing_run", "resume_same_vocab_other_data", "stage2_same_vocab_other_data",
+         "resume_changed_cheap_rank", "n_head_0", "block_size_0", "batch_size_0", "accumulation_0", "negative_lr",
+         "dropout_above_1", "negative_max_iters", "bogus_device", "out_dir_is_a_file", "data_dir_is_a_file",
+         "halt_with_gate", "exit_with_gate", "halt_with_jepa_weight"]
+
+
+@pytest.fixture(scope="session")
+def synth_other(synth):
+    """Another synthetic corpus beside `synth`: the same tokenizer and vocabulary, other tokens."""
+    folder = synth.parent / "syn_other"
+    P.prepare("synthetic", out_dir=folder, num_tokens=60000, seed=7)
+    return folder
 
 
 def bad_case(case, synth, text_data, base_run, tmp_path):
@@ -688,7 +837,7 @@ def bad_case(case, synth, text_data, base_run, tmp_path):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_bad_input_in_process(case, synth, text_data, base_run, tmp_path):
+def test_bad_input_in_process(case, synth, synth_other, text_data, base_run, tmp_path):
     args, needles, fresh, base_copy, before = bad_case(case, synth, text_data, base_run, tmp_path)
     with pytest.raises(train.TrainError) as e:
         train.main(args)
@@ -700,8 +849,8 @@ def test_bad_input_in_process(case, synth, text_data, base_run, tmp_path):
     assert snapshot(base_copy) == before
 
 
-@pytest.mark.parametrize("case", ["unknown_key", "resume_other_data"])
-def test_bad_input_cli_exit_code(case, synth, text_data, base_run, tmp_path):
+@pytest.mark.parametrize("case", ["unknown_key", "resume_other_data", "fresh_over_existing_run", "n_head_0"])
+def test_bad_input_cli_exit_code(case, synth, synth_other, text_data, base_run, tmp_path):
     args, needles, fresh, base_copy, before = bad_case(case, synth, text_data, base_run, tmp_path)
     r = run_train(args)
     assert r.returncode == 2
@@ -765,3 +914,20 @@ def test_lr_schedule(lr, frac, warmup, span, lr_decay_iters):
     assert lrs[decay] == min_lr and all(v == min_lr for v in lrs[decay:])
     off = SimpleNamespace(**{**vars(cfg), "decay_lr": False})
     assert all(train.lr_at(off, it) == lr for it in (0, warmup, decay, decay + 100))
+
+
+@pytest.mark.parametrize("route,field,old,new", [("exit", "exit_layers", "1,2", "2,3"), ("exit", "exit_head", "own", "shared"),
+                                                 ("ensemble", "ens_layers", 2, 3)])
+def test_resume_refuses_changed_exit_and_ensemble_fields(route, field, old, new):
+    shape = dict(n_layer=4, n_embd=32, n_head=2, **({'exit_head': 'own'} if field == 'exit_layers' else {}))
+    """Fields that change the model's parameters are compared with the checkpoint by name, and any
+    other shape difference is caught by comparing the state dicts, not by load_state_dict's traceback."""
+    from dataclasses import asdict
+    margs = asdict(GPTConfig(route=route, **shape, **{field: old}))
+    ck = dict(model_args=margs, data_meta={}, config={})
+    cfg = SimpleNamespace(**{**train.DEFAULTS, **margs, field: new})
+    with pytest.raises(train.TrainError, match=field):
+        train.check_against_checkpoint(cfg, {}, ck, train.RESUME_KEYS)
+    model = GPT(GPTConfig(route=route, **shape, **{field: new}))
+    with pytest.raises(train.TrainError, match="does not fit"):
+        train.check_state_fits(model, GPT(GPTConfig.from_dict(margs)).state_dict(), "ckpt.pt")
