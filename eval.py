@@ -313,6 +313,7 @@ def main(argv):
         cfg.data_dir = args['data_dir'] or cfg.data_dir
         meta = train.load_dataset_meta(cfg, master=True)
         train.check_against_checkpoint(cfg, meta, ck, ())      # the data must be the run's (names the field)
+        train.check_data(cfg, meta, ck)                        # and intact: sha256 and token ids
         model = GPT(GPTConfig.from_dict(ck['model_args']))
         model.load_state_dict(ck['model'])
         model.to(dev)
