@@ -9,7 +9,7 @@ bench_steps / bench_warmup / decode_tokens / decode_batches. Random tokens, so n
 Reports medians over bench_steps timed repeats after bench_warmup untimed ones; with --json prints
 exactly one JSON object.
 
-Routed vs dense (issue 5's table): with --budgets=1.0,0.75,0.5,0.25,0.125 the config's routed model
+Routed vs dense: with --budgets=1.0,0.75,0.5,0.25,0.125 the config's routed model
 (route=ffn or mod) is timed at each budget beside the dense model of the same shape, in eval mode:
 prefill of each --prefill_shapes BxT (last-position logits, as generation's prefill) and KV-cached
 decode at each --decode_batches (decode alone: the prefill's time is subtracted). Per row: measured
@@ -27,13 +27,14 @@ import json
 import os
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 
 import flops
 import train
 from configurator import ConfigError, load_config, run_cli
-from eval import cli_device
+from device import autocast_context, cli_device, resolve_device_dtype
 from model import GPT
 
 BENCH_DEFAULTS = dict(bench_steps=10, bench_warmup=3, decode_tokens=32, decode_batches='1,8',
@@ -92,8 +93,8 @@ def timed(fn, steps, warmup, dev):
 
 
 def bench(cfg):
-    dev, dt = train.resolve_device_dtype(type('C', (), cfg)())
-    autocast = train.autocast_context(dev, dt)
+    dev, dt = resolve_device_dtype(SimpleNamespace(**cfg))
+    autocast = autocast_context(dev, dt)
     if dev.type == 'cuda':
         torch.backends.cuda.matmul.allow_tf32 = True
     torch.manual_seed(cfg['seed'])
@@ -101,7 +102,7 @@ def bench(cfg):
     if not vocab:          # the dataset's vocabulary if it is prepared, else GPT-2's (padded)
         meta_path = os.path.join(cfg['data_dir'] or os.path.join(train.HERE, 'data'), cfg['dataset'], 'meta.json')
         vocab = json.load(open(meta_path))['vocab_size'] if os.path.exists(meta_path) else 50304
-    mcfg = train.model_config(type('C', (), cfg)(), vocab_size=vocab)
+    mcfg = train.model_config(SimpleNamespace(**cfg), vocab_size=vocab)
     model = GPT(mcfg).to(dev)
     B, T = cfg['batch_size'], cfg['block_size']
     x = torch.randint(0, mcfg.vocab_size, (B, T), device=dev)
@@ -179,9 +180,9 @@ def profile_breakdown(fn):
 
 def bench_routed(cfg):
     """The routed-vs-dense table (see the module docstring)."""
-    dev, dt = train.resolve_device_dtype(type('C', (), cfg)())
-    autocast = train.autocast_context(dev, dt)
-    base = train.model_config(type('C', (), cfg)(), vocab_size=cfg['vocab_size'] or 50304)
+    dev, dt = resolve_device_dtype(SimpleNamespace(**cfg))
+    autocast = autocast_context(dev, dt)
+    base = train.model_config(SimpleNamespace(**cfg), vocab_size=cfg['vocab_size'] or 50304)
     if base.route not in ('ffn', 'mod'):
         raise train.TrainError(f"--budgets times route='ffn' or 'mod' against dense; this config has route={base.route!r}")
     from dataclasses import replace

@@ -2,7 +2,7 @@
 Checkpoint files: atomic writes that never lose the previous checkpoint, and reads that turn a
 missing, truncated or foreign file into one clear error instead of a torch traceback.
 
-    from checkpoint import save_checkpoint, load_checkpoint
+    from checkpoint import save_checkpoint, load_checkpoint, load_model
 """
 import glob
 import os
@@ -10,6 +10,7 @@ import os
 import torch
 
 from configurator import UserError
+from model import GPT, GPTConfig
 
 
 class CheckpointError(UserError):
@@ -87,3 +88,10 @@ def load_checkpoint(path, map_location='cpu'):
     if missing:
         raise CheckpointError(f"{path} is not a nanodepth checkpoint (no {', '.join(missing)})")
     return ckpt
+
+
+def load_model(ckpt, device):
+    """The model a loaded checkpoint holds (built from its model_args, its weights loaded) on device."""
+    model = GPT(GPTConfig.from_dict(ckpt['model_args']))
+    model.load_state_dict(ckpt['model'])
+    return model.to(device)

@@ -67,6 +67,26 @@ def parse_value(text):
         return text        # a bare word such as --dataset=synthetic
 
 
+def declared_defaults(path):
+    """The config keys a script declares nanoGPT-style, as module-level literal assignments
+    (`batch_size = 16`: lower-case names, int/float/bool/str values), read from its source without
+    importing it, so that a module below train.py (flops.py, eval.py) can take train.py's keys."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    out = {}
+    for node in tree.body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            continue
+        key = node.targets[0].id
+        try:
+            value = ast.literal_eval(node.value)
+        except ValueError:           # computed, not declared
+            continue
+        if not key.startswith('_') and key.islower() and isinstance(value, (int, float, bool, str)):
+            out[key] = value
+    return out
+
+
 def load_config(defaults, argv):
     """Return a new dict: `defaults` updated by the config files and --key=value items of argv."""
     config = dict(defaults)

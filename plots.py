@@ -22,16 +22,14 @@ the layout sweep.py writes). sweep.py calls write_plots after its summary (--no_
                     under causal eval-mode routing on validation ('val_full_frac' of evals, dots).
 
 matplotlib is optional: without it write_plots prints one line saying the plots were skipped and how
-to install it, and returns []. The data helpers (find_runs, seed_band, pareto_front, arm_points)
-need only numpy.
+to install it, and returns []. The data helpers (read_metrics, run_metrics, find_runs, seed_band,
+pareto_front, arm_points) need only numpy; sweep.py takes its per-run numbers from run_metrics.
 """
 import json
 import os
 import sys
 
 import numpy as np
-
-import sweep
 
 SKIPPED = "plots skipped: matplotlib is not installed (pip install matplotlib)"
 
@@ -49,6 +47,59 @@ def pyplot():
 
 # ----------------------------------------------------------------------------------------------------
 # data
+
+def read_metrics(out_dir):
+    path = os.path.join(out_dir, 'metrics.jsonl')
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run_metrics(out_dir):
+    """The numbers one run contributes to sweep.py's summary (and to the Pareto plots)."""
+    recs = read_metrics(out_dir)
+    summ = next((r for r in reversed(recs) if r.get('type') == 'summary'), {})
+    evals = [r for r in recs if r.get('type') == 'eval']
+    train = [r for r in recs if r.get('type') == 'train']
+    out = {k: summ.get(k) for k in ('avg_lm', 'best_val_lm', 'flops_proxy', 'eval_flops_vs_dense', 'wall_s')}
+    out.update({k: v for k, v in summ.items() if k.startswith('hit_')})
+    out['final_val_loss'] = evals[-1]['val_loss'] if evals else None
+    lm = train_lm_curve(recs)
+    out['final_train_lm'] = lm[-1][1] if lm else None
+    out['tlops_saved'] = last_value(recs, 'tlops_saved')
+    norms = [r['ctrl_grad_norm'] for r in train if r.get('ctrl_grad_norm') is not None]
+    out['ctrl_grad_norm'] = float(np.mean(norms)) if norms else None
+    routing = summ.get('routing') or {}
+    if routing:
+        out['causal_val_loss'] = routing['val_loss']['loss']
+        frac = routing['val_loss'].get('full_frac')
+        out['realised_full_frac'] = float(np.mean(frac)) if frac else None
+        out['eval_tlops_saved'] = routing['val_loss'].get('tlops_saved')   # under eval (hard) routing
+    try:                                # a dense run is the reference point of the FLOPs/TLOps axes
+        with open(os.path.join(out_dir, 'config.json')) as f:
+            if json.load(f).get('route') == 'none' and summ:
+                out['eval_flops_vs_dense'], out['eval_tlops_saved'] = 1.0, 0.0
+    except FileNotFoundError:
+        pass
+    try:
+        with open(os.path.join(out_dir, 'run_info.json')) as f:
+            info = json.load(f)
+        out['code'] = f"{(info.get('git_sha') or 'unknown')[:10]}{'+dirty' if info.get('git_dirty') else ''}"
+    except FileNotFoundError:
+        out['code'] = 'unknown'
+    return out
+
+
+def last_value(recs, key):
+    """The last non-None value of key in any record, or None."""
+    return next((r[key] for r in reversed(recs) if r.get(key) is not None), None)
+
+
+def train_lm_curve(recs):
+    """[(iter, train LM loss)] of the 'train' records."""
+    return [(r['iter'], r['lm_loss']) for r in recs if r.get('type') == 'train' and r.get('lm_loss') is not None]
+
 
 def find_runs(root, arms=None):
     """{arm: {seed: out_dir}} for every root/<arm>/seed<s>/ holding a metrics.jsonl. Arms in the given
@@ -78,7 +129,7 @@ def curve(recs, kind, key):
 def seed_band(dirs, kind, key):
     """(iters, mean, lo, hi) over the seeds of one arm at the iterations every seed logged; for per-layer
     lists the last three have a layer axis. None when no seed logged key."""
-    curves = [c for c in (curve(sweep.read_metrics(d), kind, key) for d in dirs.values()) if c]
+    curves = [c for c in (curve(read_metrics(d), kind, key) for d in dirs.values()) if c]
     iters = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
     if not iters:
         return None
@@ -87,11 +138,11 @@ def seed_band(dirs, kind, key):
 
 
 def arm_points(runs, xkey, ykey='final_val_loss'):
-    """{arm: (x mean, x std, y mean, y std)} over the seeds where both of sweep.run_metrics' xkey and
+    """{arm: (x mean, x std, y mean, y std)} over the seeds where both of run_metrics' xkey and
     ykey are present; arms with none are left out."""
     points = {}
     for arm, dirs in runs.items():
-        ms = [sweep.run_metrics(d) for d in dirs.values()]
+        ms = [run_metrics(d) for d in dirs.values()]
         pairs = [(m[xkey], m[ykey]) for m in ms if m.get(xkey) is not None and m.get(ykey) is not None]
         if pairs:
             x, y = np.array(pairs, dtype=float).T

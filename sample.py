@@ -13,57 +13,18 @@ vocabulary. Only the tokenizer's real ids are sampled, never the padding of the 
 """
 import json
 import os
-import sys
 import time
 
 import torch
 
-from checkpoint import load_checkpoint
+from checkpoint import load_checkpoint, load_model
 from configurator import ConfigError, load_config, run_cli
-from eval import cli_device
-from model import GPT, GPTConfig
+from data.loader import load_tokenizer
+from device import cli_device
 
 DEFAULTS = dict(out_dir='out/quickstart', start='\n', num_samples=3, max_new_tokens=200, temperature=0.8,
                 top_k=200, seed=1337, device='auto', use_cache=True, data_dir='', prompts_file='')
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def load_tokenizer(meta):
-    """(encode, decode) for the tokenizer named in a dataset's meta.json. encode(text, where) refuses
-    characters outside a char or synthetic vocabulary with a ConfigError naming `where` (e.g. '--start')."""
-    tok = meta.get('tokenizer')
-    if tok == 'gpt2':
-        sys.path.insert(0, os.path.join(HERE, 'data'))
-        from prepare import ensure_tiktoken_cache
-        import tiktoken
-        ensure_tiktoken_cache()
-        enc = tiktoken.get_encoding('gpt2')
-        return (lambda s, where='': enc.encode(s, allowed_special={'<|endoftext|>'})), enc.decode
-    if tok == 'byte':
-        return (lambda s, where='': list(s.encode('utf-8'))), (lambda ids: bytes(ids).decode('utf-8', errors='replace'))
-    itos = meta['chars'] if tok == 'char' else meta['itos']
-    stoi = {s: i for i, s in enumerate(itos)}
-    syms = sorted(stoi, key=len, reverse=True)     # synthetic symbols may be multi-character: longest match
-    listing = repr(''.join(itos)) if tok == 'char' else ' '.join(itos)
-    has = (f"the {tok} vocabulary has {len(itos)} {'characters' if tok == 'char' else 'symbols'}: "
-           f"{listing if len(listing) <= 100 else listing[:100] + '...'}")
-
-    def encode(s, where='the prompt'):
-        out, unknown, i = [], [], 0
-        while i < len(s):
-            m = next((t for t in syms if s.startswith(t, i)), None)
-            if m is None:
-                unknown.append(s[i])
-                i += 1
-                continue
-            out.append(stoi[m])
-            i += len(m)
-        if unknown:
-            unknown = list(dict.fromkeys(unknown))
-            shown = ', '.join(map(repr, unknown[:5])) + (f' and {len(unknown) - 5} more' if len(unknown) > 5 else '')
-            raise ConfigError(f"{where} has characters outside the vocabulary: {shown} ({has}); use only those")
-        return out
-    return encode, (lambda ids: ''.join(itos[i] for i in ids))
 
 
 def encode_prompt(encode, text, where):
@@ -115,9 +76,7 @@ def main(argv):
             start = '|'                # no newline symbol there; '|' ends a segment, so a fresh one follows
         ids = encode_prompt(encode, start, '--start')
         x = torch.tensor(ids, dtype=torch.long, device=dev)[None].repeat(cfg['num_samples'], 1)
-    model = GPT(GPTConfig.from_dict(margs))
-    model.load_state_dict(ckpt['model'])
-    model.eval().to(dev)
+    model = load_model(ckpt, dev).eval()
     torch.manual_seed(cfg['seed'])
     stats = {}
     t0 = time.time()

@@ -43,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from configurator import ConfigError, run_cli
+from plots import read_metrics, run_metrics, train_lm_curve, write_plots
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(HERE, 'train.py')
@@ -84,14 +85,6 @@ def load_study(path):
     return ns
 
 
-def read_metrics(out_dir):
-    path = os.path.join(out_dir, 'metrics.jsonl')
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def finished(out_dir):
     recs = read_metrics(out_dir)
     cfg_path = os.path.join(out_dir, 'config.json')
@@ -114,51 +107,6 @@ def run_one(argv, out_dir, log_path):
     with open(log_path, 'a') as log:
         code = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, cwd=HERE).returncode
     return out_dir, code
-
-
-def run_metrics(out_dir):
-    """The numbers one run contributes to the summary."""
-    recs = read_metrics(out_dir)
-    summ = next((r for r in reversed(recs) if r.get('type') == 'summary'), {})
-    evals = [r for r in recs if r.get('type') == 'eval']
-    train = [r for r in recs if r.get('type') == 'train']
-    out = {k: summ.get(k) for k in ('avg_lm', 'best_val_lm', 'flops_proxy', 'eval_flops_vs_dense', 'wall_s')}
-    out.update({k: v for k, v in summ.items() if k.startswith('hit_')})
-    out['final_val_loss'] = evals[-1]['val_loss'] if evals else None
-    lm = train_lm_curve(recs)
-    out['final_train_lm'] = lm[-1][1] if lm else None
-    out['tlops_saved'] = last_value(recs, 'tlops_saved')
-    norms = [r['ctrl_grad_norm'] for r in train if r.get('ctrl_grad_norm') is not None]
-    out['ctrl_grad_norm'] = float(np.mean(norms)) if norms else None
-    routing = summ.get('routing') or {}
-    if routing:
-        out['causal_val_loss'] = routing['val_loss']['loss']
-        frac = routing['val_loss'].get('full_frac')
-        out['realised_full_frac'] = float(np.mean(frac)) if frac else None
-        out['eval_tlops_saved'] = routing['val_loss'].get('tlops_saved')   # under eval (hard) routing
-    try:                                # a dense run is the reference point of the FLOPs/TLOps axes
-        with open(os.path.join(out_dir, 'config.json')) as f:
-            if json.load(f).get('route') == 'none' and summ:
-                out['eval_flops_vs_dense'], out['eval_tlops_saved'] = 1.0, 0.0
-    except FileNotFoundError:
-        pass
-    try:
-        with open(os.path.join(out_dir, 'run_info.json')) as f:
-            info = json.load(f)
-        out['code'] = f"{(info.get('git_sha') or 'unknown')[:10]}{'+dirty' if info.get('git_dirty') else ''}"
-    except FileNotFoundError:
-        out['code'] = 'unknown'
-    return out
-
-
-def last_value(recs, key):
-    """The last non-None value of key in any record, or None."""
-    return next((r[key] for r in reversed(recs) if r.get(key) is not None), None)
-
-
-def train_lm_curve(recs):
-    """[(iter, train LM loss)] of the 'train' records."""
-    return [(r['iter'], r['lm_loss']) for r in recs if r.get('type') == 'train' and r.get('lm_loss') is not None]
 
 
 def lm_threshold(study, results):
@@ -301,8 +249,7 @@ def main(argv):
         f.write(md + '\n')
     print(md)
     if not opts.get('--no_plots'):
-        import plots          # here, not at the top: plots.py imports this module
-        plots.write_plots(root, arms=list(study['arms']))
+        write_plots(root, arms=list(study['arms']))
     if failed:            # a failed run is not a user error: exit 1, after summarising what finished
         print(f"{len(failed)} of {len(grid)} runs failed; their logs: {', '.join(o + '.log' for o in failed)}",
               file=sys.stderr)

@@ -17,14 +17,13 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "data"))
 import bench  # noqa: E402
 import eval as ev  # noqa: E402
-import prepare as P  # noqa: E402
 import sample  # noqa: E402
 import sweep  # noqa: E402
 from checkpoint import CheckpointError  # noqa: E402
 from configurator import UserError  # noqa: E402
+from data import prepare as P  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures('one_thread')

@@ -25,9 +25,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "data"))
-import prepare as P  # noqa: E402
 from checkpoint import load_checkpoint  # noqa: E402
+from data import prepare as P  # noqa: E402
 
 ENV = {k: v for k, v in os.environ.items()
        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -14,10 +14,9 @@ import torch
 import eval as ev
 import plots
 import sweep
+from data import prepare as P
 from model import GPT, GPTConfig
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'data'))
-import prepare as P  # noqa: E402
 
 PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
 

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "data"))
-import prepare as P  # noqa: E402
+sys.path.insert(0, str(REPO))
+from data import prepare as P  # noqa: E402
 
 SHARED = REPO.parent / "shared" / "data"
 SHAKESPEARE = SHARED / "tinyshakespeare.txt"

@@ -26,9 +26,8 @@ from hypothesis import given, settings, strategies as st, HealthCheck
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "data"))
-import prepare as P  # noqa: E402
 import train  # noqa: E402
+from data import loader, prepare as P  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 ENV = {k: v for k, v in os.environ.items()
@@ -119,7 +118,7 @@ def eval_loss_of_ckpt(out_dir, synth, split="val", eval_iters=2, block_size=32, 
     meta = json.loads((synth / "meta.json").read_text())
     path = synth / f"{split}.bin"
     data = np.fromfile(path, dtype=meta["dtype"]).astype(np.int64)
-    sampler = train.Batches(str(path), np.dtype(meta["dtype"]).type, block_size, batch_size, seed, torch.device("cpu"))
+    sampler = loader.Batches(str(path), np.dtype(meta["dtype"]).type, block_size, batch_size, seed, torch.device("cpu"))
     losses = []
     with torch.no_grad():
         for starts in sampler.eval_batches(eval_iters, 1 if split == "train" else 2):
@@ -411,7 +410,7 @@ def test_batches_epochs_ranks_and_shift(block_size, batch_size, seed, extra, wid
         data = (np.arange(n) % 60000).astype(dtype)  # token value == position: x[0] gives the start
         data.tofile(path)
         cpu = torch.device("cpu")
-        b = train.Batches(path, dtype, block_size, batch_size, seed, cpu)
+        b = loader.Batches(path, dtype, block_size, batch_size, seed, cpu)
         n_win = b.n_windows
         assert n_win == (n - 1 - block_size) // block_size >= 1
 
@@ -427,7 +426,7 @@ def test_batches_epochs_ranks_and_shift(block_size, batch_size, seed, extra, wid
         assert (starts >= 0).all() and (starts + block_size + 1 <= n).all()
 
         # stateless: a fresh sampler, queried out of order, agrees
-        b2 = train.Batches(path, dtype, block_size, batch_size, seed, cpu)
+        b2 = loader.Batches(path, dtype, block_size, batch_size, seed, cpu)
         for j in reversed(range(n_batches)):
             assert np.array_equal(b2.starts(j), starts[j * batch_size:(j + 1) * batch_size])
 
@@ -469,16 +468,16 @@ def test_batches_epochs_ranks_and_shift(block_size, batch_size, seed, extra, wid
 def test_batches_rejects_too_short_file(tmp_path):
     path = tmp_path / "tok.bin"
     np.arange(64, dtype=np.uint16).tofile(path)
-    with pytest.raises(train.TrainError, match="too few"):
-        train.Batches(str(path), np.uint16, 32, 4, 0, torch.device("cpu"))
-    train.Batches(str(path), np.uint16, 31, 4, 0, torch.device("cpu"))   # 64 - 1 - 31 = 32 -> 1 window
+    with pytest.raises(loader.DataError, match="too few"):
+        loader.Batches(str(path), np.uint16, 32, 4, 0, torch.device("cpu"))
+    loader.Batches(str(path), np.uint16, 31, 4, 0, torch.device("cpu"))   # 64 - 1 - 31 = 32 -> 1 window
 
 
 def test_batches_seed_changes_order(tmp_path):
     path = tmp_path / "tok.bin"
     np.arange(5000, dtype=np.uint16).tofile(path)
-    a = train.Batches(str(path), np.uint16, 16, 8, 1, torch.device("cpu"))
-    b = train.Batches(str(path), np.uint16, 16, 8, 2, torch.device("cpu"))
+    a = loader.Batches(str(path), np.uint16, 16, 8, 1, torch.device("cpu"))
+    b = loader.Batches(str(path), np.uint16, 16, 8, 2, torch.device("cpu"))
     assert not all(np.array_equal(a.starts(j), b.starts(j)) for j in range(4))
 
 

@@ -1,0 +1,1 @@
+"""Datasets: prepare.py writes them (also runnable as a script), loader.py reads them."""

@@ -1,0 +1,157 @@
+"""
+Reading a prepared dataset (data/<dataset>/, written by data/prepare.py): its meta.json and checks,
+the reproducible batch sampler, and the tokenizer. Shared by train.py, eval.py, sample.py and bench.py.
+
+    from data.loader import Batches, load_dataset_meta
+"""
+import os
+import time
+
+import numpy as np
+import torch
+
+from configurator import ConfigError, UserError
+from data import prepare as prep
+
+DATA_DIR = os.path.dirname(os.path.abspath(__file__))   # where dataset folders live unless --data_dir says
+
+
+class DataError(UserError):
+    """Data that is missing, incomplete, corrupt or not the run's own; the message says what to do."""
+
+
+def load_dataset_meta(cfg, master):
+    """Check data/<dataset> is completely prepared (preparing the built-in synthetic corpus if absent)
+    and return its meta.json."""
+    folder = os.path.join(cfg.data_dir or DATA_DIR, cfg.dataset)
+    if cfg.dataset == 'synthetic' and not os.path.exists(os.path.join(folder, 'meta.json')):
+        if master:
+            print(f"no synthetic corpus at {folder}: preparing it (python data/prepare.py synthetic)")
+            prep.prepare('synthetic', out_dir=folder)
+        else:                        # DDP: rank 0 prepares (meta.json is written last); the others wait
+            deadline = time.time() + 600
+            while not os.path.exists(os.path.join(folder, 'meta.json')) and time.time() < deadline:
+                time.sleep(0.5)
+    try:
+        meta = prep.check_prepared(folder)
+    except prep.PrepareError as e:
+        raise DataError(str(e)) from None
+    meta['folder'] = folder
+    return meta
+
+
+def check_data(cfg, meta, ckpt):
+    """Token ids within the vocabulary and, with verify_data, the files' bytes equal to meta.json's
+    sha256 (a same-size corruption or a half-finished re-prepare passes the size check alone)."""
+    if not cfg.verify_data:
+        return
+    try:
+        prep.verify_checksums(meta['folder'], meta)
+        prep.check_token_ids(meta['folder'], meta, meta['vocab_size'], "meta.json's vocab_size")
+    except prep.PrepareError as e:
+        raise DataError(f"{e} (or skip this check with --verify_data=False)") from None
+
+
+def data_identity(meta):
+    """What a checkpoint records of its data, to recognise it on resume, stage 2 and eval."""
+    out = {k: meta.get(k) for k in ('dataset', 'tokenizer', 'vocab_size', 'source_sha256')}
+    out['train_sha256'] = (meta.get('files') or {}).get('train.bin', {}).get('sha256')
+    return out
+
+
+def check_checkpoint_data(cfg, meta, ckpt):
+    """The data is the one the checkpoint was trained on (what data_identity recorded); else one line
+    naming the first field that differs."""
+    cmeta = ckpt.get('data_meta') or {}
+    for k in ('dataset', 'tokenizer', 'vocab_size', 'source_sha256', 'train_sha256'):
+        if cmeta.get(k) is not None and cmeta[k] != data_identity(meta).get(k):
+            raise DataError(f"data field '{k}' differs from the checkpoint's data: checkpoint has "
+                            f"{cmeta[k]!r}, {meta.get('folder', cfg.dataset)} has {data_identity(meta).get(k)!r}; "
+                            f"use the run's own data (--data_dir/--dataset)")
+
+
+class Batches:
+    """Stateless, exactly reproducible sampler. Training windows are the non-overlapping (block_size+1)
+    slices of the token file, visited in a fresh random order each epoch (plus a random shift per
+    epoch); micro-batch j takes rows j·B .. j·B+B-1 of that endless sequence. Since a batch is a pure
+    function of (seed, j), resume needs only the iteration number, and DDP rank r at micro-step m of
+    iteration i reads j = (i·accum + m)·world + r: ranks read disjoint windows, and 1 process with
+    accumulation 2 reads the same batches as 2 processes with accumulation 1."""
+
+    def __init__(self, path, np_dtype, block_size, batch_size, seed, device):
+        self.path, self.np_dtype = path, np_dtype
+        self.T, self.B, self.seed, self.device = block_size, batch_size, seed, device
+        n = len(np.memmap(path, dtype=np_dtype, mode='r'))
+        self.n_windows = (n - 1 - block_size) // block_size
+        if self.n_windows < 1:
+            raise DataError(f"{path} holds {n} tokens, too few for block_size={block_size}")
+        self._perm = {}
+
+    def _epoch(self, e):
+        if e not in self._perm:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + e)
+            self._perm = {e: (torch.randperm(self.n_windows, generator=g).numpy(),
+                              int(torch.randint(0, self.T, (1,), generator=g)))}
+        return self._perm[e]
+
+    def starts(self, j):
+        rows = np.arange(j * self.B, (j + 1) * self.B)
+        out = np.empty(self.B, dtype=np.int64)
+        for i, r in enumerate(rows):
+            perm, shift = self._epoch(int(r // self.n_windows))
+            out[i] = perm[r % self.n_windows] * self.T + shift
+        return out
+
+    def fetch(self, starts):
+        data = np.memmap(self.path, dtype=self.np_dtype, mode='r')   # re-open: avoids a memmap leak
+        x = torch.from_numpy(np.stack([data[s:s + self.T].astype(np.int64) for s in starts]))
+        y = torch.from_numpy(np.stack([data[s + 1:s + 1 + self.T].astype(np.int64) for s in starts]))
+        if self.device.type == 'cuda':
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        return x.to(self.device), y.to(self.device)
+
+    def get(self, j):
+        return self.fetch(self.starts(j))
+
+    def eval_batches(self, n, split_seed, eval_seed=1337):
+        """n fixed random batches, the same at every eval and, for a given eval_seed, in every run
+        whatever its training seed, so evals and runs are comparable."""
+        g = torch.Generator().manual_seed(eval_seed * 7919 + split_seed)
+        hi = (self.n_windows - 1) * self.T + 1
+        return [torch.randint(0, hi, (self.B,), generator=g).numpy() for _ in range(n)]
+
+
+def load_tokenizer(meta):
+    """(encode, decode) for the tokenizer named in a dataset's meta.json. encode(text, where) refuses
+    characters outside a char or synthetic vocabulary with a ConfigError naming `where` (e.g. '--start')."""
+    tok = meta.get('tokenizer')
+    if tok == 'gpt2':
+        prep.ensure_tiktoken_cache()
+        import tiktoken
+        enc = tiktoken.get_encoding('gpt2')
+        return (lambda s, where='': enc.encode(s, allowed_special={'<|endoftext|>'})), enc.decode
+    if tok == 'byte':
+        return (lambda s, where='': list(s.encode('utf-8'))), (lambda ids: bytes(ids).decode('utf-8', errors='replace'))
+    itos = meta['chars'] if tok == 'char' else meta['itos']
+    stoi = {s: i for i, s in enumerate(itos)}
+    syms = sorted(stoi, key=len, reverse=True)     # synthetic symbols may be multi-character: longest match
+    listing = repr(''.join(itos)) if tok == 'char' else ' '.join(itos)
+    has = (f"the {tok} vocabulary has {len(itos)} {'characters' if tok == 'char' else 'symbols'}: "
+           f"{listing if len(listing) <= 100 else listing[:100] + '...'}")
+
+    def encode(s, where='the prompt'):
+        out, unknown, i = [], [], 0
+        while i < len(s):
+            m = next((t for t in syms if s.startswith(t, i)), None)
+            if m is None:
+                unknown.append(s[i])
+                i += 1
+                continue
+            out.append(stoi[m])
+            i += len(m)
+        if unknown:
+            unknown = list(dict.fromkeys(unknown))
+            shown = ', '.join(map(repr, unknown[:5])) + (f' and {len(unknown) - 5} more' if len(unknown) > 5 else '')
+            raise ConfigError(f"{where} has characters outside the vocabulary: {shown} ({has}); use only those")
+        return out
+    return encode, (lambda ids: ''.join(itos[i] for i in ids))

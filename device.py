@@ -1,0 +1,53 @@
+"""
+The device and precision a script runs on, from its --device / --dtype options.
+
+    from device import autocast_context, resolve_device_dtype
+"""
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import torch
+
+from configurator import ConfigError
+
+
+def resolve_device_dtype(cfg):
+    """(torch.device, dtype name) for cfg.device ('auto', 'cpu', 'cuda', 'cuda:N') and cfg.dtype ('auto',
+    'float32', 'bfloat16', 'float16'); a ConfigError for a missing GPU or a dtype the device cannot use."""
+    dev = cfg.device
+    if dev == 'auto':
+        dev = 'cuda' if torch.cuda.is_available() else 'cpu'
+    dev = torch.device(dev)
+    if dev.type == 'cuda' and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but no CUDA device is available; use --device=cpu")
+    dt = cfg.dtype
+    if dt == 'auto':
+        if dev.type != 'cuda':
+            dt = 'float32'
+        else:
+            major, _ = torch.cuda.get_device_capability(dev)
+            dt = 'bfloat16' if major >= 8 else 'float16'    # V100 (7.x): fp16 + GradScaler
+    if dt not in ('float32', 'bfloat16', 'float16'):
+        raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {dt!r}")
+    if dt == 'float16' and dev.type != 'cuda':
+        raise ConfigError("dtype=float16 is for CUDA (with a GradScaler); on CPU use float32 or bfloat16")
+    return dev, dt
+
+
+def cli_device(device, dtype='float32'):
+    """resolve_device_dtype for a script's --device / --dtype, with a one-line error for a device
+    string torch cannot parse (or that is neither cpu nor cuda) as well as for a missing GPU."""
+    try:
+        kind = 'cpu' if device == 'auto' else torch.device(device).type
+    except RuntimeError:                 # torch.device('bogus')
+        kind = None
+    if kind not in ('cpu', 'cuda'):
+        raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return resolve_device_dtype(SimpleNamespace(device=device, dtype=dtype))
+
+
+def autocast_context(dev, dt):
+    """The forward's precision context: none for float32, else autocast to bf16 / fp16 on dev."""
+    if dt == 'float32':
+        return nullcontext()
+    return torch.autocast(device_type=dev.type, dtype={'bfloat16': torch.bfloat16, 'float16': torch.float16}[dt])
