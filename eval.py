@@ -29,6 +29,13 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from checkpoint import load_checkpoint, load_model
+from configurator import ConfigError, declared_defaults, load_config, run_cli
+from data.loader import Batches, check_checkpoint_data, check_data, load_dataset_meta, load_tokenizer
+from device import cli_device
+from plots import SKIPPED, pyplot
+from route_exit import exit_logits
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -84,7 +91,7 @@ def exit_report(model, batches, autocast=nullcontext(), thresholds=(0.5, 0.7, 0.
                     for block in model.transformer.h[:d]:
                         h = block(h)
                     vals.append(float(torch.nn.functional.cross_entropy(
-                        model.exit_logits(d, h).float().flatten(0, 1), y.flatten())))
+                        exit_logits(model, d, h).float().flatten(0, 1), y.flatten())))
             per_exit[d] = float(np.mean(vals))
     model.train(was_training)
     return dict(thresholds=rows, per_exit_loss=per_exit)
@@ -197,7 +204,6 @@ def class_table_text(by_class):
 def draw_routing_map(path, grid, tokens, by_class=None):
     """The map as a PNG at path and, when given, the per-class fractions as a second PNG beside it
     (<path>_by_class.png); returns the paths written, [] without matplotlib (after saying so)."""
-    from plots import SKIPPED, pyplot
     plt = pyplot()
     if plt is None:
         print(SKIPPED.replace('plots', 'routing map pictures'))
@@ -236,7 +242,6 @@ def routing_map_report(model, train_data, val_data, meta, eval_iters, calib_iter
     """The routing map of the first row of the first eval batch (its first n_tokens tokens; the whole
     row is run, which gives the same decisions since eval routing is causal), after the same threshold
     calibration report() does, and the per-difficulty-class fractions over all eval batches."""
-    from sample import load_tokenizer
     batches, starts = calibrated_eval_batches(model, train_data, val_data, eval_iters, calib_iters, autocast, eval_seed)
     x, y = batches[0]
     T = min(n_tokens, x.size(1))
@@ -270,25 +275,7 @@ def print_routing_map(res, as_json):
         print(f"\nwrote {', '.join(res['png'])}")
 
 
-def cli_device(device, dtype='float32'):
-    """train.resolve_device_dtype for a script's --device / --dtype, with a one-line error for a device
-    string torch cannot parse (or that is neither cpu nor cuda) as well as for a missing GPU."""
-    import train
-    from configurator import ConfigError
-    try:
-        kind = 'cpu' if device == 'auto' else torch.device(device).type
-    except RuntimeError:                 # torch.device('bogus')
-        kind = None
-    if kind not in ('cpu', 'cuda'):
-        raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-    return train.resolve_device_dtype(SimpleNamespace(device=device, dtype=dtype))
-
-
 def main(argv):
-    import train
-    from checkpoint import load_checkpoint
-    from configurator import ConfigError, load_config
-    from model import GPT, GPTConfig
     as_json, routing = '--json' in argv, '--routing-map' in argv
     argv = [a for a in argv if a not in ('--json', '--routing-map')]
     for flag in ('--ckpt', '--out'):           # also accept the space-separated form: --ckpt PATH
@@ -309,18 +296,17 @@ def main(argv):
     # with --json, stdout holds exactly the one JSON object: notes printed on the way (e.g. preparing the
     # synthetic corpus) go to stderr
     with redirect_stdout(sys.stderr) if as_json else nullcontext():
-        cfg = SimpleNamespace(**{**train.DEFAULTS, **ck['config']})
+        # train.py's defaults fill the keys a checkpoint from older code lacks
+        cfg = SimpleNamespace(**{**declared_defaults(os.path.join(HERE, 'train.py')), **ck['config']})
         cfg.data_dir = args['data_dir'] or cfg.data_dir
-        meta = train.load_dataset_meta(cfg, master=True)
-        train.check_against_checkpoint(cfg, meta, ck, ())      # the data must be the run's (names the field)
-        train.check_data(cfg, meta, ck)                        # and intact: sha256 and token ids
-        model = GPT(GPTConfig.from_dict(ck['model_args']))
-        model.load_state_dict(ck['model'])
-        model.to(dev)
+        meta = load_dataset_meta(cfg, master=True)
+        check_checkpoint_data(cfg, meta, ck)      # the data must be the run's (names the field)
+        check_data(cfg, meta, ck)                 # and intact: sha256 and token ids
+        model = load_model(ck, dev)
         np_dtype = np.uint32 if meta.get('dtype') == 'uint32' else np.uint16
         B = args['batch_size'] or cfg.batch_size
-        tr = train.Batches(os.path.join(meta['folder'], 'train.bin'), np_dtype, cfg.block_size, B, cfg.seed, dev)
-        va = train.Batches(os.path.join(meta['folder'], 'val.bin'), np_dtype, cfg.block_size, B, cfg.seed, dev)
+        tr = Batches(os.path.join(meta['folder'], 'train.bin'), np_dtype, cfg.block_size, B, cfg.seed, dev)
+        va = Batches(os.path.join(meta['folder'], 'val.bin'), np_dtype, cfg.block_size, B, cfg.seed, dev)
         torch.manual_seed(cfg.eval_seed)
         eval_iters, calib_iters = args['eval_iters'] or cfg.eval_iters, args['calib_iters'] or cfg.calib_iters
         if routing:
@@ -372,5 +358,4 @@ def report(model, train_data, val_data, meta, eval_iters, calib_iters, autocast=
 
 
 if __name__ == '__main__':
-    from configurator import run_cli
     run_cli(main)

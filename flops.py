@@ -11,6 +11,10 @@ import re
 
 import torch
 
+from gates import capacity
+from model import controlled_layer_ids
+from route_exit import exit_depths
+
 
 def dense_forward_flops(config, T):
     """Forward FLOPs of the dense model on one sequence of length T (logits at every position)."""
@@ -65,7 +69,6 @@ def _costs(config, T):
 
 
 def _gate_kind(config, layer):
-    from model import controlled_layer_ids
     if layer not in controlled_layer_ids(config):
         return None
     return config.gate
@@ -135,8 +138,6 @@ def family_forward_flops(config, T, mode='train', full_frac=None, exits=None):
               the running tokens only.
     ensemble: the dense body, k late-layer heads and the router (and in training, with a KL weight,
               the teacher's head)."""
-    from gates import capacity
-    from model import controlled_layer_ids, exit_depths
     c, L, d = _costs(config, T), config.n_layer, config.n_embd
     attn = c['attn_proj'] + c['attn_core']
     total = T * c['head']
@@ -171,8 +172,6 @@ def family_train_step_flops(config, T, trainable='all', exits=None):
     way autograd runs them: a matmul costs 2x its forward when its input and weight both need
     gradients, 1x when only one does. trainable 'all' or 'controller' (routers / own exit heads /
     ensemble norms and router, on a frozen backbone)."""
-    from gates import capacity
-    from model import controlled_layer_ids, exit_depths
     c, L, d = _costs(config, T), config.n_layer, config.n_embd
     joint = trainable == 'all'
     w = 2 if joint else 1
@@ -242,7 +241,6 @@ def oracle_flops(config, T, layers):
 def _single_layer(config, layer):
     """A copy of config reduced to layer `layer` alone, with the head zeroed (for per-layer costs)."""
     from dataclasses import replace
-    from model import controlled_layer_ids
     routed = layer in controlled_layer_ids(config)
     return replace(config, n_layer=1, vocab_size=0, controlled_layers='0' if routed else 'all',
                    route=config.route if routed else 'none')
@@ -313,22 +311,45 @@ def flops_proxy(config, T, oracle_layers=(), exits=None):
         (3 * dense_forward_flops(config, T))
 
 
+def flops_per_token(config, seq_len=None, training=True):
+    """Analytic FLOPs per token of a training-mode forward (training=False) or a whole joint
+    training step (True) at sequence length seq_len (default block_size), routing included."""
+    T = seq_len or config.block_size
+    if training:
+        return train_step_flops(config, T)['total'] / T
+    return forward_flops(config, T, mode='train') / T
+
+
+def estimate_mfu(config, tokens_per_s, device, dtype, seq_len=None):
+    """Model FLOPs utilisation against the peak of the device in use (None when unknown, e.g. CPU)."""
+    peak = peak_flops(device, dtype)
+    if peak is None:
+        return None
+    return flops_per_token(config, seq_len, training=True) * tokens_per_s / peak
+
+
 def main(argv):
     """python flops.py CONFIG [--key=value ...]: the training-FLOPs breakdown of a routed config, for G1
     and G3 with util/rank on and off, averaged over the uniformly sampled oracle layer."""
     import json
     import os
-    from dataclasses import replace
+    from dataclasses import fields, replace
 
-    import train
-    from configurator import load_config
-    from model import controlled_layer_ids
-    cfg = load_config(train.DEFAULTS, argv)
+    from configurator import ConfigError, declared_defaults, load_config
+    from model import GPTConfig
+    here = os.path.dirname(os.path.abspath(__file__))
+    # train.py's config keys, read from its source: train.py imports this module, so not the other way
+    defaults = {f.name: f.default for f in fields(GPTConfig)}
+    defaults.update(declared_defaults(os.path.join(here, 'train.py')))
+    cfg = load_config(defaults, argv)
     vocab = cfg['vocab_size']
-    meta = os.path.join(cfg['data_dir'] or os.path.join(train.HERE, 'data'), cfg['dataset'], 'meta.json')
+    meta = os.path.join(cfg['data_dir'] or os.path.join(here, 'data'), cfg['dataset'], 'meta.json')
     if not vocab:
         vocab = json.load(open(meta))['vocab_size'] if os.path.exists(meta) else 50304
-    base = train.model_config(type('C', (), cfg)(), vocab_size=vocab)
+    try:
+        base = GPTConfig(**{**{f.name: cfg[f.name] for f in fields(GPTConfig)}, 'vocab_size': vocab})
+    except ValueError as e:          # a bad model field: a UserError, as in train.model_config
+        raise ConfigError(str(e)) from None
     T, dense = base.block_size, dense_forward_flops(base, base.block_size)
     ids = controlled_layer_ids(base)
     print(f"{argv[0] if argv else 'defaults'} (vocab {vocab}, T={T}, {len(ids)} controlled layers, "

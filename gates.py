@@ -128,7 +128,7 @@ class MembershipPredictor(nn.Module):
 
 
 class HaltingRouter(nn.Module):
-    """TSA (SPEC §2): p = σ(W2·ReLU(W1·h + b1) + b2) in (0, 1) per token, hidden max(16, d/4), b2 = −1 at
+    """TSA (arXiv 2605.05222): p = σ(W2·ReLU(W1·h + b1) + b2) in (0, 1) per token, hidden max(16, d/4), b2 = −1 at
     init (so p ≈ 0.27: blocks start mostly on). p is the probability of skipping the next block."""
 
     def __init__(self, n_embd):
@@ -143,7 +143,7 @@ class HaltingRouter(nn.Module):
 
 
 class ModRouter(nn.Module):
-    """Mixture-of-Depths (SPEC §3): a scalar linear router r = wᵀx on the block input, in fp32. Top-k
+    """Mixture-of-Depths (arXiv 2404.02258): a scalar linear router r = wᵀx on the block input, in fp32. Top-k
     of r picks the tokens the block runs on; the selected tokens' update is scaled by σ(r), which is
     what trains w (σ rather than the raw r: a raw logit multiplied into the residual can blow up)."""
 
@@ -157,7 +157,7 @@ class ModRouter(nn.Module):
 
 
 class EnsembleRouter(nn.Module):
-    """Mixture-of-Depths Ensemble (SPEC §5): G(x) = softmax(x·W_g) over the k late layers, per token.
+    """Mixture-of-Depths Ensemble (arXiv 2410.13077): G(x) = softmax(x·W_g) over the k late layers, per token.
     W_g starts at zero, so the mixture starts uniform."""
 
     def __init__(self, n_embd, k):

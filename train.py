@@ -10,7 +10,6 @@ resolved config), run_info.json (code version, torch, device), ckpt.pt (written 
 optimizer, scaler, RNG states, iteration, best val loss, config, sampler state). `--init_from=resume`
 continues exactly where ckpt.pt left off. Ctrl-C / SIGTERM finishes the current step, saves, exits 0.
 """
-import importlib.util
 import json
 import math
 import os
@@ -21,8 +20,9 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict, fields
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -30,8 +30,11 @@ import torch
 import eval as evaluation
 import flops
 from checkpoint import load_checkpoint, remove_stale_temps, save_checkpoint
-from configurator import ConfigError, UserError, load_config, run_cli
-from model import GPT, GPTConfig, controlled_layer_ids, exit_depths, is_controller_key
+from configurator import ConfigError, UserError, declared_defaults, load_config, run_cli
+from data.loader import Batches, DataError, check_checkpoint_data, check_data, data_identity, load_dataset_meta
+from device import autocast_context, resolve_device_dtype
+from model import GPT, GPTConfig, controlled_layer_ids, is_controller_key
+from route_exit import exit_depths
 
 # ----------------------------------------------------------------------------------------------------
 # defaults (override with a config file and/or --key=value); the quickstart trains on these
@@ -89,8 +92,7 @@ max_fp16_skips = 50          # stop if this many consecutive fp16 steps overflow
 ddp_timeout = 900            # seconds a DDP process waits for a silent peer before stopping with an error
 overwrite = False            # a fresh run may replace the run already in out_dir (else it refuses)
 verify_data = True           # on resume / from a checkpoint: recompute the data files' sha256 against meta.json
-DEFAULTS = {k: v for k, v in globals().items()
-            if not k.startswith('_') and k.islower() and isinstance(v, (int, float, bool, str))}
+DEFAULTS = declared_defaults(__file__)     # the literals above: flops.py and eval.py read the same keys
 for _f in fields(GPTConfig):
     DEFAULTS.setdefault(_f.name, _f.default)
 # fields that define the backbone's weights: a resumed or stage-2 run must agree with its checkpoint
@@ -106,85 +108,6 @@ class TrainError(UserError):
     """A problem with the user's input: printed as 'error: ...' and exit code 2, before any work."""
 
 
-def load_prepare_module():
-    spec = importlib.util.spec_from_file_location('prepare', os.path.join(HERE, 'data', 'prepare.py'))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def load_dataset_meta(cfg, master):
-    """Check data/<dataset> is completely prepared (preparing the built-in synthetic corpus if absent)
-    and return its meta.json."""
-    prep = load_prepare_module()
-    folder = os.path.join(cfg.data_dir or os.path.join(HERE, 'data'), cfg.dataset)
-    if cfg.dataset == 'synthetic' and not os.path.exists(os.path.join(folder, 'meta.json')):
-        if master:
-            print(f"no synthetic corpus at {folder}: preparing it (python data/prepare.py synthetic)")
-            prep.prepare('synthetic', out_dir=folder)
-        else:                        # DDP: rank 0 prepares (meta.json is written last); the others wait
-            deadline = time.time() + 600
-            while not os.path.exists(os.path.join(folder, 'meta.json')) and time.time() < deadline:
-                time.sleep(0.5)
-    try:
-        meta = prep.check_prepared(folder)
-    except prep.PrepareError as e:
-        raise TrainError(str(e)) from None
-    meta['folder'] = folder
-    return meta
-
-
-class Batches:
-    """Stateless, exactly reproducible sampler. Training windows are the non-overlapping (block_size+1)
-    slices of the token file, visited in a fresh random order each epoch (plus a random shift per
-    epoch); micro-batch j takes rows j·B .. j·B+B-1 of that endless sequence. Since a batch is a pure
-    function of (seed, j), resume needs only the iteration number, and DDP rank r at micro-step m of
-    iteration i reads j = (i·accum + m)·world + r: ranks read disjoint windows, and 1 process with
-    accumulation 2 reads the same batches as 2 processes with accumulation 1."""
-
-    def __init__(self, path, np_dtype, block_size, batch_size, seed, device):
-        self.path, self.np_dtype = path, np_dtype
-        self.T, self.B, self.seed, self.device = block_size, batch_size, seed, device
-        n = len(np.memmap(path, dtype=np_dtype, mode='r'))
-        self.n_windows = (n - 1 - block_size) // block_size
-        if self.n_windows < 1:
-            raise TrainError(f"{path} holds {n} tokens, too few for block_size={block_size}")
-        self._perm = {}
-
-    def _epoch(self, e):
-        if e not in self._perm:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + e)
-            self._perm = {e: (torch.randperm(self.n_windows, generator=g).numpy(),
-                              int(torch.randint(0, self.T, (1,), generator=g)))}
-        return self._perm[e]
-
-    def starts(self, j):
-        rows = np.arange(j * self.B, (j + 1) * self.B)
-        out = np.empty(self.B, dtype=np.int64)
-        for i, r in enumerate(rows):
-            perm, shift = self._epoch(int(r // self.n_windows))
-            out[i] = perm[r % self.n_windows] * self.T + shift
-        return out
-
-    def fetch(self, starts):
-        data = np.memmap(self.path, dtype=self.np_dtype, mode='r')   # re-open: avoids a memmap leak
-        x = torch.from_numpy(np.stack([data[s:s + self.T].astype(np.int64) for s in starts]))
-        y = torch.from_numpy(np.stack([data[s + 1:s + 1 + self.T].astype(np.int64) for s in starts]))
-        if self.device.type == 'cuda':
-            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
-        return x.to(self.device), y.to(self.device)
-
-    def get(self, j):
-        return self.fetch(self.starts(j))
-
-    def eval_batches(self, n, split_seed, eval_seed=1337):
-        """n fixed random batches, the same at every eval and, for a given eval_seed, in every run
-        whatever its training seed, so evals and runs are comparable."""
-        g = torch.Generator().manual_seed(eval_seed * 7919 + split_seed)
-        hi = (self.n_windows - 1) * self.T + 1
-        return [torch.randint(0, hi, (self.B,), generator=g).numpy() for _ in range(n)]
-
-
 def lr_at(cfg, it):
     if not cfg.decay_lr:
         return cfg.learning_rate
@@ -195,27 +118,6 @@ def lr_at(cfg, it):
         return cfg.min_lr
     ratio = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
-
-
-def resolve_device_dtype(cfg):
-    dev = cfg.device
-    if dev == 'auto':
-        dev = 'cuda' if torch.cuda.is_available() else 'cpu'
-    dev = torch.device(dev)
-    if dev.type == 'cuda' and not torch.cuda.is_available():
-        raise TrainError("device=cuda but no CUDA device is available; use --device=cpu")
-    dt = cfg.dtype
-    if dt == 'auto':
-        if dev.type != 'cuda':
-            dt = 'float32'
-        else:
-            major, _ = torch.cuda.get_device_capability(dev)
-            dt = 'bfloat16' if major >= 8 else 'float16'    # V100 (7.x): fp16 + GradScaler
-    if dt not in ('float32', 'bfloat16', 'float16'):
-        raise TrainError(f"dtype must be auto, float32, bfloat16 or float16, got {dt!r}")
-    if dt == 'float16' and dev.type != 'cuda':
-        raise TrainError("dtype=float16 is for CUDA (with a GradScaler); on CPU use float32 or bfloat16")
-    return dev, dt
 
 
 def run_info(cfg, dev, dt, world_size):
@@ -245,13 +147,6 @@ def set_rng_state(s):
         torch.cuda.set_rng_state_all(s['cuda'])
 
 
-def autocast_context(dev, dt):
-    """The forward's precision context: none for float32, else autocast to bf16 / fp16 on dev."""
-    if dt == 'float32':
-        return nullcontext()
-    return torch.autocast(device_type=dev.type, dtype={'bfloat16': torch.bfloat16, 'float16': torch.float16}[dt])
-
-
 def model_config(cfg, **override):
     d = {f.name: getattr(cfg, f.name) for f in fields(GPTConfig) if hasattr(cfg, f.name)}
     d.update(override)
@@ -274,20 +169,8 @@ def check_out_dir(cfg):
                          f"--init_from=resume, pick another --out_dir, or replace it with --overwrite=True")
 
 
-def check_data(cfg, meta, ckpt):
-    """Token ids within the vocabulary and, with verify_data, the files' bytes equal to meta.json's
-    sha256 (a same-size corruption or a half-finished re-prepare passes the size check alone)."""
-    if not cfg.verify_data:
-        return
-    prep = load_prepare_module()
-    try:
-        prep.verify_checksums(meta['folder'], meta)
-        prep.check_token_ids(meta['folder'], meta, meta['vocab_size'], "meta.json's vocab_size")
-    except prep.PrepareError as e:
-        raise TrainError(f"{e} (or skip this check with --verify_data=False)") from None
-
-
 def check_against_checkpoint(cfg, meta, ckpt, keys):
+    """The config's fields `keys` agree with the checkpoint's model_args, and the data is its own."""
     margs = ckpt['model_args']
     for k in keys:
         want, have = getattr(cfg, k), margs.get(k)
@@ -300,12 +183,7 @@ def check_against_checkpoint(cfg, meta, ckpt, keys):
         if have != want:
             raise TrainError(f"config field '{k}' differs from the checkpoint: checkpoint has "
                              f"{margs.get(k)!r}, config has {getattr(cfg, k)!r}")
-    cmeta = ckpt.get('data_meta') or {}
-    for k in ('dataset', 'tokenizer', 'vocab_size', 'source_sha256', 'train_sha256'):
-        if cmeta.get(k) is not None and cmeta[k] != data_identity(meta).get(k):
-            raise TrainError(f"data field '{k}' differs from the checkpoint's data: checkpoint has "
-                             f"{cmeta[k]!r}, {meta.get('folder', cfg.dataset)} has {data_identity(meta).get(k)!r}; "
-                             f"use the run's own data (--data_dir/--dataset)")
+    check_checkpoint_data(cfg, meta, ckpt)
 
 
 def drop_records_after(path, iter_num):
@@ -330,13 +208,6 @@ def check_state_fits(model, state, source):
     if diff:
         raise TrainError(f"checkpoint ({source}) does not fit the model this config builds: {diff[:4]} differ; "
                          f"use the run's original model and routing options")
-
-
-def data_identity(meta):
-    """What a checkpoint records of its data, to recognise it on resume, stage 2 and eval."""
-    out = {k: meta.get(k) for k in ('dataset', 'tokenizer', 'vocab_size', 'source_sha256')}
-    out['train_sha256'] = (meta.get('files') or {}).get('train.bin', {}).get('sha256')
-    return out
 
 
 def build_model(cfg, meta, ckpt):
@@ -364,7 +235,7 @@ def build_model(cfg, meta, ckpt):
         if bad:
             raise TrainError(f"checkpoint {cfg.init_from} does not fit this model's backbone (route "
                              f"{ckpt['model_args'].get('route')!r} -> {cfg.route!r}): {bad[:5]}")
-        model.init_ensemble_norms()
+        model.family.after_load(model)     # e.g. ensemble norms start as copies of ln_f
     elif cfg.init_from == 'scratch':
         vs = cfg.vocab_size or (data_vocab if data_vocab <= 1024 else ((data_vocab + 63) // 64) * 64)
         model = GPT(model_config(cfg, vocab_size=vs))
@@ -542,6 +413,8 @@ class StopFlag:
 def main(argv):
     try:
         return train(argv)
+    except (ConfigError, DataError) as e:   # the device and data checks shared with the other scripts
+        raise TrainError(str(e)) from None
     except RuntimeError as e:          # DDP: a peer died, or hung past ddp_timeout, inside a collective
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             raise
@@ -554,8 +427,7 @@ def train(argv):
         cfg_dict = load_config(DEFAULTS, argv)
     except ConfigError as e:
         raise TrainError(str(e)) from None
-    cfg = type('Config', (), {})()
-    cfg.__dict__.update(cfg_dict)
+    cfg = SimpleNamespace(**cfg_dict)
     check_train_config(cfg)
     model_config(cfg)                           # validates routing fields before any work
     check_family_options(cfg, argv)
@@ -628,12 +500,7 @@ def train(argv):
         model = torch.compile(model, dynamic=False)
     if ddp:
         from torch.nn.parallel import DistributedDataParallel as DDP
-        m = raw_model.config            # configs where some parameters get no gradient in a step
-        partial = ((m.route == 'ffn' and (m.gate in ('static_full', 'static_cheap') or m.gate_grad == 'none'
-                                          or (m.infer_rule == 'predictor' and m.predictor_weight == 0)))
-                   or (m.route == 'mod' and m.infer_rule == 'predictor' and m.predictor_weight == 0)
-                   or (m.route == 'exit' and m.exit_head == 'own' and m.exit_rotation > 0)
-                   or m.route == 'ensemble')     # ln_f feeds only the stop-gradient teacher
+        partial = raw_model.family.ddp_find_unused(raw_model.config)   # some parameters get no gradient
         model = DDP(model, device_ids=[local_rank] if dev.type == 'cuda' else None, find_unused_parameters=partial)
     mcfg = raw_model.config
     ctrl_ids = controlled_layer_ids(mcfg)
@@ -747,7 +614,7 @@ def train(argv):
             group['lr'] = lr
         oracle_layers = (tuple(sorted(random.Random(cfg.seed * 1_000_003 + iter_num).sample(ctrl_ids, k_oracle)))
                          if oracle_on else ())     # the same on every rank, and a pure function of the step
-        exits = raw_model.active_exits(iter_num) if mcfg.route == 'exit' else None    # curriculum
+        exits = raw_model.family.step_options(raw_model, iter_num).get('exits')    # exit curriculum
         loss_sum = torch.zeros((), device=dev)
         for micro in range(accum):
             j = (iter_num * accum + micro) * world + rank

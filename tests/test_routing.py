@@ -5,6 +5,7 @@ capacities, a dense GPT with the same backbone weights, hand-written forwards bu
 submodules, gather/scatter execution, brute-force loss definitions. Models are tiny (n_layer <= 3,
 n_embd = 16, T <= 24) so the file runs in well under a minute on 2 CPU cores."""
 import math
+from contextlib import contextmanager
 from fractions import Fraction
 from types import SimpleNamespace
 
@@ -15,7 +16,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import gates
 import losses
 import train
-from model import GPT, GPTConfig, RouteCtx, controlled_layer_ids
+from conftest import ROUTED_TOL, assert_greedy_traces_agree, greedy_trace
+import route_ffn
+from model import GPT, GPTConfig, controlled_layer_ids
+from routing import RouteCtx
 
 SETTINGS = dict(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -49,6 +53,17 @@ def tokens(seed, B, T, vocab=V, distinct_first=False):
     if distinct_first:      # rows start differently: no two tokens share a hidden state (no score ties)
         idx[:, 0] = torch.randperm(vocab, generator=g)[:B]
     return idx
+
+
+def calibration_tokens(seed, prompts):
+    """A held-out (4, 24) batch to calibrate on whose rows start with tokens no prompt row starts with.
+    τ is one of its scores, and a prompt prefix equal to a calibration prefix (most often just the
+    first token: position 0's state is a function of its token id alone) scores exactly τ, leaving that
+    decision to the last bit of whichever kernels computed it (~0.6% of examples had such a tie)."""
+    cal = tokens(seed, 4, 24)
+    free = torch.tensor(sorted(set(range(V)) - set(prompts[:, 0].tolist())))
+    cal[:, 0] = free[torch.randint(0, len(free), (4,), generator=torch.Generator().manual_seed(seed))]
+    return cal
 
 
 def ceil_frac(budget, T):
@@ -88,19 +103,22 @@ def record_ln2(model, layers):
     return calls, handles
 
 
+@contextmanager
 def record_updates(model, layers):
-    """Wrap Block.routed_ffn_update of the given blocks to record what it returns."""
+    """Record what route_ffn.routed_ffn_update returns at the given layers of `model`, while inside."""
     out = {l: [] for l in layers}
-    for l in layers:
-        block = model.transformer.h[l]
-        orig = block.routed_ffn_update
+    orig = route_ffn.routed_ffn_update
 
-        def wrapped(x, ctx, orig=orig, l=l):
-            u = orig(x, ctx)
-            out[l].append(u.detach())
-            return u
-        block.routed_ffn_update = wrapped
-    return out
+    def wrapped(block, cfg, x, ctx):
+        u = orig(block, cfg, x, ctx)
+        if block.layer in out and block is model.transformer.h[block.layer]:
+            out[block.layer].append(u.detach())
+        return u
+    route_ffn.routed_ffn_update = wrapped
+    try:
+        yield out
+    finally:
+        route_ffn.routed_ffn_update = orig
 
 
 def embed_ref(model, idx):
@@ -119,7 +137,7 @@ def topk_ref(score, k):
     return mask
 
 
-def ffn_ref(block, x, action, budget=None):
+def ffn_ref(block, x, action, budget=None, gate_grad='ste'):
     """One block's FFN update from its submodules. action: 'full', 'cheap', or 'policy' (training
     top-k of this block's gate scores at ceil(budget·T), hard mixture)."""
     h = block.ln_2(x)
@@ -130,7 +148,7 @@ def ffn_ref(block, x, action, budget=None):
     score = block.gate(h)
     mask = topk_ref(score, ceil_frac(budget, x.size(1)))
     full = block.mlp(h)
-    if block.cfg.gate_grad == 'scale':
+    if gate_grad == 'scale':
         full = torch.sigmoid(score)[..., None] * full
     return torch.where(mask[..., None], full, block.cheap(h))
 
@@ -140,7 +158,7 @@ def suffix_ref(model, x, start, actions, budget=None):
     for i in range(start, len(model.transformer.h)):
         block = model.transformer.h[i]
         x = x + block.attn(block.ln_1(x))
-        x = x + ffn_ref(block, x, actions.get(i, 'full'), budget)
+        x = x + ffn_ref(block, x, actions.get(i, 'full'), budget, model.config.gate_grad)
     return x
 
 
@@ -337,7 +355,7 @@ def test_masked_update_equals_gather_scatter(seed, B, T, p, gate, gate_grad, lay
     x = torch.randn(B, T, model.config.n_embd, generator=g)
     ctx = RouteCtx()
     with torch.no_grad():
-        out = block.routed_ffn_update(x, ctx)
+        out = route_ffn.routed_ffn_update(block, model.config, x, ctx)
         h = block.ln_2(x)
         sel, rest = mask.nonzero(as_tuple=True), (~mask).nonzero(as_tuple=True)
         full = block.mlp(h[sel])                          # (N, C): only the selected tokens
@@ -362,9 +380,9 @@ def test_eval_routing_is_causal(seed, B, T, budget, layout, gate, infer_rule, ga
     n_layer, spec, ids = layout
     model = build(seed, n_layer, gate=gate, budget=float(budget), controlled_layers=spec, infer_rule=infer_rule,
                   gate_grad=gate_grad, jepa_readout=readout, pos=pos)
-    model.calibrate(tokens(seed + 1, 4, 24))
-    model.eval()
     idx = tokens(seed, B, T)
+    model.calibrate(calibration_tokens(seed + 1, idx))
+    model.eval()
     t = data.draw(st.integers(0, T - 2))
     other = idx.clone()
     other[:, t + 1:] = tokens(seed + 2, B, T - t - 1)
@@ -372,11 +390,24 @@ def test_eval_routing_is_causal(seed, B, T, budget, layout, gate, infer_rule, ga
     la, _, aux_a = model(idx, last_only=False)
     torch.manual_seed(seed)
     lb, _, aux_b = model(other, last_only=False)
-    assert torch.equal(la[:, :t + 1], lb[:, :t + 1])
     expect_masks = ids if gate in ('mlp', 'jepa', 'random') else []
     assert sorted(aux_a.get('masks', {})) == expect_masks
-    for l in expect_masks:
+    for l in expect_masks:          # the decisions at positions <= t: exactly equal
         assert torch.equal(aux_a['masks'][l][:, :t + 1], aux_b['masks'][l][:, :t + 1])
+    # Sparse eval gathers the selected tokens of the whole batch into one matmul, and the future tokens
+    # change how many there are: BLAS may then block the same dot products differently (seen: 3 vs 2
+    # rows, logits off by 4e-7 on some CPUs). So values within ROUTED_TOL (see conftest) here ...
+    torch.testing.assert_close(la[:, :t + 1], lb[:, :t + 1], **ROUTED_TOL)
+    changed = (other != idx).any(0).nonzero()
+    if len(changed):                # ... a tolerance far below what changing a token does to its logits
+        p = changed[0, 0].item()
+        assert not torch.allclose(la[:, p], lb[:, p], **ROUTED_TOL)
+    # ... and bitwise in masked-dense eval, where both passes run every op on the whole (B, T) batch
+    torch.manual_seed(seed)
+    da = model(idx, last_only=False, sparse=False)[0]
+    torch.manual_seed(seed)
+    db = model(other, last_only=False, sparse=False)[0]
+    assert torch.equal(da[:, :t + 1], db[:, :t + 1])
 
 
 @settings(**SETTINGS)
@@ -385,16 +416,20 @@ def test_eval_routing_is_causal(seed, B, T, budget, layout, gate, infer_rule, ga
        infer_rule=st.sampled_from(['threshold', 'predictor']), gate_grad=st.sampled_from(['ste', 'scale', 'none']),
        pos=st.sampled_from(['learned', 'rope']), layout=layouts())
 def test_eval_routing_kv_cache_decoding_equals_recompute(seed, B, T0, new, gate, infer_rule, gate_grad, pos, layout):
-    """Per-token causal decisions: one token at a time through the KV cache routes (and so predicts)
-    exactly as the full recompute does."""
+    """Per-token causal decisions: one token at a time through the KV cache routes exactly as the full
+    recompute does, and predicts the same (logits within ROUTED_TOL: a cache step runs T=1 and masked
+    attention, recomputation T and is_causal, and sparse gathers of other sizes; tokens equal unless a
+    near-tie, see conftest.assert_greedy_traces_agree)."""
     n_layer, spec, ids = layout
     model = build(seed, n_layer, gate=gate, controlled_layers=spec, infer_rule=infer_rule, gate_grad=gate_grad,
                   pos=pos)
-    model.calibrate(tokens(seed + 1, 4, 24))
-    model.eval()
     idx = tokens(seed, B, T0)
-    assert torch.equal(model.generate(idx, new, temperature=0, use_cache=True),
-                       model.generate(idx, new, temperature=0, use_cache=False))
+    model.calibrate(calibration_tokens(seed + 1, idx))
+    model.eval()
+    cached = greedy_trace(model, idx, new, use_cache=True)
+    recomputed = greedy_trace(model, idx, new, use_cache=False)
+    for a, b in zip(cached, recomputed):
+        assert_greedy_traces_agree(a, b, ROUTED_TOL)
 
 
 @pytest.mark.parametrize('training', [True, False])
@@ -470,8 +505,8 @@ def check_hard_mixture(seed, B, T, budget, layout, gate, gate_grad, readout, exa
                   gate_grad=gate_grad).train()
     idx = tokens(seed, B, T)
     calls, handles = record_ln2(model, ids)
-    updates = record_updates(model, ids)
-    aux = model(idx, idx)[2]
+    with record_updates(model, ids) as updates:
+        aux = model(idx, idx)[2]
     for hnd in handles:
         hnd.remove()
     with torch.no_grad():
@@ -558,7 +593,14 @@ def boom(*args, **kwargs):
 def test_no_oracle_pass_without_oracle_layers(gate):
     model = build(0, 2, gate=gate, util_weight=1.0, rank_weight=1.0).train()
     idx = tokens(0, 2, 12)
-    model.fork_utility = boom
+    route_ffn.fork_utility, saved = boom, route_ffn.fork_utility      # every oracle fork goes through it
+    try:
+        no_oracle_pass_without_oracle_layers(model, idx)
+    finally:
+        route_ffn.fork_utility = saved
+
+
+def no_oracle_pass_without_oracle_layers(model, idx):
     model(idx, idx)
     model(idx, idx, oracle_layers=())
     model.eval()(idx, idx)
@@ -595,7 +637,7 @@ def test_util_and_rank_weight_zero_compute_no_util_or_rank_term(monkeypatch):
     monkeypatch.setattr(losses, 'utility_regression', boom)
     monkeypatch.setattr(losses, 'pairwise_rank', boom)
     model = build(0, 2, gate='mlp').train()
-    monkeypatch.setattr(model, 'fork_utility', boom)
+    monkeypatch.setattr(route_ffn, 'fork_utility', boom)
     idx = tokens(0, 2, 12)
     _, loss, aux = model(idx, idx, oracle_layers=(1,))
     assert 'util_loss' not in aux and 'rank_loss' not in aux and 'utility_mean' not in aux
@@ -626,7 +668,7 @@ def test_off_policy_label_matches_hand_written_forks(seed, B, T, n_layer, data, 
             y = suffix_ref(model, y, l + 1, {})                  # every later layer full
             ce[action] = ce_ref(logits_ref(model, y), tgt)
         U_ref = (ce['cheap'] - ce['full']).float()
-    U = model.fork_utility(l, x_mid, tgt, None, later='full')
+    U = route_ffn.fork_utility(model, l, x_mid, tgt, None, later='full')
     assert U.shape == (B, T) and not U.requires_grad
     torch.testing.assert_close(U, U_ref, rtol=0, atol=1e-5)
 
@@ -648,8 +690,8 @@ def test_on_policy_label_matches_hand_written_forks(seed, B, T, gate, gate_grad,
             y = suffix_ref(model, y, 1, {1: 'policy', 2: 'policy'}, budget)   # later layers: top-k
             ce[action] = ce_ref(logits_ref(model, y), tgt)
         U_ref = (ce['cheap'] - ce['full']).float()
-    U_on = model.fork_utility(l, x_mid, tgt, None, later='policy')
-    U_off = model.fork_utility(l, x_mid, tgt, None, later='full')
+    U_on = route_ffn.fork_utility(model, l, x_mid, tgt, None, later='policy')
+    U_off = route_ffn.fork_utility(model, l, x_mid, tgt, None, later='full')
     torch.testing.assert_close(U_on, U_ref, rtol=0, atol=1e-5)
     if ceil_frac(budget, T) < T:      # later layers route some tokens cheap: a different future
         assert not torch.allclose(U_on, U_off, rtol=0, atol=1e-4)
@@ -817,7 +859,7 @@ def test_valid_config_accepted(layout, budget):
     n_layer, spec, ids = layout
     cfg = GPTConfig(**dict(BASE, n_layer=n_layer, route='ffn', controlled_layers=spec, budget=float(budget)))
     assert controlled_layer_ids(cfg) == ids
-    assert [i for i, b in enumerate(GPT(cfg).transformer.h) if b.routed] == ids
+    assert [i for i, b in enumerate(GPT(cfg).transformer.h) if hasattr(b, 'cheap')] == ids
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -840,8 +882,8 @@ def test_oracle_labels_ignore_dropout():
     model = build(0, 2, gate='mlp', dropout=0.5).train()
     idx = tokens(0, 2, 12)
     x_mid = torch.randn(2, 12, model.config.n_embd)
-    a = model.fork_utility(1, x_mid, idx, None, later='full')
-    b = model.fork_utility(1, x_mid, idx, None, later='full')
+    a = route_ffn.fork_utility(model, 1, x_mid, idx, None, later='full')
+    b = route_ffn.fork_utility(model, 1, x_mid, idx, None, later='full')
     assert torch.equal(a, b)
     assert model.transformer.drop.training          # dropout is back on afterwards
 

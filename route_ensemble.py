@@ -1,0 +1,85 @@
+"""
+route='ensemble': Mixture-of-Depths Ensemble (Luo & Specia, arXiv 2410.13077).
+
+The last k layers' hidden states each pass their own norm N_j and the shared LM head; a router
+G(x) = softmax(x·W_g) (input stop-gradient) mixes their logits per token into the prediction; a KL
+distillation loss with the final layer as teacher (stop-gradient) adapts the late layers. Used as
+parameter-cheap tuning on a frozen backbone (trainable='controller'). The norms start as copies of
+ln_f (after_load), so a pretrained backbone's late layers begin read out the way its final layer is.
+
+Options (GPTConfig fields): ens_layers (k, the final layer included), ens_router_input ('final':
+ln_f of the final state, or 'mean' of the k normed states), ens_mix ('logit', 'logprob' = a geometric
+mixture, 'prob' = an arithmetic one), ens_kl ('forward' KL(teacher ‖ mix) or 'reverse'), ens_kl_weight.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import losses
+from gates import EnsembleRouter
+from routing import Family, add_weighted
+
+
+class DepthEnsemble(Family):
+
+    def validate(self, config):
+        if not 1 <= config.ens_layers <= config.n_layer:
+            raise ValueError(f"ens_layers must be in 1..n_layer={config.n_layer}, got {config.ens_layers}")
+        for key, allowed in dict(ens_router_input=('final', 'mean'), ens_mix=('logit', 'logprob', 'prob'),
+                                 ens_kl=('forward', 'reverse')).items():
+            if getattr(config, key) not in allowed:
+                raise ValueError(f"{key} must be one of {allowed}, got {getattr(config, key)!r}")
+
+    def build(self, model):
+        cfg = model.config
+        model.ens_norms = nn.ModuleList([nn.LayerNorm(cfg.n_embd, bias=cfg.bias) for _ in range(cfg.ens_layers)])
+        model.ens_router = EnsembleRouter(cfg.n_embd, cfg.ens_layers)
+
+    def init_weights(self, model):
+        nn.init.zeros_(model.ens_router.w.weight)      # a uniform mixture at the start
+
+    def begin(self, model, ctx):
+        if ctx.force != 'full':
+            L = model.config.n_layer
+            ctx.keep_hidden = set(range(L - model.config.ens_layers + 1, L + 1))
+
+    def logits(self, model, x, ctx, last):
+        """Σ g·logits, Σ g·log p (renormalised by the loss's log-softmax) or log Σ g·p, accumulated one
+        layer at a time: never k vocabulary-sized tensors at once."""
+        if ctx.force == 'full':
+            return super().logits(model, x, ctx, last)
+        cfg = model.config
+        states = [last(ctx.hidden[d]) for d in sorted(ctx.hidden)]
+        normed = [norm(h) for norm, h in zip(model.ens_norms, states)]
+        r_in = model.transformer.ln_f(states[-1]) if cfg.ens_router_input == 'final' else torch.stack(normed).mean(0)
+        g = model.ens_router(r_in.detach())                              # (B, T, k), fp32
+        out = None
+        for j, h in enumerate(normed):
+            lg, w = model.lm_head(h).float(), g[..., j:j + 1]
+            if cfg.ens_mix == 'logit':
+                term = w * lg
+            elif cfg.ens_mix == 'logprob':
+                term = w * F.log_softmax(lg, dim=-1)
+            else:
+                term = F.log_softmax(lg, dim=-1) + torch.log(w.clamp_min(1e-30))
+            out = term if out is None else (torch.logaddexp(out, term) if cfg.ens_mix == 'prob' else out + term)
+        return out
+
+    def loss(self, model, ctx, lm_loss, targets, aux):
+        cfg = model.config
+        if ctx.force != 'full' and model.training and cfg.ens_kl_weight > 0:
+            with torch.no_grad():     # the teacher: the final layer through ln_f, stop-gradient
+                teacher = model.lm_head(model.transformer.ln_f(ctx.final))
+            aux['distill_loss'] = losses.distill_kl(ctx.logits, teacher, cfg.ens_kl)
+        return add_weighted(lm_loss, aux, dict(distill_loss=cfg.ens_kl_weight))
+
+    def is_controller_key(self, name):
+        return name.startswith(('ens_norms.', 'ens_router.'))
+
+    def ddp_find_unused(self, config):
+        return True                     # ln_f feeds only the stop-gradient teacher
+
+    @torch.no_grad()
+    def after_load(self, model):
+        for norm in model.ens_norms:
+            norm.load_state_dict(model.transformer.ln_f.state_dict())

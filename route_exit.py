@@ -1,0 +1,149 @@
+"""
+route='exit': early exits with deep supervision (auxiliary losses; LayerSkip, arXiv 2404.16710; CALM,
+arXiv 2207.07061).
+
+Exit heads after d blocks for d in exit_layers ('auto' {2, n/2, 3n/4}), sharing the final norm and LM
+head (LayerSkip) or with their own norm and projection. Training: L = L_n + Σ_d α_d·L_d with weights
+uniform, CALM's (∝ d), LayerSkip's (∝ Σ_{i≤l} i) or the plain mean over exits and the final layer (TSA's
+baseline); a rotational curriculum trains only the exits with d % R == step % R; LayerSkip's layer
+dropout skips whole blocks per sequence. Eval (CALM, causal per token): after block d-1 a still-running
+token whose confidence (max softmax, top-1 − top-2 margin, or hidden-state saturation) is >=
+exit_threshold exits; its state is copied upward unchanged and every higher layer still computes its
+own K/V from that copy, so later tokens attend to it as to any token.
+
+Options (GPTConfig fields): exit_layers, exit_head, exit_schedule, exit_weight, exit_rotation, exit_conf,
+exit_threshold, layer_dropout.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import losses
+from routing import Family, parse_layer_list, split_apply, tlops_saved
+
+
+class ExitHead(nn.Module):
+    """An exit's own norm and projection to the vocabulary (exit_head='own')."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def forward(self, x):
+        return self.proj(self.ln(x))
+
+
+class EarlyExit(Family):
+
+    def validate(self, config):
+        if config.n_layer < 2:
+            raise ValueError("route='exit' needs n_layer >= 2 (an exit sits below the last layer)")
+        for key, allowed in dict(exit_head=('shared', 'own'), exit_schedule=('uniform', 'calm', 'layerskip', 'mean'),
+                                 exit_conf=('softmax', 'margin', 'saturation')).items():
+            if getattr(config, key) not in allowed:
+                raise ValueError(f"{key} must be one of {allowed}, got {getattr(config, key)!r}")
+        exit_depths(config)
+
+    def build(self, model):
+        cfg = model.config
+        model.exit_ids = exit_depths(cfg)
+        model.exit_heads = (nn.ModuleDict({str(d): ExitHead(cfg) for d in model.exit_ids})
+                            if cfg.exit_head == 'own' else None)
+
+    def begin(self, model, ctx):
+        if model.training and ctx.targets is not None and ctx.force is None:    # this step's exit losses
+            exits = ctx.options.get('exits')
+            ctx.keep_hidden = set(model.exit_ids if exits is None else exits)
+
+    def run_blocks(self, model, x, pos, cache, ctx, start=0):
+        if model.training or ctx.force == 'full':
+            return super().run_blocks(model, x, pos, cache, ctx, start)
+        return run_exits(model, x, pos, cache, ctx)
+
+    def logits(self, model, x, ctx, last):
+        logits = super().logits(model, x, ctx, last)
+        if ctx.exit_out is not None:        # own exit heads: an exited token's logits are its exit's
+            logits = torch.where(last(ctx.exited)[..., None], last(ctx.exit_out), logits)
+        return logits
+
+    def loss(self, model, ctx, lm_loss, targets, aux):
+        """L = L_n·w_n + Σ_d α_d·L_d over this step's exits (schedule 'mean': the plain mean of all)."""
+        if not ctx.keep_hidden:
+            return lm_loss
+        cfg, hidden = model.config, ctx.hidden
+        depths = sorted(hidden)
+        w = losses.exit_loss_weights(depths, cfg.n_layer, cfg.exit_schedule, cfg.exit_weight)
+        ce = [losses.lm_loss(exit_logits(model, d, hidden[d]), targets) for d in depths]
+        aux['exit_loss'] = sum(w[d] * c for d, c in zip(depths, ce)) if ce else lm_loss.new_zeros(())
+        if ce:
+            aux['exit_ce'] = torch.stack(ce)
+        return lm_loss * w[cfg.n_layer] + aux['exit_loss']
+
+    def stats(self, model, ctx, aux):
+        super().stats(model, ctx, aux)
+        if ctx.masks:
+            aux['tlops_saved'] = tlops_saved(aux['full_frac'], model.config.n_layer)
+
+    def is_controller_key(self, name):
+        return name.startswith('exit_heads.')
+
+    def step_options(self, model, step):
+        """The exits whose losses count at training step `step`: all, or under the rotational
+        curriculum (exit_rotation = R > 0) those with d % R == step % R."""
+        R = model.config.exit_rotation
+        return dict(exits=tuple(model.exit_ids) if R <= 0 else tuple(d for d in model.exit_ids if d % R == step % R))
+
+    def ddp_find_unused(self, config):
+        return config.exit_head == 'own' and config.exit_rotation > 0
+
+
+def exit_depths(config):
+    """The depths d (exit after d blocks, 1 <= d < n_layer) that have an exit head."""
+    L, spec = config.n_layer, str(config.exit_layers)
+    if spec == 'auto':                 # {2, n/2, 3n/4}, kept below the last layer
+        return sorted({d for d in (2, L // 2, (3 * L) // 4) if 1 <= d < L})
+    if spec == 'every':
+        return list(range(1, L))
+    try:
+        return parse_layer_list(spec, 1, L - 1, 'exit_layers')
+    except ValueError:
+        raise ValueError(f"exit_layers must be 'auto', 'every' or depths in 1..{L - 1} such as '1,3', got {spec!r}") from None
+
+
+def exit_logits(model, d, x):
+    return model.exit_heads[str(d)](x) if model.exit_heads is not None else model.lm_head(model.transformer.ln_f(x))
+
+
+def run_exits(model, x, pos, cache, ctx):
+    """CALM-style early exit (see the module docstring). Sparse: the FFN and the exit heads run on the
+    still-running tokens only (attention runs on all: their K/V are needed)."""
+    cfg = model.config
+    done = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device)
+    for l, block in enumerate(model.transformer.h):
+        running = ~done
+        x_before = x
+        if ctx.sparse:
+            y = x + block.attn_update(x, pos, cache)
+            y = y + split_apply(y, running, block.ffn_update)
+        else:
+            y = block(x, pos, cache)
+        x = torch.where(done[..., None], x, y)
+        if ctx.collect:
+            ctx.masks[l] = running
+        d = l + 1
+        if d not in model.exit_ids:
+            continue
+        head = lambda t: exit_logits(model, d, t)
+        lg = split_apply(x, running, head) if ctx.sparse else head(x)
+        if cfg.exit_conf == 'saturation':
+            conf = F.cosine_similarity(x.float(), x_before.float(), dim=-1)
+        else:
+            top = F.softmax(lg.float(), dim=-1).topk(2, dim=-1).values
+            conf = top[..., 0] if cfg.exit_conf == 'softmax' else top[..., 0] - top[..., 1]
+        newly = running & (conf >= cfg.exit_threshold)
+        if model.exit_heads is not None:
+            ctx.exit_out = lg if ctx.exit_out is None else torch.where(newly[..., None], lg, ctx.exit_out)
+        done = done | newly
+    ctx.exited = done
+    return x

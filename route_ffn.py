@@ -1,0 +1,249 @@
+"""
+route='ffn': cheap-vs-full FFN routing with G1/G3 gates ("Revisiting Auxiliary Losses for Conditional
+Depth Routing", arXiv 2604.17228).
+
+At each controlled layer a gate scores every token; the selected tokens take the full FFN, the rest a
+low-rank cheap FFN; attention is not routed. Training selects the top ceil(budget·T) scores of each
+sequence (static shapes, non-causal, as the paper); model.eval() decides causally per token, by a
+threshold calibrated on held-out batches or by a predictor of top-k membership. The LM loss reaches
+the gate straight-through ('ste'), MoD-style through σ(score) ('scale'), or not at all ('none').
+
+Auxiliary losses, each a named term with its weight (0 = not computed): utility regression and
+pairwise rank supervision onto oracle utility labels U_t = CE_t(cheap at l) − CE_t(full at l)
+(off-policy: later layers all full, as the paper; on-policy: later layers follow the gates), G3's JEPA
+alignment, the membership predictor's BCE, and a cheap-imitates-full term.
+
+Options (GPTConfig fields): gate, budget, controlled_layers, cheap_rank, gate_hidden, gate_grad,
+infer_rule, jepa_latent, jepa_outcome, jepa_readout, util_weight, rank_weight, rank_kind, rank_margin,
+rank_pairs, oracle_policy, jepa_weight, predictor_weight, mimic_weight.
+"""
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+import losses
+from gates import GATES, JEPAGate, MembershipPredictor, MLPGate, capacity, straight_through, topk_mask
+from routing import MLP, Family, RouteCtx, parse_layer_list, split_apply, add_weighted
+
+
+class FFNRouting(Family):
+
+    def validate(self, config):
+        for key, allowed in dict(gate=GATES, gate_grad=('ste', 'scale', 'none'), infer_rule=('threshold', 'predictor'),
+                                 jepa_outcome=('delta', 'hidden'), jepa_readout=('distance', 'linear'),
+                                 rank_kind=('logistic', 'margin'), oracle_policy=('off', 'on')).items():
+            if getattr(config, key) not in allowed:
+                raise ValueError(f"{key} must be one of {allowed}, got {getattr(config, key)!r}")
+        if not self.routed_layers(config):
+            raise ValueError(f"controlled_layers={config.controlled_layers!r} routes no layer of a "
+                             f"{config.n_layer}-layer model")
+
+    def routed_layers(self, config):
+        return controlled_layer_ids(config, default='all')
+
+    def build_block(self, block, config, layer):
+        if layer not in self.routed_layers(config):
+            return
+        block.cheap = MLP(config, width=config.cheap_rank)
+        block.gate = (MLPGate(config.n_embd, config.gate_hidden) if config.gate == 'mlp' else
+                      JEPAGate(config.n_embd, config.gate_hidden, config.jepa_latent, config.jepa_readout,
+                               seed=1000 + layer) if config.gate == 'jepa' else None)
+        block.predictor = (MembershipPredictor(config.n_embd, config.gate_hidden)
+                           if config.infer_rule == 'predictor' and block.gate is not None else None)
+        block.register_buffer('tau', torch.zeros(()))   # calibrated threshold of the causal score
+
+    def begin(self, model, ctx):
+        cfg = model.config
+        if cfg.gate == 'oracle' and ctx.force is None:
+            if ctx.targets is None:
+                raise ValueError("gate='oracle' routes by utility labels, which need targets")
+            ctx.oracle = lambda l, x_mid: fork_utility(model, l, x_mid, ctx.targets, ctx.pos, later='full')
+        if cfg.oracle_policy == 'on' and ctx.options.get('oracle_layers'):
+            ctx.keep_mid = set(ctx.options['oracle_layers'])
+
+    def run_blocks(self, model, x, pos, cache, ctx, start=0):
+        for block in model.transformer.h[start:]:
+            x = x + block.attn_update(x, pos, cache)
+            x = x + (routed_ffn_update(block, model.config, x, ctx) if hasattr(block, 'cheap') else block.ffn_update(x))
+        return x
+
+    def loss(self, model, ctx, lm_loss, targets, aux):
+        cfg = model.config
+        layers = tuple(ctx.options.get('oracle_layers') or ())
+        if layers and (cfg.util_weight > 0 or cfg.rank_weight > 0):
+            oracle_losses(model, ctx, layers, targets, aux)
+        return add_weighted(lm_loss, aux, dict(
+            util_loss=cfg.util_weight, rank_loss=cfg.rank_weight, jepa_loss=cfg.jepa_weight,
+            pred_loss=cfg.predictor_weight, mimic_loss=cfg.mimic_weight))
+
+    def is_controller_key(self, name):
+        return any(f in name for f in ('.gate.', '.predictor.')) or name.endswith('.tau')
+
+    @torch.no_grad()
+    def calibrate(self, model, idx):
+        """Set every controlled layer's causal threshold so that, on idx (held-out batches), the
+        realised full-path fraction equals the budget; layers are calibrated in order, each under the
+        already-calibrated decisions of the layers below it. Returns the realised fractions."""
+        if model.config.gate not in ('mlp', 'jepa'):
+            return None                    # no score to threshold
+        with model.mode(training=False):
+            aux = model(idx, last_only=True, calibrate=True)[2]
+        return aux.get('full_frac')
+
+    def ddp_find_unused(self, config):
+        return (config.gate in ('static_full', 'static_cheap') or config.gate_grad == 'none'
+                or (config.infer_rule == 'predictor' and config.predictor_weight == 0))
+
+
+def controlled_layer_ids(config, default):
+    """The layers named by controlled_layers: 'all', 'every_other' (1, 3, 5, ...), a list such as
+    '0,2,5', or 'auto' (the family's default)."""
+    L, spec = config.n_layer, str(config.controlled_layers)
+    if spec == 'auto':
+        spec = default
+    if spec == 'all':
+        return list(range(L))
+    if spec == 'every_other':
+        return list(range(1, L, 2))        # may be empty for L = 1: validate refuses that
+    if any(c not in '0123456789, ' for c in spec):
+        raise ValueError(f"controlled_layers must be 'auto', 'all', 'every_other' or e.g. '0,2,5', got {spec!r}")
+    return parse_layer_list(spec, 0, L - 1, 'controlled_layers')
+
+
+# ----------------------------------------------------------------------------------------------------
+# the routed FFN of one block
+
+def routed_ffn_update(block, cfg, x, ctx):
+    """Full FFN for the tokens the decision selects, cheap FFN for the rest. Both paths run densely
+    and are mixed by the mask (training, and the masked reference for sparse execution)."""
+    l = block.layer
+    if l in ctx.keep_mid:
+        ctx.mid[l] = x.detach()
+    h = block.ln_2(x)
+    force = ctx.force or {'static_full': 'full', 'static_cheap': 'cheap'}.get(cfg.gate)
+    if force == 'full':
+        return block.mlp(h)
+    if force == 'cheap':
+        return block.cheap(h)
+    B, T = h.shape[:2]
+    causal = not block.training
+    sparse = causal and ctx.sparse
+    full, cheap = (None, None) if sparse else (block.mlp(h), block.cheap(h))
+    score, preds = None, None
+    if cfg.gate == 'random':
+        mask = (torch.rand(B, T, device=h.device) < cfg.budget if causal else
+                topk_mask(torch.rand(B, T, device=h.device), capacity(cfg.budget, T)))
+    elif cfg.gate == 'oracle':           # analysis only: peeks at the targets, so never causal
+        mask = topk_mask(ctx.oracle(l, x), capacity(cfg.budget, T))
+    else:
+        if cfg.gate == 'jepa':
+            preds = block.gate.predict(h)
+            score = block.gate.score(*preds)
+        else:
+            score = block.gate(h)
+        if causal:
+            rule_score = block.predictor(h) if block.predictor is not None else score
+            if ctx.calibrate:       # threshold = the (1 − budget) quantile of this batch's scores
+                flat = rule_score.detach().flatten()
+                n_cheap = flat.numel() - round(cfg.budget * flat.numel())
+                block.tau.fill_(flat.kthvalue(n_cheap).values if n_cheap > 0 else float('-inf'))
+            mask = rule_score > block.tau
+        else:
+            mask = topk_mask(score.detach(), capacity(cfg.budget, T))
+    if sparse:                      # each path on its own tokens only
+        update = split_apply(h, mask, block.mlp, block.cheap)
+        if score is not None and cfg.gate_grad == 'scale':
+            update = update * torch.where(mask, torch.sigmoid(score), 1.0)[..., None]
+    elif score is not None and cfg.gate_grad == 'scale':       # MoD: x + σ(s)·full on the selected path
+        update = torch.where(mask[..., None], torch.sigmoid(score)[..., None] * full, cheap)
+    elif score is not None and cfg.gate_grad == 'ste' and block.training:
+        w = straight_through(mask, score)[..., None]
+        update = w * full + (1 - w) * cheap
+    else:
+        update = torch.where(mask[..., None], full, cheap)
+    if ctx.collect:
+        ctx.masks[l] = mask
+        if score is not None:
+            ctx.scores[l] = score
+        if block.training:
+            collect_losses(block, cfg, ctx, x, h, full, cheap, mask, preds)
+    return update
+
+
+def collect_losses(block, cfg, ctx, x, h, full, cheap, mask, preds):
+    n = len(controlled_layer_ids(cfg, default='all'))
+    if preds is not None:           # collapse monitor (A1): spread of the forecasts across tokens
+        ctx.add('jepa_pred_std', torch.cat(preds, -1).detach().flatten(0, 1).std(0, correction=0).mean() / n)
+    if preds is not None and cfg.jepa_weight > 0:
+        outcomes = (full, cheap) if cfg.jepa_outcome == 'delta' else (x + full, x + cheap)
+        ctx.add('jepa_loss', losses.jepa_alignment(preds, [block.gate.target_of(o) for o in outcomes]))
+    if block.predictor is not None and cfg.predictor_weight > 0:
+        ctx.add('pred_loss', losses.membership_bce(block.predictor(h), mask))
+    if cfg.mimic_weight > 0:
+        ctx.add('mimic_loss', losses.cheap_mimic(cheap, full))
+
+
+# ----------------------------------------------------------------------------------------------------
+# oracle utility labels
+
+@contextmanager
+def no_dropout(model):
+    """Dropout off (routing stays in training mode): the two forks of an oracle label must differ
+    only in the action at l, not in their dropout masks."""
+    # nn.Dropout layers, and attention, whose dropout probability is a float attribute
+    mods = [m for m in model.modules() if (isinstance(m, nn.Dropout) or isinstance(getattr(m, 'dropout', None), float))
+            and m.training]
+    for m in mods:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.training = True
+
+
+@torch.no_grad()
+def fork_utility(model, l, x_mid, targets, pos, later, ce_full=None):
+    """U_t at controlled layer l from the state x_mid (after layer l's attention): per-token CE with
+    the cheap FFN at l minus with the full FFN at l; the later layers all full (later='full') or
+    following the current gate policy (later='policy'). ce_full, when known, skips that fork."""
+    block = model.transformer.h[l]
+    ce = {'full': ce_full, 'cheap': None}
+    with no_dropout(model):
+        h = block.ln_2(x_mid)
+        for action in ('full', 'cheap'):
+            if ce[action] is None:
+                update = block.mlp(h) if action == 'full' else block.cheap(h)
+                sub = RouteCtx(force='full' if later == 'full' else None, collect=False)
+                x = model.family.run_blocks(model, x_mid + update, pos, None, sub, start=l + 1)
+                ce[action] = losses.per_token_ce(model.lm_head(model.transformer.ln_f(x)), targets)
+    return losses.oracle_utility(ce['cheap'], ce['full'])
+
+
+def oracle_losses(model, ctx, layers, targets, aux):
+    """util/rank losses at the sampled controlled layers. Off-policy (the paper): one no-grad
+    all-full pass gives CE(all full) and the state at each l, and one suffix pass per layer forks
+    it with the cheap FFN at l. On-policy: both forks start from this pass's own state at l and
+    the later layers follow the current gates."""
+    cfg, pos = model.config, ctx.pos
+    for l in layers:
+        if l not in ctx.scores:
+            raise ValueError(f"oracle_layers names layer {l}, which has no trainable gate score")
+    if cfg.oracle_policy == 'off':
+        with torch.no_grad(), no_dropout(model):
+            full_ctx = RouteCtx(force='full', collect=False, keep_mid=set(layers))
+            x = model.family.run_blocks(model, model.embed(ctx.idx, pos), pos, None, full_ctx)
+            ce_full = losses.per_token_ce(model.lm_head(model.transformer.ln_f(x)), targets)
+    for l in layers:
+        if cfg.oracle_policy == 'on':
+            U = fork_utility(model, l, ctx.mid[l], targets, pos, later='policy')
+        else:
+            U = fork_utility(model, l, full_ctx.mid[l], targets, pos, later='full', ce_full=ce_full)
+        score = ctx.scores[l]
+        if cfg.util_weight > 0:
+            aux['util_loss'] = aux.get('util_loss', 0.0) + losses.utility_regression(score, U) / len(layers)
+        if cfg.rank_weight > 0:
+            aux['rank_loss'] = aux.get('rank_loss', 0.0) + losses.pairwise_rank(
+                score, U, cfg.rank_pairs, cfg.rank_kind, cfg.rank_margin) / len(layers)
+        aux['utility_mean'] = aux.get('utility_mean', 0.0) + U.mean() / len(layers)

@@ -1,0 +1,75 @@
+"""
+route='halt': Token-Selective Attention ("Adaptive Computation Depth via Learned Token Routing in
+Transformers", arXiv 2605.05222).
+
+Block 0 is a stem that always runs. A router after each block l = 0..L−2 gives p_l = r_l(h) in (0, 1),
+the probability of skipping block l+1, which then adds (1 − p_l)·Δattn and (1 − p_l)·Δffn. The LM
+gradient reaches the router through that product; a depth regulariser λ·mean(1 − p) (the mean active
+fraction α) pushes towards skipping. Eval (hard, causal per token): a token skips both updates where
+p_l > halt_tau; kept tokens add (1 − p_l)·Δ as in training ('scaled') or the whole Δ ('binary'). A
+skipped token's K/V are still computed, so later tokens attend to it as in training; sparse eval runs
+the FFN on the kept tokens only. force='full' keeps every update whole (the dense model).
+
+Options (GPTConfig fields): halt_lambda, halt_tau, halt_soft_eval, halt_hard.
+"""
+import torch
+import torch.nn as nn
+
+from gates import HaltingRouter
+from routing import Family, split_apply, tlops_saved, add_weighted
+
+
+class TokenSelectiveAttention(Family):
+
+    def validate(self, config):
+        if config.n_layer < 2:
+            raise ValueError("route='halt' needs n_layer >= 2 (block 0 is the stem that always runs)")
+        if not 0.0 <= config.halt_tau <= 1.0:
+            raise ValueError(f"halt_tau must be in [0, 1], got {config.halt_tau}")
+        if config.halt_hard not in ('scaled', 'binary'):
+            raise ValueError(f"halt_hard must be 'scaled' or 'binary', got {config.halt_hard!r}")
+
+    def build(self, model):
+        # router l (after block l, l = 0..L-2) gates block l+1
+        model.halt = nn.ModuleList([HaltingRouter(model.config.n_embd) for _ in range(model.config.n_layer - 1)])
+
+    def init_weights(self, model):
+        for router in model.halt:       # b2 = −1 (after the generic init): blocks start mostly on
+            nn.init.constant_(router.out.bias, -1.0)
+
+    def run_blocks(self, model, x, pos, cache, ctx, start=0):
+        cfg, blocks = model.config, model.transformer.h
+        x = blocks[0](x, pos, cache)
+        for l, router in enumerate(model.halt):
+            p = router(x)
+            if ctx.force == 'full':
+                keep = active = torch.ones_like(p)
+            elif model.training or cfg.halt_soft_eval:
+                keep = active = 1 - p
+            else:                       # skip where p > τ; kept tokens as trained ('scaled') or whole
+                active = (p <= cfg.halt_tau).to(p.dtype)
+                keep = active * (1 - p) if cfg.halt_hard == 'scaled' else active
+            block = blocks[l + 1]
+            x = x + keep[..., None] * block.attn_update(x, pos, cache)
+            if not model.training and ctx.sparse and ctx.force != 'full' and not cfg.halt_soft_eval:
+                x = x + keep[..., None] * split_apply(x, active > 0, block.ffn_update)   # FFN on kept tokens only
+            else:
+                x = x + keep[..., None] * block.ffn_update(x)
+            if ctx.collect:             # α's per-token share: 1 − p (soft) or not-skipped (hard)
+                ctx.masks[l + 1] = active.detach()
+                ctx.add('halt_active', (1 - p).mean() / len(model.halt))    # α of the soft router
+        return x
+
+    def loss(self, model, ctx, lm_loss, targets, aux):
+        if 'halt_active' in aux:        # the depth regulariser: λ · mean active fraction
+            aux['depth_loss'] = aux['halt_active']
+        return add_weighted(lm_loss, aux, dict(depth_loss=model.config.halt_lambda))
+
+    def stats(self, model, ctx, aux):
+        super().stats(model, ctx, aux)
+        if ctx.masks:
+            aux['tlops_saved'] = tlops_saved(aux['full_frac'], model.config.n_layer)
+            aux['alpha'] = aux['full_frac'].mean()      # TSA's mean active fraction α
+
+    def is_controller_key(self, name):
+        return name.startswith('halt.')

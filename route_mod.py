@@ -1,0 +1,125 @@
+"""
+route='mod': Mixture-of-Depths (Raposo et al., arXiv 2404.02258): top-k block routing.
+
+A routed block has a scalar linear router r = wᵀx. The selected tokens get x + σ(r)·f(x̃), f the whole
+block run on the selected tokens only, attending among themselves at their real positions (RoPE and
+the causal mask see real positions); the others pass unchanged and write no K/V at that block.
+Training: top-k of r at capacity ceil(budget·T) of the actual length T (static shapes), gathered in
+original order. Eval (causal): selected where σ(r) > 0.5 (the router trained with BCE on top-k
+membership) or where a stop-gradient membership predictor says so. σ(r) rather than the raw r
+multiplies the update: a raw logit multiplied into the residual can blow up.
+
+Options (GPTConfig fields): gate ('mlp' = the linear router, 'random'), budget (the capacity, 0.125 in
+the paper), controlled_layers ('auto' = every other block), infer_rule ('threshold' = σ(r) > 0.5, or
+'predictor'), router_bce_weight, predictor_weight, gate_hidden (the predictor's width).
+"""
+import torch
+
+import losses
+from gates import MembershipPredictor, ModRouter, capacity, topk_mask
+from route_ffn import controlled_layer_ids
+from routing import Family, gather_rows, tlops_saved, add_weighted
+
+
+class MixtureOfDepths(Family):
+
+    def validate(self, config):
+        if config.gate not in ('mlp', 'random'):
+            raise ValueError(f"route='mod' routes by its linear router (gate='mlp') or at random (gate='random'), "
+                             f"got gate={config.gate!r}")
+        if config.infer_rule not in ('threshold', 'predictor'):
+            raise ValueError(f"infer_rule must be 'threshold' or 'predictor', got {config.infer_rule!r}")
+        if not self.routed_layers(config):
+            raise ValueError(f"controlled_layers={config.controlled_layers!r} routes no layer of a "
+                             f"{config.n_layer}-layer model")
+
+    def routed_layers(self, config):
+        return controlled_layer_ids(config, default='every_other')
+
+    def build_block(self, block, config, layer):
+        if layer not in self.routed_layers(config):
+            return
+        block.router = ModRouter(config.n_embd) if config.gate == 'mlp' else None
+        block.predictor = (MembershipPredictor(config.n_embd, config.gate_hidden)
+                           if config.infer_rule == 'predictor' and block.router is not None else None)
+
+    def run_blocks(self, model, x, pos, cache, ctx, start=0):
+        for block in model.transformer.h[start:]:
+            x = mod_block(block, model.config, x, pos, cache, ctx) if hasattr(block, 'router') else block(x, pos, cache)
+        return x
+
+    def loss(self, model, ctx, lm_loss, targets, aux):
+        cfg = model.config
+        return add_weighted(lm_loss, aux, dict(pred_loss=cfg.predictor_weight, router_loss=cfg.router_bce_weight))
+
+    def stats(self, model, ctx, aux):
+        super().stats(model, ctx, aux)
+        if ctx.masks:
+            aux['tlops_saved'] = tlops_saved(aux['full_frac'], model.config.n_layer)
+
+    def is_controller_key(self, name):
+        return '.router.' in name or '.predictor.' in name
+
+    def ddp_find_unused(self, config):
+        return config.infer_rule == 'predictor' and config.predictor_weight == 0
+
+
+def mod_block(block, cfg, x, pos, cache, ctx):
+    """One routed block (see the module docstring); force='full' runs the dense block, in the dense
+    block's order of sums, and force='cheap' skips it for every token."""
+    B, T = x.shape[:2]
+    if ctx.force == 'full':
+        return block(x, pos, cache)
+    if ctx.force == 'cheap':
+        return x
+    if pos is None:                 # the selected tokens attend at their real positions
+        pos = torch.arange(T, device=x.device).expand(B, T)
+    r = block.router(x) if block.router is not None else None
+    if block.training:
+        k = capacity(cfg.budget, T)
+        sel = (r.detach() if r is not None else torch.rand(B, T, device=x.device)).topk(k, dim=-1).indices
+        sel = sel.sort(dim=-1).values               # causal order among the selected = original order
+        mask = torch.zeros(B, T, dtype=torch.bool, device=x.device).scatter(1, sel, True)
+        xs = gather_rows(x, sel)
+        f = block.delta(xs, gather_rows(pos, sel))
+        w = torch.sigmoid(r.gather(1, sel))[..., None] if r is not None else 1.0
+        out = x.scatter(1, sel[..., None].expand_as(xs), (xs + w * f).to(x.dtype))   # replace, not add
+        if ctx.collect and r is not None:
+            if block.predictor is not None and cfg.predictor_weight > 0:
+                ctx.add('pred_loss', losses.membership_bce(block.predictor(x), mask))
+            elif block.predictor is None and cfg.router_bce_weight > 0:
+                ctx.add('router_loss', losses.membership_bce(r, mask))
+    else:
+        if r is None:
+            mask = torch.rand(B, T, device=x.device) < cfg.budget
+        else:
+            mask = (block.predictor(x) if block.predictor is not None else r) > 0     # σ(·) > 0.5
+            if ctx.collect:           # agreement of the causal decision with top-k (non-causal)
+                ctx.add('mod_acc', (mask == topk_mask(r, capacity(cfg.budget, T))).float().mean()
+                        / len(controlled_layer_ids(cfg, default='every_other')))
+        out = mod_sparse(block, x, pos, cache, mask, r) if ctx.sparse else mod_masked(block, x, pos, cache, mask, r)
+    if ctx.collect:
+        ctx.masks[block.layer] = mask
+        if r is not None:
+            ctx.scores[block.layer] = r
+    return out
+
+
+def mod_masked(block, x, pos, cache, mask, r):
+    """The reference: the block on every token, keys restricted to the selected, result masked."""
+    w = torch.sigmoid(r)[..., None] if r is not None else 1.0
+    return x + torch.where(mask[..., None], w * block.delta(x, pos, cache, valid=mask), 0.0).to(x.dtype)
+
+
+def mod_sparse(block, x, pos, cache, mask, r):
+    """Each row's selected tokens gathered first in original order, padded to the longest row."""
+    counts = mask.sum(1)
+    kmax = int(counts.max())                    # host sync: causal decisions make the count data-dependent
+    if kmax == 0:
+        return x
+    order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices[:, :kmax]
+    valid = torch.arange(kmax, device=x.device) < counts[:, None]
+    xs = gather_rows(x, order)
+    w = torch.sigmoid(r.gather(1, order))[..., None] if r is not None else 1.0
+    new = torch.where(valid[..., None], xs + w * block.delta(xs, gather_rows(pos, order), cache, valid), xs)
+    return x.scatter(1, order[..., None].expand_as(xs), new.to(x.dtype))

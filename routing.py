@@ -1,0 +1,192 @@
+"""
+What the dense model and every routing family share: the per-forward context `RouteCtx`, the
+`Family` interface (whose every method does the dense thing), the MLP of any width, and sparse
+execution (gather the selected tokens, compute, scatter back).
+
+A family is a class with these methods; model.py holds the registry {route: family} and calls them.
+A family file (route_ffn.py, route_mod.py, ...) overrides only what it changes:
+
+    validate(config)               refuse bad options of this family (ValueError naming the field)
+    routed_layers(config)          the layers whose decisions it makes (ffn, mod), else []
+    build_block(block, config, layer)  add its per-block modules (cheap FFN, gate, router) to a block
+    build(model)                   add its model-level modules (halting routers, exit heads, norms)
+    init_weights(model)            its own initialisation, after the GPT-2 init
+    begin(model, ctx)              prepare this forward (what to keep for losses computed after it)
+    run_blocks(model, x, pos, cache, ctx)   the stack of blocks, routed
+    logits(model, x, ctx, last)    the output logits from the final state
+    loss(model, ctx, lm_loss, targets, aux) the training loss: LM plus its named, weighted terms
+    stats(model, ctx, aux)         routing statistics added to aux (fractions, TLOps saved, ...)
+    is_controller_key(name)        parameters the controller-only recipe trains
+    calibrate(model, idx)          set causal thresholds on held-out data (ffn)
+    step_options(model, step)      per-step forward options (the oracle layers, the exit curriculum)
+    ddp_find_unused(config)        whether some parameters get no gradient in a step
+    after_load(model)              fix-ups once backbone weights are loaded (ensemble norms)
+"""
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class RouteCtx:
+    """What one forward pass asks of the routing family, and what it leaves behind.
+    force: None (gates decide), 'full' (every routed decision open: the dense model) or 'cheap'.
+    calibrate: (eval) set each layer's threshold to hit the budget on this batch, in layer order.
+    collect: record scores, masks and loss terms (off for the oracle's counterfactual passes).
+    sparse: (eval) run the expensive path on the selected tokens only (gather, compute, scatter), or
+    masked-dense (every path on every token, mixed by the mask: the reference sparse must equal).
+    options: the family's per-step options (e.g. oracle_layers, exits), from step_options."""
+    force: str = None
+    calibrate: bool = False
+    collect: bool = True
+    sparse: bool = True
+    targets: torch.Tensor = None
+    idx: torch.Tensor = None                         # the input ids and positions (oracle forks rerun them)
+    pos: torch.Tensor = None
+    options: dict = field(default_factory=dict)
+    keep_mid: set = field(default_factory=set)       # layers whose pre-FFN state is kept (oracle labels)
+    mid: dict = field(default_factory=dict)
+    keep_hidden: set = field(default_factory=set)    # depths whose state after d blocks is kept
+    hidden: dict = field(default_factory=dict)
+    scores: dict = field(default_factory=dict)       # layer -> gate score (B, T)
+    masks: dict = field(default_factory=dict)        # layer -> (B, T), 1 = full path / block runs
+    terms: dict = field(default_factory=dict)        # named loss terms and statistics
+    exited: torch.Tensor = None                      # route='exit' eval: who exited, own heads' logits
+    exit_out: torch.Tensor = None
+    oracle: object = None                            # gate='oracle': fn(layer, x_mid) -> utility (B, T)
+    final: torch.Tensor = None                       # the final hidden state and the logits, once known
+    logits: torch.Tensor = None
+
+    def add(self, name, value):
+        self.terms[name] = self.terms.get(name, 0.0) + value
+
+
+class Family:
+    """The dense model: the default of every hook."""
+
+    def validate(self, config):
+        pass
+
+    def routed_layers(self, config):
+        return []
+
+    def build_block(self, block, config, layer):
+        pass
+
+    def build(self, model):
+        pass
+
+    def begin(self, model, ctx):
+        pass
+
+    def init_weights(self, model):
+        pass
+
+    def run_blocks(self, model, x, pos, cache, ctx, start=0):
+        for l, block in enumerate(model.transformer.h[start:], start):
+            p = layer_dropout_prob(model.config, l) if model.training else 0.0
+            if p > 0:                   # LayerSkip layer dropout: whole sequences skip block l
+                keep = torch.rand(x.size(0), 1, 1, device=x.device) >= p
+                x = torch.where(keep, block(x, pos, cache), x)
+            else:
+                x = block(x, pos, cache)
+            if l + 1 in ctx.keep_hidden:
+                ctx.hidden[l + 1] = x
+        return x
+
+    def logits(self, model, x, ctx, last):
+        return model.lm_head(model.transformer.ln_f(last(x)))
+
+    def loss(self, model, ctx, lm_loss, targets, aux):
+        return lm_loss
+
+    def stats(self, model, ctx, aux):
+        if ctx.masks:
+            aux['full_frac'] = torch.stack([ctx.masks[l].float().mean() for l in sorted(ctx.masks)])
+            aux['masks'] = ctx.masks
+
+    def is_controller_key(self, name):
+        return False
+
+    def calibrate(self, model, idx):
+        return None
+
+    def step_options(self, model, step):
+        return {}
+
+    def ddp_find_unused(self, config):
+        return False
+
+    def after_load(self, model):
+        pass
+
+
+def layer_dropout_prob(config, layer):
+    """LayerSkip's rate for block `layer`: p_max·D(l), D(l) = exp(l·ln2/(L−1)) − 1 (0 at the first
+    block, p_max at the last); the time schedule S(t) is constant 1 here."""
+    L = config.n_layer
+    return config.layer_dropout * (math.exp(layer * math.log(2) / (L - 1)) - 1) if L > 1 else 0.0
+
+
+def add_weighted(loss, aux, weights):
+    """loss + Σ w·aux[name] over the named loss terms present in aux, added in the order given."""
+    for name, w in weights.items():
+        if name in aux:
+            loss = loss + w * aux[name]
+    return loss
+
+
+def tlops_saved(full_frac, n_layer):
+    """Token-layer operations skipped: 1 − (Σ_l fraction run at routed layer l + layers not routed) / L."""
+    return 1 - (full_frac.sum() + (n_layer - len(full_frac))) / n_layer
+
+
+# ----------------------------------------------------------------------------------------------------
+# layers and sparse execution
+
+class MLP(nn.Module):
+    """The FFN, d -> width -> d: the full path at width 4d, the cheap path low-rank."""
+
+    def __init__(self, config, width=None):
+        super().__init__()
+        width = width or 4 * config.n_embd
+        self.c_fc = nn.Linear(config.n_embd, width, bias=config.bias)
+        self.c_proj = nn.Linear(width, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+        self.approximate = config.gelu
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate)))
+
+
+def split_apply(x, mask, fn_true, fn_false=None):
+    """Sparse execution: fn_true on the tokens of x (B, T, C) where mask (B, T), fn_false (or zeros) on
+    the rest, each on a gathered (N, C) batch, scattered back into (B, T, C). Batched over the whole
+    batch; the one host sync is the count of selected tokens, which causal decisions make data-dependent."""
+    flat, m = x.reshape(-1, x.size(-1)), mask.reshape(-1)
+    idx_t, idx_f = m.nonzero().squeeze(1), (~m).nonzero().squeeze(1)
+    y_t = fn_true(flat.index_select(0, idx_t))
+    out = y_t.new_zeros(flat.shape[:1] + y_t.shape[1:])
+    out.index_copy_(0, idx_t, y_t)
+    if fn_false is not None:
+        out.index_copy_(0, idx_f, fn_false(flat.index_select(0, idx_f)).to(out.dtype))
+    return out.view(*x.shape[:-1], -1)
+
+
+def gather_rows(x, idx):
+    """x (B, T, ...) at per-row indices idx (B, k) -> (B, k, ...)."""
+    return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(*idx.shape, *x.shape[2:]))
+
+
+def parse_layer_list(spec, lo, hi, what):
+    """'0,2,5' -> [0, 2, 5], each in lo..hi; ValueError naming `what` otherwise."""
+    try:
+        ids = sorted({int(t) for t in str(spec).replace(' ', '').split(',') if t})
+    except ValueError:
+        ids = []
+    if not ids or ids[0] < lo or ids[-1] > hi:
+        raise ValueError(f"{what} {spec!r} must name layers in {lo}..{hi}, e.g. '{lo},{hi}'")
+    return ids
