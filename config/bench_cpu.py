@@ -1,4 +1,4 @@
-# The README's CPU benchmark config (issue 5): a 4-layer d=512 model, every FFN routed (ffn) or every
+# The CPU benchmark config (docs/results.md): a 4-layer d=512 model, every FFN routed (ffn) or every
 # other block routed (--route=mod), GPT-2's vocabulary, prefill batches of 4096 tokens.
 #   python bench.py config/bench_cpu.py --budgets=1.0,0.75,0.5,0.25,0.125 --profile=True
 #   python bench.py config/bench_cpu.py --route=mod --budgets=1.0,0.75,0.5,0.25,0.125

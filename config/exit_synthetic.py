@@ -1,4 +1,4 @@
-# Early exits with auxiliary losses (SPEC §4), CPU-sized: exit heads after {2, n/2, 3n/4} blocks sharing
+# Early exits with auxiliary losses (deep supervision, LayerSkip, CALM), CPU-sized: exit heads after {2, n/2, 3n/4} blocks sharing
 # the final norm + LM head (LayerSkip), LayerSkip's depth-growing loss weights, and per-token
 # early exit at eval when the max softmax probability reaches exit_threshold (CALM; an exited token's
 # state is copied upward and later layers still compute its K/V). The end-of-run summary sweeps the

@@ -1,4 +1,4 @@
-# Stage 1 of the controller-only recipe (seed paper, SPEC §1), CPU-sized: train the backbone, cheap
+# Stage 1 of the controller-only recipe (arXiv 2604.17228), CPU-sized: train the backbone, cheap
 # FFNs included, with RANDOM routing at the budget. Every token randomly takes the full or the cheap
 # FFN at every controlled layer, so (a) the cheap FFNs get their own LM gradient and become useful on
 # their own, and (b) the backbone learns to work under the mixed-path futures a gate will create.

@@ -1,4 +1,4 @@
-# TSA (SPEC §2), CPU-sized: the λ sweep against the dense baseline, and TSA against its early-exit
+# TSA (arXiv 2605.05222), CPU-sized: the λ sweep against the dense baseline, and TSA against its early-exit
 # baseline (one exit per block, mean CE) at matched α. Every TSA run's summary reports validation loss
 # under soft gating and under hard skipping at τ in {0.3, 0.5, 0.7, 0.9}; the exit run's summary sweeps
 # its confidence threshold, so the two are compared at the same TLOps saved.

@@ -1,4 +1,4 @@
-# TSA's early-exit baseline (SPEC §2) for the matched-α comparison, CPU-sized like
+# TSA's early-exit baseline (arXiv 2605.05222) for the matched-α comparison, CPU-sized like
 # config/tsa_shakespeare_cpu.py: one exit after every block, shared norm + head, loss = mean CE over
 # every exit and the final layer. The summary's threshold sweep gives loss at each TLOps saved, to set
 # beside TSA's hard-skip rows at the same α. GPU paper setting: add the overrides of
