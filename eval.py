@@ -44,21 +44,19 @@ def evaluate(model, batches, autocast=nullcontext(), force=None):
     """Mean loss over batches [(x, y), ...] in eval mode (causal, hard routing), the mean realised
     full-path fraction per controlled layer (None for a dense model), and exec_frac: the fraction
     sparse execution runs (MoD: the longest row's, every row being padded to it; else full_frac)."""
-    was_training = model.training
-    model.eval()
-    losses, fracs, execs, extra = [], [], [], {}
-    for x, y in batches:
-        with autocast:
-            _, loss, aux = model(x, y, force=force)
-        losses.append(float(aux['lm_loss']))
-        if 'full_frac' in aux:
-            fracs.append(aux['full_frac'].float().cpu())
-            if model.config.route == 'mod':      # sparse MoD pads each row to the longest: what it runs
-                execs.append(torch.stack([m.sum(1).max() / m.size(1) for _, m in sorted(aux['masks'].items())]).float().cpu())
-        for k in ('tlops_saved', 'mod_acc'):     # families that skip blocks; MoD's causal-rule accuracy
-            if k in aux:
-                extra.setdefault(k, []).append(float(aux[k]))
-    model.train(was_training)
+    with model.mode(training=False):
+        losses, fracs, execs, extra = [], [], [], {}
+        for x, y in batches:
+            with autocast:
+                _, loss, aux = model(x, y, force=force)
+            losses.append(float(aux['lm_loss']))
+            if 'full_frac' in aux:
+                fracs.append(aux['full_frac'].float().cpu())
+                if model.config.route == 'mod':      # sparse MoD pads each row to the longest: what it runs
+                    execs.append(torch.stack([m.sum(1).max() / m.size(1) for _, m in sorted(aux['masks'].items())]).float().cpu())
+            for k in ('tlops_saved', 'mod_acc'):     # families that skip blocks; MoD's causal-rule accuracy
+                if k in aux:
+                    extra.setdefault(k, []).append(float(aux[k]))
     full = torch.stack(fracs).mean(0).tolist() if fracs else None
     return dict(loss=float(np.mean(losses)), full_frac=full,
                 exec_frac=torch.stack(execs).mean(0).tolist() if execs else full,
@@ -79,21 +77,19 @@ def exit_report(model, batches, autocast=nullcontext(), thresholds=(0.5, 0.7, 0.
             rows.append(dict(threshold=thr, loss=r['loss'], tlops_saved=r['tlops_saved'], running=r['full_frac']))
     finally:
         cfg.exit_threshold = saved
-    was_training = model.training
-    model.eval()
-    per_exit = {}
-    with torch.no_grad():
-        for d in model.exit_ids:
-            vals = []
-            for x, y in batches:
-                with autocast:
-                    h = model.embed(x)
-                    for block in model.transformer.h[:d]:
-                        h = block(h)
-                    vals.append(float(torch.nn.functional.cross_entropy(
-                        exit_logits(model, d, h).float().flatten(0, 1), y.flatten())))
-            per_exit[d] = float(np.mean(vals))
-    model.train(was_training)
+    with model.mode(training=False):
+        per_exit = {}
+        with torch.no_grad():
+            for d in model.exit_ids:
+                vals = []
+                for x, y in batches:
+                    with autocast:
+                        h = model.embed(x)
+                        for block in model.transformer.h[:d]:
+                            h = block(h)
+                        vals.append(float(torch.nn.functional.cross_entropy(
+                            exit_logits(model, d, h).float().flatten(0, 1), y.flatten())))
+                per_exit[d] = float(np.mean(vals))
     return dict(thresholds=rows, per_exit_loss=per_exit)
 
 
@@ -102,22 +98,20 @@ def difficulty_fractions(model, batches, difficulty, class_names, autocast=nullc
     """Full-path fraction per difficulty class, per controlled layer, in eval mode. `batches` are
     (x, y, starts); the routing decision at position t serves the prediction of token t+1, so it is
     attributed to the class of that target token, difficulty[start + t + 1]."""
-    was_training = model.training
-    model.eval()
-    T = batches[0][0].size(1)
-    sums, counts = {}, np.zeros(len(class_names))
-    for x, y, starts in batches:
-        cls = np.stack([np.asarray(difficulty[s + 1:s + 1 + T], dtype=np.int64) for s in starts])
-        with autocast:
-            masks = model(x, y)[2].get('masks', {})
-        for c in range(len(class_names)):
-            counts[c] += (cls == c).sum()
-        for layer, m in masks.items():
-            m = m.cpu().numpy()
-            s = sums.setdefault(layer, np.zeros(len(class_names)))
+    with model.mode(training=False):
+        T = batches[0][0].size(1)
+        sums, counts = {}, np.zeros(len(class_names))
+        for x, y, starts in batches:
+            cls = np.stack([np.asarray(difficulty[s + 1:s + 1 + T], dtype=np.int64) for s in starts])
+            with autocast:
+                masks = model(x, y)[2].get('masks', {})
             for c in range(len(class_names)):
-                s[c] += m[cls == c].sum()
-    model.train(was_training)
+                counts[c] += (cls == c).sum()
+            for layer, m in masks.items():
+                m = m.cpu().numpy()
+                s = sums.setdefault(layer, np.zeros(len(class_names)))
+                for c in range(len(class_names)):
+                    s[c] += m[cls == c].sum()
     return {name: {int(l): float(sums[l][c] / max(1, counts[c])) for l in sorted(sums)}
             for c, name in enumerate(class_names)}
 
@@ -154,11 +148,9 @@ def routing_map(model, x, y=None, autocast=nullcontext()):
     aux['masks'][l][0] (1 = full path / active, values in [0, 1]) and NaN where layer l is not routed
     (absent from the masks). Rows cover the model's layers and any other layer index the masks name.
     Column t is the decision taken while processing input token x[0, t]."""
-    was_training = model.training
-    model.eval()
-    with autocast:
-        masks = model(x, y)[2].get('masks', {})
-    model.train(was_training)
+    with model.mode(training=False):
+        with autocast:
+            masks = model(x, y)[2].get('masks', {})
     grid = np.full((max([model.config.n_layer, *[int(l) + 1 for l in masks]]), x.size(1)), np.nan)
     for l, m in masks.items():
         grid[int(l)] = m[0].float().cpu().numpy()
