@@ -111,8 +111,10 @@ def test_sparse_execution_equals_masked_dense(case, seed, T, B, dtype):
     with torch.no_grad(), amp:
         a_logits, _, a = seeded(lambda: model(idx, idx, sparse=True))
         b_logits, _, b = seeded(lambda: model(idx, idx, sparse=False))
-    tol = 1e-5 if dtype == 'float32' else 3e-2
-    torch.testing.assert_close(a_logits.float(), b_logits.float(), rtol=tol, atol=tol)
+    # gathered vs full-batch matmuls round differently; routed models' noisy weights reach ~0.2e-5 under
+    # some BLAS modes, so fp32 gets ROUTED_TOL; bf16 rounds to ~1e-2 per op
+    tol = ROUTED_TOL if dtype == 'float32' else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(a_logits.float(), b_logits.float(), **tol)
     assert a.get('masks', {}).keys() == b.get('masks', {}).keys()
     for l in a.get('masks', {}):
         assert torch.equal(a['masks'][l], b['masks'][l])
