@@ -209,3 +209,17 @@ def test_str_key_takes_numeric_looking_text(arg, key, value):
     except ConfigError as e:
         raise AssertionError(str(e)) from None
     assert out[key] == value
+
+
+@pytest.mark.parametrize("body,needle", [("n_layer = 2\nbatch_size = (\n", "line 2"),
+                                         ("n_layer = 2\nx = 1 / 0\n", "ZeroDivisionError"),
+                                         ("n_layer = undefined_name\n", "NameError")])
+def test_config_file_with_an_error_is_one_line(tmp_path, body, needle):
+    """A config file that does not parse or raises while it runs: a ConfigError naming the file and
+    the line, not a traceback."""
+    path = tmp_path / "bad.py"
+    path.write_text(body)
+    with pytest.raises(ConfigError) as e:
+        load_config({"n_layer": 4, "batch_size": 1}, [str(path)])
+    msg = str(e.value)
+    assert str(path) in msg and needle in msg and "\n" not in msg
