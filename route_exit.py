@@ -35,6 +35,8 @@ class ExitHead(nn.Module):
 
 
 class EarlyExit(Family):
+    options = ('exit_layers', 'exit_head', 'exit_schedule', 'exit_weight', 'exit_rotation', 'exit_conf',
+               'exit_threshold', 'layer_dropout')
 
     def validate(self, config):
         if config.n_layer < 2:
@@ -88,7 +90,7 @@ class EarlyExit(Family):
     def is_controller_key(self, name):
         return name.startswith('exit_heads.')
 
-    def step_options(self, model, step):
+    def step_options(self, model, step, run=None):
         """The exits whose losses count at training step `step`: all, or under the rotational
         curriculum (exit_rotation = R > 0) those with d % R == step % R."""
         R = model.config.exit_rotation

@@ -17,6 +17,7 @@ Options (GPTConfig fields): gate, budget, controlled_layers, cheap_rank, gate_hi
 infer_rule, jepa_latent, jepa_outcome, jepa_readout, util_weight, rank_weight, rank_kind, rank_margin,
 rank_pairs, oracle_policy, jepa_weight, predictor_weight, mimic_weight.
 """
+import random
 from contextlib import contextmanager
 
 import torch
@@ -28,6 +29,10 @@ from routing import MLP, Family, RouteCtx, parse_layer_list, split_apply, add_we
 
 
 class FFNRouting(Family):
+    options = ('gate', 'budget', 'controlled_layers', 'cheap_rank', 'gate_hidden', 'gate_grad', 'infer_rule',
+               'jepa_latent', 'jepa_outcome', 'jepa_readout', 'util_weight', 'rank_weight', 'rank_kind', 'rank_margin',
+               'rank_pairs', 'oracle_policy', 'jepa_weight', 'predictor_weight', 'mimic_weight',
+               'oracle_layers_per_step', 'calib_iters')
 
     def validate(self, config):
         for key, allowed in dict(gate=GATES, gate_grad=('ste', 'scale', 'none'), infer_rule=('threshold', 'predictor'),
@@ -90,6 +95,16 @@ class FFNRouting(Family):
         with model.mode(training=False):
             aux = model(idx, last_only=True, calibrate=True)[2]
         return aux.get('full_frac')
+
+    def step_options(self, model, step, run):
+        """The controlled layers that get oracle labels this step (util/rank losses on): sampled from the
+        seed and the step alone, so every DDP rank and a resumed run draw the same."""
+        cfg = model.config
+        if cfg.gate not in ('mlp', 'jepa') or not (cfg.util_weight > 0 or cfg.rank_weight > 0):
+            return {}
+        ids = self.routed_layers(cfg)
+        k = min(run.oracle_layers_per_step, len(ids))
+        return dict(oracle_layers=tuple(sorted(random.Random(run.seed * 1_000_003 + step).sample(ids, k))))
 
     def ddp_find_unused(self, config):
         return (config.gate in ('static_full', 'static_cheap') or config.gate_grad == 'none'

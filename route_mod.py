@@ -22,6 +22,8 @@ from routing import Family, gather_rows, tlops_saved, add_weighted
 
 
 class MixtureOfDepths(Family):
+    options = ('gate', 'budget', 'controlled_layers', 'infer_rule', 'predictor_weight', 'gate_hidden',
+               'router_bce_weight')
 
     def validate(self, config):
         if config.gate not in ('mlp', 'random'):

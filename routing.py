@@ -6,6 +6,7 @@ execution (gather the selected tokens, compute, scatter back).
 A family is a class with these methods; model.py holds the registry {route: family} and calls them.
 A family file (route_ffn.py, route_mod.py, ...) overrides only what it changes:
 
+    options                        the config fields it reads (another family's are refused)
     validate(config)               refuse bad options of this family (ValueError naming the field)
     routed_layers(config)          the layers whose decisions it makes (ffn, mod), else []
     build_block(block, config, layer)  add its per-block modules (cheap FFN, gate, router) to a block
@@ -18,7 +19,8 @@ A family file (route_ffn.py, route_mod.py, ...) overrides only what it changes:
     stats(model, ctx, aux)         routing statistics added to aux (fractions, TLOps saved, ...)
     is_controller_key(name)        parameters the controller-only recipe trains
     calibrate(model, idx)          set causal thresholds on held-out data (ffn)
-    step_options(model, step)      per-step forward options (the oracle layers, the exit curriculum)
+    step_options(model, step, run) per-step forward options (the oracle layers, the exit curriculum); run:
+                                   the training config (seed, oracle_layers_per_step)
     ddp_find_unused(config)        whether some parameters get no gradient in a step
     after_load(model)              fix-ups once backbone weights are loaded (ensemble norms)
 """
@@ -66,6 +68,7 @@ class RouteCtx:
 
 class Family:
     """The dense model: the default of every hook."""
+    options = ('layer_dropout',)        # the config fields this family reads (others' are refused)
 
     def validate(self, config):
         pass
@@ -114,7 +117,7 @@ class Family:
     def calibrate(self, model, idx):
         return None
 
-    def step_options(self, model, step):
+    def step_options(self, model, step, run):
         return {}
 
     def ddp_find_unused(self, config):

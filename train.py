@@ -33,7 +33,7 @@ from checkpoint import load_checkpoint, remove_stale_temps, save_checkpoint
 from configurator import ConfigError, UserError, declared_defaults, load_config, run_cli
 from data.loader import Batches, DataError, check_checkpoint_data, check_data, data_identity, load_dataset_meta
 from device import autocast_context, resolve_device_dtype
-from model import GPT, GPTConfig, controlled_layer_ids, is_controller_key
+from model import FAMILIES, GPT, GPTConfig, controlled_layer_ids, is_controller_key
 from route_exit import exit_depths
 
 # ----------------------------------------------------------------------------------------------------
@@ -358,39 +358,22 @@ def check_train_config(cfg):
             raise TrainError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {cfg.device!r}") from None
 
 
-# Options that only one routing family (or a few) reads. Set on the command line for a family that
-# ignores them, they are a mistake (e.g. --route=halt --gate=jepa); set in a config file that several
-# studies share, they are only noted, since a study's arms switch route on a common base.
-FAMILY_OPTIONS = {
-    ('ffn', 'mod'): ('gate', 'budget', 'controlled_layers', 'infer_rule', 'predictor_weight', 'gate_hidden'),
-    ('ffn',): ('cheap_rank', 'gate_grad', 'jepa_latent', 'jepa_outcome', 'jepa_readout', 'util_weight', 'rank_weight',
-               'rank_kind', 'rank_margin', 'rank_pairs', 'oracle_policy', 'jepa_weight', 'mimic_weight',
-               'oracle_layers_per_step', 'calib_iters'),
-    ('mod',): ('router_bce_weight',),
-    ('halt',): ('halt_lambda', 'halt_tau', 'halt_soft_eval', 'halt_hard'),
-    ('exit',): ('exit_layers', 'exit_head', 'exit_schedule', 'exit_weight', 'exit_rotation', 'exit_conf',
-                'exit_threshold'),
-    ('exit', 'none'): ('layer_dropout',),
-    ('ensemble',): ('ens_router_input', 'ens_mix', 'ens_kl', 'ens_kl_weight'),
-    ('ensemble', 'last_layers'): ('ens_layers',),
-}
-
-
 def check_family_options(cfg, argv):
-    """Refuse another family's option given on the command line with a non-default value; note the
-    ones a config file set (they are recorded in config.json but change nothing)."""
+    """Refuse another family's option given on the command line with a non-default value (e.g.
+    --route=halt --gate=jepa); only note the ones a config file set, since a study's arms switch route
+    on a shared base file (they are recorded in config.json but change nothing)."""
     given = {a[2:].partition('=')[0] for a in argv if a.startswith('--')}
-    family = 'last_layers' if cfg.trainable == 'last_layers' else cfg.route
+    mine = set(FAMILIES[cfg.route].options)
+    if cfg.trainable == 'last_layers':
+        mine.add('ens_layers')          # the dense fine-tuning baseline trains the last ens_layers blocks
     inert = []
-    for families, keys in FAMILY_OPTIONS.items():
-        if family in families or cfg.route in families:
-            continue
-        for key in keys:
-            if getattr(cfg, key) == DEFAULTS[key]:
+    for name, family in FAMILIES.items():
+        for key in family.options:
+            if key in mine or key in inert or getattr(cfg, key) == DEFAULTS[key]:
                 continue
             if key in given:
-                raise TrainError(f"--{key} is an option of route={'/'.join(families)}, which route={cfg.route!r} "
-                                 f"does not read; drop it or set --route")
+                raise TrainError(f"--{key} is an option of route={name}, which route={cfg.route!r} does not "
+                                 f"read; drop it or set --route")
             inert.append(key)
     if inert and int(os.environ.get('RANK', 0)) == 0:
         print(f"note: route={cfg.route} does not read {', '.join(sorted(inert))} (set in a config file)")
@@ -503,14 +486,11 @@ def train(argv):
         partial = raw_model.family.ddp_find_unused(raw_model.config)   # some parameters get no gradient
         model = DDP(model, device_ids=[local_rank] if dev.type == 'cuda' else None, find_unused_parameters=partial)
     mcfg = raw_model.config
-    ctrl_ids = controlled_layer_ids(mcfg)
-    oracle_on = mcfg.route == 'ffn' and mcfg.gate in ('mlp', 'jepa') and (mcfg.util_weight > 0 or mcfg.rank_weight > 0)
-    k_oracle = min(cfg.oracle_layers_per_step, len(ctrl_ids))
     calib = [train_data.fetch(s)[0] for s in train_data.eval_batches(cfg.calib_iters, 3, cfg.eval_seed)]
-    if cfg.compile and oracle_on:       # one graph per sampled oracle-layer set: let every one compile
+    if cfg.compile:                     # one graph per set of per-step options (e.g. oracle layers): compile each
         import torch._dynamo as dynamo         # (a bare `import torch._dynamo` would make torch local here)
         limit = 'recompile_limit' if hasattr(dynamo.config, 'recompile_limit') else 'cache_size_limit'
-        setattr(dynamo.config, limit, max(getattr(dynamo.config, limit), len(ctrl_ids) + 8))
+        setattr(dynamo.config, limit, max(getattr(dynamo.config, limit), mcfg.n_layer + 8))
 
     metrics_f = None
     if master:
@@ -612,9 +592,9 @@ def train(argv):
         lr = lr_at(cfg, iter_num)
         for group in optimizer.param_groups:
             group['lr'] = lr
-        oracle_layers = (tuple(sorted(random.Random(cfg.seed * 1_000_003 + iter_num).sample(ctrl_ids, k_oracle)))
-                         if oracle_on else ())     # the same on every rank, and a pure function of the step
-        exits = raw_model.family.step_options(raw_model, iter_num).get('exits')    # exit curriculum
+        # the family's per-step options (oracle layers, the exit curriculum): a pure function of the step
+        opts = raw_model.family.step_options(raw_model, iter_num, cfg)
+        oracle_layers, exits = opts.get('oracle_layers', ()), opts.get('exits')
         loss_sum = torch.zeros((), device=dev)
         for micro in range(accum):
             j = (iter_num * accum + micro) * world + rank
@@ -622,13 +602,13 @@ def train(argv):
             if ddp:
                 model.require_backward_grad_sync = micro == accum - 1
             with autocast:
-                _, loss, aux = model(x, y, oracle_layers=oracle_layers, exits=exits)
+                _, loss, aux = model(x, y, **opts)
                 loss = loss / accum
             scaler.scale(loss).backward()
             loss_sum += loss.detach().float()
             interval['lm'] += aux['lm_loss'].float() / accum
             for k, v in aux.items():
-                if (k.endswith('_loss') and k != 'lm_loss') or k in ('jepa_pred_std', 'utility_mean', 'tlops_saved'):
+                if (k.endswith('_loss') and k != 'lm_loss') or k in ('jepa_pred_std', 'utility_mean', 'tlops_saved', 'alpha'):
                     interval['aux'][k] = interval['aux'].get(k, 0.0) + v.detach().float() / accum
             if 'full_frac' in aux:
                 f = aux['full_frac'].float() / accum
@@ -691,8 +671,6 @@ def train(argv):
                            train_flops_vs_dense=flops_state['exact'] / flops_state['dense'],
                            skipped_steps=n_skipped)
                 rec.update(aux_means)            # auxiliary terms, averaged over the log interval
-                if mcfg.route == 'halt' and frac:    # TSA: mean active fraction α (TLOps saved comes in aux)
-                    rec['alpha'] = float(np.mean(frac))
                 history['train'].append(dict(iter=iter_num, lm_loss=lm))
                 log(rec)
             if ddp:                                # agree on stopping at a common iteration
