@@ -34,7 +34,6 @@ from configurator import ConfigError, declared_defaults, load_config, run_cli
 from data.loader import Batches, check_checkpoint_data, check_data, load_dataset_meta, load_tokenizer
 from device import cli_device
 from plots import SKIPPED, pyplot
-from route_exit import exit_logits
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -63,36 +62,6 @@ def evaluate(model, batches, autocast=nullcontext(), force=None):
                 **{k: float(np.mean(v)) for k, v in extra.items()})
 
 
-def exit_report(model, batches, autocast=nullcontext(), thresholds=(0.5, 0.7, 0.8, 0.9, 0.95, 0.99)):
-    """route='exit': validation loss and TLOps saved of per-token early exit at several confidence
-    thresholds (the model's exit_conf), beside the loss of each exit head read alone (every token
-    leaving at that depth: the 'usable cheaper models' deep supervision promises)."""
-    cfg = model.config
-    saved = cfg.exit_threshold
-    rows = []
-    try:
-        for thr in thresholds:
-            cfg.exit_threshold = thr
-            r = evaluate(model, batches, autocast)
-            rows.append(dict(threshold=thr, loss=r['loss'], tlops_saved=r['tlops_saved'], running=r['full_frac']))
-    finally:
-        cfg.exit_threshold = saved
-    with model.mode(training=False):
-        per_exit = {}
-        with torch.no_grad():
-            for d in model.exit_ids:
-                vals = []
-                for x, y in batches:
-                    with autocast:
-                        h = model.embed(x)
-                        for block in model.transformer.h[:d]:
-                            h = block(h)
-                        vals.append(float(torch.nn.functional.cross_entropy(
-                            exit_logits(model, d, h).float().flatten(0, 1), y.flatten())))
-                per_exit[d] = float(np.mean(vals))
-    return dict(thresholds=rows, per_exit_loss=per_exit)
-
-
 @torch.no_grad()
 def difficulty_fractions(model, batches, difficulty, class_names, autocast=nullcontext()):
     """Full-path fraction per difficulty class, per controlled layer, in eval mode. `batches` are
@@ -114,32 +83,6 @@ def difficulty_fractions(model, batches, difficulty, class_names, autocast=nullc
                     s[c] += m[cls == c].sum()
     return {name: {int(l): float(sums[l][c] / max(1, counts[c])) for l in sorted(sums)}
             for c, name in enumerate(class_names)}
-
-
-def halt_report(model, batches, autocast=nullcontext(), taus=(0.3, 0.5, 0.7, 0.9)):
-    """TSA: validation loss with the soft (1 − p) scaling the model was trained with, and with hard
-    skipping (skip block l+1 where p_l > τ) at several τ — the comparison the paper never showed.
-    Kept tokens add (1 − p)·Δ as in training ('scaled') or the whole Δ ('binary'). α is the mean active
-    fraction (soft: mean 1 − p; hard: the fraction not skipped), TLOps saved 1 − (1 + (L−1)α)/L."""
-    cfg = model.config
-    saved = (cfg.halt_soft_eval, cfg.halt_tau, cfg.halt_hard)
-
-    def row(**kw):
-        r = evaluate(model, batches, autocast)
-        alpha = float(np.mean(r['full_frac']))
-        return dict(loss=r['loss'], alpha=alpha, tlops_saved=1 - (1 + (cfg.n_layer - 1) * alpha) / cfg.n_layer, **kw)
-    try:
-        cfg.halt_soft_eval = True
-        soft = row()
-        cfg.halt_soft_eval = False
-        hard = []
-        for mode in ('scaled', 'binary'):
-            for tau in taus:
-                cfg.halt_tau, cfg.halt_hard = tau, mode
-                hard.append(row(tau=tau, mode=mode))
-    finally:
-        cfg.halt_soft_eval, cfg.halt_tau, cfg.halt_hard = saved
-    return dict(soft=soft, hard=hard)
 
 
 @torch.no_grad()
@@ -330,22 +273,15 @@ def report(model, train_data, val_data, meta, eval_iters, calib_iters, autocast=
     references, realised budget, TLOps saved, MoD's causal-rule accuracy, TSA's soft vs hard and the
     exits' threshold sweep, and per-difficulty-class routing (synthetic corpus)."""
     batches, starts = calibrated_eval_batches(model, train_data, val_data, eval_iters, calib_iters, autocast, eval_seed)
-    route = model.config.route
+    family = model.family
     out = dict(val_loss=evaluate(model, batches, autocast))
-    if route == 'halt':
-        out['halt'] = halt_report(model, batches, autocast)
-    if route == 'exit':
-        out['exit'] = exit_report(model, batches, autocast)
-    if route in ('ffn', 'mod', 'exit', 'ensemble'):      # forced full = the dense model (no exits, one head)
-        out['val_loss_full'] = evaluate(model, batches, autocast, force='full')['loss']
-    if route in ('ffn', 'mod'):                         # forced cheap: cheap FFNs / routed blocks skipped
-        out['val_loss_cheap'] = evaluate(model, batches, autocast, force='cheap')['loss']
-        out['budget'] = model.config.budget
-    if route in ('ffn', 'mod', 'exit'):
-        if meta.get('difficulty_classes'):
-            diff = np.memmap(os.path.join(meta['folder'], 'val_difficulty.bin'), dtype=np.uint8, mode='r')
-            out['full_frac_by_class'] = difficulty_fractions(
-                model, [(x, y, s) for (x, y), s in zip(batches, starts)], diff, meta['difficulty_classes'], autocast)
+    out.update(family.report(model, batches, autocast, evaluate))
+    for force in family.references:     # forced full = the dense model; forced cheap = every token skips
+        out[f'val_loss_{force}'] = evaluate(model, batches, autocast, force=force)['loss']
+    if family.by_class and meta.get('difficulty_classes'):
+        diff = np.memmap(os.path.join(meta['folder'], 'val_difficulty.bin'), dtype=np.uint8, mode='r')
+        out['full_frac_by_class'] = difficulty_fractions(
+            model, [(x, y, s) for (x, y), s in zip(batches, starts)], diff, meta['difficulty_classes'], autocast)
     return out
 
 

@@ -77,6 +77,11 @@ class DepthEnsemble(Family):
     def is_controller_key(self, name):
         return name.startswith(('ens_norms.', 'ens_router.'))
 
+    references = ('full',)
+
+    def report_lines(self, r):
+        return [f"val loss (late-layer ensemble) {r['val_loss']['loss']:.4f} | final layer alone {r['val_loss_full']:.4f}"]
+
     def ddp_find_unused(self, config):
         return True                     # ln_f feeds only the stop-gradient teacher
 

@@ -14,6 +14,7 @@ own K/V from that copy, so later tokens attend to it as to any token.
 Options (GPTConfig fields): exit_layers, exit_head, exit_schedule, exit_weight, exit_rotation, exit_conf,
 exit_threshold, layer_dropout.
 """
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -99,6 +100,19 @@ class EarlyExit(Family):
     def ddp_find_unused(self, config):
         return config.exit_head == 'own' and config.exit_rotation > 0
 
+    references, by_class = ('full',), True
+
+    def report(self, model, batches, autocast, evaluate):
+        return dict(exit=exit_report(model, batches, autocast, evaluate))
+
+    def report_lines(self, r):
+        v = r['val_loss']
+        lines = [f"val loss with early exit {v['loss']:.4f} (TLOps saved {v['tlops_saved']:.3f}) | no exit "
+                 f"{r['val_loss_full']:.4f} | each exit alone: "
+                 + ' '.join(f"d{d}:{l:.4f}" for d, l in r['exit']['per_exit_loss'].items())]
+        return lines + [f"  threshold {row['threshold']:.2f}: val loss {row['loss']:.4f}, TLOps saved "
+                        f"{row['tlops_saved']:.3f}" for row in r['exit']['thresholds']]
+
 
 def exit_depths(config):
     """The depths d (exit after d blocks, 1 <= d < n_layer) that have an exit head."""
@@ -149,3 +163,33 @@ def run_exits(model, x, pos, cache, ctx):
         done = done | newly
     ctx.exited = done
     return x
+
+
+def exit_report(model, batches, autocast, evaluate, thresholds=(0.5, 0.7, 0.8, 0.9, 0.95, 0.99)):
+    """route='exit': validation loss and TLOps saved of per-token early exit at several confidence
+    thresholds (the model's exit_conf), beside the loss of each exit head read alone (every token
+    leaving at that depth: the 'usable cheaper models' deep supervision promises)."""
+    cfg = model.config
+    saved = cfg.exit_threshold
+    rows = []
+    try:
+        for thr in thresholds:
+            cfg.exit_threshold = thr
+            r = evaluate(model, batches, autocast)
+            rows.append(dict(threshold=thr, loss=r['loss'], tlops_saved=r['tlops_saved'], running=r['full_frac']))
+    finally:
+        cfg.exit_threshold = saved
+    with model.mode(training=False):
+        per_exit = {}
+        with torch.no_grad():
+            for d in model.exit_ids:
+                vals = []
+                for x, y in batches:
+                    with autocast:
+                        h = model.embed(x)
+                        for block in model.transformer.h[:d]:
+                            h = block(h)
+                        vals.append(float(torch.nn.functional.cross_entropy(
+                            exit_logits(model, d, h).float().flatten(0, 1), y.flatten())))
+                per_exit[d] = float(np.mean(vals))
+    return dict(thresholds=rows, per_exit_loss=per_exit)

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 import losses
 from gates import GATES, JEPAGate, MembershipPredictor, MLPGate, capacity, straight_through, topk_mask
-from routing import MLP, Family, RouteCtx, parse_layer_list, split_apply, add_weighted
+from routing import MLP, Family, RouteCtx, add_weighted, parse_layer_list, routed_report_lines, split_apply
 
 
 class FFNRouting(Family):
@@ -105,6 +105,14 @@ class FFNRouting(Family):
         ids = self.routed_layers(cfg)
         k = min(run.oracle_layers_per_step, len(ids))
         return dict(oracle_layers=tuple(sorted(random.Random(run.seed * 1_000_003 + step).sample(ids, k))))
+
+    references, by_class = ('full', 'cheap'), True
+
+    def report(self, model, batches, autocast, evaluate):
+        return dict(budget=model.config.budget)
+
+    def report_lines(self, r):
+        return routed_report_lines(r)
 
     def ddp_find_unused(self, config):
         return (config.gate in ('static_full', 'static_cheap') or config.gate_grad == 'none'

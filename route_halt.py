@@ -12,6 +12,7 @@ the FFN on the kept tokens only. force='full' keeps every update whole (the dens
 
 Options (GPTConfig fields): halt_lambda, halt_tau, halt_soft_eval, halt_hard.
 """
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -74,3 +75,39 @@ class TokenSelectiveAttention(Family):
 
     def is_controller_key(self, name):
         return name.startswith('halt.')
+
+    def report(self, model, batches, autocast, evaluate):
+        return dict(halt=halt_report(model, batches, autocast, evaluate))
+
+    def report_lines(self, r):
+        soft = r['halt']['soft']
+        lines = [f"val loss soft-gated {soft['loss']:.4f} (α {soft['alpha']:.3f}, TLOps saved "
+                 f"{soft['tlops_saved']:.3f}); hard skipping where p > τ:"]
+        return lines + [f"  {row['mode']:>6} τ={row['tau']:.2f}: val loss {row['loss']:.4f}, α {row['alpha']:.3f}, "
+                        f"TLOps saved {row['tlops_saved']:.3f}" for row in r['halt']['hard']]
+
+
+def halt_report(model, batches, autocast, evaluate, taus=(0.3, 0.5, 0.7, 0.9)):
+    """TSA: validation loss with the soft (1 − p) scaling the model was trained with, and with hard
+    skipping (skip block l+1 where p_l > τ) at several τ — the comparison the paper never showed.
+    Kept tokens add (1 − p)·Δ as in training ('scaled') or the whole Δ ('binary'). α is the mean active
+    fraction (soft: mean 1 − p; hard: the fraction not skipped), TLOps saved 1 − (1 + (L−1)α)/L."""
+    cfg = model.config
+    saved = (cfg.halt_soft_eval, cfg.halt_tau, cfg.halt_hard)
+
+    def row(**kw):
+        r = evaluate(model, batches, autocast)
+        alpha = float(np.mean(r['full_frac']))
+        return dict(loss=r['loss'], alpha=alpha, tlops_saved=1 - (1 + (cfg.n_layer - 1) * alpha) / cfg.n_layer, **kw)
+    try:
+        cfg.halt_soft_eval = True
+        soft = row()
+        cfg.halt_soft_eval = False
+        hard = []
+        for mode in ('scaled', 'binary'):
+            for tau in taus:
+                cfg.halt_tau, cfg.halt_hard = tau, mode
+                hard.append(row(tau=tau, mode=mode))
+    finally:
+        cfg.halt_soft_eval, cfg.halt_tau, cfg.halt_hard = saved
+    return dict(soft=soft, hard=hard)

@@ -18,7 +18,7 @@ import torch
 import losses
 from gates import MembershipPredictor, ModRouter, capacity, topk_mask
 from route_ffn import controlled_layer_ids
-from routing import Family, gather_rows, tlops_saved, add_weighted
+from routing import Family, add_weighted, gather_rows, routed_report_lines, tlops_saved
 
 
 class MixtureOfDepths(Family):
@@ -61,6 +61,18 @@ class MixtureOfDepths(Family):
 
     def is_controller_key(self, name):
         return '.router.' in name or '.predictor.' in name
+
+    references, by_class = ('full', 'cheap'), True
+
+    def report(self, model, batches, autocast, evaluate):
+        return dict(budget=model.config.budget)
+
+    def report_lines(self, r):
+        return routed_report_lines(r)
+
+    def executed_fracs(self, masks):
+        """Sparse execution pads every row to the longest: the fraction it really runs."""
+        return torch.stack([m.sum(1).max() / m.size(1) for _, m in sorted(masks.items())])
 
     def ddp_find_unused(self, config):
         return config.infer_rule == 'predictor' and config.predictor_weight == 0

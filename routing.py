@@ -23,6 +23,7 @@ A family file (route_ffn.py, route_mod.py, ...) overrides only what it changes:
                                    the training config (seed, oracle_layers_per_step)
     ddp_find_unused(config)        whether some parameters get no gradient in a step
     after_load(model)              fix-ups once backbone weights are loaded (ensemble norms)
+    references, by_class, report, report_lines, executed_fracs    what eval reports and train prints
 """
 import math
 from dataclasses import dataclass, field
@@ -125,6 +126,30 @@ class Family:
 
     def after_load(self, model):
         pass
+
+    # evaluation: what eval.report adds for this family, and the lines train.py prints at the end
+    references = ()                     # forced settings whose val loss is reported beside the causal one
+    by_class = False                    # report the full-path fraction per difficulty class
+
+    def report(self, model, batches, autocast, evaluate):
+        return {}
+
+    def report_lines(self, r):
+        return []
+
+    def executed_fracs(self, masks):
+        """Fraction of tokens sparse execution runs per routed layer, when it differs from the mean."""
+        return None
+
+
+def routed_report_lines(r):
+    """The summary line of the families that route to a cheaper path at a budget (ffn, mod)."""
+    v = r['val_loss']
+    return [f"val loss (causal routing) {v['loss']:.4f} | all-full {r['val_loss_full']:.4f} | "
+            f"all-cheap {r['val_loss_cheap']:.4f} | realised full-path fraction "
+            f"{sum(v['full_frac']) / len(v['full_frac']):.3f} (budget {r['budget']})"
+            + (f" | causal rule agrees with top-k on {v['mod_acc']:.3f}" if 'mod_acc' in v else '')
+            + (f" | TLOps saved {v['tlops_saved']:.3f}" if 'tlops_saved' in v else '')]
 
 
 def layer_dropout_prob(config, layer):

@@ -296,29 +296,9 @@ def run_summary(log_lines, evals, cfg, wall_s):
     return out
 
 
-def print_routing(r):
-    if 'halt' in r:
-        print(f"val loss soft-gated {r['halt']['soft']['loss']:.4f} (α {r['halt']['soft']['alpha']:.3f}, "
-              f"TLOps saved {r['halt']['soft']['tlops_saved']:.3f}); hard skipping where p > τ:")
-        for row in r['halt']['hard']:
-            print(f"  {row['mode']:>6} τ={row['tau']:.2f}: val loss {row['loss']:.4f}, α {row['alpha']:.3f}, "
-                  f"TLOps saved {row['tlops_saved']:.3f}")
-        return
-    v = r['val_loss']
-    if 'exit' in r:
-        print(f"val loss with early exit {v['loss']:.4f} (TLOps saved {v['tlops_saved']:.3f}) | no exit "
-              f"{r['val_loss_full']:.4f} | each exit alone: "
-              + ' '.join(f"d{d}:{l:.4f}" for d, l in r['exit']['per_exit_loss'].items()))
-        for row in r['exit']['thresholds']:
-            print(f"  threshold {row['threshold']:.2f}: val loss {row['loss']:.4f}, TLOps saved {row['tlops_saved']:.3f}")
-    elif 'val_loss_cheap' in r:
-        print(f"val loss (causal routing) {v['loss']:.4f} | all-full {r['val_loss_full']:.4f} | "
-              f"all-cheap {r['val_loss_cheap']:.4f} | realised full-path fraction "
-              f"{np.mean(v['full_frac']):.3f} (budget {r['budget']})"
-              + (f" | causal rule agrees with top-k on {v['mod_acc']:.3f}" if 'mod_acc' in v else '')
-              + (f" | TLOps saved {v['tlops_saved']:.3f}" if 'tlops_saved' in v else ''))
-    else:                                               # ensemble
-        print(f"val loss (late-layer ensemble) {v['loss']:.4f} | final layer alone {r['val_loss_full']:.4f}")
+def print_routing(family, r):
+    for line in family.report_lines(r):
+        print(line)
     for name, per_layer in r.get('full_frac_by_class', {}).items():
         print(f"  full-path fraction for {name:>9} targets: " + ' '.join(f"L{l}:{v:.2f}" for l, v in per_layer.items()))
 
@@ -700,7 +680,7 @@ def train(argv):
             with eval_rng():
                 summary['routing'] = evaluation.report(raw_model, train_data, val_data, meta, cfg.eval_iters,
                                                        cfg.calib_iters, autocast, cfg.eval_seed)
-            print_routing(summary['routing'])
+            print_routing(raw_model.family, summary['routing'])
             # the eval forward at the realised routing: ideal (mean fractions) and as executed (MoD pads
             # every row to the longest, so it runs more than the mean)
             dense_fwd = flops.dense_forward_flops(mcfg, cfg.block_size)
