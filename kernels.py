@@ -24,14 +24,15 @@ program per block of 64 rows instead of a matmul (only the one block that stradd
 weights for rows it then masks out).
 
 Which path runs (mlp_rows):
-  - Triton when x is on a CUDA GPU of compute capability >= 8.0 (A100, H100, ...). Triton 3.3+
-    supports NVIDIA GPUs of compute capability 8.0 and newer (its README; its tensor-core path for
-    older GPUs was removed and they fall back to slow FMA code, where some GEMMs fail to compile), so
-    V100 (7.0) and T4 (7.5) run the reference: correct, static shapes, no sync, but every row is
-    computed by both paths.
+  - Triton when x is on a CUDA GPU of compute capability >= 8.0 (A100 8.0, H100 9.0, ...). Triton 3.3
+    and later support NVIDIA GPUs of compute capability 8.0+: the tensor-core (MMA) path for older
+    GPUs was removed and tl.dot there lowers to FMA loops (these kernels, compiled for sm70/sm75 by
+    triton 3.9, contain no MMA instruction). So V100 (7.0, fp16) and T4 (7.5) run the reference on
+    cuBLAS's tensor cores: correct, static shapes, no sync, but every row goes through both paths.
   - Triton when NANODEPTH_TRITON=1, on any device: with TRITON_INTERPRET=1 the kernels run on CPU
     under Triton's interpreter (how the tests check them on a machine without a GPU).
-  - the reference otherwise (CPU, MPS, older GPUs, or no triton installed).
+  - the reference otherwise (CPU, MPS, ROCm, older GPUs, no triton installed), and whenever autograd
+    needs gradients through the call: the kernels are for inference (sparse eval), with no backward.
 NANODEPTH_TRITON=0 forces the reference everywhere.
 """
 import os
@@ -46,7 +47,7 @@ except ImportError:                     # optional: without triton every call ru
     triton = None
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32  # autotune-free; tl.dot needs every block dimension >= 16
-MIN_CAPABILITY = (8, 0)                 # Triton 3.3+: NVIDIA compute capability 8.0 and newer
+MIN_CAPABILITY = (8, 0)                 # Triton 3.3+ supports NVIDIA compute capability 8.0 and newer
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -248,9 +249,11 @@ def mlp_rows(x, order, lo, hi, mlp, out):
     """For every lo <= i < hi: out[order[i]] = mlp(x[order[i]]) (dropout off); other rows of out are
     untouched; returns out. x, out (N, C); order (N,) from sort_by_mask; lo, hi: ints or 0-dim int
     tensors on x's device; mlp: c_fc, c_proj (nn.Linear, bias optional) and `approximate` for F.gelu."""
-    if not use_triton(x):
-        return mlp_rows_reference(x, order, lo, hi, mlp, out)
     w_fc, b_fc, w_proj, b_proj, approximate = _weights(mlp)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, w_fc, b_fc, w_proj, b_proj))
+    if needs_grad or not use_triton(x):         # the kernels have no backward: training takes the reference
+        return mlp_rows_reference(x, order, lo, hi, mlp, out)
     torch.ops.nanodepth.mlp_rows(x, order, _as_count(lo, x.device), _as_count(hi, x.device),
                                  w_fc, b_fc, w_proj, b_proj, approximate, out)
     return out

@@ -1,0 +1,347 @@
+"""Tests of kernels.py: sort_by_mask, the PyTorch reference mlp_rows_reference, and the Triton kernels
+behind mlp_rows, each against an independent computation written here (a per-row loop over the
+selected rows through the model's own MLP module).
+
+The Triton kernels run on CPU under Triton's interpreter. Triton 3.x reads TRITON_INTERPRET when a
+kernel is decorated with @triton.jit, i.e. when kernels.py is imported, not when it is launched; and
+kernels.py registers its custom op once per process. So the interpreter checks (the tests named
+test_interp_*) run in a child pytest process started by test_triton_kernels_under_interpreter with
+TRITON_INTERPRET=1 and NANODEPTH_TRITON=1 in its environment: no other test module sees either
+variable, whatever was imported first. In this process they skip."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import kernels
+from routing import MLP
+
+pytestmark = pytest.mark.usefixtures('one_thread')
+
+IN_CHILD = os.environ.get('NANODEPTH_KERNEL_CHILD') == '1'
+interp = pytest.mark.skipif(not IN_CHILD, reason='runs in the interpreter child process')
+
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Tolerances of two computations of the same rows that sum in different orders. fp32: a few ulps of
+# O(1) values. bf16: the hidden activations are rounded to bf16 on both sides, but from fp32 sums
+# taken in different orders, so one side can round a hidden value one bf16 ulp (2^-8 relative) the
+# other way; measured up to 1 ulp (0.0078) of outputs of magnitude ~1; 3e-2 is ~4 ulps.
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# helpers
+
+def make_mlp(C, W, bias, gelu, dtype, seed):
+    """The model's own MLP (routing.MLP), with dropout on: every path must run it in eval mode."""
+    torch.manual_seed(seed)
+    mlp = MLP(SimpleNamespace(n_embd=C, bias=bias, dropout=0.5, gelu=gelu), width=W).to(dtype)
+    with torch.no_grad():               # weights of O(1/sqrt(fan_in)) scale with a visible bias
+        for p in mlp.parameters():
+            p.normal_(0, 1 / p.shape[-1] ** 0.5 if p.dim() == 2 else 0.5)
+    return mlp.eval()
+
+
+def plain_rows(x, order, lo, hi, mlp, out):
+    """The independent computation: a loop over the sorted positions in [lo, hi), each row through
+    the module's forward (eval) on its own."""
+    expected = out.clone()
+    with torch.no_grad():
+        for i in range(int(lo), min(int(hi), x.size(0))):
+            m = order[i]
+            expected[m] = mlp(x[m:m + 1])[0].to(out.dtype)
+    return expected
+
+
+def selected(order, lo, hi):
+    """(N,) bool: the rows whose sorted position is in [lo, hi), by a loop."""
+    sel = torch.zeros(order.numel(), dtype=torch.bool)
+    for i in range(max(int(lo), 0), min(int(hi), order.numel())):
+        sel[order[i]] = True
+    return sel
+
+
+@st.composite
+def masks(draw, max_n=70):
+    n = draw(st.integers(1, max_n))
+    kind = draw(st.sampled_from(['random', 'all', 'none']))
+    if kind == 'all':
+        return torch.ones(n, dtype=torch.bool)
+    if kind == 'none':
+        return torch.zeros(n, dtype=torch.bool)
+    return torch.tensor(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+
+
+@st.composite
+def cases(draw, max_n=70, dtypes=(torch.float32, torch.bfloat16)):
+    """A mask, a range of sorted positions (the full path [0, count), the cheap path [count, N) or any
+    [lo, hi)), ints or 0-dim tensors, an MLP and inputs."""
+    mask = draw(masks(max_n))
+    n = mask.numel()
+    order, count = kernels.sort_by_mask(mask)
+    which = draw(st.sampled_from(['full', 'cheap', 'any']))
+    if which == 'full':
+        lo, hi = 0, count
+    elif which == 'cheap':
+        lo, hi = count, n
+    else:
+        lo, hi = sorted(draw(st.lists(st.integers(0, n), min_size=2, max_size=2)))
+    as_tensor = draw(st.sampled_from(['int', 'int64', 'int32']))
+    lo, hi = [int(v) if as_tensor == 'int' else torch.as_tensor(int(v), dtype=getattr(torch, as_tensor))
+              for v in (lo, hi)]
+    C, W = draw(st.integers(8, 48)), draw(st.integers(8, 96))
+    dtype = draw(st.sampled_from(dtypes))
+    mlp = make_mlp(C, W, draw(st.booleans()), draw(st.sampled_from(['none', 'tanh'])), dtype,
+                   draw(st.integers(0, 2 ** 16)))
+    torch.manual_seed(draw(st.integers(0, 2 ** 16)))
+    x = torch.randn(n, C).to(dtype)
+    out = torch.randn(n, C).to(dtype)
+    return SimpleNamespace(mask=mask, order=order, count=count, lo=lo, hi=hi, mlp=mlp, x=x, out=out)
+
+
+def check_rows(c, fn):
+    """fn(x, order, lo, hi, mlp, out) writes exactly the selected rows, equal to the per-row loop; the
+    others keep their bits; it returns out itself."""
+    before = c.out.clone()
+    got = fn(c.x, c.order, c.lo, c.hi, c.mlp, c.out)
+    assert got is c.out
+    sel = selected(c.order, c.lo, c.hi)
+    assert torch.equal(got[~sel], before[~sel]), 'rows outside the range were written'
+    expected = plain_rows(c.x, c.order, c.lo, c.hi, c.mlp, before)
+    torch.testing.assert_close(got[sel], expected[sel], **TOL[c.x.dtype])
+    return got, before, sel
+
+
+def routed_ffn(full, cheap):
+    """One routed FFN layer as the model runs it: both paths into one buffer."""
+    def f(x, mask):
+        order, count = kernels.sort_by_mask(mask)
+        out = torch.empty_like(x)
+        kernels.mlp_rows(x, order, 0, count, full, out)
+        kernels.mlp_rows(x, order, count, x.size(0), cheap, out)
+        return out
+    return f
+
+
+# ----------------------------------------------------------------------------------------------------
+# sort_by_mask and the reference (every process)
+
+@settings(max_examples=60, **SETTINGS)
+@given(mask=masks(), shape=st.sampled_from(['flat', 'batch']))
+def test_sort_by_mask_is_a_stable_partition(mask, shape):
+    n = mask.numel()
+    m = mask.view(1, n) if shape == 'batch' else mask     # (B, T) masks are flattened row-major
+    order, count = kernels.sort_by_mask(m)
+    assert order.dtype == torch.int64 and order.shape == (n,)
+    assert count.dtype == torch.int64 and count.dim() == 0 and count.device == mask.device
+    assert count.item() == int(mask.sum())
+    true_rows = [i for i in range(n) if mask[i]]
+    false_rows = [i for i in range(n) if not mask[i]]
+    assert order.tolist() == true_rows + false_rows
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(c=cases())
+def test_reference_writes_the_selected_rows_only(c):
+    check_rows(c, kernels.mlp_rows_reference)
+
+
+def test_reference_full_and_cheap_cover_every_row():
+    full, cheap = make_mlp(16, 64, True, 'tanh', torch.float32, 0), make_mlp(16, 4, False, 'none', torch.float32, 1)
+    torch.manual_seed(0)
+    x, mask = torch.randn(37, 16), torch.rand(37) < 0.4
+    got = routed_ffn(full, cheap)(x, mask)
+    with torch.no_grad():
+        expected = torch.where(mask[:, None], full(x), cheap(x))
+    torch.testing.assert_close(got, expected, **TOL[torch.float32])
+
+
+def test_reference_compiles_without_graph_break(monkeypatch):
+    monkeypatch.delenv('NANODEPTH_TRITON', raising=False)
+    full, cheap = make_mlp(16, 64, True, 'tanh', torch.float32, 0), make_mlp(16, 4, False, 'none', torch.float32, 1)
+    f = routed_ffn(full, cheap)
+    x, mask = torch.randn(20, 16), torch.rand(20) < 0.5
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(f)(x, mask)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+def test_dispatch_rule(monkeypatch):
+    """Triton on CUDA GPUs of compute capability >= 8.0 (A100, H100), the reference on V100/T4 and CPU;
+    NANODEPTH_TRITON=1 / 0 forces either."""
+    monkeypatch.delenv('NANODEPTH_TRITON', raising=False)
+    assert not kernels.use_triton(torch.zeros(1))
+    if kernels.triton is None:
+        monkeypatch.setenv('NANODEPTH_TRITON', '1')
+        assert not kernels.use_triton(torch.zeros(1))            # nothing to run it with
+        return
+    gpu = SimpleNamespace(is_cuda=True, device=torch.device('cuda', 0))
+    for capability, runs_kernel in [((7, 0), False), ((7, 5), False), ((8, 0), True), ((8, 6), True),
+                                    ((9, 0), True), ((10, 0), True)]:
+        monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device=None, c=capability: c)
+        monkeypatch.setattr(torch.version, 'hip', None)
+        assert kernels.use_triton(gpu) == runs_kernel, capability
+        monkeypatch.setenv('NANODEPTH_TRITON', '0')
+        assert not kernels.use_triton(gpu)
+        monkeypatch.delenv('NANODEPTH_TRITON')
+    monkeypatch.setenv('NANODEPTH_TRITON', '1')
+    assert kernels.use_triton(torch.zeros(1))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the Triton kernels under the interpreter (the child process)
+
+def test_triton_kernels_under_interpreter():
+    """Runs this file's test_interp_* tests in a child pytest with TRITON_INTERPRET=1 and
+    NANODEPTH_TRITON=1, and fails with its output if any of them fails."""
+    if IN_CHILD:
+        pytest.skip('this is the child')
+    pytest.importorskip('triton')
+    env = dict(os.environ, TRITON_INTERPRET='1', NANODEPTH_TRITON='1', NANODEPTH_KERNEL_CHILD='1')
+    proc = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-rs', '-p', 'no:cacheprovider',
+                           '-k', 'test_interp_', __file__], cwd=Path(__file__).resolve().parents[1],
+                          env=env, capture_output=True, text=True, timeout=600)
+    report = proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, report
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert ' passed' in summary and 'skipped' not in summary, report     # every child test ran
+
+
+class CountLaunches:
+    """Counts kernels.launch_mlp_rows calls while active: proof that mlp_rows ran the kernels."""
+    def __enter__(self):
+        self.calls, self.orig = 0, kernels.launch_mlp_rows
+
+        def launch(*args, **kw):
+            self.calls += 1
+            return self.orig(*args, **kw)
+        kernels.launch_mlp_rows = launch
+        return self
+
+    def __exit__(self, *exc):
+        kernels.launch_mlp_rows = self.orig
+
+
+@interp
+def test_interp_runs_the_interpreted_kernels():
+    assert kernels.triton is not None and kernels._interpreted(kernels._gather_fc_gelu_kernel)
+    assert kernels.use_triton(torch.zeros(1))
+
+
+@interp
+@settings(max_examples=24, **SETTINGS)
+@given(c=cases())
+def test_interp_kernel_writes_the_selected_rows_only(c):
+    """kernel == the per-row loop on the selected rows == the reference; the other rows keep their bits."""
+    with torch.no_grad(), CountLaunches() as launches:
+        got, before, sel = check_rows(c, kernels.mlp_rows)
+    assert launches.calls == 1
+    reference = kernels.mlp_rows_reference(c.x, c.order, c.lo, c.hi, c.mlp, before.clone())
+    torch.testing.assert_close(got, reference, **TOL[c.x.dtype])
+
+
+@interp
+def test_interp_gradients_take_the_reference():
+    """The kernels have no backward: with autograd recording, mlp_rows runs the reference."""
+    mlp = make_mlp(16, 32, True, 'none', torch.float32, 0)
+    x, order = torch.randn(9, 16), torch.arange(9)
+    with CountLaunches() as launches:
+        out = kernels.mlp_rows(x, order, 0, 4, mlp, torch.zeros(9, 16))
+    assert launches.calls == 0
+    out.sum().backward()
+    assert mlp.c_fc.weight.grad is not None and mlp.c_fc.weight.grad.abs().sum() > 0
+
+
+@interp
+def test_interp_full_and_cheap_cover_every_row():
+    full, cheap = make_mlp(24, 96, True, 'none', torch.float32, 0), make_mlp(24, 8, False, 'tanh', torch.float32, 1)
+    torch.manual_seed(0)
+    x, mask = torch.randn(70, 24), torch.rand(70) < 0.3
+    with torch.no_grad(), CountLaunches() as launches:
+        got = routed_ffn(full, cheap)(x, mask)
+    assert launches.calls == 2
+    with torch.no_grad():
+        expected = torch.where(mask[:, None], full(x), cheap(x))
+    torch.testing.assert_close(got, expected, **TOL[torch.float32])
+
+
+def _blocks_touching(lo, hi, n, block_m):
+    return sum(1 for b in range(0, n, block_m) if b < hi and b + block_m > lo)
+
+
+@interp
+@pytest.mark.parametrize('lo,hi', [(0, 0), (5, 5), (70, 70), (0, 70), (0, 16), (16, 32), (17, 33),
+                                   (40, 70), (63, 64), (64, 70)])
+def test_interp_programs_outside_the_range_exit_before_loading_weights(lo, hi):
+    """Every program that passes the range check (and only then may load a weight) adds 1 to a counter.
+    With 16-row blocks over N = 70 rows, exactly the row blocks that intersect [lo, hi) may work, times
+    each kernel's column blocks; an empty range runs none and writes nothing. Without the early exit
+    every program would count."""
+    n, C, W, block_m = 70, 24, 96, 16
+    mlp = make_mlp(C, W, True, 'none', torch.float32, 0)
+    order, _ = kernels.sort_by_mask(torch.rand(n) < 0.5)
+    x, out = torch.randn(n, C), torch.randn(n, C)
+    before = out.clone()
+    started = torch.zeros(1, dtype=torch.int32)
+    kernels.launch_mlp_rows(x, order, torch.tensor(lo), torch.tensor(hi), mlp.c_fc.weight, mlp.c_fc.bias,
+                            mlp.c_proj.weight, mlp.c_proj.bias, 'none', out, block_m=block_m, started=started)
+    col_blocks = -(-W // kernels.BLOCK_N) + -(-C // kernels.BLOCK_N)
+    assert started.item() == _blocks_touching(lo, hi, n, block_m) * col_blocks
+    sel = selected(order, lo, hi)
+    assert torch.equal(out[~sel], before[~sel])
+    torch.testing.assert_close(out[sel], plain_rows(x, order, lo, hi, mlp, before)[sel], **TOL[torch.float32])
+
+
+@interp
+def test_interp_compiles_without_graph_break():
+    """sort_by_mask + mlp_rows twice (full and cheap into one buffer): one graph, no break, and the
+    compiled function (the custom op inside a full graph) equals eager."""
+    full, cheap = make_mlp(16, 64, True, 'tanh', torch.float32, 0), make_mlp(16, 4, False, 'none', torch.float32, 1)
+    f = routed_ffn(full, cheap)
+    x, mask = torch.randn(20, 16), torch.rand(20) < 0.5
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(f)(x, mask)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+    graph = str(explained.graphs[0].graph)
+    assert graph.count('nanodepth.mlp_rows') == 2 and 'nonzero' not in graph
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(f, fullgraph=True, backend='aot_eager')(x, mask)
+        torch.testing.assert_close(compiled, f(x, mask), rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the kernels compile for A100 and H100 (no GPU needed: Triton's bundled ptxas)
+
+@pytest.mark.slow
+@pytest.mark.parametrize('capability,dtype', [(80, 'bf16'), (90, 'fp16'), (90, 'fp32')])
+def test_kernels_compile_to_cubin(capability, dtype):
+    """Both kernels compile to a cubin for sm80/sm90, with tensor-core MMA instructions for 16-bit
+    inputs. Checks the compiled (not interpreted) path as far as a machine without a GPU can."""
+    if IN_CHILD:
+        pytest.skip('compiles the non-interpreted kernels')
+    triton = pytest.importorskip('triton')
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    ptr = '*' + dtype
+    for kernel, data in [(kernels._gather_fc_gelu_kernel, ('x_ptr', 'w_ptr', 'b_ptr', 'h_ptr')),
+                         (kernels._proj_scatter_kernel, ('h_ptr', 'w_ptr', 'b_ptr', 'out_ptr'))]:
+        consts = dict(HAS_BIAS=True, TANH=True, COUNT_STARTED=False, DOT_FP32=dtype == 'fp32',
+                      BLOCK_M=kernels.BLOCK_M, BLOCK_N=kernels.BLOCK_N, BLOCK_K=kernels.BLOCK_K)
+        consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
+        signature = {a: ptr if a in data else '*i32' if a == 'started_ptr' else '*i64' if a.endswith('_ptr')
+                     else 'constexpr' if a in consts else 'i32' for a in kernel.arg_names}
+        source = ASTSource(fn=kernel, signature=signature,
+                           constexprs={(kernel.arg_names.index(k),): v for k, v in consts.items()})
+        compiled = triton.compile(source, target=GPUTarget('cuda', capability, 32))
+        assert len(compiled.asm['cubin']) > 0
+        if dtype != 'fp32':
+            assert 'mma' in compiled.asm['ptx']
