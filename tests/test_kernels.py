@@ -322,6 +322,7 @@ def test_interp_compiles_without_graph_break():
 # the kernels compile for A100 and H100 (no GPU needed: Triton's bundled ptxas)
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings('ignore:TRITON_DEFAULT_FP_FUSION')
 @pytest.mark.parametrize('capability,dtype', [(80, 'bf16'), (90, 'fp16'), (90, 'fp32')])
 def test_kernels_compile_to_cubin(capability, dtype):
     """Both kernels compile to a cubin for sm80/sm90, with tensor-core MMA instructions for 16-bit
