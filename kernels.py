@@ -19,9 +19,8 @@ The Triton path is two kernels launched on a static grid over all N rows:
   2. out[order[i]] = H[i] @ W_proj^T + b_proj     the scatter fused into the store
 Every program reads lo and hi from device memory and returns, before it loads any weight, when its
 block of sorted positions lies outside [lo, hi). So the count never reaches the host, the grid and the
-H buffer have static shapes, and a cheap-path token costs the full FFN's kernels one early-exiting
-program per block of 64 rows instead of a matmul (only the one block that straddles the count loads
-weights for rows it then masks out).
+H buffer have static shapes, and the cheap-path tokens cost the full FFN's kernels only programs that
+exit at once (the one block that straddles the count computes rows it then masks out).
 
 Which path runs (mlp_rows):
   - Triton when x is on a CUDA GPU of compute capability >= 8.0 (A100 8.0, H100 9.0, ...). Triton 3.3
@@ -112,6 +111,7 @@ if triton is not None:
         if COUNT_STARTED:                                  # tests: count the programs that did work
             tl.atomic_add(started_ptr, 1)
         rm = first + tl.arange(0, BLOCK_M)
+        rm64 = rm.to(tl.int64)                             # H offsets: N·width may pass 2^31
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         live = (rm >= lo) & (rm < hi) & (rm < N)
@@ -133,7 +133,7 @@ if triton is not None:
             h = acc * tl.sigmoid(1.5957691216057308 * (acc + 0.044715 * acc * acc * acc))
         else:           # exact GELU
             h = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
-        tl.store(h_ptr + rm[:, None] * stride_hm + rn[None, :] * stride_hn, h.to(h_ptr.dtype.element_ty),
+        tl.store(h_ptr + rm64[:, None] * stride_hm + rn[None, :] * stride_hn, h.to(h_ptr.dtype.element_ty),
                  mask=live[:, None] & (rn[None, :] < W))
 
     @triton.jit
@@ -152,13 +152,14 @@ if triton is not None:
         if COUNT_STARTED:
             tl.atomic_add(started_ptr, 1)
         rm = first + tl.arange(0, BLOCK_M)
+        rm64 = rm.to(tl.int64)                             # H offsets: N·width may pass 2^31
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         live = (rm >= lo) & (rm < hi) & (rm < N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, W, BLOCK_K):
             kk = k0 + rk
-            a = tl.load(h_ptr + rm[:, None] * stride_hm + kk[None, :] * stride_hk,
+            a = tl.load(h_ptr + rm64[:, None] * stride_hm + kk[None, :] * stride_hk,
                         mask=live[:, None] & (kk[None, :] < W), other=0.0)
             b = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None] * stride_wk,
                         mask=(rn[None, :] < C) & (kk[:, None] < W), other=0.0)
