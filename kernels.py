@@ -255,6 +255,9 @@ def mlp_rows(x, order, lo, hi, mlp, out):
         t is not None and t.requires_grad for t in (x, w_fc, b_fc, w_proj, b_proj))
     if needs_grad or not use_triton(x):         # the kernels have no backward: training takes the reference
         return mlp_rows_reference(x, order, lo, hi, mlp, out)
+    if torch.is_autocast_enabled(x.device.type):   # as autocast casts F.linear's operands in the reference
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, w_fc, b_fc, w_proj, b_proj = (t if t is None else t.to(dtype) for t in (x, w_fc, b_fc, w_proj, b_proj))
     torch.ops.nanodepth.mlp_rows(x, order, _as_count(lo, x.device), _as_count(hi, x.device),
                                  w_fc, b_fc, w_proj, b_proj, approximate, out)
     return out

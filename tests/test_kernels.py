@@ -250,6 +250,23 @@ def test_interp_kernel_writes_the_selected_rows_only(c):
 
 
 @interp
+def test_interp_autocast_runs_the_kernels_in_its_dtype():
+    """Under autocast (fp32 activations and weights, bf16 matmuls) the kernels run in bf16, as the
+    reference's F.linear does, and write fp32 rows."""
+    mlp = make_mlp(24, 72, True, 'tanh', torch.float32, 0)
+    torch.manual_seed(0)
+    x, order = torch.randn(40, 24), torch.randperm(40)
+    with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
+        with CountLaunches() as launches:
+            got = kernels.mlp_rows(x, order, 5, 33, mlp, torch.zeros(40, 24))
+        reference = kernels.mlp_rows_reference(x, order, 5, 33, mlp, torch.zeros(40, 24))
+    assert launches.calls == 1 and got.dtype == torch.float32
+    torch.testing.assert_close(got, reference, **TOL[torch.bfloat16])
+    fp32 = kernels.mlp_rows_reference(x, order, 5, 33, mlp, torch.zeros(40, 24))
+    assert (got - fp32).abs().max() > 1e-4            # it did compute in bf16
+
+
+@interp
 def test_interp_gradients_take_the_reference():
     """The kernels have no backward: with autograd recording, mlp_rows runs the reference."""
     mlp = make_mlp(16, 32, True, 'none', torch.float32, 0)
