@@ -2,9 +2,9 @@
 behind mlp_rows, each against an independent computation written here (a per-row loop over the
 selected rows through the model's own MLP module).
 
-The Triton kernels run on CPU under Triton's interpreter. Triton 3.x reads TRITON_INTERPRET when a
-kernel is decorated with @triton.jit, i.e. when kernels.py is imported, not when it is launched; and
-kernels.py registers its custom op once per process. So the interpreter checks (the tests named
+The Triton kernels run on CPU under Triton's interpreter. Triton (3.9, read in its source) reads
+TRITON_INTERPRET when a kernel is decorated with @triton.jit, i.e. when kernels.py is imported, not
+when it is launched; and kernels.py registers its custom op once per process. So the interpreter checks (the tests named
 test_interp_*) run in a child pytest process started by test_triton_kernels_under_interpreter with
 TRITON_INTERPRET=1 and NANODEPTH_TRITON=1 in its environment: no other test module sees either
 variable, whatever was imported first. In this process they skip."""
