@@ -116,6 +116,9 @@ class FFNRouting(Family):
     def report_lines(self, r):
         return routed_report_lines(r)
 
+    def bench_gate(self, config):
+        return config.gate          # its threshold is calibrated to the budget on the benchmark batch
+
     def ddp_find_unused(self, config):
         return (config.gate in ('static_full', 'static_cheap') or config.gate_grad == 'none'
                 or (config.infer_rule == 'predictor' and config.predictor_weight == 0))

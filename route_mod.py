@@ -71,8 +71,12 @@ class MixtureOfDepths(Family):
         return routed_report_lines(r)
 
     def executed_fracs(self, masks):
-        """Sparse execution pads every row to the longest: the fraction it really runs."""
-        return torch.stack([m.sum(1).max() / m.size(1) for _, m in sorted(masks.items())])
+        """Sparse execution pads every row to the longest: the fraction it really runs (in float64, so
+        that it equals count / T exactly as a Python float and rounds to the same float32)."""
+        return torch.stack([m.sum(1).max().double() / m.size(1) for _, m in sorted(masks.items())])
+
+    def bench_gate(self, config):
+        return 'random'             # an untrained router's σ(r) > 0.5 rule would not hold the budget
 
     def ddp_find_unused(self, config):
         return config.infer_rule == 'predictor' and config.predictor_weight == 0

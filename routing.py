@@ -24,6 +24,7 @@ A family file (route_ffn.py, route_mod.py, ...) overrides only what it changes:
     ddp_find_unused(config)        whether some parameters get no gradient in a step
     after_load(model)              fix-ups once backbone weights are loaded (ensemble norms)
     references, by_class, report, report_lines, executed_fracs    what eval reports and train prints
+    bench_gate(config)             the gate bench.py times it with at each budget (None: it has no budget)
     forward_flops(config, T, mode, full_frac, **options)   analytic FLOPs of one forward (flops.py sums
                                    these), backward_flops(config, T, trainable, **options) of a training
                                    step's backward, oracle_flops(config, T, **options) of its no-grad passes
@@ -142,6 +143,11 @@ class Family:
 
     def executed_fracs(self, masks):
         """Fraction of tokens sparse execution runs per routed layer, when it differs from the mean."""
+        return None
+
+    def bench_gate(self, config):
+        """The gate bench.py times this family with at each budget (on an untrained model, so one whose
+        decisions hold the budget), or None where the family routes no budget of tokens."""
         return None
 
     # analytic FLOPs of one sequence of length T, as torch's FlopCounterMode counts them (flops.py
