@@ -6,6 +6,10 @@ a matmul of (m×k)·(k×n) costs 2·m·k·n; attention costs QKᵀ plus AV over 
 (4·T²·d per layer and sequence; the causal half is not subtracted, as no kernel skips it exactly);
 element-wise ops, norms, softmax and embedding lookups are not counted. A backward pass costs twice
 its forward for every matmul whose weight and input both need gradients.
+
+Each routing family's terms are hooks of its Family (forward_flops, backward_flops, oracle_flops, in
+its route_*.py); this module keeps the dense model's, sums a family's into a training step and the
+paper's proxy, and holds the device peaks and MFU.
 """
 import re
 
@@ -57,6 +61,7 @@ def peak_flops(device, dtype):
 # oracle_flops); these sum them for the family of config.route
 
 def family_of(config):
+    """The routing family of config, whose hooks hold its FLOPs terms."""
     return FAMILIES[config.route]
 
 
