@@ -119,6 +119,11 @@ class FFNRouting(Family):
     def bench_gate(self, config):
         return config.gate          # its threshold is calibrated to the budget on the benchmark batch
 
+    def cannot_generate(self, config):
+        if config.gate == 'oracle':
+            return "gate='oracle' routes by the targets, so it cannot generate; sample from a model with a causal gate"
+        return None
+
     def ddp_find_unused(self, config):
         return (config.gate in ('static_full', 'static_cheap') or config.gate_grad == 'none'
                 or (config.infer_rule == 'predictor' and config.predictor_weight == 0))

@@ -25,6 +25,7 @@ A family file (route_ffn.py, route_mod.py, ...) overrides only what it changes:
     after_load(model)              fix-ups once backbone weights are loaded (ensemble norms)
     references, by_class, report, report_lines, executed_fracs    what eval reports and train prints
     bench_gate(config)             the gate bench.py times it with at each budget (None: it has no budget)
+    cannot_generate(config)        why sample.py refuses to generate with it (None: it can)
     forward_flops(config, T, mode, full_frac, **options)   analytic FLOPs of one forward (flops.py sums
                                    these), backward_flops(config, T, trainable, **options) of a training
                                    step's backward, oracle_flops(config, T, **options) of its no-grad passes
@@ -143,6 +144,10 @@ class Family:
 
     def executed_fracs(self, masks):
         """Fraction of tokens sparse execution runs per routed layer, when it differs from the mean."""
+        return None
+
+    def cannot_generate(self, config):
+        """Why a model of this config cannot generate text (one line for sample.py), or None."""
         return None
 
     def bench_gate(self, config):
