@@ -35,7 +35,7 @@ import flops
 import train
 from configurator import ConfigError, load_config, run_cli
 from device import autocast_context, cli_device, resolve_device_dtype
-from model import GPT
+from model import FAMILIES, GPT
 
 BENCH_DEFAULTS = dict(bench_steps=10, bench_warmup=3, decode_tokens=32, decode_batches='1,8',
                       budgets='', prefill_shapes='8x512', sparse=True, profile=False, decode_prompt=0)
@@ -183,8 +183,11 @@ def bench_routed(cfg):
     dev, dt = resolve_device_dtype(SimpleNamespace(**cfg))
     autocast = autocast_context(dev, dt)
     base = train.model_config(SimpleNamespace(**cfg), vocab_size=cfg['vocab_size'] or 50304)
-    if base.route not in ('ffn', 'mod'):
-        raise train.TrainError(f"--budgets times route='ffn' or 'mod' against dense; this config has route={base.route!r}")
+    family = FAMILIES[base.route]
+    if family.bench_gate(base) is None:
+        routes = tuple(r for r, f in FAMILIES.items() if f.bench_gate(base) is not None)
+        raise train.TrainError(f"--budgets times route={' or '.join(map(repr, routes))} against dense; "
+                               f"this config has route={base.route!r}")
     from dataclasses import replace
     shapes = numbers(cfg, 'prefill_shapes', shape)
     if any(T > base.block_size for _, T in shapes):
@@ -220,7 +223,7 @@ def bench_routed(cfg):
     d_pre, d_dec = time_model(dense, cfg['seed'])
     rows, profile = [], None
     for budget in numbers(cfg, 'budgets', float):
-        mcfg = replace(base, budget=budget, gate='random' if base.route == 'mod' else base.gate)
+        mcfg = replace(base, budget=budget, gate=family.bench_gate(base))
         torch.manual_seed(cfg['seed'])
         m = eval_model(mcfg, dev)
         m.load_state_dict(state, strict=False)                     # the same backbone as the dense model
@@ -234,8 +237,9 @@ def bench_routed(cfg):
             with torch.no_grad(), autocast:
                 masks = m(x, sparse=cfg['sparse'])[2].get('masks', {})
             frac = [int(v.sum()) / v.numel() for _, v in sorted(masks.items())]
-            # MoD's sparse rows are padded to the longest row: what it executes, beside the ideal
-            run_frac = [int(v.sum(1).max()) / v.size(1) for _, v in sorted(masks.items())] if base.route == 'mod' else frac
+            # what sparse execution runs (MoD pads each row to the longest), beside the ideal
+            executed = m.family.executed_fracs(masks) if masks else None
+            run_frac = executed.tolist() if executed is not None else frac
             last_only = (s[1] - 1) * 2 * base.n_embd * base.vocab_size    # prefill: logits of the last position only
             dense_f = flops.forward_flops(replace(base, route='none'), s[1], 'eval') - last_only
             f_ratio = (flops.forward_flops(mcfg, s[1], 'sparse', full_frac=frac) - last_only) / dense_f

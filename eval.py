@@ -51,8 +51,9 @@ def evaluate(model, batches, autocast=nullcontext(), force=None):
             losses.append(float(aux['lm_loss']))
             if 'full_frac' in aux:
                 fracs.append(aux['full_frac'].float().cpu())
-                if model.config.route == 'mod':      # sparse MoD pads each row to the longest: what it runs
-                    execs.append(torch.stack([m.sum(1).max() / m.size(1) for _, m in sorted(aux['masks'].items())]).float().cpu())
+                run = model.family.executed_fracs(aux['masks'])     # e.g. MoD pads each row to the longest
+                if run is not None:
+                    execs.append(run.float().cpu())
             for k in ('tlops_saved', 'mod_acc'):     # families that skip blocks; MoD's causal-rule accuracy
                 if k in aux:
                     extra.setdefault(k, []).append(float(aux[k]))

@@ -129,8 +129,9 @@ class GPTConfig:
             raise ValueError(f"budget must be in (0, 1], got {self.budget}")
         if not 0.0 <= self.layer_dropout < 1.0:
             raise ValueError(f"layer_dropout must be in [0, 1), got {self.layer_dropout}")
-        if self.layer_dropout > 0 and self.route not in ('none', 'exit'):
-            raise ValueError(f"layer_dropout is LayerSkip's (route='exit' or 'none'), not for route={self.route!r}")
+        if self.layer_dropout > 0 and 'layer_dropout' not in FAMILIES[self.route].options:   # the blocks are routed
+            readers = ' or '.join(repr(r) for r, f in FAMILIES.items() if 'layer_dropout' in f.options)
+            raise ValueError(f"layer_dropout is LayerSkip's (route={readers}), not for route={self.route!r}")
         FAMILIES[self.route].validate(self)
 
     @classmethod
@@ -441,23 +442,6 @@ class GPT(nn.Module):
             v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
             logits[logits < v[:, [-1]]] = -float('inf')
         return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-
-    # ------------------------------------------------------------------------------------------------
-    # training helpers
-
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, params=None):
-        """AdamW with decay on matrices only; `params` restricts training to a subset (e.g. the
-        controller in controller-only training). Fused where the device supports it."""
-        params = [p for p in (params if params is not None else self.parameters()) if p.requires_grad]
-        seen, uniq = set(), []
-        for p in params:                                   # tied weights appear once
-            if id(p) not in seen:
-                seen.add(id(p))
-                uniq.append(p)
-        groups = [{'params': [p for p in uniq if p.dim() >= 2], 'weight_decay': weight_decay},
-                  {'params': [p for p in uniq if p.dim() < 2], 'weight_decay': 0.0}]
-        fused = device_type in ('cuda', 'cpu')
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
     # ------------------------------------------------------------------------------------------------
     # training helpers

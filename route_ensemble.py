@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import losses
 from gates import EnsembleRouter
-from routing import Family, add_weighted
+from routing import Family, add_weighted, flop_costs
 
 
 class DepthEnsemble(Family):
@@ -89,3 +89,19 @@ class DepthEnsemble(Family):
     def after_load(self, model):
         for norm in model.ens_norms:
             norm.load_state_dict(model.transformer.ln_f.state_dict())
+
+    def forward_flops(self, config, T, mode='train', full_frac=None, **options):
+        """The dense body, k late-layer heads and the router (and in training, with a KL weight, the
+        teacher's head)."""
+        c, L, d, k = flop_costs(config, T), config.n_layer, config.n_embd, config.ens_layers
+        teacher = mode == 'train' and config.ens_kl_weight > 0
+        return T * c['head'] + T * (L * (c['attn_proj'] + c['attn_core'] + c['full']) + (k - 1 + teacher) * c['head']
+                                    + 2 * d * k)
+
+    def backward_flops(self, config, T, trainable='all', **options):
+        """The router's input is detached (weight gradient only). Controller-only: the frozen head
+        computes input gradients for the trainable norms before it."""
+        c, L, d, k = flop_costs(config, T), config.n_layer, config.n_embd, config.ens_layers
+        if trainable == 'all':
+            return 2 * T * (L * (c['attn_proj'] + c['attn_core'] + c['full']) + k * c['head']) + T * 2 * d * k
+        return T * k * c['head'] + T * 2 * d * k

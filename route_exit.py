@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import losses
-from routing import Family, parse_layer_list, split_apply, tlops_saved
+from routing import Family, flop_costs, parse_layer_list, split_apply, tlops_saved
 
 
 class ExitHead(nn.Module):
@@ -112,6 +112,29 @@ class EarlyExit(Family):
                  + ' '.join(f"d{d}:{l:.4f}" for d, l in r['exit']['per_exit_loss'].items())]
         return lines + [f"  threshold {row['threshold']:.2f}: val loss {row['loss']:.4f}, TLOps saved "
                         f"{row['tlops_saved']:.3f}" for row in r['exit']['thresholds']]
+
+    def forward_flops(self, config, T, mode='train', full_frac=None, exits=None, **options):
+        """The dense body plus every exit head on every token ('eval'), the trained exits ('train', all
+        unless `exits` names them), or ('sparse', full_frac one per layer = the fraction of tokens still
+        running into block l) the FFN of block l and the head at d on the running tokens only."""
+        c, L = flop_costs(config, T), config.n_layer
+        all_exits = exit_depths(config)
+        heads = all_exits if (mode != 'train' or exits is None) else exits
+        total = T * c['head']
+        for l in range(L):
+            f = (full_frac[l] if isinstance(full_frac, (list, tuple)) else full_frac) if mode == 'sparse' else 1.0
+            total += T * (c['attn_proj'] + c['attn_core'] + f * c['full'])
+            if l + 1 in heads:
+                total += f * T * c['head']
+        return total
+
+    def backward_flops(self, config, T, trainable='all', exits=None, **options):
+        """Joint: twice the training forward. Controller-only: own exit heads only (the trainable norm
+        before each projection makes it 2x); shared heads leave nothing to train."""
+        if trainable == 'all':
+            return 2 * self.forward_flops(config, T, 'train', exits=exits)
+        trained = exit_depths(config) if exits is None else exits
+        return 2 * len(trained) * T * flop_costs(config, T)['head'] if config.exit_head == 'own' else 0
 
 
 def exit_depths(config):

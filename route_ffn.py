@@ -19,13 +19,15 @@ rank_pairs, oracle_policy, jepa_weight, predictor_weight, mimic_weight.
 """
 import random
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
 
 import losses
 from gates import GATES, JEPAGate, MembershipPredictor, MLPGate, capacity, straight_through, topk_mask
-from routing import MLP, Family, RouteCtx, add_weighted, parse_layer_list, routed_report_lines, split_apply
+from routing import (MLP, Family, RouteCtx, add_weighted, flop_costs, parse_layer_list, routed_report_lines,
+                     split_apply)
 
 
 class FFNRouting(Family):
@@ -114,9 +116,128 @@ class FFNRouting(Family):
     def report_lines(self, r):
         return routed_report_lines(r)
 
+    def bench_gate(self, config):
+        return config.gate          # its threshold is calibrated to the budget on the benchmark batch
+
+    def cannot_generate(self, config):
+        if config.gate == 'oracle':
+            return "gate='oracle' routes by the targets, so it cannot generate; sample from a model with a causal gate"
+        return None
+
     def ddp_find_unused(self, config):
         return (config.gate in ('static_full', 'static_cheap') or config.gate_grad == 'none'
                 or (config.infer_rule == 'predictor' and config.predictor_weight == 0))
+
+    def forward_flops(self, config, T, mode='train', full_frac=None, **options):
+        """Training and eval: both paths dense, mixed by the mask ('train' adds the JEPA targets and
+        the membership predictor's training; the oracle gate, its forks); 'sparse': the full FFN on a
+        fraction full_frac of the tokens, the cheap FFN on the rest. Oracle labels: oracle_flops."""
+        c, L = ffn_costs(config, T), config.n_layer
+        ids = self.routed_layers(config)
+        total = c['head']
+        ctrl_i = 0
+        for layer in range(L):
+            total += c['attn_proj'] + c['attn_core']
+            kind = config.gate if layer in ids else None
+            if kind is None or kind == 'static_full':
+                total += c['full']
+                continue
+            if kind == 'static_cheap':
+                total += c['cheap']
+                continue
+            if mode == 'sparse':
+                f = full_frac[ctrl_i] if isinstance(full_frac, (list, tuple)) else full_frac
+                total += f * c['full'] + (1 - f) * c['cheap']
+            else:
+                total += c['full'] + c['cheap']
+            ctrl_i += 1
+            if kind in ('mlp', 'jepa'):
+                n_out = 2 if kind == 'jepa' else 1            # JEPA forecasts both actions
+                total += c['gate_fc'] + n_out * c['gate_out'] + c['gate_read']
+                if kind == 'jepa' and mode == 'train' and config.jepa_weight > 0:
+                    total += 2 * c['jepa_target']
+                if config.infer_rule == 'predictor' and (mode in ('eval', 'sparse') or
+                                                         (mode == 'train' and config.predictor_weight > 0)):
+                    total += c['pred_fc'] + c['pred_out']
+            elif kind == 'oracle':        # both actions again, then two all-full suffixes, per layer
+                total += c['full'] + c['cheap'] + 2 * _suffix(config, layer, c)
+        return T * total
+
+    def backward_flops(self, config, T, trainable='all', oracle_layers=(), **options):
+        """Controller-only: activation gradients only, and nothing below the first gate in the LM-loss
+        graph; the gate's input needs a gradient only once the stream does."""
+        c, L = ffn_costs(config, T), config.n_layer
+        ids = self.routed_layers(config)
+        joint = trainable == 'all'
+        aux_on_score = config.util_weight > 0 or config.rank_weight > 0
+        stream = joint                      # does the residual stream entering this layer need a gradient?
+        bwd = 0
+        for layer in range(L):
+            kind = config.gate if layer in ids else None
+            w = 2 if joint else 1           # backbone matmuls: input grad (+ weight grad when trainable)
+            if stream:
+                bwd += w * c['attn_proj'] + 2 * c['attn_core']
+            if kind in (None, 'static_full'):
+                bwd += w * c['full'] if stream else 0
+                continue
+            if kind == 'static_cheap':
+                bwd += w * c['cheap'] if stream else 0
+                continue
+            if stream:
+                bwd += w * (c['full'] + c['cheap'])
+            if kind not in ('mlp', 'jepa'):
+                continue
+            score_in_graph = config.gate_grad != 'none' or (aux_on_score and layer in oracle_layers)
+            preds_in_graph = score_in_graph or (kind == 'jepa' and config.jepa_weight > 0)
+            n_out = 2 if kind == 'jepa' else 1
+            if preds_in_graph:              # gate weights always trainable; its input needs grad only if the stream does
+                bwd += (2 if stream else 1) * c['gate_fc'] + 2 * n_out * c['gate_out']
+            if score_in_graph:
+                bwd += 2 * c['gate_read']
+            if config.infer_rule == 'predictor' and config.predictor_weight > 0:
+                bwd += c['pred_fc'] + 2 * c['pred_out']        # its input is detached
+            if config.gate_grad != 'none':
+                stream = True               # the mixed update now depends on trainable gate weights
+        if stream:
+            bwd += (2 if joint else 1) * c['head']
+        return bwd * T
+
+    def oracle_flops(self, config, T, oracle_layers=(), **options):
+        """The oracle labels at the sampled controlled layers, without gradients. Off-policy: one
+        all-full forward, then per layer the cheap FFN at l and an all-full suffix. On-policy: per layer,
+        both actions at l and two suffixes routed by the gates (masked dense)."""
+        if not oracle_layers:
+            return 0
+        c = ffn_costs(config, T)
+        if config.oracle_policy == 'off':
+            return (Family.forward_flops(self, config, T)
+                    + T * sum(c['cheap'] + _suffix(config, l, c) for l in oracle_layers))
+        ids = self.routed_layers(config)
+        per_layer_train = [0] * config.n_layer
+        for layer in range(config.n_layer):
+            # this layer alone with a zero-width head: routed as trained, or a dense layer
+            one = replace(config, n_layer=1, vocab_size=0, controlled_layers='0' if layer in ids else 'all')
+            f = self.forward_flops if layer in ids else super().forward_flops
+            per_layer_train[layer] = f(one, T, mode='policy') / T
+        total = 0
+        for l in oracle_layers:
+            suffix = sum(per_layer_train[l + 1:]) + c['head']
+            total += c['full'] + c['cheap'] + 2 * suffix
+        return T * total
+
+
+def ffn_costs(config, T):
+    """routing.flop_costs plus the cheap FFN and the gates, per token."""
+    d, gh, lat = config.n_embd, config.gate_hidden, config.jepa_latent
+    return dict(flop_costs(config, T), cheap=2 * 2 * d * config.cheap_rank,
+                gate_fc=2 * d * gh, gate_out=2 * gh * (lat if config.gate == 'jepa' else 1),
+                gate_read=2 * lat if (config.gate == 'jepa' and config.jepa_readout == 'linear') else 0,
+                jepa_target=2 * d * lat)
+
+
+def _suffix(config, l, c):
+    """Per-token FLOPs of layers l+1.. all full, plus the LM head."""
+    return (config.n_layer - 1 - l) * (c['attn_proj'] + c['attn_core'] + c['full']) + c['head']
 
 
 def controlled_layer_ids(config, default):

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from gates import HaltingRouter
-from routing import Family, split_apply, tlops_saved, add_weighted
+from routing import Family, add_weighted, flop_costs, split_apply, tlops_saved
 
 
 class TokenSelectiveAttention(Family):
@@ -85,6 +85,54 @@ class TokenSelectiveAttention(Family):
                  f"{soft['tlops_saved']:.3f}); hard skipping where p > τ:"]
         return lines + [f"  {row['mode']:>6} τ={row['tau']:.2f}: val loss {row['loss']:.4f}, α {row['alpha']:.3f}, "
                         f"TLOps saved {row['tlops_saved']:.3f}" for row in r['halt']['hard']]
+
+    def forward_flops(self, config, T, mode='train', full_frac=None, **options):
+        """Every block's attention; the router before blocks 1..L−1; sparse eval runs block l's FFN on
+        the kept fraction full_frac (a float, or one per gated block) of the tokens only."""
+        c, L = flop_costs(config, T), config.n_layer
+        router = halt_router_flops(config)
+        total = c['head']
+        for layer in range(L):
+            total += c['attn_proj'] + c['attn_core']
+            if layer > 0:
+                total += router
+                if mode == 'sparse':
+                    f = full_frac[layer - 1] if isinstance(full_frac, (list, tuple)) else full_frac
+                    total += f * c['full']
+                    continue
+            total += c['full']
+        return T * total
+
+    def backward_flops(self, config, T, trainable='all', **options):
+        """x + keep·Δattn(x), then + keep·Δffn(·): the routers are trainable, so from router 0 on the
+        stream needs a gradient even on a frozen backbone."""
+        c, L = flop_costs(config, T), config.n_layer
+        hidden = max(16, config.n_embd // 4)
+        fc, out = 2 * config.n_embd * hidden, 2 * hidden        # the router's two layers
+        joint = trainable == 'all'
+        w = 2 if joint else 1           # backbone matmuls: input grad (+ weight grad when trainable)
+        stream = joint                  # does the residual stream entering this layer need a gradient?
+        bwd = 0
+        for layer in range(L):
+            if layer > 0:
+                bwd += (2 if stream else 1) * fc + 2 * out          # the router is trainable
+                if stream:              # Δattn reads x: a gradient only if x already needs one
+                    bwd += w * c['attn_proj'] + 2 * c['attn_core']
+                bwd += w * c['full']    # the FFN reads x + keep·Δattn, which depends on trainable p
+                stream = True
+                continue
+            if stream:
+                bwd += w * c['attn_proj'] + 2 * c['attn_core']
+                bwd += w * c['full']
+        if stream:
+            bwd += (2 if joint else 1) * c['head']
+        return bwd * T
+
+
+def halt_router_flops(config):
+    """Per token: the halting router's two layers, d -> max(16, d/4) -> 1."""
+    hidden = max(16, config.n_embd // 4)
+    return 2 * config.n_embd * hidden + 2 * hidden
 
 
 def halt_report(model, batches, autocast, evaluate, taus=(0.3, 0.5, 0.7, 0.9)):

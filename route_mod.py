@@ -18,7 +18,7 @@ import torch
 import losses
 from gates import MembershipPredictor, ModRouter, capacity, topk_mask
 from route_ffn import controlled_layer_ids
-from routing import Family, add_weighted, gather_rows, routed_report_lines, tlops_saved
+from routing import Family, add_weighted, flop_costs, gather_rows, routed_report_lines, tlops_saved
 
 
 class MixtureOfDepths(Family):
@@ -71,11 +71,53 @@ class MixtureOfDepths(Family):
         return routed_report_lines(r)
 
     def executed_fracs(self, masks):
-        """Sparse execution pads every row to the longest: the fraction it really runs."""
-        return torch.stack([m.sum(1).max() / m.size(1) for _, m in sorted(masks.items())])
+        """Sparse execution pads every row to the longest: the fraction it really runs (in float64, so
+        that it equals count / T exactly as a Python float and rounds to the same float32)."""
+        return torch.stack([m.sum(1).max().double() / m.size(1) for _, m in sorted(masks.items())])
+
+    def bench_gate(self, config):
+        return 'random'             # an untrained router's σ(r) > 0.5 rule would not hold the budget
 
     def ddp_find_unused(self, config):
         return config.infer_rule == 'predictor' and config.predictor_weight == 0
+
+    def forward_flops(self, config, T, mode='train', full_frac=None, **options):
+        """A routed layer costs its router on every token, then the whole block on n tokens with
+        attention among them (4·n²·d): n = ceil(budget·T) in training, T masked-dense ('eval'), and in
+        'sparse' n = full_frac·T per routed layer, where full_frac is the padded row length over T
+        (sparse execution pads every row to the longest)."""
+        c, L, d = flop_costs(config, T), config.n_layer, config.n_embd
+        ids, router = self.routed_layers(config), config.gate == 'mlp'
+        total = T * c['head']
+        for l in range(L):
+            if l not in ids:
+                total += T * (c['attn_proj'] + c['attn_core'] + c['full'])
+                continue
+            f = full_frac[ids.index(l)] if isinstance(full_frac, (list, tuple)) else full_frac
+            n = capacity(config.budget, T) if mode in ('train', 'policy') else f * T if mode == 'sparse' else T
+            total += T * 2 * d * router + n * (c['attn_proj'] + c['full']) + 4 * n * n * d
+            if router and config.infer_rule == 'predictor' and (mode != 'train' or config.predictor_weight > 0):
+                total += T * (c['pred_fc'] + c['pred_out'])
+        return total
+
+    def backward_flops(self, config, T, trainable='all', **options):
+        """Controller-only: the router's weight gradient, and the blocks' input gradients from the first
+        router up (σ(r) multiplies the update from there on)."""
+        c, L, d = flop_costs(config, T), config.n_layer, config.n_embd
+        joint = trainable == 'all'
+        w = 2 if joint else 1
+        ids, router = self.routed_layers(config), config.gate == 'mlp'
+        stream, bwd = joint, 0
+        for l in range(L):
+            n = capacity(config.budget, T) if l in ids else T
+            if stream:                  # the block (on its n tokens) needs input grads at least
+                bwd += n * w * (c['attn_proj'] + c['full']) + 2 * 4 * n * n * d
+            if l in ids and router:     # r = wᵀx: weight grad, and input grad once x needs one
+                bwd += T * 2 * d * (2 if stream else 1)
+                if config.infer_rule == 'predictor' and config.predictor_weight > 0:
+                    bwd += T * (c['pred_fc'] + 2 * c['pred_out'])      # its input is detached
+                stream = True           # σ(r) multiplies the update from here on
+        return bwd + (T * w * c['head'] if stream else 0)
 
 
 def mod_block(block, cfg, x, pos, cache, ctx):

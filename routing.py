@@ -24,6 +24,11 @@ A family file (route_ffn.py, route_mod.py, ...) overrides only what it changes:
     ddp_find_unused(config)        whether some parameters get no gradient in a step
     after_load(model)              fix-ups once backbone weights are loaded (ensemble norms)
     references, by_class, report, report_lines, executed_fracs    what eval reports and train prints
+    bench_gate(config)             the gate bench.py times it with at each budget (None: it has no budget)
+    cannot_generate(config)        why sample.py refuses to generate with it (None: it can)
+    forward_flops(config, T, mode, full_frac, **options)   analytic FLOPs of one forward (flops.py sums
+                                   these), backward_flops(config, T, trainable, **options) of a training
+                                   step's backward, oracle_flops(config, T, **options) of its no-grad passes
 """
 import math
 from dataclasses import dataclass, field
@@ -141,6 +146,40 @@ class Family:
         """Fraction of tokens sparse execution runs per routed layer, when it differs from the mean."""
         return None
 
+    def cannot_generate(self, config):
+        """Why a model of this config cannot generate text (one line for sample.py), or None."""
+        return None
+
+    def bench_gate(self, config):
+        """The gate bench.py times this family with at each budget (on an untrained model, so one whose
+        decisions hold the budget), or None where the family routes no budget of tokens."""
+        return None
+
+    # analytic FLOPs of one sequence of length T, as torch's FlopCounterMode counts them (flops.py
+    # states the conventions and sums these); options: the family's per-step options (step_options)
+    def forward_flops(self, config, T, mode='train', full_frac=None, **options):
+        """One forward. mode 'train' (training forward, training-only heads included), 'eval' (causal,
+        masked-dense), 'policy' (no grad, training decisions, no loss heads) or 'sparse' (sparse
+        execution at the realised fractions full_frac: a float, or one per routed layer)."""
+        c = flop_costs(config, T)
+        total = c['head']
+        for _ in range(config.n_layer):
+            total += c['attn_proj'] + c['attn_core'] + c['full']
+        return T * total
+
+    def backward_flops(self, config, T, trainable='all', **options):
+        """The backward of one training step, as autograd runs it: a matmul costs 2x its forward when
+        its input and weight both need gradients, 1x when only one does. trainable 'all' (joint) or
+        'controller' (frozen backbone: the dense model has no controller, so nothing runs)."""
+        if trainable != 'all':
+            return 0
+        c = flop_costs(config, T)
+        return T * (config.n_layer * (2 * c['attn_proj'] + 2 * c['attn_core'] + 2 * c['full']) + 2 * c['head'])
+
+    def oracle_flops(self, config, T, **options):
+        """No-grad passes a training step runs beside its forward and backward (ffn's oracle labels)."""
+        return 0
+
 
 def routed_report_lines(r):
     """The summary line of the families that route to a cheaper path at a budget (ffn, mod)."""
@@ -150,6 +189,14 @@ def routed_report_lines(r):
             f"{sum(v['full_frac']) / len(v['full_frac']):.3f} (budget {r['budget']})"
             + (f" | causal rule agrees with top-k on {v['mod_acc']:.3f}" if 'mod_acc' in v else '')
             + (f" | TLOps saved {v['tlops_saved']:.3f}" if 'tlops_saved' in v else '')]
+
+
+def flop_costs(config, T):
+    """Forward FLOPs per token of the pieces every family is built from (attention core at length T):
+    a block's attention projections and core, the full FFN, the LM head, the membership predictor."""
+    d, gh = config.n_embd, config.gate_hidden
+    return dict(attn_proj=2 * d * 3 * d + 2 * d * d, attn_core=4 * T * d, full=2 * 2 * d * 4 * d,
+                head=2 * d * config.vocab_size, pred_fc=2 * d * gh, pred_out=2 * gh)
 
 
 def layer_dropout_prob(config, layer):

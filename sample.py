@@ -14,6 +14,7 @@ vocabulary. Only the tokenizer's real ids are sampled, never the padding of the 
 import json
 import os
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -21,6 +22,7 @@ from checkpoint import load_checkpoint, load_model
 from configurator import ConfigError, load_config, run_cli
 from data.loader import load_tokenizer
 from device import cli_device
+from model import FAMILIES
 
 DEFAULTS = dict(out_dir='out/quickstart', start='\n', num_samples=3, max_new_tokens=200, temperature=0.8,
                 top_k=200, seed=1337, device='auto', use_cache=True, data_dir='', prompts_file='')
@@ -49,8 +51,10 @@ def main(argv):
         raise ConfigError(f"no checkpoint at {path}; train one first with: python train.py --out_dir={cfg['out_dir']}")
     ckpt = load_checkpoint(path)
     margs, tcfg = ckpt['model_args'], ckpt['config']
-    if margs.get('route') == 'ffn' and margs.get('gate') == 'oracle':
-        raise ConfigError("gate='oracle' routes by the targets, so it cannot generate; sample from a model with a causal gate")
+    family = FAMILIES.get(margs.get('route'))
+    refusal = family.cannot_generate(SimpleNamespace(**margs)) if family is not None else None
+    if refusal:
+        raise ConfigError(refusal)
     folder = os.path.join(cfg['data_dir'] or tcfg.get('data_dir') or os.path.join(HERE, 'data'), tcfg['dataset'])
     if not os.path.exists(os.path.join(folder, 'meta.json')):
         raise ConfigError(f"no {folder}/meta.json to decode with: run python data/prepare.py {tcfg['dataset']} "

@@ -153,3 +153,71 @@ def assert_greedy_traces_agree(a, b, tol=FP32_TOL):
         gap = (lb[s, y] - lb[s, x]).abs().item()
         assert gap <= 2 * (tol['atol'] + tol['rtol'] * lb[s].abs().max().item()), \
             f'step {s}: greedy tokens {x} vs {y}, not a near-tie (gap {gap:.3g})'
+
+
+# ----------------------------------------------------------------------------------------------------
+# tiny models of the routing families: test_families.py (the promises every family keeps) and the
+# per-family files (test_mod.py, test_exit.py, test_ensemble.py) build them the same way
+
+SETTINGS = dict(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+V = 23
+BASE = dict(block_size=24, vocab_size=V, n_head=2, n_embd=16, gate_hidden=8)
+
+# the gates/options that change each family's code path; build(route, opt) takes option set `opt`,
+# and a family without an entry here is built with its defaults
+EXAMPLES = {
+    'mod': [dict(), dict(infer_rule='predictor'), dict(gate='random'), dict(controlled_layers='all', pos='rope')],
+    'exit': [dict(), dict(exit_head='own', exit_layers='every', exit_schedule='calm'), dict(exit_conf='margin', exit_threshold=0.05),
+             dict(exit_conf='saturation', exit_threshold=0.5)],
+    'ensemble': [dict(), dict(ens_mix='prob', ens_router_input='mean'), dict(ens_mix='logit', ens_layers=1)],
+    'halt': [dict(), dict(halt_hard='binary', halt_tau=0.3)],
+    'ffn': [dict(gate='mlp', cheap_rank=4), dict(gate='random', cheap_rank=4)],
+}
+
+
+def build(route, opt=0, seed=0, n_layer=4, noise=0.3, **kw):
+    """A tiny model of the family; `noise` moves every parameter off its init so routers, exits and
+    mixtures make non-trivial, tie-free decisions."""
+    import torch
+    from model import GPT, GPTConfig
+    args = dict(BASE, n_layer=n_layer, route=route, **EXAMPLES.get(route, [dict()])[opt])
+    args.update(kw)
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**args))
+    g = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(noise * torch.randn(p.shape, generator=g))
+    return model
+
+
+def dense_twin(model):
+    """A route='none' GPT carrying model's backbone weights (its routing modules dropped)."""
+    from model import GPT, GPTConfig
+    cfg = GPTConfig(**{**model.config.__dict__, 'route': 'none', 'controlled_layers': 'auto'})
+    dense = GPT(cfg)
+    missing, _ = dense.load_state_dict(model.state_dict(), strict=False)
+    assert not [k for k in missing if not k.endswith('.attn.bias')]
+    return dense.eval()
+
+
+def tokens(seed, B, T):
+    import torch
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def seeded(fn, seed=0):
+    """Run fn with the RNG reset, so random gates draw the same decisions each time."""
+    import torch
+    torch.manual_seed(seed)
+    return fn()
+
+
+def counted(fn):
+    """FLOPs of fn() by torch's FlopCounterMode, attention in the math kernel (the fused CPU one is
+    not counted)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
+        fn()
+    return fc.get_total_flops()

@@ -893,3 +893,16 @@ def test_jepa_pred_std_is_reported_without_alignment():
     model = build(0, 2, gate='jepa', jepa_weight=0.0).train()
     aux = model(tokens(0, 2, 12), tokens(1, 2, 12))[2]
     assert 'jepa_pred_std' in aux and aux['jepa_pred_std'] > 0
+
+
+def test_resume_compares_the_layers_meant_not_the_spelling():
+    """An ffn checkpoint saved with controlled_layers='all' resumes under the default 'auto' (the same
+    layers); a different layer set is refused by name."""
+    import train
+    from dataclasses import asdict
+    ck = dict(model_args=asdict(GPTConfig(**BASE, n_layer=4, route='ffn', controlled_layers='all')))
+    cfg = type('C', (), dict(**asdict(GPTConfig(**BASE, n_layer=4, route='ffn')), dataset='synthetic'))()
+    train.check_against_checkpoint(cfg, {}, ck, ['controlled_layers'])
+    cfg.controlled_layers = 'every_other'
+    with pytest.raises(train.TrainError, match="controlled_layers"):
+        train.check_against_checkpoint(cfg, {}, ck, ['controlled_layers'])

@@ -1,0 +1,82 @@
+"""route='ensemble' (Mixture-of-Depths Ensemble, arXiv 2410.13077): the mixture and the distillation
+loss against hand computation, a one-layer ensemble with copied norm being the dense model, and its
+fine-tuning baseline trainable='last_layers' (dense models only; FLOPs equal FlopCounterMode's).
+The promises every family keeps are in test_families.py."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+import flops
+from conftest import BASE, SETTINGS, build, counted, dense_twin, tokens
+from model import GPT, GPTConfig
+
+pytestmark = pytest.mark.usefixtures('one_thread')      # tiny ops: see conftest.py
+
+
+@settings(**SETTINGS)
+@given(seed=st.integers(0, 999), T=st.integers(1, 16), mix=st.sampled_from(['logit', 'logprob', 'prob']),
+       r_in=st.sampled_from(['final', 'mean']), kl=st.sampled_from(['forward', 'reverse']), k=st.integers(1, 4))
+def test_ensemble_matches_hand_computation(seed, T, mix, r_in, kl, k):
+    model = build('ensemble', seed=seed, ens_mix=mix, ens_router_input=r_in, ens_kl=kl, ens_layers=k,
+                  ens_kl_weight=0.3).train()
+    idx, tgt = tokens(seed, 2, T), tokens(seed + 1, 2, T)
+    with torch.no_grad():
+        logits, loss, _ = model(idx, tgt)
+        x = model.transformer.wte(idx) + model.transformer.wpe(torch.arange(T))
+        states = []
+        for blk in model.transformer.h:
+            x = blk(x)
+            states.append(x)
+        normed = [n(h) for n, h in zip(model.ens_norms, states[-k:])]
+        router_in = model.transformer.ln_f(x) if r_in == 'final' else sum(normed) / k
+        g = F.softmax(router_in @ model.ens_router.w.weight.t(), -1)
+        per = [model.lm_head(h) for h in normed]
+        if mix == 'logit':
+            want = sum(g[..., j:j + 1] * per[j] for j in range(k))
+        elif mix == 'logprob':
+            want = sum(g[..., j:j + 1] * F.log_softmax(per[j], -1) for j in range(k))
+        else:
+            want = torch.log(sum(g[..., j:j + 1] * F.softmax(per[j], -1) for j in range(k)))
+        torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-5)
+        teacher = F.log_softmax(model.lm_head(model.transformer.ln_f(x)), -1)
+        student = F.log_softmax(want, -1)
+        p, q = (teacher, student) if kl == 'forward' else (student, teacher)
+        kl_val = (p.exp() * (p - q)).sum(-1).mean()
+        torch.testing.assert_close(loss, F.cross_entropy(want.flatten(0, 1), tgt.flatten()) + 0.3 * kl_val,
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_ensemble_of_one_layer_with_copied_norm_is_the_dense_model():
+    model = build('ensemble', 2, seed=5).eval()            # ens_layers=1, mixing logits
+    model.family.after_load(model)
+    idx = tokens(5, 2, 12)
+    with torch.no_grad():
+        assert torch.equal(model(idx, last_only=False)[0], dense_twin(model)(idx, last_only=False)[0])
+
+
+# ----------------------------------------------------------------------------------------------------
+# the dense fine-tuning baseline (trainable='last_layers')
+
+def test_last_layers_step_flops_match_counter():
+    cfg = GPTConfig(**BASE, n_layer=4, ens_layers=2)
+    model = GPT(cfg).train()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in [*model.transformer.h[-2:].parameters(), *model.transformer.ln_f.parameters()]:
+        p.requires_grad_(True)
+    idx = tokens(0, 2, 10)
+    assert counted(lambda: model(idx, idx)[1].backward()) == 2 * flops.train_step_flops(cfg, 10, 'last_layers')['total']
+
+
+def test_last_layers_needs_a_dense_model():
+    import train
+    cfg = type('C', (), dict(trainable='last_layers', route='mod', gate='mlp'))()
+    with pytest.raises(train.TrainError, match='last_layers'):
+        train.trainable_parameters(build('mod'), cfg)
+    dense = GPT(GPTConfig(**BASE, n_layer=4, ens_layers=2))
+    cfg.route = 'none'
+    params = train.trainable_parameters(dense, cfg)
+    want = {id(p) for p in [*dense.transformer.h[2:].parameters(), *dense.transformer.ln_f.parameters()]}
+    assert {id(p) for p in params} == want
+    assert all(p.requires_grad == (id(p) in want) for p in dense.parameters())

@@ -1,0 +1,103 @@
+"""route='exit' (early exits: LayerSkip, arXiv 2404.16710; CALM, arXiv 2207.07061): exit depths,
+loss-weight schedules, layer dropout and the rotational curriculum, the training loss against hand
+computation, an unreachable threshold being the full model, and CALM's copied-state early exit
+against a hand-written reference. The promises every family keeps are in test_families.py."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+import losses
+from conftest import SETTINGS, V, build, dense_twin, tokens
+from model import GPT, GPTConfig
+from route_exit import exit_depths
+from routing import layer_dropout_prob
+
+pytestmark = pytest.mark.usefixtures('one_thread')      # tiny ops: see conftest.py
+
+
+def test_exit_depths_and_loss_weights():
+    assert exit_depths(GPTConfig(n_layer=8, route='exit')) == [2, 4, 6]
+    assert exit_depths(GPTConfig(n_layer=4, route='exit')) == [2, 3]
+    assert exit_depths(GPTConfig(n_layer=4, route='exit', exit_layers='every')) == [1, 2, 3]
+    with pytest.raises(ValueError, match='exit_layers'):
+        GPTConfig(n_layer=4, route='exit', exit_layers='4')
+    w = losses.exit_loss_weights([1, 2, 3], 4, 'uniform', 0.6)
+    assert w == pytest.approx({1: 0.2, 2: 0.2, 3: 0.2, 4: 1.0})
+    assert losses.exit_loss_weights([1, 3], 4, 'calm') == pytest.approx({1: 0.25, 3: 0.75, 4: 1.0})
+    assert losses.exit_loss_weights([1, 2, 3], 4, 'layerskip') == pytest.approx({1: 0.0, 2: 0.25, 3: 0.75, 4: 1.0})
+    assert losses.exit_loss_weights([1], 4, 'layerskip') == {1: 0.0, 4: 1.0}
+    assert losses.exit_loss_weights([1, 2, 3], 4, 'mean') == pytest.approx({1: .25, 2: .25, 3: .25, 4: .25})
+    cfg = GPTConfig(n_layer=5, route='exit', layer_dropout=0.2)
+    assert layer_dropout_prob(cfg, 0) == 0 and layer_dropout_prob(cfg, 4) == pytest.approx(0.2)
+    model = GPT(GPTConfig(n_layer=6, route='exit', exit_layers='every', exit_rotation=2, vocab_size=V))
+    assert model.family.step_options(model, 0)['exits'] == (2, 4) and model.family.step_options(model, 7)['exits'] == (1, 3, 5)
+
+
+@settings(**SETTINGS)
+@given(seed=st.integers(0, 999), T=st.integers(1, 16), head=st.sampled_from(['shared', 'own']),
+       schedule=st.sampled_from(['uniform', 'calm', 'layerskip', 'mean']))
+def test_exit_training_loss_matches_hand_computation(seed, T, head, schedule):
+    """L = w_n·CE(final) + Σ_d α_d·CE(exit d), the exits read by hand from the blocks' outputs."""
+    model = build('exit', seed=seed, exit_head=head, exit_schedule=schedule, exit_layers='every', exit_weight=0.7).train()
+    idx, tgt = tokens(seed, 2, T), tokens(seed + 1, 2, T)
+    with torch.no_grad():
+        loss = model(idx, tgt)[1]
+        x = model.transformer.wte(idx) + model.transformer.wpe(torch.arange(T))
+        ce = {}
+        for l, blk in enumerate(model.transformer.h):
+            x = blk(x)
+            d = l + 1
+            if d < 4:
+                lg = (model.exit_heads[str(d)].proj(model.exit_heads[str(d)].ln(x)) if head == 'own'
+                      else model.lm_head(model.transformer.ln_f(x)))
+                ce[d] = F.cross_entropy(lg.flatten(0, 1), tgt.flatten())
+        ce[4] = F.cross_entropy(model.lm_head(model.transformer.ln_f(x)).flatten(0, 1), tgt.flatten())
+    raw = {'uniform': [1, 1, 1], 'calm': [1, 2, 3], 'layerskip': [0, 1, 3], 'mean': None}[schedule]
+    if raw is None:
+        want = sum(ce.values()) / 4
+    else:
+        want = ce[4] + sum(0.7 * r / sum(raw) * ce[d] for d, r in zip((1, 2, 3), raw))
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+
+
+@settings(**SETTINGS)
+@given(seed=st.integers(0, 999), T0=st.integers(1, 10), new=st.integers(0, 6), opt=st.integers(0, 3))
+def test_exit_unreachable_threshold_is_the_full_model(seed, T0, new, opt):
+    """No token can reach a threshold above 1 (confidences are <= 1): outputs equal the full model's
+    exactly, in one forward and through KV-cached generation."""
+    model = build('exit', opt, seed=seed, exit_threshold=1.5).eval()
+    idx = tokens(seed, 2, T0)
+    with torch.no_grad():
+        got = model(idx, last_only=False)[0]
+        want = model(idx, last_only=False, force='full')[0]
+        assert torch.equal(got, want)
+        assert torch.equal(got, dense_twin(model)(idx, last_only=False)[0])
+        if new:
+            a = model.generate(idx, new, temperature=0, use_cache=True)
+            b = dense_twin(model).generate(idx, new, temperature=0, use_cache=True)
+            assert torch.equal(a, b)
+
+
+@settings(**SETTINGS)
+@given(seed=st.integers(0, 999), T=st.integers(2, 16), thr=st.floats(0.0, 1.0))
+def test_exited_tokens_copy_their_state_and_others_still_attend_to_it(seed, T, thr):
+    """Hand-computed CALM reference: run the blocks on every token, but after an exit a token's
+    hidden state stays frozen (copied upward) and its output is its exit's logits (own heads)."""
+    model = build('exit', 1, seed=seed, exit_threshold=thr).eval()
+    idx = tokens(seed, 2, T)
+    with torch.no_grad():
+        got = model(idx, last_only=False, sparse=False)[0]
+        x = model.transformer.wte(idx) + model.transformer.wpe(torch.arange(T))
+        done = torch.zeros(2, T, dtype=torch.bool)
+        out = torch.zeros(2, T, V)
+        for l, blk in enumerate(model.transformer.h):
+            y = blk(x)
+            x = torch.where(done[..., None], x, y)
+            if l + 1 < 4:
+                lg = model.exit_heads[str(l + 1)](x)
+                newly = ~done & (F.softmax(lg, -1).max(-1).values >= thr)
+                out = torch.where(newly[..., None], lg, out)
+                done |= newly
+        out = torch.where(done[..., None], out, model.lm_head(model.transformer.ln_f(x)))
+    torch.testing.assert_close(got, out, rtol=1e-5, atol=1e-6)
