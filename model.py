@@ -280,6 +280,7 @@ class GPT(nn.Module):
             if name.endswith('c_proj.weight'):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         self.family.init_weights(self)
+        self.exec_mode = None           # sparse eval: None (by device), 'compact' or 'static'; see forward
 
     @staticmethod
     def _init_weights(module):
@@ -306,7 +307,7 @@ class GPT(nn.Module):
         return self.transformer.drop(x)
 
     def forward(self, idx, targets=None, pos=None, cache=None, last_only=None, force=None, calibrate=False,
-                sparse=True, **options):
+                sparse=True, exec_mode=None, **options):
         """idx (B, T) token ids. Returns (logits, loss, aux): logits for every position when targets
         are given (or last_only=False), else for the last position only; loss is the total training
         loss (LM + the family's weighted terms); aux holds the separate terms and routing statistics
@@ -314,9 +315,12 @@ class GPT(nn.Module):
         'masks' {layer: (B, T), 1 = full path / block runs}, 'tlops_saved' (families that skip blocks).
         force: 'full' (every routing decision open: the dense model) or 'cheap'. calibrate: (eval) set
         causal thresholds on this batch. sparse: (eval) gather/scatter execution, or masked-dense
-        (False). options: the family's per-step options (family.step_options: oracle_layers, exits)."""
+        (False). exec_mode: how sparse eval runs, 'compact' (gather exactly the selected tokens: host
+        syncs) or 'static' (static shapes, no host sync); None: self.exec_mode, whose None means static
+        under torch.compile or on CUDA, compact otherwise (routing.exec_mode).
+        options: the family's per-step options (family.step_options: oracle_layers, exits)."""
         ctx = RouteCtx(force=force, calibrate=calibrate, sparse=sparse, targets=targets, idx=idx, pos=pos,
-                       options=options)
+                       options=options, exec_mode=exec_mode if exec_mode is not None else self.exec_mode)
         self.family.begin(self, ctx)
         ctx.final = x = self.family.run_blocks(self, self.embed(idx, pos), pos, cache, ctx)
         last = (lambda t: t[:, [-1]]) if (targets is None if last_only is None else last_only) else (lambda t: t)
