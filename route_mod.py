@@ -71,7 +71,7 @@ class MixtureOfDepths(Family):
         return routed_report_lines(r)
 
     def executed_fracs(self, masks):
-        """Sparse execution pads every row to the longest: the fraction it really runs."""
+        """Compact sparse execution pads every row to the longest: the fraction it really runs."""
         return torch.stack([m.sum(1).max() / m.size(1) for _, m in sorted(masks.items())])
 
     def ddp_find_unused(self, config):

@@ -223,7 +223,8 @@ def rows_apply(x_flat, order, lo, hi, fn, out=None):
     Python ints or 0-dim device tensors. fn maps rows to rows (an MLP, a head, an FFN update); out=None
     starts from zeros of fn's output. Returns out (written in place when given).
     This reference computes fn on all N rows and writes those in range: static shapes, no host sync,
-    the arithmetic the kernel that skips the rows beyond the range must reproduce."""
+    the arithmetic a kernel that skips the rows beyond the range must reproduce (for fn an MLP, the
+    place to dispatch to one)."""
     y = fn(x_flat.index_select(0, order))
     out = y.new_zeros(y.shape) if out is None else out
     i = torch.arange(order.numel(), device=order.device)
