@@ -435,12 +435,20 @@ class GPT(nn.Module):
         return step
 
     def new_cache(self, batch_size, device, compile=False):
-        """A KV cache of block_size slots. For CUDA graphs its tensors are marked static: the graph
-        writes into them in place, at the same addresses every replay."""
-        cache = KVCache(self.config, batch_size, self.config.block_size, device, self.lm_head.weight.dtype)
-        if compile and device.type == 'cuda':
+        """An empty KV cache of block_size slots. A CUDA graph writes into the cache in place at the
+        addresses it was captured with, so compiled decoding on CUDA gets one cache per batch size,
+        at static addresses, emptied and reused by every later decoding: the graph is captured once."""
+        dtype = self.lm_head.weight.dtype
+        if not (compile and device.type == 'cuda'):
+            return KVCache(self.config, batch_size, self.config.block_size, device, dtype)
+        caches = self.__dict__.setdefault('graph_caches', {})
+        cache = caches.get((batch_size, device, dtype))
+        if cache is None:
+            cache = caches[batch_size, device, dtype] = KVCache(self.config, batch_size, self.config.block_size,
+                                                                device, dtype)
             for t in (cache.k, cache.v, cache.kpos):
                 torch._dynamo.mark_static_address(t)
+        cache.kpos.fill_(-1)            # empty: slots whose kpos is -1 are never read
         return cache
 
     def generate_ragged(self, idx, lengths, max_new_tokens, temperature, top_k, record, vocab_limit=None, compile=False):
