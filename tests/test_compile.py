@@ -199,3 +199,32 @@ def test_traced_greedy_decoding_gives_the_eager_tokens(route, monkeypatch):
 def test_compiled_greedy_decoding_gives_the_eager_tokens(route):
     """generate(compile=True) as a CPU runs it: inductor's code (~1-2 min per family on 2 busy cores)."""
     assert compiled_decoding_case(route, [dict(), dict(lengths=[6, 2])]) == [1, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('route', ROUTES)
+def test_inductor_compiles_training_step_and_static_prefill(route):
+    """torch.compile(fullgraph=True, dynamic=False) with the default compiler: the training loss and its
+    gradients, and the static eval prefill, equal eager's (decisions exactly; values within ROUTED_TOL:
+    generated kernels fuse and reassociate sums)."""
+    model = build(route)
+    idx = tokens(0, B, T)
+    loss_fn = train_loss(model.train())
+    eager = seeded(lambda: loss_fn(idx))
+    eager.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    compiled = seeded(lambda: torch.compile(loss_fn, fullgraph=True, dynamic=False)(idx))
+    compiled.backward()
+    torch.testing.assert_close(compiled, eager, **ROUTED_TOL)
+    for n, p in model.named_parameters():
+        if n in grads:
+            torch.testing.assert_close(p.grad, grads[n], **ROUTED_TOL, msg=n)
+    model.eval()
+    with torch.no_grad():
+        ref = seeded(lambda: model(idx, last_only=False, exec_mode='static'))
+        got = seeded(lambda: torch.compile(lambda i: model(i, last_only=False, exec_mode='static'),
+                                           fullgraph=True, dynamic=False)(idx))
+    torch.testing.assert_close(got[0], ref[0], **ROUTED_TOL)
+    for l in ref[2].get('masks', {}):
+        assert torch.equal(got[2]['masks'][l], ref[2]['masks'][l]), l
