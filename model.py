@@ -281,6 +281,7 @@ class GPT(nn.Module):
             if name.endswith('c_proj.weight'):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         self.family.init_weights(self)
+        self.exec_mode = None           # sparse eval: None (by device), 'compact' or 'static'; see forward
 
     @staticmethod
     def _init_weights(module):
@@ -307,7 +308,7 @@ class GPT(nn.Module):
         return self.transformer.drop(x)
 
     def forward(self, idx, targets=None, pos=None, cache=None, last_only=None, force=None, calibrate=False,
-                sparse=True, **options):
+                sparse=True, exec_mode=None, **options):
         """idx (B, T) token ids. Returns (logits, loss, aux): logits for every position when targets
         are given (or last_only=False), else for the last position only; loss is the total training
         loss (LM + the family's weighted terms); aux holds the separate terms and routing statistics
@@ -315,9 +316,12 @@ class GPT(nn.Module):
         'masks' {layer: (B, T), 1 = full path / block runs}, 'tlops_saved' (families that skip blocks).
         force: 'full' (every routing decision open: the dense model) or 'cheap'. calibrate: (eval) set
         causal thresholds on this batch. sparse: (eval) gather/scatter execution, or masked-dense
-        (False). options: the family's per-step options (family.step_options: oracle_layers, exits)."""
+        (False). exec_mode: how sparse eval runs, 'compact' (gather exactly the selected tokens: host
+        syncs) or 'static' (static shapes, no host sync); None: self.exec_mode, whose None means static
+        under torch.compile or on CUDA, compact otherwise (routing.exec_mode).
+        options: the family's per-step options (family.step_options: oracle_layers, exits)."""
         ctx = RouteCtx(force=force, calibrate=calibrate, sparse=sparse, targets=targets, idx=idx, pos=pos,
-                       options=options)
+                       options=options, exec_mode=exec_mode if exec_mode is not None else self.exec_mode)
         self.family.begin(self, ctx)
         ctx.final = x = self.family.run_blocks(self, self.embed(idx, pos), pos, cache, ctx)
         last = (lambda t: t[:, [-1]]) if (targets is None if last_only is None else last_only) else (lambda t: t)
@@ -365,7 +369,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, lengths=None, stats=None,
-                 vocab_limit=None):
+                 vocab_limit=None, compile=False):
         """Sample max_new_tokens continuations of idx (B, T), routed as model.eval() routes. With
         use_cache, the prompt is prefilled once and each new token costs one single-position forward;
         once the sequence outgrows block_size the context is cropped as in nanoGPT, which shifts every
@@ -378,57 +382,100 @@ class GPT(nn.Module):
         stats: a dict to fill with the mean realised full-path fraction per routed layer over every
         forward ('full_frac') and the mean TLOps saved ('tlops_saved'), where the family has them.
         vocab_limit: sample only ids < vocab_limit (the tokenizer's real vocabulary; the model's is
-        padded, and a padding id has no text)."""
+        padded, and a padding id has no text).
+        compile: run each cached decoding step (decode_step) through torch.compile(fullgraph=True),
+        captured as a CUDA graph ('reduce-overhead') on CUDA; the prefill and sampling stay eager."""
         bs = self.config.block_size
         record = (lambda aux: [stats.setdefault(k, []).append(aux[k].float()) for k in ('full_frac', 'tlops_saved')
                                if k in aux]) if stats is not None else (lambda aux: None)
         if lengths is not None:
-            idx = self.generate_ragged(idx, list(lengths), max_new_tokens, temperature, top_k, record, vocab_limit)
+            idx = self.generate_ragged(idx, list(lengths), max_new_tokens, temperature, top_k, record, vocab_limit,
+                                       compile)
         else:
-            cache = None
+            cache, step = None, self.decode_step_fn(idx.device, compile)
             for _ in range(max_new_tokens):
-                T = idx.size(1)
-                if use_cache and T <= bs:
-                    if cache is None:
-                        cache = KVCache(self.config, idx.size(0), bs, idx.device, self.lm_head.weight.dtype)
-                        start = 0
-                    else:
-                        start = T - 1
-                    pos = torch.arange(start, T, device=idx.device).expand(idx.size(0), -1)
-                    logits, _, aux = self(idx[:, start:], pos=pos, cache=cache)
+                B, T = idx.shape
+                if use_cache and T <= bs and cache is not None:     # nxt, not a view of idx: same strides every step
+                    logits, aux = step(nxt, torch.full((B, 1), T - 1, device=idx.device), cache)
+                elif use_cache and T <= bs:
+                    cache = self.new_cache(B, idx.device, compile)
+                    logits, _, aux = self(idx, pos=torch.arange(T, device=idx.device).expand(B, T), cache=cache)
+                    logits = logits[:, -1, :]
                 else:
                     logits, _, aux = self(idx[:, -bs:])
+                    logits = logits[:, -1, :]
                 record(aux)
-                idx = torch.cat((idx, self.sample_next(logits[:, -1, :], temperature, top_k, vocab_limit)), dim=1)
+                nxt = self.sample_next(logits, temperature, top_k, vocab_limit)
+                idx = torch.cat((idx, nxt), dim=1)
         if stats:
             for k in [k for k in ('full_frac', 'tlops_saved') if k in stats]:
                 stats[k] = torch.stack(stats[k]).mean(0).tolist()
         return idx
 
-    def generate_ragged(self, idx, lengths, max_new_tokens, temperature, top_k, record, vocab_limit=None):
+    def decode_step(self, tok, pos, cache):
+        """One cached decoding step: tok (B, 1) ids at absolute positions pos (B, 1), a device tensor
+        (per row: ragged batches), attending over and writing into cache. Returns the next-token logits
+        (B, V) and the step's routing statistics. Static shapes and no host sync (sparse eval runs
+        'static' under torch.compile and on CUDA), so every step is the same graph."""
+        logits, _, aux = self(tok, pos=pos, cache=cache)
+        return logits[:, -1], {k: aux[k] for k in ('full_frac', 'tlops_saved') if k in aux}
+
+    def decode_step_fn(self, device, compile):
+        """decode_step, eager or compiled. On CUDA the compiled step is captured as a CUDA graph, whose
+        outputs the next replay overwrites: they are cloned before anyone keeps them."""
+        if not compile:
+            return self.decode_step
+        if device.type != 'cuda':
+            return torch.compile(self.decode_step, fullgraph=True, dynamic=False)
+        graphed = torch.compile(self.decode_step, fullgraph=True, dynamic=False, mode='reduce-overhead')
+
+        def step(tok, pos, cache):
+            torch.compiler.cudagraph_mark_step_begin()
+            logits, aux = graphed(tok, pos, cache)
+            return logits.clone(), {k: v.clone() for k, v in aux.items()}
+        return step
+
+    def new_cache(self, batch_size, device, compile=False):
+        """An empty KV cache of block_size slots. A CUDA graph writes into the cache in place at the
+        addresses it was captured with, so compiled decoding on CUDA gets one cache per batch size,
+        at static addresses, emptied and reused by every later decoding: the graph is captured once."""
+        dtype = self.lm_head.weight.dtype
+        if not (compile and device.type == 'cuda'):
+            return KVCache(self.config, batch_size, self.config.block_size, device, dtype)
+        caches = self.__dict__.setdefault('graph_caches', {})
+        cache = caches.get((batch_size, device, dtype))
+        if cache is None:
+            cache = caches[batch_size, device, dtype] = KVCache(self.config, batch_size, self.config.block_size,
+                                                                device, dtype)
+            for t in (cache.k, cache.v, cache.kpos):
+                torch._dynamo.mark_static_address(t)
+        cache.kpos.fill_(-1)            # empty: slots whose kpos is -1 are never read
+        return cache
+
+    def generate_ragged(self, idx, lengths, max_new_tokens, temperature, top_k, record, vocab_limit=None, compile=False):
         B, dev = idx.size(0), idx.device
         if len(lengths) != B or min(lengths) < 1 or max(lengths) > idx.size(1):
             raise ValueError(f"lengths {lengths} must give 1..{idx.size(1)} prompt tokens for each of {B} rows")
         if max(lengths) + max_new_tokens > self.config.block_size:
             raise ValueError(f"the longest prompt ({max(lengths)}) plus {max_new_tokens} new tokens exceeds "
                              f"block_size {self.config.block_size}")
-        cache = KVCache(self.config, B, self.config.block_size, dev, self.lm_head.weight.dtype)
+        step = self.decode_step_fn(dev, compile)
+        cache = self.new_cache(B, dev, compile)
         n = torch.tensor(lengths, device=dev)
         T = idx.size(1)
         logits, _, aux = self(idx, pos=torch.arange(T, device=dev).expand(B, T), cache=cache, last_only=False)
         record(aux)
         slot = torch.arange(cache.max_len, device=dev)[None, :]
-        cache.kpos[:, (slot >= n[:, None]) & (slot < T)] = -1           # forget what the padding wrote
+        cache.kpos.masked_fill_((slot >= n[:, None]) & (slot < T), -1)  # forget what the padding wrote
         logits = logits[torch.arange(B, device=dev), n - 1]
         out = torch.zeros(B, max(lengths) + max_new_tokens, dtype=idx.dtype, device=dev)
         out[:, :T] = idx
-        for step in range(max_new_tokens):
+        for i in range(max_new_tokens):
             nxt = self.sample_next(logits, temperature, top_k, vocab_limit)
-            out[torch.arange(B, device=dev), n + step] = nxt[:, 0]
-            if step + 1 < max_new_tokens:
-                logits, _, aux = self(nxt, pos=(n + step)[:, None], cache=cache)
+            out[torch.arange(B, device=dev), n + i] = nxt[:, 0]
+            if i + 1 < max_new_tokens:
+                logits, aux = step(nxt, (n + i)[:, None], cache)
                 record(aux)
-                logits = logits[:, -1]
         return [out[b, :lengths[b] + max_new_tokens] for b in range(B)]
 
     @staticmethod

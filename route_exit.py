@@ -164,7 +164,7 @@ def run_exits(model, x, pos, cache, ctx):
         x_before = x
         if ctx.sparse:
             y = x + block.attn_update(x, pos, cache)
-            y = y + split_apply(y, running, block.ffn_update)
+            y = y + split_apply(y, running, block.ffn_update, mode=ctx.exec_mode)
         else:
             y = block(x, pos, cache)
         x = torch.where(done[..., None], x, y)
@@ -174,7 +174,7 @@ def run_exits(model, x, pos, cache, ctx):
         if d not in model.exit_ids:
             continue
         head = lambda t: exit_logits(model, d, t)
-        lg = split_apply(x, running, head) if ctx.sparse else head(x)
+        lg = split_apply(x, running, head, mode=ctx.exec_mode) if ctx.sparse else head(x)
         if cfg.exit_conf == 'saturation':
             conf = F.cosine_similarity(x.float(), x_before.float(), dim=-1)
         else:

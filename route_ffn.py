@@ -296,7 +296,7 @@ def routed_ffn_update(block, cfg, x, ctx):
         else:
             mask = topk_mask(score.detach(), capacity(cfg.budget, T))
     if sparse:                      # each path on its own tokens only
-        update = split_apply(h, mask, block.mlp, block.cheap)
+        update = split_apply(h, mask, block.mlp, block.cheap, mode=ctx.exec_mode)
         if score is not None and cfg.gate_grad == 'scale':
             update = update * torch.where(mask, torch.sigmoid(score), 1.0)[..., None]
     elif score is not None and cfg.gate_grad == 'scale':       # MoD: x + σ(s)·full on the selected path

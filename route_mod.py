@@ -18,7 +18,8 @@ import torch
 import losses
 from gates import MembershipPredictor, ModRouter, capacity, topk_mask
 from route_ffn import controlled_layer_ids
-from routing import Family, add_weighted, flop_costs, gather_rows, routed_report_lines, tlops_saved
+from routing import (Family, add_weighted, exec_mode, flop_costs, gather_rows, routed_report_lines, split_apply,
+                     tlops_saved)
 
 
 class MixtureOfDepths(Family):
@@ -71,8 +72,8 @@ class MixtureOfDepths(Family):
         return routed_report_lines(r)
 
     def executed_fracs(self, masks):
-        """Sparse execution pads every row to the longest: the fraction it really runs (in float64, so
-        that it equals count / T exactly as a Python float and rounds to the same float32)."""
+        """Compact sparse execution pads every row to the longest: the fraction it really runs (in
+        float64, so that it equals count / T exactly as a Python float and rounds to the same float32)."""
         return torch.stack([m.sum(1).max().double() / m.size(1) for _, m in sorted(masks.items())])
 
     def bench_gate(self, config):
@@ -153,7 +154,12 @@ def mod_block(block, cfg, x, pos, cache, ctx):
             if ctx.collect:           # agreement of the causal decision with top-k (non-causal)
                 ctx.add('mod_acc', (mask == topk_mask(r, capacity(cfg.budget, T))).float().mean()
                         / len(controlled_layer_ids(cfg, default='every_other')))
-        out = mod_sparse(block, x, pos, cache, mask, r) if ctx.sparse else mod_masked(block, x, pos, cache, mask, r)
+        if not ctx.sparse:
+            out = mod_masked(block, x, pos, cache, mask, r)
+        elif exec_mode(x, ctx.exec_mode) == 'static':
+            out = mod_static(block, x, pos, cache, mask, r)
+        else:
+            out = mod_sparse(block, x, pos, cache, mask, r)
     if ctx.collect:
         ctx.masks[block.layer] = mask
         if r is not None:
@@ -165,6 +171,16 @@ def mod_masked(block, x, pos, cache, mask, r):
     """The reference: the block on every token, keys restricted to the selected, result masked."""
     w = torch.sigmoid(r)[..., None] if r is not None else 1.0
     return x + torch.where(mask[..., None], w * block.delta(x, pos, cache, valid=mask), 0.0).to(x.dtype)
+
+
+def mod_static(block, x, pos, cache, mask, r):
+    """Sparse eval at static shapes: attention over the full T with only the selected tokens as keys
+    (so they attend among themselves at their real positions, as when gathered), the FFN on the
+    selected rows only (rows_apply), the update added where selected; no count leaves the device."""
+    w = torch.sigmoid(r)[..., None] if r is not None else 1.0
+    a = block.attn_update(x, pos, cache, valid=mask)
+    f = split_apply(x + a, mask, block.ffn_update, mode='static')
+    return x + torch.where(mask[..., None], w * (a + f), 0.0).to(x.dtype)
 
 
 def mod_sparse(block, x, pos, cache, mask, r):

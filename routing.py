@@ -46,11 +46,13 @@ class RouteCtx:
     collect: record scores, masks and loss terms (off for the oracle's counterfactual passes).
     sparse: (eval) run the expensive path on the selected tokens only (gather, compute, scatter), or
     masked-dense (every path on every token, mixed by the mask: the reference sparse must equal).
-    options: the family's per-step options (e.g. oracle_layers, exits), from step_options."""
+    options: the family's per-step options (e.g. oracle_layers, exits), from step_options.
+    exec_mode: how sparse eval runs, 'compact' or 'static' (see exec_mode below); None = by device."""
     force: str = None
     calibrate: bool = False
     collect: bool = True
     sparse: bool = True
+    exec_mode: str = None
     targets: torch.Tensor = None
     idx: torch.Tensor = None                         # the input ids and positions (oracle forks rerun them)
     pos: torch.Tensor = None
@@ -237,11 +239,58 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate)))
 
 
-def split_apply(x, mask, fn_true, fn_false=None):
+# Sparse eval runs one of two ways:
+#   'compact': gather exactly the selected tokens (nonzero: a host sync and data-dependent shapes),
+#              compute, scatter. The fastest eagerly, and on a CPU.
+#   'static':  sort the tokens selected-first, keep the count as a 0-dim device tensor, and compute
+#              each path over a static-size buffer restricted to its device-side range of the order
+#              (rows_apply). No host sync, no data-dependent shape: what torch.compile(fullgraph=True)
+#              and CUDA graphs need.
+EXEC_MODES = ('compact', 'static')
+
+
+def exec_mode(x, mode=None):
+    """The execution mode for sparse eval on tensor x: `mode` when given, else 'static' while
+    torch.compile traces or on CUDA, 'compact' otherwise."""
+    if mode is not None:
+        if mode not in EXEC_MODES:
+            raise ValueError(f"exec_mode must be one of {EXEC_MODES} or None, got {mode!r}")
+        return mode
+    return 'static' if torch.compiler.is_compiling() or x.is_cuda else 'compact'
+
+
+def selected_first(mask):
+    """order (N,) of the rows of a flat mask (N,), selected rows first, each group in original order,
+    and the number selected as a 0-dim device tensor."""
+    return torch.sort((~mask).to(torch.uint8), stable=True).indices, mask.sum()
+
+
+def rows_apply(x_flat, order, lo, hi, fn, out=None):
+    """out[order[i]] = fn(x_flat[order[i]]) for lo <= i < hi; every other row of out untouched. lo, hi:
+    Python ints or 0-dim device tensors. fn maps rows to rows (an MLP, a head, an FFN update); out=None
+    starts from zeros of fn's output. Returns out (written in place when given).
+    This reference computes fn on all N rows and writes those in range: static shapes, no host sync,
+    the arithmetic a kernel that skips the rows beyond the range must reproduce (for fn an MLP, the
+    place to dispatch to one)."""
+    y = fn(x_flat.index_select(0, order))
+    out = y.new_zeros(y.shape) if out is None else out
+    i = torch.arange(order.numel(), device=order.device)
+    rows = ((i >= lo) & (i < hi))[:, None]
+    return out.index_copy_(0, order, torch.where(rows, y.to(out.dtype), out.index_select(0, order)))
+
+
+def split_apply(x, mask, fn_true, fn_false=None, mode=None):
     """Sparse execution: fn_true on the tokens of x (B, T, C) where mask (B, T), fn_false (or zeros) on
-    the rest, each on a gathered (N, C) batch, scattered back into (B, T, C). Batched over the whole
-    batch; the one host sync is the count of selected tokens, which causal decisions make data-dependent."""
+    the rest, scattered back into (B, T, C). mode (exec_mode): 'compact' gathers exactly each path's
+    tokens into one batch (the count of selected tokens is a host sync, causal decisions make it
+    data-dependent); 'static' runs each path over its device-side range of the selected-first order."""
     flat, m = x.reshape(-1, x.size(-1)), mask.reshape(-1)
+    if exec_mode(x, mode) == 'static':
+        order, n = selected_first(m)
+        out = rows_apply(flat, order, 0, n, fn_true)
+        if fn_false is not None:
+            rows_apply(flat, order, n, m.numel(), fn_false, out)
+        return out.view(*x.shape[:-1], -1)
     idx_t, idx_f = m.nonzero().squeeze(1), (~m).nonzero().squeeze(1)
     y_t = fn_true(flat.index_select(0, idx_t))
     out = y_t.new_zeros(flat.shape[:1] + y_t.shape[1:])

@@ -1,0 +1,230 @@
+"""The GPU-execution contract, checked on a CPU: the training step, the eval prefill (sparse execution
+in 'static' mode) and one cached decoding step of every family in the registry trace with
+torch.compile(fullgraph=True) without graph breaks, compile once per shape (new data of the same shape
+never recompiles), and 'static' execution makes the decisions of 'compact' execution and of the
+masked-dense reference exactly, with values within tolerance. Compiled greedy decoding gives the tokens
+of eager decoding."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from conftest import ROUTED_TOL, assert_greedy_traces_agree, greedy_trace
+from model import FAMILIES as REGISTRY
+from routing import rows_apply, split_apply
+from test_families import CASES, SETTINGS, build, seeded, tokens
+
+pytestmark = pytest.mark.usefixtures('one_thread')      # tiny ops: see conftest.py
+
+ROUTES = list(REGISTRY)
+B, T = 2, 12
+
+
+def train_loss(model):
+    """The training step's forward + loss, with the family's per-step options of step 0."""
+    run = type('Run', (), dict(seed=0, oracle_layers_per_step=1))
+    opts = model.family.step_options(model, 0, run)
+    return lambda idx: model(idx, idx, **opts)[1]
+
+
+def eval_prefill(model):
+    return lambda idx: model(idx, last_only=False, exec_mode='static')[0]
+
+
+def break_reasons(explained):
+    return [f"{r.reason} at {r.user_stack[-1] if r.user_stack else '?'}" for r in explained.break_reasons]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles its own models: no cache entries (or cache limits) carried over."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize('route', ROUTES)
+def test_training_step_traces_without_graph_breaks(route):
+    model = build(route).train()
+    e = torch._dynamo.explain(train_loss(model))(tokens(0, B, T))
+    assert e.graph_break_count == 0, break_reasons(e)
+    assert e.graph_count == 1
+
+
+@pytest.mark.parametrize('route', ROUTES)
+def test_static_eval_prefill_traces_without_graph_breaks(route):
+    model = build(route).eval()
+    with torch.no_grad():
+        e = torch._dynamo.explain(eval_prefill(model))(tokens(0, B, T))
+    assert e.graph_break_count == 0, break_reasons(e)
+    assert e.graph_count == 1
+
+
+@pytest.mark.parametrize('route', ROUTES)
+@pytest.mark.parametrize('training', [True, False])
+def test_compiled_once_never_recompiles_on_new_data(route, training):
+    """Per-layer Python state (layer ids, the sets and dicts of the routing context, capacities) is
+    constant per model, so a second batch of the same shape reuses the first compilation."""
+    model = build(route).train(training)
+    fn = torch.compile(train_loss(model) if training else eval_prefill(model), backend='eager', fullgraph=True,
+                       dynamic=False)
+    with torch.set_grad_enabled(training):
+        fn(tokens(0, B, T))
+        with torch.compiler.set_stance('fail_on_recompile'):
+            fn(tokens(1, B, T))
+            fn(tokens(2, B, T))
+
+
+@settings(**{**SETTINGS, 'max_examples': 16})
+@given(case=st.sampled_from(CASES), seed=st.integers(0, 999), T=st.integers(1, 16), B=st.integers(1, 3))
+def test_static_execution_equals_compact_and_masked_dense(case, seed, T, B):
+    """Same decisions exactly; values within ROUTED_TOL: the three run matmuls over different row sets
+    (all rows, the gathered selected rows, each row padded to the longest), which fp32 BLAS rounds
+    differently in the last bits."""
+    model = build(*case, seed=seed).eval()
+    idx = tokens(seed, B, T)
+    with torch.no_grad():
+        ref = seeded(lambda: model(idx, idx, sparse=False))
+        for mode in ('static', 'compact'):
+            logits, _, aux = seeded(lambda: model(idx, idx, exec_mode=mode))
+            torch.testing.assert_close(logits, ref[0], **ROUTED_TOL)
+            assert aux.get('masks', {}).keys() == ref[2].get('masks', {}).keys()
+            for l in aux.get('masks', {}):
+                assert torch.equal(aux['masks'][l], ref[2]['masks'][l]), (mode, l)
+
+
+def test_rows_apply_writes_exactly_the_rows_in_range():
+    x = torch.randn(7, 3)
+    order = torch.tensor([4, 0, 6, 2, 1, 5, 3])
+    out = torch.full((7, 3), -1.0)
+    lo, hi = torch.tensor(2), torch.tensor(5)            # device-side bounds: no host sync
+    rows_apply(x, order, lo, hi, lambda t: 2 * t, out)
+    written = order[2:5]
+    assert torch.equal(out[written], 2 * x[written])
+    untouched = torch.tensor([r for r in range(7) if r not in written.tolist()])
+    assert (out[untouched] == -1).all()
+
+
+@pytest.mark.parametrize('mode', ['static', 'compact'])
+def test_split_apply_modes_route_each_token_to_its_path(mode):
+    x = torch.randn(2, 5, 3)
+    mask = torch.rand(2, 5) < 0.5
+    got = split_apply(x, mask, lambda t: t + 1, lambda t: t - 1, mode=mode)
+    assert torch.equal(got, torch.where(mask[..., None], x + 1, x - 1))
+    got = split_apply(x, mask, lambda t: 3 * t, mode=mode)
+    assert torch.equal(got, torch.where(mask[..., None], 3 * x, 0.0))
+
+
+# ----------------------------------------------------------------------------------------------------
+# decoding
+
+def prefilled(model, lengths, seed=0):
+    """A cache holding ragged prompts (row b: lengths[b] tokens) and the next step's inputs: each row's
+    token at its own position, as generate's ragged path feeds them."""
+    n = len(lengths)
+    idx = tokens(seed, n, max(lengths))
+    cache = model.new_cache(n, idx.device)
+    with torch.no_grad():
+        model(idx, pos=torch.arange(idx.size(1)).expand(n, -1), cache=cache)
+    return tokens(seed + 1, n, 1), torch.tensor(lengths)[:, None], cache
+
+
+@pytest.mark.parametrize('route', ROUTES)
+def test_decode_step_traces_without_graph_breaks(route):
+    model = build(route).eval()
+    tok, pos, cache = prefilled(model, [6, 3])
+    with torch.no_grad():
+        e = torch._dynamo.explain(model.decode_step)(tok, pos, cache)
+    assert e.graph_break_count == 0, break_reasons(e)
+    assert e.graph_count == 1
+
+
+@pytest.mark.parametrize('route', ROUTES)
+def test_decode_step_compiles_once_for_every_step(route):
+    """Positions are a device tensor, so later steps (and other rows' positions) reuse the graph."""
+    model = build(route).eval()
+    tok, pos, cache = prefilled(model, [6, 3])
+    step = torch.compile(model.decode_step, backend='eager', fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        step(tok, pos, cache)
+        with torch.compiler.set_stance('fail_on_recompile'):
+            step(tok, pos + 1, cache)
+            step(tokens(5, 2, 1), pos + 2, cache)
+
+
+@pytest.mark.parametrize('route', ROUTES)
+def test_static_decoding_equals_compact_decoding(route):
+    """Eager greedy decoding in both modes, a ragged batch: every step's routing decisions equal, logits
+    within ROUTED_TOL (matmuls over different row sets round differently in the last bits)."""
+    model = build(route, seed=4).eval()
+    idx, lengths = tokens(4, 3, 7), [7, 3, 5]
+    traces = {}
+    for mode in ('static', 'compact'):
+        model.exec_mode = mode
+        traces[mode] = greedy_trace(model, idx, 6, lengths=lengths)
+    for a, b in zip(traces['static'], traces['compact']):
+        assert_greedy_traces_agree(a, b, tol=ROUTED_TOL)
+
+
+def compiled_decoding_case(route, batches, backend=None, monkeypatch=None):
+    """Greedy tokens (top_k=1) of generate(compile=True) equal eager generate's, for each of batches
+    (generate's keyword arguments: {} equal prompts, {'lengths': ...} a ragged batch). backend: replace
+    the default compiler (inductor) by a cheaper one. Returns how many graphs each generate compiled."""
+    model = build(route, seed=3).eval()
+    if backend is not None:
+        monkeypatch.setattr(model, 'decode_step_fn', lambda device, compile: torch.compile(
+            model.decode_step, backend=backend, fullgraph=True, dynamic=False) if compile else model.decode_step)
+    idx = tokens(3, 2, 6)
+    graphs = []
+    with torch.no_grad():
+        for kw in batches:
+            eager = model.generate(idx, 5, temperature=1.0, top_k=1, **kw)
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            compiled = model.generate(idx, 5, temperature=1.0, top_k=1, compile=True, **kw)
+            graphs.append(torch._dynamo.utils.counters['stats']['unique_graphs'])
+            assert all(torch.equal(a, b) for a, b in zip(eager, compiled)), kw
+    return graphs
+
+
+@pytest.mark.parametrize('route', ROUTES)
+def test_traced_greedy_decoding_gives_the_eager_tokens(route, monkeypatch):
+    """The captured step graph (static execution) replayed without code generation, for every family,
+    on equal prompts and on a ragged batch (rows at different positions); each decoding compiles its
+    step once (positions are a device tensor, the fed token a fresh tensor of fixed strides)."""
+    assert compiled_decoding_case(route, [dict(), dict(lengths=[6, 2])], 'eager', monkeypatch) == [1, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('route', ROUTES)
+def test_compiled_greedy_decoding_gives_the_eager_tokens(route):
+    """generate(compile=True) as a CPU runs it: inductor's code (~1-2 min per family on 2 busy cores)."""
+    assert compiled_decoding_case(route, [dict(), dict(lengths=[6, 2])]) == [1, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('route', ROUTES)
+def test_inductor_compiles_training_step_and_static_prefill(route):
+    """torch.compile(fullgraph=True, dynamic=False) with the default compiler: the training loss and its
+    gradients, and the static eval prefill, equal eager's (decisions exactly; values within ROUTED_TOL:
+    generated kernels fuse and reassociate sums)."""
+    model = build(route)
+    idx = tokens(0, B, T)
+    loss_fn = train_loss(model.train())
+    eager = seeded(lambda: loss_fn(idx))
+    eager.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    compiled = seeded(lambda: torch.compile(loss_fn, fullgraph=True, dynamic=False)(idx))
+    compiled.backward()
+    torch.testing.assert_close(compiled, eager, **ROUTED_TOL)
+    for n, p in model.named_parameters():
+        if n in grads:
+            torch.testing.assert_close(p.grad, grads[n], **ROUTED_TOL, msg=n)
+    model.eval()
+    with torch.no_grad():
+        ref = seeded(lambda: model(idx, last_only=False, exec_mode='static'))
+        got = seeded(lambda: torch.compile(lambda i: model(i, last_only=False, exec_mode='static'),
+                                           fullgraph=True, dynamic=False)(idx))
+    torch.testing.assert_close(got[0], ref[0], **ROUTED_TOL)
+    for l in ref[2].get('masks', {}):
+        assert torch.equal(got[2]['masks'][l], ref[2]['masks'][l]), l
