@@ -164,7 +164,7 @@ def run_exits(model, x, pos, cache, ctx):
         x_before = x
         if ctx.sparse:
             y = x + block.attn_update(x, pos, cache)
-            y = y + split_apply(y, running, block.ffn_update, mode=ctx.exec_mode)
+            y = y + split_apply(block.ln_2(y), running, block.mlp, mode=ctx.exec_mode)
         else:
             y = block(x, pos, cache)
         x = torch.where(done[..., None], x, y)

@@ -54,7 +54,8 @@ class TokenSelectiveAttention(Family):
             block = blocks[l + 1]
             x = x + keep[..., None] * block.attn_update(x, pos, cache)
             if not model.training and ctx.sparse and ctx.force != 'full' and not cfg.halt_soft_eval:
-                x = x + keep[..., None] * split_apply(x, active > 0, block.ffn_update, mode=ctx.exec_mode)   # FFN on kept tokens only
+                # the FFN on kept tokens only
+                x = x + keep[..., None] * split_apply(block.ln_2(x), active > 0, block.mlp, mode=ctx.exec_mode)
             else:
                 x = x + keep[..., None] * block.ffn_update(x)
             if ctx.collect:             # α's per-token share: 1 − p (soft) or not-skipped (hard)

@@ -179,7 +179,7 @@ def mod_static(block, x, pos, cache, mask, r):
     selected rows only (rows_apply), the update added where selected; no count leaves the device."""
     w = torch.sigmoid(r)[..., None] if r is not None else 1.0
     a = block.attn_update(x, pos, cache, valid=mask)
-    f = split_apply(x + a, mask, block.ffn_update, mode='static')
+    f = split_apply(block.ln_2(x + a), mask, block.mlp, mode='static')
     return x + torch.where(mask[..., None], w * (a + f), 0.0).to(x.dtype)
 
 

@@ -37,6 +37,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels import mlp_rows, sort_by_mask
+
 
 @dataclass
 class RouteCtx:
@@ -259,19 +261,19 @@ def exec_mode(x, mode=None):
     return 'static' if torch.compiler.is_compiling() or x.is_cuda else 'compact'
 
 
-def selected_first(mask):
-    """order (N,) of the rows of a flat mask (N,), selected rows first, each group in original order,
-    and the number selected as a 0-dim device tensor."""
-    return torch.sort((~mask).to(torch.uint8), stable=True).indices, mask.sum()
-
-
 def rows_apply(x_flat, order, lo, hi, fn, out=None):
     """out[order[i]] = fn(x_flat[order[i]]) for lo <= i < hi; every other row of out untouched. lo, hi:
-    Python ints or 0-dim device tensors. fn maps rows to rows (an MLP, a head, an FFN update); out=None
-    starts from zeros of fn's output. Returns out (written in place when given).
-    This reference computes fn on all N rows and writes those in range: static shapes, no host sync,
-    the arithmetic a kernel that skips the rows beyond the range must reproduce (for fn an MLP, the
-    place to dispatch to one)."""
+    Python ints or 0-dim device tensors. fn maps rows to rows; out=None starts from zeros of fn's
+    output. Returns out (written in place when given).
+    An MLP goes to kernels.mlp_rows: on a GPU, Triton programs beyond the range exit before loading
+    its weights. Any other fn (an exit head) runs the reference: fn on all N rows, those in range
+    written (static shapes, no host sync)."""
+    if isinstance(fn, MLP) and not (fn.training and fn.dropout.p > 0):      # mlp_rows runs dropout-free
+        if out is None:         # the dtype fn's output would have (autocast's where it is on)
+            dev = x_flat.device.type
+            dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_flat.dtype
+            out = x_flat.new_zeros(x_flat.shape[0], fn.c_proj.out_features, dtype=dtype)
+        return mlp_rows(x_flat, order, lo, hi, fn, out)
     y = fn(x_flat.index_select(0, order))
     out = y.new_zeros(y.shape) if out is None else out
     i = torch.arange(order.numel(), device=order.device)
@@ -286,7 +288,7 @@ def split_apply(x, mask, fn_true, fn_false=None, mode=None):
     data-dependent); 'static' runs each path over its device-side range of the selected-first order."""
     flat, m = x.reshape(-1, x.size(-1)), mask.reshape(-1)
     if exec_mode(x, mode) == 'static':
-        order, n = selected_first(m)
+        order, n = sort_by_mask(m)
         out = rows_apply(flat, order, 0, n, fn_true)
         if fn_false is not None:
             rows_apply(flat, order, n, m.numel(), fn_false, out)

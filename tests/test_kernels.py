@@ -366,3 +366,27 @@ def test_kernels_compile_to_cubin(capability, dtype):
         assert len(compiled.asm['cubin']) > 0
         if dtype != 'fp32':
             assert 'mma' in compiled.asm['ptx']
+
+
+# ----------------------------------------------------------------------------------------------------
+# the model's static sparse eval runs its FFNs through the kernels
+
+@interp
+@pytest.mark.parametrize('route', ['ffn', 'halt', 'mod', 'exit'])
+def test_interp_model_static_eval_through_the_kernels(route):
+    """Every family's static eval prefill with the interpreted kernels makes compact eval's decisions
+    exactly, with logits within ROUTED_TOL (the two modes sum the same dot products over different row
+    sets), and really calls the kernels."""
+    from conftest import ROUTED_TOL, build, tokens
+    model = build(route, n_layer=4).eval()
+    idx = tokens(1, 3, 20)
+    if route == 'ffn':
+        model.calibrate(tokens(2, 4, 20))
+    with torch.no_grad():
+        ref, _, ref_aux = model(idx, last_only=False, exec_mode='compact')
+        with CountLaunches() as launches:
+            got, _, aux = model(idx, last_only=False, exec_mode='static')
+    assert launches.calls > 0
+    for l in ref_aux.get('masks', {}):
+        assert torch.equal(aux['masks'][l], ref_aux['masks'][l]), l
+    torch.testing.assert_close(got, ref, **ROUTED_TOL)
