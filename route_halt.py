@@ -22,6 +22,7 @@ from routing import Family, split_apply, tlops_saved, add_weighted
 
 class TokenSelectiveAttention(Family):
     options = ('halt_lambda', 'halt_tau', 'halt_soft_eval', 'halt_hard')
+    routes = True
 
     def validate(self, config):
         if config.n_layer < 2:

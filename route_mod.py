@@ -24,6 +24,7 @@ from routing import Family, add_weighted, gather_rows, routed_report_lines, tlop
 class MixtureOfDepths(Family):
     options = ('gate', 'budget', 'controlled_layers', 'infer_rule', 'predictor_weight', 'gate_hidden',
                'router_bce_weight')
+    routes = True
 
     def validate(self, config):
         if config.gate not in ('mlp', 'random'):
