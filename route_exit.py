@@ -39,6 +39,7 @@ class EarlyExit(Family):
     options = ('exit_layers', 'exit_head', 'exit_schedule', 'exit_weight', 'exit_rotation', 'exit_conf',
                'exit_threshold', 'layer_dropout')
     routes = True
+    logged_stats = ('tlops_saved',)
 
     def validate(self, config):
         if config.n_layer < 2:

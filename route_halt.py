@@ -23,6 +23,7 @@ from routing import Family, split_apply, tlops_saved, add_weighted
 class TokenSelectiveAttention(Family):
     options = ('halt_lambda', 'halt_tau', 'halt_soft_eval', 'halt_hard')
     routes = True
+    logged_stats = ('tlops_saved', 'alpha')
 
     def validate(self, config):
         if config.n_layer < 2:

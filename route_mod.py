@@ -25,6 +25,7 @@ class MixtureOfDepths(Family):
     options = ('gate', 'budget', 'controlled_layers', 'infer_rule', 'predictor_weight', 'gate_hidden',
                'router_bce_weight')
     routes = True
+    logged_stats = ('tlops_saved',)
 
     def validate(self, config):
         if config.gate not in ('mlp', 'random'):

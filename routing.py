@@ -23,6 +23,7 @@ A family file (route_ffn.py, route_mod.py, ...) overrides only what it changes:
                                    the training config (seed, oracle_layers_per_step)
     ddp_find_unused(config)        whether some parameters get no gradient in a step
     after_load(model)              fix-ups once backbone weights are loaded (ensemble norms)
+    logged_stats                   the statistics of aux (besides every *_loss term) the train log averages
     routes                         True for every family but the dense one: train.py reports its routing
                                    at the end of a run, and refuses the dense fine-tuning baseline
                                    (trainable='last_layers') with it
@@ -135,6 +136,7 @@ class Family:
 
     # training: what train.py asks of the family beyond the forward
     routes = False                      # the dense model: nothing to report at the end of a run
+    logged_stats = ()                   # statistics in aux the train log averages (besides every *_loss term)
     spelled_options = ('controlled_layers',)    # options a resume compares by option_meaning
 
     def option_meaning(self, config, key):

@@ -102,8 +102,6 @@ RESUME_KEYS = MODEL_KEYS + ('gate', 'gate_hidden', 'infer_rule', 'jepa_latent', 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # ----------------------------------------------------------------------------------------------------
 RUN_FILES = ('ckpt.pt', 'metrics.jsonl', 'config.json', 'run_info.json')
-# per-step statistics the train log averages over its interval, besides every auxiliary *_loss term
-LOGGED_STATS = ('jepa_pred_std', 'utility_mean', 'tlops_saved', 'alpha')
 
 
 class TrainError(UserError):
@@ -123,42 +121,18 @@ def main(argv):
 
 
 def train(argv):
-    cfg, cfg_dict = read_config(argv)
-    proc = setup_process(cfg)                      # DDP rank and world size, device, dtype
-    meta, ckpt = open_inputs(cfg, proc.master)     # the data's meta.json, the checkpoint to start from
-    seed_rngs(cfg.seed + proc.rank)
-    model = build_model(cfg, meta, ckpt).to(proc.dev)
-    cfg_dict.update({k: getattr(cfg, k) for k in MODEL_KEYS})    # what was built (GPT-2 init sets the shape)
-    start_process_group(cfg, proc)
-    train_data, val_data = open_splits(meta, cfg.block_size, cfg.batch_size, cfg.seed, proc.dev)
-    scaler = torch.amp.GradScaler(proc.dev.type, enabled=(proc.dt == 'float16'))
-    params = trainable_parameters(model, cfg)
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
-                                           proc.dev.type, params=params)
-    progress = start_progress(cfg, ckpt, optimizer, scaler, proc.master)
-    del ckpt                                       # loaded: free its memory before the loop
-    run = SimpleNamespace(**vars(proc), **progress, cfg=cfg, argv=argv, raw_model=model,
-                          model=wrap_model(model, cfg, proc), optimizer=optimizer, scaler=scaler, params=params,
-                          ctrl_params=model.controller_parameters(), train_data=train_data,
-                          **eval_data(cfg, train_data, val_data), ckpt_path=os.path.join(cfg.out_dir, 'ckpt.pt'),
-                          cfg_dict=cfg_dict, meta=meta, metrics_f=None)
-    if run.master:
-        run.metrics_f = open_run_files(cfg, cfg_dict, proc, run.iter_num)
-        print(f"model: {model.get_num_params() / 1e6:.2f}M parameters ({count(params):,} trainable) | data: "
-              f"{cfg.dataset} ({meta['vocab_size']} tokens vocab, {meta['train_tokens']:,} train tokens) | "
-              f"device {run.dev}, {run.dt}, world {run.world}")
-    stop = StopFlag()
-    start_counters(run)
+    run = setup(argv)                 # config, process, data, model, optimizer: fresh or as the checkpoint left them
+    stop = StopFlag()                 # from here, a first Ctrl-C / SIGTERM ends the run with a checkpoint
     stopped = False                   # by a signal to this process or, under DDP, to any process
     while True:
         if eval_due(run):
             if run.master:
                 evaluate_and_checkpoint(run)
             run.t_last, run.it_last = time.time(), run.iter_num
-        if run.iter_num >= cfg.max_iters or cfg.eval_only:
+        if run.iter_num >= run.cfg.max_iters or run.cfg.eval_only:
             break
         lr, loss_sum, norm, step = optimisation_step(run)
-        logged = run.iter_num % cfg.log_interval == 0 or run.iter_num == cfg.max_iters
+        logged = run.iter_num % run.cfg.log_interval == 0 or run.iter_num == run.cfg.max_iters
         if logged:
             log_progress(run, lr, loss_sum, norm, step)
         if stop_requested(run, stop, logged):
@@ -174,6 +148,43 @@ def train(argv):
         torch.distributed.barrier()            # tearing gloo down early can abort the others
         torch.distributed.destroy_process_group()
     return 0
+
+
+def setup(argv):
+    """Everything the loop shares, in one namespace: the config, this process (DDP rank and world,
+    device, dtype), the model (raw, and wrapped for the steps), optimizer, data, fixed eval batches,
+    the iteration and totals to start from; rank 0 also opens the run files."""
+    cfg, cfg_dict = read_config(argv)
+    proc = setup_process(cfg)
+    meta, ckpt = open_inputs(cfg, proc.master)     # the data's meta.json, the checkpoint to start from
+    seed_rngs(cfg.seed + proc.rank)
+    model = build_model(cfg, meta, ckpt).to(proc.dev)
+    cfg_dict.update({k: getattr(cfg, k) for k in MODEL_KEYS})    # what was built (GPT-2 init sets the shape)
+    start_process_group(cfg, proc)
+    train_data, val_data = open_splits(meta, cfg.block_size, cfg.batch_size, cfg.seed, proc.dev)
+    scaler = torch.amp.GradScaler(proc.dev.type, enabled=(proc.dt == 'float16'))
+    params = trainable_parameters(model, cfg)
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
+                                           proc.dev.type, params=params)
+    progress = start_progress(cfg, ckpt, optimizer, scaler, proc.master)
+    del ckpt                                       # loaded: free its memory before the loop
+    run = SimpleNamespace(
+        **vars(proc), **progress, cfg=cfg, cfg_dict=cfg_dict, argv=argv, meta=meta, raw_model=model,
+        model=wrap_model(model, cfg, proc), params=params, ctrl_params=model.controller_parameters(),
+        optimizer=optimizer, scaler=scaler, train_data=train_data, val_data=val_data,
+        # fixed batches (by eval_seed) for the loss estimates, and train-split ones (never val) that
+        # calibrate the causal thresholds
+        eval_sets={'train': (train_data, train_data.eval_batches(cfg.eval_iters, 1, cfg.eval_seed)),
+                   'val': (val_data, val_data.eval_batches(cfg.eval_iters, 2, cfg.eval_seed))},
+        calib=[train_data.fetch(s)[0] for s in train_data.eval_batches(cfg.calib_iters, 3, cfg.eval_seed)],
+        ckpt_path=os.path.join(cfg.out_dir, 'ckpt.pt'), metrics_f=None)
+    if run.master:
+        run.metrics_f = open_run_files(cfg, cfg_dict, proc, run.iter_num)
+        print(f"model: {model.get_num_params() / 1e6:.2f}M parameters ({count(params):,} trainable) | data: "
+              f"{cfg.dataset} ({meta['vocab_size']} tokens vocab, {meta['train_tokens']:,} train tokens) | "
+              f"device {run.dev}, {run.dt}, world {run.world}")
+    start_counters(run)
+    return run
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -490,15 +501,6 @@ def wrap_model(raw_model, cfg, proc):
     return model
 
 
-def eval_data(cfg, train_data, val_data):
-    """Fixed batches (by eval_seed): the train/val loss estimates, and the train-split batches that
-    calibrate the causal thresholds (never val)."""
-    return dict(eval_sets={'train': (train_data, train_data.eval_batches(cfg.eval_iters, 1, cfg.eval_seed)),
-                           'val': (val_data, val_data.eval_batches(cfg.eval_iters, 2, cfg.eval_seed))},
-                calib=[train_data.fetch(s)[0] for s in train_data.eval_batches(cfg.calib_iters, 3, cfg.eval_seed)],
-                val_data=val_data)
-
-
 def open_run_files(cfg, cfg_dict, proc, iter_num):
     """config.json and run_info.json, and metrics.jsonl open for appending (rank 0 only)."""
     os.makedirs(cfg.out_dir, exist_ok=True)
@@ -671,7 +673,7 @@ def optimisation_step(run):
             loss = loss / run.accum
         run.scaler.scale(loss).backward()
         loss_sum += loss.detach().float()
-        accumulate(run.interval, aux, run.accum)
+        accumulate(run.interval, aux, run.accum, run.raw_model.family.logged_stats)
     run.scaler.unscale_(run.optimizer)
     if run.ctrl_params:                           # controller gradient norm, before clipping
         grads = [p.grad.float().norm() for p in run.ctrl_params if p.grad is not None]
@@ -687,11 +689,12 @@ def optimisation_step(run):
     return lr, loss_sum, norm, count_flops(run, opts)
 
 
-def accumulate(interval, aux, accum):
-    """Add one micro-batch's LM loss, auxiliary terms and routing statistics to the interval's sums."""
+def accumulate(interval, aux, accum, stats):
+    """Add one micro-batch's LM loss, auxiliary *_loss terms, the family's statistics `stats` and its
+    full-path fractions to the interval's sums."""
     interval['lm'] += aux['lm_loss'].float() / accum
     for k, v in aux.items():
-        if (k.endswith('_loss') and k != 'lm_loss') or k in LOGGED_STATS:
+        if (k.endswith('_loss') and k != 'lm_loss') or k in stats:
             interval['aux'][k] = interval['aux'].get(k, 0.0) + v.detach().float() / accum
     if 'full_frac' in aux:
         f = aux['full_frac'].float() / accum

@@ -521,3 +521,23 @@ def test_last_layers_needs_a_dense_model():
     want = {id(p) for p in [*dense.transformer.h[2:].parameters(), *dense.transformer.ln_f.parameters()]}
     assert {id(p) for p in params} == want
     assert all(p.requires_grad == (id(p) in want) for p in dense.parameters())
+
+
+def test_every_family_but_the_dense_one_routes():
+    """train.py reports the routing at the end of a run, and refuses trainable='last_layers' (plain
+    fine-tuning of a dense model), by the family's `routes`: only route='none' is dense."""
+    assert [name for name, family in REGISTRY.items() if not family.routes] == ['none']
+
+
+def test_resume_compares_exit_layers_by_the_depths_meant():
+    """An exit checkpoint saved with exit_layers='auto' resumes under the same depths spelt out."""
+    import train
+    from dataclasses import asdict
+    ck = dict(model_args=asdict(GPTConfig(**BASE, n_layer=4, route='exit')))
+    spelt = ','.join(str(d) for d in exit_depths(GPTConfig(**BASE, n_layer=4, route='exit')))
+    cfg = type('C', (), dict(**asdict(GPTConfig(**BASE, n_layer=4, route='exit', exit_layers=spelt)),
+                             dataset='synthetic'))()
+    train.check_against_checkpoint(cfg, {}, ck, ['exit_layers'])
+    cfg.exit_layers = '1'
+    with pytest.raises(train.TrainError, match="exit_layers"):
+        train.check_against_checkpoint(cfg, {}, ck, ['exit_layers'])
