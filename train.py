@@ -180,7 +180,7 @@ def setup(argv):
         ckpt_path=os.path.join(cfg.out_dir, 'ckpt.pt'), metrics_f=None)
     if run.master:
         run.metrics_f = open_run_files(cfg, cfg_dict, proc, run.iter_num)
-        print(f"model: {model.get_num_params() / 1e6:.2f}M parameters ({count(params):,} trainable) | data: "
+        print(f"model: {model.get_num_params() / 1e6:.2f}M parameters ({count_params(params):,} trainable) | data: "
               f"{cfg.dataset} ({meta['vocab_size']} tokens vocab, {meta['train_tokens']:,} train tokens) | "
               f"device {run.dev}, {run.dt}, world {run.world}")
     start_counters(run)
@@ -448,12 +448,12 @@ def trainable_parameters(model, cfg):
     return ctrl
 
 
-def count(params):
+def count_params(params):
     return sum(p.numel() for p in {id(p): p for p in params}.values())    # tied weights once
 
 
 # ----------------------------------------------------------------------------------------------------
-# where the loop starts: fresh or resumed, the wrapped model, the eval batches, the run files
+# where the loop starts: fresh or resumed, the wrapped model, the run files, the counters
 
 def start_progress(cfg, ckpt, optimizer, scaler, master):
     """What a checkpoint carries across a resume: iteration, best val loss, cumulative training FLOPs
@@ -544,20 +544,6 @@ def drop_records_after(path, iter_num):
         os.replace(path + '.tmp', path)
 
 
-class StopFlag:
-    """First Ctrl-C / SIGTERM: finish the step, checkpoint, exit 0. A second Ctrl-C aborts at once."""
-
-    def __init__(self):
-        self.signum = None
-        signal.signal(signal.SIGINT, self._handle)
-        signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame):
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signum = signum
-
-
 def start_counters(run):
     """The loop's running totals and clocks; fp16 overflow steps are counted on the device (no sync)."""
     cfg = run.cfg
@@ -572,6 +558,20 @@ def start_counters(run):
 def new_interval(dev):
     """Sums over one log interval, kept on the device until the log step reads them."""
     return dict(lm=torch.zeros((), device=dev), frac=None, ctrl_norm=torch.zeros((), device=dev), n=0, aux={})
+
+
+class StopFlag:
+    """First Ctrl-C / SIGTERM: finish the step, checkpoint, exit 0. A second Ctrl-C aborts at once."""
+
+    def __init__(self):
+        self.signum = None
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -794,7 +794,7 @@ def finish_run(run, stopped):
     run.flops_state['wall_s'] = time.time() - run.t_run
     summary = run_summary(run.history['train'], run.history['eval'], cfg, run.flops_state['wall_s'])
     summary.update(type='summary', iter=run.iter_num, best_val_loss=run.best_val, skipped_steps=int(run.skipped.item()),
-                   trainable_params=count(run.params),
+                   trainable_params=count_params(run.params),
                    flops_proxy=run.flops_state['proxy_num'] / max(1.0, run.flops_state['dense']),
                    train_flops=run.flops_state['exact'])
     if not cfg.eval_only and not stopped and run.raw_model.family.routes:
