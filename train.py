@@ -507,7 +507,7 @@ def open_run_files(cfg, cfg_dict, proc, iter_num):
     with open(os.path.join(cfg.out_dir, 'config.json'), 'w') as f:
         json.dump(cfg_dict, f, indent=2)
     with open(os.path.join(cfg.out_dir, 'run_info.json'), 'w') as f:
-        json.dump(run_info(proc.dev, proc.dt, proc.world), f, indent=2)
+        json.dump(run_info(cfg, proc.dev, proc.dt, proc.world), f, indent=2)
     if cfg.init_from != 'resume':      # --overwrite: the old run goes only now that every check has passed
         for name in ('ckpt.pt', 'metrics.jsonl'):
             if os.path.exists(os.path.join(cfg.out_dir, name)):
@@ -517,7 +517,7 @@ def open_run_files(cfg, cfg_dict, proc, iter_num):
     return open(os.path.join(cfg.out_dir, 'metrics.jsonl'), 'a')
 
 
-def run_info(dev, dt, world_size):
+def run_info(cfg, dev, dt, world_size):
     def git(*args):
         try:
             r = subprocess.run(['git', *args], cwd=HERE, capture_output=True, text=True, timeout=10)
