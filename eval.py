@@ -31,7 +31,7 @@ import torch
 
 from checkpoint import load_checkpoint, load_model
 from configurator import ConfigError, declared_defaults, load_config, run_cli
-from data.loader import Batches, check_checkpoint_data, check_data, load_dataset_meta, load_tokenizer
+from data.loader import check_checkpoint_data, check_data, load_dataset_meta, load_tokenizer, open_splits
 from device import cli_device
 from plots import SKIPPED, pyplot
 
@@ -239,10 +239,7 @@ def main(argv):
         check_checkpoint_data(cfg, meta, ck)      # the data must be the run's (names the field)
         check_data(cfg, meta, ck)                 # and intact: sha256 and token ids
         model = load_model(ck, dev)
-        np_dtype = np.uint32 if meta.get('dtype') == 'uint32' else np.uint16
-        B = args['batch_size'] or cfg.batch_size
-        tr = Batches(os.path.join(meta['folder'], 'train.bin'), np_dtype, cfg.block_size, B, cfg.seed, dev)
-        va = Batches(os.path.join(meta['folder'], 'val.bin'), np_dtype, cfg.block_size, B, cfg.seed, dev)
+        tr, va = open_splits(meta, cfg.block_size, args['batch_size'] or cfg.batch_size, cfg.seed, dev)
         torch.manual_seed(cfg.eval_seed)
         eval_iters, calib_iters = args['eval_iters'] or cfg.eval_iters, args['calib_iters'] or cfg.calib_iters
         if routing:

@@ -22,6 +22,7 @@ from routing import Family, add_weighted, flop_costs
 
 class DepthEnsemble(Family):
     options = ('ens_layers', 'ens_router_input', 'ens_mix', 'ens_kl', 'ens_kl_weight')
+    routes = True
 
     def validate(self, config):
         if not 1 <= config.ens_layers <= config.n_layer:

@@ -38,6 +38,8 @@ class ExitHead(nn.Module):
 class EarlyExit(Family):
     options = ('exit_layers', 'exit_head', 'exit_schedule', 'exit_weight', 'exit_rotation', 'exit_conf',
                'exit_threshold', 'layer_dropout')
+    routes = True
+    logged_stats = ('tlops_saved',)
 
     def validate(self, config):
         if config.n_layer < 2:
@@ -99,6 +101,11 @@ class EarlyExit(Family):
 
     def ddp_find_unused(self, config):
         return config.exit_head == 'own' and config.exit_rotation > 0
+
+    spelled_options = ('controlled_layers', 'exit_layers')
+
+    def option_meaning(self, config, key):
+        return exit_depths(config) if key == 'exit_layers' else super().option_meaning(config, key)
 
     references, by_class = ('full',), True
 

@@ -35,6 +35,8 @@ class FFNRouting(Family):
                'jepa_latent', 'jepa_outcome', 'jepa_readout', 'util_weight', 'rank_weight', 'rank_kind', 'rank_margin',
                'rank_pairs', 'oracle_policy', 'jepa_weight', 'predictor_weight', 'mimic_weight',
                'oracle_layers_per_step', 'calib_iters')
+    routes = True
+    logged_stats = ('jepa_pred_std', 'utility_mean')
 
     def validate(self, config):
         for key, allowed in dict(gate=GATES, gate_grad=('ste', 'scale', 'none'), infer_rule=('threshold', 'predictor'),

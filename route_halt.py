@@ -22,6 +22,8 @@ from routing import Family, add_weighted, flop_costs, split_apply, tlops_saved
 
 class TokenSelectiveAttention(Family):
     options = ('halt_lambda', 'halt_tau', 'halt_soft_eval', 'halt_hard')
+    routes = True
+    logged_stats = ('tlops_saved', 'alpha')
 
     def validate(self, config):
         if config.n_layer < 2:

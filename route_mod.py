@@ -25,6 +25,8 @@ from routing import (Family, add_weighted, exec_mode, flop_costs, gather_rows, r
 class MixtureOfDepths(Family):
     options = ('gate', 'budget', 'controlled_layers', 'infer_rule', 'predictor_weight', 'gate_hidden',
                'router_bce_weight')
+    routes = True
+    logged_stats = ('tlops_saved',)
 
     def validate(self, config):
         if config.gate not in ('mlp', 'random'):

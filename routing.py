@@ -23,6 +23,13 @@ A family file (route_ffn.py, route_mod.py, ...) overrides only what it changes:
                                    the training config (seed, oracle_layers_per_step)
     ddp_find_unused(config)        whether some parameters get no gradient in a step
     after_load(model)              fix-ups once backbone weights are loaded (ensemble norms)
+    logged_stats                   the statistics of aux (besides every *_loss term) the train log averages
+    routes                         True for every family but the dense one: train.py reports its routing
+                                   at the end of a run, and refuses the dense fine-tuning baseline
+                                   (trainable='last_layers') with it
+    spelled_options, option_meaning(config, key)   options whose spellings can name the same thing ('auto'
+                                   and 'all' may be the same layers): a resumed run must agree with its
+                                   checkpoint on the meaning, not the spelling
     references, by_class, report, report_lines, executed_fracs    what eval reports and train prints
     bench_gate(config)             the gate bench.py times it with at each budget (None: it has no budget)
     cannot_generate(config)        why sample.py refuses to generate with it (None: it can)
@@ -135,6 +142,16 @@ class Family:
 
     def after_load(self, model):
         pass
+
+    # training: what train.py asks of the family beyond the forward
+    routes = False                      # the dense model: nothing to report at the end of a run
+    logged_stats = ()                   # statistics in aux the train log averages (besides every *_loss term)
+    spelled_options = ('controlled_layers',)    # options a resume compares by option_meaning
+
+    def option_meaning(self, config, key):
+        """What option `key` of `config` means to this family: the routed layers for controlled_layers
+        (none for the dense model, whatever the spelling), the value itself otherwise."""
+        return self.routed_layers(config) if key == 'controlled_layers' else getattr(config, key)
 
     # evaluation: what eval.report adds for this family, and the lines train.py prints at the end
     references = ()                     # forced settings whose val loss is reported beside the causal one

@@ -31,10 +31,9 @@ import eval as evaluation
 import flops
 from checkpoint import load_checkpoint, remove_stale_temps, save_checkpoint
 from configurator import ConfigError, UserError, declared_defaults, load_config, run_cli
-from data.loader import Batches, DataError, check_checkpoint_data, check_data, data_identity, load_dataset_meta
+from data.loader import DataError, check_checkpoint_data, check_data, data_identity, load_dataset_meta, open_splits
 from device import autocast_context, resolve_device_dtype
-from model import FAMILIES, GPT, GPTConfig, controlled_layer_ids, is_controller_key
-from route_exit import exit_depths
+from model import FAMILIES, GPT, GPTConfig, is_controller_key
 
 # ----------------------------------------------------------------------------------------------------
 # defaults (override with a config file and/or --key=value); the quickstart trains on these
@@ -102,209 +101,107 @@ RESUME_KEYS = MODEL_KEYS + ('gate', 'gate_hidden', 'infer_rule', 'jepa_latent', 
                             'exit_head', 'ens_layers')
 HERE = os.path.dirname(os.path.abspath(__file__))
 # ----------------------------------------------------------------------------------------------------
+RUN_FILES = ('ckpt.pt', 'metrics.jsonl', 'config.json', 'run_info.json')
 
 
 class TrainError(UserError):
     """A problem with the user's input: printed as 'error: ...' and exit code 2, before any work."""
 
 
-def lr_at(cfg, it):
-    if not cfg.decay_lr:
-        return cfg.learning_rate
-    if it < cfg.warmup_iters:
-        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
-    decay_iters = cfg.lr_decay_iters or cfg.max_iters
-    if it >= decay_iters:
-        return cfg.min_lr
-    ratio = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
-
-
-def run_info(cfg, dev, dt, world_size):
-    def git(*args):
-        try:
-            r = subprocess.run(['git', *args], cwd=HERE, capture_output=True, text=True, timeout=10)
-            return r.stdout.strip() if r.returncode == 0 else ''   # e.g. no commits yet: not a sha
-        except Exception:
-            return ''
-    return dict(git_sha=git('rev-parse', 'HEAD') or None, git_dirty=bool(git('status', '--porcelain')),
-                torch=torch.__version__, cuda=torch.version.cuda, python=sys.version.split()[0],
-                device=str(dev), device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
-                dtype=dt, world_size=world_size, host=socket.gethostname(), argv=sys.argv,
-                threads=torch.get_num_threads(), started=time.strftime('%Y-%m-%dT%H:%M:%S%z'))
-
-
-def rng_state():
-    return dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
-                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-
-
-def set_rng_state(s):
-    torch.set_rng_state(s['torch'])
-    np.random.set_state(s['numpy'])
-    random.setstate(s['python'])
-    if s.get('cuda') is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s['cuda'])
-
-
-def model_config(cfg, **override):
-    d = {f.name: getattr(cfg, f.name) for f in fields(GPTConfig) if hasattr(cfg, f.name)}
-    d.update(override)
+def main(argv):
     try:
-        return GPTConfig(**d)
-    except ValueError as e:
+        return train(argv)
+    except (ConfigError, DataError) as e:   # the config, device and data checks shared with the other scripts
         raise TrainError(str(e)) from None
+    except RuntimeError as e:          # DDP: a peer died, or hung past ddp_timeout, inside a collective
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            raise
+        raise TrainError(f"a DDP process stopped responding ({str(e).splitlines()[0][:160]}); this process "
+                         f"stops too. The last checkpoint is kept: resume with --init_from=resume") from None
 
 
-RUN_FILES = ('ckpt.pt', 'metrics.jsonl', 'config.json', 'run_info.json')
+def train(argv):
+    run = setup(argv)                 # config, process, data, model, optimizer: fresh or as the checkpoint left them
+    stop = StopFlag()                 # from here, a first Ctrl-C / SIGTERM ends the run with a checkpoint
+    stopped = False                   # by a signal to this process or, under DDP, to any process
+    while True:
+        if eval_due(run):
+            if run.master:
+                evaluate_and_checkpoint(run)
+            run.t_last, run.it_last = time.time(), run.iter_num
+        if run.iter_num >= run.cfg.max_iters or run.cfg.eval_only:
+            break
+        lr, loss_sum, norm, step = optimisation_step(run)
+        logged = run.iter_num % run.cfg.log_interval == 0 or run.iter_num == run.cfg.max_iters
+        if logged:
+            log_progress(run, lr, loss_sum, norm, step)
+        if stop_requested(run, stop, logged):
+            stopped = True
+            if run.master:
+                save_run(run)
+                print(f"stopped by signal at iteration {run.iter_num}; checkpoint saved to {run.ckpt_path}.\n"
+                      f"resume with: python train.py {shlex.join(argv)} --init_from=resume")
+            break
+    if run.master:
+        finish_run(run, stopped)
+    if run.ddp:                 # rank 0 may still be writing its summary: leave together, or a rank
+        torch.distributed.barrier()            # tearing gloo down early can abort the others
+        torch.distributed.destroy_process_group()
+    return 0
 
 
-def check_out_dir(cfg):
-    """A fresh run never silently replaces or appends to the run already in out_dir."""
-    if cfg.init_from == 'resume' or cfg.overwrite:
-        return
-    held = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
-    if held:
-        raise TrainError(f"out_dir {cfg.out_dir} already holds a run ({', '.join(held)}); continue it with "
-                         f"--init_from=resume, pick another --out_dir, or replace it with --overwrite=True")
+def setup(argv):
+    """Everything the loop shares, in one namespace: the config, this process (DDP rank and world,
+    device, dtype), the model (raw, and wrapped for the steps), optimizer, data, fixed eval batches,
+    the iteration and totals to start from; rank 0 also opens the run files."""
+    cfg, cfg_dict = read_config(argv)
+    proc = setup_process(cfg)
+    meta, ckpt = open_inputs(cfg, proc.master)     # the data's meta.json, the checkpoint to start from
+    seed_rngs(cfg.seed + proc.rank)
+    model = build_model(cfg, meta, ckpt).to(proc.dev)
+    cfg_dict.update({k: getattr(cfg, k) for k in MODEL_KEYS})    # what was built (GPT-2 init sets the shape)
+    start_process_group(cfg, proc)
+    train_data, val_data = open_splits(meta, cfg.block_size, cfg.batch_size, cfg.seed, proc.dev)
+    scaler = torch.amp.GradScaler(proc.dev.type, enabled=(proc.dt == 'float16'))
+    params = trainable_parameters(model, cfg)
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
+                                           proc.dev.type, params=params)
+    progress = start_progress(cfg, ckpt, optimizer, scaler, proc.master)
+    del ckpt                                       # loaded: free its memory before the loop
+    run = SimpleNamespace(
+        **vars(proc), **progress, cfg=cfg, cfg_dict=cfg_dict, argv=argv, meta=meta, raw_model=model,
+        model=wrap_model(model, cfg, proc), params=params, ctrl_params=model.controller_parameters(),
+        optimizer=optimizer, scaler=scaler, train_data=train_data, val_data=val_data,
+        # fixed batches (by eval_seed) for the loss estimates, and train-split ones (never val) that
+        # calibrate the causal thresholds
+        eval_sets={'train': (train_data, train_data.eval_batches(cfg.eval_iters, 1, cfg.eval_seed)),
+                   'val': (val_data, val_data.eval_batches(cfg.eval_iters, 2, cfg.eval_seed))},
+        calib=[train_data.fetch(s)[0] for s in train_data.eval_batches(cfg.calib_iters, 3, cfg.eval_seed)],
+        ckpt_path=os.path.join(cfg.out_dir, 'ckpt.pt'), metrics_f=None)
+    if run.master:
+        run.metrics_f = open_run_files(cfg, cfg_dict, proc, run.iter_num)
+        print(f"model: {model.get_num_params() / 1e6:.2f}M parameters ({count_params(params):,} trainable) | data: "
+              f"{cfg.dataset} ({meta['vocab_size']} tokens vocab, {meta['train_tokens']:,} train tokens) | "
+              f"device {run.dev}, {run.dt}, world {run.world}")
+    start_counters(run)
+    return run
 
 
-def check_against_checkpoint(cfg, meta, ckpt, keys):
-    """The config's fields `keys` agree with the checkpoint's model_args, and the data is its own."""
-    margs = ckpt['model_args']
-    for k in keys:
-        want, have = getattr(cfg, k), margs.get(k)
-        if k == 'vocab_size' and want == 0:
-            continue
-        if k == 'controlled_layers':    # compare the layers meant ('auto' is the family's default)
-            want, have = (controlled_layer_ids(GPTConfig.from_dict({**margs, 'controlled_layers': v})) for v in (want, have))
-        if k == 'exit_layers' and margs.get('route') == 'exit':
-            want, have = (exit_depths(GPTConfig.from_dict({**margs, 'exit_layers': v})) for v in (want, have))
-        if have != want:
-            raise TrainError(f"config field '{k}' differs from the checkpoint: checkpoint has "
-                             f"{margs.get(k)!r}, config has {getattr(cfg, k)!r}")
-    check_checkpoint_data(cfg, meta, ckpt)
+# ----------------------------------------------------------------------------------------------------
+# the config, checked before anything is read or written
 
-
-def drop_records_after(path, iter_num):
-    """Keep the metrics records up to the resumed iteration: the steps after it run again."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        lines = [l for l in f if l.strip()]
-    keep = [l for l in lines if json.loads(l).get('iter', 0) <= iter_num]
-    if len(keep) < len(lines):
-        with open(path + '.tmp', 'w') as f:
-            f.writelines(keep)
-        os.replace(path + '.tmp', path)
-
-
-def check_state_fits(model, state, source):
-    """The same tensor names and shapes as the model, or one line naming the first differences
-    (a config field this check's key list does not name still changes the model's shape)."""
-    mine = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    theirs = {k: tuple(v.shape) for k, v in state.items()}
-    diff = sorted(set(mine) ^ set(theirs)) + sorted(k for k in set(mine) & set(theirs) if mine[k] != theirs[k])
-    if diff:
-        raise TrainError(f"checkpoint ({source}) does not fit the model this config builds: {diff[:4]} differ; "
-                         f"use the run's original model and routing options")
-
-
-def build_model(cfg, meta, ckpt):
-    """Model from scratch, from a checkpoint (resume: everything; a checkpoint file: the backbone, with
-    fresh gates), or from GPT-2 weights, with the checks that the data and the checkpoint agree."""
-    data_vocab = meta['vocab_size']
-    if ckpt is not None and cfg.init_from == 'resume':
-        check_against_checkpoint(cfg, meta, ckpt, RESUME_KEYS)
-        for k in ('batch_size', 'gradient_accumulation_steps', 'seed', 'trainable'):   # data order, optimizer
-            if ckpt['config'].get(k) != getattr(cfg, k):
-                raise TrainError(f"config field '{k}' differs from the checkpoint: checkpoint has "
-                                 f"{ckpt['config'].get(k)!r}, config has {getattr(cfg, k)!r}; resume with the "
-                                 f"run's original value")
-        model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
-        check_state_fits(model, ckpt['model'], cfg.init_from)
-        model.load_state_dict(ckpt['model'])
-    elif ckpt is not None:
-        # the routing family may change (e.g. a dense backbone under a halting, MoD or ensemble
-        # controller) as long as every backbone weight comes from the checkpoint: checked below
-        check_against_checkpoint(cfg, meta, ckpt, [k for k in MODEL_KEYS if k not in ('route', 'controlled_layers')])
-        model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
-        backbone = {k: v for k, v in ckpt['model'].items() if not is_controller_key(k)}
-        missing, unexpected = model.load_state_dict(backbone, strict=False)
-        bad = [k for k in missing if not is_controller_key(k)] + list(unexpected)
-        if bad:
-            raise TrainError(f"checkpoint {cfg.init_from} does not fit this model's backbone (route "
-                             f"{ckpt['model_args'].get('route')!r} -> {cfg.route!r}): {bad[:5]}")
-        model.family.after_load(model)     # e.g. ensemble norms start as copies of ln_f
-    elif cfg.init_from == 'scratch':
-        vs = cfg.vocab_size or (data_vocab if data_vocab <= 1024 else ((data_vocab + 63) // 64) * 64)
-        model = GPT(model_config(cfg, vocab_size=vs))
-    else:
-        if meta.get('tokenizer') != 'gpt2':
-            raise TrainError(f"init_from={cfg.init_from} needs GPT-2 BPE data; data/{cfg.dataset} uses "
-                             f"the {meta.get('tokenizer')!r} tokenizer")
-        routing = {f.name: getattr(cfg, f.name) for f in fields(GPTConfig)
-                   if f.name not in ('n_layer', 'n_head', 'n_embd', 'vocab_size', 'block_size', 'bias', 'pos', 'gelu')}
-        model = GPT.from_pretrained(cfg.init_from, routing)
-        if cfg.block_size < model.config.block_size:
-            model.crop_block_size(cfg.block_size)
-        for k in MODEL_KEYS:            # the checkpoint's shape wins: record it, so config.json and resume agree
-            setattr(cfg, k, getattr(model.config, k))
-    if data_vocab > model.config.vocab_size:
-        raise TrainError(f"field 'vocab_size' differs: data/{cfg.dataset} has {data_vocab} tokens but the "
-                         f"model's vocabulary is {model.config.vocab_size}")
-    if cfg.block_size != model.config.block_size:
-        raise TrainError(f"field 'block_size' differs: config {cfg.block_size}, model {model.config.block_size}")
-    return model
-
-
-def trainable_parameters(model, cfg):
-    """Joint training: everything. Controller-only: freeze the backbone (requires_grad=False) and
-    return only the controller's parameters (model.is_controller_key). 'last_layers': only the last
-    ens_layers blocks and the final norm (the fine-tuning baseline of the ensemble family)."""
-    if cfg.trainable == 'all':
-        return list(model.parameters())
-    if cfg.trainable not in ('controller', 'last_layers'):
-        raise TrainError(f"trainable must be 'all', 'controller' or 'last_layers', got {cfg.trainable!r}")
-    if cfg.trainable == 'last_layers':    # plain fine-tuning of the last ens_layers blocks and ln_f
-        k = model.config.ens_layers
-        if model.config.route != 'none' or not 1 <= k <= model.config.n_layer:
-            raise TrainError(f"trainable=last_layers fine-tunes the last ens_layers (1..n_layer) blocks of a dense "
-                             f"model (route='none'); got route={model.config.route!r}, ens_layers={k}")
-        ctrl = [p for b in model.transformer.h[-k:] for p in b.parameters()] + list(model.transformer.ln_f.parameters())
-    else:
-        ctrl = model.controller_parameters()
-    if not ctrl:
-        raise TrainError(f"trainable=controller needs a controller with parameters (route='ffn' or 'mod' with "
-                         f"gate='mlp', 'ffn' with 'jepa', route='halt', route='exit' with exit_head='own', or "
-                         f"route='ensemble'); this config (route={cfg.route!r}, gate={cfg.gate!r}) has none")
-    ids = {id(p) for p in ctrl}
-    for p in model.parameters():
-        p.requires_grad_(id(p) in ids)
-    return ctrl
-
-
-def run_summary(log_lines, evals, cfg, wall_s):
-    """avg LM, best LM, threshold hits: the seed paper's optimisation metrics, from this run's logs."""
-    lm = [(r['iter'], r['lm_loss']) for r in log_lines]
-    early = [v for it, v in lm if it <= cfg.avg_lm_until * cfg.max_iters]
-    out = dict(avg_lm=float(np.mean(early)) if early else None,
-               best_train_lm=min((v for _, v in lm), default=None),
-               best_val_lm=min((e['val_loss'] for e in evals), default=None), wall_s=wall_s)
-    for th in [float(t) for t in str(cfg.lm_thresholds).split(',') if t.strip()]:
-        out[f'hit_{th:g}'] = next((it for it, v in lm if v < th), None)
-    return out
-
-
-def print_routing(family, r):
-    for line in family.report_lines(r):
-        print(line)
-    for name, per_layer in r.get('full_frac_by_class', {}).items():
-        print(f"  full-path fraction for {name:>9} targets: " + ' '.join(f"L{l}:{v:.2f}" for l, v in per_layer.items()))
+def read_config(argv):
+    """Defaults, then config files and --key=value in argv: (namespace, the dict written to config.json)."""
+    cfg_dict = load_config(DEFAULTS, argv)
+    cfg = SimpleNamespace(**cfg_dict)
+    check_train_config(cfg)
+    model_config(cfg)                           # validates routing fields before any work
+    check_family_options(cfg, argv)
+    return cfg, cfg_dict
 
 
 def check_train_config(cfg):
-    """The training loop's own fields, checked before anything is read or written."""
+    """The training loop's own fields."""
     if cfg.init_from not in ('scratch', 'resume') and not cfg.init_from.startswith('gpt2') \
             and not os.path.exists(cfg.init_from):
         raise TrainError(f"init_from must be scratch, resume, a checkpoint file, gpt2[-medium|-large|-xl] "
@@ -338,6 +235,15 @@ def check_train_config(cfg):
             raise TrainError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {cfg.device!r}") from None
 
 
+def model_config(cfg, **override):
+    d = {f.name: getattr(cfg, f.name) for f in fields(GPTConfig) if hasattr(cfg, f.name)}
+    d.update(override)
+    try:
+        return GPTConfig(**d)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
+
+
 def check_family_options(cfg, argv):
     """Refuse another family's option given on the command line with a non-default value (e.g.
     --route=halt --gate=jepa); only note the ones a config file set, since a study's arms switch route
@@ -359,55 +265,30 @@ def check_family_options(cfg, argv):
         print(f"note: route={cfg.route} does not read {', '.join(sorted(inert))} (set in a config file)")
 
 
-class StopFlag:
-    """First Ctrl-C / SIGTERM: finish the step, checkpoint, exit 0. A second Ctrl-C aborts at once."""
+# ----------------------------------------------------------------------------------------------------
+# the process, the inputs, the model and what it trains
 
-    def __init__(self):
-        self.signum = None
-        signal.signal(signal.SIGINT, self._handle)
-        signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame):
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signum = signum
-
-
-def main(argv):
-    try:
-        return train(argv)
-    except (ConfigError, DataError) as e:   # the device and data checks shared with the other scripts
-        raise TrainError(str(e)) from None
-    except RuntimeError as e:          # DDP: a peer died, or hung past ddp_timeout, inside a collective
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            raise
-        raise TrainError(f"a DDP process stopped responding ({str(e).splitlines()[0][:160]}); this process "
-                         f"stops too. The last checkpoint is kept: resume with --init_from=resume") from None
-
-
-def train(argv):
-    try:
-        cfg_dict = load_config(DEFAULTS, argv)
-    except ConfigError as e:
-        raise TrainError(str(e)) from None
-    cfg = SimpleNamespace(**cfg_dict)
-    check_train_config(cfg)
-    model_config(cfg)                           # validates routing fields before any work
-    check_family_options(cfg, argv)
-
-    # DDP: torchrun sets RANK / WORLD_SIZE; NCCL on GPU, gloo on CPU
+def setup_process(cfg):
+    """This process's place in the run: DDP (torchrun sets RANK / WORLD_SIZE) or a lone process, the
+    micro-batches it accumulates per step, its device and dtype."""
     ddp = int(os.environ.get('RANK', -1)) != -1
     rank, local_rank, world = (int(os.environ['RANK']), int(os.environ['LOCAL_RANK']),
                                int(os.environ['WORLD_SIZE'])) if ddp else (0, 0, 1)
-    master = rank == 0
     if cfg.gradient_accumulation_steps % world:
         raise TrainError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} must be a "
                          f"multiple of the number of processes ({world})")
-    accum = cfg.gradient_accumulation_steps // world
     dev, dt = resolve_device_dtype(cfg)
     if ddp and dev.type == 'cuda':
         dev = torch.device(f'cuda:{local_rank}')
         torch.cuda.set_device(dev)
+    return SimpleNamespace(ddp=ddp, rank=rank, local_rank=local_rank, world=world, master=rank == 0,
+                           accum=cfg.gradient_accumulation_steps // world, dev=dev, dt=dt,
+                           autocast=autocast_context(dev, dt))
+
+
+def open_inputs(cfg, master):
+    """The dataset's meta.json and the checkpoint the run starts from (None from scratch or GPT-2),
+    checked against each other."""
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
     check_out_dir(cfg)
     meta = load_dataset_meta(cfg, master)
@@ -423,281 +304,543 @@ def train(argv):
     elif os.path.isfile(cfg.init_from):
         ckpt = load_checkpoint(cfg.init_from)
     check_data(cfg, meta, ckpt)
-    torch.manual_seed(cfg.seed + rank)
-    random.seed(cfg.seed + rank)
-    np.random.seed(cfg.seed + rank)
-    model = build_model(cfg, meta, ckpt).to(dev)
-    cfg_dict.update({k: getattr(cfg, k) for k in MODEL_KEYS})    # what was built (GPT-2 init sets the shape)
+    return meta, ckpt
 
-    if ddp:
+
+def check_out_dir(cfg):
+    """A fresh run never silently replaces or appends to the run already in out_dir."""
+    if cfg.init_from == 'resume' or cfg.overwrite:
+        return
+    held = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
+    if held:
+        raise TrainError(f"out_dir {cfg.out_dir} already holds a run ({', '.join(held)}); continue it with "
+                         f"--init_from=resume, pick another --out_dir, or replace it with --overwrite=True")
+
+
+def seed_rngs(seed):
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def build_model(cfg, meta, ckpt):
+    """Model from scratch, from a checkpoint (resume: everything; a checkpoint file: the backbone, with
+    fresh gates), or from GPT-2 weights, with the checks that the data and the checkpoint agree."""
+    if ckpt is not None and cfg.init_from == 'resume':
+        check_against_checkpoint(cfg, meta, ckpt, RESUME_KEYS)
+        for k in ('batch_size', 'gradient_accumulation_steps', 'seed', 'trainable'):   # data order, optimizer
+            if ckpt['config'].get(k) != getattr(cfg, k):
+                raise TrainError(f"config field '{k}' differs from the checkpoint: checkpoint has "
+                                 f"{ckpt['config'].get(k)!r}, config has {getattr(cfg, k)!r}; resume with the "
+                                 f"run's original value")
+        model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
+        check_state_fits(model, ckpt['model'], cfg.init_from)
+        model.load_state_dict(ckpt['model'])
+    elif ckpt is not None:
+        model = backbone_from_checkpoint(cfg, meta, ckpt)
+    elif cfg.init_from == 'scratch':
+        data_vocab = meta['vocab_size']
+        vs = cfg.vocab_size or (data_vocab if data_vocab <= 1024 else ((data_vocab + 63) // 64) * 64)
+        model = GPT(model_config(cfg, vocab_size=vs))
+    else:
+        model = gpt2_model(cfg, meta)
+    if meta['vocab_size'] > model.config.vocab_size:
+        raise TrainError(f"field 'vocab_size' differs: data/{cfg.dataset} has {meta['vocab_size']} tokens but "
+                         f"the model's vocabulary is {model.config.vocab_size}")
+    if cfg.block_size != model.config.block_size:
+        raise TrainError(f"field 'block_size' differs: config {cfg.block_size}, model {model.config.block_size}")
+    return model
+
+
+def backbone_from_checkpoint(cfg, meta, ckpt):
+    """Stage 2: the checkpoint's backbone under fresh controller modules. The routing family may change
+    (e.g. a dense backbone under another family's controller) as long as every backbone weight comes
+    from the checkpoint."""
+    check_against_checkpoint(cfg, meta, ckpt, [k for k in MODEL_KEYS if k not in ('route', 'controlled_layers')])
+    model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
+    backbone = {k: v for k, v in ckpt['model'].items() if not is_controller_key(k)}
+    missing, unexpected = model.load_state_dict(backbone, strict=False)
+    bad = [k for k in missing if not is_controller_key(k)] + list(unexpected)
+    if bad:
+        raise TrainError(f"checkpoint {cfg.init_from} does not fit this model's backbone (route "
+                         f"{ckpt['model_args'].get('route')!r} -> {cfg.route!r}): {bad[:5]}")
+    model.family.after_load(model)     # e.g. a family's own norms start as copies of ln_f
+    return model
+
+
+def gpt2_model(cfg, meta):
+    """GPT-2 weights (a hub name or a local HF directory) under this config's routing fields."""
+    if meta.get('tokenizer') != 'gpt2':
+        raise TrainError(f"init_from={cfg.init_from} needs GPT-2 BPE data; data/{cfg.dataset} uses "
+                         f"the {meta.get('tokenizer')!r} tokenizer")
+    routing = {f.name: getattr(cfg, f.name) for f in fields(GPTConfig)
+               if f.name not in ('n_layer', 'n_head', 'n_embd', 'vocab_size', 'block_size', 'bias', 'pos', 'gelu')}
+    model = GPT.from_pretrained(cfg.init_from, routing)
+    if cfg.block_size < model.config.block_size:
+        model.crop_block_size(cfg.block_size)
+    for k in MODEL_KEYS:            # the checkpoint's shape wins: record it, so config.json and resume agree
+        setattr(cfg, k, getattr(model.config, k))
+    return model
+
+
+def check_against_checkpoint(cfg, meta, ckpt, keys):
+    """The config's fields `keys` agree with the checkpoint's model_args, and the data is its own."""
+    margs = ckpt['model_args']
+    family = FAMILIES[margs.get('route', GPTConfig.route)]
+    for k in keys:
+        want, have = getattr(cfg, k), margs.get(k)
+        if k == 'vocab_size' and want == 0:
+            continue
+        if k in family.spelled_options:    # compare what is meant ('auto' is the family's default)
+            want, have = (family.option_meaning(GPTConfig.from_dict({**margs, k: v}), k) for v in (want, have))
+        if have != want:
+            raise TrainError(f"config field '{k}' differs from the checkpoint: checkpoint has "
+                             f"{margs.get(k)!r}, config has {getattr(cfg, k)!r}")
+    check_checkpoint_data(cfg, meta, ckpt)
+
+
+def check_state_fits(model, state, source):
+    """The same tensor names and shapes as the model, or one line naming the first differences
+    (a config field this check's key list does not name still changes the model's shape)."""
+    mine = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    theirs = {k: tuple(v.shape) for k, v in state.items()}
+    diff = sorted(set(mine) ^ set(theirs)) + sorted(k for k in set(mine) & set(theirs) if mine[k] != theirs[k])
+    if diff:
+        raise TrainError(f"checkpoint ({source}) does not fit the model this config builds: {diff[:4]} differ; "
+                         f"use the run's original model and routing options")
+
+
+def start_process_group(cfg, proc):
+    if proc.ddp:
         from torch.distributed import init_process_group
         from datetime import timedelta     # a silent (hung, stopped) peer ends the run instead of blocking it
-        init_process_group(backend='nccl' if dev.type == 'cuda' else 'gloo', timeout=timedelta(seconds=cfg.ddp_timeout))
-    if dev.type == 'cuda':
+        init_process_group(backend='nccl' if proc.dev.type == 'cuda' else 'gloo',
+                           timeout=timedelta(seconds=cfg.ddp_timeout))
+    if proc.dev.type == 'cuda':
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    np_dtype = np.uint32 if meta.get('dtype') == 'uint32' else np.uint16
-    train_data = Batches(os.path.join(meta['folder'], 'train.bin'), np_dtype, cfg.block_size, cfg.batch_size, cfg.seed, dev)
-    val_data = Batches(os.path.join(meta['folder'], 'val.bin'), np_dtype, cfg.block_size, cfg.batch_size, cfg.seed, dev)
-    eval_sets = {'train': (train_data, train_data.eval_batches(cfg.eval_iters, 1, cfg.eval_seed)),
-                 'val': (val_data, val_data.eval_batches(cfg.eval_iters, 2, cfg.eval_seed))}
 
-    autocast = autocast_context(dev, dt)
-    scaler = torch.amp.GradScaler(dev.type, enabled=(dt == 'float16'))
-    params = trainable_parameters(model, cfg)
-    ctrl_params = model.controller_parameters()
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), dev.type,
-                                           params=params)
-    iter_num, best_val = 0, float('inf')
-    init_state = None
-    if ckpt is not None and cfg.init_from == 'resume':
-        init_state = dict(flops_state=ckpt['flops_state'], history=ckpt['history'])
-        optimizer.load_state_dict(ckpt['optimizer'])
-        scaler.load_state_dict(ckpt['scaler'])
-        iter_num, best_val = ckpt['iter_num'], ckpt['best_val_loss']
-        if master and ckpt.get('rng') is not None:
-            set_rng_state(ckpt['rng'])
-    ckpt = None
-    raw_model = model
+
+def trainable_parameters(model, cfg):
+    """Joint training: everything. Controller-only: freeze the backbone (requires_grad=False) and
+    return only the controller's parameters (model.is_controller_key). 'last_layers': only the last
+    ens_layers blocks and the final norm (plain fine-tuning of a dense model, a baseline for controllers
+    trained on a frozen backbone)."""
+    if cfg.trainable == 'all':
+        return list(model.parameters())
+    if cfg.trainable not in ('controller', 'last_layers'):
+        raise TrainError(f"trainable must be 'all', 'controller' or 'last_layers', got {cfg.trainable!r}")
+    if cfg.trainable == 'last_layers':
+        k = model.config.ens_layers
+        if model.family.routes or not 1 <= k <= model.config.n_layer:
+            raise TrainError(f"trainable=last_layers fine-tunes the last ens_layers (1..n_layer) blocks of a dense "
+                             f"model (route='none'); got route={model.config.route!r}, ens_layers={k}")
+        ctrl = [p for b in model.transformer.h[-k:] for p in b.parameters()] + list(model.transformer.ln_f.parameters())
+    else:
+        ctrl = model.controller_parameters()
+    if not ctrl:
+        raise TrainError(f"trainable=controller needs a controller with parameters (route='ffn' or 'mod' with "
+                         f"gate='mlp', 'ffn' with 'jepa', route='halt', route='exit' with exit_head='own', or "
+                         f"route='ensemble'); this config (route={cfg.route!r}, gate={cfg.gate!r}) has none")
+    ids = {id(p) for p in ctrl}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in ids)
+    return ctrl
+
+
+def count_params(params):
+    return sum(p.numel() for p in {id(p): p for p in params}.values())    # tied weights once
+
+
+# ----------------------------------------------------------------------------------------------------
+# where the loop starts: fresh or resumed, the wrapped model, the run files, the counters
+
+def start_progress(cfg, ckpt, optimizer, scaler, master):
+    """What a checkpoint carries across a resume: iteration, best val loss, cumulative training FLOPs
+    (exact: autograd's count, and the paper's proxy; per sequence), the log history for the summary,
+    the optimizer and scaler, and (rank 0, whose RNG draws matter) the RNG streams."""
+    if ckpt is None or cfg.init_from != 'resume':
+        return dict(resumed=False, iter_num=0, best_val=float('inf'), history=dict(train=[], eval=[]),
+                    flops_state=dict(exact=0.0, proxy_num=0.0, dense=0.0, wall_s=0.0))
+    optimizer.load_state_dict(ckpt['optimizer'])
+    scaler.load_state_dict(ckpt['scaler'])
+    if master and ckpt.get('rng') is not None:
+        set_rng_state(ckpt['rng'])
+    return dict(resumed=True, iter_num=ckpt['iter_num'], best_val=ckpt['best_val_loss'], history=ckpt['history'],
+                flops_state=ckpt['flops_state'])
+
+
+def rng_state():
+    return dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
+                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+
+def set_rng_state(s):
+    torch.set_rng_state(s['torch'])
+    np.random.set_state(s['numpy'])
+    random.setstate(s['python'])
+    if s.get('cuda') is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s['cuda'])
+
+
+def wrap_model(raw_model, cfg, proc):
+    """What the training steps call: the model compiled and/or DDP-wrapped (evals, checkpoints and the
+    family's hooks use the raw model)."""
+    model = raw_model
     if cfg.compile:
         model = torch.compile(model, dynamic=False)
-    if ddp:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        partial = raw_model.family.ddp_find_unused(raw_model.config)   # some parameters get no gradient
-        model = DDP(model, device_ids=[local_rank] if dev.type == 'cuda' else None, find_unused_parameters=partial)
-    mcfg = raw_model.config
-    calib = [train_data.fetch(s)[0] for s in train_data.eval_batches(cfg.calib_iters, 3, cfg.eval_seed)]
-    if cfg.compile:                     # one graph per set of per-step options (e.g. oracle layers): compile each
         import torch._dynamo as dynamo         # (a bare `import torch._dynamo` would make torch local here)
         limit = 'recompile_limit' if hasattr(dynamo.config, 'recompile_limit') else 'cache_size_limit'
-        setattr(dynamo.config, limit, max(getattr(dynamo.config, limit), mcfg.n_layer + 8))
+        # one graph per set of per-step options (e.g. oracle layers): compile each
+        setattr(dynamo.config, limit, max(getattr(dynamo.config, limit), raw_model.config.n_layer + 8))
+    if proc.ddp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        partial = raw_model.family.ddp_find_unused(raw_model.config)   # some parameters get no gradient
+        model = DDP(model, device_ids=[proc.local_rank] if proc.dev.type == 'cuda' else None,
+                    find_unused_parameters=partial)
+    return model
 
-    metrics_f = None
-    if master:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        with open(os.path.join(cfg.out_dir, 'config.json'), 'w') as f:
-            json.dump(cfg_dict, f, indent=2)
-        with open(os.path.join(cfg.out_dir, 'run_info.json'), 'w') as f:
-            json.dump(run_info(cfg, dev, dt, world), f, indent=2)
-        if cfg.init_from != 'resume':      # --overwrite: the old run goes only now that every check has passed
-            for name in ('ckpt.pt', 'metrics.jsonl'):
-                if os.path.exists(os.path.join(cfg.out_dir, name)):
-                    os.remove(os.path.join(cfg.out_dir, name))
-        else:                              # records a killed run logged after its last checkpoint are redone
-            drop_records_after(os.path.join(cfg.out_dir, 'metrics.jsonl'), iter_num)
-        metrics_f = open(os.path.join(cfg.out_dir, 'metrics.jsonl'), 'a')
-        n_params = raw_model.get_num_params()
-        n_trainable = sum(p.numel() for p in {id(p): p for p in params}.values())    # tied weights once
-        print(f"model: {n_params / 1e6:.2f}M parameters ({n_trainable:,} trainable) | data: {cfg.dataset} "
-              f"({meta['vocab_size']} tokens vocab, {meta['train_tokens']:,} train tokens) | device {dev}, {dt}, world {world}")
 
-    def log(obj):
-        if metrics_f is not None:
-            metrics_f.write(json.dumps(obj) + '\n')
-            metrics_f.flush()
+def open_run_files(cfg, cfg_dict, proc, iter_num):
+    """config.json and run_info.json, and metrics.jsonl open for appending (rank 0 only)."""
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    with open(os.path.join(cfg.out_dir, 'config.json'), 'w') as f:
+        json.dump(cfg_dict, f, indent=2)
+    with open(os.path.join(cfg.out_dir, 'run_info.json'), 'w') as f:
+        json.dump(run_info(cfg, proc.dev, proc.dt, proc.world), f, indent=2)
+    if cfg.init_from != 'resume':      # --overwrite: the old run goes only now that every check has passed
+        for name in ('ckpt.pt', 'metrics.jsonl'):
+            if os.path.exists(os.path.join(cfg.out_dir, name)):
+                os.remove(os.path.join(cfg.out_dir, name))
+    else:                              # records a killed run logged after its last checkpoint are redone
+        drop_records_after(os.path.join(cfg.out_dir, 'metrics.jsonl'), iter_num)
+    return open(os.path.join(cfg.out_dir, 'metrics.jsonl'), 'a')
 
-    @contextmanager
-    def eval_rng():
-        """Evals draw random numbers (gate='random' decides per token at eval): fork the RNG and seed
-        it, so evaluating never changes training and every eval is repeatable."""
-        with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []):
-            torch.manual_seed(cfg.eval_seed)
-            yield
 
-    def estimate_loss():
-        """LM loss on fixed train/val batches in eval mode: causal routing, thresholds calibrated
-        first on separate train-split batches (never on val)."""
-        with eval_rng():
-            with autocast:
-                raw_model.calibrate(torch.cat(calib))
-            return {split: evaluation.evaluate(raw_model, [batches.fetch(s) for s in starts_list], autocast)
-                    for split, (batches, starts_list) in eval_sets.items()}
+def run_info(cfg, dev, dt, world_size):
+    def git(*args):
+        try:
+            r = subprocess.run(['git', *args], cwd=HERE, capture_output=True, text=True, timeout=10)
+            return r.stdout.strip() if r.returncode == 0 else ''   # e.g. no commits yet: not a sha
+        except Exception:
+            return ''
+    return dict(git_sha=git('rev-parse', 'HEAD') or None, git_dirty=bool(git('status', '--porcelain')),
+                torch=torch.__version__, cuda=torch.version.cuda, python=sys.version.split()[0],
+                device=str(dev), device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
+                dtype=dt, world_size=world_size, host=socket.gethostname(), argv=sys.argv,
+                threads=torch.get_num_threads(), started=time.strftime('%Y-%m-%dT%H:%M:%S%z'))
 
-    def kept():
-        return (f"the last good checkpoint {ckpt_path} is left untouched" if os.path.exists(ckpt_path)
-                else "no checkpoint was saved yet")
 
-    def checkpoint():
-        for p in raw_model.parameters():       # never overwrite a good checkpoint with a broken model
-            if not torch.isfinite(p).all():
-                raise TrainError(f"non-finite weights at iteration {iter_num}; {kept()}")
-        save_checkpoint(ckpt_path, dict(
-            model=raw_model.state_dict(), optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
-            model_args=asdict(raw_model.config), iter_num=iter_num, best_val_loss=best_val, config=cfg_dict,
-            history=history, flops_state=flops_state,
-            rng=rng_state(), sampler=dict(kind='epoch-permutation', seed=cfg.seed, next_iter=iter_num,
-                                          micro_batches_per_iter=cfg.gradient_accumulation_steps),
-            data_meta=data_identity(meta)))
+def drop_records_after(path, iter_num):
+    """Keep the metrics records up to the resumed iteration: the steps after it run again."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [l for l in f if l.strip()]
+    keep = [l for l in lines if json.loads(l).get('iter', 0) <= iter_num]
+    if len(keep) < len(lines):
+        with open(path + '.tmp', 'w') as f:
+            f.writelines(keep)
+        os.replace(path + '.tmp', path)
 
-    stop = StopFlag()
-    seqs_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size
-    tokens_per_iter = seqs_per_iter * cfg.block_size
-    dense_step = 3 * flops.dense_forward_flops(mcfg, cfg.block_size)      # a full-only step, per sequence
-    skipped = torch.zeros((), device=dev)        # fp16 overflow steps, counted on device (no sync)
-    last_skipped, consecutive_skips = 0, 0
-    # cumulative training FLOPs: exact (autograd's count) and the paper's proxy, both per sequence
-    flops_state = dict(exact=0.0, proxy_num=0.0, dense=0.0, wall_s=0.0)
-    history = dict(train=[], eval=[])            # (iter, lm) and eval records, for the run summary
-    step_costs = {}
-    if init_state is not None:
-        flops_state, history = init_state['flops_state'], init_state['history']
-    interval = dict(lm=torch.zeros((), device=dev), frac=None, ctrl_norm=torch.zeros((), device=dev), n=0, aux={})
-    t_last, it_last = time.time(), iter_num
-    t_run = time.time() - flops_state['wall_s']
-    start_iter = iter_num
-    stopped = False                   # by a signal to this process or, under DDP, to any process
-    while True:
-        evaluated_already = init_state is not None and iter_num == start_iter   # the resumed run logged it
-        if (iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters or cfg.eval_only) and not evaluated_already:
-            if master:
-                res = estimate_loss()
-                if not all(math.isfinite(res[s]['loss']) for s in res):
-                    raise TrainError(f"eval loss is not finite at iteration {iter_num} (train {res['train']['loss']}, "
-                                     f"val {res['val']['loss']}); stopping; {kept()}. Try a lower learning_rate or grad_clip.")
-                best_val = min(best_val, res['val']['loss'])
-                frac = res['val']['full_frac']
-                print(f"iter {iter_num}: train loss {res['train']['loss']:.4f}, val loss {res['val']['loss']:.4f}"
-                      + (f", val full-path fraction {np.mean(frac):.3f}" if frac else ''))
-                rec = dict(type='eval', iter=iter_num, train_loss=res['train']['loss'], val_loss=res['val']['loss'],
-                           val_full_frac=frac)
-                history['eval'].append(rec)
-                log(rec)
-                flops_state['wall_s'] = time.time() - t_run
-                if not cfg.eval_only and iter_num > 0:
-                    checkpoint()
-            t_last, it_last = time.time(), iter_num
-        if iter_num >= cfg.max_iters or cfg.eval_only:
-            break
 
-        lr = lr_at(cfg, iter_num)
-        for group in optimizer.param_groups:
-            group['lr'] = lr
-        # the family's per-step options (oracle layers, the exit curriculum): a pure function of the step
-        opts = raw_model.family.step_options(raw_model, iter_num, cfg)
-        oracle_layers, exits = opts.get('oracle_layers', ()), opts.get('exits')
-        loss_sum = torch.zeros((), device=dev)
-        for micro in range(accum):
-            j = (iter_num * accum + micro) * world + rank
-            x, y = train_data.get(j)
-            if ddp:
-                model.require_backward_grad_sync = micro == accum - 1
-            with autocast:
-                _, loss, aux = model(x, y, **opts)
-                loss = loss / accum
-            scaler.scale(loss).backward()
-            loss_sum += loss.detach().float()
-            interval['lm'] += aux['lm_loss'].float() / accum
-            for k, v in aux.items():
-                if (k.endswith('_loss') and k != 'lm_loss') or k in ('jepa_pred_std', 'utility_mean', 'tlops_saved', 'alpha'):
-                    interval['aux'][k] = interval['aux'].get(k, 0.0) + v.detach().float() / accum
-            if 'full_frac' in aux:
-                f = aux['full_frac'].float() / accum
-                interval['frac'] = f if interval['frac'] is None else interval['frac'] + f
-        scaler.unscale_(optimizer)
-        if ctrl_params:                           # controller gradient norm, before clipping
-            grads = [p.grad.float().norm() for p in ctrl_params if p.grad is not None]
-            interval['ctrl_norm'] += torch.stack(grads).norm() if grads else 0.0
-        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float('inf'))
-        if scaler.is_enabled():
-            skipped += ~torch.isfinite(norm)      # exactly the steps the GradScaler skips
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        iter_num += 1
-        interval['n'] += 1
-        key = (oracle_layers, exits)
-        if key not in step_costs:              # analytic, so computed once per set of oracle layers / exits
-            step_costs[key] = (flops.train_step_flops(mcfg, cfg.block_size, cfg.trainable, oracle_layers, exits),
-                               flops.flops_proxy(mcfg, cfg.block_size, oracle_layers, exits))
-        step, proxy_step = step_costs[key]
-        flops_state['exact'] += seqs_per_iter * step['total']
-        flops_state['proxy_num'] += seqs_per_iter * proxy_step * dense_step
-        flops_state['dense'] += seqs_per_iter * dense_step
+def start_counters(run):
+    """The loop's running totals and clocks; fp16 overflow steps are counted on the device (no sync)."""
+    cfg = run.cfg
+    run.seqs_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size
+    run.dense_step = 3 * flops.dense_forward_flops(run.raw_model.config, cfg.block_size)   # a full-only step, per sequence
+    run.step_costs, run.interval = {}, new_interval(run.dev)
+    run.skipped, run.last_skipped, run.consecutive_skips = torch.zeros((), device=run.dev), 0, 0
+    run.t_last, run.it_last, run.start_iter = time.time(), run.iter_num, run.iter_num
+    run.t_run = time.time() - run.flops_state['wall_s']
 
-        if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
-            if ddp:                                # log the global mean, not rank 0's share
-                both = torch.stack([loss_sum, interval['lm']])
-                torch.distributed.all_reduce(both)
-                loss_sum, interval['lm'] = both[0] / world, both[1] / world
-            lossf = loss_sum.item()
-            dtime = (time.time() - t_last) / max(1, iter_num - it_last)
-            t_last, it_last = time.time(), iter_num
-            n_skipped = int(skipped.item())
-            consecutive_skips = consecutive_skips + (n_skipped - last_skipped) if n_skipped > last_skipped else 0
-            last_skipped = n_skipped
-            if not math.isfinite(lossf) and not scaler.is_enabled():
-                raise TrainError(f"loss is {lossf} at iteration {iter_num}; stopping; {kept()}. "
-                                 f"Try a lower learning_rate or grad_clip.")
-            if scaler.is_enabled() and consecutive_skips >= cfg.max_fp16_skips:
-                raise TrainError(f"{consecutive_skips} consecutive fp16 overflow steps by iteration {iter_num}; "
-                                 f"stopping. Try dtype=bfloat16/float32 or a lower learning_rate.")
-            n = max(1, interval['n'])
-            lm = interval['lm'].item() / n
-            frac = (interval['frac'] / n).tolist() if interval['frac'] is not None else None
-            ctrl_norm = interval['ctrl_norm'].item() / n if ctrl_params else None
-            aux_means = {k: float(v) / n for k, v in interval['aux'].items()}
-            interval = dict(lm=torch.zeros((), device=dev), frac=None, ctrl_norm=torch.zeros((), device=dev), n=0, aux={})
-            if master:
-                tps = tokens_per_iter / dtime
-                peak = flops.peak_flops(dev, dt)         # MFU from the FLOPs this step really ran
-                mfu = step['total'] * seqs_per_iter / world / dtime / peak if peak else None
-                proxy = flops_state['proxy_num'] / flops_state['dense']
-                print(f"iter {iter_num}: loss {lossf:.4f}, lm {lm:.4f}, lr {lr:.2e}, {dtime * 1000:.1f} ms/iter, "
-                      f"{tps:,.0f} tok/s" + (f", mfu {mfu * 100:.1f}%" if mfu is not None else '')
-                      + (f", full {np.mean(frac):.3f}, flops proxy {proxy:.3f}x" if frac else ''))
-                rec = dict(type='train', iter=iter_num, loss=lossf, lm_loss=lm, lr=lr, ms_per_iter=dtime * 1000,
-                           tokens_per_s=tps, mfu=mfu, grad_norm=float(norm), ctrl_grad_norm=ctrl_norm,
-                           full_frac=frac, flops_proxy=proxy, train_flops=flops_state['exact'],
-                           train_flops_vs_dense=flops_state['exact'] / flops_state['dense'],
-                           skipped_steps=n_skipped)
-                rec.update(aux_means)            # auxiliary terms, averaged over the log interval
-                history['train'].append(dict(iter=iter_num, lm_loss=lm))
-                log(rec)
-            if ddp:                                # agree on stopping at a common iteration
-                flag = torch.tensor(float(stop.signum is not None), device=dev)
-                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-                stop_now = flag.item() > 0
-            else:
-                stop_now = stop.signum is not None
-        else:
-            stop_now = stop.signum is not None and not ddp
-        if stop_now:
-            stopped = True
-            if master:
-                checkpoint()
-                print(f"stopped by signal at iteration {iter_num}; checkpoint saved to {ckpt_path}.\n"
-                      f"resume with: python train.py {shlex.join(argv)} --init_from=resume")
-            break
 
-    if master:
-        flops_state['wall_s'] = time.time() - t_run
-        summary = run_summary(history['train'], history['eval'], cfg, flops_state['wall_s'])
-        summary.update(type='summary', iter=iter_num, best_val_loss=best_val, skipped_steps=int(skipped.item()),
-                       trainable_params=sum(p.numel() for p in {id(p): p for p in params}.values()),
-                       flops_proxy=flops_state['proxy_num'] / max(1.0, flops_state['dense']),
-                       train_flops=flops_state['exact'])
-        if not cfg.eval_only and not stopped and mcfg.route != 'none':
-            with eval_rng():
-                summary['routing'] = evaluation.report(raw_model, train_data, val_data, meta, cfg.eval_iters,
-                                                       cfg.calib_iters, autocast, cfg.eval_seed)
-            print_routing(raw_model.family, summary['routing'])
-            # the eval forward at the realised routing: ideal (mean fractions) and as executed (MoD pads
-            # every row to the longest, so it runs more than the mean)
-            dense_fwd = flops.dense_forward_flops(mcfg, cfg.block_size)
-            for key, frac_key in (('eval_flops_vs_dense', 'full_frac'), ('eval_flops_executed_vs_dense', 'exec_frac')):
-                frac = summary['routing']['val_loss'][frac_key]
-                summary[key] = flops.forward_flops(mcfg, cfg.block_size, 'sparse', full_frac=frac) / dense_fwd
-        log(summary)
-        metrics_f.close()
-        if not stopped:
-            written = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
-            print(f"done: {iter_num} iterations, best val loss {best_val:.4f}. Outputs in {cfg.out_dir}/ "
-                  f"({', '.join(written)})."
-                  + (f"\nsample with: python sample.py --out_dir={cfg.out_dir}" if 'ckpt.pt' in written else ''))
-    if ddp:                     # rank 0 may still be writing its summary: leave together, or a rank
-        torch.distributed.barrier()            # tearing gloo down early can abort the others
-        torch.distributed.destroy_process_group()
-    return 0
+def new_interval(dev):
+    """Sums over one log interval, kept on the device until the log step reads them."""
+    return dict(lm=torch.zeros((), device=dev), frac=None, ctrl_norm=torch.zeros((), device=dev), n=0, aux={})
+
+
+class StopFlag:
+    """First Ctrl-C / SIGTERM: finish the step, checkpoint, exit 0. A second Ctrl-C aborts at once."""
+
+    def __init__(self):
+        self.signum = None
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+
+# ----------------------------------------------------------------------------------------------------
+# the loop: eval and checkpoint, one optimisation step, its FLOPs, the log, stopping
+
+def eval_due(run):
+    cfg = run.cfg
+    logged_already = run.resumed and run.iter_num == run.start_iter    # by the run this one resumes
+    return (run.iter_num % cfg.eval_interval == 0 or run.iter_num >= cfg.max_iters or cfg.eval_only) \
+        and not logged_already
+
+
+def evaluate_and_checkpoint(run):
+    """Rank 0: train and val loss on the fixed eval batches, one 'eval' record, and a checkpoint."""
+    res = estimate_loss(run)
+    if not all(math.isfinite(res[s]['loss']) for s in res):
+        raise TrainError(f"eval loss is not finite at iteration {run.iter_num} (train {res['train']['loss']}, "
+                         f"val {res['val']['loss']}); stopping; {kept(run)}. Try a lower learning_rate or grad_clip.")
+    run.best_val = min(run.best_val, res['val']['loss'])
+    frac = res['val']['full_frac']
+    print(f"iter {run.iter_num}: train loss {res['train']['loss']:.4f}, val loss {res['val']['loss']:.4f}"
+          + (f", val full-path fraction {np.mean(frac):.3f}" if frac else ''))
+    rec = dict(type='eval', iter=run.iter_num, train_loss=res['train']['loss'], val_loss=res['val']['loss'],
+               val_full_frac=frac)
+    run.history['eval'].append(rec)
+    log(run, rec)
+    run.flops_state['wall_s'] = time.time() - run.t_run
+    if not run.cfg.eval_only and run.iter_num > 0:
+        save_run(run)
+
+
+def estimate_loss(run):
+    """LM loss on fixed train/val batches in eval mode: causal routing, thresholds calibrated first on
+    separate train-split batches (never on val)."""
+    with eval_rng(run.dev, run.cfg.eval_seed):
+        with run.autocast:
+            run.raw_model.calibrate(torch.cat(run.calib))
+        return {split: evaluation.evaluate(run.raw_model, [batches.fetch(s) for s in starts], run.autocast)
+                for split, (batches, starts) in run.eval_sets.items()}
+
+
+@contextmanager
+def eval_rng(dev, seed):
+    """Evals draw random numbers (gate='random' decides per token at eval): fork the RNG and seed it,
+    so evaluating never changes training and every eval is repeatable."""
+    with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []):
+        torch.manual_seed(seed)
+        yield
+
+
+def save_run(run):
+    """Everything an exact resume needs, written atomically; never a broken model over a good checkpoint."""
+    for p in run.raw_model.parameters():
+        if not torch.isfinite(p).all():
+            raise TrainError(f"non-finite weights at iteration {run.iter_num}; {kept(run)}")
+    cfg = run.cfg
+    save_checkpoint(run.ckpt_path, dict(
+        model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(), scaler=run.scaler.state_dict(),
+        model_args=asdict(run.raw_model.config), iter_num=run.iter_num, best_val_loss=run.best_val,
+        config=run.cfg_dict, history=run.history, flops_state=run.flops_state,
+        rng=rng_state(), sampler=dict(kind='epoch-permutation', seed=cfg.seed, next_iter=run.iter_num,
+                                      micro_batches_per_iter=cfg.gradient_accumulation_steps),
+        data_meta=data_identity(run.meta)))
+
+
+def kept(run):
+    return (f"the last good checkpoint {run.ckpt_path} is left untouched" if os.path.exists(run.ckpt_path)
+            else "no checkpoint was saved yet")
+
+
+def lr_at(cfg, it):
+    if not cfg.decay_lr:
+        return cfg.learning_rate
+    if it < cfg.warmup_iters:
+        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
+    decay_iters = cfg.lr_decay_iters or cfg.max_iters
+    if it >= decay_iters:
+        return cfg.min_lr
+    ratio = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
+
+
+def optimisation_step(run):
+    """One optimizer step over accum micro-batches (DDP syncs gradients on the last), unscaled and
+    clipped. Returns its learning rate, summed loss (on the device: no sync), grad norm and FLOPs."""
+    cfg = run.cfg
+    lr = lr_at(cfg, run.iter_num)
+    for group in run.optimizer.param_groups:
+        group['lr'] = lr
+    # the family's per-step options (oracle layers, the exit curriculum): a pure function of the step
+    opts = run.raw_model.family.step_options(run.raw_model, run.iter_num, cfg)
+    loss_sum = torch.zeros((), device=run.dev)
+    for micro in range(run.accum):
+        x, y = run.train_data.get((run.iter_num * run.accum + micro) * run.world + run.rank)
+        if run.ddp:
+            run.model.require_backward_grad_sync = micro == run.accum - 1
+        with run.autocast:
+            _, loss, aux = run.model(x, y, **opts)
+            loss = loss / run.accum
+        run.scaler.scale(loss).backward()
+        loss_sum += loss.detach().float()
+        accumulate(run.interval, aux, run.accum, run.raw_model.family.logged_stats)
+    run.scaler.unscale_(run.optimizer)
+    if run.ctrl_params:                           # controller gradient norm, before clipping
+        grads = [p.grad.float().norm() for p in run.ctrl_params if p.grad is not None]
+        run.interval['ctrl_norm'] += torch.stack(grads).norm() if grads else 0.0
+    norm = torch.nn.utils.clip_grad_norm_(run.params, cfg.grad_clip if cfg.grad_clip > 0 else float('inf'))
+    if run.scaler.is_enabled():
+        run.skipped += ~torch.isfinite(norm)      # exactly the steps the GradScaler skips
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.iter_num += 1
+    run.interval['n'] += 1
+    return lr, loss_sum, norm, count_flops(run, opts)
+
+
+def accumulate(interval, aux, accum, stats):
+    """Add one micro-batch's LM loss, auxiliary *_loss terms, the family's statistics `stats` and its
+    full-path fractions to the interval's sums."""
+    interval['lm'] += aux['lm_loss'].float() / accum
+    for k, v in aux.items():
+        if (k.endswith('_loss') and k != 'lm_loss') or k in stats:
+            interval['aux'][k] = interval['aux'].get(k, 0.0) + v.detach().float() / accum
+    if 'full_frac' in aux:
+        f = aux['full_frac'].float() / accum
+        interval['frac'] = f if interval['frac'] is None else interval['frac'] + f
+
+
+def count_flops(run, opts):
+    """Add the step's training FLOPs, exact and the paper's proxy, to the run's totals; returns the
+    step's analytic cost per sequence (computed once per set of oracle layers and exits)."""
+    key = (opts.get('oracle_layers', ()), opts.get('exits'))
+    if key not in run.step_costs:
+        mcfg, T = run.raw_model.config, run.cfg.block_size
+        run.step_costs[key] = (flops.train_step_flops(mcfg, T, run.cfg.trainable, *key), flops.flops_proxy(mcfg, T, *key))
+    step, proxy_step = run.step_costs[key]
+    run.flops_state['exact'] += run.seqs_per_iter * step['total']
+    run.flops_state['proxy_num'] += run.seqs_per_iter * proxy_step * run.dense_step
+    run.flops_state['dense'] += run.seqs_per_iter * run.dense_step
+    return step
+
+
+def log_progress(run, lr, loss_sum, norm, step):
+    """Every log_interval steps: the interval's means (global under DDP), a stop if training diverged,
+    and (rank 0) one printed line and one 'train' record."""
+    iv = run.interval
+    if run.ddp:                                # log the global mean, not rank 0's share
+        both = torch.stack([loss_sum, iv['lm']])
+        torch.distributed.all_reduce(both)
+        loss_sum, iv['lm'] = both[0] / run.world, both[1] / run.world
+    lossf = loss_sum.item()
+    dtime = (time.time() - run.t_last) / max(1, run.iter_num - run.it_last)
+    run.t_last, run.it_last = time.time(), run.iter_num
+    n_skipped = check_divergence(run, lossf)
+    n = max(1, iv['n'])
+    lm = iv['lm'].item() / n
+    frac = (iv['frac'] / n).tolist() if iv['frac'] is not None else None
+    ctrl_norm = iv['ctrl_norm'].item() / n if run.ctrl_params else None
+    aux_means = {k: float(v) / n for k, v in iv['aux'].items()}
+    run.interval = new_interval(run.dev)
+    if not run.master:
+        return
+    tps = run.seqs_per_iter * run.cfg.block_size / dtime
+    peak = flops.peak_flops(run.dev, run.dt)         # MFU from the FLOPs this step really ran
+    mfu = step['total'] * run.seqs_per_iter / run.world / dtime / peak if peak else None
+    fs = run.flops_state
+    proxy = fs['proxy_num'] / fs['dense']
+    print(f"iter {run.iter_num}: loss {lossf:.4f}, lm {lm:.4f}, lr {lr:.2e}, {dtime * 1000:.1f} ms/iter, "
+          f"{tps:,.0f} tok/s" + (f", mfu {mfu * 100:.1f}%" if mfu is not None else '')
+          + (f", full {np.mean(frac):.3f}, flops proxy {proxy:.3f}x" if frac else ''))
+    rec = dict(type='train', iter=run.iter_num, loss=lossf, lm_loss=lm, lr=lr, ms_per_iter=dtime * 1000,
+               tokens_per_s=tps, mfu=mfu, grad_norm=float(norm), ctrl_grad_norm=ctrl_norm, full_frac=frac,
+               flops_proxy=proxy, train_flops=fs['exact'], train_flops_vs_dense=fs['exact'] / fs['dense'],
+               skipped_steps=n_skipped)
+    rec.update(aux_means)            # auxiliary terms, averaged over the log interval
+    run.history['train'].append(dict(iter=run.iter_num, lm_loss=lm))
+    log(run, rec)
+
+
+def check_divergence(run, lossf):
+    """Stop on a loss that is no longer finite, or (fp16) on max_fp16_skips overflow steps in a row;
+    returns the number of steps the GradScaler skipped so far."""
+    n_skipped = int(run.skipped.item())
+    run.consecutive_skips = run.consecutive_skips + (n_skipped - run.last_skipped) if n_skipped > run.last_skipped else 0
+    run.last_skipped = n_skipped
+    if not math.isfinite(lossf) and not run.scaler.is_enabled():
+        raise TrainError(f"loss is {lossf} at iteration {run.iter_num}; stopping; {kept(run)}. "
+                         f"Try a lower learning_rate or grad_clip.")
+    if run.scaler.is_enabled() and run.consecutive_skips >= run.cfg.max_fp16_skips:
+        raise TrainError(f"{run.consecutive_skips} consecutive fp16 overflow steps by iteration {run.iter_num}; "
+                         f"stopping. Try dtype=bfloat16/float32 or a lower learning_rate.")
+    return n_skipped
+
+
+def log(run, obj):
+    if run.metrics_f is not None:
+        run.metrics_f.write(json.dumps(obj) + '\n')
+        run.metrics_f.flush()
+
+
+def stop_requested(run, stop, logged):
+    """A signal stops a lone process after this step; DDP processes agree at a log step (a collective),
+    so that all of them stop at the same iteration."""
+    if not run.ddp:
+        return stop.signum is not None
+    if not logged:
+        return False
+    flag = torch.tensor(float(stop.signum is not None), device=run.dev)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return flag.item() > 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# the end of the run
+
+def finish_run(run, stopped):
+    """Rank 0: the 'summary' record (and, for a routing family after a complete run, its routing report)."""
+    cfg = run.cfg
+    run.flops_state['wall_s'] = time.time() - run.t_run
+    summary = run_summary(run.history['train'], run.history['eval'], cfg, run.flops_state['wall_s'])
+    summary.update(type='summary', iter=run.iter_num, best_val_loss=run.best_val, skipped_steps=int(run.skipped.item()),
+                   trainable_params=count_params(run.params),
+                   flops_proxy=run.flops_state['proxy_num'] / max(1.0, run.flops_state['dense']),
+                   train_flops=run.flops_state['exact'])
+    if not cfg.eval_only and not stopped and run.raw_model.family.routes:
+        summary.update(routing_summary(run))
+    log(run, summary)
+    run.metrics_f.close()
+    if not stopped:
+        written = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
+        print(f"done: {run.iter_num} iterations, best val loss {run.best_val:.4f}. Outputs in {cfg.out_dir}/ "
+              f"({', '.join(written)})."
+              + (f"\nsample with: python sample.py --out_dir={cfg.out_dir}" if 'ckpt.pt' in written else ''))
+
+
+def run_summary(log_lines, evals, cfg, wall_s):
+    """avg LM, best LM, threshold hits: the seed paper's optimisation metrics, from this run's logs."""
+    lm = [(r['iter'], r['lm_loss']) for r in log_lines]
+    early = [v for it, v in lm if it <= cfg.avg_lm_until * cfg.max_iters]
+    out = dict(avg_lm=float(np.mean(early)) if early else None,
+               best_train_lm=min((v for _, v in lm), default=None),
+               best_val_lm=min((e['val_loss'] for e in evals), default=None), wall_s=wall_s)
+    for th in [float(t) for t in str(cfg.lm_thresholds).split(',') if t.strip()]:
+        out[f'hit_{th:g}'] = next((it for it, v in lm if v < th), None)
+    return out
+
+
+def routing_summary(run):
+    """The family's end-of-run report (eval.report), printed, and the eval forward's FLOPs at the
+    realised routing: ideal (mean fractions) and as executed (sparse execution may run more, e.g. MoD
+    pads every row to the longest)."""
+    cfg, mcfg = run.cfg, run.raw_model.config
+    with eval_rng(run.dev, cfg.eval_seed):
+        out = dict(routing=evaluation.report(run.raw_model, run.train_data, run.val_data, run.meta, cfg.eval_iters,
+                                             cfg.calib_iters, run.autocast, cfg.eval_seed))
+    print_routing(run.raw_model.family, out['routing'])
+    dense_fwd = flops.dense_forward_flops(mcfg, cfg.block_size)
+    for key, frac_key in (('eval_flops_vs_dense', 'full_frac'), ('eval_flops_executed_vs_dense', 'exec_frac')):
+        frac = out['routing']['val_loss'][frac_key]
+        out[key] = flops.forward_flops(mcfg, cfg.block_size, 'sparse', full_frac=frac) / dense_fwd
+    return out
+
+
+def print_routing(family, r):
+    for line in family.report_lines(r):
+        print(line)
+    for name, per_layer in r.get('full_frac_by_class', {}).items():
+        print(f"  full-path fraction for {name:>9} targets: " + ' '.join(f"L{l}:{v:.2f}" for l, v in per_layer.items()))
 
 
 if __name__ == '__main__':

@@ -2,7 +2,7 @@
 Reading a prepared dataset (data/<dataset>/, written by data/prepare.py): its meta.json and checks,
 the reproducible batch sampler, and the tokenizer. Shared by train.py, eval.py, sample.py and bench.py.
 
-    from data.loader import Batches, load_dataset_meta
+    from data.loader import Batches, load_dataset_meta, open_splits
 """
 import os
 import time
@@ -119,6 +119,13 @@ class Batches:
         g = torch.Generator().manual_seed(eval_seed * 7919 + split_seed)
         hi = (self.n_windows - 1) * self.T + 1
         return [torch.randint(0, hi, (self.B,), generator=g).numpy() for _ in range(n)]
+
+
+def open_splits(meta, block_size, batch_size, seed, device):
+    """The samplers of a prepared dataset's train and val token files."""
+    np_dtype = np.uint32 if meta.get('dtype') == 'uint32' else np.uint16
+    return tuple(Batches(os.path.join(meta['folder'], f'{split}.bin'), np_dtype, block_size, batch_size, seed, device)
+                 for split in ('train', 'val'))
 
 
 def load_tokenizer(meta):

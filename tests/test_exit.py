@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import losses
-from conftest import SETTINGS, V, build, dense_twin, tokens
+from conftest import BASE, SETTINGS, V, build, dense_twin, tokens
 from model import GPT, GPTConfig
 from route_exit import exit_depths
 from routing import layer_dropout_prob
@@ -101,3 +101,17 @@ def test_exited_tokens_copy_their_state_and_others_still_attend_to_it(seed, T, t
                 done |= newly
         out = torch.where(done[..., None], out, model.lm_head(model.transformer.ln_f(x)))
     torch.testing.assert_close(got, out, rtol=1e-5, atol=1e-6)
+
+
+def test_resume_compares_exit_layers_by_the_depths_meant():
+    """An exit checkpoint saved with exit_layers='auto' resumes under the same depths spelt out."""
+    import train
+    from dataclasses import asdict
+    ck = dict(model_args=asdict(GPTConfig(**BASE, n_layer=4, route='exit')))
+    spelt = ','.join(str(d) for d in exit_depths(GPTConfig(**BASE, n_layer=4, route='exit')))
+    cfg = type('C', (), dict(**asdict(GPTConfig(**BASE, n_layer=4, route='exit', exit_layers=spelt)),
+                             dataset='synthetic'))()
+    train.check_against_checkpoint(cfg, {}, ck, ['exit_layers'])
+    cfg.exit_layers = '1'
+    with pytest.raises(train.TrainError, match="exit_layers"):
+        train.check_against_checkpoint(cfg, {}, ck, ['exit_layers'])

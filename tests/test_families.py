@@ -197,6 +197,12 @@ def test_ragged_batched_generation_equals_each_prompt_alone(case, seed, lens, ne
         assert len(stats['full_frac']) > 0 and all(0 <= f <= 1 for f in stats['full_frac'])
 
 
+def test_every_family_but_the_dense_one_routes():
+    """train.py reports the routing at the end of a run, and refuses trainable='last_layers' (plain
+    fine-tuning of a dense model), by the family's `routes`: only route='none' is dense."""
+    assert [name for name, family in REGISTRY.items() if not family.routes] == ['none']
+
+
 # ----------------------------------------------------------------------------------------------------
 # a family added to the registry is held to the promises above without editing this file
 
