@@ -16,7 +16,7 @@ decode at each --decode_batches (decode alone: the prefill's time is subtracted)
 time ratio routed/dense, analytic forward-FLOPs ratio routed/dense at the realised routing (ideal;
 and as executed, where MoD pads each row to the longest), and their quotient flops_ratio /
 time_ratio = the share of the FLOPs-ideal speedup realised (1.0 = all of it). Routing: ffn uses its gate with the threshold
-calibrated on the benchmark batch; mod uses gate='random' at the capacity (an untrained router's
+calibrated on the benchmark batch; mod uses mod_router='random' at the capacity (an untrained router's
 σ(r) > 0.5 rule would not hold the budget; the router is one dot product per token). Also the
 training step of controller-only G1 (util/rank off) against the dense joint step, and with --profile
 where the routed prefill at budget 0.5 spends its time (torch.profiler, by op kind).
@@ -35,7 +35,7 @@ import flops
 import train
 from configurator import ConfigError, load_config, run_cli
 from device import autocast_context, cli_device, resolve_device_dtype
-from model import FAMILIES, GPT
+from model import ALIASES, FAMILIES, GPT
 
 BENCH_DEFAULTS = dict(bench_steps=10, bench_warmup=3, decode_tokens=32, decode_batches='1,8',
                       budgets='', prefill_shapes='8x512', sparse=True, profile=False, decode_prompt=0)
@@ -139,7 +139,7 @@ def bench(cfg):
     peak = flops.peak_flops(dev, dt)          # MFU from the FLOPs the step really runs (routed or not)
     step_flops = B * flops.train_step_flops(mcfg, T)['total']
     mfu = step_flops / t_train / peak if peak else None
-    return dict(route=mcfg.route, gate=mcfg.gate, budget=mcfg.budget, vocab_size=mcfg.vocab_size, device=str(dev), device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
+    return dict(route=mcfg.route, budget=FAMILIES[mcfg.route].budget(mcfg), vocab_size=mcfg.vocab_size, device=str(dev), device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
                 dtype=dt, compile=cfg['compile'], torch=torch.__version__, threads=torch.get_num_threads(),
                 params=model.get_num_params(), batch_size=B, block_size=T,
                 train_ms_per_step=t_train * 1e3, train_tokens_per_s=train_tps, train_mfu=mfu,
@@ -184,8 +184,8 @@ def bench_routed(cfg):
     autocast = autocast_context(dev, dt)
     base = train.model_config(SimpleNamespace(**cfg), vocab_size=cfg['vocab_size'] or 50304)
     family = FAMILIES[base.route]
-    if family.bench_gate(base) is None:
-        routes = tuple(r for r, f in FAMILIES.items() if f.bench_gate(base) is not None)
+    if family.bench_config(base, 1.0) is None:
+        routes = tuple(r for r, f in FAMILIES.items() if f.bench_config(base, 1.0) is not None)
         raise train.TrainError(f"--budgets times route={' or '.join(map(repr, routes))} against dense; "
                                f"this config has route={base.route!r}")
     from dataclasses import replace
@@ -223,7 +223,7 @@ def bench_routed(cfg):
     d_pre, d_dec = time_model(dense, cfg['seed'])
     rows, profile = [], None
     for budget in numbers(cfg, 'budgets', float):
-        mcfg = replace(base, budget=budget, gate=family.bench_gate(base))
+        mcfg = family.bench_config(base, budget)
         torch.manual_seed(cfg['seed'])
         m = eval_model(mcfg, dev)
         m.load_state_dict(state, strict=False)                     # the same backbone as the dense model
@@ -257,10 +257,9 @@ def bench_routed(cfg):
             with autocast:
                 profile = dict(shape=f"{s[0]}x{s[1]}", routed=profile_breakdown(run(m, x)),
                                dense=profile_breakdown(run(dense, x)))
-    return dict(route=base.route, gate=base.gate, device=str(dev), dtype=dt, compile=cfg['compile'],
+    return dict(route=base.route, device=str(dev), dtype=dt, compile=cfg['compile'],
                 sparse=cfg['sparse'], torch=torch.__version__, threads=torch.get_num_threads(),
-                n_layer=base.n_layer, n_embd=base.n_embd, cheap_rank=base.cheap_rank,
-                controlled_layers=base.controlled_layers, rows=rows, train=bench_controller_step(cfg, base, dev, autocast),
+                n_layer=base.n_layer, n_embd=base.n_embd, routed_layers=family.routed_layers(base), rows=rows, train=bench_controller_step(cfg, base, dev, autocast),
                 profile=profile)
 
 
@@ -325,7 +324,7 @@ def print_routed(res):
 def main(argv):
     as_json = '--json' in argv
     argv = [a for a in argv if a != '--json']
-    cfg = load_config({**train.DEFAULTS, **BENCH_DEFAULTS}, argv)
+    cfg = load_config({**train.DEFAULTS, **BENCH_DEFAULTS}, argv, ALIASES)
     check_bench_config(cfg)
     cli_device(cfg['device'], cfg['dtype'])
     if cfg['budgets']:

@@ -8,6 +8,10 @@ ending in .py is executed and every top-level name it assigns must be a known ke
 parsed with ast.literal_eval (a bare word is taken as a string) and must have the default's type
 (an int is accepted for a float key; None-valued defaults accept anything). An unknown key or a wrong
 type raises ConfigError naming the key and the closest valid one, before any work is done.
+
+Options renamed since (e.g. budget -> ffn_budget) keep working under their old names, with a note on
+stderr once per name: `aliases` (model.ALIASES) resolves an old name by the route the arguments end
+with, whatever their order, and an old and a new spelling of one field still apply left to right.
 """
 import ast
 import difflib
@@ -33,10 +37,25 @@ def run_cli(main):
         sys.exit(2)
 
 
-def _unknown(key, defaults):
-    close = difflib.get_close_matches(key, list(defaults), n=1)
+def _unknown(key, defaults, aliases=None, route=None):
+    old = aliases.names() if aliases is not None else set()
+    close = difflib.get_close_matches(key, list(defaults) + sorted(old), n=1)
+    if close and close[0] in old:          # suggest today's name of a close old one
+        close = [aliases.resolve(close[0], None, route)[0]]
     hint = f" (did you mean '{close[0]}'?)" if close else ''
     return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+_noted = set()
+
+
+def note_renamed(old, new, route):
+    """One note per old name per process, on stderr."""
+    if old not in _noted:
+        _noted.add(old)
+        import sys
+        print(f"note: config key '{old}' is now '{new}' for route={route!r} (the old name still works)",
+              file=sys.stderr)
 
 
 def _check_type(key, value, default, where):
@@ -87,9 +106,10 @@ def declared_defaults(path):
     return out
 
 
-def load_config(defaults, argv):
-    """Return a new dict: `defaults` updated by the config files and --key=value items of argv."""
-    config = dict(defaults)
+def load_config(defaults, argv, aliases=None):
+    """Return a new dict: `defaults` updated by the config files and --key=value items of argv. aliases
+    (model.ALIASES): accept old option names, resolved by the final route."""
+    items = []                  # (key, value, where, text of a --key=value or None), left to right
     for arg in argv:
         if not arg.startswith('--'):
             if not arg.endswith('.py'):
@@ -108,17 +128,25 @@ def load_config(defaults, argv):
             for key, value in namespace.items():
                 if key.startswith('_') or key == '__builtins__' or callable(value) or type(value).__name__ == 'module':
                     continue
-                if key not in defaults:
-                    raise _unknown(key, defaults)
-                config[key] = _check_type(key, value, defaults[key], arg)
+                items.append((key, value, arg, None))
         else:
             key, eq, text = arg[2:].partition('=')
             if not eq:
                 raise ConfigError(f"expected --key=value, got '{arg}'")
-            if key not in defaults:
-                raise _unknown(key, defaults)
-            value = parse_value(text)
-            if isinstance(defaults[key], str) and not isinstance(value, str):
-                value = text       # a str key takes the text as written: --controlled_layers=0,2,5, --out_dir=2024
-            config[key] = _check_type(key, value, defaults[key], f"'{arg}'")
+            items.append((key, parse_value(text), f"'{arg}'", text))
+    # an old name means what it meant under the route these arguments end with
+    route = next((v for k, v, _, _ in reversed(items) if k == 'route'), defaults.get('route'))
+    config = dict(defaults)
+    for key, value, where, text in items:
+        hit = aliases.resolve(key, value, route) if key not in defaults and aliases is not None else None
+        if hit is not None:
+            if text is not None and isinstance(defaults.get(hit[0]), str):
+                value = text   # as below: a str key takes the text as written
+            note_renamed(key, hit[0], route)
+            key, value = aliases.resolve(key, value, route)
+        if key not in defaults:
+            raise _unknown(key, defaults, aliases, route)
+        if text is not None and isinstance(defaults[key], str) and not isinstance(value, str):
+            value = text       # a str key takes the text as written: --ffn_layers=0,2,5, --out_dir=2024
+        config[key] = _check_type(key, value, defaults[key], where)
     return config

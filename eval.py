@@ -24,6 +24,7 @@ import json
 import os
 import sys
 from contextlib import nullcontext, redirect_stdout
+from dataclasses import fields
 from types import SimpleNamespace
 
 import numpy as np
@@ -33,6 +34,7 @@ from checkpoint import load_checkpoint, load_model
 from configurator import ConfigError, declared_defaults, load_config, run_cli
 from data.loader import check_checkpoint_data, check_data, load_dataset_meta, load_tokenizer, open_splits
 from device import cli_device
+from model import GPTConfig, resolve_aliases
 from plots import SKIPPED, pyplot
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -233,7 +235,8 @@ def main(argv):
     # synthetic corpus) go to stderr
     with redirect_stdout(sys.stderr) if as_json else nullcontext():
         # train.py's defaults fill the keys a checkpoint from older code lacks
-        cfg = SimpleNamespace(**{**declared_defaults(os.path.join(HERE, 'train.py')), **ck['config']})
+        cfg = SimpleNamespace(**{**{f.name: f.default for f in fields(GPTConfig)},
+                                 **declared_defaults(os.path.join(HERE, 'train.py')), **resolve_aliases(ck['config'])})
         cfg.data_dir = args['data_dir'] or cfg.data_dir
         meta = load_dataset_meta(cfg, master=True)
         check_checkpoint_data(cfg, meta, ck)      # the data must be the run's (names the field)

@@ -38,7 +38,7 @@ FAMILIES = {'none': Family(), 'ffn': FFNRouting(), 'mod': MixtureOfDepths(), 'ha
 
 @dataclass
 class GPTConfig:
-    block_size: int = 256
+    block_size: int = 128
     vocab_size: int = 64
     n_layer: int = 4
     n_head: int = 4
@@ -53,36 +53,43 @@ class GPTConfig:
     # (Mixture-of-Depths: top-k tokens run the routed blocks, the rest skip them); 'exit' (exit heads
     # with deep supervision, per-token early exit at eval); 'ensemble' (late layers' logits mixed by a router)
     route: str = 'none'
-    gate: str = 'mlp'         # 'mlp' (G1), 'jepa' (G3), 'random', 'static_full', 'static_cheap', 'oracle'
-    budget: float = 0.5       # fraction of tokens per sequence on the full path: ceil(budget·T) in training
-                              # (route='mod': the capacity, 0.125 in the paper)
-    controlled_layers: str = 'auto'   # routed layers: 'all', 'every_other' (1, 3, 5, ...), a list such as
-                                      # '0,2,5', or 'auto' (ffn: all, mod: every_other as in the paper)
-    cheap_rank: int = 32      # rank of the cheap low-rank FFN
-    gate_hidden: int = 64     # hidden width of gate / predictor MLPs
-    gate_grad: str = 'ste'    # how the LM loss reaches the gate: 'ste' straight-through, 'scale' MoD-style, 'none'
-    infer_rule: str = 'threshold'     # causal eval decision: 'threshold' on the gate score, or 'predictor'
-    jepa_latent: int = 32     # G3 latent size
-    jepa_outcome: str = 'delta'       # G3 outcome projected by the fixed target: 'delta' (FFN update) or 'hidden'
-    jepa_readout: str = 'distance'    # G3 score: 'distance' between the two forecasts, or 'linear'
+    # route='ffn': every option carries the family's prefix
+    ffn_gate: str = 'mlp'     # 'mlp' (G1), 'jepa' (G3), 'random', 'static_full', 'static_cheap', 'oracle'
+    ffn_budget: float = 0.5   # fraction of tokens per sequence on the full path: ceil(ffn_budget·T) in training
+    ffn_layers: str = 'auto'  # routed layers: 'all', 'every_other' (1, 3, 5, ...), a list such as '0,2,5',
+                              # or 'auto' (all)
+    ffn_cheap_rank: int = 16  # rank of the cheap low-rank FFN
+    ffn_gate_hidden: int = 64         # hidden width of the gate and predictor MLPs
+    ffn_gate_grad: str = 'ste'        # how the LM loss reaches the gate: 'ste' straight-through, 'scale' MoD-style, 'none'
+    ffn_infer_rule: str = 'threshold' # causal eval decision: 'threshold' on the gate score, or 'predictor'
+    ffn_jepa_latent: int = 32         # G3 latent size
+    ffn_jepa_outcome: str = 'delta'   # G3 outcome projected by the fixed target: 'delta' (FFN update) or 'hidden'
+    ffn_jepa_readout: str = 'distance'  # G3 score: 'distance' between the two forecasts, or 'linear'
     # auxiliary losses of the ffn family: a weight of 0 means that computation does not run
-    util_weight: float = 0.0          # utility regression onto oracle labels
-    rank_weight: float = 0.0          # pairwise rank supervision from oracle labels
-    rank_kind: str = 'logistic'       # 'logistic' or 'margin'
-    rank_margin: float = 0.1
-    rank_pairs: int = 256             # pairs sampled per sequence
-    oracle_policy: str = 'off'        # labels: 'off' (later layers all full, the paper) or 'on' (gate policy)
-    jepa_weight: float = 1.0          # λ_JEPA (G3 only)
-    predictor_weight: float = 1.0     # BCE of the membership predictor (infer_rule='predictor' only)
-    mimic_weight: float = 0.0         # cheap FFN imitates the full FFN
+    ffn_util_weight: float = 0.0      # utility regression onto oracle labels
+    ffn_rank_weight: float = 0.0      # pairwise rank supervision from oracle labels
+    ffn_rank_kind: str = 'logistic'   # 'logistic' or 'margin'
+    ffn_rank_margin: float = 0.1
+    ffn_rank_pairs: int = 256         # pairs sampled per sequence
+    ffn_oracle_policy: str = 'off'    # labels: 'off' (later layers all full, the paper) or 'on' (gate policy)
+    ffn_jepa_weight: float = 1.0      # λ_JEPA (G3 only)
+    ffn_predictor_weight: float = 1.0 # BCE of the membership predictor (ffn_infer_rule='predictor' only)
+    ffn_mimic_weight: float = 0.0     # cheap FFN imitates the full FFN
+    # route='mod' (Mixture-of-Depths)
+    mod_router: str = 'learned'       # 'learned' (a linear router per routed block) or 'random'
+    mod_capacity: float = 0.5         # fraction of tokens per sequence that run a routed block: ceil(c·T)
+                                      # in training (0.125 in the paper)
+    mod_layers: str = 'auto'          # routed blocks, as ffn_layers; 'auto' = every_other, as in the paper
+    mod_infer_rule: str = 'threshold' # causal eval: 'threshold' (router trained with BCE on top-k membership,
+                                      # route iff σ(r) > 0.5) or 'predictor' (a stop-gradient MLP)
+    mod_predictor_weight: float = 1.0 # BCE of the membership predictor (mod_infer_rule='predictor' only)
+    mod_predictor_hidden: int = 64    # hidden width of the predictor
+    mod_bce_weight: float = 1.0       # BCE of the router on top-k membership (mod_infer_rule='threshold')
     # route='halt' (TSA)
     halt_lambda: float = 0.001        # depth regulariser λ on the mean active fraction
     halt_tau: float = 0.5             # eval: a token skips block l+1 where p_l > halt_tau
     halt_soft_eval: bool = False      # eval with the soft (1 − p) scaling instead of hard skipping
     halt_hard: str = 'scaled'         # hard eval: kept tokens add (1 − p)·Δ as in training, or 'binary': Δ
-    # route='mod' : causal eval by infer_rule 'threshold' (router trained with BCE on top-k
-    # membership, route iff σ(r) > 0.5) or 'predictor' (stop-gradient MLP, weight predictor_weight)
-    router_bce_weight: float = 1.0
     # route='exit' 
     exit_layers: str = 'auto'         # exits after d blocks: 'auto' {2, n/2, 3n/4}, 'every' (1..n-1), or '1,3'
     exit_head: str = 'shared'         # 'shared' final norm + LM head (LayerSkip), or 'own' norm + projection
@@ -103,16 +110,17 @@ class GPTConfig:
     ens_kl_weight: float = 1.0        # λ of the distillation loss (teacher: the final layer, stop-gradient)
 
     def __post_init__(self):
-        for key in ('block_size', 'n_layer', 'n_head', 'n_embd', 'cheap_rank', 'gate_hidden', 'jepa_latent',
-                    'rank_pairs', 'ens_layers'):
+        for key in ('block_size', 'n_layer', 'n_head', 'n_embd', 'ffn_cheap_rank', 'ffn_gate_hidden', 'ffn_jepa_latent',
+                    'ffn_rank_pairs', 'mod_predictor_hidden', 'ens_layers'):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.vocab_size < 0:
             raise ValueError(f"vocab_size must be >= 0 (0: from the data), got {self.vocab_size}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        for key in ('util_weight', 'rank_weight', 'rank_margin', 'jepa_weight', 'predictor_weight', 'mimic_weight',
-                    'halt_lambda', 'router_bce_weight', 'exit_weight', 'ens_kl_weight', 'exit_rotation'):
+        for key in ('ffn_util_weight', 'ffn_rank_weight', 'ffn_rank_margin', 'ffn_jepa_weight', 'ffn_predictor_weight',
+                    'ffn_mimic_weight', 'mod_predictor_weight', 'mod_bce_weight', 'halt_lambda', 'exit_weight',
+                    'ens_kl_weight', 'exit_rotation'):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key} must be >= 0, got {getattr(self, key)}")
         if self.pos not in ('learned', 'rope'):
@@ -125,8 +133,9 @@ class GPTConfig:
             raise ValueError(f"gelu must be 'none' or 'tanh', got {self.gelu!r}")
         if self.route not in FAMILIES:
             raise ValueError(f"route must be one of {tuple(FAMILIES)}, got {self.route!r}")
-        if not 0.0 < self.budget <= 1.0:
-            raise ValueError(f"budget must be in (0, 1], got {self.budget}")
+        for key in ('ffn_budget', 'mod_capacity'):
+            if not 0.0 < getattr(self, key) <= 1.0:
+                raise ValueError(f"{key} must be in (0, 1], got {getattr(self, key)}")
         if not 0.0 <= self.layer_dropout < 1.0:
             raise ValueError(f"layer_dropout must be in [0, 1), got {self.layer_dropout}")
         if self.layer_dropout > 0 and 'layer_dropout' not in FAMILIES[self.route].options:   # the blocks are routed
@@ -136,8 +145,48 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, d):
+        """From a stored dict (a checkpoint's model_args, a run's config.json): names written before the
+        options took their family's prefix are read as today's, and keys that are not fields are dropped."""
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        return cls(**{k: v for k, v in resolve_aliases(d).items() if k in names})
+
+
+# ----------------------------------------------------------------------------------------------------
+# old option names: each family lists its own (Family.aliases); they resolve by the config's route
+
+class Aliases:
+    """Every family's old option names, resolved by the route: under route='mod' the old budget is
+    mod_capacity, under 'ffn' ffn_budget; under any other route an old name means the ffn option (or the
+    one family that had it), so that the refusal of another family's options names it."""
+
+    def names(self):
+        return {key for family in FAMILIES.values() for key in family.aliases}
+
+    def resolve(self, key, value, route):
+        """(new key, new value) for an old name `key`, or None if it is not one."""
+        for family in [FAMILIES.get(route, FAMILIES['none']), FAMILIES['ffn'], *FAMILIES.values()]:
+            if key in family.aliases:
+                new = family.aliases[key]
+                if isinstance(new, tuple):             # (new name, {old value: new value})
+                    new, values = new
+                    value = values.get(value, value) if isinstance(value, str) else value
+                return new, value
+        return None
+
+
+ALIASES = Aliases()
+
+
+def resolve_aliases(d):
+    """A copy of the stored dict d (model_args, config.json) with old option names read as today's, by
+    d's own route, in d's order; where d holds both spellings of one field, the later one wins."""
+    route = d.get('route', 'none')
+    out = {}
+    for key, value in d.items():
+        key, value = ALIASES.resolve(key, value, route) or (key, value)
+        out.pop(key, None)
+        out[key] = value
+    return out
 
 
 def controlled_layer_ids(config):

@@ -13,9 +13,10 @@ pairwise rank supervision onto oracle utility labels U_t = CE_t(cheap at l) − 
 (off-policy: later layers all full, as the paper; on-policy: later layers follow the gates), G3's JEPA
 alignment, the membership predictor's BCE, and a cheap-imitates-full term.
 
-Options (GPTConfig fields): gate, budget, controlled_layers, cheap_rank, gate_hidden, gate_grad,
-infer_rule, jepa_latent, jepa_outcome, jepa_readout, util_weight, rank_weight, rank_kind, rank_margin,
-rank_pairs, oracle_policy, jepa_weight, predictor_weight, mimic_weight.
+Options (GPTConfig fields): ffn_gate, ffn_budget, ffn_layers, ffn_cheap_rank, ffn_gate_hidden,
+ffn_gate_grad, ffn_infer_rule, ffn_jepa_latent, ffn_jepa_outcome, ffn_jepa_readout, ffn_util_weight,
+ffn_rank_weight, ffn_rank_kind, ffn_rank_margin, ffn_rank_pairs, ffn_oracle_policy, ffn_jepa_weight,
+ffn_predictor_weight, ffn_mimic_weight; of the training loop: ffn_oracle_layers_per_step, calib_iters.
 """
 import random
 from contextlib import contextmanager
@@ -35,8 +36,22 @@ class FFNRouting(Family):
                'jepa_latent', 'jepa_outcome', 'jepa_readout', 'util_weight', 'rank_weight', 'rank_kind', 'rank_margin',
                'rank_pairs', 'oracle_policy', 'jepa_weight', 'predictor_weight', 'mimic_weight',
                'oracle_layers_per_step', 'calib_iters')
+    # the names these options had before they took the family's prefix (config files, checkpoints)
+    aliases = {'gate': 'ffn_gate', 'budget': 'ffn_budget', 'controlled_layers': 'ffn_layers',
+               'cheap_rank': 'ffn_cheap_rank', 'gate_hidden': 'ffn_gate_hidden', 'gate_grad': 'ffn_gate_grad',
+               'infer_rule': 'ffn_infer_rule', 'jepa_latent': 'ffn_jepa_latent', 'jepa_outcome': 'ffn_jepa_outcome',
+               'jepa_readout': 'ffn_jepa_readout', 'util_weight': 'ffn_util_weight', 'rank_weight': 'ffn_rank_weight',
+               'rank_kind': 'ffn_rank_kind', 'rank_margin': 'ffn_rank_margin', 'rank_pairs': 'ffn_rank_pairs',
+               'oracle_policy': 'ffn_oracle_policy', 'jepa_weight': 'ffn_jepa_weight',
+               'predictor_weight': 'ffn_predictor_weight', 'mimic_weight': 'ffn_mimic_weight',
+               'oracle_layers_per_step': 'ffn_oracle_layers_per_step'}
+    budget_field = 'ffn_budget'
+    spelled_options = ('ffn_layers',)   # 'auto' and 'all' are the same layers
     routes = True
     logged_stats = ('jepa_pred_std', 'utility_mean')
+
+    def option_meaning(self, config, key):
+        return self.routed_layers(config) if key == 'ffn_layers' else getattr(config, key)
 
     def validate(self, config):
         for key, allowed in dict(gate=GATES, gate_grad=('ste', 'scale', 'none'), infer_rule=('threshold', 'predictor'),
@@ -113,13 +128,10 @@ class FFNRouting(Family):
     references, by_class = ('full', 'cheap'), True
 
     def report(self, model, batches, autocast, evaluate):
-        return dict(budget=model.config.budget)
+        return dict(budget=self.budget(model.config))
 
     def report_lines(self, r):
         return routed_report_lines(r)
-
-    def bench_gate(self, config):
-        return config.gate          # its threshold is calibrated to the budget on the benchmark batch
 
     def cannot_generate(self, config):
         if config.gate == 'oracle':
@@ -229,12 +241,12 @@ class FFNRouting(Family):
 
 
 def ffn_costs(config, T):
-    """routing.flop_costs plus the cheap FFN and the gates, per token."""
+    """routing.flop_costs plus the cheap FFN, the gates and the membership predictor, per token."""
     d, gh, lat = config.n_embd, config.gate_hidden, config.jepa_latent
     return dict(flop_costs(config, T), cheap=2 * 2 * d * config.cheap_rank,
                 gate_fc=2 * d * gh, gate_out=2 * gh * (lat if config.gate == 'jepa' else 1),
                 gate_read=2 * lat if (config.gate == 'jepa' and config.jepa_readout == 'linear') else 0,
-                jepa_target=2 * d * lat)
+                jepa_target=2 * d * lat, pred_fc=2 * d * gh, pred_out=2 * gh)
 
 
 def _suffix(config, l, c):
@@ -242,10 +254,10 @@ def _suffix(config, l, c):
     return (config.n_layer - 1 - l) * (c['attn_proj'] + c['attn_core'] + c['full']) + c['head']
 
 
-def controlled_layer_ids(config, default):
+def controlled_layer_ids(config, default, field='ffn_layers'):
     """The layers named by controlled_layers: 'all', 'every_other' (1, 3, 5, ...), a list such as
     '0,2,5', or 'auto' (the family's default)."""
-    L, spec = config.n_layer, str(config.controlled_layers)
+    L, spec = config.n_layer, str(getattr(config, field))
     if spec == 'auto':
         spec = default
     if spec == 'all':
@@ -253,8 +265,8 @@ def controlled_layer_ids(config, default):
     if spec == 'every_other':
         return list(range(1, L, 2))        # may be empty for L = 1: validate refuses that
     if any(c not in '0123456789, ' for c in spec):
-        raise ValueError(f"controlled_layers must be 'auto', 'all', 'every_other' or e.g. '0,2,5', got {spec!r}")
-    return parse_layer_list(spec, 0, L - 1, 'controlled_layers')
+        raise ValueError(f"{field} must be 'auto', 'all', 'every_other' or e.g. '0,2,5', got {spec!r}")
+    return parse_layer_list(spec, 0, L - 1, field)
 
 
 # ----------------------------------------------------------------------------------------------------

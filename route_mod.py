@@ -9,10 +9,12 @@ original order. Eval (causal): selected where σ(r) > 0.5 (the router trained wi
 membership) or where a stop-gradient membership predictor says so. σ(r) rather than the raw r
 multiplies the update: a raw logit multiplied into the residual can blow up.
 
-Options (GPTConfig fields): gate ('mlp' = the linear router, 'random'), budget (the capacity, 0.125 in
-the paper), controlled_layers ('auto' = every other block), infer_rule ('threshold' = σ(r) > 0.5, or
-'predictor'), router_bce_weight, predictor_weight, gate_hidden (the predictor's width).
+Options (GPTConfig fields): mod_router ('learned' = the linear router, or 'random'), mod_capacity (0.125
+in the paper), mod_layers ('auto' = every other block), mod_infer_rule ('threshold' = σ(r) > 0.5, or
+'predictor'), mod_bce_weight, mod_predictor_weight, mod_predictor_hidden (the predictor's width).
 """
+from dataclasses import replace
+
 import torch
 
 import losses
@@ -25,21 +27,27 @@ from routing import (Family, add_weighted, exec_mode, flop_costs, gather_rows, r
 class MixtureOfDepths(Family):
     options = ('gate', 'budget', 'controlled_layers', 'infer_rule', 'predictor_weight', 'gate_hidden',
                'router_bce_weight')
+    # the names these options had when MoD shared the ffn family's (its learned router was the gate 'mlp')
+    aliases = {'budget': 'mod_capacity', 'controlled_layers': 'mod_layers', 'gate': ('mod_router', {'mlp': 'learned'}),
+               'infer_rule': 'mod_infer_rule', 'predictor_weight': 'mod_predictor_weight',
+               'gate_hidden': 'mod_predictor_hidden', 'router_bce_weight': 'mod_bce_weight'}
+    budget_field = 'mod_capacity'
+    spelled_options = ('mod_layers',)   # 'auto' and 'every_other' are the same layers
     routes = True
     logged_stats = ('tlops_saved',)
 
     def validate(self, config):
-        if config.gate not in ('mlp', 'random'):
-            raise ValueError(f"route='mod' routes by its linear router (gate='mlp') or at random (gate='random'), "
-                             f"got gate={config.gate!r}")
-        if config.infer_rule not in ('threshold', 'predictor'):
-            raise ValueError(f"infer_rule must be 'threshold' or 'predictor', got {config.infer_rule!r}")
+        if config.mod_router not in ('learned', 'random'):
+            raise ValueError(f"mod_router must be 'learned' (a linear router per routed block) or 'random', "
+                             f"got {config.mod_router!r}")
+        if config.mod_infer_rule not in ('threshold', 'predictor'):
+            raise ValueError(f"mod_infer_rule must be 'threshold' or 'predictor', got {config.mod_infer_rule!r}")
         if not self.routed_layers(config):
-            raise ValueError(f"controlled_layers={config.controlled_layers!r} routes no layer of a "
+            raise ValueError(f"mod_layers={config.mod_layers!r} routes no layer of a "
                              f"{config.n_layer}-layer model")
 
     def routed_layers(self, config):
-        return controlled_layer_ids(config, default='every_other')
+        return controlled_layer_ids(config, default='every_other', field='mod_layers')
 
     def build_block(self, block, config, layer):
         if layer not in self.routed_layers(config):
@@ -68,7 +76,7 @@ class MixtureOfDepths(Family):
     references, by_class = ('full', 'cheap'), True
 
     def report(self, model, batches, autocast, evaluate):
-        return dict(budget=model.config.budget)
+        return dict(budget=self.budget(model.config))
 
     def report_lines(self, r):
         return routed_report_lines(r)
@@ -78,8 +86,12 @@ class MixtureOfDepths(Family):
         float64, so that it equals count / T exactly as a Python float and rounds to the same float32)."""
         return torch.stack([m.sum(1).max().double() / m.size(1) for _, m in sorted(masks.items())])
 
-    def bench_gate(self, config):
-        return 'random'             # an untrained router's σ(r) > 0.5 rule would not hold the budget
+    def option_meaning(self, config, key):
+        return self.routed_layers(config) if key == 'mod_layers' else getattr(config, key)
+
+    def bench_config(self, config, b):
+        # at random: an untrained router's σ(r) > 0.5 rule would not hold the capacity
+        return replace(self.with_budget(config, b), mod_router='random')
 
     def ddp_find_unused(self, config):
         return config.infer_rule == 'predictor' and config.predictor_weight == 0
@@ -89,7 +101,7 @@ class MixtureOfDepths(Family):
         attention among them (4·n²·d): n = ceil(budget·T) in training, T masked-dense ('eval'), and in
         'sparse' n = full_frac·T per routed layer, where full_frac is the padded row length over T
         (sparse execution pads every row to the longest)."""
-        c, L, d = flop_costs(config, T), config.n_layer, config.n_embd
+        c, L, d = mod_costs(config, T), config.n_layer, config.n_embd
         ids, router = self.routed_layers(config), config.gate == 'mlp'
         total = T * c['head']
         for l in range(L):
@@ -106,7 +118,7 @@ class MixtureOfDepths(Family):
     def backward_flops(self, config, T, trainable='all', **options):
         """Controller-only: the router's weight gradient, and the blocks' input gradients from the first
         router up (σ(r) multiplies the update from there on)."""
-        c, L, d = flop_costs(config, T), config.n_layer, config.n_embd
+        c, L, d = mod_costs(config, T), config.n_layer, config.n_embd
         joint = trainable == 'all'
         w = 2 if joint else 1
         ids, router = self.routed_layers(config), config.gate == 'mlp'
@@ -121,6 +133,12 @@ class MixtureOfDepths(Family):
                     bwd += T * (c['pred_fc'] + 2 * c['pred_out'])      # its input is detached
                 stream = True           # σ(r) multiplies the update from here on
         return bwd + (T * w * c['head'] if stream else 0)
+
+
+def mod_costs(config, T):
+    """routing.flop_costs plus the membership predictor, per token."""
+    d, p = config.n_embd, config.mod_predictor_hidden
+    return dict(flop_costs(config, T), pred_fc=2 * d * p, pred_out=2 * p)
 
 
 def mod_block(block, cfg, x, pos, cache, ctx):
@@ -155,7 +173,7 @@ def mod_block(block, cfg, x, pos, cache, ctx):
             mask = (block.predictor(x) if block.predictor is not None else r) > 0     # σ(·) > 0.5
             if ctx.collect:           # agreement of the causal decision with top-k (non-causal)
                 ctx.add('mod_acc', (mask == topk_mask(r, capacity(cfg.budget, T))).float().mean()
-                        / len(controlled_layer_ids(cfg, default='every_other')))
+                        / len(controlled_layer_ids(cfg, default='every_other', field='mod_layers')))
         if not ctx.sparse:
             out = mod_masked(block, x, pos, cache, mask, r)
         elif exec_mode(x, ctx.exec_mode) == 'static':

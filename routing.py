@@ -7,6 +7,9 @@ A family is a class with these methods; model.py holds the registry {route: fami
 A family file (route_ffn.py, route_mod.py, ...) overrides only what it changes:
 
     options                        the config fields it reads (another family's are refused)
+    aliases                        its options' old names: {old: new}, or {old: (new, {old value: new value})}
+    budget_field                   the field that sets the fraction of tokens on the expensive path (ffn,
+                                   mod), read and set through budget(config) and with_budget(config, b)
     validate(config)               refuse bad options of this family (ValueError naming the field)
     routed_layers(config)          the layers whose decisions it makes (ffn, mod), else []
     build_block(block, config, layer)  add its per-block modules (cheap FFN, gate, router) to a block
@@ -20,7 +23,7 @@ A family file (route_ffn.py, route_mod.py, ...) overrides only what it changes:
     is_controller_key(name)        parameters the controller-only recipe trains
     calibrate(model, idx)          set causal thresholds on held-out data (ffn)
     step_options(model, step, run) per-step forward options (the oracle layers, the exit curriculum); run:
-                                   the training config (seed, oracle_layers_per_step)
+                                   the training config (seed, ffn_oracle_layers_per_step)
     ddp_find_unused(config)        whether some parameters get no gradient in a step
     after_load(model)              fix-ups once backbone weights are loaded (ensemble norms)
     logged_stats                   the statistics of aux (besides every *_loss term) the train log averages
@@ -31,14 +34,14 @@ A family file (route_ffn.py, route_mod.py, ...) overrides only what it changes:
                                    and 'all' may be the same layers): a resumed run must agree with its
                                    checkpoint on the meaning, not the spelling
     references, by_class, report, report_lines, executed_fracs    what eval reports and train prints
-    bench_gate(config)             the gate bench.py times it with at each budget (None: it has no budget)
+    bench_config(config, b)        the config bench.py times at budget b (None: it has no budget)
     cannot_generate(config)        why sample.py refuses to generate with it (None: it can)
     forward_flops(config, T, mode, full_frac, **options)   analytic FLOPs of one forward (flops.py sums
                                    these), backward_flops(config, T, trainable, **options) of a training
                                    step's backward, oracle_flops(config, T, **options) of its no-grad passes
 """
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
@@ -86,6 +89,18 @@ class RouteCtx:
 class Family:
     """The dense model: the default of every hook."""
     options = ('layer_dropout',)        # the config fields this family reads (others' are refused)
+    aliases = {}                        # old names of those fields, still accepted (model.resolve_aliases)
+    budget_field = None                 # ffn: 'ffn_budget', mod: 'mod_capacity'; None: no budget
+
+    def budget(self, config):
+        """The fraction of tokens on the expensive path this config asks for, or None (no budget)."""
+        return getattr(config, self.budget_field) if self.budget_field else None
+
+    def with_budget(self, config, b):
+        """A copy of config at budget b."""
+        if not self.budget_field:
+            raise ValueError(f"route={config.route!r} has no budget")
+        return replace(config, **{self.budget_field: b})
 
     def validate(self, config):
         pass
@@ -146,7 +161,7 @@ class Family:
     # training: what train.py asks of the family beyond the forward
     routes = False                      # the dense model: nothing to report at the end of a run
     logged_stats = ()                   # statistics in aux the train log averages (besides every *_loss term)
-    spelled_options = ('controlled_layers',)    # options a resume compares by option_meaning
+    spelled_options = ()                # options a resume compares by option_meaning
 
     def option_meaning(self, config, key):
         """What option `key` of `config` means to this family: the routed layers for controlled_layers
@@ -171,10 +186,10 @@ class Family:
         """Why a model of this config cannot generate text (one line for sample.py), or None."""
         return None
 
-    def bench_gate(self, config):
-        """The gate bench.py times this family with at each budget (on an untrained model, so one whose
-        decisions hold the budget), or None where the family routes no budget of tokens."""
-        return None
+    def bench_config(self, config, b):
+        """The config bench.py times at budget b (an untrained model: its decisions must hold the
+        budget), or None where the family routes no budget of tokens."""
+        return self.with_budget(config, b) if self.budget_field else None
 
     # analytic FLOPs of one sequence of length T, as torch's FlopCounterMode counts them (flops.py
     # states the conventions and sums these); options: the family's per-step options (step_options)
@@ -214,10 +229,10 @@ def routed_report_lines(r):
 
 def flop_costs(config, T):
     """Forward FLOPs per token of the pieces every family is built from (attention core at length T):
-    a block's attention projections and core, the full FFN, the LM head, the membership predictor."""
-    d, gh = config.n_embd, config.gate_hidden
+    a block's attention projections and core, the full FFN, the LM head."""
+    d = config.n_embd
     return dict(attn_proj=2 * d * 3 * d + 2 * d * d, attn_core=4 * T * d, full=2 * 2 * d * 4 * d,
-                head=2 * d * config.vocab_size, pred_fc=2 * d * gh, pred_out=2 * gh)
+                head=2 * d * config.vocab_size)
 
 
 def layer_dropout_prob(config, layer):

@@ -22,7 +22,7 @@ from checkpoint import load_checkpoint, load_model
 from configurator import ConfigError, load_config, run_cli
 from data.loader import load_tokenizer
 from device import cli_device
-from model import FAMILIES
+from model import FAMILIES, resolve_aliases
 
 DEFAULTS = dict(out_dir='out/quickstart', start='\n', num_samples=3, max_new_tokens=200, temperature=0.8,
                 top_k=200, seed=1337, device='auto', use_cache=True, data_dir='', prompts_file='')
@@ -52,7 +52,8 @@ def main(argv):
     ckpt = load_checkpoint(path)
     margs, tcfg = ckpt['model_args'], ckpt['config']
     family = FAMILIES.get(margs.get('route'))
-    refusal = family.cannot_generate(SimpleNamespace(**margs)) if family is not None else None
+    # today's option names, whatever the checkpoint's
+    refusal = family.cannot_generate(SimpleNamespace(**resolve_aliases(margs))) if family is not None else None
     if refusal:
         raise ConfigError(refusal)
     folder = os.path.join(cfg['data_dir'] or tcfg.get('data_dir') or os.path.join(HERE, 'data'), tcfg['dataset'])

@@ -33,7 +33,7 @@ from checkpoint import load_checkpoint, remove_stale_temps, save_checkpoint
 from configurator import ConfigError, UserError, declared_defaults, load_config, run_cli
 from data.loader import DataError, check_checkpoint_data, check_data, data_identity, load_dataset_meta, open_splits
 from device import autocast_context, resolve_device_dtype
-from model import FAMILIES, GPT, GPTConfig, is_controller_key
+from model import ALIASES, FAMILIES, GPT, GPTConfig, is_controller_key, resolve_aliases
 
 # ----------------------------------------------------------------------------------------------------
 # defaults (override with a config file and/or --key=value); the quickstart trains on these
@@ -49,21 +49,11 @@ init_from = 'scratch'        # 'scratch', 'resume', a checkpoint file (e.g. out/
 dataset = 'synthetic'        # a folder data/<dataset> written by data/prepare.py
 data_dir = ''                # where dataset folders live; '' means data/ beside this file
 batch_size = 16              # sequences per micro-batch per process
-block_size = 128
 gradient_accumulation_steps = 1   # micro-batches per optimizer step, summed over all DDP processes
-# model
-n_layer = 4
-n_head = 4
-n_embd = 128
-dropout = 0.0
-bias = False
-pos = 'learned'              # 'learned' or 'rope'
+# model and routing: every field of model.GPTConfig is a config key with GPTConfig's default (there: the
+# shape, block_size 128, and every family's options); the two below are the only ones train.py changes
+route = 'ffn'                # GPTConfig's default is the dense model; the quickstart trains G1-routed FFNs
 vocab_size = 0               # 0: from the data's meta.json (rounded up to a multiple of 64 above 1024)
-# routing (every field of model.GPTConfig is a config key; see model.py for the full list)
-route = 'ffn'                # the quickstart trains G1-routed FFNs; 'none' is the dense baseline
-gate = 'mlp'
-budget = 0.5
-cheap_rank = 16
 trainable = 'all'            # 'all' (joint), 'controller' (backbone frozen: gates, routers, predictors,
                              # exit heads, ensemble norms) or 'last_layers' (the last ens_layers blocks + ln_f)
 oracle_layers_per_step = 1   # controlled layers given oracle utility labels per step (util/rank losses)
@@ -96,9 +86,10 @@ for _f in fields(GPTConfig):
     DEFAULTS.setdefault(_f.name, _f.default)
 # fields that define the backbone's weights: a resumed or stage-2 run must agree with its checkpoint
 MODEL_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'pos', 'vocab_size', 'gelu', 'rope_base',
-              'route', 'controlled_layers', 'cheap_rank')
-RESUME_KEYS = MODEL_KEYS + ('gate', 'gate_hidden', 'infer_rule', 'jepa_latent', 'jepa_readout', 'exit_layers',
-                            'exit_head', 'ens_layers')
+              'route', 'ffn_layers', 'mod_layers', 'ffn_cheap_rank')
+RESUME_KEYS = MODEL_KEYS + ('ffn_gate', 'ffn_gate_hidden', 'ffn_infer_rule', 'ffn_jepa_latent', 'ffn_jepa_readout',
+                            'mod_router', 'mod_infer_rule', 'mod_predictor_hidden', 'exit_layers', 'exit_head',
+                            'ens_layers')
 HERE = os.path.dirname(os.path.abspath(__file__))
 # ----------------------------------------------------------------------------------------------------
 RUN_FILES = ('ckpt.pt', 'metrics.jsonl', 'config.json', 'run_info.json')
@@ -192,7 +183,7 @@ def setup(argv):
 
 def read_config(argv):
     """Defaults, then config files and --key=value in argv: (namespace, the dict written to config.json)."""
-    cfg_dict = load_config(DEFAULTS, argv)
+    cfg_dict = load_config(DEFAULTS, argv, ALIASES)
     cfg = SimpleNamespace(**cfg_dict)
     check_train_config(cfg)
     model_config(cfg)                           # validates routing fields before any work
@@ -249,6 +240,7 @@ def check_family_options(cfg, argv):
     --route=halt --gate=jepa); only note the ones a config file set, since a study's arms switch route
     on a shared base file (they are recorded in config.json but change nothing)."""
     given = {a[2:].partition('=')[0] for a in argv if a.startswith('--')}
+    given = {(ALIASES.resolve(k, None, cfg.route) or (k,))[0] for k in given}     # old names as today's
     mine = set(FAMILIES[cfg.route].options)
     if cfg.trainable == 'last_layers':
         mine.add('ens_layers')          # the dense fine-tuning baseline trains the last ens_layers blocks
@@ -356,7 +348,7 @@ def backbone_from_checkpoint(cfg, meta, ckpt):
     """Stage 2: the checkpoint's backbone under fresh controller modules. The routing family may change
     (e.g. a dense backbone under another family's controller) as long as every backbone weight comes
     from the checkpoint."""
-    check_against_checkpoint(cfg, meta, ckpt, [k for k in MODEL_KEYS if k not in ('route', 'controlled_layers')])
+    check_against_checkpoint(cfg, meta, ckpt, [k for k in MODEL_KEYS if k not in ('route', 'ffn_layers', 'mod_layers')])
     model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
     backbone = {k: v for k, v in ckpt['model'].items() if not is_controller_key(k)}
     missing, unexpected = model.load_state_dict(backbone, strict=False)
@@ -385,10 +377,11 @@ def gpt2_model(cfg, meta):
 
 def check_against_checkpoint(cfg, meta, ckpt, keys):
     """The config's fields `keys` agree with the checkpoint's model_args, and the data is its own."""
-    margs = ckpt['model_args']
+    margs = resolve_aliases(ckpt['model_args'])      # a checkpoint may use the options' old names
     family = FAMILIES[margs.get('route', GPTConfig.route)]
+    defaults = {f.name: f.default for f in fields(GPTConfig)}
     for k in keys:
-        want, have = getattr(cfg, k), margs.get(k)
+        want, have = getattr(cfg, k), margs.get(k, defaults.get(k))
         if k == 'vocab_size' and want == 0:
             continue
         if k in family.spelled_options:    # compare what is meant ('auto' is the family's default)
@@ -439,9 +432,9 @@ def trainable_parameters(model, cfg):
     else:
         ctrl = model.controller_parameters()
     if not ctrl:
-        raise TrainError(f"trainable=controller needs a controller with parameters (route='ffn' or 'mod' with "
-                         f"gate='mlp', 'ffn' with 'jepa', route='halt', route='exit' with exit_head='own', or "
-                         f"route='ensemble'); this config (route={cfg.route!r}, gate={cfg.gate!r}) has none")
+        raise TrainError(f"trainable=controller needs a controller with parameters (route='ffn' with ffn_gate 'mlp' "
+                         f"or 'jepa', route='mod' with mod_router='learned', route='halt', route='exit' with "
+                         f"exit_head='own', or route='ensemble'); this config (route={cfg.route!r}) has none")
     ids = {id(p) for p in ctrl}
     for p in model.parameters():
         p.requires_grad_(id(p) in ids)
