@@ -161,7 +161,7 @@ def assert_greedy_traces_agree(a, b, tol=FP32_TOL):
 
 SETTINGS = dict(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 V = 23
-BASE = dict(block_size=24, vocab_size=V, n_head=2, n_embd=16, gate_hidden=8)
+BASE = dict(block_size=24, vocab_size=V, n_head=2, n_embd=16, gate_hidden=8, mod_predictor_hidden=8)
 
 # the gates/options that change each family's code path; build(route, opt) takes option set `opt`,
 # and a family without an entry here is built with its defaults

@@ -12,7 +12,7 @@ import flops
 import train
 from configurator import load_config
 from dataclasses import replace
-from model import controlled_layer_ids
+from model import FAMILIES, controlled_layer_ids
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ['--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=2', '--vocab_size=50',
@@ -62,9 +62,9 @@ def test_bench_routed_table(route):
         cfg = load_config({**train.DEFAULTS, 'bench_steps': 0, 'bench_warmup': 0, 'decode_tokens': 0,
                            'decode_batches': '', 'budgets': '', 'prefill_shapes': '', 'sparse': True, 'profile': False},
                           [a for a in args if a != '--json'])
-        mcfg = replace(train.model_config(type('C', (), cfg)(), vocab_size=50), budget=x['budget'])
+        mcfg = FAMILIES[route].with_budget(train.model_config(type('C', (), cfg)(), vocab_size=50), x['budget'])
         if route == 'mod':
-            mcfg = replace(mcfg, gate='random')
+            mcfg = replace(mcfg, mod_router='random')
         assert len(x['layer_fracs']) == len(controlled_layer_ids(mcfg))
         assert math.isclose(x['realised_frac'], sum(x['layer_fracs']) / len(x['layer_fracs']))
         head = (x['seq'] - 1) * 2 * 32 * 50

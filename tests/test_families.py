@@ -29,7 +29,8 @@ pytestmark = pytest.mark.usefixtures('one_thread')      # tiny ops: see conftest
 
 
 def is_random(case):
-    return FAMILIES[case[0]][case[1]].get('gate') == 'random'
+    opt = FAMILIES[case[0]][case[1]]
+    return 'random' in (opt.get('ffn_gate'), opt.get('mod_router'))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -142,7 +143,8 @@ def test_family_flops_match_counter(case, seed, T, B, budget, pw, trainable, kl,
     """Training forward, a whole training step (joint or controller-only), the masked eval forward and
     the sparse eval forward (at the realised fractions) equal FlopCounterMode's count."""
     route, opt = case
-    model = build(route, opt, seed=seed, budget=budget, predictor_weight=pw, ens_kl_weight=kl)
+    model = build(route, opt, seed=seed, ffn_budget=budget, mod_capacity=budget, ffn_predictor_weight=pw,
+                  mod_predictor_weight=pw, ens_kl_weight=kl)
     cfg = model.config
     if trainable == 'controller':
         ctrl = {id(p) for p in model.controller_parameters()}

@@ -731,7 +731,7 @@ def test_family_options_from_a_config_file_are_noted_not_refused(synth, tmp_path
     cfg.write_text("gate = 'jepa'\nbudget = 0.25\n")
     r = ok(run_train([str(cfg), *TINY, *data_args(synth), f"--out_dir={tmp_path / 'o'}", "--route=halt",
                       "--max_iters=1", "--eval_interval=1"]))
-    assert "note: route=halt does not read budget, gate" in r.stdout
+    assert "note: route=halt does not read ffn_budget, ffn_gate" in r.stdout
 
 
 def test_token_ids_beyond_the_vocabulary_are_refused(synth, tmp_path):
