@@ -139,7 +139,7 @@ def bench(cfg):
     peak = flops.peak_flops(dev, dt)          # MFU from the FLOPs the step really runs (routed or not)
     step_flops = B * flops.train_step_flops(mcfg, T)['total']
     mfu = step_flops / t_train / peak if peak else None
-    return dict(route=mcfg.route, budget=FAMILIES[mcfg.route].budget(mcfg), vocab_size=mcfg.vocab_size, device=str(dev), device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
+    return dict(route=mcfg.route, ffn_budget=FAMILIES[mcfg.route].budget(mcfg), vocab_size=mcfg.vocab_size, device=str(dev), device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
                 dtype=dt, compile=cfg['compile'], torch=torch.__version__, threads=torch.get_num_threads(),
                 params=model.get_num_params(), batch_size=B, block_size=T,
                 train_ms_per_step=t_train * 1e3, train_tokens_per_s=train_tps, train_mfu=mfu,
@@ -273,7 +273,7 @@ def bench_controller_step(cfg, base, dev, autocast):
     y = torch.randint(0, base.vocab_size, (B, T), generator=g).to(dev)
     out = {}
     for name, mcfg in (('dense_joint', replace(base, route='none')),
-                       ('g1_controller', replace(base, route='ffn', gate='mlp', util_weight=0.0, rank_weight=0.0))):
+                       ('g1_controller', replace(base, route='ffn', ffn_gate='mlp', ffn_util_weight=0.0, ffn_rank_weight=0.0))):
         torch.manual_seed(cfg['seed'])
         m = GPT(mcfg).to(dev).train()
         params = list(m.parameters())

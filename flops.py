@@ -165,7 +165,7 @@ def main(argv):
           '| flops_proxy | exact step / dense joint step |')
     for gate in ('mlp', 'jepa'):
         for on in (True, False):
-            c = replace(base, gate=gate, util_weight=1.0 if on else 0.0, rank_weight=1.0 if on else 0.0)
+            c = replace(base, ffn_gate=gate, ffn_util_weight=1.0 if on else 0.0, ffn_rank_weight=1.0 if on else 0.0)
             layer_sets = [(l,) for l in ids] if on else [()]
             avg = lambda f: sum(f(ls) for ls in layer_sets) / len(layer_sets)
             print(f"| {'G1' if gate == 'mlp' else 'G3'} | {'on' if on else 'off'} "

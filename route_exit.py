@@ -102,7 +102,7 @@ class EarlyExit(Family):
     def ddp_find_unused(self, config):
         return config.exit_head == 'own' and config.exit_rotation > 0
 
-    spelled_options = ('controlled_layers', 'exit_layers')
+    spelled_options = ('ffn_layers', 'exit_layers')
 
     def option_meaning(self, config, key):
         return exit_depths(config) if key == 'exit_layers' else super().option_meaning(config, key)

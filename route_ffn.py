@@ -32,10 +32,10 @@ from routing import (MLP, Family, RouteCtx, add_weighted, flop_costs, parse_laye
 
 
 class FFNRouting(Family):
-    options = ('gate', 'budget', 'controlled_layers', 'cheap_rank', 'gate_hidden', 'gate_grad', 'infer_rule',
-               'jepa_latent', 'jepa_outcome', 'jepa_readout', 'util_weight', 'rank_weight', 'rank_kind', 'rank_margin',
-               'rank_pairs', 'oracle_policy', 'jepa_weight', 'predictor_weight', 'mimic_weight',
-               'oracle_layers_per_step', 'calib_iters')
+    options = ('ffn_gate', 'ffn_budget', 'ffn_layers', 'ffn_cheap_rank', 'ffn_gate_hidden', 'ffn_gate_grad', 'ffn_infer_rule',
+               'ffn_jepa_latent', 'ffn_jepa_outcome', 'ffn_jepa_readout', 'ffn_util_weight', 'ffn_rank_weight', 'ffn_rank_kind', 'ffn_rank_margin',
+               'ffn_rank_pairs', 'ffn_oracle_policy', 'ffn_jepa_weight', 'ffn_predictor_weight', 'ffn_mimic_weight',
+               'ffn_oracle_layers_per_step', 'calib_iters')
     # the names these options had before they took the family's prefix (config files, checkpoints)
     aliases = {'gate': 'ffn_gate', 'budget': 'ffn_budget', 'controlled_layers': 'ffn_layers',
                'cheap_rank': 'ffn_cheap_rank', 'gate_hidden': 'ffn_gate_hidden', 'gate_grad': 'ffn_gate_grad',
@@ -54,13 +54,13 @@ class FFNRouting(Family):
         return self.routed_layers(config) if key == 'ffn_layers' else getattr(config, key)
 
     def validate(self, config):
-        for key, allowed in dict(gate=GATES, gate_grad=('ste', 'scale', 'none'), infer_rule=('threshold', 'predictor'),
-                                 jepa_outcome=('delta', 'hidden'), jepa_readout=('distance', 'linear'),
-                                 rank_kind=('logistic', 'margin'), oracle_policy=('off', 'on')).items():
+        for key, allowed in dict(ffn_gate=GATES, ffn_gate_grad=('ste', 'scale', 'none'), ffn_infer_rule=('threshold', 'predictor'),
+                                 ffn_jepa_outcome=('delta', 'hidden'), ffn_jepa_readout=('distance', 'linear'),
+                                 ffn_rank_kind=('logistic', 'margin'), ffn_oracle_policy=('off', 'on')).items():
             if getattr(config, key) not in allowed:
                 raise ValueError(f"{key} must be one of {allowed}, got {getattr(config, key)!r}")
         if not self.routed_layers(config):
-            raise ValueError(f"controlled_layers={config.controlled_layers!r} routes no layer of a "
+            raise ValueError(f"ffn_layers={config.ffn_layers!r} routes no layer of a "
                              f"{config.n_layer}-layer model")
 
     def routed_layers(self, config):
@@ -69,21 +69,21 @@ class FFNRouting(Family):
     def build_block(self, block, config, layer):
         if layer not in self.routed_layers(config):
             return
-        block.cheap = MLP(config, width=config.cheap_rank)
-        block.gate = (MLPGate(config.n_embd, config.gate_hidden) if config.gate == 'mlp' else
-                      JEPAGate(config.n_embd, config.gate_hidden, config.jepa_latent, config.jepa_readout,
-                               seed=1000 + layer) if config.gate == 'jepa' else None)
-        block.predictor = (MembershipPredictor(config.n_embd, config.gate_hidden)
-                           if config.infer_rule == 'predictor' and block.gate is not None else None)
+        block.cheap = MLP(config, width=config.ffn_cheap_rank)
+        block.gate = (MLPGate(config.n_embd, config.ffn_gate_hidden) if config.ffn_gate == 'mlp' else
+                      JEPAGate(config.n_embd, config.ffn_gate_hidden, config.ffn_jepa_latent, config.ffn_jepa_readout,
+                               seed=1000 + layer) if config.ffn_gate == 'jepa' else None)
+        block.predictor = (MembershipPredictor(config.n_embd, config.ffn_gate_hidden)
+                           if config.ffn_infer_rule == 'predictor' and block.gate is not None else None)
         block.register_buffer('tau', torch.zeros(()))   # calibrated threshold of the causal score
 
     def begin(self, model, ctx):
         cfg = model.config
-        if cfg.gate == 'oracle' and ctx.force is None:
+        if cfg.ffn_gate == 'oracle' and ctx.force is None:
             if ctx.targets is None:
-                raise ValueError("gate='oracle' routes by utility labels, which need targets")
+                raise ValueError("ffn_gate='oracle' routes by utility labels, which need targets")
             ctx.oracle = lambda l, x_mid: fork_utility(model, l, x_mid, ctx.targets, ctx.pos, later='full')
-        if cfg.oracle_policy == 'on' and ctx.options.get('oracle_layers'):
+        if cfg.ffn_oracle_policy == 'on' and ctx.options.get('oracle_layers'):
             ctx.keep_mid = set(ctx.options['oracle_layers'])
 
     def run_blocks(self, model, x, pos, cache, ctx, start=0):
@@ -95,11 +95,11 @@ class FFNRouting(Family):
     def loss(self, model, ctx, lm_loss, targets, aux):
         cfg = model.config
         layers = tuple(ctx.options.get('oracle_layers') or ())
-        if layers and (cfg.util_weight > 0 or cfg.rank_weight > 0):
+        if layers and (cfg.ffn_util_weight > 0 or cfg.ffn_rank_weight > 0):
             oracle_losses(model, ctx, layers, targets, aux)
         return add_weighted(lm_loss, aux, dict(
-            util_loss=cfg.util_weight, rank_loss=cfg.rank_weight, jepa_loss=cfg.jepa_weight,
-            pred_loss=cfg.predictor_weight, mimic_loss=cfg.mimic_weight))
+            util_loss=cfg.ffn_util_weight, rank_loss=cfg.ffn_rank_weight, jepa_loss=cfg.ffn_jepa_weight,
+            pred_loss=cfg.ffn_predictor_weight, mimic_loss=cfg.ffn_mimic_weight))
 
     def is_controller_key(self, name):
         return any(f in name for f in ('.gate.', '.predictor.')) or name.endswith('.tau')
@@ -109,7 +109,7 @@ class FFNRouting(Family):
         """Set every controlled layer's causal threshold so that, on idx (held-out batches), the
         realised full-path fraction equals the budget; layers are calibrated in order, each under the
         already-calibrated decisions of the layers below it. Returns the realised fractions."""
-        if model.config.gate not in ('mlp', 'jepa'):
+        if model.config.ffn_gate not in ('mlp', 'jepa'):
             return None                    # no score to threshold
         with model.mode(training=False):
             aux = model(idx, last_only=True, calibrate=True)[2]
@@ -119,10 +119,10 @@ class FFNRouting(Family):
         """The controlled layers that get oracle labels this step (util/rank losses on): sampled from the
         seed and the step alone, so every DDP rank and a resumed run draw the same."""
         cfg = model.config
-        if cfg.gate not in ('mlp', 'jepa') or not (cfg.util_weight > 0 or cfg.rank_weight > 0):
+        if cfg.ffn_gate not in ('mlp', 'jepa') or not (cfg.ffn_util_weight > 0 or cfg.ffn_rank_weight > 0):
             return {}
         ids = self.routed_layers(cfg)
-        k = min(run.oracle_layers_per_step, len(ids))
+        k = min(run.ffn_oracle_layers_per_step, len(ids))
         return dict(oracle_layers=tuple(sorted(random.Random(run.seed * 1_000_003 + step).sample(ids, k))))
 
     references, by_class = ('full', 'cheap'), True
@@ -134,13 +134,13 @@ class FFNRouting(Family):
         return routed_report_lines(r)
 
     def cannot_generate(self, config):
-        if config.gate == 'oracle':
-            return "gate='oracle' routes by the targets, so it cannot generate; sample from a model with a causal gate"
+        if config.ffn_gate == 'oracle':
+            return "ffn_gate='oracle' routes by the targets, so it cannot generate; sample from a model with a causal gate"
         return None
 
     def ddp_find_unused(self, config):
-        return (config.gate in ('static_full', 'static_cheap') or config.gate_grad == 'none'
-                or (config.infer_rule == 'predictor' and config.predictor_weight == 0))
+        return (config.ffn_gate in ('static_full', 'static_cheap') or config.ffn_gate_grad == 'none'
+                or (config.ffn_infer_rule == 'predictor' and config.ffn_predictor_weight == 0))
 
     def forward_flops(self, config, T, mode='train', full_frac=None, **options):
         """Training and eval: both paths dense, mixed by the mask ('train' adds the JEPA targets and
@@ -152,7 +152,7 @@ class FFNRouting(Family):
         ctrl_i = 0
         for layer in range(L):
             total += c['attn_proj'] + c['attn_core']
-            kind = config.gate if layer in ids else None
+            kind = config.ffn_gate if layer in ids else None
             if kind is None or kind == 'static_full':
                 total += c['full']
                 continue
@@ -168,10 +168,10 @@ class FFNRouting(Family):
             if kind in ('mlp', 'jepa'):
                 n_out = 2 if kind == 'jepa' else 1            # JEPA forecasts both actions
                 total += c['gate_fc'] + n_out * c['gate_out'] + c['gate_read']
-                if kind == 'jepa' and mode == 'train' and config.jepa_weight > 0:
+                if kind == 'jepa' and mode == 'train' and config.ffn_jepa_weight > 0:
                     total += 2 * c['jepa_target']
-                if config.infer_rule == 'predictor' and (mode in ('eval', 'sparse') or
-                                                         (mode == 'train' and config.predictor_weight > 0)):
+                if config.ffn_infer_rule == 'predictor' and (mode in ('eval', 'sparse') or
+                                                         (mode == 'train' and config.ffn_predictor_weight > 0)):
                     total += c['pred_fc'] + c['pred_out']
             elif kind == 'oracle':        # both actions again, then two all-full suffixes, per layer
                 total += c['full'] + c['cheap'] + 2 * _suffix(config, layer, c)
@@ -183,11 +183,11 @@ class FFNRouting(Family):
         c, L = ffn_costs(config, T), config.n_layer
         ids = self.routed_layers(config)
         joint = trainable == 'all'
-        aux_on_score = config.util_weight > 0 or config.rank_weight > 0
+        aux_on_score = config.ffn_util_weight > 0 or config.ffn_rank_weight > 0
         stream = joint                      # does the residual stream entering this layer need a gradient?
         bwd = 0
         for layer in range(L):
-            kind = config.gate if layer in ids else None
+            kind = config.ffn_gate if layer in ids else None
             w = 2 if joint else 1           # backbone matmuls: input grad (+ weight grad when trainable)
             if stream:
                 bwd += w * c['attn_proj'] + 2 * c['attn_core']
@@ -201,16 +201,16 @@ class FFNRouting(Family):
                 bwd += w * (c['full'] + c['cheap'])
             if kind not in ('mlp', 'jepa'):
                 continue
-            score_in_graph = config.gate_grad != 'none' or (aux_on_score and layer in oracle_layers)
-            preds_in_graph = score_in_graph or (kind == 'jepa' and config.jepa_weight > 0)
+            score_in_graph = config.ffn_gate_grad != 'none' or (aux_on_score and layer in oracle_layers)
+            preds_in_graph = score_in_graph or (kind == 'jepa' and config.ffn_jepa_weight > 0)
             n_out = 2 if kind == 'jepa' else 1
             if preds_in_graph:              # gate weights always trainable; its input needs grad only if the stream does
                 bwd += (2 if stream else 1) * c['gate_fc'] + 2 * n_out * c['gate_out']
             if score_in_graph:
                 bwd += 2 * c['gate_read']
-            if config.infer_rule == 'predictor' and config.predictor_weight > 0:
+            if config.ffn_infer_rule == 'predictor' and config.ffn_predictor_weight > 0:
                 bwd += c['pred_fc'] + 2 * c['pred_out']        # its input is detached
-            if config.gate_grad != 'none':
+            if config.ffn_gate_grad != 'none':
                 stream = True               # the mixed update now depends on trainable gate weights
         if stream:
             bwd += (2 if joint else 1) * c['head']
@@ -223,14 +223,14 @@ class FFNRouting(Family):
         if not oracle_layers:
             return 0
         c = ffn_costs(config, T)
-        if config.oracle_policy == 'off':
+        if config.ffn_oracle_policy == 'off':
             return (Family.forward_flops(self, config, T)
                     + T * sum(c['cheap'] + _suffix(config, l, c) for l in oracle_layers))
         ids = self.routed_layers(config)
         per_layer_train = [0] * config.n_layer
         for layer in range(config.n_layer):
             # this layer alone with a zero-width head: routed as trained, or a dense layer
-            one = replace(config, n_layer=1, vocab_size=0, controlled_layers='0' if layer in ids else 'all')
+            one = replace(config, n_layer=1, vocab_size=0, ffn_layers='0' if layer in ids else 'all')
             f = self.forward_flops if layer in ids else super().forward_flops
             per_layer_train[layer] = f(one, T, mode='policy') / T
         total = 0
@@ -242,10 +242,10 @@ class FFNRouting(Family):
 
 def ffn_costs(config, T):
     """routing.flop_costs plus the cheap FFN, the gates and the membership predictor, per token."""
-    d, gh, lat = config.n_embd, config.gate_hidden, config.jepa_latent
-    return dict(flop_costs(config, T), cheap=2 * 2 * d * config.cheap_rank,
-                gate_fc=2 * d * gh, gate_out=2 * gh * (lat if config.gate == 'jepa' else 1),
-                gate_read=2 * lat if (config.gate == 'jepa' and config.jepa_readout == 'linear') else 0,
+    d, gh, lat = config.n_embd, config.ffn_gate_hidden, config.ffn_jepa_latent
+    return dict(flop_costs(config, T), cheap=2 * 2 * d * config.ffn_cheap_rank,
+                gate_fc=2 * d * gh, gate_out=2 * gh * (lat if config.ffn_gate == 'jepa' else 1),
+                gate_read=2 * lat if (config.ffn_gate == 'jepa' and config.ffn_jepa_readout == 'linear') else 0,
                 jepa_target=2 * d * lat, pred_fc=2 * d * gh, pred_out=2 * gh)
 
 
@@ -255,7 +255,7 @@ def _suffix(config, l, c):
 
 
 def controlled_layer_ids(config, default, field='ffn_layers'):
-    """The layers named by controlled_layers: 'all', 'every_other' (1, 3, 5, ...), a list such as
+    """The layers named by ffn_layers: 'all', 'every_other' (1, 3, 5, ...), a list such as
     '0,2,5', or 'auto' (the family's default)."""
     L, spec = config.n_layer, str(getattr(config, field))
     if spec == 'auto':
@@ -279,7 +279,7 @@ def routed_ffn_update(block, cfg, x, ctx):
     if l in ctx.keep_mid:
         ctx.mid[l] = x.detach()
     h = block.ln_2(x)
-    force = ctx.force or {'static_full': 'full', 'static_cheap': 'cheap'}.get(cfg.gate)
+    force = ctx.force or {'static_full': 'full', 'static_cheap': 'cheap'}.get(cfg.ffn_gate)
     if force == 'full':
         return block.mlp(h)
     if force == 'cheap':
@@ -289,13 +289,13 @@ def routed_ffn_update(block, cfg, x, ctx):
     sparse = causal and ctx.sparse
     full, cheap = (None, None) if sparse else (block.mlp(h), block.cheap(h))
     score, preds = None, None
-    if cfg.gate == 'random':
-        mask = (torch.rand(B, T, device=h.device) < cfg.budget if causal else
-                topk_mask(torch.rand(B, T, device=h.device), capacity(cfg.budget, T)))
-    elif cfg.gate == 'oracle':           # analysis only: peeks at the targets, so never causal
-        mask = topk_mask(ctx.oracle(l, x), capacity(cfg.budget, T))
+    if cfg.ffn_gate == 'random':
+        mask = (torch.rand(B, T, device=h.device) < cfg.ffn_budget if causal else
+                topk_mask(torch.rand(B, T, device=h.device), capacity(cfg.ffn_budget, T)))
+    elif cfg.ffn_gate == 'oracle':           # analysis only: peeks at the targets, so never causal
+        mask = topk_mask(ctx.oracle(l, x), capacity(cfg.ffn_budget, T))
     else:
-        if cfg.gate == 'jepa':
+        if cfg.ffn_gate == 'jepa':
             preds = block.gate.predict(h)
             score = block.gate.score(*preds)
         else:
@@ -304,18 +304,18 @@ def routed_ffn_update(block, cfg, x, ctx):
             rule_score = block.predictor(h) if block.predictor is not None else score
             if ctx.calibrate:       # threshold = the (1 − budget) quantile of this batch's scores
                 flat = rule_score.detach().flatten()
-                n_cheap = flat.numel() - round(cfg.budget * flat.numel())
+                n_cheap = flat.numel() - round(cfg.ffn_budget * flat.numel())
                 block.tau.fill_(flat.kthvalue(n_cheap).values if n_cheap > 0 else float('-inf'))
             mask = rule_score > block.tau
         else:
-            mask = topk_mask(score.detach(), capacity(cfg.budget, T))
+            mask = topk_mask(score.detach(), capacity(cfg.ffn_budget, T))
     if sparse:                      # each path on its own tokens only
         update = split_apply(h, mask, block.mlp, block.cheap, mode=ctx.exec_mode)
-        if score is not None and cfg.gate_grad == 'scale':
+        if score is not None and cfg.ffn_gate_grad == 'scale':
             update = update * torch.where(mask, torch.sigmoid(score), 1.0)[..., None]
-    elif score is not None and cfg.gate_grad == 'scale':       # MoD: x + σ(s)·full on the selected path
+    elif score is not None and cfg.ffn_gate_grad == 'scale':       # MoD: x + σ(s)·full on the selected path
         update = torch.where(mask[..., None], torch.sigmoid(score)[..., None] * full, cheap)
-    elif score is not None and cfg.gate_grad == 'ste' and block.training:
+    elif score is not None and cfg.ffn_gate_grad == 'ste' and block.training:
         w = straight_through(mask, score)[..., None]
         update = w * full + (1 - w) * cheap
     else:
@@ -333,12 +333,12 @@ def collect_losses(block, cfg, ctx, x, h, full, cheap, mask, preds):
     n = len(controlled_layer_ids(cfg, default='all'))
     if preds is not None:           # collapse monitor (A1): spread of the forecasts across tokens
         ctx.add('jepa_pred_std', torch.cat(preds, -1).detach().flatten(0, 1).std(0, correction=0).mean() / n)
-    if preds is not None and cfg.jepa_weight > 0:
-        outcomes = (full, cheap) if cfg.jepa_outcome == 'delta' else (x + full, x + cheap)
+    if preds is not None and cfg.ffn_jepa_weight > 0:
+        outcomes = (full, cheap) if cfg.ffn_jepa_outcome == 'delta' else (x + full, x + cheap)
         ctx.add('jepa_loss', losses.jepa_alignment(preds, [block.gate.target_of(o) for o in outcomes]))
-    if block.predictor is not None and cfg.predictor_weight > 0:
+    if block.predictor is not None and cfg.ffn_predictor_weight > 0:
         ctx.add('pred_loss', losses.membership_bce(block.predictor(h), mask))
-    if cfg.mimic_weight > 0:
+    if cfg.ffn_mimic_weight > 0:
         ctx.add('mimic_loss', losses.cheap_mimic(cheap, full))
 
 
@@ -388,20 +388,20 @@ def oracle_losses(model, ctx, layers, targets, aux):
     for l in layers:
         if l not in ctx.scores:
             raise ValueError(f"oracle_layers names layer {l}, which has no trainable gate score")
-    if cfg.oracle_policy == 'off':
+    if cfg.ffn_oracle_policy == 'off':
         with torch.no_grad(), no_dropout(model):
             full_ctx = RouteCtx(force='full', collect=False, keep_mid=set(layers))
             x = model.family.run_blocks(model, model.embed(ctx.idx, pos), pos, None, full_ctx)
             ce_full = losses.per_token_ce(model.lm_head(model.transformer.ln_f(x)), targets)
     for l in layers:
-        if cfg.oracle_policy == 'on':
+        if cfg.ffn_oracle_policy == 'on':
             U = fork_utility(model, l, ctx.mid[l], targets, pos, later='policy')
         else:
             U = fork_utility(model, l, full_ctx.mid[l], targets, pos, later='full', ce_full=ce_full)
         score = ctx.scores[l]
-        if cfg.util_weight > 0:
+        if cfg.ffn_util_weight > 0:
             aux['util_loss'] = aux.get('util_loss', 0.0) + losses.utility_regression(score, U) / len(layers)
-        if cfg.rank_weight > 0:
+        if cfg.ffn_rank_weight > 0:
             aux['rank_loss'] = aux.get('rank_loss', 0.0) + losses.pairwise_rank(
-                score, U, cfg.rank_pairs, cfg.rank_kind, cfg.rank_margin) / len(layers)
+                score, U, cfg.ffn_rank_pairs, cfg.ffn_rank_kind, cfg.ffn_rank_margin) / len(layers)
         aux['utility_mean'] = aux.get('utility_mean', 0.0) + U.mean() / len(layers)

@@ -25,8 +25,8 @@ from routing import (Family, add_weighted, exec_mode, flop_costs, gather_rows, r
 
 
 class MixtureOfDepths(Family):
-    options = ('gate', 'budget', 'controlled_layers', 'infer_rule', 'predictor_weight', 'gate_hidden',
-               'router_bce_weight')
+    options = ('mod_router', 'mod_capacity', 'mod_layers', 'mod_infer_rule', 'mod_predictor_weight', 'mod_predictor_hidden',
+               'mod_bce_weight')
     # the names these options had when MoD shared the ffn family's (its learned router was the gate 'mlp')
     aliases = {'budget': 'mod_capacity', 'controlled_layers': 'mod_layers', 'gate': ('mod_router', {'mlp': 'learned'}),
                'infer_rule': 'mod_infer_rule', 'predictor_weight': 'mod_predictor_weight',
@@ -52,9 +52,9 @@ class MixtureOfDepths(Family):
     def build_block(self, block, config, layer):
         if layer not in self.routed_layers(config):
             return
-        block.router = ModRouter(config.n_embd) if config.gate == 'mlp' else None
-        block.predictor = (MembershipPredictor(config.n_embd, config.gate_hidden)
-                           if config.infer_rule == 'predictor' and block.router is not None else None)
+        block.router = ModRouter(config.n_embd) if config.mod_router == 'learned' else None
+        block.predictor = (MembershipPredictor(config.n_embd, config.mod_predictor_hidden)
+                           if config.mod_infer_rule == 'predictor' and block.router is not None else None)
 
     def run_blocks(self, model, x, pos, cache, ctx, start=0):
         for block in model.transformer.h[start:]:
@@ -63,7 +63,7 @@ class MixtureOfDepths(Family):
 
     def loss(self, model, ctx, lm_loss, targets, aux):
         cfg = model.config
-        return add_weighted(lm_loss, aux, dict(pred_loss=cfg.predictor_weight, router_loss=cfg.router_bce_weight))
+        return add_weighted(lm_loss, aux, dict(pred_loss=cfg.mod_predictor_weight, router_loss=cfg.mod_bce_weight))
 
     def stats(self, model, ctx, aux):
         super().stats(model, ctx, aux)
@@ -94,7 +94,7 @@ class MixtureOfDepths(Family):
         return replace(self.with_budget(config, b), mod_router='random')
 
     def ddp_find_unused(self, config):
-        return config.infer_rule == 'predictor' and config.predictor_weight == 0
+        return config.mod_infer_rule == 'predictor' and config.mod_predictor_weight == 0
 
     def forward_flops(self, config, T, mode='train', full_frac=None, **options):
         """A routed layer costs its router on every token, then the whole block on n tokens with
@@ -102,16 +102,16 @@ class MixtureOfDepths(Family):
         'sparse' n = full_frac·T per routed layer, where full_frac is the padded row length over T
         (sparse execution pads every row to the longest)."""
         c, L, d = mod_costs(config, T), config.n_layer, config.n_embd
-        ids, router = self.routed_layers(config), config.gate == 'mlp'
+        ids, router = self.routed_layers(config), config.mod_router == 'learned'
         total = T * c['head']
         for l in range(L):
             if l not in ids:
                 total += T * (c['attn_proj'] + c['attn_core'] + c['full'])
                 continue
             f = full_frac[ids.index(l)] if isinstance(full_frac, (list, tuple)) else full_frac
-            n = capacity(config.budget, T) if mode in ('train', 'policy') else f * T if mode == 'sparse' else T
+            n = capacity(config.mod_capacity, T) if mode in ('train', 'policy') else f * T if mode == 'sparse' else T
             total += T * 2 * d * router + n * (c['attn_proj'] + c['full']) + 4 * n * n * d
-            if router and config.infer_rule == 'predictor' and (mode != 'train' or config.predictor_weight > 0):
+            if router and config.mod_infer_rule == 'predictor' and (mode != 'train' or config.mod_predictor_weight > 0):
                 total += T * (c['pred_fc'] + c['pred_out'])
         return total
 
@@ -121,15 +121,15 @@ class MixtureOfDepths(Family):
         c, L, d = mod_costs(config, T), config.n_layer, config.n_embd
         joint = trainable == 'all'
         w = 2 if joint else 1
-        ids, router = self.routed_layers(config), config.gate == 'mlp'
+        ids, router = self.routed_layers(config), config.mod_router == 'learned'
         stream, bwd = joint, 0
         for l in range(L):
-            n = capacity(config.budget, T) if l in ids else T
+            n = capacity(config.mod_capacity, T) if l in ids else T
             if stream:                  # the block (on its n tokens) needs input grads at least
                 bwd += n * w * (c['attn_proj'] + c['full']) + 2 * 4 * n * n * d
             if l in ids and router:     # r = wᵀx: weight grad, and input grad once x needs one
                 bwd += T * 2 * d * (2 if stream else 1)
-                if config.infer_rule == 'predictor' and config.predictor_weight > 0:
+                if config.mod_infer_rule == 'predictor' and config.mod_predictor_weight > 0:
                     bwd += T * (c['pred_fc'] + 2 * c['pred_out'])      # its input is detached
                 stream = True           # σ(r) multiplies the update from here on
         return bwd + (T * w * c['head'] if stream else 0)
@@ -153,7 +153,7 @@ def mod_block(block, cfg, x, pos, cache, ctx):
         pos = torch.arange(T, device=x.device).expand(B, T)
     r = block.router(x) if block.router is not None else None
     if block.training:
-        k = capacity(cfg.budget, T)
+        k = capacity(cfg.mod_capacity, T)
         sel = (r.detach() if r is not None else torch.rand(B, T, device=x.device)).topk(k, dim=-1).indices
         sel = sel.sort(dim=-1).values               # causal order among the selected = original order
         mask = torch.zeros(B, T, dtype=torch.bool, device=x.device).scatter(1, sel, True)
@@ -162,17 +162,17 @@ def mod_block(block, cfg, x, pos, cache, ctx):
         w = torch.sigmoid(r.gather(1, sel))[..., None] if r is not None else 1.0
         out = x.scatter(1, sel[..., None].expand_as(xs), (xs + w * f).to(x.dtype))   # replace, not add
         if ctx.collect and r is not None:
-            if block.predictor is not None and cfg.predictor_weight > 0:
+            if block.predictor is not None and cfg.mod_predictor_weight > 0:
                 ctx.add('pred_loss', losses.membership_bce(block.predictor(x), mask))
-            elif block.predictor is None and cfg.router_bce_weight > 0:
+            elif block.predictor is None and cfg.mod_bce_weight > 0:
                 ctx.add('router_loss', losses.membership_bce(r, mask))
     else:
         if r is None:
-            mask = torch.rand(B, T, device=x.device) < cfg.budget
+            mask = torch.rand(B, T, device=x.device) < cfg.mod_capacity
         else:
             mask = (block.predictor(x) if block.predictor is not None else r) > 0     # σ(·) > 0.5
             if ctx.collect:           # agreement of the causal decision with top-k (non-causal)
-                ctx.add('mod_acc', (mask == topk_mask(r, capacity(cfg.budget, T))).float().mean()
+                ctx.add('mod_acc', (mask == topk_mask(r, capacity(cfg.mod_capacity, T))).float().mean()
                         / len(controlled_layer_ids(cfg, default='every_other', field='mod_layers')))
         if not ctx.sparse:
             out = mod_masked(block, x, pos, cache, mask, r)

@@ -78,7 +78,7 @@ class RouteCtx:
     terms: dict = field(default_factory=dict)        # named loss terms and statistics
     exited: torch.Tensor = None                      # route='exit' eval: who exited, own heads' logits
     exit_out: torch.Tensor = None
-    oracle: object = None                            # gate='oracle': fn(layer, x_mid) -> utility (B, T)
+    oracle: object = None                            # ffn_gate='oracle': fn(layer, x_mid) -> utility (B, T)
     final: torch.Tensor = None                       # the final hidden state and the logits, once known
     logits: torch.Tensor = None
 
@@ -164,9 +164,9 @@ class Family:
     spelled_options = ()                # options a resume compares by option_meaning
 
     def option_meaning(self, config, key):
-        """What option `key` of `config` means to this family: the routed layers for controlled_layers
+        """What option `key` of `config` means to this family: the routed layers for ffn_layers
         (none for the dense model, whatever the spelling), the value itself otherwise."""
-        return self.routed_layers(config) if key == 'controlled_layers' else getattr(config, key)
+        return self.routed_layers(config) if key == 'ffn_layers' else getattr(config, key)
 
     # evaluation: what eval.report adds for this family, and the lines train.py prints at the end
     references = ()                     # forced settings whose val loss is reported beside the causal one

@@ -56,7 +56,7 @@ route = 'ffn'                # GPTConfig's default is the dense model; the quick
 vocab_size = 0               # 0: from the data's meta.json (rounded up to a multiple of 64 above 1024)
 trainable = 'all'            # 'all' (joint), 'controller' (backbone frozen: gates, routers, predictors,
                              # exit heads, ensemble norms) or 'last_layers' (the last ens_layers blocks + ln_f)
-oracle_layers_per_step = 1   # controlled layers given oracle utility labels per step (util/rank losses)
+ffn_oracle_layers_per_step = 1   # controlled layers given oracle utility labels per step (util/rank losses)
 calib_iters = 4              # train-split batches that calibrate the causal thresholds before each eval
 lm_thresholds = ''           # e.g. '2.5,2.0': report the first iteration the train LM falls below each
 avg_lm_until = 0.5           # avg LM = mean logged train LM over the first avg_lm_until of the run
@@ -201,7 +201,7 @@ def check_train_config(cfg):
         [float(t) for t in str(cfg.lm_thresholds).split(',') if t.strip()]
     except ValueError:
         raise TrainError(f"lm_thresholds must be comma-separated numbers such as '2.5,2.0', got {cfg.lm_thresholds!r}") from None
-    at_least = dict(oracle_layers_per_step=1, eval_interval=1, log_interval=1, eval_iters=1, batch_size=1,
+    at_least = dict(ffn_oracle_layers_per_step=1, eval_interval=1, log_interval=1, eval_iters=1, batch_size=1,
                     block_size=1, gradient_accumulation_steps=1, max_iters=0, calib_iters=1, warmup_iters=0,
                     lr_decay_iters=0, max_fp16_skips=1, ddp_timeout=1)
     for key, lo in at_least.items():
@@ -237,7 +237,7 @@ def model_config(cfg, **override):
 
 def check_family_options(cfg, argv):
     """Refuse another family's option given on the command line with a non-default value (e.g.
-    --route=halt --gate=jepa); only note the ones a config file set, since a study's arms switch route
+    --route=halt --ffn_gate=jepa); only note the ones a config file set, since a study's arms switch route
     on a shared base file (they are recorded in config.json but change nothing)."""
     given = {a[2:].partition('=')[0] for a in argv if a.startswith('--')}
     given = {(ALIASES.resolve(k, None, cfg.route) or (k,))[0] for k in given}     # old names as today's
@@ -608,7 +608,7 @@ def estimate_loss(run):
 
 @contextmanager
 def eval_rng(dev, seed):
-    """Evals draw random numbers (gate='random' decides per token at eval): fork the RNG and seed it,
+    """Evals draw random numbers (ffn_gate='random' decides per token at eval): fork the RNG and seed it,
     so evaluating never changes training and every eval is repeatable."""
     with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []):
         torch.manual_seed(seed)

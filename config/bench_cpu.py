@@ -3,9 +3,9 @@
 #   python bench.py config/bench_cpu.py --budgets=1.0,0.75,0.5,0.25,0.125 --profile=True
 #   python bench.py config/bench_cpu.py --route=mod --budgets=1.0,0.75,0.5,0.25,0.125
 route = 'ffn'
-gate = 'mlp'
-controlled_layers = 'auto'
-cheap_rank = 32
+ffn_gate = 'mlp'
+ffn_layers = 'auto'
+ffn_cheap_rank = 32
 n_layer = 4
 n_head = 8
 n_embd = 512

@@ -5,10 +5,10 @@
 out_dir = 'out/families_synthetic'
 dataset = 'synthetic'
 route = 'mod'
-gate = 'mlp'
-budget = 0.125
-controlled_layers = 'auto'
-cheap_rank = 4
+mod_router = 'learned'
+mod_capacity = 0.125
+mod_layers = 'auto'
+ffn_cheap_rank = 4
 n_layer = 4
 n_head = 4
 n_embd = 128

@@ -3,9 +3,9 @@
 out_dir = 'out/ffn_stage1_shakespeare'
 dataset = 'shakespeare_char'
 route = 'ffn'
-gate = 'random'
-budget = 0.5
-cheap_rank = 16
+ffn_gate = 'random'
+ffn_budget = 0.5
+ffn_cheap_rank = 16
 n_layer = 4
 n_head = 4
 n_embd = 128

@@ -6,10 +6,10 @@
 out_dir = 'out/ffn_stage1_synthetic'
 dataset = 'synthetic'
 route = 'ffn'
-gate = 'random'
-budget = 0.5
-controlled_layers = 'all'
-cheap_rank = 4
+ffn_gate = 'random'
+ffn_budget = 0.5
+ffn_layers = 'all'
+ffn_cheap_rank = 4
 n_layer = 4
 n_head = 4
 n_embd = 128

@@ -1,28 +1,28 @@
 # Stage 2, CPU-sized: gates only (controller-only training), backbone from stage 1 frozen.
 # The default arm is the seed paper's "standard recipe" for G1: util + rank supervision from
 # off-policy oracle labels (one controlled layer sampled per step). Arms override gate / weights:
-#   python train.py config/ffn_stage2_synthetic.py --gate=jepa                       # G3 standard
-#   python train.py config/ffn_stage2_synthetic.py --util_weight=0 --rank_weight=0   # A3
+#   python train.py config/ffn_stage2_synthetic.py --ffn_gate=jepa                       # G3 standard
+#   python train.py config/ffn_stage2_synthetic.py --ffn_util_weight=0 --ffn_rank_weight=0   # A3
 init_from = 'out/ffn_stage1_synthetic/ckpt.pt'
 out_dir = 'out/ffn_stage2_synthetic'
 dataset = 'synthetic'
 trainable = 'controller'
 route = 'ffn'
-gate = 'mlp'
-budget = 0.5
-controlled_layers = 'all'
-cheap_rank = 4
+ffn_gate = 'mlp'
+ffn_budget = 0.5
+ffn_layers = 'all'
+ffn_cheap_rank = 4
 n_layer = 4
 n_head = 4
 n_embd = 128
 block_size = 128
 batch_size = 16
-gate_grad = 'ste'
-util_weight = 1.0
-rank_weight = 1.0
-oracle_policy = 'off'
-oracle_layers_per_step = 1
-jepa_weight = 1.0
+ffn_gate_grad = 'ste'
+ffn_util_weight = 1.0
+ffn_rank_weight = 1.0
+ffn_oracle_policy = 'off'
+ffn_oracle_layers_per_step = 1
+ffn_jepa_weight = 1.0
 max_iters = 300
 eval_interval = 100
 log_interval = 10

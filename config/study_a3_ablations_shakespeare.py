@@ -5,11 +5,11 @@ out_root = 'out/study_a3_ablations_shakespeare'
 before = [['config/ffn_stage1_shakespeare.py', '--out_dir=out/ffn_stage1_shakespeare']]
 seeds = [1, 2, 3]
 arms = {
-    'G3_std': ['--gate=jepa'],
-    'G3_A1_nojepa': ['--gate=jepa', '--jepa_weight=0'],
-    'G3_A4_0.25': ['--gate=jepa', '--jepa_weight=0.25'],
-    'G3_A4_2.0': ['--gate=jepa', '--jepa_weight=2.0'],
-    'G1_budget25': ['--gate=mlp', '--budget=0.25'],
-    'G3_budget25': ['--gate=jepa', '--budget=0.25'],
+    'G3_std': ['--ffn_gate=jepa'],
+    'G3_A1_nojepa': ['--ffn_gate=jepa', '--ffn_jepa_weight=0'],
+    'G3_A4_0.25': ['--ffn_gate=jepa', '--ffn_jepa_weight=0.25'],
+    'G3_A4_2.0': ['--ffn_gate=jepa', '--ffn_jepa_weight=2.0'],
+    'G1_budget25': ['--ffn_gate=mlp', '--ffn_budget=0.25'],
+    'G3_budget25': ['--ffn_gate=jepa', '--ffn_budget=0.25'],
 }
 reference = 'G3_std'

@@ -6,8 +6,8 @@ out_root = 'out/study_a3_readout'
 before = [['config/ffn_stage1_synthetic.py', '--out_dir=out/ffn_stage1_synthetic']]
 seeds = [1, 2, 3]
 arms = {
-    'G1_std': ['--gate=mlp'],
-    'G3lin_std': ['--gate=jepa', '--jepa_readout=linear'],
-    'G3lin_A3': ['--gate=jepa', '--jepa_readout=linear', '--util_weight=0', '--rank_weight=0'],
+    'G1_std': ['--ffn_gate=mlp'],
+    'G3lin_std': ['--ffn_gate=jepa', '--ffn_jepa_readout=linear'],
+    'G3lin_A3': ['--ffn_gate=jepa', '--ffn_jepa_readout=linear', '--ffn_util_weight=0', '--ffn_rank_weight=0'],
 }
 reference = 'G1_std'

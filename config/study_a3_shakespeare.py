@@ -5,10 +5,10 @@ out_root = 'out/study_a3_shakespeare'
 before = [['config/ffn_stage1_shakespeare.py', '--out_dir=out/ffn_stage1_shakespeare']]
 seeds = [1, 2, 3]
 arms = {
-    'G1_std': ['--gate=mlp'],
-    'G1_A3': ['--gate=mlp', '--util_weight=0', '--rank_weight=0'],
-    'G3_std': ['--gate=jepa'],
-    'G3_A3': ['--gate=jepa', '--util_weight=0', '--rank_weight=0'],
-    'G1_onpolicy': ['--gate=mlp', '--oracle_policy=on'],
+    'G1_std': ['--ffn_gate=mlp'],
+    'G1_A3': ['--ffn_gate=mlp', '--ffn_util_weight=0', '--ffn_rank_weight=0'],
+    'G3_std': ['--ffn_gate=jepa'],
+    'G3_A3': ['--ffn_gate=jepa', '--ffn_util_weight=0', '--ffn_rank_weight=0'],
+    'G1_onpolicy': ['--ffn_gate=mlp', '--ffn_oracle_policy=on'],
 }
 reference = 'G1_std'

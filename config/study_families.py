@@ -9,9 +9,9 @@ out_root = 'out/study_families'
 seeds = [1, 2]
 arms = {
     'dense': ['--route=none'],
-    'ffn_G1_b0.5': ['--route=ffn', '--gate=mlp', '--budget=0.5', '--controlled_layers=all'],
-    'mod_c0.125': ['--route=mod', '--budget=0.125'],
-    'mod_c0.25': ['--route=mod', '--budget=0.25'],
+    'ffn_G1_b0.5': ['--route=ffn', '--ffn_gate=mlp', '--ffn_budget=0.5', '--ffn_layers=all'],
+    'mod_c0.125': ['--route=mod', '--mod_capacity=0.125'],
+    'mod_c0.25': ['--route=mod', '--mod_capacity=0.25'],
     'halt_l0.05': ['--route=halt', '--halt_lambda=0.05'],
     'exit_ls': ['--route=exit', '--exit_schedule=layerskip', '--exit_threshold=0.9'],
     'ensemble': ['--route=ensemble'],

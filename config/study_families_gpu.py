@@ -4,12 +4,12 @@
 base = 'config/gpt2_124m_fineweb.py'
 out_root = 'out/study_families_gpu'
 overrides = ['--max_iters=2000', '--eval_interval=500', '--warmup_iters=200', '--gradient_accumulation_steps=4',
-             '--cheap_rank=64']
+             '--ffn_cheap_rank=64']
 seeds = [1, 2]
 arms = {
     'dense': ['--route=none'],
-    'ffn_G1_b0.5': ['--route=ffn', '--gate=mlp', '--budget=0.5', '--controlled_layers=all'],
-    'mod_c0.125': ['--route=mod', '--budget=0.125'],
+    'ffn_G1_b0.5': ['--route=ffn', '--ffn_gate=mlp', '--ffn_budget=0.5', '--ffn_layers=all'],
+    'mod_c0.125': ['--route=mod', '--mod_capacity=0.125'],
     'halt_l0.001': ['--route=halt', '--halt_lambda=0.001'],
     'exit_ls': ['--route=exit', '--exit_schedule=layerskip'],
     'ensemble': ['--route=ensemble'],

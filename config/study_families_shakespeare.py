@@ -3,12 +3,12 @@
 #   python data/prepare.py shakespeare_char && python sweep.py config/study_families_shakespeare.py
 base = 'config/tsa_shakespeare_cpu.py'
 out_root = 'out/study_families_shakespeare'
-overrides = ['--max_iters=400', '--eval_interval=200', '--cheap_rank=4']
+overrides = ['--max_iters=400', '--eval_interval=200', '--ffn_cheap_rank=4']
 seeds = [1, 2]
 arms = {
     'dense': ['--route=none'],
-    'ffn_G1_b0.5': ['--route=ffn', '--gate=mlp', '--budget=0.5', '--controlled_layers=all'],
-    'mod_c0.125': ['--route=mod', '--budget=0.125'],
+    'ffn_G1_b0.5': ['--route=ffn', '--ffn_gate=mlp', '--ffn_budget=0.5', '--ffn_layers=all'],
+    'mod_c0.125': ['--route=mod', '--mod_capacity=0.125'],
     'halt_l0.05': ['--route=halt', '--halt_lambda=0.05'],
     'exit_ls': ['--route=exit', '--exit_schedule=layerskip', '--exit_threshold=0.9'],
     'ensemble': ['--route=ensemble'],

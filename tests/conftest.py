@@ -161,17 +161,17 @@ def assert_greedy_traces_agree(a, b, tol=FP32_TOL):
 
 SETTINGS = dict(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 V = 23
-BASE = dict(block_size=24, vocab_size=V, n_head=2, n_embd=16, gate_hidden=8, mod_predictor_hidden=8)
+BASE = dict(block_size=24, vocab_size=V, n_head=2, n_embd=16, ffn_gate_hidden=8, mod_predictor_hidden=8)
 
 # the gates/options that change each family's code path; build(route, opt) takes option set `opt`,
 # and a family without an entry here is built with its defaults
 EXAMPLES = {
-    'mod': [dict(), dict(infer_rule='predictor'), dict(gate='random'), dict(controlled_layers='all', pos='rope')],
+    'mod': [dict(), dict(mod_infer_rule='predictor'), dict(mod_router='random'), dict(mod_layers='all', pos='rope')],
     'exit': [dict(), dict(exit_head='own', exit_layers='every', exit_schedule='calm'), dict(exit_conf='margin', exit_threshold=0.05),
              dict(exit_conf='saturation', exit_threshold=0.5)],
     'ensemble': [dict(), dict(ens_mix='prob', ens_router_input='mean'), dict(ens_mix='logit', ens_layers=1)],
     'halt': [dict(), dict(halt_hard='binary', halt_tau=0.3)],
-    'ffn': [dict(gate='mlp', cheap_rank=4), dict(gate='random', cheap_rank=4)],
+    'ffn': [dict(ffn_gate='mlp', ffn_cheap_rank=4), dict(ffn_gate='random', ffn_cheap_rank=4)],
 }
 
 
@@ -194,7 +194,7 @@ def build(route, opt=0, seed=0, n_layer=4, noise=0.3, **kw):
 def dense_twin(model):
     """A route='none' GPT carrying model's backbone weights (its routing modules dropped)."""
     from model import GPT, GPTConfig
-    cfg = GPTConfig(**{**model.config.__dict__, 'route': 'none', 'controlled_layers': 'auto'})
+    cfg = GPTConfig(**{**model.config.__dict__, 'route': 'none', 'ffn_layers': 'auto'})
     dense = GPT(cfg)
     missing, _ = dense.load_state_dict(model.state_dict(), strict=False)
     assert not [k for k in missing if not k.endswith('.attn.bias')]

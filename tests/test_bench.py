@@ -48,7 +48,7 @@ def test_bench_routed_table(route):
     ratio is the analytic one at the realised routing (recomputed here), last-position logits only."""
     args = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=2', '--vocab_size=50',
             '--bench_steps=1', '--bench_warmup=0', '--decode_tokens=2', '--decode_batches=1,2', f'--route={route}',
-            '--budgets=1.0,0.5', '--prefill_shapes=2x16,1x32', '--cheap_rank=4', '--json']
+            '--budgets=1.0,0.5', '--prefill_shapes=2x16,1x32', '--ffn_cheap_rank=4', '--json']
     r = subprocess.run([sys.executable, 'bench.py', *args], cwd=REPO, capture_output=True, text=True, timeout=120,
                        env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert r.returncode == 0, r.stderr

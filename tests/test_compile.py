@@ -21,7 +21,7 @@ B, T = 2, 12
 
 def train_loss(model):
     """The training step's forward + loss, with the family's per-step options of step 0."""
-    run = type('Run', (), dict(seed=0, oracle_layers_per_step=1))
+    run = type('Run', (), dict(seed=0, ffn_oracle_layers_per_step=1))
     opts = model.family.step_options(model, 0, run)
     return lambda idx: model(idx, idx, **opts)[1]
 

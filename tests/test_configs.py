@@ -24,7 +24,7 @@ def test_config_parses_and_builds(name):
         model = GPT(mcfg)
         assert model.get_num_params() > 0
     if cfg['trainable'] == 'controller':
-        assert (cfg['route'] == 'ffn' and cfg['gate'] in ('mlp', 'jepa')) or cfg['route'] in ('halt', 'mod', 'ensemble')
+        assert (cfg['route'] == 'ffn' and cfg['ffn_gate'] in ('mlp', 'jepa')) or cfg['route'] in ('halt', 'mod', 'ensemble')
         assert cfg['init_from'].endswith('ckpt.pt')
 
 

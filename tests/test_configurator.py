@@ -11,7 +11,7 @@ sys.path.insert(0, str(REPO))
 from configurator import ConfigError, load_config, parse_value  # noqa: E402
 
 DEFAULTS = dict(out_dir='out/quickstart', dataset='synthetic', n_layer=4, batch_size=16, learning_rate=2e-3,
-                dropout=0.0, decay_lr=True, compile=False, controlled_layers='all', lm_thresholds='',
+                dropout=0.0, decay_lr=True, compile=False, ffn_layers='all', lm_thresholds='',
                 device='auto', init_from='scratch')
 
 
@@ -198,8 +198,8 @@ def test_none_for_a_typed_key_is_an_error(arg):
 
 
 @pytest.mark.parametrize("arg,key,value", [
-    ("--controlled_layers=0,2,5", "controlled_layers", "0,2,5"),
-    ("--controlled_layers=1", "controlled_layers", "1"),
+    ("--ffn_layers=0,2,5", "ffn_layers", "0,2,5"),
+    ("--ffn_layers=1", "ffn_layers", "1"),
     ("--lm_thresholds=2.5,2.0", "lm_thresholds", "2.5,2.0"),
     ("--out_dir=2024", "out_dir", "2024"),
 ])

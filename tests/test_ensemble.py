@@ -71,7 +71,7 @@ def test_last_layers_step_flops_match_counter():
 
 def test_last_layers_needs_a_dense_model():
     import train
-    cfg = type('C', (), dict(trainable='last_layers', route='mod', gate='mlp'))()
+    cfg = type('C', (), dict(trainable='last_layers', route='mod', mod_router='learned'))()
     with pytest.raises(train.TrainError, match='last_layers'):
         train.trainable_parameters(build('mod'), cfg)
     dense = GPT(GPTConfig(**BASE, n_layer=4, ens_layers=2))

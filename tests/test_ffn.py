@@ -24,8 +24,8 @@ from routing import RouteCtx
 SETTINGS = dict(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 V = 29
-BASE = dict(block_size=24, vocab_size=V, n_head=2, n_embd=16, cheap_rank=4, gate_hidden=8, jepa_latent=6)
-ZERO_AUX = dict(util_weight=0.0, rank_weight=0.0, jepa_weight=0.0, predictor_weight=0.0, mimic_weight=0.0)
+BASE = dict(block_size=24, vocab_size=V, n_head=2, n_embd=16, ffn_cheap_rank=4, ffn_gate_hidden=8, ffn_jepa_latent=6)
+ZERO_AUX = dict(ffn_util_weight=0.0, ffn_rank_weight=0.0, ffn_jepa_weight=0.0, ffn_predictor_weight=0.0, ffn_mimic_weight=0.0)
 SCORING_GATES = ('mlp', 'jepa')
 
 
@@ -82,7 +82,7 @@ pytestmark = pytest.mark.usefixtures('one_thread')      # tiny ops: see conftest
 
 @st.composite
 def layouts(draw, max_layers=3):
-    """(n_layer, controlled_layers spec, the layer ids it means, computed here)."""
+    """(n_layer, ffn_layers spec, the layer ids it means, computed here)."""
     n_layer = draw(st.integers(1, max_layers))
     kind = draw(st.sampled_from(['all', 'every_other', 'list']))
     if kind == 'all':
@@ -158,7 +158,7 @@ def suffix_ref(model, x, start, actions, budget=None):
     for i in range(start, len(model.transformer.h)):
         block = model.transformer.h[i]
         x = x + block.attn(block.ln_1(x))
-        x = x + ffn_ref(block, x, actions.get(i, 'full'), budget, model.config.gate_grad)
+        x = x + ffn_ref(block, x, actions.get(i, 'full'), budget, model.config.ffn_gate_grad)
     return x
 
 
@@ -197,8 +197,8 @@ def dense_twin(routed_model, seed):
 def test_train_masks_hold_exactly_ceil_budget_T_top_scoring_tokens(seed, B, T, budget, gate, layout, readout,
                                                                     block_size, gate_grad):
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, gate=gate, budget=float(budget), controlled_layers=spec, jepa_readout=readout,
-                  block_size=block_size, gate_grad=gate_grad).train()
+    model = build(seed, n_layer, ffn_gate=gate, ffn_budget=float(budget), ffn_layers=spec, ffn_jepa_readout=readout,
+                  block_size=block_size, ffn_gate_grad=gate_grad).train()
     assert controlled_layer_ids(model.config) == ids
     idx = tokens(seed, B, T, distinct_first=True)
     calls, handles = record_ln2(model, ids)
@@ -235,8 +235,8 @@ DENSE_EQ = dict(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 24), layout=la
        infer_rule=st.sampled_from(['threshold', 'predictor']))
 def test_budget_one_no_grad_equals_dense_bitwise(seed, B, T, layout, pos, bias, gate, readout, infer_rule):
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, gate=gate, budget=1.0, controlled_layers=spec, pos=pos, bias=bias,
-                  jepa_readout=readout, gate_grad='none', infer_rule=infer_rule)
+    model = build(seed, n_layer, ffn_gate=gate, ffn_budget=1.0, ffn_layers=spec, pos=pos, bias=bias,
+                  ffn_jepa_readout=readout, ffn_gate_grad='none', ffn_infer_rule=infer_rule)
     dense = dense_twin(model, seed)
     idx = tokens(seed, B, T)
     ref = dense.eval()(idx, idx)[0]
@@ -255,8 +255,8 @@ STE_CASES = [(seed, gate, readout) for seed, (gate, readout) in
 
 def check_budget_one_ste_equals_dense(seed, B, T, layout, pos, bias, gate, readout, exact):
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, gate=gate, budget=1.0, controlled_layers=spec, pos=pos, bias=bias,
-                  jepa_readout=readout, gate_grad='ste')
+    model = build(seed, n_layer, ffn_gate=gate, ffn_budget=1.0, ffn_layers=spec, pos=pos, bias=bias,
+                  ffn_jepa_readout=readout, ffn_gate_grad='ste')
     dense = dense_twin(model, seed)
     idx = tokens(seed, B, T)
     out, ref = model.train()(idx, idx)[0], dense.eval()(idx, idx)[0]
@@ -284,8 +284,8 @@ def test_budget_one_ste_equals_dense_property(seed, B, T, layout, pos, bias, gat
 def test_forced_full_and_static_full_equal_dense_bitwise(seed, B, T, layout, pos, bias, gate, gate_grad, budget,
                                                         training):
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, gate=gate, budget=float(budget), controlled_layers=spec, pos=pos, bias=bias,
-                  gate_grad=gate_grad).train(training)
+    model = build(seed, n_layer, ffn_gate=gate, ffn_budget=float(budget), ffn_layers=spec, pos=pos, bias=bias,
+                  ffn_gate_grad=gate_grad).train(training)
     dense = dense_twin(model, seed)
     idx = tokens(seed, B, T)
     ref = dense.eval()(idx, idx)[0]
@@ -300,8 +300,8 @@ def test_forced_full_and_static_full_equal_dense_bitwise(seed, B, T, layout, pos
 def test_forced_cheap_and_static_cheap_equal_hand_written_forward(seed, B, T, layout, pos, bias, gate, gate_grad,
                                                                   training):
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, gate=gate, controlled_layers=spec, pos=pos, bias=bias,
-                  gate_grad=gate_grad).train(training)
+    model = build(seed, n_layer, ffn_gate=gate, ffn_layers=spec, pos=pos, bias=bias,
+                  ffn_gate_grad=gate_grad).train(training)
     idx = tokens(seed, B, T)
     with torch.no_grad():
         x = embed_ref(model, idx)
@@ -321,9 +321,9 @@ def test_forced_cheap_and_static_cheap_equal_hand_written_forward(seed, B, T, la
 def test_routed_model_from_checkpoint_file_keeps_backbone_and_gets_fresh_gates(src_gate, gate, rule):
     """train.build_model with init_from=<ckpt file> (stage 2: typically a random-gate backbone): backbone
     (incl. cheap FFNs) from the file, gates fresh; forced full/cheap logits equal the source model's."""
-    src = build(11, 2, gate=src_gate, controlled_layers='all')
+    src = build(11, 2, ffn_gate=src_gate, ffn_layers='all')
     ckpt = dict(model_args=dict(src.config.__dict__), model=src.state_dict())
-    fields = dict(src.config.__dict__, gate=gate, infer_rule=rule)
+    fields = dict(src.config.__dict__, ffn_gate=gate, ffn_infer_rule=rule)
     cfg = SimpleNamespace(**fields, init_from='stage1/ckpt.pt', dataset='synthetic')
     model = train.build_model(cfg, dict(vocab_size=V), ckpt)
     idx = tokens(3, 2, 12)
@@ -341,7 +341,7 @@ def test_routed_model_from_checkpoint_file_keeps_backbone_and_gets_fresh_gates(s
        gate=st.sampled_from(SCORING_GATES), gate_grad=st.sampled_from(['ste', 'scale', 'none']),
        layer=st.integers(0, 1))
 def test_masked_update_equals_gather_scatter(seed, B, T, p, gate, gate_grad, layer):
-    model = build(seed, 2, gate=gate, gate_grad=gate_grad).eval()
+    model = build(seed, 2, ffn_gate=gate, ffn_gate_grad=gate_grad).eval()
     block = model.transformer.h[layer]
     g = torch.Generator().manual_seed(seed)
     mask = torch.rand(B, T, generator=g) < p
@@ -378,8 +378,8 @@ def test_masked_update_equals_gather_scatter(seed, B, T, p, gate, gate_grad, lay
        readout=st.sampled_from(['distance', 'linear']), pos=st.sampled_from(['learned', 'rope']), data=st.data())
 def test_eval_routing_is_causal(seed, B, T, budget, layout, gate, infer_rule, gate_grad, readout, pos, data):
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, gate=gate, budget=float(budget), controlled_layers=spec, infer_rule=infer_rule,
-                  gate_grad=gate_grad, jepa_readout=readout, pos=pos)
+    model = build(seed, n_layer, ffn_gate=gate, ffn_budget=float(budget), ffn_layers=spec, ffn_infer_rule=infer_rule,
+                  ffn_gate_grad=gate_grad, ffn_jepa_readout=readout, pos=pos)
     idx = tokens(seed, B, T)
     model.calibrate(calibration_tokens(seed + 1, idx))
     model.eval()
@@ -421,7 +421,7 @@ def test_eval_routing_kv_cache_decoding_equals_recompute(seed, B, T0, new, gate,
     attention, recomputation T and is_causal, and sparse gathers of other sizes; tokens equal unless a
     near-tie, see conftest.assert_greedy_traces_agree)."""
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, gate=gate, controlled_layers=spec, infer_rule=infer_rule, gate_grad=gate_grad,
+    model = build(seed, n_layer, ffn_gate=gate, ffn_layers=spec, ffn_infer_rule=infer_rule, ffn_gate_grad=gate_grad,
                   pos=pos)
     idx = tokens(seed, B, T0)
     model.calibrate(calibration_tokens(seed + 1, idx))
@@ -434,7 +434,7 @@ def test_eval_routing_kv_cache_decoding_equals_recompute(seed, B, T0, new, gate,
 
 @pytest.mark.parametrize('training', [True, False])
 def test_oracle_gate_needs_targets(training):
-    model = build(0, 2, gate='oracle').train(training)
+    model = build(0, 2, ffn_gate='oracle').train(training)
     idx = tokens(0, 2, 8)
     with pytest.raises(ValueError, match='target'):
         model(idx)
@@ -444,7 +444,7 @@ def test_oracle_gate_needs_targets(training):
 
 
 # ----------------------------------------------------------------------------------------------------
-# 5. the LM loss alone trains the gate (ste, scale); gate_grad='none' cuts it off
+# 5. the LM loss alone trains the gate (ste, scale); ffn_gate_grad='none' cuts it off
 
 def gate_params_on_score(block):
     """Gate parameters the score is a function of. JEPA: the output bias cancels in
@@ -459,8 +459,8 @@ def gate_params_on_score(block):
        gate_grad=st.sampled_from(['ste', 'scale', 'none']), infer_rule=st.sampled_from(['threshold', 'predictor']))
 def test_lm_loss_alone_reaches_the_gate(seed, B, T, budget, layout, gate, readout, gate_grad, infer_rule):
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, gate=gate, jepa_readout=readout, budget=float(budget), controlled_layers=spec,
-                  gate_grad=gate_grad, infer_rule=infer_rule).train()
+    model = build(seed, n_layer, ffn_gate=gate, ffn_jepa_readout=readout, ffn_budget=float(budget), ffn_layers=spec,
+                  ffn_gate_grad=gate_grad, ffn_infer_rule=infer_rule).train()
     idx = tokens(seed, B, T)
     _, loss, aux = model(idx, idx)
     assert torch.equal(loss.detach(), aux['lm_loss'])              # no auxiliary term in the loss
@@ -473,12 +473,12 @@ def test_lm_loss_alone_reaches_the_gate(seed, B, T, budget, layout, gate, readou
                 assert p.grad is None or not p.grad.any(), n
             else:
                 assert p.grad is not None and p.grad.abs().sum() > 0, (l, n)
-        if block.predictor is not None:           # predictor_weight = 0: nothing trains it
+        if block.predictor is not None:           # ffn_predictor_weight = 0: nothing trains it
             assert all(p.grad is None or not p.grad.any() for p in block.predictor.parameters())
 
 
 def test_jepa_target_projection_is_a_fixed_buffer():
-    model = build(4, 2, gate='jepa', jepa_weight=1.0, util_weight=1.0, rank_weight=1.0).train()
+    model = build(4, 2, ffn_gate='jepa', ffn_jepa_weight=1.0, ffn_util_weight=1.0, ffn_rank_weight=1.0).train()
     names = {n for n, _ in model.named_parameters()}
     targets = {n: b.clone() for n, b in model.named_buffers() if n.endswith('gate.target')}
     assert sorted(targets) == ['transformer.h.0.gate.target', 'transformer.h.1.gate.target']
@@ -501,8 +501,8 @@ def test_jepa_target_projection_is_a_fixed_buffer():
 
 def check_hard_mixture(seed, B, T, budget, layout, gate, gate_grad, readout, exact=True):
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, gate=gate, jepa_readout=readout, budget=float(budget), controlled_layers=spec,
-                  gate_grad=gate_grad).train()
+    model = build(seed, n_layer, ffn_gate=gate, ffn_jepa_readout=readout, ffn_budget=float(budget), ffn_layers=spec,
+                  ffn_gate_grad=gate_grad).train()
     idx = tokens(seed, B, T)
     calls, handles = record_ln2(model, ids)
     with record_updates(model, ids) as updates:
@@ -552,8 +552,8 @@ def test_scale_and_none_forward_is_the_hard_mixture(seed, B, T, budget, layout, 
        readout=st.sampled_from(['distance', 'linear']))
 def test_calibration_hits_budget_on_its_own_batch(seed, B, T, budget, layout, gate, infer_rule, readout):
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, gate=gate, budget=float(budget), controlled_layers=spec, infer_rule=infer_rule,
-                  jepa_readout=readout).train()
+    model = build(seed, n_layer, ffn_gate=gate, ffn_budget=float(budget), ffn_layers=spec, ffn_infer_rule=infer_rule,
+                  ffn_jepa_readout=readout).train()
     x_cal = tokens(seed, B, T, distinct_first=True)
     fracs = model.calibrate(x_cal)
     assert model.training                   # calibrate restores the mode
@@ -570,7 +570,7 @@ def test_calibration_hits_budget_on_its_own_batch(seed, B, T, budget, layout, ga
        gate=st.sampled_from(SCORING_GATES), infer_rule=st.sampled_from(['threshold', 'predictor']))
 def test_calibration_generalises_to_a_fresh_batch(seed, budget, layout, gate, infer_rule):
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, gate=gate, budget=float(budget), controlled_layers=spec, infer_rule=infer_rule,
+    model = build(seed, n_layer, ffn_gate=gate, ffn_budget=float(budget), ffn_layers=spec, ffn_infer_rule=infer_rule,
                   vocab_size=61)
     model.calibrate(tokens(seed, 32, 24, vocab=61))
     frac = model.eval()(tokens(seed + 1, 32, 24, vocab=61))[2]['full_frac']
@@ -579,7 +579,7 @@ def test_calibration_generalises_to_a_fresh_batch(seed, budget, layout, gate, in
 
 @pytest.mark.parametrize('gate', ['random', 'static_full', 'static_cheap'])
 def test_calibrate_without_scores_returns_none(gate):
-    assert build(0, 2, gate=gate).calibrate(tokens(0, 2, 8)) is None
+    assert build(0, 2, ffn_gate=gate).calibrate(tokens(0, 2, 8)) is None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -591,7 +591,7 @@ def boom(*args, **kwargs):
 
 @pytest.mark.parametrize('gate', SCORING_GATES)
 def test_no_oracle_pass_without_oracle_layers(gate):
-    model = build(0, 2, gate=gate, util_weight=1.0, rank_weight=1.0).train()
+    model = build(0, 2, ffn_gate=gate, ffn_util_weight=1.0, ffn_rank_weight=1.0).train()
     idx = tokens(0, 2, 12)
     route_ffn.fork_utility, saved = boom, route_ffn.fork_utility      # every oracle fork goes through it
     try:
@@ -611,32 +611,32 @@ def no_oracle_pass_without_oracle_layers(model, idx):
 def test_jepa_weight_zero_never_projects_targets(monkeypatch):
     idx = tokens(0, 2, 12)
     monkeypatch.setattr(gates.JEPAGate, 'target_of', boom)
-    build(0, 2, gate='jepa', jepa_weight=0.0).train()(idx, idx)
+    build(0, 2, ffn_gate='jepa', ffn_jepa_weight=0.0).train()(idx, idx)
     with pytest.raises(AssertionError):
-        build(0, 2, gate='jepa', jepa_weight=1.0).train()(idx, idx)
+        build(0, 2, ffn_gate='jepa', ffn_jepa_weight=1.0).train()(idx, idx)
 
 
 def test_predictor_weight_zero_never_runs_predictor_in_training(monkeypatch):
     idx = tokens(0, 2, 12)
     monkeypatch.setattr(gates.MembershipPredictor, 'forward', boom)
-    build(0, 2, gate='mlp', infer_rule='predictor', predictor_weight=0.0).train()(idx, idx)
+    build(0, 2, ffn_gate='mlp', ffn_infer_rule='predictor', ffn_predictor_weight=0.0).train()(idx, idx)
     with pytest.raises(AssertionError):
-        build(0, 2, gate='mlp', infer_rule='predictor', predictor_weight=1.0).train()(idx, idx)
+        build(0, 2, ffn_gate='mlp', ffn_infer_rule='predictor', ffn_predictor_weight=1.0).train()(idx, idx)
 
 
 def test_mimic_weight_zero_never_runs_mimic(monkeypatch):
     idx = tokens(0, 2, 12)
     monkeypatch.setattr(losses, 'cheap_mimic', boom)
-    build(0, 2, gate='mlp', mimic_weight=0.0).train()(idx, idx)
+    build(0, 2, ffn_gate='mlp', ffn_mimic_weight=0.0).train()(idx, idx)
     with pytest.raises(AssertionError):
-        build(0, 2, gate='mlp', mimic_weight=1.0).train()(idx, idx)
+        build(0, 2, ffn_gate='mlp', ffn_mimic_weight=1.0).train()(idx, idx)
 
 
 def test_util_and_rank_weight_zero_compute_no_util_or_rank_term(monkeypatch):
-    """With util_weight = rank_weight = 0 no oracle pass runs even when a caller passes oracle_layers."""
+    """With ffn_util_weight = ffn_rank_weight = 0 no oracle pass runs even when a caller passes oracle_layers."""
     monkeypatch.setattr(losses, 'utility_regression', boom)
     monkeypatch.setattr(losses, 'pairwise_rank', boom)
-    model = build(0, 2, gate='mlp').train()
+    model = build(0, 2, ffn_gate='mlp').train()
     monkeypatch.setattr(route_ffn, 'fork_utility', boom)
     idx = tokens(0, 2, 12)
     _, loss, aux = model(idx, idx, oracle_layers=(1,))
@@ -652,7 +652,7 @@ def test_util_and_rank_weight_zero_compute_no_util_or_rank_term(monkeypatch):
        gate=st.sampled_from(SCORING_GATES), training=st.booleans())
 def test_off_policy_label_matches_hand_written_forks(seed, B, T, n_layer, data, gate, training):
     l = data.draw(st.integers(0, n_layer - 1))
-    model = build(seed, n_layer, gate=gate, budget=0.5).train(training)
+    model = build(seed, n_layer, ffn_gate=gate, ffn_budget=0.5).train(training)
     idx, tgt = tokens(seed, B, T), tokens(seed + 1, B, T)
     with torch.no_grad():
         x = embed_ref(model, idx)
@@ -677,7 +677,7 @@ def test_off_policy_label_matches_hand_written_forks(seed, B, T, n_layer, data, 
 @given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(2, 24), gate=st.sampled_from(SCORING_GATES),
        gate_grad=st.sampled_from(['ste', 'scale', 'none']), budget=st.integers(10, 90).map(lambda n: Fraction(n, 100)))
 def test_on_policy_label_matches_hand_written_forks(seed, B, T, gate, gate_grad, budget):
-    model = build(seed, 3, gate=gate, budget=float(budget), gate_grad=gate_grad).train()
+    model = build(seed, 3, ffn_gate=gate, ffn_budget=float(budget), ffn_gate_grad=gate_grad).train()
     idx, tgt = tokens(seed, B, T, distinct_first=True), tokens(seed + 1, B, T)
     l = 0
     with torch.no_grad():
@@ -706,7 +706,7 @@ def test_util_loss_regresses_routed_score_onto_reference_labels(seed, B, T, gate
     """End to end through forward(oracle_layers=...): off-policy labels fork the all-full pass, on-policy
     labels fork this routed pass's own state; the regressed score is this pass's gate score."""
     l = data.draw(st.integers(0, 2))
-    model = build(seed, 3, gate=gate, budget=0.5, util_weight=1.0, oracle_policy=policy).train()
+    model = build(seed, 3, ffn_gate=gate, ffn_budget=0.5, ffn_util_weight=1.0, ffn_oracle_policy=policy).train()
     idx, tgt = tokens(seed, B, T, distinct_first=True), tokens(seed + 1, B, T)
     calls, handles = record_ln2(model, [l])
     _, loss, aux = model(idx, tgt, oracle_layers=(l,))
@@ -802,9 +802,9 @@ def test_utility_regression_equals_brute_force(seed, B, T):
 
 @pytest.mark.parametrize('gate,infer_rule', [('mlp', 'threshold'), ('jepa', 'predictor'), ('mlp', 'predictor')])
 def test_controller_only_training_freezes_the_backbone(gate, infer_rule):
-    model = build(1, 3, gate=gate, infer_rule=infer_rule, controlled_layers='0,2', util_weight=1.0,
-                  rank_weight=1.0, jepa_weight=1.0, predictor_weight=1.0, mimic_weight=1.0).train()
-    cfg = SimpleNamespace(trainable='controller', route='ffn', gate=gate)
+    model = build(1, 3, ffn_gate=gate, ffn_infer_rule=infer_rule, ffn_layers='0,2', ffn_util_weight=1.0,
+                  ffn_rank_weight=1.0, ffn_jepa_weight=1.0, ffn_predictor_weight=1.0, ffn_mimic_weight=1.0).train()
+    cfg = SimpleNamespace(trainable='controller', route='ffn', ffn_gate=gate)
     params = train.trainable_parameters(model, cfg)
     opt = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), 'cpu', params=params)
     in_opt = {id(p) for group in opt.param_groups for p in group['params']}
@@ -829,10 +829,10 @@ def test_controller_only_training_freezes_the_backbone(gate, infer_rule):
             assert any(k.startswith(f'transformer.h.{l}.predictor.') for k in changed)
 
 
-@pytest.mark.parametrize('kw', [dict(gate='random'), dict(gate='static_full'), dict(route='none')])
+@pytest.mark.parametrize('kw', [dict(ffn_gate='random'), dict(ffn_gate='static_full'), dict(route='none')])
 def test_controller_only_needs_gate_parameters(kw):
     model = build(0, 2, **kw)
-    cfg = SimpleNamespace(trainable='controller', route=model.config.route, gate=model.config.gate)
+    cfg = SimpleNamespace(trainable='controller', route=model.config.route, ffn_gate=model.config.ffn_gate)
     with pytest.raises(train.TrainError, match='controller'):
         train.trainable_parameters(model, cfg)
 
@@ -841,11 +841,11 @@ def test_controller_only_needs_gate_parameters(kw):
 # 12. config validation names the field
 
 @pytest.mark.parametrize('field,value', [
-    ('budget', 0.0), ('budget', 1.5), ('budget', -0.5), ('budget', float('nan')),
-    ('gate', 'g2'), ('route', 'moe'), ('gate_grad', 'gumbel'), ('infer_rule', 'topk'),
-    ('jepa_outcome', 'x'), ('jepa_readout', 'x'), ('rank_kind', 'hinge'), ('oracle_policy', 'both'),
-    ('controlled_layers', '7'), ('controlled_layers', 'x'), ('controlled_layers', '-1'),
-    ('controlled_layers', '0,3'), ('controlled_layers', ''), ('controlled_layers', '1.5')])
+    ('ffn_budget', 0.0), ('ffn_budget', 1.5), ('ffn_budget', -0.5), ('ffn_budget', float('nan')),
+    ('ffn_gate', 'g2'), ('route', 'moe'), ('ffn_gate_grad', 'gumbel'), ('ffn_infer_rule', 'topk'),
+    ('ffn_jepa_outcome', 'x'), ('ffn_jepa_readout', 'x'), ('ffn_rank_kind', 'hinge'), ('ffn_oracle_policy', 'both'),
+    ('ffn_layers', '7'), ('ffn_layers', 'x'), ('ffn_layers', '-1'),
+    ('ffn_layers', '0,3'), ('ffn_layers', ''), ('ffn_layers', '1.5')])
 def test_config_validation_names_the_field(field, value):
     args = dict(BASE, n_layer=3, route='ffn')
     args[field] = value
@@ -857,7 +857,7 @@ def test_config_validation_names_the_field(field, value):
 @given(layout=layouts(), budget=BUDGETS)
 def test_valid_config_accepted(layout, budget):
     n_layer, spec, ids = layout
-    cfg = GPTConfig(**dict(BASE, n_layer=n_layer, route='ffn', controlled_layers=spec, budget=float(budget)))
+    cfg = GPTConfig(**dict(BASE, n_layer=n_layer, route='ffn', ffn_layers=spec, ffn_budget=float(budget)))
     assert controlled_layer_ids(cfg) == ids
     assert [i for i, b in enumerate(GPT(cfg).transformer.h) if hasattr(b, 'cheap')] == ids
 
@@ -868,7 +868,7 @@ def test_valid_config_accepted(layout, budget):
 @pytest.mark.parametrize('gate,readout,rule', [('mlp', 'distance', 'threshold'), ('jepa', 'distance', 'threshold'),
                                                 ('jepa', 'linear', 'predictor')])
 def test_gate_scores_are_fp32_under_bf16_autocast(gate, readout, rule):
-    model = build(0, 2, gate=gate, jepa_readout=readout, infer_rule=rule)
+    model = build(0, 2, ffn_gate=gate, ffn_jepa_readout=readout, ffn_infer_rule=rule)
     block = model.transformer.h[0]
     h = torch.randn(2, 7, model.config.n_embd)
     with torch.autocast('cpu', dtype=torch.bfloat16):
@@ -879,7 +879,7 @@ def test_gate_scores_are_fp32_under_bf16_autocast(gate, readout, rule):
 
 def test_oracle_labels_ignore_dropout():
     """With dropout on, the two forks of a label must differ only in the action: repeated labels agree."""
-    model = build(0, 2, gate='mlp', dropout=0.5).train()
+    model = build(0, 2, ffn_gate='mlp', dropout=0.5).train()
     idx = tokens(0, 2, 12)
     x_mid = torch.randn(2, 12, model.config.n_embd)
     a = route_ffn.fork_utility(model, 1, x_mid, idx, None, later='full')
@@ -889,20 +889,20 @@ def test_oracle_labels_ignore_dropout():
 
 
 def test_jepa_pred_std_is_reported_without_alignment():
-    """A1 (jepa_weight=0) is the arm that needs the collapse monitor."""
-    model = build(0, 2, gate='jepa', jepa_weight=0.0).train()
+    """A1 (ffn_jepa_weight=0) is the arm that needs the collapse monitor."""
+    model = build(0, 2, ffn_gate='jepa', ffn_jepa_weight=0.0).train()
     aux = model(tokens(0, 2, 12), tokens(1, 2, 12))[2]
     assert 'jepa_pred_std' in aux and aux['jepa_pred_std'] > 0
 
 
 def test_resume_compares_the_layers_meant_not_the_spelling():
-    """An ffn checkpoint saved with controlled_layers='all' resumes under the default 'auto' (the same
+    """An ffn checkpoint saved with ffn_layers='all' resumes under the default 'auto' (the same
     layers); a different layer set is refused by name."""
     import train
     from dataclasses import asdict
-    ck = dict(model_args=asdict(GPTConfig(**BASE, n_layer=4, route='ffn', controlled_layers='all')))
+    ck = dict(model_args=asdict(GPTConfig(**BASE, n_layer=4, route='ffn', ffn_layers='all')))
     cfg = type('C', (), dict(**asdict(GPTConfig(**BASE, n_layer=4, route='ffn')), dataset='synthetic'))()
-    train.check_against_checkpoint(cfg, {}, ck, ['controlled_layers'])
-    cfg.controlled_layers = 'every_other'
-    with pytest.raises(train.TrainError, match="controlled_layers"):
-        train.check_against_checkpoint(cfg, {}, ck, ['controlled_layers'])
+    train.check_against_checkpoint(cfg, {}, ck, ['ffn_layers'])
+    cfg.ffn_layers = 'every_other'
+    with pytest.raises(train.TrainError, match="ffn_layers"):
+        train.check_against_checkpoint(cfg, {}, ck, ['ffn_layers'])

@@ -31,16 +31,16 @@ def routed_configs(draw):
     scored = gate in ('mlp', 'jepa')
     cfg = GPTConfig(block_size=16, vocab_size=draw(st.integers(5, 40)), n_layer=n_layer, n_head=n_head,
                     n_embd=n_head * draw(st.sampled_from([4, 8])), bias=draw(st.booleans()),
-                    route='ffn', gate=gate, budget=draw(st.floats(0.05, 1.0)), controlled_layers=spec,
-                    cheap_rank=draw(st.integers(1, 6)), gate_hidden=draw(st.integers(1, 6)),
-                    gate_grad=draw(st.sampled_from(['ste', 'scale', 'none'])),
-                    infer_rule=draw(st.sampled_from(['threshold', 'predictor'])),
-                    jepa_latent=draw(st.integers(1, 5)), jepa_readout=draw(st.sampled_from(['distance', 'linear'])),
-                    jepa_weight=draw(st.sampled_from([0.0, 1.0])),
-                    util_weight=draw(st.sampled_from([0.0, 1.0])) if scored else 0.0,
-                    rank_weight=draw(st.sampled_from([0.0, 0.5])) if scored else 0.0,
-                    oracle_policy=draw(st.sampled_from(['off', 'on'])),
-                    predictor_weight=draw(st.sampled_from([0.0, 1.0])))
+                    route='ffn', ffn_gate=gate, ffn_budget=draw(st.floats(0.05, 1.0)), ffn_layers=spec,
+                    ffn_cheap_rank=draw(st.integers(1, 6)), ffn_gate_hidden=draw(st.integers(1, 6)),
+                    ffn_gate_grad=draw(st.sampled_from(['ste', 'scale', 'none'])),
+                    ffn_infer_rule=draw(st.sampled_from(['threshold', 'predictor'])),
+                    ffn_jepa_latent=draw(st.integers(1, 5)), ffn_jepa_readout=draw(st.sampled_from(['distance', 'linear'])),
+                    ffn_jepa_weight=draw(st.sampled_from([0.0, 1.0])),
+                    ffn_util_weight=draw(st.sampled_from([0.0, 1.0])) if scored else 0.0,
+                    ffn_rank_weight=draw(st.sampled_from([0.0, 0.5])) if scored else 0.0,
+                    ffn_oracle_policy=draw(st.sampled_from(['off', 'on'])),
+                    ffn_predictor_weight=draw(st.sampled_from([0.0, 1.0])))
     return cfg
 
 
@@ -73,7 +73,7 @@ def test_train_step_flops_match_counter(cfg, T, B, seed, trainable, data):
             p.requires_grad_(id(p) in ctrl)
     ids = controlled_layer_ids(cfg)
     oracle_layers = ()
-    if cfg.gate in ('mlp', 'jepa') and (cfg.util_weight > 0 or cfg.rank_weight > 0):
+    if cfg.ffn_gate in ('mlp', 'jepa') and (cfg.ffn_util_weight > 0 or cfg.ffn_rank_weight > 0):
         oracle_layers = tuple(sorted(data.draw(st.sets(st.sampled_from(ids), min_size=1, max_size=2))))
     idx = torch.randint(0, cfg.vocab_size, (B, T))
 
@@ -92,7 +92,7 @@ def test_dense_config_costs_match_dense_formula():
 
 
 def test_sparse_flops_interpolate_between_paths():
-    cfg = GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=50, route='ffn', gate='mlp', cheap_rank=4)
+    cfg = GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=50, route='ffn', ffn_gate='mlp', ffn_cheap_rank=4)
     lo = flops.forward_flops(cfg, 20, mode='sparse', full_frac=0.0)
     hi = flops.forward_flops(cfg, 20, mode='sparse', full_frac=1.0)
     mid = flops.forward_flops(cfg, 20, mode='sparse', full_frac=0.5)
@@ -111,5 +111,5 @@ def test_flops_cli_prints_the_breakdown(capsys):
     rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith('| G')]
     assert len(rows) == 4
     cfg = train.model_config(type('C', (), load_config(train.DEFAULTS, [path]))(), vocab_size=50304)
-    off = replace(cfg, gate='mlp', util_weight=0.0, rank_weight=0.0)
+    off = replace(cfg, ffn_gate='mlp', ffn_util_weight=0.0, ffn_rank_weight=0.0)
     assert rows[1].split('|')[5].strip() == f"{flops.flops_proxy(off, cfg.block_size):.3f}"

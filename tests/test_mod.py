@@ -24,7 +24,7 @@ def test_mod_training_capacity_is_exact_and_unselected_tokens_pass_unchanged(see
     """Training: exactly ceil(budget·T) tokens per row at every routed layer (of the actual T, not
     block_size); routed layers are every other one by default; a token not selected leaves the block
     with the very hidden state it entered with."""
-    model = build('mod', seed=seed, budget=budget, controlled_layers=layout).train()
+    model = build('mod', seed=seed, mod_capacity=budget, mod_layers=layout).train()
     ids = controlled_layer_ids(model.config)
     assert ids == {'auto': [1, 3], 'all': [0, 1, 2, 3], '0,3': [0, 3]}[layout]
     k = max(1, min(T, math.ceil(budget * T - 1e-9)))
@@ -61,7 +61,7 @@ def test_mod_selected_tokens_attend_among_themselves_at_real_positions(seed, T, 
     """A routed block equals, on its selected tokens, x + σ(r)·(block(x_sel) − x_sel) with the dense
     block run by hand on the gathered subsequence at its real positions; with RoPE, pretending the
     gathered tokens sit at 0..k−1 gives something else (the public-code pitfall)."""
-    model = build('mod', seed=seed, pos=pos, budget=0.5).train()
+    model = build('mod', seed=seed, pos=pos, mod_capacity=0.5).train()
     block = model.transformer.h[1]
     x = torch.randn(2, T, 16, generator=torch.Generator().manual_seed(seed))
     ctx = RouteCtx()
@@ -85,7 +85,7 @@ def test_mod_selected_tokens_attend_among_themselves_at_real_positions(seed, T, 
 def test_mod_causal_rule_and_predictor_accuracy(seed, T, rule):
     """Eval: selected where σ(router) > 0.5 (or σ(predictor) > 0.5), computed here from the modules; the
     reported accuracy is the agreement with top-k membership of the router scores."""
-    model = build('mod', seed=seed, infer_rule=rule, budget=0.25).eval()
+    model = build('mod', seed=seed, mod_infer_rule=rule, mod_capacity=0.25).eval()
     idx = tokens(seed, 2, T)
     seen = {}                       # the routed block's input, as its router sees it
     hooks = [b.router.register_forward_hook(lambda m, a, out, l=l: seen.__setitem__(l, a[0]))

@@ -152,7 +152,7 @@ def test_from_pretrained_matches_transformers(tmp_path):
     with torch.no_grad():
         ref = hf(idx).logits
     torch.testing.assert_close(ours(idx, last_only=False)[0], ref, rtol=1e-4, atol=1e-4)
-    routed = GPT.from_pretrained(str(tmp_path), dict(route='ffn', gate='mlp', cheap_rank=4)).eval()
+    routed = GPT.from_pretrained(str(tmp_path), dict(route='ffn', ffn_gate='mlp', ffn_cheap_rank=4)).eval()
     torch.testing.assert_close(routed(idx, last_only=False, force='full')[0], ref, rtol=1e-4, atol=1e-4)
     ours.crop_block_size(16)
     torch.testing.assert_close(ours(idx[:, :16], last_only=False)[0], ref[:, :16], rtol=1e-4, atol=1e-4)

@@ -113,8 +113,8 @@ def test_missing_matplotlib_skips_plots_with_one_line(tmp_path, monkeypatch, cap
 def tiny_model(seed=0):
     """3 layers, FFN routing at layers 0 and 2 only (layer 1 is not routed), random gate."""
     torch.manual_seed(seed)
-    cfg = GPTConfig(block_size=16, vocab_size=12, n_layer=3, n_head=2, n_embd=16, route='ffn', gate='random',
-                    controlled_layers='0,2', cheap_rank=2, gate_hidden=8, budget=0.5)
+    cfg = GPTConfig(block_size=16, vocab_size=12, n_layer=3, n_head=2, n_embd=16, route='ffn', ffn_gate='random',
+                    ffn_layers='0,2', ffn_cheap_rank=2, ffn_gate_hidden=8, ffn_budget=0.5)
     return GPT(cfg)
 
 
@@ -179,7 +179,7 @@ def test_eval_routing_map_cli_on_a_tiny_checkpoint(tmp_path, capsys):
     P.prepare('synthetic', out_dir=data, num_tokens=20000)
     model = tiny_model()
     meta = json.loads((data / 'meta.json').read_text())
-    margs = dict(model.config.__dict__, vocab_size=meta['vocab_size'], gate='mlp')
+    margs = dict(model.config.__dict__, vocab_size=meta['vocab_size'], ffn_gate='mlp')
     model = GPT(GPTConfig.from_dict(margs))
     ckpt = tmp_path / 'ckpt.pt'
     torch.save(dict(model=model.state_dict(), model_args=margs,

@@ -191,10 +191,10 @@ def snapshot(folder):
 def test_resume_is_bit_exact(synth, tmp_path, n, eval_interval, log_interval, accum, gate):
     """2N iterations in one go == N iterations, then --init_from=resume to 2N: every model and optimizer
     tensor identical. dropout=0.1 so the restored RNG state matters; lr_decay_iters is fixed at 2N so
-    both runs follow the same schedule (with lr_decay_iters=0 it would follow max_iters). gate=random
+    both runs follow the same schedule (with lr_decay_iters=0 it would follow max_iters). ffn_gate=random
     draws random numbers at eval too (stage 1 of the controller-only recipe): evals must not disturb
     the training RNG, or the resumed run's extra eval at N would change what follows."""
-    common = [*TINY, *data_args(synth), "--dropout=0.1", f"--eval_interval={eval_interval}", f"--gate={gate}",
+    common = [*TINY, *data_args(synth), "--dropout=0.1", f"--eval_interval={eval_interval}", f"--ffn_gate={gate}",
               f"--log_interval={log_interval}", f"--gradient_accumulation_steps={accum}",
               f"--lr_decay_iters={2 * n}"]
     a, b = tmp_path / "a", tmp_path / "b"
@@ -320,11 +320,11 @@ def run_single_and_ddp(tmp, args):
 
 @pytest.mark.slow
 def test_ddp_matches_single_process_with_oracle_losses(ddp_runs, synth, tmp_path):
-    """util_weight > 0 with 2 controlled layers and 1 oracle layer per step: the utility loss is
+    """ffn_util_weight > 0 with 2 controlled layers and 1 oracle layer per step: the utility loss is
     deterministic given the layer, so the runs should still agree to float tolerance."""
     args = [*TINY, *data_args(synth), "--gradient_accumulation_steps=2", "--max_iters=4", "--eval_interval=100",
-            "--eval_iters=1", "--route=ffn", "--controlled_layers=all", "--util_weight=0.5",
-            "--oracle_layers_per_step=1"]
+            "--eval_iters=1", "--route=ffn", "--ffn_layers=all", "--ffn_util_weight=0.5",
+            "--ffn_oracle_layers_per_step=1"]
     single, ddp, r = run_single_and_ddp(tmp_path, args)
     require(r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:])
     cs, cd = load_ckpt(single), load_ckpt(ddp)
@@ -728,7 +728,7 @@ def test_max_iters_0_names_only_files_written(synth, tmp_path):
 def test_family_options_from_a_config_file_are_noted_not_refused(synth, tmp_path):
     """A study's shared base file may set options of the family other arms use: noted, not an error."""
     cfg = tmp_path / "base.py"
-    cfg.write_text("gate = 'jepa'\nbudget = 0.25\n")
+    cfg.write_text("ffn_gate = 'jepa'\nffn_budget = 0.25\n")
     r = ok(run_train([str(cfg), *TINY, *data_args(synth), f"--out_dir={tmp_path / 'o'}", "--route=halt",
                       "--max_iters=1", "--eval_interval=1"]))
     assert "note: route=halt does not read ffn_budget, ffn_gate" in r.stdout
@@ -788,8 +788,8 @@ def bad_input_cases(synth, text_data, base_copy):
                                           "--init_from=resume", f"--out_dir={base_copy}"], "sha256"),
         "stage2_same_vocab_other_data": ([*TINY, f"--data_dir={synth.parent}", "--dataset=syn_other",
                                           f"--init_from={base_copy / 'ckpt.pt'}"], "sha256"),
-        "resume_changed_cheap_rank": ([*TINY, *d, "--init_from=resume", "--cheap_rank=8", f"--out_dir={base_copy}"],
-                                      "cheap_rank"),
+        "resume_changed_cheap_rank": ([*TINY, *d, "--init_from=resume", "--ffn_cheap_rank=8", f"--out_dir={base_copy}"],
+                                      "ffn_cheap_rank"),
         # numeric fields, each refused before anything is written
         "n_head_0": ([*TINY, *d, "--n_head=0"], "n_head"),
         "block_size_0": ([*TINY, *d, "--block_size=0"], "block_size"),
@@ -802,9 +802,9 @@ def bad_input_cases(synth, text_data, base_copy):
         "out_dir_is_a_file": ([*TINY, *d, f"--out_dir={synth / 'meta.json'}"], "out_dir"),
         "data_dir_is_a_file": ([*TINY, f"--data_dir={synth / 'meta.json'}", "--dataset=syn"], "data_dir"),
         # options of another routing family, given on the command line
-        "halt_with_gate": ([*TINY, *d, "--route=halt", "--gate=jepa"], ("--gate", "route=halt")),
-        "exit_with_gate": ([*TINY, *d, "--route=exit", "--gate=jepa"], ("--gate", "route=exit")),
-        "halt_with_jepa_weight": ([*TINY, *d, "--route=halt", "--jepa_weight=5"], "--jepa_weight"),
+        "halt_with_gate": ([*TINY, *d, "--route=halt", "--ffn_gate=jepa"], ("--ffn_gate", "route=halt")),
+        "exit_with_gate": ([*TINY, *d, "--route=exit", "--ffn_gate=jepa"], ("--ffn_gate", "route=exit")),
+        "halt_with_jepa_weight": ([*TINY, *d, "--route=halt", "--ffn_jepa_weight=5"], "--ffn_jepa_weight"),
     }
 
 
