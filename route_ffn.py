@@ -3,7 +3,7 @@ route='ffn': cheap-vs-full FFN routing with G1/G3 gates ("Revisiting Auxiliary L
 Depth Routing", arXiv 2604.17228).
 
 At each controlled layer a gate scores every token; the selected tokens take the full FFN, the rest a
-low-rank cheap FFN; attention is not routed. Training selects the top ceil(budget·T) scores of each
+low-rank cheap FFN; attention is not routed. Training selects the top ceil(ffn_budget·T) scores of each
 sequence (static shapes, non-causal, as the paper); model.eval() decides causally per token, by a
 threshold calibrated on held-out batches or by a predictor of top-k membership. The LM loss reaches
 the gate straight-through ('ste'), MoD-style through σ(score) ('scale'), or not at all ('none').
