@@ -194,15 +194,21 @@ def test_traced_greedy_decoding_gives_the_eager_tokens(route, monkeypatch):
     assert compiled_decoding_case(route, [dict(), dict(lengths=[6, 2])], 'eager', monkeypatch) == [1, 1]
 
 
+# Inductor's own code generation (minutes per family on 2 cores, with a cold cache) for a few families
+# only: every family's graph is held to eager without code generation above; these check that the
+# generated kernels run it too, for the dense model, the token-level FFN routing and MoD's masked blocks.
+INDUCTOR_ROUTES = ('none', 'ffn', 'mod')
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize('route', ROUTES)
+@pytest.mark.parametrize('route', INDUCTOR_ROUTES)
 def test_compiled_greedy_decoding_gives_the_eager_tokens(route):
-    """generate(compile=True) as a CPU runs it: inductor's code (~1-2 min per family on 2 busy cores)."""
+    """generate(compile=True) as a CPU runs it: inductor's code."""
     assert compiled_decoding_case(route, [dict(), dict(lengths=[6, 2])]) == [1, 1]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('route', ROUTES)
+@pytest.mark.parametrize('route', INDUCTOR_ROUTES)
 def test_inductor_compiles_training_step_and_static_prefill(route):
     """torch.compile(fullgraph=True, dynamic=False) with the default compiler: the training loss and its
     gradients, and the static eval prefill, equal eager's (decisions exactly; values within ROUTED_TOL:
