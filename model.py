@@ -24,20 +24,25 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import losses
-from route_ensemble import DepthEnsemble
-from route_exit import EarlyExit
-from route_ffn import FFNRouting
-from route_halt import TokenSelectiveAttention
-from route_mod import MixtureOfDepths
+from route_ensemble import DepthEnsemble, EnsembleOptions
+from route_exit import EarlyExit, ExitOptions
+from route_ffn import FFNOptions, FFNRouting
+from route_halt import HaltOptions, TokenSelectiveAttention
+from route_mod import MixtureOfDepths, ModOptions
 from routing import MLP, Family, RouteCtx
 
-# the routing families, by config.route: adding one = a file with a Family subclass + a line here
+# the routing families, by config.route: adding one = a file with a Family subclass and its options
+# dataclass, a line here and a base of GPTConfig. An old option name two families share means, under
+# a third route, the earlier family's option.
 FAMILIES = {'none': Family(), 'ffn': FFNRouting(), 'mod': MixtureOfDepths(), 'halt': TokenSelectiveAttention(),
             'exit': EarlyExit(), 'ensemble': DepthEnsemble()}
 
 
 @dataclass
-class GPTConfig:
+class GPTConfig(EnsembleOptions, ExitOptions, HaltOptions, ModOptions, FFNOptions):
+    """The dense model's fields below; each routing family's options (ffn_*, mod_*, halt_*, exit_*, ens_*)
+    are the fields of its options dataclass, declared in its own file and a base of this class. fields()
+    lists the bases' first, the last base's first (so the families' in registry order), then these."""
     block_size: int = 128
     vocab_size: int = 64
     n_layer: int = 4
@@ -48,81 +53,17 @@ class GPTConfig:
     pos: str = 'learned'      # 'learned' absolute position embeddings, or 'rope'
     rope_base: float = 10000.0
     gelu: str = 'none'        # GELU approximation: 'none' (exact) or 'tanh' (what GPT-2 checkpoints use)
-    # routing family: 'none' (dense); 'ffn' (cheap-vs-full FFN per token at controlled layers); 'halt'
-    # (TSA: a halting router after every block but the last scales the next block's updates); 'mod'
-    # (Mixture-of-Depths: top-k tokens run the routed blocks, the rest skip them); 'exit' (exit heads
-    # with deep supervision, per-token early exit at eval); 'ensemble' (late layers' logits mixed by a router)
-    route: str = 'none'
-    # route='ffn': every option carries the family's prefix
-    ffn_gate: str = 'mlp'     # 'mlp' (G1), 'jepa' (G3), 'random', 'static_full', 'static_cheap', 'oracle'
-    ffn_budget: float = 0.5   # fraction of tokens per sequence on the full path: ceil(ffn_budget·T) in training
-    ffn_layers: str = 'auto'  # routed layers: 'all', 'every_other' (1, 3, 5, ...), a list such as '0,2,5',
-                              # or 'auto' (all)
-    ffn_cheap_rank: int = 16  # rank of the cheap low-rank FFN
-    ffn_gate_hidden: int = 64         # hidden width of the gate and predictor MLPs
-    ffn_gate_grad: str = 'ste'        # how the LM loss reaches the gate: 'ste' straight-through, 'scale' MoD-style, 'none'
-    ffn_infer_rule: str = 'threshold' # causal eval decision: 'threshold' on the gate score, or 'predictor'
-    ffn_jepa_latent: int = 32         # G3 latent size
-    ffn_jepa_outcome: str = 'delta'   # G3 outcome projected by the fixed target: 'delta' (FFN update) or 'hidden'
-    ffn_jepa_readout: str = 'distance'  # G3 score: 'distance' between the two forecasts, or 'linear'
-    # auxiliary losses of the ffn family: a weight of 0 means that computation does not run
-    ffn_util_weight: float = 0.0      # utility regression onto oracle labels
-    ffn_rank_weight: float = 0.0      # pairwise rank supervision from oracle labels
-    ffn_rank_kind: str = 'logistic'   # 'logistic' or 'margin'
-    ffn_rank_margin: float = 0.1
-    ffn_rank_pairs: int = 256         # pairs sampled per sequence
-    ffn_oracle_policy: str = 'off'    # labels: 'off' (later layers all full, the paper) or 'on' (gate policy)
-    ffn_jepa_weight: float = 1.0      # λ_JEPA (G3 only)
-    ffn_predictor_weight: float = 1.0 # BCE of the membership predictor (ffn_infer_rule='predictor' only)
-    ffn_mimic_weight: float = 0.0     # cheap FFN imitates the full FFN
-    # route='mod' (Mixture-of-Depths)
-    mod_router: str = 'learned'       # 'learned' (a linear router per routed block) or 'random'
-    mod_capacity: float = 0.5         # fraction of tokens per sequence that run a routed block: ceil(c·T)
-                                      # in training (0.125 in the paper)
-    mod_layers: str = 'auto'          # routed blocks, as ffn_layers; 'auto' = every_other, as in the paper
-    mod_infer_rule: str = 'threshold' # causal eval: 'threshold' (router trained with BCE on top-k membership,
-                                      # route iff σ(r) > 0.5) or 'predictor' (a stop-gradient MLP)
-    mod_predictor_weight: float = 1.0 # BCE of the membership predictor (mod_infer_rule='predictor' only)
-    mod_predictor_hidden: int = 64    # hidden width of the predictor
-    mod_bce_weight: float = 1.0       # BCE of the router on top-k membership (mod_infer_rule='threshold')
-    # route='halt' (TSA)
-    halt_lambda: float = 0.001        # depth regulariser λ on the mean active fraction
-    halt_tau: float = 0.5             # eval: a token skips block l+1 where p_l > halt_tau
-    halt_soft_eval: bool = False      # eval with the soft (1 − p) scaling instead of hard skipping
-    halt_hard: str = 'scaled'         # hard eval: kept tokens add (1 − p)·Δ as in training, or 'binary': Δ
-    # route='exit' 
-    exit_layers: str = 'auto'         # exits after d blocks: 'auto' {2, n/2, 3n/4}, 'every' (1..n-1), or '1,3'
-    exit_head: str = 'shared'         # 'shared' final norm + LM head (LayerSkip), or 'own' norm + projection
-    exit_schedule: str = 'layerskip'  # exit-loss weights: 'uniform', 'calm' (∝ d), 'layerskip' (∝ Σ_{i≤d} i),
-                                      # or 'mean' (mean CE over exits and final layer: TSA's baseline)
-    exit_weight: float = 1.0          # Σ_d α_d (not used by 'mean')
-    exit_rotation: int = 0            # rotational curriculum: only exits with d % R == step % R; 0 = all
-    layer_dropout: float = 0.0        # LayerSkip p_max: block l skipped per sequence w.p. p_max·(2^{l/(L-1)} − 1)
-    exit_conf: str = 'softmax'        # eval confidence: 'softmax' (max prob), 'margin' (top-1 − top-2),
-                                      # 'saturation' (cosine of the hidden state to the previous layer's)
-    exit_threshold: float = 0.9       # a token exits at the first exit whose confidence ≥ this
-    # route='ensemble' 
-    ens_layers: int = 3               # the last k layers (the final one included) are mixed
-    ens_router_input: str = 'final'   # router reads ln_f(final hidden state) ('final') or the mean of the
-                                      # k normed states ('mean'); both stop-gradient
-    ens_mix: str = 'logprob'          # mix 'logit's, 'logprob's (a geometric mixture) or 'prob's
-    ens_kl: str = 'forward'           # KL(teacher ‖ mix) ('forward') or KL(mix ‖ teacher) ('reverse')
-    ens_kl_weight: float = 1.0        # λ of the distillation loss (teacher: the final layer, stop-gradient)
+    route: str = 'none'       # the routing family, a key of FAMILIES ('none': the dense model)
+    layer_dropout: float = 0.0  # LayerSkip p_max: block l skipped per sequence w.p. p_max·(2^{l/(L-1)} − 1)
 
     def __post_init__(self):
-        for key in ('block_size', 'n_layer', 'n_head', 'n_embd', 'ffn_cheap_rank', 'ffn_gate_hidden', 'ffn_jepa_latent',
-                    'ffn_rank_pairs', 'mod_predictor_hidden', 'ens_layers'):
+        for key in ('block_size', 'n_layer', 'n_head', 'n_embd'):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.vocab_size < 0:
             raise ValueError(f"vocab_size must be >= 0 (0: from the data), got {self.vocab_size}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        for key in ('ffn_util_weight', 'ffn_rank_weight', 'ffn_rank_margin', 'ffn_jepa_weight', 'ffn_predictor_weight',
-                    'ffn_mimic_weight', 'mod_predictor_weight', 'mod_bce_weight', 'halt_lambda', 'exit_weight',
-                    'ens_kl_weight', 'exit_rotation'):
-            if getattr(self, key) < 0:
-                raise ValueError(f"{key} must be >= 0, got {getattr(self, key)}")
         if self.pos not in ('learned', 'rope'):
             raise ValueError(f"pos must be 'learned' or 'rope', got {self.pos!r}")
         if self.n_embd % self.n_head:
@@ -133,9 +74,8 @@ class GPTConfig:
             raise ValueError(f"gelu must be 'none' or 'tanh', got {self.gelu!r}")
         if self.route not in FAMILIES:
             raise ValueError(f"route must be one of {tuple(FAMILIES)}, got {self.route!r}")
-        for key in ('ffn_budget', 'mod_capacity'):
-            if not 0.0 < getattr(self, key) <= 1.0:
-                raise ValueError(f"{key} must be in (0, 1], got {getattr(self, key)}")
+        for family in FAMILIES.values():        # every family's own ranges, whatever the route
+            family.check_values(self)
         if not 0.0 <= self.layer_dropout < 1.0:
             raise ValueError(f"layer_dropout must be in [0, 1), got {self.layer_dropout}")
         if self.layer_dropout > 0 and 'layer_dropout' not in FAMILIES[self.route].options:   # the blocks are routed
