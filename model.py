@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import losses
+from configurator import Aliases
 from route_ensemble import DepthEnsemble, EnsembleOptions
 from route_exit import EarlyExit, ExitOptions
 from route_ffn import FFNOptions, FFNRouting
@@ -91,42 +92,9 @@ class GPTConfig(EnsembleOptions, ExitOptions, HaltOptions, ModOptions, FFNOption
         return cls(**{k: v for k, v in resolve_aliases(d).items() if k in names})
 
 
-# ----------------------------------------------------------------------------------------------------
-# old option names: each family lists its own (Family.aliases); they resolve by the config's route
-
-class Aliases:
-    """Every family's old option names, resolved by the route: under route='mod' the old budget is
-    mod_capacity, under 'ffn' ffn_budget; under any other route an old name means the ffn option (or the
-    one family that had it), so that the refusal of another family's options names it."""
-
-    def names(self):
-        return {key for family in FAMILIES.values() for key in family.aliases}
-
-    def resolve(self, key, value, route):
-        """(new key, new value) for an old name `key`, or None if it is not one."""
-        for family in [FAMILIES.get(route, FAMILIES['none']), FAMILIES['ffn'], *FAMILIES.values()]:
-            if key in family.aliases:
-                new = family.aliases[key]
-                if isinstance(new, tuple):             # (new name, {old value: new value})
-                    new, values = new
-                    value = values.get(value, value) if isinstance(value, str) else value
-                return new, value
-        return None
-
-
-ALIASES = Aliases()
-
-
-def resolve_aliases(d):
-    """A copy of the stored dict d (model_args, config.json) with old option names read as today's, by
-    d's own route, in d's order; where d holds both spellings of one field, the later one wins."""
-    route = d.get('route', 'none')
-    out = {}
-    for key, value in d.items():
-        key, value = ALIASES.resolve(key, value, route) or (key, value)
-        out.pop(key, None)
-        out[key] = value
-    return out
+# old option names (each family lists its own, Family.aliases), resolved by the route of the config
+ALIASES = Aliases(FAMILIES)
+resolve_aliases = ALIASES.resolve_dict      # a stored dict (model_args, config.json) with today's names
 
 
 def controlled_layer_ids(config):
