@@ -16,6 +16,7 @@ interface of routing.Family, whose defaults are the dense model. This file knows
     logits, loss = model(idx, targets)[:2]    # third element: dict of loss terms and routing stats
 """
 import math
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
@@ -98,14 +99,14 @@ resolve_aliases = ALIASES.resolve_dict      # a stored dict (model_args, config.
 
 
 def controlled_layer_ids(config):
-    """The layers whose decisions the routing family makes (ffn: routed FFNs, mod: routed blocks)."""
+    """The layers whose decisions the routing family makes (routed FFNs or routed blocks)."""
     return FAMILIES[config.route].routed_layers(config)
 
 
 def is_controller_key(name):
-    """Parameters and buffers of a routing controller rather than the backbone (gates, routers,
-    predictors, thresholds, own exit heads, ensemble norms), of any family: a stage-2 run loads the
-    backbone from a checkpoint and starts these fresh; trainable='controller' trains these."""
+    """Parameters and buffers of a routing controller rather than the backbone, of any family (each says
+    which are its own: Family.is_controller_key): a stage-2 run loads the backbone from a checkpoint and
+    starts these fresh; trainable='controller' trains these."""
     return any(family.is_controller_key(name) for family in FAMILIES.values())
 
 
@@ -189,7 +190,7 @@ class CausalSelfAttention(nn.Module):
 class Block(nn.Module):
     """Pre-LN block. The two residual updates are separate methods so routing code can gather, scale
     or replace either one per token; `forward` is the dense composition. The routing family may add
-    its own modules (a cheap FFN, a gate, a router) to a block."""
+    its own modules to a block (Family.build_block)."""
 
     def __init__(self, config, layer):
         super().__init__()
@@ -238,7 +239,7 @@ class GPT(nn.Module):
             if name.endswith('c_proj.weight'):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         self.family.init_weights(self)
-        self.exec_mode = None           # sparse eval: None (by device), 'compact' or 'static'; see forward
+        self.exec_mode = None           # sparse eval: None (by device), 'compact' or 'static' (routing.exec_mode)
 
     @staticmethod
     def _init_weights(module):
@@ -269,14 +270,10 @@ class GPT(nn.Module):
         """idx (B, T) token ids. Returns (logits, loss, aux): logits for every position when targets
         are given (or last_only=False), else for the last position only; loss is the total training
         loss (LM + the family's weighted terms); aux holds the separate terms and routing statistics
-        as tensors (no host sync): 'lm_loss', '<name>_loss', 'full_frac' (one entry per routed layer),
-        'masks' {layer: (B, T), 1 = full path / block runs}, 'tlops_saved' (families that skip blocks).
-        force: 'full' (every routing decision open: the dense model) or 'cheap'. calibrate: (eval) set
-        causal thresholds on this batch. sparse: (eval) gather/scatter execution, or masked-dense
-        (False). exec_mode: how sparse eval runs, 'compact' (gather exactly the selected tokens: host
-        syncs) or 'static' (static shapes, no host sync); None: self.exec_mode, whose None means static
-        under torch.compile or on CUDA, compact otherwise (routing.exec_mode).
-        options: the family's per-step options (family.step_options: oracle_layers, exits)."""
+        as tensors (no host sync): 'lm_loss', '<name>_loss', 'full_frac' (per routed layer), 'masks'
+        {layer: (B, T), 1 = full path / block runs}, 'tlops_saved'. force, calibrate, sparse, exec_mode
+        (None: self.exec_mode) and the family's per-step options (Family.step_options) are what this
+        forward asks of the routing family: routing.RouteCtx says what each means."""
         ctx = RouteCtx(force=force, calibrate=calibrate, sparse=sparse, targets=targets, idx=idx, pos=pos,
                        options=options, exec_mode=exec_mode if exec_mode is not None else self.exec_mode)
         self.family.begin(self, ctx)
@@ -305,8 +302,7 @@ class GPT(nn.Module):
             self.train(was_training)
 
     def controller_parameters(self):
-        """The parameters controller-only training updates (the family's controller: gates, routers,
-        predictors, own exit heads, ensemble norms and router); not the cheap FFNs (backbone)."""
+        """The parameters controller-only training updates: the family's controller, not the backbone."""
         return [p for n, p in self.named_parameters() if self.family.is_controller_key(n)]
 
     def calibrate(self, idx):
@@ -485,8 +481,8 @@ class GPT(nn.Module):
         sd, sd_hf = model.state_dict(), hf.state_dict()
         transposed = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
         keys = [k for k in sd_hf if not k.endswith(('.attn.masked_bias', '.attn.bias'))]
-        fresh = lambda k: '.cheap.' in k or is_controller_key(k)      # routing modules keep their init
-        missing = {k for k in sd if not k.endswith('.attn.bias') and not fresh(k)} - set(keys)
+        dense = re.compile(r'(lm_head|transformer\.(wte|wpe|ln_f|h\.\d+\.(ln_1|attn|ln_2|mlp)))\.')
+        missing = {k for k in sd if dense.match(k)} - set(keys)      # the family's modules keep their init
         if missing:
             raise ValueError(f"from_pretrained: no HF weights for {sorted(missing)}")
         with torch.no_grad():
