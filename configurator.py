@@ -10,8 +10,9 @@ parsed with ast.literal_eval (a bare word is taken as a string) and must have th
 type raises ConfigError naming the key and the closest valid one, before any work is done.
 
 Options renamed since (e.g. budget -> ffn_budget) keep working under their old names, with a note on
-stderr once per name: `aliases` (model.ALIASES) resolves an old name by the route the arguments end
-with, whatever their order, and an old and a new spelling of one field still apply left to right.
+stderr once per name: `aliases` (an `Aliases` over the routing families: model.ALIASES) resolves an old
+name by the route the arguments end with, whatever their order, and an old and a new spelling of one
+field still apply left to right.
 """
 import ast
 import difflib
@@ -35,6 +36,43 @@ def run_cli(main):
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+class Aliases:
+    """The old option names of a registry of routing families {route: family}, each listing its own
+    (family.aliases: {old: new} or {old: (new, {old value: new value})}). One old name can mean different
+    options under different routes (budget: ffn_budget under one, mod_capacity under another), so it
+    resolves by the route: the route's own family first, then the first family in registry order that
+    had it, so that the refusal of another family's option names the option."""
+
+    def __init__(self, families):
+        self.families = families        # held, not copied: a family registered later is seen
+
+    def names(self):
+        return {key for family in self.families.values() for key in family.aliases}
+
+    def resolve(self, key, value, route):
+        """(new key, new value) for an old name `key`, or None if it is not one."""
+        mine = self.families.get(route)
+        for family in ([mine] if mine is not None else []) + list(self.families.values()):
+            if key in family.aliases:
+                new = family.aliases[key]
+                if isinstance(new, tuple):             # (new name, {old value: new value})
+                    new, values = new
+                    value = values.get(value, value) if isinstance(value, str) else value
+                return new, value
+        return None
+
+    def resolve_dict(self, d):
+        """A copy of the stored dict d (model_args, config.json) with old option names read as today's,
+        by d's own route, in d's order; where d holds both spellings of one field, the later one wins."""
+        route = d.get('route')
+        out = {}
+        for key, value in d.items():
+            key, value = self.resolve(key, value, route) or (key, value)
+            out.pop(key, None)
+            out[key] = value
+        return out
 
 
 def _unknown(key, defaults, aliases=None, route=None):
@@ -108,7 +146,7 @@ def declared_defaults(path):
 
 def load_config(defaults, argv, aliases=None):
     """Return a new dict: `defaults` updated by the config files and --key=value items of argv. aliases
-    (model.ALIASES): accept old option names, resolved by the final route."""
+    (an Aliases, e.g. model.ALIASES): accept old option names, resolved by the final route."""
     items = []                  # (key, value, where, text of a --key=value or None), left to right
     for arg in argv:
         if not arg.startswith('--'):

@@ -16,6 +16,7 @@ interface of routing.Family, whose defaults are the dense model. This file knows
     logits, loss = model(idx, targets)[:2]    # third element: dict of loss terms and routing stats
 """
 import math
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
@@ -24,20 +25,26 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import losses
-from route_ensemble import DepthEnsemble
-from route_exit import EarlyExit
-from route_ffn import FFNRouting
-from route_halt import TokenSelectiveAttention
-from route_mod import MixtureOfDepths
+from configurator import Aliases
+from route_ensemble import DepthEnsemble, EnsembleOptions
+from route_exit import EarlyExit, ExitOptions
+from route_ffn import FFNOptions, FFNRouting
+from route_halt import HaltOptions, TokenSelectiveAttention
+from route_mod import MixtureOfDepths, ModOptions
 from routing import MLP, Family, RouteCtx
 
-# the routing families, by config.route: adding one = a file with a Family subclass + a line here
+# the routing families, by config.route: adding one = a file with a Family subclass and its options
+# dataclass, a line here and a base of GPTConfig. An old option name two families share means, under
+# a third route, the earlier family's option.
 FAMILIES = {'none': Family(), 'ffn': FFNRouting(), 'mod': MixtureOfDepths(), 'halt': TokenSelectiveAttention(),
             'exit': EarlyExit(), 'ensemble': DepthEnsemble()}
 
 
 @dataclass
-class GPTConfig:
+class GPTConfig(EnsembleOptions, ExitOptions, HaltOptions, ModOptions, FFNOptions):
+    """The dense model's fields below; each routing family's options (ffn_*, mod_*, halt_*, exit_*, ens_*)
+    are the fields of its options dataclass, declared in its own file and a base of this class. fields()
+    lists the bases' first, the last base's first (so the families' in registry order), then these."""
     block_size: int = 128
     vocab_size: int = 64
     n_layer: int = 4
@@ -48,81 +55,17 @@ class GPTConfig:
     pos: str = 'learned'      # 'learned' absolute position embeddings, or 'rope'
     rope_base: float = 10000.0
     gelu: str = 'none'        # GELU approximation: 'none' (exact) or 'tanh' (what GPT-2 checkpoints use)
-    # routing family: 'none' (dense); 'ffn' (cheap-vs-full FFN per token at controlled layers); 'halt'
-    # (TSA: a halting router after every block but the last scales the next block's updates); 'mod'
-    # (Mixture-of-Depths: top-k tokens run the routed blocks, the rest skip them); 'exit' (exit heads
-    # with deep supervision, per-token early exit at eval); 'ensemble' (late layers' logits mixed by a router)
-    route: str = 'none'
-    # route='ffn': every option carries the family's prefix
-    ffn_gate: str = 'mlp'     # 'mlp' (G1), 'jepa' (G3), 'random', 'static_full', 'static_cheap', 'oracle'
-    ffn_budget: float = 0.5   # fraction of tokens per sequence on the full path: ceil(ffn_budget·T) in training
-    ffn_layers: str = 'auto'  # routed layers: 'all', 'every_other' (1, 3, 5, ...), a list such as '0,2,5',
-                              # or 'auto' (all)
-    ffn_cheap_rank: int = 16  # rank of the cheap low-rank FFN
-    ffn_gate_hidden: int = 64         # hidden width of the gate and predictor MLPs
-    ffn_gate_grad: str = 'ste'        # how the LM loss reaches the gate: 'ste' straight-through, 'scale' MoD-style, 'none'
-    ffn_infer_rule: str = 'threshold' # causal eval decision: 'threshold' on the gate score, or 'predictor'
-    ffn_jepa_latent: int = 32         # G3 latent size
-    ffn_jepa_outcome: str = 'delta'   # G3 outcome projected by the fixed target: 'delta' (FFN update) or 'hidden'
-    ffn_jepa_readout: str = 'distance'  # G3 score: 'distance' between the two forecasts, or 'linear'
-    # auxiliary losses of the ffn family: a weight of 0 means that computation does not run
-    ffn_util_weight: float = 0.0      # utility regression onto oracle labels
-    ffn_rank_weight: float = 0.0      # pairwise rank supervision from oracle labels
-    ffn_rank_kind: str = 'logistic'   # 'logistic' or 'margin'
-    ffn_rank_margin: float = 0.1
-    ffn_rank_pairs: int = 256         # pairs sampled per sequence
-    ffn_oracle_policy: str = 'off'    # labels: 'off' (later layers all full, the paper) or 'on' (gate policy)
-    ffn_jepa_weight: float = 1.0      # λ_JEPA (G3 only)
-    ffn_predictor_weight: float = 1.0 # BCE of the membership predictor (ffn_infer_rule='predictor' only)
-    ffn_mimic_weight: float = 0.0     # cheap FFN imitates the full FFN
-    # route='mod' (Mixture-of-Depths)
-    mod_router: str = 'learned'       # 'learned' (a linear router per routed block) or 'random'
-    mod_capacity: float = 0.5         # fraction of tokens per sequence that run a routed block: ceil(c·T)
-                                      # in training (0.125 in the paper)
-    mod_layers: str = 'auto'          # routed blocks, as ffn_layers; 'auto' = every_other, as in the paper
-    mod_infer_rule: str = 'threshold' # causal eval: 'threshold' (router trained with BCE on top-k membership,
-                                      # route iff σ(r) > 0.5) or 'predictor' (a stop-gradient MLP)
-    mod_predictor_weight: float = 1.0 # BCE of the membership predictor (mod_infer_rule='predictor' only)
-    mod_predictor_hidden: int = 64    # hidden width of the predictor
-    mod_bce_weight: float = 1.0       # BCE of the router on top-k membership (mod_infer_rule='threshold')
-    # route='halt' (TSA)
-    halt_lambda: float = 0.001        # depth regulariser λ on the mean active fraction
-    halt_tau: float = 0.5             # eval: a token skips block l+1 where p_l > halt_tau
-    halt_soft_eval: bool = False      # eval with the soft (1 − p) scaling instead of hard skipping
-    halt_hard: str = 'scaled'         # hard eval: kept tokens add (1 − p)·Δ as in training, or 'binary': Δ
-    # route='exit' 
-    exit_layers: str = 'auto'         # exits after d blocks: 'auto' {2, n/2, 3n/4}, 'every' (1..n-1), or '1,3'
-    exit_head: str = 'shared'         # 'shared' final norm + LM head (LayerSkip), or 'own' norm + projection
-    exit_schedule: str = 'layerskip'  # exit-loss weights: 'uniform', 'calm' (∝ d), 'layerskip' (∝ Σ_{i≤d} i),
-                                      # or 'mean' (mean CE over exits and final layer: TSA's baseline)
-    exit_weight: float = 1.0          # Σ_d α_d (not used by 'mean')
-    exit_rotation: int = 0            # rotational curriculum: only exits with d % R == step % R; 0 = all
-    layer_dropout: float = 0.0        # LayerSkip p_max: block l skipped per sequence w.p. p_max·(2^{l/(L-1)} − 1)
-    exit_conf: str = 'softmax'        # eval confidence: 'softmax' (max prob), 'margin' (top-1 − top-2),
-                                      # 'saturation' (cosine of the hidden state to the previous layer's)
-    exit_threshold: float = 0.9       # a token exits at the first exit whose confidence ≥ this
-    # route='ensemble' 
-    ens_layers: int = 3               # the last k layers (the final one included) are mixed
-    ens_router_input: str = 'final'   # router reads ln_f(final hidden state) ('final') or the mean of the
-                                      # k normed states ('mean'); both stop-gradient
-    ens_mix: str = 'logprob'          # mix 'logit's, 'logprob's (a geometric mixture) or 'prob's
-    ens_kl: str = 'forward'           # KL(teacher ‖ mix) ('forward') or KL(mix ‖ teacher) ('reverse')
-    ens_kl_weight: float = 1.0        # λ of the distillation loss (teacher: the final layer, stop-gradient)
+    route: str = 'none'       # the routing family, a key of FAMILIES ('none': the dense model)
+    layer_dropout: float = 0.0  # LayerSkip p_max: block l skipped per sequence w.p. p_max·(2^{l/(L-1)} − 1)
 
     def __post_init__(self):
-        for key in ('block_size', 'n_layer', 'n_head', 'n_embd', 'ffn_cheap_rank', 'ffn_gate_hidden', 'ffn_jepa_latent',
-                    'ffn_rank_pairs', 'mod_predictor_hidden', 'ens_layers'):
+        for key in ('block_size', 'n_layer', 'n_head', 'n_embd'):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.vocab_size < 0:
             raise ValueError(f"vocab_size must be >= 0 (0: from the data), got {self.vocab_size}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        for key in ('ffn_util_weight', 'ffn_rank_weight', 'ffn_rank_margin', 'ffn_jepa_weight', 'ffn_predictor_weight',
-                    'ffn_mimic_weight', 'mod_predictor_weight', 'mod_bce_weight', 'halt_lambda', 'exit_weight',
-                    'ens_kl_weight', 'exit_rotation'):
-            if getattr(self, key) < 0:
-                raise ValueError(f"{key} must be >= 0, got {getattr(self, key)}")
         if self.pos not in ('learned', 'rope'):
             raise ValueError(f"pos must be 'learned' or 'rope', got {self.pos!r}")
         if self.n_embd % self.n_head:
@@ -133,9 +76,8 @@ class GPTConfig:
             raise ValueError(f"gelu must be 'none' or 'tanh', got {self.gelu!r}")
         if self.route not in FAMILIES:
             raise ValueError(f"route must be one of {tuple(FAMILIES)}, got {self.route!r}")
-        for key in ('ffn_budget', 'mod_capacity'):
-            if not 0.0 < getattr(self, key) <= 1.0:
-                raise ValueError(f"{key} must be in (0, 1], got {getattr(self, key)}")
+        for family in FAMILIES.values():        # every family's own ranges, whatever the route
+            family.check_values(self)
         if not 0.0 <= self.layer_dropout < 1.0:
             raise ValueError(f"layer_dropout must be in [0, 1), got {self.layer_dropout}")
         if self.layer_dropout > 0 and 'layer_dropout' not in FAMILIES[self.route].options:   # the blocks are routed
@@ -151,53 +93,20 @@ class GPTConfig:
         return cls(**{k: v for k, v in resolve_aliases(d).items() if k in names})
 
 
-# ----------------------------------------------------------------------------------------------------
-# old option names: each family lists its own (Family.aliases); they resolve by the config's route
-
-class Aliases:
-    """Every family's old option names, resolved by the route: under route='mod' the old budget is
-    mod_capacity, under 'ffn' ffn_budget; under any other route an old name means the ffn option (or the
-    one family that had it), so that the refusal of another family's options names it."""
-
-    def names(self):
-        return {key for family in FAMILIES.values() for key in family.aliases}
-
-    def resolve(self, key, value, route):
-        """(new key, new value) for an old name `key`, or None if it is not one."""
-        for family in [FAMILIES.get(route, FAMILIES['none']), FAMILIES['ffn'], *FAMILIES.values()]:
-            if key in family.aliases:
-                new = family.aliases[key]
-                if isinstance(new, tuple):             # (new name, {old value: new value})
-                    new, values = new
-                    value = values.get(value, value) if isinstance(value, str) else value
-                return new, value
-        return None
-
-
-ALIASES = Aliases()
-
-
-def resolve_aliases(d):
-    """A copy of the stored dict d (model_args, config.json) with old option names read as today's, by
-    d's own route, in d's order; where d holds both spellings of one field, the later one wins."""
-    route = d.get('route', 'none')
-    out = {}
-    for key, value in d.items():
-        key, value = ALIASES.resolve(key, value, route) or (key, value)
-        out.pop(key, None)
-        out[key] = value
-    return out
+# old option names (each family lists its own, Family.aliases), resolved by the route of the config
+ALIASES = Aliases(FAMILIES)
+resolve_aliases = ALIASES.resolve_dict      # a stored dict (model_args, config.json) with today's names
 
 
 def controlled_layer_ids(config):
-    """The layers whose decisions the routing family makes (ffn: routed FFNs, mod: routed blocks)."""
+    """The layers whose decisions the routing family makes (routed FFNs or routed blocks)."""
     return FAMILIES[config.route].routed_layers(config)
 
 
 def is_controller_key(name):
-    """Parameters and buffers of a routing controller rather than the backbone (gates, routers,
-    predictors, thresholds, own exit heads, ensemble norms), of any family: a stage-2 run loads the
-    backbone from a checkpoint and starts these fresh; trainable='controller' trains these."""
+    """Parameters and buffers of a routing controller rather than the backbone, of any family (each says
+    which are its own: Family.is_controller_key): a stage-2 run loads the backbone from a checkpoint and
+    starts these fresh; trainable='controller' trains these."""
     return any(family.is_controller_key(name) for family in FAMILIES.values())
 
 
@@ -281,7 +190,7 @@ class CausalSelfAttention(nn.Module):
 class Block(nn.Module):
     """Pre-LN block. The two residual updates are separate methods so routing code can gather, scale
     or replace either one per token; `forward` is the dense composition. The routing family may add
-    its own modules (a cheap FFN, a gate, a router) to a block."""
+    its own modules to a block (Family.build_block)."""
 
     def __init__(self, config, layer):
         super().__init__()
@@ -330,7 +239,7 @@ class GPT(nn.Module):
             if name.endswith('c_proj.weight'):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         self.family.init_weights(self)
-        self.exec_mode = None           # sparse eval: None (by device), 'compact' or 'static'; see forward
+        self.exec_mode = None           # sparse eval: None (by device), 'compact' or 'static' (routing.exec_mode)
 
     @staticmethod
     def _init_weights(module):
@@ -361,14 +270,10 @@ class GPT(nn.Module):
         """idx (B, T) token ids. Returns (logits, loss, aux): logits for every position when targets
         are given (or last_only=False), else for the last position only; loss is the total training
         loss (LM + the family's weighted terms); aux holds the separate terms and routing statistics
-        as tensors (no host sync): 'lm_loss', '<name>_loss', 'full_frac' (one entry per routed layer),
-        'masks' {layer: (B, T), 1 = full path / block runs}, 'tlops_saved' (families that skip blocks).
-        force: 'full' (every routing decision open: the dense model) or 'cheap'. calibrate: (eval) set
-        causal thresholds on this batch. sparse: (eval) gather/scatter execution, or masked-dense
-        (False). exec_mode: how sparse eval runs, 'compact' (gather exactly the selected tokens: host
-        syncs) or 'static' (static shapes, no host sync); None: self.exec_mode, whose None means static
-        under torch.compile or on CUDA, compact otherwise (routing.exec_mode).
-        options: the family's per-step options (family.step_options: oracle_layers, exits)."""
+        as tensors (no host sync): 'lm_loss', '<name>_loss', 'full_frac' (per routed layer), 'masks'
+        {layer: (B, T), 1 = full path / block runs}, 'tlops_saved'. force, calibrate, sparse, exec_mode
+        (None: self.exec_mode) and the family's per-step options (Family.step_options) are what this
+        forward asks of the routing family: routing.RouteCtx says what each means."""
         ctx = RouteCtx(force=force, calibrate=calibrate, sparse=sparse, targets=targets, idx=idx, pos=pos,
                        options=options, exec_mode=exec_mode if exec_mode is not None else self.exec_mode)
         self.family.begin(self, ctx)
@@ -397,8 +302,7 @@ class GPT(nn.Module):
             self.train(was_training)
 
     def controller_parameters(self):
-        """The parameters controller-only training updates (the family's controller: gates, routers,
-        predictors, own exit heads, ensemble norms and router); not the cheap FFNs (backbone)."""
+        """The parameters controller-only training updates: the family's controller, not the backbone."""
         return [p for n, p in self.named_parameters() if self.family.is_controller_key(n)]
 
     def calibrate(self, idx):
@@ -577,8 +481,8 @@ class GPT(nn.Module):
         sd, sd_hf = model.state_dict(), hf.state_dict()
         transposed = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
         keys = [k for k in sd_hf if not k.endswith(('.attn.masked_bias', '.attn.bias'))]
-        fresh = lambda k: '.cheap.' in k or is_controller_key(k)      # routing modules keep their init
-        missing = {k for k in sd if not k.endswith('.attn.bias') and not fresh(k)} - set(keys)
+        dense = re.compile(r'(lm_head|transformer\.(wte|wpe|ln_f|h\.\d+\.(ln_1|attn|ln_2|mlp)))\.')
+        missing = {k for k in sd if dense.match(k)} - set(keys)      # the family's modules keep their init
         if missing:
             raise ValueError(f"from_pretrained: no HF weights for {sorted(missing)}")
         with torch.no_grad():

@@ -7,22 +7,37 @@ distillation loss with the final layer as teacher (stop-gradient) adapts the lat
 parameter-cheap tuning on a frozen backbone (trainable='controller'). The norms start as copies of
 ln_f (after_load), so a pretrained backbone's late layers begin read out the way its final layer is.
 
-Options (GPTConfig fields): ens_layers (k, the final layer included), ens_router_input ('final':
-ln_f of the final state, or 'mean' of the k normed states), ens_mix ('logit', 'logprob' = a geometric
-mixture, 'prob' = an arithmetic one), ens_kl ('forward' KL(teacher ‖ mix) or 'reverse'), ens_kl_weight.
+Options: EnsembleOptions below (fields of model.GPTConfig).
 """
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import losses
 from gates import EnsembleRouter
-from routing import Family, add_weighted, flop_costs
+from routing import Family, add_weighted, check_at_least, flop_costs, option_names
+
+
+@dataclass
+class EnsembleOptions:
+    """The family's fields of model.GPTConfig (a base of it), with their defaults."""
+    ens_layers: int = 3               # the last k layers (the final one included) are mixed
+    ens_router_input: str = 'final'   # router reads ln_f(final hidden state) ('final') or the mean of the
+                                      # k normed states ('mean'); both stop-gradient
+    ens_mix: str = 'logprob'          # mix 'logit's, 'logprob's (a geometric mixture) or 'prob's
+    ens_kl: str = 'forward'           # KL(teacher ‖ mix) ('forward') or KL(mix ‖ teacher) ('reverse')
+    ens_kl_weight: float = 1.0        # λ of the distillation loss (teacher: the final layer, stop-gradient)
 
 
 class DepthEnsemble(Family):
-    options = ('ens_layers', 'ens_router_input', 'ens_mix', 'ens_kl', 'ens_kl_weight')
+    options = option_names(EnsembleOptions)
     routes = True
+
+    def check_values(self, config):
+        check_at_least(config, 1, ('ens_layers',))
+        check_at_least(config, 0, ('ens_kl_weight',))
 
     def validate(self, config):
         if not 1 <= config.ens_layers <= config.n_layer:

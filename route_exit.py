@@ -11,16 +11,32 @@ token whose confidence (max softmax, top-1 − top-2 margin, or hidden-state sat
 exit_threshold exits; its state is copied upward unchanged and every higher layer still computes its
 own K/V from that copy, so later tokens attend to it as to any token.
 
-Options (GPTConfig fields): exit_layers, exit_head, exit_schedule, exit_weight, exit_rotation, exit_conf,
-exit_threshold, layer_dropout.
+Options: ExitOptions below (fields of model.GPTConfig), and the model-wide layer_dropout.
 """
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import losses
-from routing import Family, flop_costs, parse_layer_list, split_apply, tlops_saved
+from routing import Family, check_at_least, flop_costs, option_names, parse_layer_list, split_apply, tlops_saved
+
+
+@dataclass
+class ExitOptions:
+    """The family's fields of model.GPTConfig (a base of it), with their defaults. LayerSkip's layer
+    dropout is the model-wide layer_dropout: the dense model reads it too."""
+    exit_layers: str = 'auto'         # exits after d blocks: 'auto' {2, n/2, 3n/4}, 'every' (1..n-1), or '1,3'
+    exit_head: str = 'shared'         # 'shared' final norm + LM head (LayerSkip), or 'own' norm + projection
+    exit_schedule: str = 'layerskip'  # exit-loss weights: 'uniform', 'calm' (∝ d), 'layerskip' (∝ Σ_{i≤d} i),
+                                      # or 'mean' (mean CE over exits and final layer: TSA's baseline)
+    exit_weight: float = 1.0          # Σ_d α_d (not used by 'mean')
+    exit_rotation: int = 0            # rotational curriculum: only exits with d % R == step % R; 0 = all
+    exit_conf: str = 'softmax'        # eval confidence: 'softmax' (max prob), 'margin' (top-1 − top-2),
+                                      # 'saturation' (cosine of the hidden state to the previous layer's)
+    exit_threshold: float = 0.9       # a token exits at the first exit whose confidence ≥ this
 
 
 class ExitHead(nn.Module):
@@ -36,10 +52,12 @@ class ExitHead(nn.Module):
 
 
 class EarlyExit(Family):
-    options = ('exit_layers', 'exit_head', 'exit_schedule', 'exit_weight', 'exit_rotation', 'exit_conf',
-               'exit_threshold', 'layer_dropout')
+    options = option_names(ExitOptions) + ('layer_dropout',)
     routes = True
     logged_stats = ('tlops_saved',)
+
+    def check_values(self, config):
+        check_at_least(config, 0, ('exit_weight', 'exit_rotation'))
 
     def validate(self, config):
         if config.n_layer < 2:

@@ -13,29 +13,50 @@ pairwise rank supervision onto oracle utility labels U_t = CE_t(cheap at l) − 
 (off-policy: later layers all full, as the paper; on-policy: later layers follow the gates), G3's JEPA
 alignment, the membership predictor's BCE, and a cheap-imitates-full term.
 
-Options (GPTConfig fields): ffn_gate, ffn_budget, ffn_layers, ffn_cheap_rank, ffn_gate_hidden,
-ffn_gate_grad, ffn_infer_rule, ffn_jepa_latent, ffn_jepa_outcome, ffn_jepa_readout, ffn_util_weight,
-ffn_rank_weight, ffn_rank_kind, ffn_rank_margin, ffn_rank_pairs, ffn_oracle_policy, ffn_jepa_weight,
-ffn_predictor_weight, ffn_mimic_weight; of the training loop: ffn_oracle_layers_per_step, calib_iters.
+Options: FFNOptions below (fields of model.GPTConfig); of the training loop: ffn_oracle_layers_per_step,
+calib_iters.
 """
 import random
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 
 import losses
 from gates import GATES, JEPAGate, MembershipPredictor, MLPGate, capacity, straight_through, topk_mask
-from routing import (MLP, Family, RouteCtx, add_weighted, flop_costs, parse_layer_list, routed_report_lines,
-                     split_apply)
+from routing import (MLP, Family, RouteCtx, add_weighted, check_at_least, check_fraction, flop_costs, option_names,
+                     parse_layer_list, routed_report_lines, split_apply)
+
+
+@dataclass
+class FFNOptions:
+    """The family's fields of model.GPTConfig (a base of it), with their defaults."""
+    ffn_gate: str = 'mlp'     # 'mlp' (G1), 'jepa' (G3), 'random', 'static_full', 'static_cheap', 'oracle'
+    ffn_budget: float = 0.5   # fraction of tokens per sequence on the full path: ceil(ffn_budget·T) in training
+    ffn_layers: str = 'auto'  # routed layers: 'all', 'every_other' (1, 3, 5, ...), a list such as '0,2,5',
+                              # or 'auto' (all)
+    ffn_cheap_rank: int = 16  # rank of the cheap low-rank FFN
+    ffn_gate_hidden: int = 64         # hidden width of the gate and predictor MLPs
+    ffn_gate_grad: str = 'ste'        # how the LM loss reaches the gate: 'ste' straight-through, 'scale' MoD-style, 'none'
+    ffn_infer_rule: str = 'threshold' # causal eval decision: 'threshold' on the gate score, or 'predictor'
+    ffn_jepa_latent: int = 32         # G3 latent size
+    ffn_jepa_outcome: str = 'delta'   # G3 outcome projected by the fixed target: 'delta' (FFN update) or 'hidden'
+    ffn_jepa_readout: str = 'distance'  # G3 score: 'distance' between the two forecasts, or 'linear'
+    # auxiliary losses: a weight of 0 means that computation does not run
+    ffn_util_weight: float = 0.0      # utility regression onto oracle labels
+    ffn_rank_weight: float = 0.0      # pairwise rank supervision from oracle labels
+    ffn_rank_kind: str = 'logistic'   # 'logistic' or 'margin'
+    ffn_rank_margin: float = 0.1
+    ffn_rank_pairs: int = 256         # pairs sampled per sequence
+    ffn_oracle_policy: str = 'off'    # labels: 'off' (later layers all full, the paper) or 'on' (gate policy)
+    ffn_jepa_weight: float = 1.0      # λ_JEPA (G3 only)
+    ffn_predictor_weight: float = 1.0 # BCE of the membership predictor (ffn_infer_rule='predictor' only)
+    ffn_mimic_weight: float = 0.0     # cheap FFN imitates the full FFN
 
 
 class FFNRouting(Family):
-    options = ('ffn_gate', 'ffn_budget', 'ffn_layers', 'ffn_cheap_rank', 'ffn_gate_hidden', 'ffn_gate_grad', 'ffn_infer_rule',
-               'ffn_jepa_latent', 'ffn_jepa_outcome', 'ffn_jepa_readout', 'ffn_util_weight', 'ffn_rank_weight', 'ffn_rank_kind', 'ffn_rank_margin',
-               'ffn_rank_pairs', 'ffn_oracle_policy', 'ffn_jepa_weight', 'ffn_predictor_weight', 'ffn_mimic_weight',
-               'ffn_oracle_layers_per_step', 'calib_iters')
+    options = option_names(FFNOptions) + ('ffn_oracle_layers_per_step', 'calib_iters')   # + the training loop's
     # the names these options had before they took the family's prefix (config files, checkpoints)
     aliases = {'gate': 'ffn_gate', 'budget': 'ffn_budget', 'controlled_layers': 'ffn_layers',
                'cheap_rank': 'ffn_cheap_rank', 'gate_hidden': 'ffn_gate_hidden', 'gate_grad': 'ffn_gate_grad',
@@ -49,6 +70,12 @@ class FFNRouting(Family):
     spelled_options = ('ffn_layers',)   # 'auto' and 'all' are the same layers
     routes = True
     logged_stats = ('jepa_pred_std', 'utility_mean')
+
+    def check_values(self, config):
+        check_at_least(config, 1, ('ffn_cheap_rank', 'ffn_gate_hidden', 'ffn_jepa_latent', 'ffn_rank_pairs'))
+        check_at_least(config, 0, ('ffn_util_weight', 'ffn_rank_weight', 'ffn_rank_margin', 'ffn_jepa_weight',
+                                   'ffn_predictor_weight', 'ffn_mimic_weight'))
+        check_fraction(config, 'ffn_budget')
 
     def option_meaning(self, config, key):
         return self.routed_layers(config) if key == 'ffn_layers' else getattr(config, key)

@@ -10,20 +10,34 @@ p_l > halt_tau; kept tokens add (1 − p_l)·Δ as in training ('scaled') or the
 skipped token's K/V are still computed, so later tokens attend to it as in training; sparse eval runs
 the FFN on the kept tokens only. force='full' keeps every update whole (the dense model).
 
-Options (GPTConfig fields): halt_lambda, halt_tau, halt_soft_eval, halt_hard.
+Options: HaltOptions below (fields of model.GPTConfig).
 """
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn as nn
 
 from gates import HaltingRouter
-from routing import Family, add_weighted, flop_costs, split_apply, tlops_saved
+from routing import Family, add_weighted, check_at_least, flop_costs, option_names, split_apply, tlops_saved
+
+
+@dataclass
+class HaltOptions:
+    """The family's fields of model.GPTConfig (a base of it), with their defaults."""
+    halt_lambda: float = 0.001        # depth regulariser λ on the mean active fraction
+    halt_tau: float = 0.5             # eval: a token skips block l+1 where p_l > halt_tau
+    halt_soft_eval: bool = False      # eval with the soft (1 − p) scaling instead of hard skipping
+    halt_hard: str = 'scaled'         # hard eval: kept tokens add (1 − p)·Δ as in training, or 'binary': Δ
 
 
 class TokenSelectiveAttention(Family):
-    options = ('halt_lambda', 'halt_tau', 'halt_soft_eval', 'halt_hard')
+    options = option_names(HaltOptions)
     routes = True
     logged_stats = ('tlops_saved', 'alpha')
+
+    def check_values(self, config):
+        check_at_least(config, 0, ('halt_lambda',))
 
     def validate(self, config):
         if config.n_layer < 2:

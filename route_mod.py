@@ -9,24 +9,35 @@ original order. Eval (causal): selected where σ(r) > 0.5 (the router trained wi
 membership) or where a stop-gradient membership predictor says so. σ(r) rather than the raw r
 multiplies the update: a raw logit multiplied into the residual can blow up.
 
-Options (GPTConfig fields): mod_router ('learned' = the linear router, or 'random'), mod_capacity (0.125
-in the paper), mod_layers ('auto' = every other block), mod_infer_rule ('threshold' = σ(r) > 0.5, or
-'predictor'), mod_bce_weight, mod_predictor_weight, mod_predictor_hidden (the predictor's width).
+Options: ModOptions below (fields of model.GPTConfig).
 """
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 import losses
 from gates import MembershipPredictor, ModRouter, capacity, topk_mask
 from route_ffn import controlled_layer_ids
-from routing import (Family, add_weighted, exec_mode, flop_costs, gather_rows, routed_report_lines, split_apply,
-                     tlops_saved)
+from routing import (Family, add_weighted, check_at_least, check_fraction, exec_mode, flop_costs, gather_rows,
+                     option_names, routed_report_lines, split_apply, tlops_saved)
+
+
+@dataclass
+class ModOptions:
+    """The family's fields of model.GPTConfig (a base of it), with their defaults."""
+    mod_router: str = 'learned'       # 'learned' (a linear router per routed block) or 'random'
+    mod_capacity: float = 0.5         # fraction of tokens per sequence that run a routed block: ceil(c·T)
+                                      # in training (0.125 in the paper)
+    mod_layers: str = 'auto'          # routed blocks, as ffn_layers; 'auto' = every_other, as in the paper
+    mod_infer_rule: str = 'threshold' # causal eval: 'threshold' (router trained with BCE on top-k membership,
+                                      # route iff σ(r) > 0.5) or 'predictor' (a stop-gradient MLP)
+    mod_predictor_weight: float = 1.0 # BCE of the membership predictor (mod_infer_rule='predictor' only)
+    mod_predictor_hidden: int = 64    # hidden width of the predictor
+    mod_bce_weight: float = 1.0       # BCE of the router on top-k membership (mod_infer_rule='threshold')
 
 
 class MixtureOfDepths(Family):
-    options = ('mod_router', 'mod_capacity', 'mod_layers', 'mod_infer_rule', 'mod_predictor_weight', 'mod_predictor_hidden',
-               'mod_bce_weight')
+    options = option_names(ModOptions)
     # the names these options had when MoD shared the ffn family's (its learned router was the gate 'mlp')
     aliases = {'budget': 'mod_capacity', 'controlled_layers': 'mod_layers', 'gate': ('mod_router', {'mlp': 'learned'}),
                'infer_rule': 'mod_infer_rule', 'predictor_weight': 'mod_predictor_weight',
@@ -35,6 +46,11 @@ class MixtureOfDepths(Family):
     spelled_options = ('mod_layers',)   # 'auto' and 'every_other' are the same layers
     routes = True
     logged_stats = ('tlops_saved',)
+
+    def check_values(self, config):
+        check_at_least(config, 1, ('mod_predictor_hidden',))
+        check_at_least(config, 0, ('mod_predictor_weight', 'mod_bce_weight'))
+        check_fraction(config, 'mod_capacity')
 
     def validate(self, config):
         if config.mod_router not in ('learned', 'random'):

@@ -6,11 +6,13 @@ execution (gather the selected tokens, compute, scatter back).
 A family is a class with these methods; model.py holds the registry {route: family} and calls them.
 A family file (route_ffn.py, route_mod.py, ...) overrides only what it changes:
 
-    options                        the config fields it reads (another family's are refused)
+    options                        the config fields it reads (another family's are refused): its options
+                                   dataclass's fields (declared in its file, a base of model.GPTConfig)
     aliases                        its options' old names: {old: new}, or {old: (new, {old value: new value})}
     budget_field                   the field that sets the fraction of tokens on the expensive path (ffn,
                                    mod), read and set through budget(config) and with_budget(config, b)
-    validate(config)               refuse bad options of this family (ValueError naming the field)
+    check_values(config)           refuse out-of-range values of its own fields, whatever the route
+    validate(config)               refuse bad options of this family when it routes (ValueError naming the field)
     routed_layers(config)          the layers whose decisions it makes (ffn, mod), else []
     build_block(block, config, layer)  add its per-block modules (cheap FFN, gate, router) to a block
     build(model)                   add its model-level modules (halting routers, exit heads, norms)
@@ -41,7 +43,7 @@ A family file (route_ffn.py, route_mod.py, ...) overrides only what it changes:
                                    step's backward, oracle_flops(config, T, **options) of its no-grad passes
 """
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.nn as nn
@@ -89,7 +91,7 @@ class RouteCtx:
 class Family:
     """The dense model: the default of every hook."""
     options = ('layer_dropout',)        # the config fields this family reads (others' are refused)
-    aliases = {}                        # old names of those fields, still accepted (model.resolve_aliases)
+    aliases = {}                        # old names of those fields, still accepted (configurator.Aliases)
     budget_field = None                 # ffn: 'ffn_budget', mod: 'mod_capacity'; None: no budget
 
     def budget(self, config):
@@ -101,6 +103,9 @@ class Family:
         if not self.budget_field:
             raise ValueError(f"route={config.route!r} has no budget")
         return replace(config, **{self.budget_field: b})
+
+    def check_values(self, config):
+        pass
 
     def validate(self, config):
         pass
@@ -215,6 +220,25 @@ class Family:
     def oracle_flops(self, config, T, **options):
         """No-grad passes a training step runs beside its forward and backward (ffn's oracle labels)."""
         return 0
+
+
+def option_names(options):
+    """The field names of a family's options dataclass, in declaration order."""
+    return tuple(f.name for f in fields(options))
+
+
+def check_at_least(config, low, keys):
+    """Refuse any field in keys below low: every config is checked, whatever its route, so that a bad
+    value is caught where it is given, not when a run switches to the family that reads it."""
+    for key in keys:
+        if getattr(config, key) < low:
+            raise ValueError(f"{key} must be >= {low}, got {getattr(config, key)}")
+
+
+def check_fraction(config, key):
+    """Refuse a fraction of tokens outside (0, 1]."""
+    if not 0.0 < getattr(config, key) <= 1.0:
+        raise ValueError(f"{key} must be in (0, 1], got {getattr(config, key)}")
 
 
 def routed_report_lines(r):
