@@ -25,8 +25,8 @@ import torch.nn as nn
 
 import losses
 from gates import GATES, JEPAGate, MembershipPredictor, MLPGate, capacity, straight_through, topk_mask
-from routing import (MLP, Family, RouteCtx, add_weighted, check_at_least, check_fraction, flop_costs, option_names,
-                     parse_layer_list, routed_report_lines, split_apply)
+from routing import (MLP, Family, RouteCtx, add_weighted, check_at_least, check_fraction, flop_costs, layer_ids,
+                     option_names, routed_report_lines, split_apply)
 
 
 @dataclass
@@ -58,14 +58,8 @@ class FFNOptions:
 class FFNRouting(Family):
     options = option_names(FFNOptions) + ('ffn_oracle_layers_per_step', 'calib_iters')   # + the training loop's
     # the names these options had before they took the family's prefix (config files, checkpoints)
-    aliases = {'gate': 'ffn_gate', 'budget': 'ffn_budget', 'controlled_layers': 'ffn_layers',
-               'cheap_rank': 'ffn_cheap_rank', 'gate_hidden': 'ffn_gate_hidden', 'gate_grad': 'ffn_gate_grad',
-               'infer_rule': 'ffn_infer_rule', 'jepa_latent': 'ffn_jepa_latent', 'jepa_outcome': 'ffn_jepa_outcome',
-               'jepa_readout': 'ffn_jepa_readout', 'util_weight': 'ffn_util_weight', 'rank_weight': 'ffn_rank_weight',
-               'rank_kind': 'ffn_rank_kind', 'rank_margin': 'ffn_rank_margin', 'rank_pairs': 'ffn_rank_pairs',
-               'oracle_policy': 'ffn_oracle_policy', 'jepa_weight': 'ffn_jepa_weight',
-               'predictor_weight': 'ffn_predictor_weight', 'mimic_weight': 'ffn_mimic_weight',
-               'oracle_layers_per_step': 'ffn_oracle_layers_per_step'}
+    aliases = {name[4:]: name for name in options if name.startswith('ffn_') and name != 'ffn_layers'}
+    aliases['controlled_layers'] = 'ffn_layers'
     budget_field = 'ffn_budget'
     spelled_options = ('ffn_layers',)   # 'auto' and 'all' are the same layers
     routes = True
@@ -91,7 +85,7 @@ class FFNRouting(Family):
                              f"{config.n_layer}-layer model")
 
     def routed_layers(self, config):
-        return controlled_layer_ids(config, default='all')
+        return layer_ids(config, 'ffn_layers', default='all')
 
     def build_block(self, block, config, layer):
         if layer not in self.routed_layers(config):
@@ -281,21 +275,6 @@ def _suffix(config, l, c):
     return (config.n_layer - 1 - l) * (c['attn_proj'] + c['attn_core'] + c['full']) + c['head']
 
 
-def controlled_layer_ids(config, default, field='ffn_layers'):
-    """The layers named by ffn_layers: 'all', 'every_other' (1, 3, 5, ...), a list such as
-    '0,2,5', or 'auto' (the family's default)."""
-    L, spec = config.n_layer, str(getattr(config, field))
-    if spec == 'auto':
-        spec = default
-    if spec == 'all':
-        return list(range(L))
-    if spec == 'every_other':
-        return list(range(1, L, 2))        # may be empty for L = 1: validate refuses that
-    if any(c not in '0123456789, ' for c in spec):
-        raise ValueError(f"{field} must be 'auto', 'all', 'every_other' or e.g. '0,2,5', got {spec!r}")
-    return parse_layer_list(spec, 0, L - 1, field)
-
-
 # ----------------------------------------------------------------------------------------------------
 # the routed FFN of one block
 
@@ -357,7 +336,7 @@ def routed_ffn_update(block, cfg, x, ctx):
 
 
 def collect_losses(block, cfg, ctx, x, h, full, cheap, mask, preds):
-    n = len(controlled_layer_ids(cfg, default='all'))
+    n = len(layer_ids(cfg, 'ffn_layers', default='all'))
     if preds is not None:           # collapse monitor (A1): spread of the forecasts across tokens
         ctx.add('jepa_pred_std', torch.cat(preds, -1).detach().flatten(0, 1).std(0, correction=0).mean() / n)
     if preds is not None and cfg.ffn_jepa_weight > 0:

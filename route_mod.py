@@ -17,8 +17,7 @@ import torch
 
 import losses
 from gates import MembershipPredictor, ModRouter, capacity, topk_mask
-from route_ffn import controlled_layer_ids
-from routing import (Family, add_weighted, check_at_least, check_fraction, exec_mode, flop_costs, gather_rows,
+from routing import (Family, add_weighted, check_at_least, check_fraction, exec_mode, flop_costs, gather_rows, layer_ids,
                      option_names, routed_report_lines, split_apply, tlops_saved)
 
 
@@ -63,7 +62,7 @@ class MixtureOfDepths(Family):
                              f"{config.n_layer}-layer model")
 
     def routed_layers(self, config):
-        return controlled_layer_ids(config, default='every_other', field='mod_layers')
+        return layer_ids(config, 'mod_layers', default='every_other')
 
     def build_block(self, block, config, layer):
         if layer not in self.routed_layers(config):
@@ -189,7 +188,7 @@ def mod_block(block, cfg, x, pos, cache, ctx):
             mask = (block.predictor(x) if block.predictor is not None else r) > 0     # σ(·) > 0.5
             if ctx.collect:           # agreement of the causal decision with top-k (non-causal)
                 ctx.add('mod_acc', (mask == topk_mask(r, capacity(cfg.mod_capacity, T))).float().mean()
-                        / len(controlled_layer_ids(cfg, default='every_other', field='mod_layers')))
+                        / len(layer_ids(cfg, 'mod_layers', default='every_other')))
         if not ctx.sparse:
             out = mod_masked(block, x, pos, cache, mask, r)
         elif exec_mode(x, ctx.exec_mode) == 'static':

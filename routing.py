@@ -363,6 +363,21 @@ def gather_rows(x, idx):
     return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(*idx.shape, *x.shape[2:]))
 
 
+def layer_ids(config, field, default):
+    """The layers named by a family's layers option `field` (ffn_layers, mod_layers): 'all',
+    'every_other' (1, 3, 5, ...), a list such as '0,2,5', or 'auto' (the family's `default`)."""
+    L, spec = config.n_layer, str(getattr(config, field))
+    if spec == 'auto':
+        spec = default
+    if spec == 'all':
+        return list(range(L))
+    if spec == 'every_other':
+        return list(range(1, L, 2))        # may be empty for L = 1: validate refuses that
+    if any(c not in '0123456789, ' for c in spec):
+        raise ValueError(f"{field} must be 'auto', 'all', 'every_other' or e.g. '0,2,5', got {spec!r}")
+    return parse_layer_list(spec, 0, L - 1, field)
+
+
 def parse_layer_list(spec, lo, hi, what):
     """'0,2,5' -> [0, 2, 5], each in lo..hi; ValueError naming `what` otherwise."""
     try:
