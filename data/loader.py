@@ -20,14 +20,17 @@ class DataError(UserError):
     """Data that is missing, incomplete, corrupt or not the run's own; the message says what to do."""
 
 
+BUILTIN = ('synthetic', 'synthetic_lookup')      # generated here, so prepared on first use
+
+
 def load_dataset_meta(cfg, master):
     """Check data/<dataset> is completely prepared (preparing the built-in synthetic corpus if absent)
     and return its meta.json."""
     folder = os.path.join(cfg.data_dir or DATA_DIR, cfg.dataset)
-    if cfg.dataset == 'synthetic' and not os.path.exists(os.path.join(folder, 'meta.json')):
+    if cfg.dataset in BUILTIN and not os.path.exists(os.path.join(folder, 'meta.json')):
         if master:
-            print(f"no synthetic corpus at {folder}: preparing it (python data/prepare.py synthetic)")
-            prep.prepare('synthetic', out_dir=folder)
+            print(f"no {cfg.dataset} corpus at {folder}: preparing it (python data/prepare.py {cfg.dataset})")
+            prep.prepare(cfg.dataset, out_dir=folder)
         else:                        # DDP: rank 0 prepares (meta.json is written last); the others wait
             deadline = time.time() + 600
             while not os.path.exists(os.path.join(folder, 'meta.json')) and time.time() < deadline:

@@ -73,6 +73,8 @@ TIKTOKEN_FILES = {"vocab.bpe": "6d1cbeee0f20b3d9449abfede4726ed8212e3aee",
 COMMON_DEFAULTS = {"dtype": "auto"}
 DEFAULTS = {
     "synthetic": {"seed": 1337, "num_tokens": 2_000_000, "mix": "copy=0.3,count=0.2,noise=0.2,add=0.3"},
+    # the same grammar with lookup segments, whose values only a memorised table predicts: the FFN's job
+    "synthetic_lookup": {"seed": 1337, "num_tokens": 2_000_000, "mix": "copy=0.2,count=0.1,noise=0.1,add=0.2,lookup=0.4"},
     "shakespeare_char": {"input": None},
     "enwik8": {"input": None},
     "fineweb_edu": {"input": None, "max_docs": 100_000, "val_fraction": 0.005},
@@ -87,10 +89,14 @@ class PrepareError(Exception):
 # ----------------------------------------------------------------------------- synthetic corpus
 SYMBOLS = list("0123456789abcdefghijklmnop|CNRA>+=")
 SEP, GT, PLUS, EQ = (SYMBOLS.index(c) for c in "|>+=")
-KINDS = ["copy", "count", "noise", "add"]
-KIND_TOKENS = [SYMBOLS.index(c) for c in "CNRA"]
+KINDS = ["copy", "count", "noise", "add", "lookup"]
+# 'L' (the lookup kind) and the 'recall' class exist only in corpora whose mix has lookup segments, so
+# the default corpus keeps its 34 tokens and 5 classes
+KIND_TOKENS = [SYMBOLS.index(c) for c in "CNRA"] + [len(SYMBOLS)]
+LOOKUP_SYMBOLS = SYMBOLS + ["L"]
 DIFFICULTY_CLASSES = ["structure", "trivial", "noise", "hard", "header"]
-STRUCT, TRIVIAL, NOISE, HARD, HEADER = range(5)
+LOOKUP_CLASSES = DIFFICULTY_CLASSES + ["recall"]
+STRUCT, TRIVIAL, NOISE, HARD, HEADER, RECALL = range(6)
 
 
 def parse_mix(mix):
@@ -110,16 +116,26 @@ def parse_mix(mix):
     return w / w.sum()
 
 
-def generate_synthetic(num_tokens, seed, mix=DEFAULTS["synthetic"]["mix"]):
-    """Whole segments until >= num_tokens tokens; seed is an int or a list of ints (numpy SeedSequence).
-    Returns (tokens, difficulty), two uint8 arrays of the same length."""
+def lookup_table(seed):
+    """The lookup kind's fixed table: a pair of letters -> a letter, the same in every split of a corpus."""
+    return np.random.default_rng([seed, 7]).integers(10, 26, size=(26, 26)).tolist()
+
+
+def generate_synthetic(num_tokens, seed, mix=DEFAULTS["synthetic"]["mix"], table=None):
+    """Whole segments until >= num_tokens tokens; seed is an int or a list of ints (numpy SeedSequence);
+    table: lookup_table(...) for mixes with lookup segments. Returns (tokens, difficulty), two uint8
+    arrays of the same length."""
     probs, rng = parse_mix(mix), np.random.default_rng(seed)
+    if probs[4] > 0 and table is None:
+        table = lookup_table(0)
     toks, cls = [], []
     while len(toks) < num_tokens:
         n_seg = 16 + (num_tokens - len(toks)) // 8  # more than needed; unused draws are dropped
-        kinds, lens = rng.choice(4, size=n_seg, p=probs).tolist(), rng.integers(1, 10, size=n_seg).tolist()
+        kinds, lens = rng.choice(5, size=n_seg, p=probs).tolist(), rng.integers(1, 10, size=n_seg).tolist()
         letters, pl = rng.integers(10, 26, size=9 * n_seg).tolist(), 0
         digits, pd = rng.integers(0, 10, size=18 * n_seg).tolist(), 0
+        # drawn last and only for lookup mixes, so the other mixes' streams are what they always were
+        keys, pk = (rng.integers(10, 26, size=18 * n_seg).tolist() if probs[4] > 0 else []), 0
         for kind, n in zip(kinds, lens):
             if kind == 0:    # copy
                 x, pl = letters[pl:pl + n], pl + n
@@ -129,6 +145,12 @@ def generate_synthetic(num_tokens, seed, mix=DEFAULTS["synthetic"]["mix"]):
                 body, c = [s] + [(s + i) % 10 for i in range(1, n + 1)], [NOISE] + [TRIVIAL] * n
             elif kind == 2:  # noise
                 body, pl, c = letters[pl:pl + n], pl + n, [NOISE] * n
+            elif kind == 4:  # lookup: n key pairs, each followed by its value in the fixed table
+                body, c = [], []
+                for a, b in zip(keys[pk:pk + 2 * n:2], keys[pk + 1:pk + 2 * n:2]):
+                    body += [a, b, table[a][b]]
+                    c += [NOISE, NOISE, RECALL]
+                pk += 2 * n
             else:            # add, least-significant digit first
                 a, b, pd = digits[pd:pd + n], digits[pd + n:pd + 2 * n], pd + 2 * n
                 total, carry = [], 0
@@ -151,15 +173,17 @@ def build_synthetic(a):
         raise PrepareError(f"--num_tokens {n}: a split would be empty; use at least 10")
     if seed < 0:
         raise PrepareError(f"--seed {seed}: must be >= 0")
+    lookup = parse_mix(a["mix"])[4] > 0
+    itos, classes = (LOOKUP_SYMBOLS, LOOKUP_CLASSES) if lookup else (SYMBOLS, DIFFICULTY_CLASSES)
     splits, diff, h = {}, {}, hashlib.sha256()
     for i, (split, target) in enumerate([("train", n_train), ("val", n - n_train)]):
-        splits[split], diff[split] = generate_synthetic(target, [seed, i], a["mix"])
-        h.update(to_array(splits[split], len(SYMBOLS), a["dtype"]).tobytes())
-    meta = {"tokenizer": "synthetic", "vocab_size": len(SYMBOLS), "itos": SYMBOLS, "source": "builtin",
+        splits[split], diff[split] = generate_synthetic(target, [seed, i], a["mix"], table=lookup_table(seed))
+        h.update(to_array(splits[split], len(itos), a["dtype"]).tobytes())
+    meta = {"tokenizer": "synthetic", "vocab_size": len(itos), "itos": itos, "source": "builtin",
             "source_sha256": h.hexdigest(),
             "split": "90/10: train and val are separate streams of whole segments, seeds (seed,0) and (seed,1)",
-            "difficulty_classes": DIFFICULTY_CLASSES,
-            "difficulty_counts": {s: dict(zip(DIFFICULTY_CLASSES, np.bincount(d, minlength=5).tolist()))
+            "difficulty_classes": classes,
+            "difficulty_counts": {s: dict(zip(classes, np.bincount(d, minlength=len(classes)).tolist()))
                                   for s, d in diff.items()}}
     extra = {f"{s}_difficulty": d for s, d in diff.items()}
     return splits, extra, meta
@@ -376,7 +400,8 @@ def build_fineweb_edu(a):
     return splits, {}, meta
 
 
-BUILDERS = {"synthetic": build_synthetic, "shakespeare_char": build_shakespeare_char, "enwik8": build_enwik8,
+BUILDERS = {"synthetic": build_synthetic, "synthetic_lookup": build_synthetic, "shakespeare_char": build_shakespeare_char,
+            "enwik8": build_enwik8,
             "fineweb_edu": build_fineweb_edu, "text": build_text}
 
 
