@@ -1,6 +1,7 @@
 """Prepare a dataset for nanodepth: token ids in flat binary files plus meta.json.
 
     python data/prepare.py synthetic [--seed 1337] [--num_tokens 2000000] [--mix copy=0.3,count=0.2,noise=0.2,add=0.3]
+    python data/prepare.py synthetic_lookup [--mix copy=0.2,count=0.1,noise=0.1,add=0.2,lookup=0.4]
     python data/prepare.py shakespeare_char [--input FILE]      # default ../shared/data/tinyshakespeare.txt, else download
     python data/prepare.py enwik8 [--input enwik8|enwik8.zip]   # else download mattmahoney.net/dc/enwik8.zip
     python data/prepare.py fineweb_edu [--input F.parquet|F.jsonl|F.txt] [--max_docs 100000] [--val_fraction 0.005]
@@ -31,8 +32,13 @@ a kind letter and a length digit L in 1..9 (both sampled: the kind from --mix, L
     add    A L a1..aL + b1..bL = c1..cL+1 a, b: uniform random digits; c = a + b; all three numbers
                                           are written least-significant digit first, c has L+1 digits
                                           (the last is the final carry, possibly 0)
-e.g. "C3kap>kap|N478901|R2fp|A247+38=751|" (74 + 83 = 157). Each split is its own stream of whole
-segments (train from seed (seed, 0), val from (seed, 1)), stopped once it holds >= its share
+    lookup L L k1 k1' v1 .. kL kL' vL     k, k': uniform random letters; v = table[k][k'], a fixed
+                                          letter table drawn from the corpus seed (lookup_table)
+e.g. "C3kap>kap|N478901|R2fp|A247+38=751|" (74 + 83 = 157). The lookup kind is in the mix of
+synthetic_lookup only (`python data/prepare.py synthetic_lookup`; 35 tokens with "L"), whose values
+only a memorised 256-entry table predicts: work for a full-width FFN that a low-rank one cannot do.
+Each split is its own stream of whole segments (train from seed (seed, 0), val from (seed, 1)),
+stopped once it holds >= its share
 (90/10) of --num_tokens. train_difficulty.bin / val_difficulty.bin (uint8, one per token) give the
 class of the TARGET token i, i.e. how hard token i is to predict from tokens < i:
     0 structure  "|", ">", "+", "=": their place is fixed by the kind and L
@@ -40,6 +46,7 @@ class of the TARGET token i, i.e. how hard token i is to predict from tokens < i
     2 noise      the random letters x and digits s, a, b: best loss is log 16 resp. log 10
     3 hard       the sum digits c: multi-digit addition with carries
     4 header     the kind letter and L: sampled from the mix and from 1..9
+    5 recall     the lookup values v (synthetic_lookup only): a function of the two letters before
 """
 import argparse
 import contextlib
@@ -401,8 +408,7 @@ def build_fineweb_edu(a):
 
 
 BUILDERS = {"synthetic": build_synthetic, "synthetic_lookup": build_synthetic, "shakespeare_char": build_shakespeare_char,
-            "enwik8": build_enwik8,
-            "fineweb_edu": build_fineweb_edu, "text": build_text}
+            "enwik8": build_enwik8, "fineweb_edu": build_fineweb_edu, "text": build_text}
 
 
 # ----------------------------------------------------------------------------- writing and checking
