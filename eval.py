@@ -7,8 +7,14 @@ per difficulty class.
     python eval.py --ckpt out/quickstart/ckpt.pt --json
     python eval.py --ckpt=out/quickstart/ckpt.pt --eval_iters=50 --device=cpu
     python eval.py --ckpt out/quickstart/ckpt.pt --routing-map [--out FILE.png]
+    python eval.py --ckpt out/ffn_stage1_lookup/ckpt.pt --room [--json]
 
 eval_iters / calib_iters / batch_size default to the run's own values (0 = from the checkpoint).
+
+--room: how much routing can matter for this backbone on the same validation batches (room()): the
+loss with every decision forced full and forced cheap and, for the ffn family, under random and oracle
+routing at the budget; room = cheap − full, gate_room = random − oracle. Studies (sweep.py) report it
+beside their arm differences.
 
 --routing-map: which path each token of a validation snippet (the first row of the first eval batch,
 up to 64 tokens) took at each layer under causal eval-mode routing, printed as text ('#' full path,
@@ -23,7 +29,7 @@ train.py uses the functions here for its periodic evals and its end-of-run summa
 import json
 import os
 import sys
-from contextlib import nullcontext, redirect_stdout
+from contextlib import contextmanager, nullcontext, redirect_stdout
 from dataclasses import fields
 from types import SimpleNamespace
 
@@ -214,8 +220,10 @@ def print_routing_map(res, as_json):
 
 
 def main(argv):
-    as_json, routing = '--json' in argv, '--routing-map' in argv
-    argv = [a for a in argv if a not in ('--json', '--routing-map')]
+    as_json, routing, room_only = '--json' in argv, '--routing-map' in argv, '--room' in argv
+    if routing and room_only:
+        raise ConfigError("--room and --routing-map are separate reports: give one of them")
+    argv = [a for a in argv if a not in ('--json', '--routing-map', '--room')]
     for flag in ('--ckpt', '--out'):           # also accept the space-separated form: --ckpt PATH
         if flag in argv[:-1]:
             i = argv.index(flag)
@@ -249,6 +257,8 @@ def main(argv):
             res = routing_map_report(model, tr, va, meta, eval_iters, calib_iters, eval_seed=cfg.eval_seed)
             png = args['out'] or os.path.join(os.path.dirname(args['ckpt']), 'routing_map.png')
             res['png'] = draw_routing_map(png, map_grid(res), res['tokens'], res.get('full_frac_by_class'))
+        elif room_only:
+            res = room(model, [va.fetch(s) for s in va.eval_batches(eval_iters, 2, cfg.eval_seed)])
         else:
             res = report(model, tr, va, meta, eval_iters, calib_iters, eval_seed=cfg.eval_seed)
     res['ckpt'] = args['ckpt']
@@ -257,6 +267,42 @@ def main(argv):
     else:
         print(json.dumps(res) if as_json else json.dumps(res, indent=2))
     return 0
+
+
+@contextmanager
+def overridden(config, overrides):
+    """config's fields set to overrides for the duration (the model reads its config at every forward)."""
+    old = {k: getattr(config, k) for k in overrides}
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(config, k, v)
+
+
+@torch.no_grad()
+def room(model, batches, autocast=nullcontext(), seed=0):
+    """How much routing can matter on these batches, for this backbone: the val loss with every routed
+    decision forced full and forced cheap (the family's references), and under each of its room rules
+    (ffn: random and oracle routing at the budget; the oracle peeks at the targets, so it bounds what a
+    causal gate can reach). room = cheap − full; gate_room = random − oracle, what a learned gate can
+    gain over chance at the budget; oracle_recovery = the share of the room oracle routing recovers."""
+    family = model.family
+    out = {force: evaluate(model, batches, autocast, force=force)['loss'] for force in family.references}
+    for name, overrides in family.room_rules.items():
+        torch.manual_seed(seed)                     # the random rule's draws
+        with overridden(model.config, overrides):
+            r = evaluate(model, batches, autocast)
+        out[name], out[f'{name}_full_frac'] = r['loss'], r['full_frac']
+    if {'full', 'cheap'} <= set(out):
+        out['room'] = out['cheap'] - out['full']
+    if {'random', 'oracle'} <= set(out):
+        out['gate_room'] = out['random'] - out['oracle']
+    if {'full', 'cheap', 'oracle'} <= set(out) and out['room'] > 0:
+        out['oracle_recovery'] = (out['cheap'] - out['oracle']) / out['room']
+    return out
 
 
 def calibrated_eval_batches(model, train_data, val_data, eval_iters, calib_iters, autocast, eval_seed):

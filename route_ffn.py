@@ -147,6 +147,7 @@ class FFNRouting(Family):
         return dict(oracle_layers=tuple(sorted(random.Random(run.seed * 1_000_003 + step).sample(ids, k))))
 
     references, by_class = ('full', 'cheap'), True
+    room_rules = dict(random=dict(ffn_gate='random'), oracle=dict(ffn_gate='oracle'))
 
     def report(self, model, batches, autocast, evaluate):
         return dict(budget=self.budget(model.config))

@@ -176,6 +176,9 @@ class Family:
     # evaluation: what eval.report adds for this family, and the lines train.py prints at the end
     references = ()                     # forced settings whose val loss is reported beside the causal one
     by_class = False                    # report the full-path fraction per difficulty class
+    # eval.room: decision rules that bracket what a learned gate can do, as config overrides
+    # (e.g. random and oracle routing at the budget)
+    room_rules = {}
 
     def report(self, model, batches, autocast, evaluate):
         return {}

@@ -906,3 +906,31 @@ def test_resume_compares_the_layers_meant_not_the_spelling():
     cfg.ffn_layers = 'every_other'
     with pytest.raises(train.TrainError, match="ffn_layers"):
         train.check_against_checkpoint(cfg, {}, ck, ['ffn_layers'])
+
+
+# ----------------------------------------------------------------------------------------------------
+# eval.room: the brackets a study's room is measured with
+
+@settings(**SETTINGS)
+@given(seed=st.integers(0, 999), B=st.integers(1, 3), T=st.integers(2, 12), budget=BUDGETS)
+def test_room_brackets_match_a_hand_computation(seed, B, T, budget):
+    """eval.room's all-full, all-cheap and oracle losses from the blocks' submodules by hand (one
+    controlled layer, so the oracle's top-k of U_t = CE(cheap) − CE(full) is the whole decision), and
+    the model's config is the trained one afterwards."""
+    import eval as ev
+    model = build(seed, n_layer=1, ffn_gate='mlp', ffn_budget=float(budget)).eval()
+    idx, tgt = tokens(seed, B, T), tokens(seed + 1, B, T)
+    out = ev.room(model, [(idx, tgt)])
+    with torch.no_grad():
+        x = embed_ref(model, idx)
+        block = model.transformer.h[0]
+        x = x + block.attn(block.ln_1(x))
+        ce = {a: ce_ref(logits_ref(model, x + ffn_ref(block, x, a)), tgt) for a in ('full', 'cheap')}
+        mask = topk_ref(ce['cheap'] - ce['full'], ceil_frac(budget, T))
+    assert out['full'] == pytest.approx(ce['full'].mean().item(), rel=ROUTED_TOL["rtol"], abs=ROUTED_TOL["atol"])
+    assert out['cheap'] == pytest.approx(ce['cheap'].mean().item(), rel=ROUTED_TOL["rtol"], abs=ROUTED_TOL["atol"])
+    assert out['room'] == pytest.approx(out['cheap'] - out['full'])
+    assert out['oracle'] == pytest.approx(torch.where(mask, ce['full'], ce['cheap']).mean().item(), rel=ROUTED_TOL["rtol"], abs=ROUTED_TOL["atol"])
+    assert out['oracle_full_frac'] == [pytest.approx(ceil_frac(budget, T) / T)]
+    assert out['gate_room'] == pytest.approx(out['random'] - out['oracle'])
+    assert model.config.ffn_gate == 'mlp' and not model.training
