@@ -26,7 +26,16 @@ records) is below a threshold: the study file's `threshold` if it sets one, else
 arm's final train LM loss (the last logged value, mean over its seeds). 1.05 makes "reached 5% of
 where the reference ends" a question every arm can answer early, which is what the metric is for
 (speed of optimisation, not endpoint). The value used and where it came from are in the summary.
-Runs that never get there count as missing (n in the paired comparison says how many did).
+Runs that never get there are counted as such (see Room below), never dropped.
+
+Room: a study file may name room_ckpt, the backbone its arms start from ('{seed}' in it, in a
+'before' run or in an override is replaced by the run's seed, so each seed can train its own
+backbone). sweep.py runs `eval.py --room` on each seed's backbone (out_root/room/seed<s>.json) and
+puts the room (room_key, default gate_room = random − oracle routing loss, else room = all-cheap −
+all-full) beside the reference arm's seed std of its endpoint: below ROOM_FACTOR (10) × that std the
+summary says "no room" and that the arm differences are not evidence. Threshold hits are censored,
+not dropped: k/n runs hit, the mean over those that did, and a per-seed comparison with never = ∞
+(wins–losses–ties and the exact sign test's p).
 
 Afterwards the plots of plots.py go to out_root/plots/ (skipped, with a note, without matplotlib).
 Exit code 1 when a run failed (after the summary of those that finished; the failed runs' logs are
@@ -49,6 +58,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(HERE, 'train.py')
 # two-sided 95% quantiles of Student's t for df = 1..10 (df > 10 uses the normal 1.96 as a bound)
 T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]
+ROOM_FACTOR = 10           # arm differences count where the room is >= 10 × the reference arm's seed std
 THRESHOLD_FACTOR = 1.05     # default threshold: 1.05 × the reference arm's final train LM loss
 # metric -> (where it comes from, lower is better?), in the summary's column order
 METRICS = {
@@ -83,6 +93,47 @@ def load_study(path):
     if ns['reference'] not in ns['arms']:
         raise ConfigError(f"study {path}: reference arm {ns['reference']!r} is not one of {list(ns['arms'])}")
     return ns
+
+
+def with_seed(argv, seed):
+    """A run's arguments with '{seed}' replaced: per-seed paths, e.g. each seed's own stage-1 backbone."""
+    return [a.replace('{seed}', str(seed)) for a in argv]
+
+
+def before_runs(study, path):
+    """The 'before' runs in order: one naming '{seed}' runs once per seed (each seed its own backbone)."""
+    runs = []
+    for argv in study['before']:
+        if not any(a.startswith('--out_dir=') for a in argv):
+            raise ConfigError(f"study {path}: every 'before' run must give --out_dir=")
+        if any('{seed}' in a for a in argv):
+            runs += [with_seed(argv, s) + [f'--seed={s}'] for s in study['seeds']]
+        else:
+            runs.append(list(argv))
+    return runs
+
+
+def measure_room(study, root):
+    """eval.py --room on each seed's backbone (the study's room_ckpt, '{seed}' replaced), cached in
+    out_root/room/seed<s>.json; {seed: report}, or None when the study names no room_ckpt."""
+    if not study.get('room_ckpt'):
+        return None
+    os.makedirs(os.path.join(root, 'room'), exist_ok=True)
+    out = {}
+    for s in study['seeds']:
+        path, ckpt = os.path.join(root, 'room', f'seed{s}.json'), with_seed([study['room_ckpt']], s)[0]
+        if not os.path.exists(path) and os.path.exists(ckpt):
+            res = subprocess.run([sys.executable, os.path.join(HERE, 'eval.py'), f'--ckpt={ckpt}', '--room', '--json',
+                                  *study.get('room_args', [])], capture_output=True, text=True, cwd=HERE)
+            if res.returncode:
+                print(f"room: eval.py --room failed on {ckpt}: {res.stderr.strip()[-300:]}", file=sys.stderr)
+                continue
+            with open(path, 'w') as f:
+                f.write(res.stdout)
+        if os.path.exists(path):
+            with open(path) as f:
+                out[s] = json.load(f)
+    return out or None
 
 
 def finished(out_dir):
@@ -144,8 +195,32 @@ def paired(arm_vals, ref_vals, lower_better):
     return dict(n=n, wins=wins, mean_diff=m, ci95=[m - half, m + half])
 
 
-def summarize(study, results, threshold=(None, None)):
-    arms, seeds = list(study['arms']), study['seeds']
+def sign_test(wins, losses):
+    """Two-sided exact sign test over the untied pairs: P(a split at least this uneven | no difference)."""
+    n = wins + losses
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(min(wins, losses) + 1)) / 2 ** n)
+
+
+def paired_hits(arm_hits, ref_hits, ran):
+    """Threshold hits compared per seed with a run that never got there counted as hitting at infinity
+    (never dropped): wins (the arm got there first), losses, ties (same iteration, or neither got
+    there), and the sign test's p over the untied seeds."""
+    inf = float('inf')
+    d = [(inf if a is None else a) - (inf if r is None else r) for a, r, ok in zip(arm_hits, ref_hits, ran) if ok]
+    if not d:
+        return None
+    wins, losses = sum(x < 0 for x in d), sum(x > 0 for x in d)   # inf - inf is nan: neither, a tie
+    return dict(n=len(d), wins=wins, losses=losses, ties=len(d) - wins - losses, sign_p=sign_test(wins, losses))
+
+
+def is_hit_metric(k):
+    return k == 'threshold_hit' or k.startswith('hit_')
+
+
+def summarize(study, results, threshold=(None, None), room=None):
+    arms, seeds, ref = list(study['arms']), study['seeds'], study['reference']
     keys = list(METRICS) + sorted({k for r in results.values() for k in r if k.startswith('hit_')})
     table = {}
     for arm in arms:
@@ -155,43 +230,87 @@ def summarize(study, results, threshold=(None, None)):
             mu, sd = mean_std(vals)
             entry = dict(mean=mu, std=sd, per_seed=vals)
             lower = METRICS.get(k, (None, True))[1]
-            if arm != study['reference'] and lower is not None:
-                entry['vs_reference'] = paired(vals, [results.get((study['reference'], s), {}).get(k) for s in seeds], lower)
+            ref_vals = [results.get((ref, s), {}).get(k) for s in seeds]
+            if is_hit_metric(k):   # censored: a run that never hit is a result, not a missing value
+                ran = [(arm, s) in results for s in seeds]
+                entry.update(hits=sum(v is not None for v, ok in zip(vals, ran) if ok), runs=sum(ran))
+                if arm != ref:
+                    both = [(arm, s) in results and (ref, s) in results for s in seeds]
+                    entry['vs_reference'] = paired_hits(vals, ref_vals, both)
+            elif arm != ref and lower is not None:
+                entry['vs_reference'] = paired(vals, ref_vals, lower)
             table[arm][k] = entry
     codes = sorted({r.get('code', 'unknown') for r in results.values()})
-    return dict(study=study['__file__'] if '__file__' in study else None, reference=study['reference'], seeds=seeds,
+    return dict(study=study['__file__'] if '__file__' in study else None, reference=ref, seeds=seeds,
                 code_versions=codes, mixed_code_versions=len(codes) > 1,
-                threshold=dict(value=threshold[0], source=threshold[1]), table=table)
+                threshold=dict(value=threshold[0], source=threshold[1]), table=table,
+                room=room_verdict(study, room, table[ref]) if room else None)
+
+
+def room_verdict(study, room, ref_row):
+    """The study's room (eval.room of each seed's backbone, mean ± std over seeds) against the seed
+    spread of the reference arm's endpoint: arm differences are evidence only where the room is at
+    least ROOM_FACTOR × that std."""
+    out = {k: dict(zip(('mean', 'std'), mean_std([r.get(k) for r in room.values()])), per_seed=[r.get(k) for r in room.values()])
+           for k in sorted({k for r in room.values() for k, v in r.items() if isinstance(v, (int, float))})}
+    key = study.get('room_key') or ('gate_room' if 'gate_room' in out else 'room')
+    metric = next((m for m in ('causal_val_loss', 'final_val_loss') if ref_row[m]['mean'] is not None), None)
+    size, spread = (out.get(key) or {}).get('mean'), ref_row[metric]['std'] if metric else None
+    enough = None if size is None or not spread else size >= ROOM_FACTOR * spread
+    return dict(values=out, key=key, size=size, seed_std_metric=metric, seed_std=spread, factor=ROOM_FACTOR,
+                verdict={True: 'room', False: 'no room', None: 'unknown'}[enough])
 
 
 def markdown(summary):
     lines = []
     if summary['mixed_code_versions']:
         lines.append(f"**Warning: these runs come from different code versions: {summary['code_versions']}**\n")
+    if len(summary['seeds']) < 3:
+        lines.append(f"**{len(summary['seeds'])} seed(s): too few for the paired intervals to mean much; use 3 or more.**\n")
+    room = summary.get('room')
+    if room:
+        lines.append(room_markdown(room))
     arms = list(summary['table'])
-    keys = [k for k in summary['table'][arms[0]] if any(summary['table'][a][k]['mean'] is not None for a in arms)]
+    keys = [k for k in summary['table'][arms[0]]
+            if any(summary['table'][a][k]['mean'] is not None or summary['table'][a][k].get('runs') for a in arms)]
     lines.append('| arm | ' + ' | '.join(keys) + ' |')
     lines.append('|---' * (len(keys) + 1) + '|')
     for arm in arms:
         cells = []
         for k in keys:
-            e = summary['table'][arm][k]
-            if e['mean'] is None:
-                cells.append('—')
-                continue
-            cell = f"{e['mean']:.4g} ± {e['std']:.2g}"
-            vs = e.get('vs_reference')
-            if vs:
-                cell += f" (wins {vs['wins']}/{vs['n']}, Δ {vs['mean_diff']:+.3g})"
-            cells.append(cell)
+            cells.append(cell_text(summary['table'][arm][k]))
         lines.append(f"| {arm} | " + ' | '.join(cells) + ' |')
     lines.append(f"\nmean ± std over seeds {summary['seeds']}; (wins k/n, Δ) = per-seed paired comparison with "
                  f"the reference arm `{summary['reference']}` (wins: better in k of n seeds; Δ = mean of arm − "
-                 f"reference). Code: {', '.join(summary['code_versions'])}.")
+                 f"reference). Threshold hits: k/n runs got there, mean ± std over those that did; (w–l–t, p) "
+                 f"against the reference per seed with never = ∞, and the exact sign test's p. "
+                 f"Code: {', '.join(summary['code_versions'])}.")
     th = summary.get('threshold') or {}
     if th.get('value') is not None:
         lines.append(f"threshold_hit: first logged iteration with train LM < {th['value']:.4f} ({th['source']}).")
     return '\n'.join(lines)
+
+
+def cell_text(e):
+    if 'runs' in e:                  # a threshold hit: censored
+        cell = f"{e['hits']}/{e['runs']} hit" + (f", {e['mean']:.4g} ± {e['std']:.2g}" if e['mean'] is not None else '')
+        vs = e.get('vs_reference')
+        return cell + (f" ({vs['wins']}–{vs['losses']}–{vs['ties']}, p={vs['sign_p']:.2g})" if vs else '')
+    if e['mean'] is None:
+        return '—'
+    vs = e.get('vs_reference')
+    return f"{e['mean']:.4g} ± {e['std']:.2g}" + (f" (wins {vs['wins']}/{vs['n']}, Δ {vs['mean_diff']:+.3g})" if vs else '')
+
+
+def room_markdown(room):
+    vals = ', '.join(f"{k} {v['mean']:.4f} ± {v['std']:.4f}" for k, v in room['values'].items()
+                     if v['mean'] is not None and not k.endswith('full_frac'))
+    spread = 'unknown' if room['seed_std'] is None else f"{room['seed_std']:.4f}"
+    head = (f"**Room: {room['verdict']}.** {room['key']} = {room['size']:.4f} against the reference arm's seed "
+            f"std of {room['seed_std_metric']} = {spread} (needs ≥ {room['factor']}×)" if room['size'] is not None
+            else f"**Room: {room['verdict']}** ({room['key']} not measured)")
+    tail = '' if room['verdict'] == 'room' else '; the arm differences below are not evidence either way'
+    return f"{head}{tail}. Backbones (eval.py --room, per seed): {vals}.\n"
 
 
 def main(argv):
@@ -210,19 +329,18 @@ def main(argv):
     study['__file__'] = argv[0]
     root = study['out_root']
     os.makedirs(root, exist_ok=True)
-    grid = [(arm, s, [study['base'], *study['overrides'], *ov, f'--seed={s}'])
+    grid = [(arm, s, with_seed([study['base'], *study['overrides'], *ov, f'--seed={s}'], s))
             for arm, ov in study['arms'].items() for s in study['seeds']]
+    before = before_runs(study, argv[0])
     if opts.get('--dry_run'):
-        for argv_ in study['before']:
+        for argv_ in before:
             print('before:', 'python train.py', ' '.join(argv_))
         for arm, s, a in grid:
             print(f"{arm} seed {s}:", 'python train.py', ' '.join(a), f'--out_dir={root}/{arm}/seed{s}')
         return 0
     failed = []
     if not opts.get('--summarize_only'):
-        if any(not any(a.startswith('--out_dir=') for a in argv_) for argv_ in study['before']):
-            raise ConfigError(f"study {argv[0]}: every 'before' run must give --out_dir=")
-        for argv_ in study['before']:
+        for argv_ in before:
             out = next(a.split('=', 1)[1] for a in argv_ if a.startswith('--out_dir='))
             print(f"before: {' '.join(argv_)}", flush=True)
             _, code = run_one([a for a in argv_ if not a.startswith('--out_dir=')], out, os.path.join(root, 'before.log'))
@@ -241,7 +359,7 @@ def main(argv):
     threshold = lm_threshold(study, results)
     for (arm, s), m in results.items():
         m['threshold_hit'] = None if threshold[0] is None else threshold_hit(f'{root}/{arm}/seed{s}', threshold[0])
-    summary = summarize(study, results, threshold)
+    summary = summarize(study, results, threshold, room=measure_room(study, root))
     with open(os.path.join(root, 'summary.json'), 'w') as f:
         json.dump(summary, f, indent=2)
     md = markdown(summary)

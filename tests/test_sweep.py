@@ -179,3 +179,61 @@ def test_jobs_2_runs_two_at_once_and_summarises_as_sequential(tmp_path, monkeypa
     assert a['threshold_hit']['per_seed'] == [4, 4] and b['threshold_hit']['per_seed'] == [None, None]
     assert not (tmp_path / 'par' / 'plots').exists()
     assert 'threshold_hit' in (tmp_path / 'par' / 'summary.md').read_text()
+
+
+def test_sign_test_against_the_binomial_by_hand():
+    assert sweep.sign_test(3, 0) == pytest.approx(2 / 8)          # 2 · P(3 of 3) = 2 · 1/8
+    assert sweep.sign_test(0, 5) == pytest.approx(2 / 32)
+    assert sweep.sign_test(4, 1) == pytest.approx(2 * (1 + 5) / 32)
+    assert sweep.sign_test(2, 1) == 1.0 and sweep.sign_test(0, 0) == 1.0
+
+
+def test_threshold_hits_are_censored_not_dropped():
+    """A seed that never reaches the threshold counts as reaching it at infinity: 'G3 hits at 10 ± 0'
+    must not hide that 2 of 3 seeds never got there."""
+    seeds = [1, 2, 3, 4]
+    ref = {1: 20, 2: None, 3: 30, 4: None}
+    arm = {1: 10, 2: 40, 3: None, 4: None}
+    results = {(a, s): dict(threshold_hit=v[s], code='x') for a, v in (('ref', ref), ('arm', arm)) for s in seeds}
+    table = sweep.summarize(dict(arms={'ref': [], 'arm': []}, seeds=seeds, reference='ref'), results)['table']
+    e = table['arm']['threshold_hit']
+    assert (e['hits'], e['runs']) == (2, 4) and e['mean'] == 25.0          # the mean is over the 2 that hit
+    assert table['ref']['threshold_hit']['hits'] == 2
+    # seed 1: 10 < 20 win; seed 2: 40 < never win; seed 3: never > 30 loss; seed 4: both never, tie
+    assert e['vs_reference'] == dict(n=4, wins=2, losses=1, ties=1, sign_p=1.0)
+    md = sweep.markdown(dict(table=table, seeds=seeds, reference='ref', code_versions=['x'], mixed_code_versions=False))
+    assert '2/4 hit, 25 ± 21 (2–1–1, p=1)' in md
+
+
+def test_a_missing_run_is_not_a_never_hit():
+    results = {('ref', 1): dict(threshold_hit=5), ('arm', 1): dict(threshold_hit=None), ('ref', 2): dict(threshold_hit=5)}
+    e = sweep.summarize(dict(arms={'ref': [], 'arm': []}, seeds=[1, 2], reference='ref'), results)['table']['arm']['threshold_hit']
+    assert (e['hits'], e['runs']) == (0, 1) and e['vs_reference']['n'] == 1 and e['vs_reference']['losses'] == 1
+
+
+def test_seed_placeholders_give_each_seed_its_own_backbone(tmp_path):
+    study = dict(seeds=[1, 2, 3], before=[['s1.py', '--out_dir=out/s1/seed{seed}'], ['data.py', '--out_dir=out/d']])
+    runs = sweep.before_runs(study, 'study.py')
+    assert runs == [['s1.py', f'--out_dir=out/s1/seed{s}', f'--seed={s}'] for s in (1, 2, 3)] + [['data.py', '--out_dir=out/d']]
+    assert sweep.with_seed(['--init_from=out/s1/seed{seed}/ckpt.pt', '--x=1'], 2) == ['--init_from=out/s1/seed2/ckpt.pt', '--x=1']
+    with pytest.raises(sweep.ConfigError, match='--out_dir'):
+        sweep.before_runs(dict(seeds=[1], before=[['s1.py']]), 'study.py')
+
+
+def test_room_verdict_against_the_seed_spread():
+    ref_row = dict(causal_val_loss=dict(mean=2.0, std=0.01), final_val_loss=dict(mean=2.0, std=0.5))
+    room = {s: dict(full=1.0, cheap=1.0 + r, random=1.5, oracle=1.5 - g, room=r, gate_room=g)
+            for s, r, g in ((1, 0.5, 0.11), (2, 0.7, 0.09))}
+    v = sweep.room_verdict(dict(), room, ref_row)
+    assert v['key'] == 'gate_room' and v['size'] == pytest.approx(0.10) and v['seed_std'] == 0.01
+    assert v['verdict'] == 'room' and v['values']['room']['mean'] == pytest.approx(0.6)
+    assert sweep.room_verdict(dict(), room, dict(ref_row, causal_val_loss=dict(mean=2.0, std=0.02)))['verdict'] == 'no room'
+    assert sweep.room_verdict(dict(room_key='room'), room, dict(ref_row, causal_val_loss=dict(mean=2.0, std=0.05)))['verdict'] == 'room'
+    md = sweep.room_markdown(sweep.room_verdict(dict(), room, dict(ref_row, causal_val_loss=dict(mean=2.0, std=0.02))))
+    assert md.startswith('**Room: no room.**') and 'not evidence' in md
+
+
+def test_too_few_seeds_are_flagged():
+    results = {('ref', 1): dict(avg_lm=1.0), ('arm', 1): dict(avg_lm=0.9)}
+    summary = sweep.summarize(dict(arms={'ref': [], 'arm': []}, seeds=[1], reference='ref'), results)
+    assert 'too few' in sweep.markdown(summary)
