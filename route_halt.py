@@ -29,6 +29,7 @@ class HaltOptions:
     halt_tau: float = 0.5             # eval: a token skips block l+1 where p_l > halt_tau
     halt_soft_eval: bool = False      # eval with the soft (1 − p) scaling instead of hard skipping
     halt_hard: str = 'scaled'         # hard eval: kept tokens add (1 − p)·Δ as in training, or 'binary': Δ
+    halt_router_bias: float = -1.0    # the routers' output bias at init (the paper's −1: p ≈ 0.27, α ≈ 0.73)
 
 
 class TokenSelectiveAttention(Family):
@@ -52,8 +53,8 @@ class TokenSelectiveAttention(Family):
         model.halt = nn.ModuleList([HaltingRouter(model.config.n_embd) for _ in range(model.config.n_layer - 1)])
 
     def init_weights(self, model):
-        for router in model.halt:       # b2 = −1 (after the generic init): blocks start mostly on
-            nn.init.constant_(router.out.bias, -1.0)
+        for router in model.halt:       # b2 (after the generic init): at −1 blocks start mostly on
+            nn.init.constant_(router.out.bias, model.config.halt_router_bias)
 
     def run_blocks(self, model, x, pos, cache, ctx, start=0):
         cfg, blocks = model.config, model.transformer.h

@@ -59,6 +59,9 @@ def test_router_init():
         assert r.out.bias.item() == -1.0 and r.fc.out_features == 16     # max(16, d/4)
     p = model.halt[0](torch.randn(2, 5, 16))
     assert ((p > 0) & (p < 1)).all()
+    # halt_router_bias: the λ = 0 control starts the routers at p ≈ 0.5 instead of ≈ 0.27
+    model = GPT(GPTConfig(**BASE, n_layer=3, route='halt', halt_router_bias=0.0))
+    assert all(r.out.bias.item() == 0.0 for r in model.halt)
 
 
 @settings(**SETTINGS)
