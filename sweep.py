@@ -101,16 +101,35 @@ def with_seed(argv, seed):
 
 
 def before_runs(study, path):
-    """The 'before' runs in order: one naming '{seed}' runs once per seed (each seed its own backbone)."""
-    runs = []
+    """The 'before' runs as stages run in order, each a list of (argv, log name): an entry naming
+    '{seed}' is one stage of a run per seed (each seed its own backbone, run jobs at a time)."""
+    stages = []
     for argv in study['before']:
         if not any(a.startswith('--out_dir=') for a in argv):
             raise ConfigError(f"study {path}: every 'before' run must give --out_dir=")
         if any('{seed}' in a for a in argv):
-            runs += [with_seed(argv, s) + [f'--seed={s}'] for s in study['seeds']]
+            stages.append([(with_seed(argv, s) + [f'--seed={s}'], f'before_seed{s}.log') for s in study['seeds']])
         else:
-            runs.append(list(argv))
-    return runs
+            stages.append([(list(argv), 'before.log')])
+    return stages
+
+
+def run_before(stages, root, jobs):
+    """The 'before' runs in order, a stage's per-seed runs jobs at a time; 1 as soon as one failed."""
+    def one(run):
+        argv, log = run
+        out = next(a.split('=', 1)[1] for a in argv if a.startswith('--out_dir='))
+        print(f"before: {' '.join(argv)}", flush=True)
+        return run_one([a for a in argv if not a.startswith('--out_dir=')], out, os.path.join(root, log))
+    for stage in stages:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            codes = list(pool.map(one, stage))
+        failed = [(out, code, log) for (out, code), (_, log) in zip(codes, stage) if code]
+        for out, code, log in failed:
+            print(f"error: 'before' run failed (exit {code}): {out}; see {root}/{log}", file=sys.stderr)
+        if failed:
+            return 1
+    return 0
 
 
 def measure_room(study, root):
@@ -333,20 +352,15 @@ def main(argv):
             for arm, ov in study['arms'].items() for s in study['seeds']]
     before = before_runs(study, argv[0])
     if opts.get('--dry_run'):
-        for argv_ in before:
+        for argv_, _ in (run for stage in before for run in stage):
             print('before:', 'python train.py', ' '.join(argv_))
         for arm, s, a in grid:
             print(f"{arm} seed {s}:", 'python train.py', ' '.join(a), f'--out_dir={root}/{arm}/seed{s}')
         return 0
     failed = []
     if not opts.get('--summarize_only'):
-        for argv_ in before:
-            out = next(a.split('=', 1)[1] for a in argv_ if a.startswith('--out_dir='))
-            print(f"before: {' '.join(argv_)}", flush=True)
-            _, code = run_one([a for a in argv_ if not a.startswith('--out_dir=')], out, os.path.join(root, 'before.log'))
-            if code:          # every arm starts from it: nothing to run or summarise
-                print(f"error: 'before' run failed (exit {code}); see {root}/before.log", file=sys.stderr)
-                return 1
+        if run_before(before, root, int(jobs)):
+            return 1          # every arm starts from them: nothing to run or summarise
         t0 = time.time()
         with ThreadPoolExecutor(max_workers=int(jobs)) as pool:
             futs = [pool.submit(run_one, a, f'{root}/{arm}/seed{s}', f'{root}/{arm}/seed{s}.log') for arm, s, a in grid]

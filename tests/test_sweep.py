@@ -213,8 +213,9 @@ def test_a_missing_run_is_not_a_never_hit():
 
 def test_seed_placeholders_give_each_seed_its_own_backbone(tmp_path):
     study = dict(seeds=[1, 2, 3], before=[['s1.py', '--out_dir=out/s1/seed{seed}'], ['data.py', '--out_dir=out/d']])
-    runs = sweep.before_runs(study, 'study.py')
-    assert runs == [['s1.py', f'--out_dir=out/s1/seed{s}', f'--seed={s}'] for s in (1, 2, 3)] + [['data.py', '--out_dir=out/d']]
+    stages = sweep.before_runs(study, 'study.py')
+    assert stages == [[(['s1.py', f'--out_dir=out/s1/seed{s}', f'--seed={s}'], f'before_seed{s}.log') for s in (1, 2, 3)],
+                      [(['data.py', '--out_dir=out/d'], 'before.log')]]
     assert sweep.with_seed(['--init_from=out/s1/seed{seed}/ckpt.pt', '--x=1'], 2) == ['--init_from=out/s1/seed2/ckpt.pt', '--x=1']
     with pytest.raises(sweep.ConfigError, match='--out_dir'):
         sweep.before_runs(dict(seeds=[1], before=[['s1.py']]), 'study.py')
