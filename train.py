@@ -227,9 +227,11 @@ def check_train_config(cfg):
             raise TrainError(f"{key}={path!r} is a file, not a folder; choose a folder")
     if cfg.device != 'auto':
         try:
-            torch.device(cfg.device)
-        except RuntimeError:
-            raise TrainError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {cfg.device!r}") from None
+            kind = torch.device(cfg.device).type
+        except RuntimeError:           # torch.device('bogus')
+            kind = None
+        if kind not in ('cpu', 'cuda'):   # e.g. 'mps': a device type torch knows but this harness does not run on
+            raise TrainError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {cfg.device!r}")
 
 
 def model_config(cfg, **override):

@@ -846,6 +846,7 @@ def bad_input_cases(synth, text_data, base_copy):
         "dropout_above_1": ([*TINY, *d, "--dropout=1.5"], "dropout"),
         "negative_max_iters": ([*TINY, *d, "--max_iters=-1"], "max_iters"),
         "bogus_device": ([*TINY, *d, "--device=bogus"], "device"),
+        "mps_device": ([*TINY, *d, "--device=mps"], "device"),
         "out_dir_is_a_file": ([*TINY, *d, f"--out_dir={synth / 'meta.json'}"], "out_dir"),
         "data_dir_is_a_file": ([*TINY, f"--data_dir={synth / 'meta.json'}", "--dataset=syn"], "data_dir"),
         # options of another routing family, given on the command line
@@ -859,7 +860,7 @@ CASES = ["unknown_dataset", "unknown_key", "wrong_type", "float16_on_cpu", "bad_
          "resume_changed_model", "resume_other_data", "resume_changed_trainable", "bad_lm_thresholds",
          "fresh_over_existing_run", "resume_same_vocab_other_data", "stage2_same_vocab_other_data",
          "resume_changed_cheap_rank", "n_head_0", "block_size_0", "batch_size_0", "accumulation_0", "negative_lr",
-         "dropout_above_1", "negative_max_iters", "bogus_device", "out_dir_is_a_file", "data_dir_is_a_file",
+         "dropout_above_1", "negative_max_iters", "bogus_device", "mps_device", "out_dir_is_a_file", "data_dir_is_a_file",
          "halt_with_gate", "exit_with_gate", "halt_with_jepa_weight"]
 
 
@@ -903,6 +904,15 @@ def test_bad_input_cli_exit_code(case, synth, synth_other, text_data, base_run, 
     assert r.stderr.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
     assert any(n in r.stderr for n in needles), r.stderr
     assert not fresh.exists() and snapshot(base_copy) == before
+
+
+def test_cuda_index_beyond_the_machine_is_refused(monkeypatch):
+    """--device=cuda:3 on a machine with one GPU: a ConfigError before any work, not a CUDA traceback."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(train.ConfigError, match=r"device=cuda:3 but this machine has 1 CUDA device \(cuda:0\.\.cuda:0\)"):
+        train.resolve_device_dtype(SimpleNamespace(device="cuda:3", dtype="float32"))
+    assert train.resolve_device_dtype(SimpleNamespace(device="cuda:0", dtype="float32"))[0] == torch.device("cuda:0")
 
 
 # ----------------------------------------------------------------------------------------------------
