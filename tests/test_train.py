@@ -845,6 +845,8 @@ def bad_input_cases(synth, text_data, base_copy):
         "negative_lr": ([*TINY, *d, "--learning_rate=-1e-3"], "learning_rate"),
         "dropout_above_1": ([*TINY, *d, "--dropout=1.5"], "dropout"),
         "negative_max_iters": ([*TINY, *d, "--max_iters=-1"], "max_iters"),
+        # a model vocabulary below the data's 34 symbols: refused, not an embedding index error mid-run
+        "vocab_below_data": ([*TINY, *d, "--vocab_size=20"], "vocab_size"),
         "bogus_device": ([*TINY, *d, "--device=bogus"], "device"),
         "mps_device": ([*TINY, *d, "--device=mps"], "device"),
         "out_dir_is_a_file": ([*TINY, *d, f"--out_dir={synth / 'meta.json'}"], "out_dir"),
@@ -860,7 +862,7 @@ CASES = ["unknown_dataset", "unknown_key", "wrong_type", "float16_on_cpu", "bad_
          "resume_changed_model", "resume_other_data", "resume_changed_trainable", "bad_lm_thresholds",
          "fresh_over_existing_run", "resume_same_vocab_other_data", "stage2_same_vocab_other_data",
          "resume_changed_cheap_rank", "n_head_0", "block_size_0", "batch_size_0", "accumulation_0", "negative_lr",
-         "dropout_above_1", "negative_max_iters", "bogus_device", "mps_device", "out_dir_is_a_file", "data_dir_is_a_file",
+         "dropout_above_1", "negative_max_iters", "vocab_below_data", "bogus_device", "mps_device", "out_dir_is_a_file", "data_dir_is_a_file",
          "halt_with_gate", "exit_with_gate", "halt_with_jepa_weight"]
 
 
