@@ -20,6 +20,10 @@ def resolve_device_dtype(cfg):
     dev = torch.device(dev)
     if dev.type == 'cuda' and not torch.cuda.is_available():
         raise ConfigError("device=cuda but no CUDA device is available; use --device=cpu")
+    if dev.type == 'cuda' and dev.index is not None and dev.index >= torch.cuda.device_count():
+        n = torch.cuda.device_count()
+        raise ConfigError(f"device={cfg.device} but this machine has {n} CUDA device{'s' if n != 1 else ''} "
+                          f"(cuda:0..cuda:{n - 1}); choose one of them")
     dt = cfg.dtype
     if dt == 'auto':
         if dev.type != 'cuda':

@@ -52,8 +52,14 @@ def read_metrics(out_dir):
     path = os.path.join(out_dir, 'metrics.jsonl')
     if not os.path.exists(path):
         return []
+    out = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:      # a record cut short (a full disk, a kill mid-write): resume drops it too
+                continue
+    return out
 
 
 def run_metrics(out_dir):

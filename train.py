@@ -10,6 +10,7 @@ resolved config), run_info.json (code version, torch, device), ckpt.pt (written 
 optimizer, scaler, RNG states, iteration, best val loss, config, sampler state). `--init_from=resume`
 continues exactly where ckpt.pt left off. Ctrl-C / SIGTERM finishes the current step, saves, exits 0.
 """
+import errno
 import json
 import math
 import os
@@ -80,7 +81,7 @@ eval_seed = 1337             # eval/calibration batches: fixed, so every run of 
 max_fp16_skips = 50          # stop if this many consecutive fp16 steps overflow
 ddp_timeout = 900            # seconds a DDP process waits for a silent peer before stopping with an error
 overwrite = False            # a fresh run may replace the run already in out_dir (else it refuses)
-verify_data = True           # on resume / from a checkpoint: recompute the data files' sha256 against meta.json
+verify_data = True           # before training: the data files' sha256 against meta.json, token ids against the vocabulary
 DEFAULTS = declared_defaults(__file__)     # the literals above: flops.py and eval.py read the same keys
 for _f in fields(GPTConfig):
     DEFAULTS.setdefault(_f.name, _f.default)
@@ -104,6 +105,11 @@ def main(argv):
         return train(argv)
     except (ConfigError, DataError) as e:   # the config, device and data checks shared with the other scripts
         raise TrainError(str(e)) from None
+    except OSError as e:               # a full disk under the run's logs (a checkpoint write says so itself)
+        if e.errno != errno.ENOSPC:
+            raise
+        raise TrainError(f"no space left on the disk while writing {e.filename or 'the run files'}; free some "
+                         f"space, then continue with --init_from=resume (the last checkpoint, if any, is kept)") from None
     except RuntimeError as e:          # DDP: a peer died, or hung past ddp_timeout, inside a collective
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             raise
@@ -221,9 +227,11 @@ def check_train_config(cfg):
             raise TrainError(f"{key}={path!r} is a file, not a folder; choose a folder")
     if cfg.device != 'auto':
         try:
-            torch.device(cfg.device)
-        except RuntimeError:
-            raise TrainError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {cfg.device!r}") from None
+            kind = torch.device(cfg.device).type
+        except RuntimeError:           # torch.device('bogus')
+            kind = None
+        if kind not in ('cpu', 'cuda'):   # e.g. 'mps': a device type torch knows but this harness does not run on
+            raise TrainError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {cfg.device!r}")
 
 
 def model_config(cfg, **override):
@@ -530,11 +538,21 @@ def drop_records_after(path, iter_num):
         return
     with open(path) as f:
         lines = [l for l in f if l.strip()]
-    keep = [l for l in lines if json.loads(l).get('iter', 0) <= iter_num]
-    if len(keep) < len(lines):
+    keep = [l if l.endswith('\n') else l + '\n' for l in lines
+            if (r := parse_record(l)) is not None and r.get('iter', 0) <= iter_num]
+    if keep != lines:
         with open(path + '.tmp', 'w') as f:
             f.writelines(keep)
         os.replace(path + '.tmp', path)
+
+
+def parse_record(line):
+    """A metrics line as a dict, or None for a line cut short (a full disk or a kill mid-write)."""
+    try:
+        r = json.loads(line)
+    except ValueError:
+        return None
+    return r if isinstance(r, dict) else None
 
 
 def start_counters(run):
@@ -762,8 +780,11 @@ def check_divergence(run, lossf):
 
 def log(run, obj):
     if run.metrics_f is not None:
-        run.metrics_f.write(json.dumps(obj) + '\n')
-        run.metrics_f.flush()
+        try:
+            run.metrics_f.write(json.dumps(obj) + '\n')
+            run.metrics_f.flush()
+        except OSError as e:           # name the file (a full disk: see main)
+            raise OSError(e.errno, e.strerror, run.metrics_f.name) from None
 
 
 def stop_requested(run, stop, logged):

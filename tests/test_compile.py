@@ -3,7 +3,7 @@ in 'static' mode) and one cached decoding step of every family in the registry t
 torch.compile(fullgraph=True) without graph breaks, compile once per shape (new data of the same shape
 never recompiles), and 'static' execution makes the decisions of 'compact' execution and of the
 masked-dense reference exactly, with values within tolerance. Compiled greedy decoding gives the tokens
-of eager decoding."""
+of eager decoding (up to a near-tie), from logits within tolerance."""
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -165,10 +165,32 @@ def test_static_decoding_equals_compact_decoding(route):
         assert_greedy_traces_agree(a, b, tol=ROUTED_TOL)
 
 
+def sampled_trace(model, idx, new, **kw):
+    """generate(idx, new, temperature=1.0, top_k=1, **kw) (greedy through the sampling path), recording
+    the logits each token was drawn from; one greedy_trace-like row (tokens, logits, masks) per prompt.
+    The compiled step returns statistics, not masks: every step's masks are {} here."""
+    calls, orig = [], model.sample_next
+
+    def sample_next(logits, *args):
+        calls.append(logits.detach().clone())
+        return orig(logits, *args)
+    model.sample_next = sample_next     # the instance attribute shadows the static method
+    try:
+        out = model.generate(idx, new, temperature=1.0, top_k=1, **kw)
+    finally:
+        del model.sample_next
+    assert len(calls) == new
+    lengths = kw.get('lengths') or [idx.size(1)] * idx.size(0)
+    return [(out[b][n:n + new], torch.stack([c[b] for c in calls]), [{}] * new) for b, n in enumerate(lengths)]
+
+
 def compiled_decoding_case(route, batches, backend=None, monkeypatch=None):
-    """Greedy tokens (top_k=1) of generate(compile=True) equal eager generate's, for each of batches
-    (generate's keyword arguments: {} equal prompts, {'lengths': ...} a ragged batch). backend: replace
-    the default compiler (inductor) by a cheaper one. Returns how many graphs each generate compiled."""
+    """Greedy tokens (top_k=1) of generate(compile=True) are eager generate's, for each of batches
+    (generate's keyword arguments: {} equal prompts, {'lengths': ...} a ragged batch), and so are the
+    logits they are picked from, within ROUTED_TOL: the compiled step runs sparse execution 'static'
+    (every row, device-side counts) where eager runs it 'compact' (the gathered rows), matmuls of other
+    shapes, so a near-tie may pick the other token (assert_greedy_traces_agree). backend: replace the
+    default compiler (inductor) by a cheaper one. Returns how many graphs each generate compiled."""
     model = build(route, seed=3).eval()
     if backend is not None:
         monkeypatch.setattr(model, 'decode_step_fn', lambda device, compile: torch.compile(
@@ -177,12 +199,13 @@ def compiled_decoding_case(route, batches, backend=None, monkeypatch=None):
     graphs = []
     with torch.no_grad():
         for kw in batches:
-            eager = model.generate(idx, 5, temperature=1.0, top_k=1, **kw)
+            eager = sampled_trace(model, idx, 5, **kw)
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
-            compiled = model.generate(idx, 5, temperature=1.0, top_k=1, compile=True, **kw)
+            compiled = sampled_trace(model, idx, 5, compile=True, **kw)
             graphs.append(torch._dynamo.utils.counters['stats']['unique_graphs'])
-            assert all(torch.equal(a, b) for a, b in zip(eager, compiled)), kw
+            for a, b in zip(eager, compiled):
+                assert_greedy_traces_agree(a, b, tol=ROUTED_TOL)
     return graphs
 
 

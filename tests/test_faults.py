@@ -291,23 +291,32 @@ def test_sigint_during_checkpoint_write_completes_the_save(reference, data_dir, 
 # a truncated or foreign ckpt.pt: one clear error, exit 2, nothing touched
 
 @pytest.mark.parametrize("damage", ["truncated_half", "random_bytes"])
-def test_corrupt_checkpoint_resume_fails_cleanly(reference, data_dir, tmp_path, damage):
+@pytest.mark.parametrize("use", ["resume", "init_from"])
+def test_corrupt_checkpoint_fails_cleanly(reference, data_dir, tmp_path, damage, use):
+    """resume: out_dir's own ckpt.pt; init_from: a checkpoint file to start stage 2 from, into a fresh
+    out_dir that must not even be created."""
     reference.ckpt()
     out = tmp_path / "out"
-    out.mkdir()
-    for name in ("config.json", "metrics.jsonl", "run_info.json"):
-        (out / name).write_bytes((reference.out / name).read_bytes())
     real = (reference.out / "ckpt.pt").read_bytes()
     bad = real[:len(real) // 2] if damage == "truncated_half" else random.Random(0).randbytes(len(real))
-    ckpt = out / "ckpt.pt"
+    if use == "resume":
+        out.mkdir()
+        for name in ("config.json", "metrics.jsonl", "run_info.json"):
+            (out / name).write_bytes((reference.out / name).read_bytes())
+        ckpt = out / "ckpt.pt"
+    else:
+        ckpt = tmp_path / "stage1.pt"
     ckpt.write_bytes(bad)
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
-    r = run_train([*CFG, *data_args(data_dir), f"--out_dir={out}", "--init_from=resume"])
+    before = {str(p): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    r = run_train([*CFG, *data_args(data_dir), f"--out_dir={out}",
+                   "--init_from=resume" if use == "resume" else f"--init_from={ckpt}"])
     assert r.returncode == 2, f"exit {r.returncode}\n{r.stderr[-3000:]}"
     lines = r.stderr.splitlines()
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("error:") and str(ckpt) in lines[0] and "corrupt" in lines[0], lines[0]
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before   # ckpt.pt and the rest untouched
+    # the checkpoint and everything else untouched; init_from: no out_dir created
+    assert {str(p): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert use == "resume" or not out.exists()
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -39,6 +39,16 @@ def test_finished_requires_a_summary_at_max_iters(tmp_path):
     assert not sweep.finished(str(tmp_path / 'missing'))
 
 
+def test_a_record_cut_short_is_skipped(tmp_path):
+    """A run whose last metrics line was cut short (a full disk, a kill mid-write) reads as unfinished,
+    not as a JSON error, so the sweep resumes it (train.py drops the line on resume)."""
+    fake_run(tmp_path / 'a', 100, lms=[2.0])
+    with open(tmp_path / 'a' / 'metrics.jsonl', 'a') as f:
+        f.write('{"type": "summary", "it')
+    assert sweep.read_metrics(str(tmp_path / 'a')) == [dict(type='train', iter=10, lm_loss=2.0, tlops_saved=None)]
+    assert not sweep.finished(str(tmp_path / 'a'))
+
+
 def test_run_one_skips_finished_and_resumes_interrupted(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(sweep.subprocess, 'run', lambda args, **kw: calls.append(args) or type('R', (), {'returncode': 0})())

@@ -5,6 +5,7 @@ Everything runs on CPU with a 2-layer, 32-wide model on a 60k-token synthetic co
 session. Training runs are subprocesses (`python train.py ...`, OMP_NUM_THREADS=1 so runs are quick and
 bit-reproducible); the sampler, the schedule, save_checkpoint, run_info and input errors are tested
 in-process."""
+import errno
 import json
 import math
 import os
@@ -630,6 +631,13 @@ def failing_save(obj, f, *args, **kwargs):
     raise OSError(28, "No space left on device")
 
 
+def failing_zip_save(obj, f, *args, **kwargs):
+    """A full disk as torch.save's zip writer reports it: a RuntimeError that does not say why."""
+    f.write(b"PK\x03\x04 partial")
+    raise RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file data/0: "
+                       "file write failed")
+
+
 def test_save_checkpoint_writes_and_replaces(tmp_path):
     path = str(tmp_path / "ckpt.pt")
     train.save_checkpoint(path, {"iter_num": 1, "w": torch.arange(3)})
@@ -639,13 +647,17 @@ def test_save_checkpoint_writes_and_replaces(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
 
 
-def test_save_checkpoint_failure_keeps_old_checkpoint(tmp_path, monkeypatch):
+@pytest.mark.parametrize("save", [failing_save, failing_zip_save])
+def test_save_checkpoint_failure_keeps_old_checkpoint(tmp_path, monkeypatch, save):
+    """A full disk: one line naming the file and the free space on its disk; the old checkpoint kept."""
     path = str(tmp_path / "ckpt.pt")
     train.save_checkpoint(path, {"iter_num": 1})
     before = Path(path).read_bytes()
-    monkeypatch.setattr(torch, "save", failing_save)
-    with pytest.raises(train.UserError, match="could not write checkpoint"):
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.raises(train.UserError, match="could not write checkpoint") as e:
         train.save_checkpoint(path, {"iter_num": 2})
+    msg = str(e.value)
+    assert path in msg and re.search(r"\d+ MiB free on its disk: free some space", msg) and "\n" not in msg, msg
     assert Path(path).read_bytes() == before
     monkeypatch.undo()
     assert torch.load(path, weights_only=False)["iter_num"] == 1
@@ -658,6 +670,41 @@ def test_save_checkpoint_failure_leaves_no_temp_file(tmp_path, monkeypatch):
     with pytest.raises(train.UserError, match="could not write checkpoint"):
         train.save_checkpoint(path, {"iter_num": 2})
     assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+
+
+def test_full_disk_under_the_metrics_is_one_error_naming_disk_space(synth, tmp_path, monkeypatch):
+    """ENOSPC while appending to metrics.jsonl (not a checkpoint write): a TrainError naming the disk and
+    the file, not an OSError traceback."""
+    out = tmp_path / "o"
+    real = train.open_run_files
+
+    class FullDisk:
+        name = str(out / "metrics.jsonl")
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        flush = close = lambda self: None
+
+    def open_full(*args):
+        real(*args).close()
+        return FullDisk()
+    monkeypatch.setattr(train, "open_run_files", open_full)
+    with pytest.raises(train.TrainError, match=r"no space left on the disk while writing .*metrics\.jsonl.*init_from=resume"):
+        train.main([*TINY, *data_args(synth), f"--out_dir={out}", "--max_iters=2", "--eval_iters=1"])
+
+
+def test_resume_drops_metrics_lines_cut_short(tmp_path):
+    """A record cut short by a full disk or a kill mid-write is dropped on resume, and the kept lines
+    end in a newline, so the resumed run's records start on lines of their own."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"type": "train", "iter": 1}\n{"type": "eval", "iter": 2}\n{"type": "train", "it')
+    train.drop_records_after(str(path), 5)
+    assert path.read_text() == '{"type": "train", "iter": 1}\n{"type": "eval", "iter": 2}\n'
+    path.write_text('{"type": "train", "iter": 1}\n{"type": "train", "iter": 2}')     # the newline was lost
+    train.drop_records_after(str(path), 5)
+    assert path.read_text() == '{"type": "train", "iter": 1}\n{"type": "train", "iter": 2}\n'
+    train.drop_records_after(str(path), 1)
+    assert read_metrics(tmp_path) == [{"type": "train", "iter": 1}]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -798,7 +845,10 @@ def bad_input_cases(synth, text_data, base_copy):
         "negative_lr": ([*TINY, *d, "--learning_rate=-1e-3"], "learning_rate"),
         "dropout_above_1": ([*TINY, *d, "--dropout=1.5"], "dropout"),
         "negative_max_iters": ([*TINY, *d, "--max_iters=-1"], "max_iters"),
+        # a model vocabulary below the data's 34 symbols: refused, not an embedding index error mid-run
+        "vocab_below_data": ([*TINY, *d, "--vocab_size=20"], "vocab_size"),
         "bogus_device": ([*TINY, *d, "--device=bogus"], "device"),
+        "mps_device": ([*TINY, *d, "--device=mps"], "device"),
         "out_dir_is_a_file": ([*TINY, *d, f"--out_dir={synth / 'meta.json'}"], "out_dir"),
         "data_dir_is_a_file": ([*TINY, f"--data_dir={synth / 'meta.json'}", "--dataset=syn"], "data_dir"),
         # options of another routing family, given on the command line
@@ -812,7 +862,7 @@ CASES = ["unknown_dataset", "unknown_key", "wrong_type", "float16_on_cpu", "bad_
          "resume_changed_model", "resume_other_data", "resume_changed_trainable", "bad_lm_thresholds",
          "fresh_over_existing_run", "resume_same_vocab_other_data", "stage2_same_vocab_other_data",
          "resume_changed_cheap_rank", "n_head_0", "block_size_0", "batch_size_0", "accumulation_0", "negative_lr",
-         "dropout_above_1", "negative_max_iters", "bogus_device", "out_dir_is_a_file", "data_dir_is_a_file",
+         "dropout_above_1", "negative_max_iters", "vocab_below_data", "bogus_device", "mps_device", "out_dir_is_a_file", "data_dir_is_a_file",
          "halt_with_gate", "exit_with_gate", "halt_with_jepa_weight"]
 
 
@@ -856,6 +906,15 @@ def test_bad_input_cli_exit_code(case, synth, synth_other, text_data, base_run, 
     assert r.stderr.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
     assert any(n in r.stderr for n in needles), r.stderr
     assert not fresh.exists() and snapshot(base_copy) == before
+
+
+def test_cuda_index_beyond_the_machine_is_refused(monkeypatch):
+    """--device=cuda:3 on a machine with one GPU: a ConfigError before any work, not a CUDA traceback."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(train.ConfigError, match=r"device=cuda:3 but this machine has 1 CUDA device \(cuda:0\.\.cuda:0\)"):
+        train.resolve_device_dtype(SimpleNamespace(device="cuda:3", dtype="float32"))
+    assert train.resolve_device_dtype(SimpleNamespace(device="cuda:0", dtype="float32"))[0] == torch.device("cuda:0")
 
 
 # ----------------------------------------------------------------------------------------------------
