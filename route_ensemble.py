@@ -3,7 +3,9 @@ route='ensemble': Mixture-of-Depths Ensemble (Luo & Specia, arXiv 2410.13077).
 
 The last k layers' hidden states each pass their own norm N_j and the shared LM head; a router
 G(x) = softmax(x·W_g) (input stop-gradient) mixes their logits per token into the prediction; a KL
-distillation loss with the final layer as teacher (stop-gradient) adapts the late layers. Used as
+distillation loss with the final layer as teacher (stop-gradient) adapts the late layers: each late
+layer's own prediction (ens_distill='per_layer', the default) or the mixture's. In joint training from
+scratch the teacher (ln_f) feeds nothing else, so ens_teacher_lm_weight gives it its own LM loss. Used as
 parameter-cheap tuning on a frozen backbone (trainable='controller'). The norms start as copies of
 ln_f (after_load), so a pretrained backbone's late layers begin read out the way its final layer is.
 
@@ -29,6 +31,10 @@ class EnsembleOptions:
     ens_mix: str = 'logprob'          # mix 'logit's, 'logprob's (a geometric mixture) or 'prob's
     ens_kl: str = 'forward'           # KL(teacher ‖ mix) ('forward') or KL(mix ‖ teacher) ('reverse')
     ens_kl_weight: float = 1.0        # λ of the distillation loss (teacher: the final layer, stop-gradient)
+    ens_distill: str = 'per_layer'    # distil each late layer's own prediction (the paper's reading: the
+                                      # KL adapts the late layers), mean over the k; or the 'mixture'
+    ens_teacher_lm_weight: float = 0.0  # the teacher's own LM loss (ln_f, final layer), so that in joint
+                                      # training from scratch the teacher trains; 0: only the mixture's
 
 
 class DepthEnsemble(Family):
@@ -37,13 +43,13 @@ class DepthEnsemble(Family):
 
     def check_values(self, config):
         check_at_least(config, 1, ('ens_layers',))
-        check_at_least(config, 0, ('ens_kl_weight',))
+        check_at_least(config, 0, ('ens_kl_weight', 'ens_teacher_lm_weight'))
 
     def validate(self, config):
         if not 1 <= config.ens_layers <= config.n_layer:
             raise ValueError(f"ens_layers must be in 1..n_layer={config.n_layer}, got {config.ens_layers}")
         for key, allowed in dict(ens_router_input=('final', 'mean'), ens_mix=('logit', 'logprob', 'prob'),
-                                 ens_kl=('forward', 'reverse')).items():
+                                 ens_kl=('forward', 'reverse'), ens_distill=('per_layer', 'mixture')).items():
             if getattr(config, key) not in allowed:
                 raise ValueError(f"{key} must be one of {allowed}, got {getattr(config, key)!r}")
 
@@ -71,8 +77,12 @@ class DepthEnsemble(Family):
         r_in = model.transformer.ln_f(states[-1]) if cfg.ens_router_input == 'final' else torch.stack(normed).mean(0)
         g = model.ens_router(r_in.detach())                              # (B, T, k), fp32
         out = None
+        per_layer = model.training and cfg.ens_distill == 'per_layer' and cfg.ens_kl_weight > 0
+        ctx.layer_logits = [] if per_layer else None
         for j, h in enumerate(normed):
             lg, w = model.lm_head(h).float(), g[..., j:j + 1]
+            if per_layer:
+                ctx.layer_logits.append(lg)
             if cfg.ens_mix == 'logit':
                 term = w * lg
             elif cfg.ens_mix == 'logprob':
@@ -84,11 +94,17 @@ class DepthEnsemble(Family):
 
     def loss(self, model, ctx, lm_loss, targets, aux):
         cfg = model.config
-        if ctx.force != 'full' and model.training and cfg.ens_kl_weight > 0:
-            with torch.no_grad():     # the teacher: the final layer through ln_f, stop-gradient
+        teach = ctx.force != 'full' and model.training and (cfg.ens_kl_weight > 0 or cfg.ens_teacher_lm_weight > 0)
+        if teach:                     # the teacher: the final layer through ln_f
+            with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.ens_teacher_lm_weight > 0):
                 teacher = model.lm_head(model.transformer.ln_f(ctx.final))
-            aux['distill_loss'] = losses.distill_kl(ctx.logits, teacher, cfg.ens_kl)
-        return add_weighted(lm_loss, aux, dict(distill_loss=cfg.ens_kl_weight))
+            if cfg.ens_teacher_lm_weight > 0:
+                aux['teacher_lm_loss'] = losses.lm_loss(teacher, targets)
+            teacher = teacher.detach()    # the distillation never moves the teacher
+        if teach and cfg.ens_kl_weight > 0:
+            students = ctx.layer_logits if cfg.ens_distill == 'per_layer' else [ctx.logits]
+            aux['distill_loss'] = sum(losses.distill_kl(s, teacher, cfg.ens_kl) for s in students) / len(students)
+        return add_weighted(lm_loss, aux, dict(distill_loss=cfg.ens_kl_weight, teacher_lm_loss=cfg.ens_teacher_lm_weight))
 
     def is_controller_key(self, name):
         return name.startswith(('ens_norms.', 'ens_router.'))
@@ -110,7 +126,7 @@ class DepthEnsemble(Family):
         """The dense body, k late-layer heads and the router (and in training, with a KL weight, the
         teacher's head)."""
         c, L, d, k = flop_costs(config, T), config.n_layer, config.n_embd, config.ens_layers
-        teacher = mode == 'train' and config.ens_kl_weight > 0
+        teacher = mode == 'train' and (config.ens_kl_weight > 0 or config.ens_teacher_lm_weight > 0)
         return T * c['head'] + T * (L * (c['attn_proj'] + c['attn_core'] + c['full']) + (k - 1 + teacher) * c['head']
                                     + 2 * d * k)
 
@@ -118,6 +134,7 @@ class DepthEnsemble(Family):
         """The router's input is detached (weight gradient only). Controller-only: the frozen head
         computes input gradients for the trainable norms before it."""
         c, L, d, k = flop_costs(config, T), config.n_layer, config.n_embd, config.ens_layers
-        if trainable == 'all':
-            return 2 * T * (L * (c['attn_proj'] + c['attn_core'] + c['full']) + k * c['head']) + T * 2 * d * k
+        if trainable == 'all':           # (+ the teacher's head when it has an LM loss of its own)
+            heads = k + (config.ens_teacher_lm_weight > 0)
+            return 2 * T * (L * (c['attn_proj'] + c['attn_core'] + c['full']) + heads * c['head']) + T * 2 * d * k
         return T * k * c['head'] + T * 2 * d * k

@@ -169,7 +169,8 @@ EXAMPLES = {
     'mod': [dict(), dict(mod_infer_rule='predictor'), dict(mod_router='random'), dict(mod_layers='all', pos='rope')],
     'exit': [dict(), dict(exit_head='own', exit_layers='every', exit_schedule='calm'), dict(exit_conf='margin', exit_threshold=0.05),
              dict(exit_conf='saturation', exit_threshold=0.5)],
-    'ensemble': [dict(), dict(ens_mix='prob', ens_router_input='mean'), dict(ens_mix='logit', ens_layers=1)],
+    'ensemble': [dict(), dict(ens_mix='prob', ens_router_input='mean', ens_distill='mixture'),
+                 dict(ens_mix='logit', ens_layers=1, ens_teacher_lm_weight=0.5)],
     'halt': [dict(), dict(halt_hard='binary', halt_tau=0.3)],
     'ffn': [dict(ffn_gate='mlp', ffn_cheap_rank=4), dict(ffn_gate='random', ffn_cheap_rank=4)],
 }

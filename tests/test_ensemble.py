@@ -16,10 +16,11 @@ pytestmark = pytest.mark.usefixtures('one_thread')      # tiny ops: see conftest
 
 @settings(**SETTINGS)
 @given(seed=st.integers(0, 999), T=st.integers(1, 16), mix=st.sampled_from(['logit', 'logprob', 'prob']),
-       r_in=st.sampled_from(['final', 'mean']), kl=st.sampled_from(['forward', 'reverse']), k=st.integers(1, 4))
-def test_ensemble_matches_hand_computation(seed, T, mix, r_in, kl, k):
+       r_in=st.sampled_from(['final', 'mean']), kl=st.sampled_from(['forward', 'reverse']), k=st.integers(1, 4),
+       distill=st.sampled_from(['mixture', 'per_layer']), teacher_lm=st.sampled_from([0.0, 0.7]))
+def test_ensemble_matches_hand_computation(seed, T, mix, r_in, kl, k, distill, teacher_lm):
     model = build('ensemble', seed=seed, ens_mix=mix, ens_router_input=r_in, ens_kl=kl, ens_layers=k,
-                  ens_kl_weight=0.3).train()
+                  ens_kl_weight=0.3, ens_distill=distill, ens_teacher_lm_weight=teacher_lm).train()
     idx, tgt = tokens(seed, 2, T), tokens(seed + 1, 2, T)
     with torch.no_grad():
         logits, loss, _ = model(idx, tgt)
@@ -39,12 +40,28 @@ def test_ensemble_matches_hand_computation(seed, T, mix, r_in, kl, k):
         else:
             want = torch.log(sum(g[..., j:j + 1] * F.softmax(per[j], -1) for j in range(k)))
         torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-5)
-        teacher = F.log_softmax(model.lm_head(model.transformer.ln_f(x)), -1)
-        student = F.log_softmax(want, -1)
-        p, q = (teacher, student) if kl == 'forward' else (student, teacher)
-        kl_val = (p.exp() * (p - q)).sum(-1).mean()
-        torch.testing.assert_close(loss, F.cross_entropy(want.flatten(0, 1), tgt.flatten()) + 0.3 * kl_val,
-                                   rtol=1e-4, atol=1e-5)
+        teacher_logits = model.lm_head(model.transformer.ln_f(x))
+        teacher = F.log_softmax(teacher_logits, -1)
+
+        def kl_to(student_logits):
+            student = F.log_softmax(student_logits, -1)
+            p, q = (teacher, student) if kl == 'forward' else (student, teacher)
+            return (p.exp() * (p - q)).sum(-1).mean()
+        # per_layer: each late layer's own prediction distilled, mean over the k; mixture: the mixture's
+        kl_val = kl_to(want) if distill == 'mixture' else sum(kl_to(lg) for lg in per) / k
+        teacher_ce = F.cross_entropy(teacher_logits.flatten(0, 1), tgt.flatten())
+        torch.testing.assert_close(loss, F.cross_entropy(want.flatten(0, 1), tgt.flatten()) + 0.3 * kl_val
+                                   + teacher_lm * teacher_ce, rtol=1e-4, atol=1e-5)
+
+
+def test_the_teacher_trains_only_through_its_own_lm_loss():
+    """From scratch ln_f feeds only the stop-gradient teacher: no gradient without the teacher's LM
+    loss, one with it; the distillation never reaches it either way."""
+    for weight, reaches in ((0.0, False), (1.0, True)):
+        model = build('ensemble', seed=3, ens_teacher_lm_weight=weight).train()
+        model(tokens(3, 2, 8), tokens(4, 2, 8))[1].backward()
+        g = model.transformer.ln_f.weight.grad
+        assert (g is not None and g.abs().sum() > 0) == reaches
 
 
 def test_ensemble_of_one_layer_with_copied_norm_is_the_dense_model():
