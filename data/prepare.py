@@ -32,11 +32,11 @@ a kind letter and a length digit L in 1..9 (both sampled: the kind from --mix, L
     add    A L a1..aL + b1..bL = c1..cL+1 a, b: uniform random digits; c = a + b; all three numbers
                                           are written least-significant digit first, c has L+1 digits
                                           (the last is the final carry, possibly 0)
-    lookup L L k1 k1' v1 .. kL kL' vL     k, k': uniform random letters; v = table[k][k'], a fixed
+    lookup L L k1 k1' v1 .. kL kL' vL     k, k': uniform random letters a-h; v = table[k][k'], a fixed
                                           letter table drawn from the corpus seed (lookup_table)
 e.g. "C3kap>kap|N478901|R2fp|A247+38=751|" (74 + 83 = 157). The lookup kind is in the mix of
 synthetic_lookup only (`python data/prepare.py synthetic_lookup`; 35 tokens with "L"), whose values
-only a memorised 256-entry table predicts: work for a full-width FFN that a low-rank one cannot do.
+only a memorised 64-entry table predicts: work for a full-width FFN that a low-rank one cannot do.
 Each split is its own stream of whole segments (train from seed (seed, 0), val from (seed, 1)),
 stopped once it holds >= its share
 (90/10) of --num_tokens. train_difficulty.bin / val_difficulty.bin (uint8, one per token) give the
@@ -101,6 +101,7 @@ KINDS = ["copy", "count", "noise", "add", "lookup"]
 # the default corpus keeps its 34 tokens and 5 classes
 KIND_TOKENS = [SYMBOLS.index(c) for c in "CNRA"] + [len(SYMBOLS)]
 LOOKUP_SYMBOLS = SYMBOLS + ["L"]
+LOOKUP_KEYS = 8          # key letters a-h: a table of 8 x 8 = 64 pairs, small enough to memorise on a CPU
 DIFFICULTY_CLASSES = ["structure", "trivial", "noise", "hard", "header"]
 LOOKUP_CLASSES = DIFFICULTY_CLASSES + ["recall"]
 STRUCT, TRIVIAL, NOISE, HARD, HEADER, RECALL = range(6)
@@ -142,7 +143,7 @@ def generate_synthetic(num_tokens, seed, mix=DEFAULTS["synthetic"]["mix"], table
         letters, pl = rng.integers(10, 26, size=9 * n_seg).tolist(), 0
         digits, pd = rng.integers(0, 10, size=18 * n_seg).tolist(), 0
         # drawn last and only for lookup mixes, so the other mixes' streams are what they always were
-        keys, pk = (rng.integers(10, 26, size=18 * n_seg).tolist() if probs[4] > 0 else []), 0
+        keys, pk = (rng.integers(10, 10 + LOOKUP_KEYS, size=18 * n_seg).tolist() if probs[4] > 0 else []), 0
         for kind, n in zip(kinds, lens):
             if kind == 0:    # copy
                 x, pl = letters[pl:pl + n], pl + n
