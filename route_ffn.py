@@ -17,7 +17,6 @@ Options: FFNOptions below (fields of model.GPTConfig); of the training loop: ffn
 calib_iters.
 """
 import random
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -26,7 +25,7 @@ import torch.nn as nn
 import losses
 from gates import GATES, JEPAGate, MembershipPredictor, MLPGate, capacity, straight_through, topk_mask
 from routing import (MLP, Family, RouteCtx, add_weighted, check_at_least, check_fraction, flop_costs, layer_ids,
-                     option_names, routed_report_lines, split_apply)
+                     option_names, routed_report_lines, split_apply, training_flags)
 
 
 @dataclass
@@ -351,20 +350,12 @@ def collect_losses(block, cfg, ctx, x, h, full, cheap, mask, preds):
 # ----------------------------------------------------------------------------------------------------
 # oracle utility labels
 
-@contextmanager
 def no_dropout(model):
     """Dropout off (routing stays in training mode): the two forks of an oracle label must differ
-    only in the action at l, not in their dropout masks."""
-    # nn.Dropout layers, and attention, whose dropout probability is a float attribute
-    mods = [m for m in model.modules() if (isinstance(m, nn.Dropout) or isinstance(getattr(m, 'dropout', None), float))
-            and m.training]
-    for m in mods:
-        m.training = False
-    try:
-        yield
-    finally:
-        for m in mods:
-            m.training = True
+    only in the action at l, not in their dropout masks. nn.Dropout layers, and attention, whose
+    dropout probability is a float attribute."""
+    return training_flags([m for m in model.modules() if isinstance(m, nn.Dropout)
+                           or isinstance(getattr(m, 'dropout', None), float)], False)
 
 
 @torch.no_grad()

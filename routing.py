@@ -43,6 +43,7 @@ A family file (route_ffn.py, route_mod.py, ...) overrides only what it changes:
                                    step's backward, oracle_flops(config, T, **options) of its no-grad passes
 """
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -257,6 +258,20 @@ def flop_costs(config, T):
     d = config.n_embd
     return dict(attn_proj=2 * d * 3 * d + 2 * d * d, attn_core=4 * T * d, full=2 * 2 * d * 4 * d,
                 head=2 * d * config.vocab_size)
+
+
+@contextmanager
+def training_flags(modules, training):
+    """Set each module's own `training` flag (not its children's) for the duration, then restore each
+    flag as it was, also on error: model.mode (train/eval) and the oracle's dropout-free forks."""
+    saved = [(m, m.training) for m in modules]
+    for m, _ in saved:
+        m.training = training
+    try:
+        yield
+    finally:
+        for m, was in saved:
+            m.training = was
 
 
 def layer_dropout_prob(config, layer):
