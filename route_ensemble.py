@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import losses
 from gates import EnsembleRouter
-from routing import Family, add_weighted, check_at_least, flop_costs, option_names
+from routing import Family, add_weighted, check_at_least, check_choices, flop_costs, option_names
 
 
 @dataclass
@@ -42,10 +42,8 @@ class DepthEnsemble(Family):
     def validate(self, config):
         if not 1 <= config.ens_layers <= config.n_layer:
             raise ValueError(f"ens_layers must be in 1..n_layer={config.n_layer}, got {config.ens_layers}")
-        for key, allowed in dict(ens_router_input=('final', 'mean'), ens_mix=('logit', 'logprob', 'prob'),
-                                 ens_kl=('forward', 'reverse')).items():
-            if getattr(config, key) not in allowed:
-                raise ValueError(f"{key} must be one of {allowed}, got {getattr(config, key)!r}")
+        check_choices(config, ens_router_input=('final', 'mean'), ens_mix=('logit', 'logprob', 'prob'),
+                      ens_kl=('forward', 'reverse'))
 
     def build(self, model):
         cfg = model.config

@@ -179,10 +179,12 @@ class Family:
     by_class = False                    # report the full-path fraction per difficulty class
 
     def report(self, model, batches, autocast, evaluate):
-        return {}
+        """What eval.report adds (a family that routes at a budget: the budget)."""
+        return dict(budget=self.budget(model.config)) if self.budget_field else {}
 
     def report_lines(self, r):
-        return []
+        """The lines train.py prints at the end of a run (a family that routes at a budget: one summary line)."""
+        return routed_report_lines(r) if self.budget_field else []
 
     def executed_fracs(self, masks):
         """Fraction of tokens sparse execution runs per routed layer, when it differs from the mean."""
@@ -234,6 +236,13 @@ def check_at_least(config, low, keys):
     for key in keys:
         if getattr(config, key) < low:
             raise ValueError(f"{key} must be >= {low}, got {getattr(config, key)}")
+
+
+def check_choices(config, **allowed):
+    """Refuse any field (a keyword) whose value is not one of those allowed for it."""
+    for key, values in allowed.items():
+        if getattr(config, key) not in values:
+            raise ValueError(f"{key} must be one of {values}, got {getattr(config, key)!r}")
 
 
 def check_fraction(config, key):
