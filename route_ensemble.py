@@ -99,6 +99,10 @@ class DepthEnsemble(Family):
     def ddp_find_unused(self, config):
         return True                     # ln_f feeds only the stop-gradient teacher
 
+    def no_gradient(self, config):
+        ln_f = ['transformer.ln_f.weight'] + (['transformer.ln_f.bias'] if config.bias else [])
+        return ln_f + (['ens_router.w.weight'] if config.ens_layers == 1 else [])   # softmax over one layer: 1
+
     @torch.no_grad()
     def after_load(self, model):
         for norm in model.ens_norms:

@@ -27,6 +27,7 @@ A family file (route_ffn.py, route_mod.py, ...) overrides only what it changes:
     step_options(model, step, run) per-step forward options (the oracle layers, the exit curriculum); run:
                                    the training config (seed, ffn_oracle_layers_per_step)
     ddp_find_unused(config)        whether some parameters get no gradient in a step
+    no_gradient(config)            the parameters its training loss never reaches by design (ensemble: ln_f)
     after_load(model)              fix-ups once backbone weights are loaded (ensemble norms)
     logged_stats                   the statistics of aux (besides every *_loss term) the train log averages
     routes                         True for every family but the dense one: train.py reports its routing
@@ -160,6 +161,11 @@ class Family:
 
     def ddp_find_unused(self, config):
         return False
+
+    def no_gradient(self, config):
+        """Names of the parameters the training loss does not reach by design; every other one gets a
+        gradient (tests/test_families.py)."""
+        return ()
 
     def after_load(self, model):
         pass
