@@ -7,7 +7,7 @@ Speed of a config: training step, prefill and KV-cached decode, as tokens/s and 
 Takes every key of train.py (model shape, batch_size, block_size, device, dtype, compile) plus
 bench_steps / bench_warmup / decode_tokens / decode_batches. Random tokens, so no data is needed.
 Reports medians over bench_steps timed repeats after bench_warmup untimed ones; with --json prints
-exactly one JSON object.
+exactly one JSON object, which records the device, torch version and git commit (git_sha, git_dirty).
 
 Routed vs dense: with --budgets=1.0,0.75,0.5,0.25,0.125 the config's routed model
 (route=ffn or mod) is timed at each budget beside the dense model of the same shape, in eval mode:
@@ -140,8 +140,9 @@ def bench(cfg):
     peak = flops.peak_flops(dev, dt)          # MFU from the FLOPs the step really runs (routed or not)
     step_flops = B * flops.train_step_flops(mcfg, T)['total']
     mfu = step_flops / t_train / peak if peak else None
-    return dict(route=mcfg.route, ffn_budget=FAMILIES[mcfg.route].budget(mcfg), vocab_size=mcfg.vocab_size, device=str(dev), device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
-                dtype=dt, compile=cfg['compile'], torch=torch.__version__, threads=torch.get_num_threads(),
+    return dict(route=mcfg.route, budget=FAMILIES[mcfg.route].budget(mcfg), vocab_size=mcfg.vocab_size, device=str(dev),
+                device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu', dtype=dt,
+                compile=cfg['compile'], torch=torch.__version__, **train.code_version(), threads=torch.get_num_threads(),
                 params=model.get_num_params(), batch_size=B, block_size=T,
                 train_ms_per_step=t_train * 1e3, train_tokens_per_s=train_tps, train_mfu=mfu,
                 prefill_tokens_per_s=prefill_tps, decode_tokens_per_s={str(k): v for k, v in decode.items()},
@@ -204,8 +205,9 @@ def bench_routed(cfg):
             with autocast:
                 profile = dict(shape=f"{s[0]}x{s[1]}", routed=profile_breakdown(no_grad_forward(m, x, cfg['sparse'])),
                                dense=profile_breakdown(no_grad_forward(dense, x, cfg['sparse'])))
-    return dict(route=base.route, device=str(dev), dtype=dt, compile=cfg['compile'],
-                sparse=cfg['sparse'], torch=torch.__version__, threads=torch.get_num_threads(),
+    return dict(route=base.route, device=str(dev), device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
+                dtype=dt, compile=cfg['compile'], sparse=cfg['sparse'], torch=torch.__version__, **train.code_version(),
+                threads=torch.get_num_threads(),
                 n_layer=base.n_layer, n_embd=base.n_embd, routed_layers=FAMILIES[base.route].routed_layers(base),
                 rows=rows, train=bench_controller_step(cfg, base, dev, autocast), profile=profile)
 

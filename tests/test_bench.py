@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import flops
 import train
@@ -29,6 +30,7 @@ def test_bench_json(route):
     assert len(lines) == 1
     res = json.loads(lines[0])
     assert res['device'] == 'cpu' and res['train_mfu'] is None and res['route'] == route
+    assert res['torch'] == torch.__version__ and res['git_sha'] == train.code_version()['git_sha']
     assert res['train_tokens_per_s'] > 0 and res['prefill_tokens_per_s'] > 0
     assert set(res['decode_tokens_per_s']) == {'1', '2'}
     cfg = load_config({**train.DEFAULTS, 'bench_steps': 0, 'bench_warmup': 0, 'decode_tokens': 0, 'decode_batches': ''},
@@ -74,3 +76,4 @@ def test_bench_routed_table(route):
         if x['budget'] == 1.0:
             assert x['realised_frac'] == 1.0 or route == 'mod'
     assert res['train']['ratio'] > 0
+    assert res['torch'] == torch.__version__ and res['git_sha'] == train.code_version()['git_sha']
