@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ def test_bench_json(route):
     assert set(res['decode_tokens_per_s']) == {'1', '2'}
     cfg = load_config({**train.DEFAULTS, 'bench_steps': 0, 'bench_warmup': 0, 'decode_tokens': 0, 'decode_batches': ''},
                       [a for a in args if a != '--json'])
-    mcfg = train.model_config(type('C', (), cfg)(), vocab_size=50)
+    mcfg = train.model_config(SimpleNamespace(**cfg), vocab_size=50)
     assert res['train_flops_per_step'] == 2 * flops.train_step_flops(mcfg, 32)['total']
 
 
@@ -64,7 +65,7 @@ def test_bench_routed_table(route):
         cfg = load_config({**train.DEFAULTS, 'bench_steps': 0, 'bench_warmup': 0, 'decode_tokens': 0,
                            'decode_batches': '', 'budgets': '', 'prefill_shapes': '', 'sparse': True, 'profile': False},
                           [a for a in args if a != '--json'])
-        mcfg = FAMILIES[route].with_budget(train.model_config(type('C', (), cfg)(), vocab_size=50), x['budget'])
+        mcfg = FAMILIES[route].with_budget(train.model_config(SimpleNamespace(**cfg), vocab_size=50), x['budget'])
         if route == 'mod':
             mcfg = replace(mcfg, mod_router='random')
         assert len(x['layer_fracs']) == len(controlled_layer_ids(mcfg))
