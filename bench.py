@@ -7,7 +7,7 @@ Speed of a config: training step, prefill and KV-cached decode, as tokens/s and 
 Takes every key of train.py (model shape, batch_size, block_size, device, dtype, compile) plus
 bench_steps / bench_warmup / decode_tokens / decode_batches. Random tokens, so no data is needed.
 Reports medians over bench_steps timed repeats after bench_warmup untimed ones; with --json prints
-exactly one JSON object.
+exactly one JSON object, which records the device, torch version and git commit (git_sha, git_dirty).
 
 Routed vs dense: with --budgets=1.0,0.75,0.5,0.25,0.125 the config's routed model
 (route=ffn or mod) is timed at each budget beside the dense model of the same shape, in eval mode:
@@ -27,6 +27,7 @@ import json
 import os
 import statistics
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
@@ -139,8 +140,9 @@ def bench(cfg):
     peak = flops.peak_flops(dev, dt)          # MFU from the FLOPs the step really runs (routed or not)
     step_flops = B * flops.train_step_flops(mcfg, T)['total']
     mfu = step_flops / t_train / peak if peak else None
-    return dict(route=mcfg.route, ffn_budget=FAMILIES[mcfg.route].budget(mcfg), vocab_size=mcfg.vocab_size, device=str(dev), device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
-                dtype=dt, compile=cfg['compile'], torch=torch.__version__, threads=torch.get_num_threads(),
+    return dict(route=mcfg.route, budget=FAMILIES[mcfg.route].budget(mcfg), vocab_size=mcfg.vocab_size, device=str(dev),
+                device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu', dtype=dt,
+                compile=cfg['compile'], torch=torch.__version__, **train.code_version(), threads=torch.get_num_threads(),
                 params=model.get_num_params(), batch_size=B, block_size=T,
                 train_ms_per_step=t_train * 1e3, train_tokens_per_s=train_tps, train_mfu=mfu,
                 prefill_tokens_per_s=prefill_tps, decode_tokens_per_s={str(k): v for k, v in decode.items()},
@@ -179,94 +181,126 @@ def profile_breakdown(fn):
 
 
 def bench_routed(cfg):
-    """The routed-vs-dense table (see the module docstring)."""
+    """The routed-vs-dense table (see the module docstring): at each budget the routed model, on the dense
+    model's backbone, timed beside the dense model in the same window; and the training step."""
     dev, dt = resolve_device_dtype(SimpleNamespace(**cfg))
     autocast = autocast_context(dev, dt)
-    base = train.model_config(SimpleNamespace(**cfg), vocab_size=cfg['vocab_size'] or 50304)
-    family = FAMILIES[base.route]
-    if family.bench_config(base, 1.0) is None:
-        routes = tuple(r for r, f in FAMILIES.items() if f.bench_config(base, 1.0) is not None)
-        raise train.TrainError(f"--budgets times route={' or '.join(map(repr, routes))} against dense; "
-                               f"this config has route={base.route!r}")
-    from dataclasses import replace
-    shapes = numbers(cfg, 'prefill_shapes', shape)
-    if any(T > base.block_size for _, T in shapes):
-        raise train.TrainError(f"prefill_shapes {cfg['prefill_shapes']} exceed block_size {base.block_size}")
-    steps, warm = cfg['bench_steps'], cfg['bench_warmup']
+    base, shapes = routed_base(cfg)
     g = torch.Generator().manual_seed(cfg['seed'])
     xs = {s: torch.randint(0, base.vocab_size, s, generator=g).to(dev) for s in shapes}
     torch.manual_seed(cfg['seed'])
     dense = eval_model(replace(base, route='none'), dev)
     state = dense.state_dict()
-    decode_bs = numbers(cfg, 'decode_batches', int)
-    run = lambda m, x, **kw: (lambda: torch.no_grad()(lambda: m(x, sparse=cfg['sparse'], **kw))())
-
-    def time_model(m, rng_seed, decode=True):
-        """{shape: seconds} prefill and {batch: tokens/s} decode of model m."""
-        pre = {}
-        fwd = torch.compile(m, dynamic=False) if cfg['compile'] else m     # prefill compiled; decode eager
-        for s, x in xs.items():
-            torch.manual_seed(rng_seed)
-            with autocast:
-                pre[s] = timed(run(fwd, x), steps, warm, dev)
-        dec = {}
-        for b in decode_bs if decode else ():      # decode alone: (prefill + 1 + N steps) − (prefill + 1), over N
-            n = cfg['decode_prompt'] or max(1, base.block_size - cfg['decode_tokens'] - 1)    # prompt tokens
-            prompt = torch.randint(0, base.vocab_size, (b, n), generator=g).to(dev)
-            gen = lambda k: (lambda: m.generate(prompt, k, temperature=0))
-            with autocast:
-                t = (timed(gen(1 + cfg['decode_tokens']), max(1, steps // 2), 1, dev)
-                     - timed(gen(1), max(1, steps // 2), 1, dev))
-            dec[b] = b * cfg['decode_tokens'] / max(t, 1e-9)
-        return pre, dec
-
-    d_pre, d_dec = time_model(dense, cfg['seed'])
+    d_pre, d_dec = time_model(dense, cfg, xs, g, base, dev, autocast)
     rows, profile = [], None
     for budget in numbers(cfg, 'budgets', float):
-        mcfg = family.bench_config(base, budget)
-        torch.manual_seed(cfg['seed'])
-        m = eval_model(mcfg, dev)
-        m.load_state_dict(state, strict=False)                     # the same backbone as the dense model
-        for s, x in xs.items():
-            with torch.no_grad(), autocast:
-                m.calibrate(x)                                      # ffn: threshold that holds the budget
-        r_pre, r_dec = time_model(m, cfg['seed'])
-        d_pre = time_model(dense, cfg['seed'], decode=False)[0]     # dense again, in the same window
-        for s, x in xs.items():
-            torch.manual_seed(cfg['seed'])
-            with torch.no_grad(), autocast:
-                masks = m(x, sparse=cfg['sparse'])[2].get('masks', {})
-            frac = [int(v.sum()) / v.numel() for _, v in sorted(masks.items())]
-            # what sparse execution runs (MoD pads each row to the longest), beside the ideal
-            executed = m.family.executed_fracs(masks) if masks else None
-            run_frac = executed.tolist() if executed is not None else frac
-            last_only = (s[1] - 1) * 2 * base.n_embd * base.vocab_size    # prefill: logits of the last position only
-            dense_f = flops.forward_flops(replace(base, route='none'), s[1], 'eval') - last_only
-            f_ratio = (flops.forward_flops(mcfg, s[1], 'sparse', full_frac=frac) - last_only) / dense_f
-            exec_ratio = (flops.forward_flops(mcfg, s[1], 'sparse', full_frac=run_frac) - last_only) / dense_f
-            t_ratio = r_pre[s] / d_pre[s]
-            rows.append(dict(kind='prefill', budget=budget, batch=s[0], seq=s[1], realised_frac=sum(frac) / len(frac),
-                             layer_fracs=frac, executed_fracs=run_frac,
-                             dense_ms=d_pre[s] * 1e3, routed_ms=r_pre[s] * 1e3, time_ratio=t_ratio,
-                             flops_ratio=f_ratio, executed_flops_ratio=exec_ratio, ideal_realised=f_ratio / t_ratio))
-        for b in decode_bs:
-            rows.append(dict(kind='decode', budget=budget, batch=b, dense_tokens_per_s=d_dec[b],
-                             routed_tokens_per_s=r_dec[b], time_ratio=d_dec[b] / r_dec[b]))
+        m = routed_model(FAMILIES[base.route].bench_config(base, budget), state, xs, cfg['seed'], dev, autocast)
+        r_pre, r_dec = time_model(m, cfg, xs, g, base, dev, autocast)
+        d_pre = time_model(dense, cfg, xs, g, base, dev, autocast, decode=False)[0]     # dense again, in the same window
+        rows += prefill_rows(cfg, m, base, budget, xs, r_pre, d_pre, autocast)
+        rows += [dict(kind='decode', budget=budget, batch=b, dense_tokens_per_s=d_dec[b], routed_tokens_per_s=r_dec[b],
+                      time_ratio=d_dec[b] / r_dec[b]) for b in r_dec]
         if cfg['profile'] and abs(budget - 0.5) < 1e-9:
             s, x = shapes[-1], xs[shapes[-1]]
             with autocast:
-                profile = dict(shape=f"{s[0]}x{s[1]}", routed=profile_breakdown(run(m, x)),
-                               dense=profile_breakdown(run(dense, x)))
-    return dict(route=base.route, device=str(dev), dtype=dt, compile=cfg['compile'],
-                sparse=cfg['sparse'], torch=torch.__version__, threads=torch.get_num_threads(),
-                n_layer=base.n_layer, n_embd=base.n_embd, routed_layers=family.routed_layers(base), rows=rows, train=bench_controller_step(cfg, base, dev, autocast),
-                profile=profile)
+                profile = dict(shape=f"{s[0]}x{s[1]}", routed=profile_breakdown(no_grad_forward(m, x, cfg['sparse'])),
+                               dense=profile_breakdown(no_grad_forward(dense, x, cfg['sparse'])))
+    return dict(route=base.route, device=str(dev), device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
+                dtype=dt, compile=cfg['compile'], sparse=cfg['sparse'], torch=torch.__version__, **train.code_version(),
+                threads=torch.get_num_threads(),
+                n_layer=base.n_layer, n_embd=base.n_embd, routed_layers=FAMILIES[base.route].routed_layers(base),
+                rows=rows, train=bench_controller_step(cfg, base, dev, autocast), profile=profile)
+
+
+def routed_base(cfg):
+    """The config --budgets times (its family must have a budget) and the prefill shapes (within its
+    block_size)."""
+    base = train.model_config(SimpleNamespace(**cfg), vocab_size=cfg['vocab_size'] or 50304)
+    if FAMILIES[base.route].bench_config(base, 1.0) is None:
+        routes = tuple(r for r, f in FAMILIES.items() if f.bench_config(base, 1.0) is not None)
+        raise train.TrainError(f"--budgets times route={' or '.join(map(repr, routes))} against dense; "
+                               f"this config has route={base.route!r}")
+    shapes = numbers(cfg, 'prefill_shapes', shape)
+    if any(T > base.block_size for _, T in shapes):
+        raise train.TrainError(f"prefill_shapes {cfg['prefill_shapes']} exceed block_size {base.block_size}")
+    return base, shapes
+
+
+def routed_model(mcfg, state, xs, seed, dev, autocast):
+    """The routed model of config mcfg on the dense model's backbone (state), its causal thresholds
+    calibrated on the benchmark batches xs (ffn), so that it holds its budget."""
+    torch.manual_seed(seed)
+    m = eval_model(mcfg, dev)
+    m.load_state_dict(state, strict=False)
+    for x in xs.values():
+        with torch.no_grad(), autocast:
+            m.calibrate(x)
+    return m
+
+
+def no_grad_forward(m, x, sparse):
+    """A call of m's eval forward on x without autograd, for timed() and the profiler."""
+    def call():
+        with torch.no_grad():
+            return m(x, sparse=sparse)
+    return call
+
+
+def time_model(m, cfg, xs, g, base, dev, autocast, decode=True):
+    """{shape: seconds} of m's prefill of each batch in xs (compiled with --compile) and {batch: tokens/s}
+    of its eager KV-cached decode, on prompts drawn from g. Decode alone: (prefill + 1 + N steps) minus
+    (prefill + 1), over N."""
+    steps, warm = cfg['bench_steps'], cfg['bench_warmup']
+    fwd = torch.compile(m, dynamic=False) if cfg['compile'] else m
+    pre = {}
+    for s, x in xs.items():
+        torch.manual_seed(cfg['seed'])
+        with autocast:
+            pre[s] = timed(no_grad_forward(fwd, x, cfg['sparse']), steps, warm, dev)
+    dec = {}
+    for b in numbers(cfg, 'decode_batches', int) if decode else ():
+        n = cfg['decode_prompt'] or max(1, base.block_size - cfg['decode_tokens'] - 1)    # prompt tokens
+        prompt = torch.randint(0, base.vocab_size, (b, n), generator=g).to(dev)
+        gen = lambda k: (lambda: m.generate(prompt, k, temperature=0))
+        with autocast:
+            t = (timed(gen(1 + cfg['decode_tokens']), max(1, steps // 2), 1, dev)
+                 - timed(gen(1), max(1, steps // 2), 1, dev))
+        dec[b] = b * cfg['decode_tokens'] / max(t, 1e-9)
+    return pre, dec
+
+
+def prefill_rows(cfg, m, base, budget, xs, r_pre, d_pre, autocast):
+    """One row per prefill shape: the realised routing, routed and dense times and their ratio, the
+    analytic FLOPs ratio at the realised routing (ideal, and as sparse execution runs it: MoD pads each
+    row to the longest), and the share of the FLOPs-ideal speedup realised."""
+    rows = []
+    for s, x in xs.items():
+        torch.manual_seed(cfg['seed'])
+        with torch.no_grad(), autocast:
+            masks = m(x, sparse=cfg['sparse'])[2].get('masks', {})
+        frac = [int(v.sum()) / v.numel() for _, v in sorted(masks.items())]
+        executed = m.family.executed_fracs(masks) if masks else None
+        run_frac = executed.tolist() if executed is not None else frac
+        f_ratio, exec_ratio = (prefill_flops_ratio(m.config, base, s[1], f) for f in (frac, run_frac))
+        t_ratio = r_pre[s] / d_pre[s]
+        rows.append(dict(kind='prefill', budget=budget, batch=s[0], seq=s[1], realised_frac=sum(frac) / len(frac),
+                         layer_fracs=frac, executed_fracs=run_frac,
+                         dense_ms=d_pre[s] * 1e3, routed_ms=r_pre[s] * 1e3, time_ratio=t_ratio,
+                         flops_ratio=f_ratio, executed_flops_ratio=exec_ratio, ideal_realised=f_ratio / t_ratio))
+    return rows
+
+
+def prefill_flops_ratio(mcfg, base, T, full_frac):
+    """Analytic forward FLOPs of mcfg's sparse prefill at the fractions full_frac over the dense model's,
+    both computing the logits of the last position only."""
+    last_only = (T - 1) * 2 * base.n_embd * base.vocab_size
+    dense = flops.forward_flops(replace(base, route='none'), T, 'eval') - last_only
+    return (flops.forward_flops(mcfg, T, 'sparse', full_frac=full_frac) - last_only) / dense
 
 
 def bench_controller_step(cfg, base, dev, autocast):
     """Training step of controller-only G1 without util/rank (frozen backbone, gates only) against a
     dense joint training step of the same backbone, at batch_size x block_size."""
-    from dataclasses import replace
     B, T = cfg['batch_size'], base.block_size
     g = torch.Generator().manual_seed(cfg['seed'])
     x = torch.randint(0, base.vocab_size, (B, T), generator=g).to(dev)

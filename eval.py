@@ -242,7 +242,7 @@ def main(argv):
     # with --json, stdout holds exactly the one JSON object: notes printed on the way (e.g. preparing the
     # synthetic corpus) go to stderr
     with redirect_stdout(sys.stderr) if as_json else nullcontext():
-        # train.py's defaults fill the keys a checkpoint from older code lacks
+        # train.py's defaults fill the keys a checkpoint does not hold
         cfg = SimpleNamespace(**{**{f.name: f.default for f in fields(GPTConfig)},
                                  **declared_defaults(os.path.join(HERE, 'train.py')), **resolve_aliases(ck['config'])})
         cfg.data_dir = args['data_dir'] or cfg.data_dir

@@ -177,5 +177,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
-    import sys
-    sys.exit(main(sys.argv[1:]))
+    from configurator import run_cli
+    run_cli(main)

@@ -37,6 +37,24 @@ def topk_mask(score, k):
     return torch.zeros_like(score, dtype=torch.bool).scatter(-1, idx, True)
 
 
+def random_mask(B, T, fraction, causal, device):
+    """The random-routing baseline, (B, T) boolean: Bernoulli(fraction) per token when causal (eval),
+    else exactly capacity(fraction, T) tokens of each row, uniformly (training: static shapes)."""
+    u = torch.rand(B, T, device=device)
+    return u < fraction if causal else topk_mask(u, capacity(fraction, T))
+
+
+def threshold_mask(score, tau, calibrate_to=None):
+    """The causal decision, per token: score > tau. calibrate_to (a budget): first set tau, a 0-dim
+    buffer, in place to the (1 − budget) quantile of these scores, so that on this batch the fraction
+    above it is the budget."""
+    if calibrate_to is not None:
+        flat = score.detach().flatten()
+        n_cheap = flat.numel() - round(calibrate_to * flat.numel())
+        tau.fill_(flat.kthvalue(n_cheap).values if n_cheap > 0 else float('-inf'))
+    return score > tau
+
+
 def straight_through(mask, score):
     """Forward value: the hard 0/1 mask. Backward: the gradient of sigmoid(score)."""
     soft = torch.sigmoid(score)

@@ -17,7 +17,6 @@ interface of routing.Family, whose defaults are the dense model. This file knows
 """
 import math
 import re
-from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 import torch
@@ -31,7 +30,7 @@ from route_exit import EarlyExit, ExitOptions
 from route_ffn import FFNOptions, FFNRouting
 from route_halt import HaltOptions, TokenSelectiveAttention
 from route_mod import MixtureOfDepths, ModOptions
-from routing import MLP, Family, RouteCtx
+from routing import MLP, Family, RouteCtx, training_flags
 
 # the routing families, by config.route: adding one = a file with a Family subclass and its options
 # dataclass, a line here and a base of GPTConfig. An old option name two families share means, under
@@ -291,15 +290,9 @@ class GPT(nn.Module):
                 aux[k] = v.detach()
         return logits, loss, aux
 
-    @contextmanager
     def mode(self, training):
-        """Temporarily train() or eval(), restoring the previous mode afterwards (also on error)."""
-        was_training = self.training
-        self.train(training)
-        try:
-            yield self
-        finally:
-            self.train(was_training)
+        """Temporarily train() or eval(): every module's mode is restored afterwards (also on error)."""
+        return training_flags(list(self.modules()), training)
 
     def controller_parameters(self):
         """The parameters controller-only training updates: the family's controller, not the backbone."""

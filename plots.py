@@ -27,9 +27,10 @@ pareto_front, arm_points) need only numpy; sweep.py takes its per-run numbers fr
 """
 import json
 import os
-import sys
 
 import numpy as np
+
+from configurator import ConfigError, run_cli
 
 SKIPPED = "plots skipped: matplotlib is not installed (pip install matplotlib)"
 
@@ -291,7 +292,12 @@ def write_plots(root, arms=None, out_dir=None):
     return written
 
 
+def main(argv):
+    if len(argv) != 1 or not os.path.isdir(argv[0]):
+        raise ConfigError("usage: python plots.py OUT_ROOT   (a study's out_root, as written by sweep.py)")
+    write_plots(argv[0])
+    return 0
+
+
 if __name__ == '__main__':
-    if len(sys.argv) != 2 or not os.path.isdir(sys.argv[1]):
-        raise SystemExit("usage: python plots.py OUT_ROOT   (a study's out_root, as written by sweep.py)")
-    write_plots(sys.argv[1])
+    run_cli(main)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import losses
 from gates import EnsembleRouter
-from routing import Family, add_weighted, check_at_least, flop_costs, option_names
+from routing import Family, add_weighted, check_at_least, check_choices, flop_costs, option_names
 
 
 @dataclass
@@ -48,10 +48,8 @@ class DepthEnsemble(Family):
     def validate(self, config):
         if not 1 <= config.ens_layers <= config.n_layer:
             raise ValueError(f"ens_layers must be in 1..n_layer={config.n_layer}, got {config.ens_layers}")
-        for key, allowed in dict(ens_router_input=('final', 'mean'), ens_mix=('logit', 'logprob', 'prob'),
-                                 ens_kl=('forward', 'reverse'), ens_distill=('per_layer', 'mixture')).items():
-            if getattr(config, key) not in allowed:
-                raise ValueError(f"{key} must be one of {allowed}, got {getattr(config, key)!r}")
+        check_choices(config, ens_router_input=('final', 'mean'), ens_mix=('logit', 'logprob', 'prob'),
+                      ens_kl=('forward', 'reverse'), ens_distill=('per_layer', 'mixture'))
 
     def build(self, model):
         cfg = model.config
@@ -116,6 +114,12 @@ class DepthEnsemble(Family):
 
     def ddp_find_unused(self, config):
         return True                     # ln_f feeds only the stop-gradient teacher
+
+    def no_gradient(self, config):
+        # ln_f is the teacher's alone, which trains only through its own LM loss
+        ln_f = ['transformer.ln_f.weight'] + (['transformer.ln_f.bias'] if config.bias else [])
+        return ((ln_f if config.ens_teacher_lm_weight == 0 else [])
+                + (['ens_router.w.weight'] if config.ens_layers == 1 else []))   # softmax over one layer: 1
 
     @torch.no_grad()
     def after_load(self, model):

@@ -21,7 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import losses
-from routing import Family, check_at_least, flop_costs, option_names, parse_layer_list, split_apply, tlops_saved
+from routing import (Family, check_at_least, check_choices, flop_costs, option_names, parse_layer_list, split_apply,
+                     tlops_saved)
 
 
 @dataclass
@@ -62,10 +63,8 @@ class EarlyExit(Family):
     def validate(self, config):
         if config.n_layer < 2:
             raise ValueError("route='exit' needs n_layer >= 2 (an exit sits below the last layer)")
-        for key, allowed in dict(exit_head=('shared', 'own'), exit_schedule=('uniform', 'calm', 'layerskip', 'mean'),
-                                 exit_conf=('softmax', 'margin', 'saturation')).items():
-            if getattr(config, key) not in allowed:
-                raise ValueError(f"{key} must be one of {allowed}, got {getattr(config, key)!r}")
+        check_choices(config, exit_head=('shared', 'own'), exit_schedule=('uniform', 'calm', 'layerskip', 'mean'),
+                      exit_conf=('softmax', 'margin', 'saturation'))
         exit_depths(config)
 
     def build(self, model):

@@ -17,16 +17,18 @@ Options: FFNOptions below (fields of model.GPTConfig); of the training loop: ffn
 calib_iters.
 """
 import random
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 
 import losses
-from gates import GATES, JEPAGate, MembershipPredictor, MLPGate, capacity, straight_through, topk_mask
-from routing import (MLP, Family, RouteCtx, add_weighted, check_at_least, check_fraction, flop_costs, layer_ids,
-                     option_names, routed_report_lines, split_apply)
+from gates import (GATES, JEPAGate, MembershipPredictor, MLPGate, capacity, random_mask, straight_through,
+                   threshold_mask, topk_mask)
+from routing import (MLP, Family, RouteCtx, add_weighted, check_at_least, check_choices, check_fraction, flop_costs,
+                     layer_ids, option_names, split_apply, training_flags)
+
+STATIC = {'static_full': 'full', 'static_cheap': 'cheap'}     # the gates that send every token down one path
 
 
 @dataclass
@@ -71,15 +73,11 @@ class FFNRouting(Family):
                                    'ffn_predictor_weight', 'ffn_mimic_weight'))
         check_fraction(config, 'ffn_budget')
 
-    def option_meaning(self, config, key):
-        return self.routed_layers(config) if key == 'ffn_layers' else getattr(config, key)
-
     def validate(self, config):
-        for key, allowed in dict(ffn_gate=GATES, ffn_gate_grad=('ste', 'scale', 'none'), ffn_infer_rule=('threshold', 'predictor'),
-                                 ffn_jepa_outcome=('delta', 'hidden'), ffn_jepa_readout=('distance', 'linear'),
-                                 ffn_rank_kind=('logistic', 'margin'), ffn_oracle_policy=('off', 'on')).items():
-            if getattr(config, key) not in allowed:
-                raise ValueError(f"{key} must be one of {allowed}, got {getattr(config, key)!r}")
+        check_choices(config, ffn_gate=GATES, ffn_gate_grad=('ste', 'scale', 'none'),
+                      ffn_infer_rule=('threshold', 'predictor'), ffn_jepa_outcome=('delta', 'hidden'),
+                      ffn_jepa_readout=('distance', 'linear'), ffn_rank_kind=('logistic', 'margin'),
+                      ffn_oracle_policy=('off', 'on'))
         if not self.routed_layers(config):
             raise ValueError(f"ffn_layers={config.ffn_layers!r} routes no layer of a "
                              f"{config.n_layer}-layer model")
@@ -133,8 +131,7 @@ class FFNRouting(Family):
         if model.config.ffn_gate not in ('mlp', 'jepa'):
             return None                    # no score to threshold
         with model.mode(training=False):
-            aux = model(idx, last_only=True, calibrate=True)[2]
-        return aux.get('full_frac')
+            return model(idx, last_only=True, calibrate=True)[2].get('full_frac')
 
     def step_options(self, model, step, run):
         """The controlled layers that get oracle labels this step (util/rank losses on): sampled from the
@@ -149,44 +146,32 @@ class FFNRouting(Family):
     references, by_class = ('full', 'cheap'), True
     room_rules = dict(random=dict(ffn_gate='random'), oracle=dict(ffn_gate='oracle'))
 
-    def report(self, model, batches, autocast, evaluate):
-        return dict(budget=self.budget(model.config))
-
-    def report_lines(self, r):
-        return routed_report_lines(r)
-
     def cannot_generate(self, config):
         if config.ffn_gate == 'oracle':
             return "ffn_gate='oracle' routes by the targets, so it cannot generate; sample from a model with a causal gate"
         return None
 
     def ddp_find_unused(self, config):
-        return (config.ffn_gate in ('static_full', 'static_cheap') or config.ffn_gate_grad == 'none'
+        return (config.ffn_gate in STATIC or config.ffn_gate_grad == 'none'
                 or (config.ffn_infer_rule == 'predictor' and config.ffn_predictor_weight == 0))
 
     def forward_flops(self, config, T, mode='train', full_frac=None, **options):
         """Training and eval: both paths dense, mixed by the mask ('train' adds the JEPA targets and
         the membership predictor's training; the oracle gate, its forks); 'sparse': the full FFN on a
         fraction full_frac of the tokens, the cheap FFN on the rest. Oracle labels: oracle_flops."""
-        c, L = ffn_costs(config, T), config.n_layer
-        ids = self.routed_layers(config)
+        c, ids = ffn_costs(config, T), self.routed_layers(config)
+        fracs = iter(full_frac if isinstance(full_frac, (list, tuple)) else [full_frac] * len(ids))
         total = c['head']
-        ctrl_i = 0
-        for layer in range(L):
+        for layer in range(config.n_layer):
             total += c['attn_proj'] + c['attn_core']
-            kind = config.ffn_gate if layer in ids else None
-            if kind is None or kind == 'static_full':
-                total += c['full']
-                continue
-            if kind == 'static_cheap':
-                total += c['cheap']
-                continue
-            if mode == 'sparse':
-                f = full_frac[ctrl_i] if isinstance(full_frac, (list, tuple)) else full_frac
+            kind = config.ffn_gate if layer in ids else 'static_full'
+            if kind in STATIC:
+                total += c[STATIC[kind]]
+            elif mode == 'sparse':          # full_frac: one per layer not routed by a static gate, or one for all
+                f = next(fracs)
                 total += f * c['full'] + (1 - f) * c['cheap']
             else:
                 total += c['full'] + c['cheap']
-            ctrl_i += 1
             if kind in ('mlp', 'jepa'):
                 n_out = 2 if kind == 'jepa' else 1            # JEPA forecasts both actions
                 total += c['gate_fc'] + n_out * c['gate_out'] + c['gate_read']
@@ -202,26 +187,18 @@ class FFNRouting(Family):
     def backward_flops(self, config, T, trainable='all', oracle_layers=(), **options):
         """Controller-only: activation gradients only, and nothing below the first gate in the LM-loss
         graph; the gate's input needs a gradient only once the stream does."""
-        c, L = ffn_costs(config, T), config.n_layer
-        ids = self.routed_layers(config)
+        c, ids = ffn_costs(config, T), self.routed_layers(config)
         joint = trainable == 'all'
         aux_on_score = config.ffn_util_weight > 0 or config.ffn_rank_weight > 0
         stream = joint                      # does the residual stream entering this layer need a gradient?
+        w = 2 if joint else 1               # backbone matmuls: input grad (+ weight grad when trainable)
         bwd = 0
-        for layer in range(L):
-            kind = config.ffn_gate if layer in ids else None
-            w = 2 if joint else 1           # backbone matmuls: input grad (+ weight grad when trainable)
+        for layer in range(config.n_layer):
+            kind = config.ffn_gate if layer in ids else 'static_full'
             if stream:
-                bwd += w * c['attn_proj'] + 2 * c['attn_core']
-            if kind in (None, 'static_full'):
-                bwd += w * c['full'] if stream else 0
-                continue
-            if kind == 'static_cheap':
-                bwd += w * c['cheap'] if stream else 0
-                continue
-            if stream:
-                bwd += w * (c['full'] + c['cheap'])
-            if kind not in ('mlp', 'jepa'):
+                ffn = c[STATIC[kind]] if kind in STATIC else c['full'] + c['cheap']
+                bwd += w * (c['attn_proj'] + ffn) + 2 * c['attn_core']
+            if kind not in ('mlp', 'jepa'):     # a static or the oracle gate: nothing trainable
                 continue
             score_in_graph = config.ffn_gate_grad != 'none' or (aux_on_score and layer in oracle_layers)
             preds_in_graph = score_in_graph or (kind == 'jepa' and config.ffn_jepa_weight > 0)
@@ -235,7 +212,7 @@ class FFNRouting(Family):
             if config.ffn_gate_grad != 'none':
                 stream = True               # the mixed update now depends on trainable gate weights
         if stream:
-            bwd += (2 if joint else 1) * c['head']
+            bwd += w * c['head']
         return bwd * T
 
     def oracle_flops(self, config, T, oracle_layers=(), **options):
@@ -286,34 +263,24 @@ def routed_ffn_update(block, cfg, x, ctx):
     if l in ctx.keep_mid:
         ctx.mid[l] = x.detach()
     h = block.ln_2(x)
-    force = ctx.force or {'static_full': 'full', 'static_cheap': 'cheap'}.get(cfg.ffn_gate)
-    if force == 'full':
-        return block.mlp(h)
-    if force == 'cheap':
-        return block.cheap(h)
+    force = ctx.force or STATIC.get(cfg.ffn_gate)
+    if force is not None:
+        return block.mlp(h) if force == 'full' else block.cheap(h)
     B, T = h.shape[:2]
     causal = not block.training
     sparse = causal and ctx.sparse
     full, cheap = (None, None) if sparse else (block.mlp(h), block.cheap(h))
     score, preds = None, None
     if cfg.ffn_gate == 'random':
-        mask = (torch.rand(B, T, device=h.device) < cfg.ffn_budget if causal else
-                topk_mask(torch.rand(B, T, device=h.device), capacity(cfg.ffn_budget, T)))
+        mask = random_mask(B, T, cfg.ffn_budget, causal, h.device)
     elif cfg.ffn_gate == 'oracle':           # analysis only: peeks at the targets, so never causal
         mask = topk_mask(ctx.oracle(l, x), capacity(cfg.ffn_budget, T))
     else:
-        if cfg.ffn_gate == 'jepa':
-            preds = block.gate.predict(h)
-            score = block.gate.score(*preds)
-        else:
-            score = block.gate(h)
-        if causal:
-            rule_score = block.predictor(h) if block.predictor is not None else score
-            if ctx.calibrate:       # threshold = the (1 − budget) quantile of this batch's scores
-                flat = rule_score.detach().flatten()
-                n_cheap = flat.numel() - round(cfg.ffn_budget * flat.numel())
-                block.tau.fill_(flat.kthvalue(n_cheap).values if n_cheap > 0 else float('-inf'))
-            mask = rule_score > block.tau
+        preds = block.gate.predict(h) if cfg.ffn_gate == 'jepa' else None
+        score = block.gate.score(*preds) if preds is not None else block.gate(h)
+        if causal:                  # calibrating: the threshold first set to hit the budget on this batch
+            mask = threshold_mask(block.predictor(h) if block.predictor is not None else score, block.tau,
+                                  cfg.ffn_budget if ctx.calibrate else None)
         else:
             mask = topk_mask(score.detach(), capacity(cfg.ffn_budget, T))
     if sparse:                      # each path on its own tokens only
@@ -352,20 +319,12 @@ def collect_losses(block, cfg, ctx, x, h, full, cheap, mask, preds):
 # ----------------------------------------------------------------------------------------------------
 # oracle utility labels
 
-@contextmanager
 def no_dropout(model):
     """Dropout off (routing stays in training mode): the two forks of an oracle label must differ
-    only in the action at l, not in their dropout masks."""
-    # nn.Dropout layers, and attention, whose dropout probability is a float attribute
-    mods = [m for m in model.modules() if (isinstance(m, nn.Dropout) or isinstance(getattr(m, 'dropout', None), float))
-            and m.training]
-    for m in mods:
-        m.training = False
-    try:
-        yield
-    finally:
-        for m in mods:
-            m.training = True
+    only in the action at l, not in their dropout masks. nn.Dropout layers, and attention, whose
+    dropout probability is a float attribute."""
+    return training_flags([m for m in model.modules() if isinstance(m, nn.Dropout)
+                           or isinstance(getattr(m, 'dropout', None), float)], False)
 
 
 @torch.no_grad()
@@ -405,10 +364,10 @@ def oracle_losses(model, ctx, layers, targets, aux):
             U = fork_utility(model, l, ctx.mid[l], targets, pos, later='policy')
         else:
             U = fork_utility(model, l, full_ctx.mid[l], targets, pos, later='full', ce_full=ce_full)
-        score = ctx.scores[l]
+        score, terms = ctx.scores[l], {}
         if cfg.ffn_util_weight > 0:
-            aux['util_loss'] = aux.get('util_loss', 0.0) + losses.utility_regression(score, U) / len(layers)
+            terms['util_loss'] = losses.utility_regression(score, U)
         if cfg.ffn_rank_weight > 0:
-            aux['rank_loss'] = aux.get('rank_loss', 0.0) + losses.pairwise_rank(
-                score, U, cfg.ffn_rank_pairs, cfg.ffn_rank_kind, cfg.ffn_rank_margin) / len(layers)
-        aux['utility_mean'] = aux.get('utility_mean', 0.0) + U.mean() / len(layers)
+            terms['rank_loss'] = losses.pairwise_rank(score, U, cfg.ffn_rank_pairs, cfg.ffn_rank_kind, cfg.ffn_rank_margin)
+        for name, value in dict(terms, utility_mean=U.mean()).items():     # means over the sampled layers
+            aux[name] = aux.get(name, 0.0) + value / len(layers)

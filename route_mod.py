@@ -16,9 +16,9 @@ from dataclasses import dataclass, replace
 import torch
 
 import losses
-from gates import MembershipPredictor, ModRouter, capacity, topk_mask
+from gates import MembershipPredictor, ModRouter, capacity, random_mask, topk_mask
 from routing import (Family, add_weighted, check_at_least, check_fraction, exec_mode, flop_costs, gather_rows, layer_ids,
-                     option_names, routed_report_lines, split_apply, tlops_saved)
+                     option_names, split_apply, tlops_saved)
 
 
 @dataclass
@@ -89,12 +89,6 @@ class MixtureOfDepths(Family):
         return '.router.' in name or '.predictor.' in name
 
     references, by_class = ('full', 'cheap'), True
-
-    def report(self, model, batches, autocast, evaluate):
-        return dict(budget=self.budget(model.config))
-
-    def report_lines(self, r):
-        return routed_report_lines(r)
 
     def executed_fracs(self, masks):
         """Compact sparse execution pads every row to the longest: the fraction it really runs (in
@@ -183,7 +177,7 @@ def mod_block(block, cfg, x, pos, cache, ctx):
                 ctx.add('router_loss', losses.membership_bce(r, mask))
     else:
         if r is None:
-            mask = torch.rand(B, T, device=x.device) < cfg.mod_capacity
+            mask = random_mask(B, T, cfg.mod_capacity, True, x.device)
         else:
             mask = (block.predictor(x) if block.predictor is not None else r) > 0     # σ(·) > 0.5
             if ctx.collect:           # agreement of the causal decision with top-k (non-causal)

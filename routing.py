@@ -27,6 +27,7 @@ A family file (route_ffn.py, route_mod.py, ...) overrides only what it changes:
     step_options(model, step, run) per-step forward options (the oracle layers, the exit curriculum); run:
                                    the training config (seed, ffn_oracle_layers_per_step)
     ddp_find_unused(config)        whether some parameters get no gradient in a step
+    no_gradient(config)            the parameters its training loss never reaches by design (ensemble: ln_f)
     after_load(model)              fix-ups once backbone weights are loaded (ensemble norms)
     logged_stats                   the statistics of aux (besides every *_loss term) the train log averages
     routes                         True for every family but the dense one: train.py reports its routing
@@ -43,6 +44,7 @@ A family file (route_ffn.py, route_mod.py, ...) overrides only what it changes:
                                    step's backward, oracle_flops(config, T, **options) of its no-grad passes
 """
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -160,6 +162,11 @@ class Family:
     def ddp_find_unused(self, config):
         return False
 
+    def no_gradient(self, config):
+        """Names of the parameters the training loss does not reach by design; every other one gets a
+        gradient (tests/test_families.py)."""
+        return ()
+
     def after_load(self, model):
         pass
 
@@ -181,10 +188,12 @@ class Family:
     room_rules = {}
 
     def report(self, model, batches, autocast, evaluate):
-        return {}
+        """What eval.report adds (a family that routes at a budget: the budget)."""
+        return dict(budget=self.budget(model.config)) if self.budget_field else {}
 
     def report_lines(self, r):
-        return []
+        """The lines train.py prints at the end of a run (a family that routes at a budget: one summary line)."""
+        return routed_report_lines(r) if self.budget_field else []
 
     def executed_fracs(self, masks):
         """Fraction of tokens sparse execution runs per routed layer, when it differs from the mean."""
@@ -238,6 +247,13 @@ def check_at_least(config, low, keys):
             raise ValueError(f"{key} must be >= {low}, got {getattr(config, key)}")
 
 
+def check_choices(config, **allowed):
+    """Refuse any field (a keyword) whose value is not one of those allowed for it."""
+    for key, values in allowed.items():
+        if getattr(config, key) not in values:
+            raise ValueError(f"{key} must be one of {values}, got {getattr(config, key)!r}")
+
+
 def check_fraction(config, key):
     """Refuse a fraction of tokens outside (0, 1]."""
     if not 0.0 < getattr(config, key) <= 1.0:
@@ -260,6 +276,20 @@ def flop_costs(config, T):
     d = config.n_embd
     return dict(attn_proj=2 * d * 3 * d + 2 * d * d, attn_core=4 * T * d, full=2 * 2 * d * 4 * d,
                 head=2 * d * config.vocab_size)
+
+
+@contextmanager
+def training_flags(modules, training):
+    """Set each module's own `training` flag (not its children's) for the duration, then restore each
+    flag as it was, also on error: model.mode (train/eval) and the oracle's dropout-free forks."""
+    saved = [(m, m.training) for m in modules]
+    for m, _ in saved:
+        m.training = training
+    try:
+        yield
+    finally:
+        for m, was in saved:
+            m.training = was
 
 
 def layer_dropout_prob(config, layer):

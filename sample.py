@@ -36,6 +36,27 @@ def encode_prompt(encode, text, where):
     return ids
 
 
+def prompt_batch(cfg, encode, meta, block_size, dev):
+    """The prompts as token ids (B, T) and their lengths: --prompts_file's lines right-padded to the longest
+    (lengths: each one's), or --num_samples copies of --start (lengths None)."""
+    if not cfg['prompts_file']:
+        start = cfg['start']
+        if start == DEFAULTS['start'] and meta.get('tokenizer') == 'synthetic':
+            start = '|'                # no newline symbol there; '|' ends a segment, so a fresh one follows
+        ids = encode_prompt(encode, start, '--start')
+        return torch.tensor(ids, dtype=torch.long, device=dev)[None].repeat(cfg['num_samples'], 1), None
+    with open(cfg['prompts_file']) as f:
+        prompts = [encode_prompt(encode, line.rstrip('\n'), f"{cfg['prompts_file']} line {n}")
+                   for n, line in enumerate(f, 1) if line.strip()]
+    if not prompts:
+        raise ConfigError(f"{cfg['prompts_file']} has no prompts")
+    lengths = [len(p) for p in prompts]
+    if max(lengths) + cfg['max_new_tokens'] > block_size:
+        raise ConfigError(f"the longest prompt ({max(lengths)} tokens) plus max_new_tokens exceeds "
+                          f"block_size {block_size}")
+    return torch.tensor([p + [0] * (max(lengths) - len(p)) for p in prompts], dtype=torch.long, device=dev), lengths
+
+
 def main(argv):
     cfg = load_config(DEFAULTS, argv)
     for key, lo in (('num_samples', 1), ('max_new_tokens', 1), ('top_k', 0)):
@@ -63,24 +84,7 @@ def main(argv):
     with open(os.path.join(folder, 'meta.json')) as f:
         meta = json.load(f)
     encode, decode = load_tokenizer(meta)
-    lengths = None
-    if cfg['prompts_file']:            # a batch of prompts of different lengths, right-padded
-        with open(cfg['prompts_file']) as f:
-            prompts = [encode_prompt(encode, line.rstrip('\n'), f"{cfg['prompts_file']} line {n}")
-                       for n, line in enumerate(f, 1) if line.strip()]
-        if not prompts:
-            raise ConfigError(f"{cfg['prompts_file']} has no prompts")
-        lengths = [len(p) for p in prompts]
-        if max(lengths) + cfg['max_new_tokens'] > margs['block_size']:
-            raise ConfigError(f"the longest prompt ({max(lengths)} tokens) plus max_new_tokens exceeds "
-                              f"block_size {margs['block_size']}")
-        x = torch.tensor([p + [0] * (max(lengths) - len(p)) for p in prompts], dtype=torch.long, device=dev)
-    else:
-        start = cfg['start']
-        if start == DEFAULTS['start'] and meta.get('tokenizer') == 'synthetic':
-            start = '|'                # no newline symbol there; '|' ends a segment, so a fresh one follows
-        ids = encode_prompt(encode, start, '--start')
-        x = torch.tensor(ids, dtype=torch.long, device=dev)[None].repeat(cfg['num_samples'], 1)
+    x, lengths = prompt_batch(cfg, encode, meta, margs['block_size'], dev)
     model = load_model(ckpt, dev).eval()
     torch.manual_seed(cfg['seed'])
     stats = {}

@@ -518,15 +518,20 @@ def open_run_files(cfg, cfg_dict, proc, iter_num):
     return open(os.path.join(cfg.out_dir, 'metrics.jsonl'), 'a')
 
 
-def run_info(cfg, dev, dt, world_size):
+def code_version():
+    """The git commit of this code (None outside git or before the first commit) and whether the
+    working tree differs from it: run_info.json and bench.py's results record it."""
     def git(*args):
         try:
             r = subprocess.run(['git', *args], cwd=HERE, capture_output=True, text=True, timeout=10)
             return r.stdout.strip() if r.returncode == 0 else ''   # e.g. no commits yet: not a sha
         except Exception:
             return ''
-    return dict(git_sha=git('rev-parse', 'HEAD') or None, git_dirty=bool(git('status', '--porcelain')),
-                torch=torch.__version__, cuda=torch.version.cuda, python=sys.version.split()[0],
+    return dict(git_sha=git('rev-parse', 'HEAD') or None, git_dirty=bool(git('status', '--porcelain')))
+
+
+def run_info(cfg, dev, dt, world_size):
+    return dict(**code_version(), torch=torch.__version__, cuda=torch.version.cuda, python=sys.version.split()[0],
                 device=str(dev), device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
                 dtype=dt, world_size=world_size, host=socket.gethostname(), argv=sys.argv,
                 threads=torch.get_num_threads(), started=time.strftime('%Y-%m-%dT%H:%M:%S%z'))

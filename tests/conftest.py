@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, settings
 # deadline=None, too_slow suppressed) by itself whenever CI is set to *any* value (CI=false included)
 # or a vendor variable (GITHUB_ACTIONS, ...) is present. Derandomized runs draw the same examples on
 # every run, so a check that depends on a machine's floating-point kernels fails on that machine every
-# time and nowhere else (test_eval_routing_is_causal once compared sparse-eval logits bitwise: seed=742
-# failed on some CPUs only). We want that determinism in CI, stated here, the same in every Hypothesis
-# version, and random exploration elsewhere:
+# time and nowhere else (a bitwise comparison of sparse-eval logits fails for some seeds on some CPUs
+# only). We want that determinism in CI, stated here, the same in every Hypothesis version, and random
+# exploration elsewhere:
 #   ci : derandomize=True (the examples are a function of the test alone: no flakes, reproducible),
 #        print_blob=True (a failure prints its @reproduce_failure blob), deadline=None (2 shared
 #        cores: timings are noise), too_slow suppressed (a timing-based health check).
@@ -83,7 +83,7 @@ def one_thread():
 # shapes. Where they do not (sparse eval gathers a data-dependent number of tokens into one matmul;
 # a KV-cache step has T=1 and a masked attention where recomputation has T and is_causal; a ragged
 # batch has other B and T than a prompt alone), CPU BLAS/oneDNN may block and vectorise the same sums
-# differently, so values differ in the last bits on some machines (4e-7 where CI failed). Those checks
+# differently, so values differ in the last bits on some machines (4e-7 seen on one). Those checks
 # compare decisions (routing masks, tokens) exactly and values within a stated tolerance.
 
 # fp32 tolerances for such checks. Reassociation error is ~1 ulp (6e-8 relative) per op and compounds
@@ -93,8 +93,8 @@ def one_thread():
 # over this machine's kernel variants (ATEN_CPU_CAPABILITY=default/avx2, MKL_CBWR=COMPATIBLE, 1-2 threads).
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
 # ROUTED_TOL: routed models whose every weight is noised by 0.3 (large activations, up to 4 layers):
-# the CI failure was 4e-7; measured here up to 0.12 of FP32_TOL in one forward and 0.39 of it over
-# step-by-step decoding, so 1e-4 (as test_families' KV-cache check uses) for > 25x room.
+# differences of 4e-7 seen on another machine; measured here up to 0.12 of FP32_TOL in one forward and
+# 0.39 of it over step-by-step decoding, so 1e-4 (as test_families' KV-cache check uses) for > 25x room.
 ROUTED_TOL = dict(rtol=1e-4, atol=1e-4)
 
 

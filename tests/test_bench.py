@@ -5,8 +5,10 @@ import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 import flops
 import train
@@ -29,11 +31,12 @@ def test_bench_json(route):
     assert len(lines) == 1
     res = json.loads(lines[0])
     assert res['device'] == 'cpu' and res['train_mfu'] is None and res['route'] == route
+    assert res['torch'] == torch.__version__ and res['git_sha'] == train.code_version()['git_sha']
     assert res['train_tokens_per_s'] > 0 and res['prefill_tokens_per_s'] > 0
     assert set(res['decode_tokens_per_s']) == {'1', '2'}
     cfg = load_config({**train.DEFAULTS, 'bench_steps': 0, 'bench_warmup': 0, 'decode_tokens': 0, 'decode_batches': ''},
                       [a for a in args if a != '--json'])
-    mcfg = train.model_config(type('C', (), cfg)(), vocab_size=50)
+    mcfg = train.model_config(SimpleNamespace(**cfg), vocab_size=50)
     assert res['train_flops_per_step'] == 2 * flops.train_step_flops(mcfg, 32)['total']
 
 
@@ -62,7 +65,7 @@ def test_bench_routed_table(route):
         cfg = load_config({**train.DEFAULTS, 'bench_steps': 0, 'bench_warmup': 0, 'decode_tokens': 0,
                            'decode_batches': '', 'budgets': '', 'prefill_shapes': '', 'sparse': True, 'profile': False},
                           [a for a in args if a != '--json'])
-        mcfg = FAMILIES[route].with_budget(train.model_config(type('C', (), cfg)(), vocab_size=50), x['budget'])
+        mcfg = FAMILIES[route].with_budget(train.model_config(SimpleNamespace(**cfg), vocab_size=50), x['budget'])
         if route == 'mod':
             mcfg = replace(mcfg, mod_router='random')
         assert len(x['layer_fracs']) == len(controlled_layer_ids(mcfg))
@@ -74,3 +77,4 @@ def test_bench_routed_table(route):
         if x['budget'] == 1.0:
             assert x['realised_frac'] == 1.0 or route == 'mod'
     assert res['train']['ratio'] > 0
+    assert res['torch'] == torch.__version__ and res['git_sha'] == train.code_version()['git_sha']

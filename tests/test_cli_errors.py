@@ -294,7 +294,9 @@ def test_sweep_missing_study_file(tmp_path):
     ("sample.py", ["--temperature=-1"], "temperature"),
     ("eval.py", ["--ckpt=CORRUPT", "--device=cpu"], "truncated or corrupt"),
     ("bench.py", ["--budgets=a,b"], "budgets"),
-    ("sweep.py", ["STUDY", "--jobz=2"], "--jobz")])
+    ("sweep.py", ["STUDY", "--jobz=2"], "--jobz"),
+    ("flops.py", ["--n_layers=3"], "n_layer"),
+    ("plots.py", ["NO_SUCH_STUDY"], "OUT_ROOT")])
 def test_cli_exit_code_and_one_line(run, tmp_path, script, args, needle):
     bad, study = corrupt(run / "out" / "ckpt.pt", tmp_path / "ckpt.pt", "random"), study_file(tmp_path)
     args = [a.replace("CORRUPT", str(bad)).replace("STUDY", study) for a in args]

@@ -4,6 +4,8 @@ torch.compile(fullgraph=True) without graph breaks, compile once per shape (new 
 never recompiles), and 'static' execution makes the decisions of 'compact' execution and of the
 masked-dense reference exactly, with values within tolerance. Compiled greedy decoding gives the tokens
 of eager decoding (up to a near-tie), from logits within tolerance."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -21,7 +23,7 @@ B, T = 2, 12
 
 def train_loss(model):
     """The training step's forward + loss, with the family's per-step options of step 0."""
-    run = type('Run', (), dict(seed=0, ffn_oracle_layers_per_step=1))
+    run = SimpleNamespace(seed=0, ffn_oracle_layers_per_step=1)
     opts = model.family.step_options(model, 0, run)
     return lambda idx: model(idx, idx, **opts)[1]
 

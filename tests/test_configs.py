@@ -1,5 +1,6 @@
 """Every shipped config file parses with train.py's typed keys and builds its model."""
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,7 +19,7 @@ def test_config_parses_and_builds(name):
         import bench
         defaults = {**train.DEFAULTS, **bench.BENCH_DEFAULTS}
     cfg = load_config(defaults, [os.path.join(HERE, 'config', name)])
-    c = type('C', (), cfg)()
+    c = SimpleNamespace(**cfg)
     mcfg = train.model_config(c, vocab_size=cfg['vocab_size'] or 65)
     if mcfg.n_embd * mcfg.n_layer <= 256 * 6:          # build the CPU-sized ones for real
         model = GPT(mcfg)
@@ -38,4 +39,4 @@ def test_every_study_arm_parses(name):
     study = sweep.load_study(os.path.join(HERE, 'config', name))
     for arm, extra in study['arms'].items():
         cfg = load_config(train.DEFAULTS, [os.path.join(HERE, study['base']), *study['overrides'], *extra])
-        train.model_config(type('C', (), cfg)(), vocab_size=cfg['vocab_size'] or 65)
+        train.model_config(SimpleNamespace(**cfg), vocab_size=cfg['vocab_size'] or 65)

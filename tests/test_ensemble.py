@@ -2,6 +2,8 @@
 loss against hand computation, a one-layer ensemble with copied norm being the dense model, and its
 fine-tuning baseline trainable='last_layers' (dense models only; FLOPs equal FlopCounterMode's).
 The promises every family keeps are in test_families.py."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -88,7 +90,7 @@ def test_last_layers_step_flops_match_counter():
 
 def test_last_layers_needs_a_dense_model():
     import train
-    cfg = type('C', (), dict(trainable='last_layers', route='mod', mod_router='learned'))()
+    cfg = SimpleNamespace(trainable='last_layers', route='mod', mod_router='learned')
     with pytest.raises(train.TrainError, match='last_layers'):
         train.trainable_parameters(build('mod'), cfg)
     dense = GPT(GPTConfig(**BASE, n_layer=4, ens_layers=2))

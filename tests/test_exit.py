@@ -107,10 +107,10 @@ def test_resume_compares_exit_layers_by_the_depths_meant():
     """An exit checkpoint saved with exit_layers='auto' resumes under the same depths spelt out."""
     import train
     from dataclasses import asdict
+    from types import SimpleNamespace
     ck = dict(model_args=asdict(GPTConfig(**BASE, n_layer=4, route='exit')))
     spelt = ','.join(str(d) for d in exit_depths(GPTConfig(**BASE, n_layer=4, route='exit')))
-    cfg = type('C', (), dict(**asdict(GPTConfig(**BASE, n_layer=4, route='exit', exit_layers=spelt)),
-                             dataset='synthetic'))()
+    cfg = SimpleNamespace(**asdict(GPTConfig(**BASE, n_layer=4, route='exit', exit_layers=spelt)), dataset='synthetic')
     train.check_against_checkpoint(cfg, {}, ck, ['exit_layers'])
     cfg.exit_layers = '1'
     with pytest.raises(train.TrainError, match="exit_layers"):

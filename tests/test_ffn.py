@@ -901,7 +901,7 @@ def test_resume_compares_the_layers_meant_not_the_spelling():
     import train
     from dataclasses import asdict
     ck = dict(model_args=asdict(GPTConfig(**BASE, n_layer=4, route='ffn', ffn_layers='all')))
-    cfg = type('C', (), dict(**asdict(GPTConfig(**BASE, n_layer=4, route='ffn')), dataset='synthetic'))()
+    cfg = SimpleNamespace(**asdict(GPTConfig(**BASE, n_layer=4, route='ffn')), dataset='synthetic')
     train.check_against_checkpoint(cfg, {}, ck, ['ffn_layers'])
     cfg.ffn_layers = 'every_other'
     with pytest.raises(train.TrainError, match="ffn_layers"):

@@ -2,6 +2,7 @@
 and a whole training step (forward, backward, oracle passes) with the backbone trainable or frozen."""
 import math
 import random
+from types import SimpleNamespace
 
 import torch
 from hypothesis import given, settings, strategies as st
@@ -110,6 +111,6 @@ def test_flops_cli_prints_the_breakdown(capsys):
     assert flops.main([path]) == 0
     rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith('| G')]
     assert len(rows) == 4
-    cfg = train.model_config(type('C', (), load_config(train.DEFAULTS, [path]))(), vocab_size=50304)
+    cfg = train.model_config(SimpleNamespace(**load_config(train.DEFAULTS, [path])), vocab_size=50304)
     off = replace(cfg, ffn_gate='mlp', ffn_util_weight=0.0, ffn_rank_weight=0.0)
     assert rows[1].split('|')[5].strip() == f"{flops.flops_proxy(off, cfg.block_size):.3f}"
