@@ -114,8 +114,8 @@ def flops_proxy(config, T, oracle_layers=(), exits=None):
     """The paper's training FLOPs proxy of one step relative to a full-only step, reconstructed as
     (3 x training forward + oracle forwards) / (3 x dense forward): a step counts as three forwards
     whatever is frozen, and the oracle passes as forwards (they run without gradients)."""
-    return (3 * forward_flops(config, T, mode='train', exits=exits) + oracle_flops(config, T, oracle_layers)) / \
-        (3 * dense_forward_flops(config, T))
+    fwd = family_of(config).forward_flops(config, T, 'train', exits=exits, oracle_layers=oracle_layers)
+    return (3 * fwd + oracle_flops(config, T, oracle_layers)) / (3 * dense_forward_flops(config, T))
 
 
 def flops_per_token(config, seq_len=None, training=True):

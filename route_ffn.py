@@ -52,6 +52,10 @@ class FFNOptions:
     ffn_rank_margin: float = 0.1
     ffn_rank_pairs: int = 256         # pairs sampled per sequence
     ffn_oracle_policy: str = 'off'    # labels: 'off' (later layers all full, the paper) or 'on' (gate policy)
+    ffn_oracle_start: str = 'auto'    # the state at l the forks start from: 'full' (all layers below full),
+                                      # 'routed' (this pass's own), 'auto' (full if policy 'off', else routed)
+    ffn_aux_grad: str = 'own'         # util/rank/JEPA gradients reach only their own layer's gate ('own': the
+                                      # gate's input detached) or also lower gates through the mixes ('leak')
     ffn_jepa_weight: float = 1.0      # λ_JEPA (G3 only)
     ffn_predictor_weight: float = 1.0 # BCE of the membership predictor (ffn_infer_rule='predictor' only)
     ffn_mimic_weight: float = 0.0     # cheap FFN imitates the full FFN
@@ -60,7 +64,9 @@ class FFNOptions:
 class FFNRouting(Family):
     options = option_names(FFNOptions) + ('ffn_oracle_layers_per_step', 'calib_iters')   # + the training loop's
     # the names these options had before they took the family's prefix (config files, checkpoints)
-    aliases = {name[4:]: name for name in options if name.startswith('ffn_') and name != 'ffn_layers'}
+    # the names the options had before they took the prefix (options added since have none)
+    aliases = {name[4:]: name for name in options
+               if name.startswith('ffn_') and name not in ('ffn_layers', 'ffn_oracle_start', 'ffn_aux_grad')}
     aliases['controlled_layers'] = 'ffn_layers'
     budget_field = 'ffn_budget'
     spelled_options = ('ffn_layers',)   # 'auto' and 'all' are the same layers
@@ -77,7 +83,8 @@ class FFNRouting(Family):
         check_choices(config, ffn_gate=GATES, ffn_gate_grad=('ste', 'scale', 'none'),
                       ffn_infer_rule=('threshold', 'predictor'), ffn_jepa_outcome=('delta', 'hidden'),
                       ffn_jepa_readout=('distance', 'linear'), ffn_rank_kind=('logistic', 'margin'),
-                      ffn_oracle_policy=('off', 'on'))
+                      ffn_oracle_policy=('off', 'on'),
+                      ffn_oracle_start=('auto', 'full', 'routed'), ffn_aux_grad=('own', 'leak'))
         if not self.routed_layers(config):
             raise ValueError(f"ffn_layers={config.ffn_layers!r} routes no layer of a "
                              f"{config.n_layer}-layer model")
@@ -102,7 +109,7 @@ class FFNRouting(Family):
             if ctx.targets is None:
                 raise ValueError("ffn_gate='oracle' routes by utility labels, which need targets")
             ctx.oracle = lambda l, x_mid: fork_utility(model, l, x_mid, ctx.targets, ctx.pos, later='full')
-        if cfg.ffn_oracle_policy == 'on' and ctx.options.get('oracle_layers'):
+        if oracle_start(cfg) == 'routed' and ctx.options.get('oracle_layers'):
             ctx.keep_mid = set(ctx.options['oracle_layers'])
 
     def run_blocks(self, model, x, pos, cache, ctx, start=0):
@@ -180,6 +187,11 @@ class FFNRouting(Family):
                 if config.ffn_infer_rule == 'predictor' and (mode in ('eval', 'sparse') or
                                                          (mode == 'train' and config.ffn_predictor_weight > 0)):
                     total += c['pred_fc'] + c['pred_out']
+                if mode == 'train' and config.ffn_aux_grad == 'own':  # aux losses score the detached input again
+                    if kind == 'jepa' and config.ffn_jepa_weight > 0:
+                        total += c['gate_fc'] + 2 * c['gate_out']
+                    if aux_on_score(config) and layer in options.get('oracle_layers', ()):
+                        total += c['gate_fc'] + n_out * c['gate_out'] + c['gate_read']
             elif kind == 'oracle':        # both actions again, then two all-full suffixes, per layer
                 total += c['full'] + c['cheap'] + 2 * _suffix(config, layer, c)
         return T * total
@@ -189,7 +201,7 @@ class FFNRouting(Family):
         graph; the gate's input needs a gradient only once the stream does."""
         c, ids = ffn_costs(config, T), self.routed_layers(config)
         joint = trainable == 'all'
-        aux_on_score = config.ffn_util_weight > 0 or config.ffn_rank_weight > 0
+        leak, own = config.ffn_aux_grad == 'leak', config.ffn_aux_grad == 'own'
         stream = joint                      # does the residual stream entering this layer need a gradient?
         w = 2 if joint else 1               # backbone matmuls: input grad (+ weight grad when trainable)
         bwd = 0
@@ -200,9 +212,14 @@ class FFNRouting(Family):
                 bwd += w * (c['attn_proj'] + ffn) + 2 * c['attn_core']
             if kind not in ('mlp', 'jepa'):     # a static or the oracle gate: nothing trainable
                 continue
-            score_in_graph = config.ffn_gate_grad != 'none' or (aux_on_score and layer in oracle_layers)
-            preds_in_graph = score_in_graph or (kind == 'jepa' and config.ffn_jepa_weight > 0)
+            oracle_here = aux_on_score(config) and layer in oracle_layers
+            score_in_graph = config.ffn_gate_grad != 'none' or (leak and oracle_here)
+            preds_in_graph = score_in_graph or (leak and kind == 'jepa' and config.ffn_jepa_weight > 0)
             n_out = 2 if kind == 'jepa' else 1
+            if own and kind == 'jepa' and config.ffn_jepa_weight > 0:     # on the detached input: weight grads
+                bwd += c['gate_fc'] + 2 * 2 * c['gate_out']
+            if own and oracle_here:
+                bwd += c['gate_fc'] + 2 * n_out * c['gate_out'] + 2 * c['gate_read']
             if preds_in_graph:              # gate weights always trainable; its input needs grad only if the stream does
                 bwd += (2 if stream else 1) * c['gate_fc'] + 2 * n_out * c['gate_out']
             if score_in_graph:
@@ -216,27 +233,31 @@ class FFNRouting(Family):
         return bwd * T
 
     def oracle_flops(self, config, T, oracle_layers=(), **options):
-        """The oracle labels at the sampled controlled layers, without gradients. Off-policy: one
-        all-full forward, then per layer the cheap FFN at l and an all-full suffix. On-policy: per layer,
-        both actions at l and two suffixes routed by the gates (masked dense)."""
+        """The oracle labels at the sampled controlled layers, without gradients: from the all-full
+        state, one all-full forward first (its CE too when the later layers run full); then per layer
+        both actions at l and two suffixes, all full or routed by the gates (masked dense), except that
+        all full from the all-full state reuses that forward's CE: the cheap action and one suffix."""
         if not oracle_layers:
             return 0
-        c = ffn_costs(config, T)
-        if config.ffn_oracle_policy == 'off':
-            return (Family.forward_flops(self, config, T)
-                    + T * sum(c['cheap'] + _suffix(config, l, c) for l in oracle_layers))
-        ids = self.routed_layers(config)
-        per_layer_train = [0] * config.n_layer
-        for layer in range(config.n_layer):
-            # this layer alone with a zero-width head: routed as trained, or a dense layer
-            one = replace(config, n_layer=1, vocab_size=0, ffn_layers='0' if layer in ids else 'all')
-            f = self.forward_flops if layer in ids else super().forward_flops
-            per_layer_train[layer] = f(one, T, mode='policy') / T
-        total = 0
+        c, later_full, from_full = ffn_costs(config, T), config.ffn_oracle_policy == 'off', oracle_start(config) == 'full'
+        total = (Family.forward_flops(self, config, T) / T - (0 if later_full else c['head'])) if from_full else 0
+        if later_full:
+            suffix = [_suffix(config, l, c) for l in range(config.n_layer)]
+        else:
+            ids, per_layer_train = self.routed_layers(config), [0] * config.n_layer
+            for layer in range(config.n_layer):
+                # this layer alone with a zero-width head: routed as trained, or a dense layer
+                one = replace(config, n_layer=1, vocab_size=0, ffn_layers='0' if layer in ids else 'all')
+                f = self.forward_flops if layer in ids else super().forward_flops
+                per_layer_train[layer] = f(one, T, mode='policy') / T
+            suffix = [sum(per_layer_train[l + 1:]) + c['head'] for l in range(config.n_layer)]
         for l in oracle_layers:
-            suffix = sum(per_layer_train[l + 1:]) + c['head']
-            total += c['full'] + c['cheap'] + 2 * suffix
+            total += c['cheap'] + suffix[l] if (from_full and later_full) else c['full'] + c['cheap'] + 2 * suffix[l]
         return T * total
+
+
+def aux_on_score(config):
+    return config.ffn_util_weight > 0 or config.ffn_rank_weight > 0
 
 
 def ffn_costs(config, T):
@@ -298,6 +319,8 @@ def routed_ffn_update(block, cfg, x, ctx):
         ctx.masks[l] = mask
         if score is not None:
             ctx.scores[l] = score
+            if block.training and cfg.ffn_aux_grad == 'own' and l in ctx.options.get('oracle_layers', ()):
+                ctx.gate_in[l] = h.detach()
         if block.training:
             collect_losses(block, cfg, ctx, x, h, full, cheap, mask, preds)
     return update
@@ -308,6 +331,8 @@ def collect_losses(block, cfg, ctx, x, h, full, cheap, mask, preds):
     if preds is not None:           # collapse monitor (A1): spread of the forecasts across tokens
         ctx.add('jepa_pred_std', torch.cat(preds, -1).detach().flatten(0, 1).std(0, correction=0).mean() / n)
     if preds is not None and cfg.ffn_jepa_weight > 0:
+        if cfg.ffn_aux_grad == 'own':     # the alignment trains this layer's predictor only
+            preds = block.gate.predict(h.detach())
         outcomes = (full, cheap) if cfg.ffn_jepa_outcome == 'delta' else (x + full, x + cheap)
         ctx.add('jepa_loss', losses.jepa_alignment(preds, [block.gate.target_of(o) for o in outcomes]))
     if block.predictor is not None and cfg.ffn_predictor_weight > 0:
@@ -345,26 +370,39 @@ def fork_utility(model, l, x_mid, targets, pos, later, ce_full=None):
     return losses.oracle_utility(ce['cheap'], ce['full'])
 
 
+def oracle_start(cfg):
+    """Where the oracle's forks start: 'full' or 'routed' ('auto': the paper's pairing with the policy)."""
+    if cfg.ffn_oracle_start != 'auto':
+        return cfg.ffn_oracle_start
+    return 'full' if cfg.ffn_oracle_policy == 'off' else 'routed'
+
+
 def oracle_losses(model, ctx, layers, targets, aux):
-    """util/rank losses at the sampled controlled layers. Off-policy (the paper): one no-grad
-    all-full pass gives CE(all full) and the state at each l, and one suffix pass per layer forks
-    it with the cheap FFN at l. On-policy: both forks start from this pass's own state at l and
-    the later layers follow the current gates."""
+    """util/rank losses at the sampled controlled layers. The forks start from the all-full state at l
+    (one no-grad all-full pass; the paper) or from this pass's own routed state, and the later layers
+    run all full (off-policy, the paper) or follow the current gates (on-policy): two separate
+    switches. All full and all full: the all-full pass's CE is the full fork's, so one suffix per
+    layer. With ffn_aux_grad='own' the losses score the gate's detached input again, so their
+    gradient trains that gate alone."""
     cfg, pos = model.config, ctx.pos
     for l in layers:
         if l not in ctx.scores:
             raise ValueError(f"oracle_layers names layer {l}, which has no trainable gate score")
-    if cfg.ffn_oracle_policy == 'off':
+    later = 'full' if cfg.ffn_oracle_policy == 'off' else 'policy'
+    mids, ce_full = ctx.mid, None
+    if oracle_start(cfg) == 'full':
         with torch.no_grad(), no_dropout(model):
             full_ctx = RouteCtx(force='full', collect=False, keep_mid=set(layers))
             x = model.family.run_blocks(model, model.embed(ctx.idx, pos), pos, None, full_ctx)
-            ce_full = losses.per_token_ce(model.lm_head(model.transformer.ln_f(x)), targets)
+            if later == 'full':
+                ce_full = losses.per_token_ce(model.lm_head(model.transformer.ln_f(x)), targets)
+        mids = full_ctx.mid
     for l in layers:
-        if cfg.ffn_oracle_policy == 'on':
-            U = fork_utility(model, l, ctx.mid[l], targets, pos, later='policy')
-        else:
-            U = fork_utility(model, l, full_ctx.mid[l], targets, pos, later='full', ce_full=ce_full)
+        U = fork_utility(model, l, mids[l], targets, pos, later=later, ce_full=ce_full)
         score, terms = ctx.scores[l], {}
+        if cfg.ffn_aux_grad == 'own':
+            gate, h = model.transformer.h[l].gate, ctx.gate_in[l]
+            score = gate.score(*gate.predict(h)) if cfg.ffn_gate == 'jepa' else gate(h)
         if cfg.ffn_util_weight > 0:
             terms['util_loss'] = losses.utility_regression(score, U)
         if cfg.ffn_rank_weight > 0:

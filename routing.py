@@ -78,6 +78,7 @@ class RouteCtx:
     keep_hidden: set = field(default_factory=set)    # depths whose state after d blocks is kept
     hidden: dict = field(default_factory=dict)
     scores: dict = field(default_factory=dict)       # layer -> gate score (B, T)
+    gate_in: dict = field(default_factory=dict)      # layer -> the gate's input, detached (ffn's aux losses)
     masks: dict = field(default_factory=dict)        # layer -> (B, T), 1 = full path / block runs
     terms: dict = field(default_factory=dict)        # named loss terms and statistics
     exited: torch.Tensor = None                      # route='exit' eval: who exited, own heads' logits

@@ -701,12 +701,17 @@ def test_on_policy_label_matches_hand_written_forks(seed, B, T, gate, gate_grad,
 
 @settings(**SETTINGS)
 @given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(2, 24), gate=st.sampled_from(SCORING_GATES),
-       policy=st.sampled_from(['off', 'on']), data=st.data())
-def test_util_loss_regresses_routed_score_onto_reference_labels(seed, B, T, gate, policy, data):
-    """End to end through forward(oracle_layers=...): off-policy labels fork the all-full pass, on-policy
-    labels fork this routed pass's own state; the regressed score is this pass's gate score."""
+       policy=st.sampled_from(['off', 'on']), start=st.sampled_from(['auto', 'full', 'routed']),
+       aux_grad=st.sampled_from(['own', 'leak']), data=st.data())
+def test_util_loss_regresses_routed_score_onto_reference_labels(seed, B, T, gate, policy, start, aux_grad, data):
+    """End to end through forward(oracle_layers=...): the forks start from the all-full state (start
+    'full'; 'auto' with off-policy labels) or from this routed pass's own state ('routed'; 'auto' with
+    on-policy labels), and the later layers run all full (off) or by the gates (on); the regressed
+    score is this pass's gate score (whichever graph its gradient takes)."""
     l = data.draw(st.integers(0, 2))
-    model = build(seed, 3, ffn_gate=gate, ffn_budget=0.5, ffn_util_weight=1.0, ffn_oracle_policy=policy).train()
+    model = build(seed, 3, ffn_gate=gate, ffn_budget=0.5, ffn_util_weight=1.0, ffn_oracle_policy=policy,
+                  ffn_oracle_start=start, ffn_aux_grad=aux_grad).train()
+    from_full = start == 'full' or (start == 'auto' and policy == 'off')
     idx, tgt = tokens(seed, B, T, distinct_first=True), tokens(seed + 1, B, T)
     calls, handles = record_ln2(model, [l])
     _, loss, aux = model(idx, tgt, oracle_layers=(l,))
@@ -716,7 +721,7 @@ def test_util_loss_regresses_routed_score_onto_reference_labels(seed, B, T, gate
     with torch.no_grad():
         x_routed, h_routed = calls[l][0]
         score = model.transformer.h[l].gate(h_routed)
-        if policy == 'off':
+        if from_full:
             x = embed_ref(model, idx)
             for i in range(l):
                 block = model.transformer.h[i]
@@ -724,9 +729,9 @@ def test_util_loss_regresses_routed_score_onto_reference_labels(seed, B, T, gate
                 x = x + block.mlp(block.ln_2(x))
             block = model.transformer.h[l]
             x_mid = x + block.attn(block.ln_1(x))
-            later = {}
         else:
-            x_mid, later = x_routed, {i: 'policy' for i in range(l + 1, 3)}
+            x_mid = x_routed
+        later = {} if policy == 'off' else {i: 'policy' for i in range(l + 1, 3)}
         ce = {}
         for action in ('full', 'cheap'):
             y = x_mid + ffn_ref(model.transformer.h[l], x_mid, action)
@@ -934,3 +939,27 @@ def test_room_brackets_match_a_hand_computation(seed, B, T, budget):
     assert out['oracle_full_frac'] == [pytest.approx(ceil_frac(budget, T) / T)]
     assert out['gate_room'] == pytest.approx(out['random'] - out['oracle'])
     assert model.config.ffn_gate == 'mlp' and not model.training
+
+
+@settings(**SETTINGS)
+@given(seed=SEEDS, T=st.integers(4, 16), gate=st.sampled_from(SCORING_GATES), aux_grad=st.sampled_from(['own', 'leak']))
+def test_aux_loss_gradients_reach_only_their_own_gate(seed, T, gate, aux_grad):
+    """ffn_aux_grad='own': the util loss at layer 1 moves layer 1's gate only, and the JEPA loss only
+    the gates; 'leak': both also move the backbone below, and the util loss layer 0's gate, through
+    layer 1's input (the straight-through mix at layer 0)."""
+    model = build(seed, 2, ffn_gate=gate, ffn_budget=0.5, ffn_util_weight=1.0, ffn_jepa_weight=1.0,
+                  ffn_aux_grad=aux_grad).train()
+    idx = tokens(seed, 2, T, distinct_first=True)
+    aux = model(idx, idx, oracle_layers=(1,))[2]
+    gates = [{id(p) for p in model.transformer.h[i].gate.parameters()} for i in (0, 1)]
+
+    def moved(params):
+        return any(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
+    for term in ['util_loss'] + (['jepa_loss'] if gate == 'jepa' else []):
+        model.zero_grad(set_to_none=True)
+        aux[term].backward(retain_graph=True)
+        backbone = [p for p in model.parameters() if id(p) not in gates[0] | gates[1]]
+        assert moved(model.transformer.h[1].gate.parameters()), term
+        assert moved(backbone) == (aux_grad == 'leak'), (term, aux_grad)
+        if term == 'util_loss':
+            assert moved(model.transformer.h[0].gate.parameters()) == (aux_grad == 'leak'), (term, aux_grad)

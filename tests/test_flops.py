@@ -4,6 +4,7 @@ import math
 import random
 from types import SimpleNamespace
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -41,6 +42,8 @@ def routed_configs(draw):
                     ffn_util_weight=draw(st.sampled_from([0.0, 1.0])) if scored else 0.0,
                     ffn_rank_weight=draw(st.sampled_from([0.0, 0.5])) if scored else 0.0,
                     ffn_oracle_policy=draw(st.sampled_from(['off', 'on'])),
+                    ffn_oracle_start=draw(st.sampled_from(['auto', 'full', 'routed'])),
+                    ffn_aux_grad=draw(st.sampled_from(['own', 'leak'])),
                     ffn_predictor_weight=draw(st.sampled_from([0.0, 1.0])))
     return cfg
 
@@ -114,3 +117,25 @@ def test_flops_cli_prints_the_breakdown(capsys):
     cfg = train.model_config(SimpleNamespace(**load_config(train.DEFAULTS, [path])), vocab_size=50304)
     off = replace(cfg, ffn_gate='mlp', ffn_util_weight=0.0, ffn_rank_weight=0.0)
     assert rows[1].split('|')[5].strip() == f"{flops.flops_proxy(off, cfg.block_size):.3f}"
+
+
+@pytest.mark.parametrize('gate', ['mlp', 'jepa'])
+@pytest.mark.parametrize('aux_grad', ['own', 'leak'])
+@pytest.mark.parametrize('trainable', ['all', 'controller'])
+@pytest.mark.parametrize('policy,start', [('off', 'auto'), ('on', 'auto'), ('off', 'routed'), ('on', 'full')])
+def test_aux_loss_gradient_modes_and_oracle_starts_match_counter(gate, aux_grad, trainable, policy, start):
+    """Every aux-loss gradient mode and oracle start with util, rank and JEPA on (the drawn configs
+    above reach these combinations only now and then): 'own' scores the detached gate input again."""
+    cfg = GPTConfig(n_layer=3, n_head=2, n_embd=8, vocab_size=11, block_size=16, route='ffn', ffn_gate=gate,
+                    ffn_cheap_rank=2, ffn_gate_hidden=4, ffn_jepa_latent=3, ffn_jepa_weight=1.0, ffn_util_weight=1.0,
+                    ffn_rank_weight=0.5, ffn_layers='all', ffn_aux_grad=aux_grad, ffn_oracle_policy=policy,
+                    ffn_oracle_start=start)
+    torch.manual_seed(0)
+    model = GPT(cfg).train()
+    ctrl = {id(p) for p in model.controller_parameters()}
+    if trainable == 'controller':
+        for p in model.parameters():
+            p.requires_grad_(id(p) in ctrl)
+    idx = torch.randint(0, 11, (2, 9))
+    expect = flops.train_step_flops(cfg, 9, trainable, (0, 2))
+    assert counted(lambda: model(idx, idx, oracle_layers=(0, 2))[1].backward()) == 2 * expect['total'], expect
