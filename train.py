@@ -440,9 +440,9 @@ def trainable_parameters(model, cfg):
     else:
         ctrl = model.controller_parameters()
     if not ctrl:
-        raise TrainError(f"trainable=controller needs a controller with parameters (route='ffn' with ffn_gate 'mlp' "
-                         f"or 'jepa', route='mod' with mod_router='learned', route='halt', route='exit' with "
-                         f"exit_head='own', or route='ensemble'); this config (route={cfg.route!r}) has none")
+        raise TrainError(f"trainable=controller trains only a routing controller's parameters (gates, routers, "
+                         f"predictors, own exit heads, ensemble norms); this config (route={cfg.route!r} with its "
+                         f"options) has none: use trainable=all")
     ids = {id(p) for p in ctrl}
     for p in model.parameters():
         p.requires_grad_(id(p) in ids)

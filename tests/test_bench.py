@@ -17,13 +17,14 @@ from dataclasses import replace
 from model import FAMILIES, controlled_layer_ids
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ['--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=2', '--vocab_size=50',
+TINY = ['--n_layer=3', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=2', '--vocab_size=50',
         '--bench_steps=1', '--bench_warmup=0', '--decode_tokens=4', '--decode_batches=1,2', '--json']
 
 
-@pytest.mark.parametrize('route', ['none', 'ffn', 'halt'])
+@pytest.mark.parametrize('route', list(FAMILIES))
 def test_bench_json(route):
-    args = [*TINY, f'--route={route}'] + (['--n_layer=2'] if route == 'halt' else [])
+    """Every family in the registry: training step, prefill and decode timed, step FLOPs the accountant's."""
+    args = [*TINY, f'--route={route}']
     r = subprocess.run([sys.executable, 'bench.py', *args], cwd=REPO, capture_output=True, text=True, timeout=120,
                        env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert r.returncode == 0, r.stderr

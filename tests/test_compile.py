@@ -1,9 +1,10 @@
 """The GPU-execution contract, checked on a CPU: the training step, the eval prefill (sparse execution
-in 'static' mode) and one cached decoding step of every family in the registry trace with
-torch.compile(fullgraph=True) without graph breaks, compile once per shape (new data of the same shape
-never recompiles), and 'static' execution makes the decisions of 'compact' execution and of the
-masked-dense reference exactly, with values within tolerance. Compiled greedy decoding gives the tokens
-of eager decoding (up to a near-tie), from logits within tolerance."""
+in 'static' mode) and one cached decoding step of every family in the registry, with each of its option
+sets in conftest.EXAMPLES (its defaults without any), trace with torch.compile(fullgraph=True) without
+graph breaks and compile once per shape (new data of the same shape never recompiles); 'static'
+execution makes the decisions of 'compact' execution and of the masked-dense reference exactly, with
+values within tolerance. Compiled greedy decoding gives the tokens of eager decoding (up to a near-tie),
+from logits within tolerance."""
 from types import SimpleNamespace
 
 import pytest
@@ -44,29 +45,29 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize('route', ROUTES)
-def test_training_step_traces_without_graph_breaks(route):
-    model = build(route).train()
+@pytest.mark.parametrize('case', CASES)
+def test_training_step_traces_without_graph_breaks(case):
+    model = build(*case).train()
     e = torch._dynamo.explain(train_loss(model))(tokens(0, B, T))
     assert e.graph_break_count == 0, break_reasons(e)
     assert e.graph_count == 1
 
 
-@pytest.mark.parametrize('route', ROUTES)
-def test_static_eval_prefill_traces_without_graph_breaks(route):
-    model = build(route).eval()
+@pytest.mark.parametrize('case', CASES)
+def test_static_eval_prefill_traces_without_graph_breaks(case):
+    model = build(*case).eval()
     with torch.no_grad():
         e = torch._dynamo.explain(eval_prefill(model))(tokens(0, B, T))
     assert e.graph_break_count == 0, break_reasons(e)
     assert e.graph_count == 1
 
 
-@pytest.mark.parametrize('route', ROUTES)
+@pytest.mark.parametrize('case', CASES)
 @pytest.mark.parametrize('training', [True, False])
-def test_compiled_once_never_recompiles_on_new_data(route, training):
+def test_compiled_once_never_recompiles_on_new_data(case, training):
     """Per-layer Python state (layer ids, the sets and dicts of the routing context, capacities) is
     constant per model, so a second batch of the same shape reuses the first compilation."""
-    model = build(route).train(training)
+    model = build(*case).train(training)
     fn = torch.compile(train_loss(model) if training else eval_prefill(model), backend='eager', fullgraph=True,
                        dynamic=False)
     with torch.set_grad_enabled(training):
@@ -130,9 +131,9 @@ def prefilled(model, lengths, seed=0):
     return tokens(seed + 1, n, 1), torch.tensor(lengths)[:, None], cache
 
 
-@pytest.mark.parametrize('route', ROUTES)
-def test_decode_step_traces_without_graph_breaks(route):
-    model = build(route).eval()
+@pytest.mark.parametrize('case', CASES)
+def test_decode_step_traces_without_graph_breaks(case):
+    model = build(*case).eval()
     tok, pos, cache = prefilled(model, [6, 3])
     with torch.no_grad():
         e = torch._dynamo.explain(model.decode_step)(tok, pos, cache)
@@ -140,10 +141,10 @@ def test_decode_step_traces_without_graph_breaks(route):
     assert e.graph_count == 1
 
 
-@pytest.mark.parametrize('route', ROUTES)
-def test_decode_step_compiles_once_for_every_step(route):
+@pytest.mark.parametrize('case', CASES)
+def test_decode_step_compiles_once_for_every_step(case):
     """Positions are a device tensor, so later steps (and other rows' positions) reuse the graph."""
-    model = build(route).eval()
+    model = build(*case).eval()
     tok, pos, cache = prefilled(model, [6, 3])
     step = torch.compile(model.decode_step, backend='eager', fullgraph=True, dynamic=False)
     with torch.no_grad():
