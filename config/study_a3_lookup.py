@@ -1,0 +1,20 @@
+# The seed paper's A3 (arXiv 2604.17228) on a corpus with room: G1 and G3, standard recipe (util + rank
+# from off-policy oracle labels) vs util/rank removed, plus on-policy labels, 3 seeds. Each seed trains
+# its own stage-1 backbone (random routing at the budget), so the seed spread includes the backbone's.
+# sweep.py measures each backbone's room (eval.py --room: all-full, all-cheap, random and oracle
+# routing) and reports the arm differences against it.
+#   python sweep.py config/study_a3_lookup.py --jobs=2
+base = 'config/ffn_stage2_lookup.py'
+out_root = 'out/study_a3_lookup'
+before = [['config/ffn_stage1_lookup.py', '--out_dir=out/study_a3_lookup/stage1/seed{seed}']]
+overrides = ['--init_from=out/study_a3_lookup/stage1/seed{seed}/ckpt.pt']
+room_ckpt = 'out/study_a3_lookup/stage1/seed{seed}/ckpt.pt'
+seeds = [1, 2, 3]
+arms = {
+    'G1_std': ['--ffn_gate=mlp'],
+    'G1_A3': ['--ffn_gate=mlp', '--ffn_util_weight=0', '--ffn_rank_weight=0'],
+    'G3_std': ['--ffn_gate=jepa'],
+    'G3_A3': ['--ffn_gate=jepa', '--ffn_util_weight=0', '--ffn_rank_weight=0'],
+    'G1_onpolicy': ['--ffn_gate=mlp', '--ffn_oracle_policy=on'],
+}
+reference = 'G1_std'
