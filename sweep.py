@@ -269,15 +269,23 @@ def summarize(study, results, threshold=(None, None), room=None):
 def room_verdict(study, room, ref_row):
     """The study's room (eval.room of each seed's backbone, mean ± std over seeds) against the seed
     spread of the reference arm's endpoint: arm differences are evidence only where the room is at
-    least ROOM_FACTOR × that std."""
-    out = {k: dict(zip(('mean', 'std'), mean_std([r.get(k) for r in room.values()])), per_seed=[r.get(k) for r in room.values()])
+    least ROOM_FACTOR × that std. Where each seed has its own backbone, backbones differ in level and a
+    paired arm difference cancels that level, so the spread used is that of the endpoint relative to its
+    own backbone's all-full loss (the raw spread is reported beside it)."""
+    seeds = sorted(room)
+    out = {k: dict(zip(('mean', 'std'), mean_std([room[s].get(k) for s in seeds])), per_seed=[room[s].get(k) for s in seeds])
            for k in sorted({k for r in room.values() for k, v in r.items() if isinstance(v, (int, float))})}
     key = study.get('room_key') or ('gate_room' if 'gate_room' in out else 'room')
     metric = next((m for m in ('causal_val_loss', 'final_val_loss') if ref_row[m]['mean'] is not None), None)
-    size, spread = (out.get(key) or {}).get('mean'), ref_row[metric]['std'] if metric else None
+    size, spread, raw, basis = (out.get(key) or {}).get('mean'), None, None, None
+    if metric:
+        ends = dict(zip(study.get('seeds', seeds), ref_row[metric]['per_seed']))
+        raw = ref_row[metric]['std']
+        rel = [ends[s] - room[s]['full'] for s in seeds if ends.get(s) is not None and room[s].get('full') is not None]
+        spread, basis = (mean_std(rel)[1], "relative to each backbone's all-full loss") if len(rel) > 1 else (raw, 'raw')
     enough = None if size is None or not spread else size >= ROOM_FACTOR * spread
-    return dict(values=out, key=key, size=size, seed_std_metric=metric, seed_std=spread, factor=ROOM_FACTOR,
-                verdict={True: 'room', False: 'no room', None: 'unknown'}[enough])
+    return dict(values=out, key=key, size=size, seed_std_metric=metric, seed_std=spread, seed_std_basis=basis,
+                seed_std_raw=raw, factor=ROOM_FACTOR, verdict={True: 'room', False: 'no room', None: 'unknown'}[enough])
 
 
 def markdown(summary):
@@ -326,7 +334,8 @@ def room_markdown(room):
                      if v['mean'] is not None and not k.endswith('full_frac'))
     spread = 'unknown' if room['seed_std'] is None else f"{room['seed_std']:.4f}"
     head = (f"**Room: {room['verdict']}.** {room['key']} = {room['size']:.4f} against the reference arm's seed "
-            f"std of {room['seed_std_metric']} = {spread} (needs ≥ {room['factor']}×)" if room['size'] is not None
+            f"std of {room['seed_std_metric']} = {spread}, {room['seed_std_basis']} (needs ≥ {room['factor']}×; "
+            f"raw std {room['seed_std_raw'] or 0:.4f})" if room['size'] is not None
             else f"**Room: {room['verdict']}** ({room['key']} not measured)")
     tail = '' if room['verdict'] == 'room' else '; the arm differences below are not evidence either way'
     return f"{head}{tail}. Backbones (eval.py --room, per seed): {vals}.\n"

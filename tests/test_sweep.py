@@ -232,16 +232,23 @@ def test_seed_placeholders_give_each_seed_its_own_backbone(tmp_path):
 
 
 def test_room_verdict_against_the_seed_spread():
-    ref_row = dict(causal_val_loss=dict(mean=2.0, std=0.01), final_val_loss=dict(mean=2.0, std=0.5))
-    room = {s: dict(full=1.0, cheap=1.0 + r, random=1.5, oracle=1.5 - g, room=r, gate_room=g)
-            for s, r, g in ((1, 0.5, 0.11), (2, 0.7, 0.09))}
-    v = sweep.room_verdict(dict(), room, ref_row)
-    assert v['key'] == 'gate_room' and v['size'] == pytest.approx(0.10) and v['seed_std'] == 0.01
-    assert v['verdict'] == 'room' and v['values']['room']['mean'] == pytest.approx(0.6)
-    assert sweep.room_verdict(dict(), room, dict(ref_row, causal_val_loss=dict(mean=2.0, std=0.02)))['verdict'] == 'no room'
-    assert sweep.room_verdict(dict(room_key='room'), room, dict(ref_row, causal_val_loss=dict(mean=2.0, std=0.05)))['verdict'] == 'room'
-    md = sweep.room_markdown(sweep.room_verdict(dict(), room, dict(ref_row, causal_val_loss=dict(mean=2.0, std=0.02))))
-    assert md.startswith('**Room: no room.**') and 'not evidence' in md
+    """The room against the spread of the reference endpoint relative to each seed's own backbone (its
+    all-full loss): independent backbones differ in level, which paired differences cancel."""
+    room = {s: dict(full=f, cheap=f + r, random=f + 0.5, oracle=f + 0.5 - g, room=r, gate_room=g)
+            for s, f, r, g in ((1, 1.0, 0.5, 0.11), (2, 1.2, 0.7, 0.09))}
+
+    def ref(ends):
+        return dict(causal_val_loss=dict(mean=float(np.mean(ends)), std=float(np.std(ends, ddof=1)), per_seed=ends),
+                    final_val_loss=dict(mean=None, std=None, per_seed=[None, None]))
+    v = sweep.room_verdict(dict(seeds=[1, 2]), room, ref([1.01, 1.2]))     # levels 0.13 apart, relative 0.0071
+    assert v['key'] == 'gate_room' and v['size'] == pytest.approx(0.10) and v['verdict'] == 'room'
+    assert v['seed_std'] == pytest.approx(np.std([0.01, 0.0], ddof=1)) and v['seed_std_raw'] == pytest.approx(np.std([1.01, 1.2], ddof=1))
+    assert v['values']['room']['mean'] == pytest.approx(0.6)
+    no = sweep.room_verdict(dict(seeds=[1, 2]), room, ref([1.0, 1.22]))        # relative 0.0141: 0.10 < 10×
+    assert no['verdict'] == 'no room'
+    assert sweep.room_verdict(dict(seeds=[1, 2], room_key='room'), room, ref([1.0, 1.22]))['verdict'] == 'room'
+    md = sweep.room_markdown(no)
+    assert md.startswith('**Room: no room.**') and 'not evidence' in md and 'all-full' in md
 
 
 def test_too_few_seeds_are_flagged():
