@@ -9,8 +9,12 @@ bench_steps / bench_warmup / decode_tokens / decode_batches. Random tokens, so n
 Reports medians over bench_steps timed repeats after bench_warmup untimed ones; with --json prints
 exactly one JSON object, which records the device, torch version and git commit (git_sha, git_dirty).
 
-Routed vs dense: with --budgets=1.0,0.75,0.5,0.25,0.125 the config's routed model
-(route=ffn or mod) is timed at each budget beside the dense model of the same shape, in eval mode:
+--out=results/<name>.json also writes the JSON (with the command and the date) to that file.
+
+Routed vs dense: with --budgets=1.0,0.75,0.5,0.25,0.125 the config's routed model (route=ffn or mod
+at that budget; route=halt or exit with its eval threshold bisected on the benchmark batch until the
+realised active fraction meets the budget) is timed at each budget beside the dense model of the same
+shape, in eval mode:
 prefill of each --prefill_shapes BxT (last-position logits, as generation's prefill) and KV-cached
 decode at each --decode_batches (decode alone: the prefill's time is subtracted). Per row: measured
 time ratio routed/dense, analytic forward-FLOPs ratio routed/dense at the realised routing (ideal;
@@ -18,7 +22,9 @@ and as executed, where MoD pads each row to the longest), and their quotient flo
 time_ratio = the share of the FLOPs-ideal speedup realised (1.0 = all of it). Routing: ffn uses its gate with the threshold
 calibrated on the benchmark batch; mod uses mod_router='random' at the capacity (an untrained router's
 σ(r) > 0.5 rule would not hold the budget; the router is one dot product per token). Also the
-training step of controller-only G1 (util/rank off) against the dense joint step, and with --profile
+joint training step of the routed model at each budget (once where training ignores the budget: TSA,
+exits) against the dense one's, with the analytic step-FLOPs ratio; the training step of
+controller-only G1 (util/rank off) against the dense joint step; and with --profile
 where the routed prefill at budget 0.5 spends its time (torch.profiler, by op kind).
 
     python bench.py config/bench_cpu.py --budgets=1.0,0.75,0.5,0.25,0.125 --json
@@ -39,7 +45,7 @@ from device import autocast_context, cli_device, resolve_device_dtype
 from model import ALIASES, FAMILIES, GPT
 
 BENCH_DEFAULTS = dict(bench_steps=10, bench_warmup=3, decode_tokens=32, decode_batches='1,8',
-                      budgets='', prefill_shapes='8x512', sparse=True, profile=False, decode_prompt=0)
+                      budgets='', prefill_shapes='8x512', sparse=True, profile=False, decode_prompt=0, out='')
 BENCH_EXAMPLES = dict(budgets="'1.0,0.5'", decode_batches="'1,8'", prefill_shapes="'8x512' (BxT)")
 
 
@@ -192,9 +198,14 @@ def bench_routed(cfg):
     dense = eval_model(replace(base, route='none'), dev)
     state = dense.state_dict()
     d_pre, d_dec = time_model(dense, cfg, xs, g, base, dev, autocast)
-    rows, profile = [], None
+    rows, profile, trained = [], None, {}
+    dense_train_ms = time_train_step(cfg, replace(base, route='none'), dev, autocast)
     for budget in numbers(cfg, 'budgets', float):
-        m = routed_model(FAMILIES[base.route].bench_config(base, budget), state, xs, cfg['seed'], dev, autocast)
+        mcfg = FAMILIES[base.route].bench_config(base, budget)
+        m = routed_model(mcfg, state, xs, cfg['seed'], dev, autocast, budget)
+        if mcfg not in trained.values():     # TSA's and the exits' training does not depend on the budget
+            trained[budget] = mcfg
+            rows.append(train_row(cfg, mcfg, base, budget, dev, autocast, dense_train_ms))
         r_pre, r_dec = time_model(m, cfg, xs, g, base, dev, autocast)
         d_pre = time_model(dense, cfg, xs, g, base, dev, autocast, decode=False)[0]     # dense again, in the same window
         rows += prefill_rows(cfg, m, base, budget, xs, r_pre, d_pre, autocast)
@@ -226,16 +237,39 @@ def routed_base(cfg):
     return base, shapes
 
 
-def routed_model(mcfg, state, xs, seed, dev, autocast):
+def routed_model(mcfg, state, xs, seed, dev, autocast, budget):
     """The routed model of config mcfg on the dense model's backbone (state), its causal thresholds
-    calibrated on the benchmark batches xs (ffn), so that it holds its budget."""
+    calibrated on the benchmark batches xs (ffn) or its bench_knob bisected on the first of them (halt,
+    exit), so that it holds its budget."""
     torch.manual_seed(seed)
     m = eval_model(mcfg, dev)
     m.load_state_dict(state, strict=False)
     for x in xs.values():
         with torch.no_grad(), autocast:
             m.calibrate(x)
+    knob = m.family.bench_knob(m.config)
+    if knob:
+        hold_budget(m, next(iter(xs.values())), budget, knob, autocast)
     return m
+
+
+def hold_budget(m, x, budget, knob, autocast, steps=30):
+    """Bisect the eval threshold knob = (field, lo, hi) of m's config to the smallest value whose
+    realised active fraction on x is at least budget (raising it keeps more tokens active)."""
+    field, lo, hi = knob
+    if budget >= 1:                 # every token on every batch, not only on this one
+        setattr(m.config, field, hi)
+        return
+
+    def active(v):
+        setattr(m.config, field, v)
+        with torch.no_grad(), autocast:
+            f = m(x)[2].get('full_frac')
+        return 1.0 if f is None else float(f.float().mean())
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if active(mid) < budget else (lo, mid)
+    setattr(m.config, field, hi)
 
 
 def no_grad_forward(m, x, sparse):
@@ -301,33 +335,48 @@ def prefill_flops_ratio(mcfg, base, T, full_frac):
 def bench_controller_step(cfg, base, dev, autocast):
     """Training step of controller-only G1 without util/rank (frozen backbone, gates only) against a
     dense joint training step of the same backbone, at batch_size x block_size."""
-    B, T = cfg['batch_size'], base.block_size
-    g = torch.Generator().manual_seed(cfg['seed'])
-    x = torch.randint(0, base.vocab_size, (B, T), generator=g).to(dev)
-    y = torch.randint(0, base.vocab_size, (B, T), generator=g).to(dev)
-    out = {}
-    for name, mcfg in (('dense_joint', replace(base, route='none')),
-                       ('g1_controller', replace(base, route='ffn', ffn_gate='mlp', ffn_util_weight=0.0, ffn_rank_weight=0.0))):
-        torch.manual_seed(cfg['seed'])
-        m = GPT(mcfg).to(dev).train()
-        params = list(m.parameters())
-        if name == 'g1_controller':
-            ctrl = {id(p) for p in m.controller_parameters()}
-            for p in m.parameters():
-                p.requires_grad_(id(p) in ctrl)
-            params = m.controller_parameters()
-        opt = m.configure_optimizers(0.1, 1e-4, (0.9, 0.95), dev.type, params=params)
-        fwd = torch.compile(m, dynamic=False) if cfg['compile'] else m
-
-        def step():
-            with autocast:
-                loss = fwd(x, y)[1]
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        out[name + '_ms'] = timed(step, cfg['bench_steps'], cfg['bench_warmup'], dev) * 1e3
+    g1 = replace(base, route='ffn', ffn_gate='mlp', ffn_util_weight=0.0, ffn_rank_weight=0.0)
+    out = dict(dense_joint_ms=time_train_step(cfg, replace(base, route='none'), dev, autocast) * 1e3,
+               g1_controller_ms=time_train_step(cfg, g1, dev, autocast, controller=True) * 1e3)
     out['ratio'] = out['g1_controller_ms'] / out['dense_joint_ms']
     return out
+
+
+def time_train_step(cfg, mcfg, dev, autocast, controller=False):
+    """Seconds of one training step (forward, backward, AdamW) of a model of mcfg at batch_size x
+    block_size: every parameter trained, or (controller) the routing controller alone."""
+    B, T = cfg['batch_size'], mcfg.block_size
+    g = torch.Generator().manual_seed(cfg['seed'])
+    x = torch.randint(0, mcfg.vocab_size, (B, T), generator=g).to(dev)
+    y = torch.randint(0, mcfg.vocab_size, (B, T), generator=g).to(dev)
+    torch.manual_seed(cfg['seed'])
+    m = GPT(mcfg).to(dev).train()
+    params = list(m.parameters())
+    if controller:
+        ctrl = {id(p) for p in m.controller_parameters()}
+        for p in m.parameters():
+            p.requires_grad_(id(p) in ctrl)
+        params = m.controller_parameters()
+    opt = m.configure_optimizers(0.1, 1e-4, (0.9, 0.95), dev.type, params=params)
+    fwd = torch.compile(m, dynamic=False) if cfg['compile'] else m
+
+    def step():
+        with autocast:
+            loss = fwd(x, y)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return timed(step, cfg['bench_steps'], cfg['bench_warmup'], dev)
+
+
+def train_row(cfg, mcfg, base, budget, dev, autocast, dense_s):
+    """The routed model's joint training step against the dense one's (timed before the budgets), with
+    the analytic step-FLOPs ratio (training top-k at the budget; soft TSA and the exits run every token)."""
+    routed_s, T = time_train_step(cfg, mcfg, dev, autocast), base.block_size
+    f_ratio = flops.train_step_flops(mcfg, T)['total'] / flops.train_step_flops(replace(base, route='none'), T)['total']
+    t_ratio = routed_s / dense_s
+    return dict(kind='train', budget=budget, dense_ms=dense_s * 1e3, routed_ms=routed_s * 1e3, time_ratio=t_ratio,
+                flops_ratio=f_ratio, ideal_realised=f_ratio / t_ratio)
 
 
 def print_routed(res):
@@ -346,6 +395,12 @@ def print_routed(res):
         if r['kind'] == 'decode':
             print(f"| {r['budget']} | {r['batch']} | {r['dense_tokens_per_s']:.0f} | {r['routed_tokens_per_s']:.0f} | "
                   f"{r['time_ratio']:.3f} |")
+    print('| budget | joint training step: dense ms | routed ms | time ratio | FLOPs ratio | ideal realised |')
+    print('|---|---|---|---|---|---|')
+    for r in res['rows']:
+        if r['kind'] == 'train':
+            print(f"| {r['budget']} | {r['dense_ms']:.1f} | {r['routed_ms']:.1f} | {r['time_ratio']:.3f} | "
+                  f"{r['flops_ratio']:.3f} | {r['ideal_realised']:.2f} |")
     t = res['train']
     print(f"training step: dense joint {t['dense_joint_ms']:.1f} ms, controller-only G1 (no util/rank) "
           f"{t['g1_controller_ms']:.1f} ms, ratio {t['ratio']:.3f}")
@@ -361,16 +416,17 @@ def main(argv):
     cfg = load_config({**train.DEFAULTS, **BENCH_DEFAULTS}, argv, ALIASES)
     check_bench_config(cfg)
     cli_device(cfg['device'], cfg['dtype'])
-    if cfg['budgets']:
-        res = bench_routed(cfg)
-        if as_json:
-            print(json.dumps(res))
-        else:
-            print_routed(res)
-        return 0
-    res = bench(cfg)
+    if cfg['out'] and not os.path.isdir(os.path.dirname(os.path.abspath(cfg['out']))):
+        raise ConfigError(f"out: the folder of {cfg['out']!r} does not exist; create it or name another file")
+    res = bench_routed(cfg) if cfg['budgets'] else bench(cfg)
+    if cfg['out']:                 # the raw file behind a reported figure, with the command that made it
+        with open(cfg['out'], 'w') as f:
+            json.dump(dict(res, command='python bench.py ' + ' '.join(argv + ['--json'] * as_json),
+                           date=time.strftime('%Y-%m-%d')), f, indent=1)
     if as_json:
         print(json.dumps(res))
+    elif cfg['budgets']:
+        print_routed(res)
     else:
         for k, v in res.items():
             print(f"{k:>24}: {v}")

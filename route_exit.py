@@ -107,6 +107,9 @@ class EarlyExit(Family):
         if ctx.masks:
             aux['tlops_saved'] = tlops_saved(aux['full_frac'], model.config.n_layer)
 
+    def bench_knob(self, config):                 # a token exits where its confidence ≥ the threshold
+        return ('exit_threshold', -1.0 if config.exit_conf == 'saturation' else 0.0, 1.0 + 1e-6)
+
     def is_controller_key(self, name):
         return name.startswith('exit_heads.')
 

@@ -206,8 +206,16 @@ class Family:
 
     def bench_config(self, config, b):
         """The config bench.py times at budget b (an untrained model: its decisions must hold the
-        budget), or None where the family routes no budget of tokens."""
-        return self.with_budget(config, b) if self.budget_field else None
+        budget), or None where the family routes no budget of tokens (nor has a bench_knob)."""
+        if self.budget_field:
+            return self.with_budget(config, b)
+        return config if self.bench_knob(config) else None
+
+    def bench_knob(self, config):
+        """(field, lo, hi): an eval threshold whose raising keeps more tokens active, which bench.py
+        bisects so that an untrained model's realised active fraction meets the budget (families whose
+        causal decision is a threshold rather than a budget: TSA's τ, the exits' confidence); or None."""
+        return None
 
     # analytic FLOPs of one sequence of length T, as torch's FlopCounterMode counts them (flops.py
     # states the conventions and sums these); options: the family's per-step options (step_options)

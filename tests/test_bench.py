@@ -46,13 +46,16 @@ def test_bench_bad_key_is_a_clean_error():
     assert r.returncode == 2 and "n_layer" in r.stderr and 'Traceback' not in r.stderr
 
 
-@pytest.mark.parametrize('route', ['ffn', 'mod'])
-def test_bench_routed_table(route):
+@pytest.mark.parametrize('route', ['ffn', 'mod', 'halt', 'exit'])
+def test_bench_routed_table(route, tmp_path):
     """--budgets: one prefill row per (budget, shape) and one decode row per (budget, batch); the FLOPs
-    ratio is the analytic one at the realised routing (recomputed here), last-position logits only."""
+    ratio is the analytic one at the realised routing (recomputed here), last-position logits only;
+    TSA and the exits hold the budget by their bisected threshold (at least it, and all of it at 1.0);
+    one joint-training row per training config, its FLOPs ratio the accountant's; --out writes the JSON."""
     args = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=2', '--vocab_size=50',
             '--bench_steps=1', '--bench_warmup=0', '--decode_tokens=2', '--decode_batches=1,2', f'--route={route}',
-            '--budgets=1.0,0.5', '--prefill_shapes=2x16,1x32', '--ffn_cheap_rank=4', '--json']
+            '--budgets=1.0,0.5', '--prefill_shapes=2x16,1x32', '--ffn_cheap_rank=4', '--exit_layers=1',
+            f'--out={tmp_path / "bench.json"}', '--json']
     r = subprocess.run([sys.executable, 'bench.py', *args], cwd=REPO, capture_output=True, text=True, timeout=120,
                        env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert r.returncode == 0, r.stderr
@@ -64,12 +67,16 @@ def test_bench_routed_table(route):
     for x in pre:
         assert x['time_ratio'] > 0 and math.isclose(x['ideal_realised'], x['flops_ratio'] / x['time_ratio'])
         cfg = load_config({**train.DEFAULTS, 'bench_steps': 0, 'bench_warmup': 0, 'decode_tokens': 0,
-                           'decode_batches': '', 'budgets': '', 'prefill_shapes': '', 'sparse': True, 'profile': False},
+                           'decode_batches': '', 'budgets': '', 'prefill_shapes': '', 'sparse': True, 'profile': False,
+                           'out': ''},
                           [a for a in args if a != '--json'])
-        mcfg = FAMILIES[route].with_budget(train.model_config(SimpleNamespace(**cfg), vocab_size=50), x['budget'])
+        mcfg = FAMILIES[route].bench_config(train.model_config(SimpleNamespace(**cfg), vocab_size=50), x['budget'])
         if route == 'mod':
-            mcfg = replace(mcfg, mod_router='random')
-        assert len(x['layer_fracs']) == len(controlled_layer_ids(mcfg))
+            assert mcfg.mod_router == 'random'
+        if route in ('halt', 'exit') and (x['budget'] == 1.0 or (x['batch'], x['seq']) == (2, 16)):
+            assert x['budget'] - 1e-9 <= x['realised_frac']     # bisected on the first shape's batch
+        if route in ('ffn', 'mod'):            # TSA gates blocks 1.., the exits count the running tokens per block
+            assert len(x['layer_fracs']) == len(controlled_layer_ids(mcfg))
         assert math.isclose(x['realised_frac'], sum(x['layer_fracs']) / len(x['layer_fracs']))
         head = (x['seq'] - 1) * 2 * 32 * 50
         want = (flops.forward_flops(mcfg, x['seq'], 'sparse', full_frac=x['layer_fracs']) - head) / \
@@ -79,3 +86,11 @@ def test_bench_routed_table(route):
             assert x['realised_frac'] == 1.0 or route == 'mod'
     assert res['train']['ratio'] > 0
     assert res['torch'] == torch.__version__ and res['git_sha'] == train.code_version()['git_sha']
+    trains = [x for x in res['rows'] if x['kind'] == 'train']
+    assert [x['budget'] for x in trains] == ([1.0] if route in ('halt', 'exit') else [1.0, 0.5])
+    for x in trains:
+        mcfg = FAMILIES[route].bench_config(train.model_config(SimpleNamespace(**cfg), vocab_size=50), x['budget'])
+        want = flops.train_step_flops(mcfg, 32)['total'] / flops.train_step_flops(replace(mcfg, route='none'), 32)['total']
+        assert math.isclose(x['flops_ratio'], want, rel_tol=1e-9) and x['time_ratio'] > 0
+    saved = json.loads((tmp_path / 'bench.json').read_text())
+    assert saved['rows'] == res['rows'] and saved['command'].startswith('python bench.py --n_layer=2')
