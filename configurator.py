@@ -65,13 +65,17 @@ class Aliases:
 
     def resolve_dict(self, d):
         """A copy of the stored dict d (model_args, config.json) with old option names read as today's,
-        by d's own route, in d's order; where d holds both spellings of one field, the later one wins."""
+        by d's own route, in d's order; where d holds both spellings of one field, the later one wins.
+        Options d's route added since d was written, whose default now differs from what its code did,
+        get that behaviour (the family's stored_before), so a resumed or evaluated run means what it did."""
         route = d.get('route')
         out = {}
         for key, value in d.items():
             key, value = self.resolve(key, value, route) or (key, value)
             out.pop(key, None)
             out[key] = value
+        for key, value in getattr(self.families.get(route), 'stored_before', {}).items():
+            out.setdefault(key, value)
         return out
 
 

@@ -39,6 +39,7 @@ class EnsembleOptions:
 
 class DepthEnsemble(Family):
     options = option_names(EnsembleOptions)
+    stored_before = {'ens_distill': 'mixture'}    # the mixture was distilled before the option
     routes = True
 
     def check_values(self, config):

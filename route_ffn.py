@@ -68,6 +68,7 @@ class FFNRouting(Family):
     aliases = {name[4:]: name for name in options
                if name.startswith('ffn_') and name not in ('ffn_layers', 'ffn_oracle_start', 'ffn_aux_grad')}
     aliases['controlled_layers'] = 'ffn_layers'
+    stored_before = {'ffn_aux_grad': 'leak'}      # aux-loss gradients took one graph before the option
     budget_field = 'ffn_budget'
     spelled_options = ('ffn_layers',)   # 'auto' and 'all' are the same layers
     routes = True

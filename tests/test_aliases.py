@@ -210,7 +210,20 @@ def test_an_old_config_json_reads_under_todays_names():
                        'n_layer', 'max_iters']
     c = GPTConfig.from_dict(stored)
     assert (c.mod_router, c.mod_capacity, c.ffn_cheap_rank, c.mod_bce_weight) == ('learned', 0.125, 4, 0.5)
-    assert resolve_aliases({'route': 'ffn', 'budget': 0.3, 'ffn_budget': 0.4}) == {'route': 'ffn', 'ffn_budget': 0.4}
+    assert resolve_aliases({'route': 'ffn', 'budget': 0.3, 'ffn_budget': 0.4}) == \
+        {'route': 'ffn', 'ffn_budget': 0.4, 'ffn_aux_grad': 'leak'}
+
+
+@pytest.mark.parametrize('route,key,before,today', [('ffn', 'ffn_aux_grad', 'leak', 'own'),
+                                                    ('ensemble', 'ens_distill', 'mixture', 'per_layer')])
+def test_a_stored_config_from_before_an_option_keeps_its_behaviour(route, key, before, today):
+    """An option added with a default unlike what the code did before it: a checkpoint or config.json
+    without it reads as it ran; one that has it, and a fresh config, as written."""
+    assert getattr(GPTConfig(route=route), key) == today
+    assert resolve_aliases({'route': route, 'n_layer': 2})[key] == before
+    assert getattr(GPTConfig.from_dict({'route': route, 'n_layer': 4}), key) == before
+    assert resolve_aliases({'route': route, key: today})[key] == today
+    assert key not in resolve_aliases({'route': 'none', 'n_layer': 2})
 
 
 # ----------------------------------------------------------------------------------------------------
