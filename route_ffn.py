@@ -10,8 +10,9 @@ the gate straight-through ('ste'), MoD-style through σ(score) ('scale'), or not
 
 Auxiliary losses, each a named term with its weight (0 = not computed): utility regression and
 pairwise rank supervision onto oracle utility labels U_t = CE_t(cheap at l) − CE_t(full at l)
-(off-policy: later layers all full, as the paper; on-policy: later layers follow the gates), G3's JEPA
-alignment, the membership predictor's BCE, and a cheap-imitates-full term.
+(forks from the all-full state, as the paper, or from the routed one; later layers all full, as the
+paper, or following the gates), G3's JEPA alignment, the membership predictor's BCE, and a
+cheap-imitates-full term. util/rank/JEPA train only their own layer's gate unless ffn_aux_grad='leak'.
 
 Options: FFNOptions below (fields of model.GPTConfig); of the training loop: ffn_oracle_layers_per_step,
 calib_iters.
@@ -63,8 +64,8 @@ class FFNOptions:
 
 class FFNRouting(Family):
     options = option_names(FFNOptions) + ('ffn_oracle_layers_per_step', 'calib_iters')   # + the training loop's
-    # the names these options had before they took the family's prefix (config files, checkpoints)
-    # the names the options had before they took the prefix (options added since have none)
+    # the names the options had before they took the family's prefix (config files, checkpoints);
+    # options added since have none
     aliases = {name[4:]: name for name in options
                if name.startswith('ffn_') and name not in ('ffn_layers', 'ffn_oracle_start', 'ffn_aux_grad')}
     aliases['controlled_layers'] = 'ffn_layers'
