@@ -94,8 +94,8 @@ class TokenSelectiveAttention(Family):
     def is_controller_key(self, name):
         return name.startswith('halt.')
 
-    def bench_knob(self, config):
-        return ('halt_tau', 0.0, 1.0)             # a token skips where p > τ
+    def bench_knob(self, config):                 # a token skips where p > τ (soft eval skips none)
+        return None if config.halt_soft_eval else ('halt_tau', 0.0, 1.0)
 
     def report(self, model, batches, autocast, evaluate):
         return dict(halt=halt_report(model, batches, autocast, evaluate))

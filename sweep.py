@@ -134,25 +134,28 @@ def run_before(stages, root, jobs):
 
 def measure_room(study, root):
     """eval.py --room on each seed's backbone (the study's room_ckpt, '{seed}' replaced), cached in
-    out_root/room/seed<s>.json; {seed: report}, or None when the study names no room_ckpt."""
+    out_root/room/seed<s>.json with the checkpoint's mtime (a retrained backbone is measured again);
+    {seed: report} ({} when no seed could be measured), or None when the study names no room_ckpt."""
     if not study.get('room_ckpt'):
         return None
     os.makedirs(os.path.join(root, 'room'), exist_ok=True)
     out = {}
     for s in study['seeds']:
         path, ckpt = os.path.join(root, 'room', f'seed{s}.json'), with_seed([study['room_ckpt']], s)[0]
-        if not os.path.exists(path) and os.path.exists(ckpt):
+        if not os.path.exists(ckpt):
+            continue
+        cached = json.load(open(path)) if os.path.exists(path) else {}
+        if cached.get('ckpt_mtime') != os.path.getmtime(ckpt):
             res = subprocess.run([sys.executable, os.path.join(HERE, 'eval.py'), f'--ckpt={ckpt}', '--room', '--json',
                                   *study.get('room_args', [])], capture_output=True, text=True, cwd=HERE)
             if res.returncode:
                 print(f"room: eval.py --room failed on {ckpt}: {res.stderr.strip()[-300:]}", file=sys.stderr)
                 continue
+            cached = dict(json.loads(res.stdout), ckpt_mtime=os.path.getmtime(ckpt))
             with open(path, 'w') as f:
-                f.write(res.stdout)
-        if os.path.exists(path):
-            with open(path) as f:
-                out[s] = json.load(f)
-    return out or None
+                json.dump(cached, f)
+        out[s] = cached
+    return out
 
 
 def finished(out_dir):
@@ -251,10 +254,10 @@ def summarize(study, results, threshold=(None, None), room=None):
             lower = METRICS.get(k, (None, True))[1]
             ref_vals = [results.get((ref, s), {}).get(k) for s in seeds]
             if is_hit_metric(k):   # censored: a run that never hit is a result, not a missing value
-                ran = [(arm, s) in results for s in seeds]
+                ran = [k in results.get((arm, s), {}) for s in seeds]     # a run that measured this hit
                 entry.update(hits=sum(v is not None for v, ok in zip(vals, ran) if ok), runs=sum(ran))
                 if arm != ref:
-                    both = [(arm, s) in results and (ref, s) in results for s in seeds]
+                    both = [a and k in results.get((ref, s), {}) for a, s in zip(ran, seeds)]
                     entry['vs_reference'] = paired_hits(vals, ref_vals, both)
             elif arm != ref and lower is not None:
                 entry['vs_reference'] = paired(vals, ref_vals, lower)
@@ -263,7 +266,7 @@ def summarize(study, results, threshold=(None, None), room=None):
     return dict(study=study['__file__'] if '__file__' in study else None, reference=ref, seeds=seeds,
                 code_versions=codes, mixed_code_versions=len(codes) > 1,
                 threshold=dict(value=threshold[0], source=threshold[1]), table=table,
-                room=room_verdict(study, room, table[ref]) if room else None)
+                room=None if room is None else room_verdict(study, room, table[ref]))
 
 
 def room_verdict(study, room, ref_row):
@@ -272,16 +275,18 @@ def room_verdict(study, room, ref_row):
     least ROOM_FACTOR × that std. Where each seed has its own backbone, backbones differ in level and a
     paired arm difference cancels that level, so the spread used is that of the endpoint relative to its
     own backbone's all-full loss (the raw spread is reported beside it)."""
-    seeds = sorted(room)
-    out = {k: dict(zip(('mean', 'std'), mean_std([room[s].get(k) for s in seeds])), per_seed=[room[s].get(k) for s in seeds])
-           for k in sorted({k for r in room.values() for k, v in r.items() if isinstance(v, (int, float))})}
+    seeds = study.get('seeds') or sorted(room)          # per_seed lists in the study's seed order, None where missing
+    measured = [s for s in seeds if s in room]
+    keys = sorted({k for r in room.values() for k, v in r.items() if isinstance(v, (int, float)) and k != 'ckpt_mtime'})
+    out = {k: dict(zip(('mean', 'std'), mean_std([room[s].get(k) for s in measured])),
+                   per_seed=[room.get(s, {}).get(k) for s in seeds]) for k in keys}
     key = study.get('room_key') or ('gate_room' if 'gate_room' in out else 'room')
     metric = next((m for m in ('causal_val_loss', 'final_val_loss') if ref_row[m]['mean'] is not None), None)
     size, spread, raw, basis = (out.get(key) or {}).get('mean'), None, None, None
     if metric:
-        ends = dict(zip(study.get('seeds', seeds), ref_row[metric]['per_seed']))
+        ends = dict(zip(seeds, ref_row[metric]['per_seed']))
         raw = ref_row[metric]['std']
-        rel = [ends[s] - room[s]['full'] for s in seeds if ends.get(s) is not None and room[s].get('full') is not None]
+        rel = [ends[s] - room[s]['full'] for s in measured if ends.get(s) is not None and room[s].get('full') is not None]
         spread, basis = (mean_std(rel)[1], "relative to each backbone's all-full loss") if len(rel) > 1 else (raw, 'raw')
     enough = None if size is None or not spread else size >= ROOM_FACTOR * spread
     return dict(values=out, key=key, size=size, seed_std_metric=metric, seed_std=spread, seed_std_basis=basis,
@@ -295,7 +300,7 @@ def markdown(summary):
     if len(summary['seeds']) < 3:
         lines.append(f"**{len(summary['seeds'])} seed(s): too few for the paired intervals to mean much; use 3 or more.**\n")
     room = summary.get('room')
-    if room:
+    if room is not None:
         lines.append(room_markdown(room))
     arms = list(summary['table'])
     keys = [k for k in summary['table'][arms[0]]
@@ -380,8 +385,9 @@ def main(argv):
                     failed.append(out)
     results = {(arm, s): run_metrics(f'{root}/{arm}/seed{s}') for arm, s, _ in grid if finished(f'{root}/{arm}/seed{s}')}
     threshold = lm_threshold(study, results)
-    for (arm, s), m in results.items():
-        m['threshold_hit'] = None if threshold[0] is None else threshold_hit(f'{root}/{arm}/seed{s}', threshold[0])
+    for (arm, s), m in results.items():      # no threshold, no hit column (not a column of never-hits)
+        if threshold[0] is not None:
+            m['threshold_hit'] = threshold_hit(f'{root}/{arm}/seed{s}', threshold[0])
     summary = summarize(study, results, threshold, room=measure_room(study, root))
     with open(os.path.join(root, 'summary.json'), 'w') as f:
         json.dump(summary, f, indent=2)

@@ -90,7 +90,7 @@ MODEL_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'pos', 'vocab
               'route', 'ffn_layers', 'mod_layers', 'ffn_cheap_rank')
 RESUME_KEYS = MODEL_KEYS + ('ffn_gate', 'ffn_gate_hidden', 'ffn_infer_rule', 'ffn_jepa_latent', 'ffn_jepa_readout',
                             'mod_router', 'mod_infer_rule', 'mod_predictor_hidden', 'exit_layers', 'exit_head',
-                            'ens_layers')
+                            'ens_layers', 'ffn_aux_grad', 'ens_distill')   # the last two: what the losses train
 HERE = os.path.dirname(os.path.abspath(__file__))
 # ----------------------------------------------------------------------------------------------------
 RUN_FILES = ('ckpt.pt', 'metrics.jsonl', 'config.json', 'run_info.json')

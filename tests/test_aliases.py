@@ -238,3 +238,16 @@ def test_family_budget_api():
         assert FAMILIES[route].budget(GPTConfig(route=route)) is None
         with pytest.raises(ValueError, match='has no budget'):
             FAMILIES[route].with_budget(GPTConfig(route=route), 0.5)
+
+
+def test_a_run_from_before_ffn_aux_grad_resumes_only_as_it_ran(monkeypatch):
+    """An ffn checkpoint written before ffn_aux_grad existed trained with 'leak': resuming it under
+    today's default 'own' is refused, naming the field; with --ffn_aux_grad=leak it resumes."""
+    monkeypatch.setattr(train, 'check_checkpoint_data', lambda cfg, meta, ckpt: None)
+    model_cfg = GPTConfig(**TINY, route='ffn', ffn_cheap_rank=4, ffn_layers='all')
+    margs = {k: v for k, v in asdict(model_cfg).items() if k != 'ffn_aux_grad'}
+    cfg = train.SimpleNamespace(**{**train.DEFAULTS, **asdict(model_cfg)})
+    with pytest.raises(train.TrainError, match="'ffn_aux_grad' differs from the checkpoint: checkpoint has 'leak'"):
+        train.check_against_checkpoint(cfg, {}, dict(model_args=margs), train.RESUME_KEYS)
+    cfg.ffn_aux_grad = 'leak'
+    train.check_against_checkpoint(cfg, {}, dict(model_args=margs), train.RESUME_KEYS)

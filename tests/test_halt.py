@@ -8,7 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import flops
 from conftest import FP32_TOL, assert_greedy_traces_agree, greedy_trace
-from model import GPT, GPTConfig
+from model import FAMILIES, GPT, GPTConfig
 
 SETTINGS = dict(max_examples=15, deadline=None)
 BASE = dict(block_size=24, vocab_size=29, n_head=2, n_embd=16)
@@ -62,6 +62,13 @@ def test_router_init():
     # halt_router_bias: the λ = 0 control starts the routers at p ≈ 0.5 instead of ≈ 0.27
     model = GPT(GPTConfig(**BASE, n_layer=3, route='halt', halt_router_bias=0.0))
     assert all(r.out.bias.item() == 0.0 for r in model.halt)
+
+
+def test_bench_bisects_tau_only_under_hard_skipping():
+    """bench.py holds a budget by bisecting halt_tau; soft eval skips nothing whatever τ is."""
+    halt = FAMILIES['halt']
+    assert halt.bench_knob(GPTConfig(**BASE, n_layer=3, route='halt')) == ('halt_tau', 0.0, 1.0)
+    assert halt.bench_knob(GPTConfig(**BASE, n_layer=3, route='halt', halt_soft_eval=True)) is None
 
 
 @settings(**SETTINGS)

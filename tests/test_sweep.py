@@ -5,6 +5,7 @@ import json
 import math
 import os
 import textwrap
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -255,3 +256,37 @@ def test_too_few_seeds_are_flagged():
     results = {('ref', 1): dict(avg_lm=1.0), ('arm', 1): dict(avg_lm=0.9)}
     summary = sweep.summarize(dict(arms={'ref': [], 'arm': []}, seeds=[1], reference='ref'), results)
     assert 'too few' in sweep.markdown(summary)
+
+
+def test_no_threshold_means_no_hit_column_and_room_seeds_stay_aligned():
+    """Without a threshold (or for a hit_<x> a run did not set) runs are not counted as never-hits;
+    the room's per-seed lists follow the study's seeds, None where a backbone was not measured."""
+    results = {(a, s): dict(avg_lm=1.0 + s / 10) for a in ('ref', 'arm') for s in (1, 2)}
+    summary = sweep.summarize(dict(arms={'ref': [], 'arm': []}, seeds=[1, 2], reference='ref'), results)
+    e = summary['table']['arm']['threshold_hit']
+    assert (e['hits'], e['runs']) == (0, 0) and e['vs_reference'] is None
+    assert 'threshold_hit' not in sweep.markdown(summary)
+    room = {2: dict(full=1.0, random=1.5, oracle=1.4, gate_room=0.1)}
+    ref_row = dict(causal_val_loss=dict(mean=1.0, std=0.0, per_seed=[None, 1.0]),
+                   final_val_loss=dict(mean=None, std=None, per_seed=[None, None]))
+    v = sweep.room_verdict(dict(seeds=[1, 2]), room, ref_row)
+    assert v['values']['gate_room']['per_seed'] == [None, 0.1] and v['size'] == pytest.approx(0.1)
+    assert sweep.room_verdict(dict(seeds=[1, 2]), {}, ref_row)['verdict'] == 'unknown'
+
+
+def test_room_is_measured_again_for_a_retrained_backbone(tmp_path, monkeypatch):
+    ckpt = tmp_path / 'seed1.pt'
+    ckpt.write_bytes(b'x')
+    calls = []
+
+    def fake_run(args, **kw):
+        calls.append(args)
+        return SimpleNamespace(returncode=0, stdout=json.dumps(dict(full=1.0, cheap=1.5, room=0.5)), stderr='')
+    monkeypatch.setattr(sweep.subprocess, 'run', fake_run)
+    study = dict(room_ckpt=str(tmp_path / 'seed{seed}.pt'), seeds=[1, 2])
+    assert sweep.measure_room(study, str(tmp_path))[1]['room'] == 0.5 and len(calls) == 1    # seed 2: no backbone
+    sweep.measure_room(study, str(tmp_path))
+    assert len(calls) == 1                                       # cached
+    os.utime(ckpt, (1, 1))
+    sweep.measure_room(study, str(tmp_path))
+    assert len(calls) == 2                                       # the backbone changed: measured again
