@@ -313,7 +313,7 @@ def error_cases(tmp):
         (("text",), dict(input=str(tmp / "bad.txt")), "not valid UTF-8 (byte offset 9)"),
         (("text",), dict(input=str(tmp / "bad.txt"), tokenizer="gpt2"), "byte offset 9"),
         (("text",), {}, "needs --input"),
-        (("wikipedia",), {}, "unknown dataset 'wikipedia'; valid datasets: synthetic, shakespeare_char"),
+        (("wikipedia",), {}, "unknown dataset 'wikipedia'; valid datasets: synthetic, synthetic_lookup, shakespeare_char"),
         (("text",), dict(input=str(tmp / "one.txt")), "would leave the train split empty"),
         (("text",), dict(input=str(tmp / "tiny.txt"), val_fraction=1.5), "between 0 and 1"),
         (("text",), dict(input=str(tmp / "tiny.txt"), tokenizer="bpe"), "char, byte or gpt2"),
