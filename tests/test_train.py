@@ -939,6 +939,14 @@ def test_quickstart_prepares_trains_and_samples(tmp_path):
     assert abs(float(np.mean(res["val_loss"]["full_frac"])) - res["budget"]) <= 0.05
     bad = run_py("eval.py", [f"--ckpt={out / 'ckpt.pt'}", "--eval_iter=1"])
     assert bad.returncode == 2 and "error:" in bad.stderr and "Traceback" not in bad.stderr
+    # --room: one JSON object; its all-full loss is the summary's forced-full one (same batches)
+    rm = ok(run_py("eval.py", ["--ckpt", str(out / "ckpt.pt"), "--room", "--json", f"--data_dir={data}", "--eval_iters=1"]))
+    assert len(rm.stdout.strip().splitlines()) == 1
+    room = json.loads(rm.stdout)
+    assert room["full"] == pytest.approx(routing["val_loss_full"], rel=1e-6)
+    assert room["room"] == pytest.approx(room["cheap"] - room["full"]) and room["oracle_full_frac"]
+    both = run_py("eval.py", [f"--ckpt={out / 'ckpt.pt'}", "--room", "--routing-map"])
+    assert both.returncode == 2 and "--room" in both.stderr and "Traceback" not in both.stderr
     s = ok(run_py("sample.py", [f"--out_dir={out}", "--num_samples=1", "--max_new_tokens=10", f"--data_dir={data}"]))
     first = s.stdout.splitlines()[0]
     symbols = set(P.SYMBOLS)
