@@ -16,5 +16,8 @@ arms = {
     'G3_std': ['--ffn_gate=jepa'],
     'G3_A3': ['--ffn_gate=jepa', '--ffn_util_weight=0', '--ffn_rank_weight=0'],
     'G1_onpolicy': ['--ffn_gate=mlp', '--ffn_oracle_policy=on'],
+    # the on-policy arm changes two things; one at a time: where the forks start, what runs after them
+    'G1_routed_start': ['--ffn_gate=mlp', '--ffn_oracle_policy=off', '--ffn_oracle_start=routed'],
+    'G1_policy_later': ['--ffn_gate=mlp', '--ffn_oracle_policy=on', '--ffn_oracle_start=full'],
 }
 reference = 'G1_std'
