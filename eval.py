@@ -29,7 +29,7 @@ train.py uses the functions here for its periodic evals and its end-of-run summa
 import json
 import os
 import sys
-from contextlib import contextmanager, nullcontext, redirect_stdout
+from contextlib import nullcontext, redirect_stdout
 from dataclasses import fields
 from types import SimpleNamespace
 
@@ -41,6 +41,7 @@ from configurator import ConfigError, declared_defaults, load_config, run_cli
 from data.loader import check_checkpoint_data, check_data, load_dataset_meta, load_tokenizer, open_splits
 from device import cli_device
 from model import GPTConfig, resolve_aliases
+from routing import overridden
 from plots import SKIPPED, pyplot
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -269,19 +270,6 @@ def main(argv):
     return 0
 
 
-@contextmanager
-def overridden(config, overrides):
-    """config's fields set to overrides for the duration (the model reads its config at every forward)."""
-    old = {k: getattr(config, k) for k in overrides}
-    for k, v in overrides.items():
-        setattr(config, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(config, k, v)
-
-
 @torch.no_grad()
 def room(model, batches, autocast=nullcontext(), seed=0):
     """How much routing can matter on these batches, for this backbone: the val loss with every routed
@@ -293,7 +281,7 @@ def room(model, batches, autocast=nullcontext(), seed=0):
     out = {force: evaluate(model, batches, autocast, force=force)['loss'] for force in family.references}
     for name, overrides in family.room_rules.items():
         torch.manual_seed(seed)                     # the random rule's draws
-        with overridden(model.config, overrides):
+        with overridden(model.config, **overrides):
             r = evaluate(model, batches, autocast)
         out[name], out[f'{name}_full_frac'] = r['loss'], r['full_frac']
     if {'full', 'cheap'} <= set(out):

@@ -21,8 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import losses
-from routing import (Family, check_at_least, check_choices, flop_costs, option_names, parse_layer_list, split_apply,
-                     tlops_saved)
+from routing import (Family, check_at_least, check_choices, flop_costs, option_names, overridden, parse_layer_list,
+                     split_apply, tlops_saved)
 
 
 @dataclass
@@ -219,16 +219,11 @@ def exit_report(model, batches, autocast, evaluate, thresholds=(0.5, 0.7, 0.8, 0
     """route='exit': validation loss and TLOps saved of per-token early exit at several confidence
     thresholds (the model's exit_conf), beside the loss of each exit head read alone (every token
     leaving at that depth: the 'usable cheaper models' deep supervision promises)."""
-    cfg = model.config
-    saved = cfg.exit_threshold
     rows = []
-    try:
-        for thr in thresholds:
-            cfg.exit_threshold = thr
+    for thr in thresholds:
+        with overridden(model.config, exit_threshold=thr):
             r = evaluate(model, batches, autocast)
-            rows.append(dict(threshold=thr, loss=r['loss'], tlops_saved=r['tlops_saved'], running=r['full_frac']))
-    finally:
-        cfg.exit_threshold = saved
+        rows.append(dict(threshold=thr, loss=r['loss'], tlops_saved=r['tlops_saved'], running=r['full_frac']))
     with model.mode(training=False):
         per_exit = {}
         with torch.no_grad():

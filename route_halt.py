@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from gates import HaltingRouter
-from routing import Family, add_weighted, check_at_least, flop_costs, option_names, split_apply, tlops_saved
+from routing import Family, add_weighted, check_at_least, flop_costs, option_names, overridden, split_apply, tlops_saved
 
 
 @dataclass
@@ -161,22 +161,12 @@ def halt_report(model, batches, autocast, evaluate, taus=(0.3, 0.5, 0.7, 0.9)):
     skipping (skip block l+1 where p_l > τ) at several τ — the comparison the paper never showed.
     Kept tokens add (1 − p)·Δ as in training ('scaled') or the whole Δ ('binary'). α is the mean active
     fraction (soft: mean 1 − p; hard: the fraction not skipped), TLOps saved 1 − (1 + (L−1)α)/L."""
-    cfg = model.config
-    saved = (cfg.halt_soft_eval, cfg.halt_tau, cfg.halt_hard)
+    L = model.config.n_layer
 
-    def row(**kw):
-        r = evaluate(model, batches, autocast)
+    def row(soft, **hard):          # hard: tau and mode of hard skipping
+        fields = dict(halt_tau=hard['tau'], halt_hard=hard['mode']) if hard else {}
+        with overridden(model.config, halt_soft_eval=soft, **fields):
+            r = evaluate(model, batches, autocast)
         alpha = float(np.mean(r['full_frac']))
-        return dict(loss=r['loss'], alpha=alpha, tlops_saved=1 - (1 + (cfg.n_layer - 1) * alpha) / cfg.n_layer, **kw)
-    try:
-        cfg.halt_soft_eval = True
-        soft = row()
-        cfg.halt_soft_eval = False
-        hard = []
-        for mode in ('scaled', 'binary'):
-            for tau in taus:
-                cfg.halt_tau, cfg.halt_hard = tau, mode
-                hard.append(row(tau=tau, mode=mode))
-    finally:
-        cfg.halt_soft_eval, cfg.halt_tau, cfg.halt_hard = saved
-    return dict(soft=soft, hard=hard)
+        return dict(loss=r['loss'], alpha=alpha, tlops_saved=1 - (1 + (L - 1) * alpha) / L, **hard)
+    return dict(soft=row(True), hard=[row(False, tau=tau, mode=mode) for mode in ('scaled', 'binary') for tau in taus])

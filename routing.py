@@ -304,6 +304,20 @@ def training_flags(modules, training):
             m.training = was
 
 
+@contextmanager
+def overridden(config, **fields):
+    """config's fields set for the duration, then restored, also on error (the model reads its config
+    at every forward): eval sweeps (TSA's τ and hard mode, the exits' threshold, eval.room's rules)."""
+    saved = {k: getattr(config, k) for k in fields}
+    for k, v in fields.items():
+        setattr(config, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(config, k, v)
+
+
 def layer_dropout_prob(config, layer):
     """LayerSkip's rate for block `layer`: p_max·D(l), D(l) = exp(l·ln2/(L−1)) − 1 (0 at the first
     block, p_max at the last); the time schedule S(t) is constant 1 here."""
