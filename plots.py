@@ -15,6 +15,10 @@ the layout sweep.py writes). sweep.py calls write_plots after its summary (--no_
 - pareto_eval_flops.png, pareto_eval_tlops.png  the same against the end-of-run summary's eval forward
                     FLOPs at the realised routing (× dense) and TLOps saved under eval (hard, causal)
                     routing; a dense run sits at 1.0 and 0.
+- frontier_eval_flops.png, frontier_train_flops.png  final val loss against absolute eval forward FLOPs per
+                    token and training FLOPs of the run (log scale), with the study's dense frontier (its
+                    `frontier` arms, dense models of several sizes) as a line; without a frontier, the
+                    Pareto front of all arms.
 - grad_norms.png    controller gradient norm (ctrl_grad_norm) against iteration, log scale, mean and
                     min–max band over seeds.
 - full_frac.png     realised full-path fraction per routed layer over training, one panel per arm
@@ -30,7 +34,9 @@ import os
 
 import numpy as np
 
+import flops
 from configurator import ConfigError, run_cli
+from model import FAMILIES, GPTConfig
 
 SKIPPED = "plots skipped: matplotlib is not installed (pip install matplotlib)"
 
@@ -83,18 +89,34 @@ def run_metrics(out_dir):
         frac = routing['val_loss'].get('full_frac')
         out['realised_full_frac'] = float(np.mean(frac)) if frac else None
         out['eval_tlops_saved'] = routing['val_loss'].get('tlops_saved')   # under eval (hard) routing
-    try:                                # a dense run is the reference point of the FLOPs/TLOps axes
-        with open(os.path.join(out_dir, 'config.json')) as f:
-            if json.load(f).get('route') == 'none' and summ:
-                out['eval_flops_vs_dense'], out['eval_tlops_saved'] = 1.0, 0.0
-    except FileNotFoundError:
-        pass
+    out.update(absolute_flops(out_dir, summ, out))
     try:
         with open(os.path.join(out_dir, 'run_info.json')) as f:
             info = json.load(f)
         out['code'] = f"{(info.get('git_sha') or 'unknown')[:10]}{'+dirty' if info.get('git_dirty') else ''}"
     except FileNotFoundError:
         out['code'] = 'unknown'
+    return out
+
+
+def absolute_flops(out_dir, summ, metrics):
+    """From the run's config.json: a dense run's eval FLOPs ratio and TLOps saved (1 and 0: it is the
+    reference point of those axes), and the absolute FLOPs that put models of different sizes on one
+    axis: train_flops (the whole run, train.py's exact count) and eval_flops (one eval forward, per
+    token, at the realised routing). Nothing for a run without a stored route (not train.py's)."""
+    try:
+        with open(os.path.join(out_dir, 'config.json')) as f:
+            stored = json.load(f)
+    except FileNotFoundError:
+        return {}
+    if not summ or stored.get('route') not in FAMILIES:
+        return {}
+    out = {} if FAMILIES[stored['route']].routes else dict(eval_flops_vs_dense=1.0, eval_tlops_saved=0.0)
+    cfg = GPTConfig.from_dict(stored)
+    ratio = out.get('eval_flops_vs_dense', metrics.get('eval_flops_vs_dense'))
+    if ratio is not None:
+        out['eval_flops'] = ratio * flops.dense_forward_flops(cfg, cfg.block_size) / cfg.block_size
+    out['train_flops'] = summ.get('train_flops')
     return out
 
 
@@ -192,10 +214,14 @@ def plot_loss_curves(plt, runs):
     return fig
 
 
-def plot_pareto(plt, runs, key, xlabel, maximise=False):
+def plot_pareto(plt, runs, key, xlabel, maximise=False, frontier=None):
+    """With frontier (dense arms of several sizes): those arms joined as a line on a log x axis, the
+    reference each routed arm is read against, instead of the Pareto front of all arms."""
     points = arm_points(runs, key)
     if not points:
         return f"no run records '{key}'"
+    if frontier is not None:
+        return plot_frontier(plt, points, [a for a in frontier if a in points], arm_colours(runs), xlabel)
     arms = list(points)
     xs, xsd, ys, ysd = (np.array([points[a][k] for a in arms]) for k in range(4))
     colours = arm_colours(runs)
@@ -208,6 +234,20 @@ def plot_pareto(plt, runs, key, xlabel, maximise=False):
     ax.set(xlabel=xlabel, ylabel='final val loss',
            title=f"val loss vs {xlabel.split(' (')[0]} (mean ± std over seeds)")
     ax.legend(fontsize=8)
+    return fig
+
+
+def plot_frontier(plt, points, sizes, colours, xlabel):
+    if len(sizes) < 2:
+        return 'fewer than two frontier arms have this value'
+    fig, ax = plt.subplots(figsize=(7, 5))
+    line = sorted(points[a][::2] for a in sizes)
+    ax.plot(*zip(*line), 'k-', linewidth=1, label='dense frontier (' + ', '.join(sizes) + ')')
+    for arm, (x, xsd, y, ysd) in points.items():
+        ax.errorbar(x, y, xerr=xsd, yerr=ysd, fmt='s' if arm in sizes else 'o', color=colours[arm], label=arm, capsize=3)
+    ax.set_xscale('log')
+    ax.set(xlabel=xlabel, ylabel='final val loss', title='val loss vs cost against the dense frontier (mean ± std over seeds)')
+    ax.legend(fontsize=7)
     return fig
 
 
@@ -253,8 +293,8 @@ def plot_full_frac(plt, runs):
     return fig
 
 
-def figures(plt, runs):
-    """(file name, figure or reason) for every plot."""
+def figures(plt, runs, frontier=None):
+    """(file name, figure or reason) for every plot; frontier: the dense arms drawn as a line."""
     yield 'loss_curves.png', plot_loss_curves(plt, runs)
     yield 'pareto_flops.png', plot_pareto(plt, runs, 'flops_proxy', 'FLOPs proxy (training, × dense)')
     yield 'pareto_tlops.png', plot_pareto(plt, runs, 'tlops_saved', 'TLOps saved (last logged value)', maximise=True)
@@ -262,11 +302,15 @@ def figures(plt, runs):
                                                'eval forward FLOPs at the realised routing (× dense)')
     yield 'pareto_eval_tlops.png', plot_pareto(plt, runs, 'eval_tlops_saved', 'TLOps saved under eval routing',
                                                maximise=True)
+    yield 'frontier_eval_flops.png', plot_pareto(plt, runs, 'eval_flops', 'eval forward FLOPs per token',
+                                                 frontier=frontier)
+    yield 'frontier_train_flops.png', plot_pareto(plt, runs, 'train_flops', 'training FLOPs of the run',
+                                                  frontier=frontier)
     yield 'grad_norms.png', plot_grad_norms(plt, runs)
     yield 'full_frac.png', plot_full_frac(plt, runs)
 
 
-def write_plots(root, arms=None, out_dir=None):
+def write_plots(root, arms=None, out_dir=None, frontier=None):
     """Write every plot of the study in root to out_dir (root/plots by default); returns the paths.
     Never raises for a missing matplotlib or missing data: it prints what it skipped and why."""
     plt = pyplot()
@@ -280,7 +324,7 @@ def write_plots(root, arms=None, out_dir=None):
     out_dir = out_dir or os.path.join(root, 'plots')
     os.makedirs(out_dir, exist_ok=True)
     written = []
-    for name, fig in figures(plt, runs):
+    for name, fig in figures(plt, runs, frontier):
         if isinstance(fig, str):
             print(f"plots: skipped {name}: {fig}")
             continue

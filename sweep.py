@@ -37,6 +37,12 @@ summary says "no room" and that the arm differences are not evidence. Threshold 
 not dropped: k/n runs hit, the mean over those that did, and a per-seed comparison with never = ∞
 (wins–losses–ties and the exact sign test's p).
 
+Matched compute: a study file may name `frontier`, dense arms of several sizes. Each other arm is then
+compared, per seed, with that seed's frontier interpolated (linear in log FLOPs, never extrapolated) at
+the arm's own training FLOPs (the whole run) and its own eval FLOPs per token: the paired difference,
+its t-interval, and in how many seeds the arm sits below the frontier. Its room is how far the frontier
+spans in loss against the reference arm's seed std.
+
 Afterwards the plots of plots.py go to out_root/plots/ (skipped, with a note, without matplotlib).
 Exit code 1 when a run failed (after the summary of those that finished; the failed runs' logs are
 named), 2 for a bad study file or option.
@@ -66,7 +72,8 @@ METRICS = {
     'causal_val_loss': ('routing', True), 'realised_full_frac': ('routing', None),
     'threshold_hit': ('train', True), 'ctrl_grad_norm': ('train', True), 'flops_proxy': ('summary', True),
     'tlops_saved': ('any', False), 'eval_tlops_saved': ('routing', False),
-    'eval_flops_vs_dense': ('summary', True), 'wall_s': ('summary', True),
+    'eval_flops_vs_dense': ('summary', True), 'eval_flops': ('summary', True), 'train_flops': ('summary', True),
+    'wall_s': ('summary', True),
 }
 
 
@@ -92,6 +99,9 @@ def load_study(path):
     ns.setdefault('reference', next(iter(ns['arms'])))
     if ns['reference'] not in ns['arms']:
         raise ConfigError(f"study {path}: reference arm {ns['reference']!r} is not one of {list(ns['arms'])}")
+    stray = [a for a in ns.get('frontier') or [] if a not in ns['arms']]
+    if stray:
+        raise ConfigError(f"study {path}: frontier arm(s) {stray} are not among the arms {list(ns['arms'])}")
     return ns
 
 
@@ -266,7 +276,54 @@ def summarize(study, results, threshold=(None, None), room=None):
     return dict(study=study['__file__'] if '__file__' in study else None, reference=ref, seeds=seeds,
                 code_versions=codes, mixed_code_versions=len(codes) > 1,
                 threshold=dict(value=threshold[0], source=threshold[1]), table=table,
-                room=None if room is None else room_verdict(study, room, table[ref]))
+                room=None if room is None else room_verdict(study, room, table[ref]),
+                frontier=matched_compute(study, results, table[ref]))
+
+
+def frontier_at(points, x):
+    """The dense frontier's loss at cost x: linear in log(cost) between the two frontier points either
+    side of x (points: (cost, loss) of each dense size); None outside their range (never extrapolated)."""
+    pts = sorted(points)
+    if len(pts) < 2 or not pts[0][0] <= x <= pts[-1][0]:
+        return None
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * math.log(x / x0) / math.log(x1 / x0)
+
+
+def matched_compute(study, results, ref_row, loss='final_val_loss'):
+    """Each arm against the dense frontier (the study's `frontier`: dense arms of several sizes) at
+    equal cost, per seed against that seed's own frontier: on the training FLOPs of the whole run and on
+    the eval forward's FLOPs per token. Paired like the reference comparison (wins = below the frontier);
+    a seed whose cost lies outside the frontier's range has no difference. Room: how far the frontier
+    spans in loss (smallest minus largest model, mean over seeds) against the reference arm's seed std."""
+    sizes, seeds = study.get('frontier') or [], study['seeds']
+    if len(sizes) < 2:
+        return None
+    def point(arm, s, axis):
+        m = results.get((arm, s), {})
+        return (m[axis], m[loss]) if m.get(axis) is not None and m.get(loss) is not None else None
+    axes = {}
+    for axis in ('train_flops', 'eval_flops'):
+        rows = {}
+        for arm in study['arms']:
+            if arm in sizes:
+                continue
+            at, own = [], []
+            for s in seeds:
+                p, pts = point(arm, s, axis), [q for q in (point(f, s, axis) for f in sizes) if q]
+                own.append(p and p[1])
+                at.append(frontier_at(pts, p[0]) if p else None)
+            rows[arm] = dict(paired(own, at, True) or {}, inside=sum(v is not None for v in at), runs=len(seeds))
+        axes[axis] = rows
+    spans = []
+    for s in seeds:
+        pts = sorted(q for q in (point(f, s, 'eval_flops') for f in sizes) if q)
+        spans.append(pts[0][1] - pts[-1][1] if len(pts) > 1 else None)
+    span, std = mean_std(spans)[0], ref_row[loss]['std']
+    enough = None if span is None or not std else span >= ROOM_FACTOR * std
+    return dict(arms=sizes, loss=loss, axes=axes, span=span, span_per_seed=spans, seed_std=std, factor=ROOM_FACTOR,
+                verdict={True: 'room', False: 'no room', None: 'unknown'}[enough])
 
 
 def room_verdict(study, room, ref_row):
@@ -302,6 +359,8 @@ def markdown(summary):
     room = summary.get('room')
     if room is not None:
         lines.append(room_markdown(room))
+    if summary.get('frontier'):
+        lines.append(frontier_markdown(summary['frontier']))
     arms = list(summary['table'])
     keys = [k for k in summary['table'][arms[0]]
             if any(summary['table'][a][k]['mean'] is not None or summary['table'][a][k].get('runs') for a in arms)]
@@ -332,6 +391,25 @@ def cell_text(e):
         return '—'
     vs = e.get('vs_reference')
     return f"{e['mean']:.4g} ± {e['std']:.2g}" + (f" (wins {vs['wins']}/{vs['n']}, Δ {vs['mean_diff']:+.3g})" if vs else '')
+
+
+def frontier_markdown(fr):
+    span = 'unknown' if fr['span'] is None else f"{fr['span']:.4f}"
+    std = 'unknown' if fr['seed_std'] is None else f"{fr['seed_std']:.4f}"
+    lines = [f"**Matched compute: {fr['verdict']}.** The dense frontier ({', '.join(fr['arms'])}) spans {span} nats of "
+             f"{fr['loss']} from its smallest to its largest model, against the reference arm's seed std of {std} "
+             f"(needs ≥ {fr['factor']}×). Each arm minus the frontier at its own cost (linear in log FLOPs, per seed): "
+             f"mean [95% t-interval] (below the frontier in k of n seeds; inside its range in m of n seeds).\n",
+             '| arm | at equal training FLOPs | at equal eval FLOPs |', '|---|---|---|']
+    def cell(e):
+        if not e.get('n'):
+            return f"outside the frontier (0/{e['runs']} inside)"
+        lo, hi = e['ci95']
+        return (f"{e['mean_diff']:+.4f} [{lo:+.4f}, {hi:+.4f}] (below {e['wins']}/{e['n']}; inside {e['inside']}/{e['runs']})"
+                if e['n'] > 1 else f"{e['mean_diff']:+.4f} (below {e['wins']}/1; inside {e['inside']}/{e['runs']})")
+    for arm in fr['axes']['train_flops']:
+        lines.append(f"| {arm} | {cell(fr['axes']['train_flops'][arm])} | {cell(fr['axes']['eval_flops'][arm])} |")
+    return '\n'.join(lines) + '\n'
 
 
 def room_markdown(room):
@@ -396,7 +474,7 @@ def main(argv):
         f.write(md + '\n')
     print(md)
     if not opts.get('--no_plots'):
-        write_plots(root, arms=list(study['arms']))
+        write_plots(root, arms=list(study['arms']), frontier=study.get('frontier'))
     if failed:            # a failed run is not a user error: exit 1, after summarising what finished
         print(f"{len(failed)} of {len(grid)} runs failed; their logs: {', '.join(o + '.log' for o in failed)}",
               file=sys.stderr)

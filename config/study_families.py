@@ -22,3 +22,4 @@ arms = {
     'ensemble_joint': ['--route=ensemble', '--ens_teacher_lm_weight=1.0'],
 }
 reference = 'dense'
+frontier = ['dense_d64', 'dense_d96', 'dense', 'dense_d160']   # the dense frontier, smallest first

@@ -199,3 +199,28 @@ def test_eval_routing_map_cli_on_a_tiny_checkpoint(tmp_path, capsys):
     if res['png']:                                                 # matplotlib installed
         assert res['png'] == [str(tmp_path / 'map.png'), str(tmp_path / 'map_by_class.png')]
         assert all(open(p, 'rb').read().startswith(PNG_MAGIC) for p in res['png'])
+
+
+def test_frontier_plots_for_dense_sizes_and_a_routed_arm(tmp_path):
+    """Dense runs of two widths and a routed one, with train.py-style config.json files: the two plots on
+    absolute FLOPs are written, with the frontier line; without a frontier they draw the Pareto front."""
+    pytest.importorskip('matplotlib')
+    fake_study(tmp_path, arms=(('small', 0.3, False), ('big', 0.0, False), ('routed', 0.1, True)))
+    for arm, width, route in (('small', 16, 'none'), ('big', 32, 'none'), ('routed', 32, 'mod')):
+        for s in (1, 2):
+            d = tmp_path / arm / f'seed{s}'
+            (d / 'config.json').write_text(json.dumps(dict(max_iters=40, route=route, n_layer=2, n_head=2, n_embd=width,
+                                                           block_size=16, vocab_size=20)))
+            recs = (d / 'metrics.jsonl').read_text().splitlines()
+            summ = json.loads(recs[-1])
+            summ.update(train_flops=1e9 * width * (0.6 if route == 'mod' else 1.0), eval_flops_vs_dense=0.6 if route == 'mod' else None)
+            (d / 'metrics.jsonl').write_text('\n'.join(recs[:-1] + [json.dumps(summ)]) + '\n')
+    runs = plots.find_runs(str(tmp_path))
+    pts = plots.arm_points(runs, 'eval_flops')
+    assert pts['small'][0] < pts['routed'][0] < pts['big'][0]
+    written = plots.write_plots(str(tmp_path), frontier=['small', 'big'])
+    names = {os.path.basename(p) for p in written}
+    assert {'frontier_eval_flops.png', 'frontier_train_flops.png'} <= names
+    fig = plots.plot_pareto(plots.pyplot(), runs, 'eval_flops', 'x', frontier=['small', 'big'])
+    assert fig.axes[0].get_xscale() == 'log' and any('dense frontier' in t.get_text() for t in fig.axes[0].get_legend().get_texts())
+    assert isinstance(plots.plot_pareto(plots.pyplot(), runs, 'eval_flops', 'x', frontier=['small']), str)

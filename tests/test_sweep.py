@@ -290,3 +290,60 @@ def test_room_is_measured_again_for_a_retrained_backbone(tmp_path, monkeypatch):
     os.utime(ckpt, (1, 1))
     sweep.measure_room(study, str(tmp_path))
     assert len(calls) == 2                                       # the backbone changed: measured again
+
+
+def test_frontier_is_interpolated_in_log_cost_and_never_extrapolated():
+    pts = [(4.0, 2.0), (1.0, 3.0), (16.0, 1.5)]           # unsorted on purpose
+    assert sweep.frontier_at(pts, 2.0) == pytest.approx(2.5)          # halfway in log between 1 and 4
+    assert sweep.frontier_at(pts, 8.0) == pytest.approx(1.75)         # halfway between 4 and 16
+    assert sweep.frontier_at(pts, 4.0) == pytest.approx(2.0) and sweep.frontier_at(pts, 1.0) == pytest.approx(3.0)
+    assert sweep.frontier_at(pts, 0.5) is None and sweep.frontier_at(pts, 17.0) is None
+    assert sweep.frontier_at(pts[:1], 4.0) is None                     # one size is no frontier
+
+
+def test_matched_compute_pairs_each_seed_with_its_own_frontier():
+    """Hand computation: frontier losses 3.0 at cost 1 and 2.0 at cost 4 (+0.2·seed); an arm at cost 2
+    has the frontier at 2.5 + 0.2·seed there; one seed of a second arm lies outside the range."""
+    results = {}
+    for s in (1, 2, 3):
+        results[('small', s)] = dict(final_val_loss=3.0 + 0.2 * s, train_flops=1.0, eval_flops=10.0)
+        results[('big', s)] = dict(final_val_loss=2.0 + 0.2 * s, train_flops=4.0, eval_flops=40.0)
+        results[('routed', s)] = dict(final_val_loss=2.5 + 0.2 * s + [-0.1, -0.2, 0.0][s - 1], train_flops=2.0,
+                                      eval_flops=20.0)
+        results[('odd', s)] = dict(final_val_loss=2.0, train_flops=[2.0, 2.0, 8.0][s - 1], eval_flops=40.0)
+    study = dict(arms={'big': [], 'small': [], 'routed': [], 'odd': []}, seeds=[1, 2, 3], reference='big',
+                 frontier=['small', 'big'])
+    summary = sweep.summarize(study, results)
+    fr = summary['frontier']
+    r = fr['axes']['train_flops']['routed']
+    d = [-0.1, -0.2, 0.0]
+    half = 4.303 * np.std(d, ddof=1) / math.sqrt(3)
+    assert r['mean_diff'] == pytest.approx(-0.1) and r['ci95'] == pytest.approx([-0.1 - half, -0.1 + half])
+    assert (r['wins'], r['n'], r['inside']) == (2, 3, 3)
+    assert fr['axes']['eval_flops']['routed']['mean_diff'] == pytest.approx(-0.1)
+    odd = fr['axes']['train_flops']['odd']
+    assert (odd['n'], odd['inside'], odd['runs']) == (2, 2, 3)        # seed 3 at cost 8: outside, not dropped silently
+    assert set(fr['axes']['train_flops']) == {'routed', 'odd'}         # frontier arms are not compared with themselves
+    assert fr['span'] == pytest.approx(1.0) and fr['seed_std'] == pytest.approx(0.2) and fr['verdict'] == 'no room'
+    md = sweep.markdown(summary)
+    assert '**Matched compute: no room.**' in md and '| odd |' in md and 'inside 2/3' in md
+
+
+def test_absolute_flops_from_the_stored_config(tmp_path):
+    """A dense run is the reference point of the ratio axes; eval_flops is the eval forward per token at
+    the realised routing, so two dense sizes differ by their own FLOPs; runs without a route get none."""
+    import flops
+    from model import GPTConfig
+    shape = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=20)
+    for name, route, ratio in (('dense', 'none', None), ('routed', 'mod', 0.6)):
+        cfg = dict(shape, route=route, max_iters=5)
+        summ = dict(iter=5, train_flops=123.0, **({} if ratio is None else dict(eval_flops_vs_dense=ratio)))
+        fake_run(tmp_path / name, 5, summary=summ, evals=[2.0])
+        (tmp_path / name / 'config.json').write_text(json.dumps(cfg))
+    per_token = flops.dense_forward_flops(GPTConfig(**shape), 16) / 16
+    dense, routed = sweep.run_metrics(str(tmp_path / 'dense')), sweep.run_metrics(str(tmp_path / 'routed'))
+    assert dense['eval_flops_vs_dense'] == 1.0 and dense['eval_tlops_saved'] == 0.0
+    assert dense['eval_flops'] == pytest.approx(per_token) and routed['eval_flops'] == pytest.approx(0.6 * per_token)
+    assert dense['train_flops'] == routed['train_flops'] == 123.0
+    fake_run(tmp_path / 'bare', 5, summary=dict(iter=5), evals=[2.0])      # a config.json without a route
+    assert 'eval_flops' not in sweep.run_metrics(str(tmp_path / 'bare'))
