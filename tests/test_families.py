@@ -67,12 +67,19 @@ def test_sparse_execution_equals_masked_dense(case, seed, T, B, dtype):
         a_logits, _, a = seeded(lambda: model(idx, idx, sparse=True))
         b_logits, _, b = seeded(lambda: model(idx, idx, sparse=False))
     # gathered vs full-batch matmuls round differently; routed models' noisy weights reach ~0.2e-5 under
-    # some BLAS modes, so fp32 gets ROUTED_TOL; bf16 rounds to ~1e-2 per op
-    tol = ROUTED_TOL if dtype == 'float32' else dict(rtol=3e-2, atol=3e-2)
-    torch.testing.assert_close(a_logits.float(), b_logits.float(), **tol)
+    # some BLAS modes, so fp32 gets ROUTED_TOL and exact decisions. bf16 rounds to ~1e-2 of the values'
+    # scale per op (one ulp of a logit of 4 is 0.03), so a router score within that of the threshold can
+    # flip: bf16 allows one flipped decision per row and layer, and compares logits only where none flipped
     assert a.get('masks', {}).keys() == b.get('masks', {}).keys()
-    for l in a.get('masks', {}):
-        assert torch.equal(a['masks'][l], b['masks'][l])
+    flips = {l: (a['masks'][l] != b['masks'][l]).flatten(1).sum(1) for l in a.get('masks', {})}
+    if dtype == 'float32':
+        assert all(int(f.sum()) == 0 for f in flips.values()), flips
+        torch.testing.assert_close(a_logits.float(), b_logits.float(), **ROUTED_TOL)
+    else:
+        assert all(int(f.max()) <= 1 for f in flips.values()), flips
+        if all(int(f.sum()) == 0 for f in flips.values()):
+            scale = max(1.0, b_logits.float().abs().max().item())
+            torch.testing.assert_close(a_logits.float(), b_logits.float(), rtol=3e-2, atol=3e-2 * scale)
 
 
 @settings(**SETTINGS)
