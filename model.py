@@ -156,17 +156,22 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.dropout, self.layer = config.n_head, config.dropout, layer
         self.rope_base = config.rope_base if config.pos == 'rope' else None
 
+    def heads(self, x, pos=None):
+        """q, k, v (B, n_head, T, head size) of x (B, T, C), q and k rotated at pos with rotary positions."""
+        B, T, C = x.size()
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
+        if self.rope_base is not None:
+            p = pos if pos is not None else torch.arange(T, device=x.device).expand(B, T)
+            q, k = rope_rotate(q, p, self.rope_base), rope_rotate(k, p, self.rope_base)
+        return q, k, v
+
     def forward(self, x, pos=None, cache=None, valid=None):
         """x (B, T, C). pos (B, T) absolute positions, or None for 0..T-1. With a cache, the new K/V
         are written into it and the queries attend over every filled slot at a position <= their own.
         valid (B, T) bool, optional: only these tokens are keys (and written to the cache); the others
         are padding or tokens that skip this layer, whose outputs the caller drops."""
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        if self.rope_base is not None:
-            p = pos if pos is not None else torch.arange(T, device=x.device).expand(B, T)
-            q, k = rope_rotate(q, p, self.rope_base), rope_rotate(k, p, self.rope_base)
+        q, k, v = self.heads(x, pos)
         drop = self.dropout if self.training else 0.0
         if cache is None and pos is None and valid is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)

@@ -40,6 +40,7 @@ class EnsembleOptions:
 class DepthEnsemble(Family):
     options = option_names(EnsembleOptions)
     stored_before = {'ens_distill': 'mixture'}    # the mixture was distilled before the option
+    resume_options = ('ens_layers', 'ens_distill')
     routes = True
 
     def check_values(self, config):

@@ -123,6 +123,7 @@ class EarlyExit(Family):
         return config.exit_head == 'own' and config.exit_rotation > 0
 
     spelled_options = ('ffn_layers', 'exit_layers')
+    resume_options = ('exit_layers', 'exit_head')
 
     def option_meaning(self, config, key):
         return exit_depths(config) if key == 'exit_layers' else super().option_meaning(config, key)

@@ -10,24 +10,25 @@ the gate straight-through ('ste'), MoD-style through σ(score) ('scale'), or not
 
 Auxiliary losses, each a named term with its weight (0 = not computed): utility regression and
 pairwise rank supervision onto oracle utility labels U_t = CE_t(cheap at l) − CE_t(full at l)
-(forks from the all-full state, as the paper, or from the routed one; later layers all full, as the
-paper, or following the gates), G3's JEPA alignment, the membership predictor's BCE, and a
-cheap-imitates-full term. util/rank/JEPA train only their own layer's gate unless ffn_aux_grad='leak'.
+(oracle_labels.py: token t switched alone or the whole sequence, forks from the all-full or the routed
+state, later layers all full or following the gates), G3's JEPA alignment, the membership predictor's
+BCE, and a cheap-imitates-full term. util/rank/JEPA train only their own layer's gate unless
+ffn_aux_grad='leak'.
 
 Options: FFNOptions below (fields of model.GPTConfig); of the training loop: ffn_oracle_layers_per_step,
 calib_iters.
 """
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 
 import losses
 from gates import (GATES, JEPAGate, MembershipPredictor, MLPGate, capacity, random_mask, straight_through,
                    threshold_mask, topk_mask)
-from routing import (MLP, Family, RouteCtx, add_weighted, check_at_least, check_choices, check_fraction, flop_costs,
-                     layer_ids, option_names, split_apply, training_flags)
+from oracle_labels import fork_utility, oracle_flops, oracle_losses, oracle_start, suffix_flops, token_fork_utility
+from routing import (MLP, Family, add_weighted, check_at_least, check_choices, check_fraction, flop_costs,
+                     layer_ids, option_names, split_apply)
 
 STATIC = {'static_full': 'full', 'static_cheap': 'cheap'}     # the gates that send every token down one path
 
@@ -52,6 +53,8 @@ class FFNOptions:
     ffn_rank_kind: str = 'logistic'   # 'logistic' or 'margin'
     ffn_rank_margin: float = 0.1
     ffn_rank_pairs: int = 256         # pairs sampled per sequence
+    ffn_oracle_label: str = 'token'   # labels switch 'token' t alone at l (others keep their action) or the
+                                      # whole 'sequence' at once (then U_t moves with t's prefix too)
     ffn_oracle_policy: str = 'off'    # labels: 'off' (later layers all full, the paper) or 'on' (gate policy)
     ffn_oracle_start: str = 'auto'    # the state at l the forks start from: 'full' (all layers below full),
                                       # 'routed' (this pass's own), 'auto' (full if policy 'off', else routed)
@@ -67,10 +70,14 @@ class FFNRouting(Family):
     # the names the options had before they took the family's prefix (config files, checkpoints);
     # options added since have none
     aliases = {name[4:]: name for name in options
-               if name.startswith('ffn_') and name not in ('ffn_layers', 'ffn_oracle_start', 'ffn_aux_grad')}
+               if name.startswith('ffn_') and name not in ('ffn_layers', 'ffn_oracle_start', 'ffn_aux_grad', 'ffn_oracle_label')}
     aliases['controlled_layers'] = 'ffn_layers'
-    stored_before = {'ffn_aux_grad': 'leak'}      # aux-loss gradients took one graph before the option
+    # before these options existed, aux-loss gradients took one graph and labels switched whole sequences
+    stored_before = {'ffn_aux_grad': 'leak', 'ffn_oracle_label': 'sequence'}
     budget_field = 'ffn_budget'
+    backbone_options, layers_option = ('ffn_cheap_rank',), 'ffn_layers'
+    resume_options = ('ffn_gate', 'ffn_gate_hidden', 'ffn_infer_rule', 'ffn_jepa_latent', 'ffn_jepa_readout',
+                      'ffn_aux_grad', 'ffn_oracle_label')
     spelled_options = ('ffn_layers',)   # 'auto' and 'all' are the same layers
     routes = True
     logged_stats = ('jepa_pred_std', 'utility_mean')
@@ -85,7 +92,7 @@ class FFNRouting(Family):
         check_choices(config, ffn_gate=GATES, ffn_gate_grad=('ste', 'scale', 'none'),
                       ffn_infer_rule=('threshold', 'predictor'), ffn_jepa_outcome=('delta', 'hidden'),
                       ffn_jepa_readout=('distance', 'linear'), ffn_rank_kind=('logistic', 'margin'),
-                      ffn_oracle_policy=('off', 'on'),
+                      ffn_oracle_policy=('off', 'on'), ffn_oracle_label=('token', 'sequence'),
                       ffn_oracle_start=('auto', 'full', 'routed'), ffn_aux_grad=('own', 'leak'))
         if not self.routed_layers(config):
             raise ValueError(f"ffn_layers={config.ffn_layers!r} routes no layer of a "
@@ -110,7 +117,7 @@ class FFNRouting(Family):
         if cfg.ffn_gate == 'oracle' and ctx.force is None:
             if ctx.targets is None:
                 raise ValueError("ffn_gate='oracle' routes by utility labels, which need targets")
-            ctx.oracle = lambda l, x_mid: fork_utility(model, l, x_mid, ctx.targets, ctx.pos, later='full')
+            ctx.oracle = lambda l, x_mid: oracle_routing_labels(model, l, x_mid, ctx.targets, ctx.pos)
         if oracle_start(cfg) == 'routed' and ctx.options.get('oracle_layers'):
             ctx.keep_mid = set(ctx.options['oracle_layers'])
 
@@ -195,7 +202,7 @@ class FFNRouting(Family):
                     if aux_on_score(config) and layer in options.get('oracle_layers', ()):
                         total += c['gate_fc'] + n_out * c['gate_out'] + c['gate_read']
             elif kind == 'oracle':        # both actions again, then two all-full suffixes, per layer
-                total += c['full'] + c['cheap'] + 2 * _suffix(config, layer, c)
+                total += c['full'] + c['cheap'] + 2 * suffix_flops(config, layer, c)
         return T * total
 
     def backward_flops(self, config, T, trainable='all', oracle_layers=(), **options):
@@ -235,27 +242,8 @@ class FFNRouting(Family):
         return bwd * T
 
     def oracle_flops(self, config, T, oracle_layers=(), **options):
-        """The oracle labels at the sampled controlled layers, without gradients: from the all-full
-        state, one all-full forward first (its CE too when the later layers run full); then per layer
-        both actions at l and two suffixes, all full or routed by the gates (masked dense), except that
-        all full from the all-full state reuses that forward's CE: the cheap action and one suffix."""
-        if not oracle_layers:
-            return 0
-        c, later_full, from_full = ffn_costs(config, T), config.ffn_oracle_policy == 'off', oracle_start(config) == 'full'
-        total = (Family.forward_flops(self, config, T) / T - (0 if later_full else c['head'])) if from_full else 0
-        if later_full:
-            suffix = [_suffix(config, l, c) for l in range(config.n_layer)]
-        else:
-            ids, per_layer_train = self.routed_layers(config), [0] * config.n_layer
-            for layer in range(config.n_layer):
-                # this layer alone with a zero-width head: routed as trained, or a dense layer
-                one = replace(config, n_layer=1, vocab_size=0, ffn_layers='0' if layer in ids else 'all')
-                f = self.forward_flops if layer in ids else super().forward_flops
-                per_layer_train[layer] = f(one, T, mode='policy') / T
-            suffix = [sum(per_layer_train[l + 1:]) + c['head'] for l in range(config.n_layer)]
-        for l in oracle_layers:
-            total += c['cheap'] + suffix[l] if (from_full and later_full) else c['full'] + c['cheap'] + 2 * suffix[l]
-        return T * total
+        """The oracle labels at the sampled controlled layers (oracle_labels.oracle_flops)."""
+        return oracle_flops(self, config, T, ffn_costs(config, T), oracle_layers)
 
 
 def aux_on_score(config):
@@ -269,11 +257,6 @@ def ffn_costs(config, T):
                 gate_fc=2 * d * gh, gate_out=2 * gh * (lat if config.ffn_gate == 'jepa' else 1),
                 gate_read=2 * lat if (config.ffn_gate == 'jepa' and config.ffn_jepa_readout == 'linear') else 0,
                 jepa_target=2 * d * lat, pred_fc=2 * d * gh, pred_out=2 * gh)
-
-
-def _suffix(config, l, c):
-    """Per-token FLOPs of layers l+1.. all full, plus the LM head."""
-    return (config.n_layer - 1 - l) * (c['attn_proj'] + c['attn_core'] + c['full']) + c['head']
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -343,71 +326,9 @@ def collect_losses(block, cfg, ctx, x, h, full, cheap, mask, preds):
         ctx.add('mimic_loss', losses.cheap_mimic(cheap, full))
 
 
-# ----------------------------------------------------------------------------------------------------
-# oracle utility labels
-
-def no_dropout(model):
-    """Dropout off (routing stays in training mode): the two forks of an oracle label must differ
-    only in the action at l, not in their dropout masks. nn.Dropout layers, and attention, whose
-    dropout probability is a float attribute."""
-    return training_flags([m for m in model.modules() if isinstance(m, nn.Dropout)
-                           or isinstance(getattr(m, 'dropout', None), float)], False)
-
-
-@torch.no_grad()
-def fork_utility(model, l, x_mid, targets, pos, later, ce_full=None):
-    """U_t at controlled layer l from the state x_mid (after layer l's attention): per-token CE with
-    the cheap FFN at l minus with the full FFN at l; the later layers all full (later='full') or
-    following the current gate policy (later='policy'). ce_full, when known, skips that fork."""
-    block = model.transformer.h[l]
-    ce = {'full': ce_full, 'cheap': None}
-    with no_dropout(model):
-        h = block.ln_2(x_mid)
-        for action in ('full', 'cheap'):
-            if ce[action] is None:
-                update = block.mlp(h) if action == 'full' else block.cheap(h)
-                sub = RouteCtx(force='full' if later == 'full' else None, collect=False)
-                x = model.family.run_blocks(model, x_mid + update, pos, None, sub, start=l + 1)
-                ce[action] = losses.per_token_ce(model.lm_head(model.transformer.ln_f(x)), targets)
-    return losses.oracle_utility(ce['cheap'], ce['full'])
-
-
-def oracle_start(cfg):
-    """Where the oracle's forks start: 'full' or 'routed' ('auto': the paper's pairing with the policy)."""
-    if cfg.ffn_oracle_start != 'auto':
-        return cfg.ffn_oracle_start
-    return 'full' if cfg.ffn_oracle_policy == 'off' else 'routed'
-
-
-def oracle_losses(model, ctx, layers, targets, aux):
-    """util/rank losses at the sampled controlled layers. The forks start from the all-full state at l
-    (one no-grad all-full pass; the paper) or from this pass's own routed state, and the later layers
-    run all full (off-policy, the paper) or follow the current gates (on-policy): two separate
-    switches. All full and all full: the all-full pass's CE is the full fork's, so one suffix per
-    layer. With ffn_aux_grad='own' the losses score the gate's detached input again, so their
-    gradient trains that gate alone."""
-    cfg, pos = model.config, ctx.pos
-    for l in layers:
-        if l not in ctx.scores:
-            raise ValueError(f"oracle_layers names layer {l}, which has no trainable gate score")
-    later = 'full' if cfg.ffn_oracle_policy == 'off' else 'policy'
-    mids, ce_full = ctx.mid, None
-    if oracle_start(cfg) == 'full':
-        with torch.no_grad(), no_dropout(model):
-            full_ctx = RouteCtx(force='full', collect=False, keep_mid=set(layers))
-            x = model.family.run_blocks(model, model.embed(ctx.idx, pos), pos, None, full_ctx)
-            if later == 'full':
-                ce_full = losses.per_token_ce(model.lm_head(model.transformer.ln_f(x)), targets)
-        mids = full_ctx.mid
-    for l in layers:
-        U = fork_utility(model, l, mids[l], targets, pos, later=later, ce_full=ce_full)
-        score, terms = ctx.scores[l], {}
-        if cfg.ffn_aux_grad == 'own':
-            gate, h = model.transformer.h[l].gate, ctx.gate_in[l]
-            score = gate.score(*gate.predict(h)) if cfg.ffn_gate == 'jepa' else gate(h)
-        if cfg.ffn_util_weight > 0:
-            terms['util_loss'] = losses.utility_regression(score, U)
-        if cfg.ffn_rank_weight > 0:
-            terms['rank_loss'] = losses.pairwise_rank(score, U, cfg.ffn_rank_pairs, cfg.ffn_rank_kind, cfg.ffn_rank_margin)
-        for name, value in dict(terms, utility_mean=U.mean()).items():     # means over the sampled layers
-            aux[name] = aux.get(name, 0.0) + value / len(layers)
+def oracle_routing_labels(model, l, x_mid, targets, pos):
+    """The oracle gate's labels: from the state its own decisions below l left, later layers all full."""
+    if model.config.ffn_oracle_label == 'token':
+        full = torch.ones(x_mid.shape[:2], dtype=torch.bool, device=x_mid.device)
+        return token_fork_utility(model, l, x_mid, full, targets, pos, later='full')
+    return fork_utility(model, l, x_mid, targets, pos, later='full')

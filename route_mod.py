@@ -42,6 +42,7 @@ class MixtureOfDepths(Family):
                'infer_rule': 'mod_infer_rule', 'predictor_weight': 'mod_predictor_weight',
                'gate_hidden': 'mod_predictor_hidden', 'router_bce_weight': 'mod_bce_weight'}
     budget_field = 'mod_capacity'
+    layers_option, resume_options = 'mod_layers', ('mod_router', 'mod_infer_rule', 'mod_predictor_hidden')
     spelled_options = ('mod_layers',)   # 'auto' and 'every_other' are the same layers
     routes = True
     logged_stats = ('tlops_saved',)

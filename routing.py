@@ -99,6 +99,10 @@ class Family:
     aliases = {}                        # old names of those fields, still accepted (configurator.Aliases)
     stored_before = {}                  # a stored config lacking these options ran with these values
     budget_field = None                 # ffn: 'ffn_budget', mod: 'mod_capacity'; None: no budget
+    # what a run must share with the checkpoint it starts from (train.py)
+    backbone_options = ()               # shape backbone weights: a stage-2 run must agree as well
+    layers_option = None                # the routed layers (their modules are in the weights): a resume must agree
+    resume_options = ()                 # how the controllers are built and what their losses train: a resume too
 
     def budget(self, config):
         """The fraction of tokens on the expensive path this config asks for, or None (no budget)."""

@@ -85,12 +85,12 @@ verify_data = True           # before training: the data files' sha256 against m
 DEFAULTS = declared_defaults(__file__)     # the literals above: flops.py and eval.py read the same keys
 for _f in fields(GPTConfig):
     DEFAULTS.setdefault(_f.name, _f.default)
-# fields that define the backbone's weights: a resumed or stage-2 run must agree with its checkpoint
-MODEL_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'pos', 'vocab_size', 'gelu', 'rope_base',
-              'route', 'ffn_layers', 'mod_layers', 'ffn_cheap_rank')
-RESUME_KEYS = MODEL_KEYS + ('ffn_gate', 'ffn_gate_hidden', 'ffn_infer_rule', 'ffn_jepa_latent', 'ffn_jepa_readout',
-                            'mod_router', 'mod_infer_rule', 'mod_predictor_hidden', 'exit_layers', 'exit_head',
-                            'ens_layers', 'ffn_aux_grad', 'ens_distill')   # the last two: what the losses train
+# fields a run shares with its checkpoint: the backbone's shape (stage 2 too), the routed layers (a resume),
+# and how the controllers are built and what their losses train (a resume); each family names its own
+BACKBONE_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'pos', 'vocab_size', 'gelu', 'rope_base',
+                 *(k for f in FAMILIES.values() for k in f.backbone_options))
+MODEL_KEYS = BACKBONE_KEYS + ('route', *(f.layers_option for f in FAMILIES.values() if f.layers_option))
+RESUME_KEYS = MODEL_KEYS + tuple(k for f in FAMILIES.values() for k in f.resume_options)
 HERE = os.path.dirname(os.path.abspath(__file__))
 # ----------------------------------------------------------------------------------------------------
 RUN_FILES = ('ckpt.pt', 'metrics.jsonl', 'config.json', 'run_info.json')
@@ -356,7 +356,7 @@ def backbone_from_checkpoint(cfg, meta, ckpt):
     """Stage 2: the checkpoint's backbone under fresh controller modules. The routing family may change
     (e.g. a dense backbone under another family's controller) as long as every backbone weight comes
     from the checkpoint."""
-    check_against_checkpoint(cfg, meta, ckpt, [k for k in MODEL_KEYS if k not in ('route', 'ffn_layers', 'mod_layers')])
+    check_against_checkpoint(cfg, meta, ckpt, BACKBONE_KEYS)
     model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
     backbone = {k: v for k, v in ckpt['model'].items() if not is_controller_key(k)}
     missing, unexpected = model.load_state_dict(backbone, strict=False)

@@ -2,6 +2,8 @@
 # collapse?), A4 (lambda_JEPA in {0.25, 1, 2}), and the 25% budget check. Same stage 1 as study_a3.
 #   python sweep.py config/study_a3_ablations.py
 base = 'config/ffn_stage2_synthetic.py'
+# whole-sequence oracle labels: the setting docs/results.md reports this study under
+overrides = ['--ffn_oracle_label=sequence']
 out_root = 'out/study_a3_ablations'
 before = [['config/ffn_stage1_synthetic.py', '--out_dir=out/ffn_stage1_synthetic']]
 seeds = [1, 2, 3]

@@ -7,7 +7,8 @@
 base = 'config/ffn_stage2_lookup.py'
 out_root = 'out/study_a3_lookup'
 before = [['config/ffn_stage1_lookup.py', '--out_dir=out/study_a3_lookup/stage1/seed{seed}']]
-overrides = ['--init_from=out/study_a3_lookup/stage1/seed{seed}/ckpt.pt']
+# whole-sequence oracle labels: the setting docs/results.md reports this study under
+overrides = ['--init_from=out/study_a3_lookup/stage1/seed{seed}/ckpt.pt', '--ffn_oracle_label=sequence']
 room_ckpt = 'out/study_a3_lookup/stage1/seed{seed}/ckpt.pt'
 seeds = [1, 2, 3]
 arms = {
@@ -19,5 +20,9 @@ arms = {
     # the on-policy arm changes two things; one at a time: where the forks start, what runs after them
     'G1_routed_start': ['--ffn_gate=mlp', '--ffn_oracle_policy=off', '--ffn_oracle_start=routed'],
     'G1_policy_later': ['--ffn_gate=mlp', '--ffn_oracle_policy=on', '--ffn_oracle_start=full'],
+    # per-token labels (token t switched alone): from the all-full state with later layers full (the
+    # paper's fork), and from the routed state with later layers following the gates (on-policy)
+    'G1_token': ['--ffn_gate=mlp', '--ffn_oracle_label=token'],
+    'G1_token_onpolicy': ['--ffn_gate=mlp', '--ffn_oracle_label=token', '--ffn_oracle_policy=on'],
 }
 reference = 'G1_std'

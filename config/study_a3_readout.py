@@ -2,6 +2,8 @@
 # each with and without util/rank, against G1's standard recipe. Same stage 1 as study_a3.
 #   python sweep.py config/study_a3_readout.py
 base = 'config/ffn_stage2_synthetic.py'
+# whole-sequence oracle labels: the setting docs/results.md reports this study under
+overrides = ['--ffn_oracle_label=sequence']
 out_root = 'out/study_a3_readout'
 before = [['config/ffn_stage1_synthetic.py', '--out_dir=out/ffn_stage1_synthetic']]
 seeds = [1, 2, 3]

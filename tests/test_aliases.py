@@ -211,10 +211,11 @@ def test_an_old_config_json_reads_under_todays_names():
     c = GPTConfig.from_dict(stored)
     assert (c.mod_router, c.mod_capacity, c.ffn_cheap_rank, c.mod_bce_weight) == ('learned', 0.125, 4, 0.5)
     assert resolve_aliases({'route': 'ffn', 'budget': 0.3, 'ffn_budget': 0.4}) == \
-        {'route': 'ffn', 'ffn_budget': 0.4, 'ffn_aux_grad': 'leak'}
+        {'route': 'ffn', 'ffn_budget': 0.4, 'ffn_aux_grad': 'leak', 'ffn_oracle_label': 'sequence'}
 
 
 @pytest.mark.parametrize('route,key,before,today', [('ffn', 'ffn_aux_grad', 'leak', 'own'),
+                                                    ('ffn', 'ffn_oracle_label', 'sequence', 'token'),
                                                     ('ensemble', 'ens_distill', 'mixture', 'per_layer')])
 def test_a_stored_config_from_before_an_option_keeps_its_behaviour(route, key, before, today):
     """An option added with a default unlike what the code did before it: a checkpoint or config.json

@@ -17,6 +17,7 @@ import gates
 import losses
 import train
 from conftest import ROUTED_TOL, assert_greedy_traces_agree, greedy_trace
+import oracle_labels
 import route_ffn
 from model import GPT, GPTConfig, controlled_layer_ids
 from routing import RouteCtx
@@ -593,11 +594,12 @@ def boom(*args, **kwargs):
 def test_no_oracle_pass_without_oracle_layers(gate):
     model = build(0, 2, ffn_gate=gate, ffn_util_weight=1.0, ffn_rank_weight=1.0).train()
     idx = tokens(0, 2, 12)
-    route_ffn.fork_utility, saved = boom, route_ffn.fork_utility      # every oracle fork goes through it
+    saved = oracle_labels.fork_utility, oracle_labels.token_fork_utility    # every oracle fork goes through one
+    oracle_labels.fork_utility = oracle_labels.token_fork_utility = boom
     try:
         no_oracle_pass_without_oracle_layers(model, idx)
     finally:
-        route_ffn.fork_utility = saved
+        oracle_labels.fork_utility, oracle_labels.token_fork_utility = saved
 
 
 def no_oracle_pass_without_oracle_layers(model, idx):
@@ -637,7 +639,8 @@ def test_util_and_rank_weight_zero_compute_no_util_or_rank_term(monkeypatch):
     monkeypatch.setattr(losses, 'utility_regression', boom)
     monkeypatch.setattr(losses, 'pairwise_rank', boom)
     model = build(0, 2, ffn_gate='mlp').train()
-    monkeypatch.setattr(route_ffn, 'fork_utility', boom)
+    monkeypatch.setattr(oracle_labels, 'fork_utility', boom)
+    monkeypatch.setattr(oracle_labels, 'token_fork_utility', boom)
     idx = tokens(0, 2, 12)
     _, loss, aux = model(idx, idx, oracle_layers=(1,))
     assert 'util_loss' not in aux and 'rank_loss' not in aux and 'utility_mean' not in aux
@@ -668,7 +671,7 @@ def test_off_policy_label_matches_hand_written_forks(seed, B, T, n_layer, data, 
             y = suffix_ref(model, y, l + 1, {})                  # every later layer full
             ce[action] = ce_ref(logits_ref(model, y), tgt)
         U_ref = (ce['cheap'] - ce['full']).float()
-    U = route_ffn.fork_utility(model, l, x_mid, tgt, None, later='full')
+    U = oracle_labels.fork_utility(model, l, x_mid, tgt, None, later='full')
     assert U.shape == (B, T) and not U.requires_grad
     torch.testing.assert_close(U, U_ref, rtol=0, atol=1e-5)
 
@@ -690,8 +693,8 @@ def test_on_policy_label_matches_hand_written_forks(seed, B, T, gate, gate_grad,
             y = suffix_ref(model, y, 1, {1: 'policy', 2: 'policy'}, budget)   # later layers: top-k
             ce[action] = ce_ref(logits_ref(model, y), tgt)
         U_ref = (ce['cheap'] - ce['full']).float()
-    U_on = route_ffn.fork_utility(model, l, x_mid, tgt, None, later='policy')
-    U_off = route_ffn.fork_utility(model, l, x_mid, tgt, None, later='full')
+    U_on = oracle_labels.fork_utility(model, l, x_mid, tgt, None, later='policy')
+    U_off = oracle_labels.fork_utility(model, l, x_mid, tgt, None, later='full')
     torch.testing.assert_close(U_on, U_ref, rtol=0, atol=1e-5)
     if ceil_frac(budget, T) < T:      # later layers route some tokens cheap: a different future
         assert not torch.allclose(U_on, U_off, rtol=0, atol=1e-4)
@@ -710,7 +713,7 @@ def test_util_loss_regresses_routed_score_onto_reference_labels(seed, B, T, gate
     score is this pass's gate score (whichever graph its gradient takes)."""
     l = data.draw(st.integers(0, 2))
     model = build(seed, 3, ffn_gate=gate, ffn_budget=0.5, ffn_util_weight=1.0, ffn_oracle_policy=policy,
-                  ffn_oracle_start=start, ffn_aux_grad=aux_grad).train()
+                  ffn_oracle_start=start, ffn_aux_grad=aux_grad, ffn_oracle_label='sequence').train()
     from_full = start == 'full' or (start == 'auto' and policy == 'off')
     idx, tgt = tokens(seed, B, T, distinct_first=True), tokens(seed + 1, B, T)
     calls, handles = record_ln2(model, [l])
@@ -740,6 +743,99 @@ def test_util_loss_regresses_routed_score_onto_reference_labels(seed, B, T, gate
     torch.testing.assert_close(aux['util_loss'].detach(), ((score - U_ref) ** 2).mean(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(aux['utility_mean'], U_ref.mean(), rtol=0, atol=1e-5)
     torch.testing.assert_close(loss.detach(), aux['lm_loss'] + aux['util_loss'].detach(), rtol=1e-6, atol=1e-6)
+
+
+def token_labels_ref(model, l, x_mid, base, tgt, later, budget):
+    """'token' labels by brute force: for every token t and action, a separate fork in which only t's
+    action at l differs from base, through the ordinary causal attention; the later layers all full, or
+    by the decisions the base fork's gates took (held for every fork; 'scale' by each fork's own score)."""
+    blocks, T = model.transformer.h, x_mid.size(1)
+
+    def run(sel, held=None):
+        x, masks = x_mid + torch.where(sel[..., None], ffn_ref(blocks[l], x_mid, 'full'), ffn_ref(blocks[l], x_mid, 'cheap')), {}
+        for i in range(l + 1, len(blocks)):
+            block = blocks[i]
+            x = x + block.attn(block.ln_1(x))
+            h = block.ln_2(x)
+            if later == 'full' or not hasattr(block, 'cheap'):
+                x = x + block.mlp(h)
+                continue
+            score = block.gate(h)
+            masks[i] = topk_ref(score, ceil_frac(budget, T)) if held is None else held[i]
+            full = torch.sigmoid(score)[..., None] * block.mlp(h) if model.config.ffn_gate_grad == 'scale' else block.mlp(h)
+            x = x + torch.where(masks[i][..., None], full, block.cheap(h))
+        return ce_ref(logits_ref(model, x), tgt), masks
+
+    _, held = run(base)
+    ce = {a: torch.zeros(x_mid.shape[:2], dtype=torch.float64) for a in ('full', 'cheap')}
+    for t in range(T):
+        for action in ('full', 'cheap'):
+            sel = base.clone()
+            sel[:, t] = action == 'full'
+            ce[action][:, t] = run(sel, held)[0][:, t]
+    return (ce['cheap'] - ce['full']).float()
+
+
+@settings(**SETTINGS)
+@given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 10), n_layer=st.integers(1, 3), data=st.data(),
+       gate=st.sampled_from(SCORING_GATES), gate_grad=st.sampled_from(['ste', 'scale', 'none']),
+       later=st.sampled_from(['full', 'policy']), pos=st.sampled_from(['learned', 'rope']))
+def test_token_labels_match_one_fork_per_token(seed, B, T, n_layer, data, gate, gate_grad, later, pos):
+    """The two-pass 'token' labels (the switched token sees the base stream's keys before it) equal T
+    separate forks, each switching one token, from any base decision at l (all full, as from the
+    all-full state, or a routed mask)."""
+    l = data.draw(st.integers(0, n_layer - 1))
+    model = build(seed, n_layer, ffn_gate=gate, ffn_budget=0.5, ffn_gate_grad=gate_grad, pos=pos).train()
+    idx, tgt = tokens(seed, B, T, distinct_first=True), tokens(seed + 1, B, T)
+    g = torch.Generator().manual_seed(seed + 3)
+    base = torch.ones(B, T, dtype=torch.bool) if data.draw(st.booleans()) else torch.rand(B, T, generator=g) < 0.5
+    with torch.no_grad():
+        x = model.embed(idx)
+        for i in range(l):
+            x = x + model.transformer.h[i].attn_update(x)
+            x = x + model.transformer.h[i].ffn_update(x)
+        x_mid = x + model.transformer.h[l].attn_update(x)
+        U_ref = token_labels_ref(model, l, x_mid, base, tgt, later, Fraction(1, 2))
+    U = oracle_labels.token_fork_utility(model, l, x_mid, base, tgt, None, later)
+    assert U.shape == (B, T) and not U.requires_grad
+    torch.testing.assert_close(U, U_ref, rtol=0, atol=1e-5)
+    if later == 'full' and bool(base.all()):      # the first token has no prefix: both kinds of label agree there
+        U_seq = oracle_labels.fork_utility(model, l, x_mid, tgt, None, later='full')
+        torch.testing.assert_close(U[:, 0], U_seq[:, 0], rtol=0, atol=1e-5)
+
+
+@settings(**SETTINGS)
+@given(seed=SEEDS, B=st.integers(1, 2), T=st.integers(2, 10), gate=st.sampled_from(SCORING_GATES),
+       policy=st.sampled_from(['off', 'on']), start=st.sampled_from(['auto', 'full', 'routed']), data=st.data())
+def test_util_loss_regresses_onto_token_labels_from_either_start(seed, B, T, gate, policy, start, data):
+    """End to end with the default 'token' labels: from the all-full state every other token is full at
+    l; from the routed state every other token keeps this pass's own training decision at l."""
+    l = data.draw(st.integers(0, 2))
+    model = build(seed, 3, ffn_gate=gate, ffn_budget=0.5, ffn_util_weight=1.0, ffn_oracle_policy=policy,
+                  ffn_oracle_start=start).train()
+    assert model.config.ffn_oracle_label == 'token'
+    from_full = start == 'full' or (start == 'auto' and policy == 'off')
+    idx, tgt = tokens(seed, B, T, distinct_first=True), tokens(seed + 1, B, T)
+    calls, handles = record_ln2(model, [l])
+    _, _, aux = model(idx, tgt, oracle_layers=(l,))
+    for hnd in handles:
+        hnd.remove()
+    with torch.no_grad():
+        x_routed, h_routed = calls[l][0]
+        score = model.transformer.h[l].gate(h_routed)
+        if from_full:
+            x = embed_ref(model, idx)
+            for i in range(l):
+                block = model.transformer.h[i]
+                x = x + block.attn(block.ln_1(x))
+                x = x + block.mlp(block.ln_2(x))
+            x_mid = x + model.transformer.h[l].attn(model.transformer.h[l].ln_1(x))
+            base = torch.ones(B, T, dtype=torch.bool)
+        else:
+            x_mid, base = x_routed, topk_ref(score, ceil_frac(Fraction(1, 2), T))
+        U_ref = token_labels_ref(model, l, x_mid, base, tgt, 'full' if policy == 'off' else 'policy', Fraction(1, 2))
+    torch.testing.assert_close(aux['util_loss'].detach(), ((score - U_ref) ** 2).mean(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(aux['utility_mean'], U_ref.mean(), rtol=0, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -887,8 +983,8 @@ def test_oracle_labels_ignore_dropout():
     model = build(0, 2, ffn_gate='mlp', dropout=0.5).train()
     idx = tokens(0, 2, 12)
     x_mid = torch.randn(2, 12, model.config.n_embd)
-    a = route_ffn.fork_utility(model, 1, x_mid, idx, None, later='full')
-    b = route_ffn.fork_utility(model, 1, x_mid, idx, None, later='full')
+    a = oracle_labels.fork_utility(model, 1, x_mid, idx, None, later='full')
+    b = oracle_labels.fork_utility(model, 1, x_mid, idx, None, later='full')
     assert torch.equal(a, b)
     assert model.transformer.drop.training          # dropout is back on afterwards
 
