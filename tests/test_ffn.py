@@ -163,6 +163,16 @@ def suffix_ref(model, x, start, actions, budget=None):
     return x
 
 
+def full_mid_ref(model, idx, l):
+    """The state after layer l's attention with every layer below it full (the all-full start)."""
+    x = embed_ref(model, idx)
+    for i in range(l):
+        block = model.transformer.h[i]
+        x = x + block.attn(block.ln_1(x))
+        x = x + block.mlp(block.ln_2(x))
+    return x + model.transformer.h[l].attn(model.transformer.h[l].ln_1(x))
+
+
 def logits_ref(model, x):
     return model.lm_head(model.transformer.ln_f(x))
 
@@ -658,13 +668,7 @@ def test_off_policy_label_matches_hand_written_forks(seed, B, T, n_layer, data, 
     model = build(seed, n_layer, ffn_gate=gate, ffn_budget=0.5).train(training)
     idx, tgt = tokens(seed, B, T), tokens(seed + 1, B, T)
     with torch.no_grad():
-        x = embed_ref(model, idx)
-        for i in range(l):                                      # all-full prefix
-            block = model.transformer.h[i]
-            x = x + block.attn(block.ln_1(x))
-            x = x + block.mlp(block.ln_2(x))
-        block = model.transformer.h[l]
-        x_mid = x + block.attn(block.ln_1(x))
+        x_mid, block = full_mid_ref(model, idx, l), model.transformer.h[l]
         ce = {}
         for action in ('full', 'cheap'):
             y = x_mid + ffn_ref(block, x_mid, action)
@@ -725,13 +729,7 @@ def test_util_loss_regresses_routed_score_onto_reference_labels(seed, B, T, gate
         x_routed, h_routed = calls[l][0]
         score = model.transformer.h[l].gate(h_routed)
         if from_full:
-            x = embed_ref(model, idx)
-            for i in range(l):
-                block = model.transformer.h[i]
-                x = x + block.attn(block.ln_1(x))
-                x = x + block.mlp(block.ln_2(x))
-            block = model.transformer.h[l]
-            x_mid = x + block.attn(block.ln_1(x))
+            x_mid = full_mid_ref(model, idx, l)
         else:
             x_mid = x_routed
         later = {} if policy == 'off' else {i: 'policy' for i in range(l + 1, 3)}
@@ -790,11 +788,7 @@ def test_token_labels_match_one_fork_per_token(seed, B, T, n_layer, data, gate, 
     g = torch.Generator().manual_seed(seed + 3)
     base = torch.ones(B, T, dtype=torch.bool) if data.draw(st.booleans()) else torch.rand(B, T, generator=g) < 0.5
     with torch.no_grad():
-        x = model.embed(idx)
-        for i in range(l):
-            x = x + model.transformer.h[i].attn_update(x)
-            x = x + model.transformer.h[i].ffn_update(x)
-        x_mid = x + model.transformer.h[l].attn_update(x)
+        x_mid = full_mid_ref(model, idx, l)
         U_ref = token_labels_ref(model, l, x_mid, base, tgt, later, Fraction(1, 2))
     U = oracle_labels.token_fork_utility(model, l, x_mid, base, tgt, None, later)
     assert U.shape == (B, T) and not U.requires_grad
@@ -824,12 +818,7 @@ def test_util_loss_regresses_onto_token_labels_from_either_start(seed, B, T, gat
         x_routed, h_routed = calls[l][0]
         score = model.transformer.h[l].gate(h_routed)
         if from_full:
-            x = embed_ref(model, idx)
-            for i in range(l):
-                block = model.transformer.h[i]
-                x = x + block.attn(block.ln_1(x))
-                x = x + block.mlp(block.ln_2(x))
-            x_mid = x + model.transformer.h[l].attn(model.transformer.h[l].ln_1(x))
+            x_mid = full_mid_ref(model, idx, l)
             base = torch.ones(B, T, dtype=torch.bool)
         else:
             x_mid, base = x_routed, topk_ref(score, ceil_frac(Fraction(1, 2), T))
