@@ -13,10 +13,14 @@ Three switches, each an option of the family:
 - what runs after l (ffn_oracle_policy): every later layer full ('off', the paper), or the gates' own
   training decisions ('on').
 
-The 'token' labels of all T tokens cost two suffix passes, like 'sequence': a base suffix, and a
-switched one in which token t attends to the base stream's keys and values before t and its own at t.
-With the causal mask that is exactly T separate forks, each switching one token: only positions >= t
-see token t's switch, and CE_t is read at t.
+The 'token' labels of all T tokens cost two suffix passes per layer (as 'sequence' labels do, except
+from the all-full state with later layers full, where those reuse the all-full pass and need one): a
+base suffix, and a switched one in which token t attends to the base stream's keys and values before
+t and its own at t. With the causal mask that is exactly T separate forks, each switching one token:
+only positions >= t see token t's switch, and CE_t is read at t. With later layers following the
+gates, every fork keeps the decisions the gates took on the base suffix (training top-k is not
+causal, so a fork that decided again could move other tokens' decisions too); 'sequence' labels
+decide again in each fork. At l itself the full action is the unscaled full FFN, with either kind.
 """
 from dataclasses import replace
 

@@ -31,10 +31,12 @@ pareto_front, arm_points) need only numpy; sweep.py takes its per-run numbers fr
 """
 import json
 import os
+from dataclasses import replace
 
 import numpy as np
 
 import flops
+from checkpoint import CheckpointError, load_checkpoint
 from configurator import ConfigError, run_cli
 from model import FAMILIES, GPTConfig
 
@@ -103,7 +105,8 @@ def absolute_flops(out_dir, summ, metrics):
     """From the run's config.json: a dense run's eval FLOPs ratio and TLOps saved (1 and 0: it is the
     reference point of those axes), and the absolute FLOPs that put models of different sizes on one
     axis: train_flops (the whole run, train.py's exact count) and eval_flops (one eval forward, per
-    token, at the realised routing). Nothing for a run without a stored route (not train.py's)."""
+    token, at the realised routing: the summary's, or for an older summary computed from config.json
+    with the vocabulary the checkpoint was built with). Nothing for a run without a stored route."""
     try:
         with open(os.path.join(out_dir, 'config.json')) as f:
             stored = json.load(f)
@@ -112,12 +115,23 @@ def absolute_flops(out_dir, summ, metrics):
     if not summ or stored.get('route') not in FAMILIES:
         return {}
     out = {} if FAMILIES[stored['route']].routes else dict(eval_flops_vs_dense=1.0, eval_tlops_saved=0.0)
-    cfg = GPTConfig.from_dict(stored)
+    out['train_flops'], out['eval_flops'] = summ.get('train_flops'), summ.get('eval_flops')
     ratio = out.get('eval_flops_vs_dense', metrics.get('eval_flops_vs_dense'))
-    if ratio is not None:
-        out['eval_flops'] = ratio * flops.dense_forward_flops(cfg, cfg.block_size) / cfg.block_size
-    out['train_flops'] = summ.get('train_flops')
+    if out['eval_flops'] is None and ratio is not None:     # a summary written before it recorded eval_flops
+        cfg = GPTConfig.from_dict(stored)
+        vocab = cfg.vocab_size or built_vocab(out_dir)    # 0 in config.json: taken from the data when built
+        if vocab:
+            cfg = replace(cfg, vocab_size=vocab)
+            out['eval_flops'] = ratio * flops.dense_forward_flops(cfg, cfg.block_size) / cfg.block_size
     return out
+
+
+def built_vocab(out_dir):
+    """The vocabulary the run's model was built with (its checkpoint's), or None without a checkpoint."""
+    try:
+        return load_checkpoint(os.path.join(out_dir, 'ckpt.pt'))['model_args'].get('vocab_size')
+    except CheckpointError:           # none kept (e.g. results/ copies), or unreadable
+        return None
 
 
 def last_value(recs, key):

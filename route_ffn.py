@@ -77,7 +77,7 @@ class FFNRouting(Family):
     budget_field = 'ffn_budget'
     backbone_options, layers_option = ('ffn_cheap_rank',), 'ffn_layers'
     resume_options = ('ffn_gate', 'ffn_gate_hidden', 'ffn_infer_rule', 'ffn_jepa_latent', 'ffn_jepa_readout',
-                      'ffn_aux_grad', 'ffn_oracle_label')
+                      'ffn_aux_grad', 'ffn_oracle_label', 'ffn_oracle_policy', 'ffn_oracle_start')
     spelled_options = ('ffn_layers',)   # 'auto' and 'all' are the same layers
     routes = True
     logged_stats = ('jepa_pred_std', 'utility_mean')

@@ -283,7 +283,7 @@ def summarize(study, results, threshold=(None, None), room=None):
 def frontier_at(points, x):
     """The dense frontier's loss at cost x: linear in log(cost) between the two frontier points either
     side of x (points: (cost, loss) of each dense size); None outside their range (never extrapolated)."""
-    pts = sorted(points)
+    pts = sorted(p for p in points if p[0] > 0)         # a cost of 0 has no logarithm
     if len(pts) < 2 or not pts[0][0] <= x <= pts[-1][0]:
         return None
     for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
@@ -309,16 +309,18 @@ def matched_compute(study, results, ref_row, loss='final_val_loss'):
         for arm in study['arms']:
             if arm in sizes:
                 continue
-            at, own = [], []
+            at, own, missing = [], [], 0
             for s in seeds:
                 p, pts = point(arm, s, axis), [q for q in (point(f, s, axis) for f in sizes) if q]
+                missing += p is None or len(pts) < 2        # not measured: not the same as outside the range
                 own.append(p and p[1])
                 at.append(frontier_at(pts, p[0]) if p else None)
-            rows[arm] = dict(paired(own, at, True) or {}, inside=sum(v is not None for v in at), runs=len(seeds))
+            rows[arm] = dict(paired(own, at, True) or {}, inside=sum(v is not None for v in at), missing=missing,
+                             runs=len(seeds))
         axes[axis] = rows
     spans = []
-    for s in seeds:
-        pts = sorted(q for q in (point(f, s, 'eval_flops') for f in sizes) if q)
+    for s in seeds:                 # smallest minus largest model, by whichever cost the runs record
+        pts = max([sorted(q for q in (point(f, s, axis) for f in sizes) if q) for axis in ('eval_flops', 'train_flops')], key=len)
         spans.append(pts[0][1] - pts[-1][1] if len(pts) > 1 else None)
     span, std = mean_std(spans)[0], ref_row[loss]['std']
     enough = None if span is None or not std else span >= ROOM_FACTOR * std
@@ -402,11 +404,12 @@ def frontier_markdown(fr):
              f"mean [95% t-interval] (below the frontier in k of n seeds; inside its range in m of n seeds).\n",
              '| arm | at equal training FLOPs | at equal eval FLOPs |', '|---|---|---|']
     def cell(e):
+        gone = f"; not measured {e['missing']}/{e['runs']}" if e['missing'] else ''
         if not e.get('n'):
-            return f"outside the frontier (0/{e['runs']} inside)"
+            return f"no seed inside the frontier (inside 0/{e['runs']}{gone})"
         lo, hi = e['ci95']
-        return (f"{e['mean_diff']:+.4f} [{lo:+.4f}, {hi:+.4f}] (below {e['wins']}/{e['n']}; inside {e['inside']}/{e['runs']})"
-                if e['n'] > 1 else f"{e['mean_diff']:+.4f} (below {e['wins']}/1; inside {e['inside']}/{e['runs']})")
+        return (f"{e['mean_diff']:+.4f} [{lo:+.4f}, {hi:+.4f}] (below {e['wins']}/{e['n']}; inside {e['inside']}/{e['runs']}{gone})"
+                if e['n'] > 1 else f"{e['mean_diff']:+.4f} (below {e['wins']}/1; inside {e['inside']}/{e['runs']}{gone})")
     for arm in fr['axes']['train_flops']:
         lines.append(f"| {arm} | {cell(fr['axes']['train_flops'][arm])} | {cell(fr['axes']['eval_flops'][arm])} |")
     return '\n'.join(lines) + '\n'

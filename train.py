@@ -818,6 +818,11 @@ def finish_run(run, stopped):
                    train_flops=run.flops_state['exact'])
     if not cfg.eval_only and not stopped and run.raw_model.family.routes:
         summary.update(routing_summary(run))
+    per_token = flops.dense_forward_flops(run.raw_model.config, cfg.block_size) / cfg.block_size
+    if not run.raw_model.family.routes:
+        summary['eval_flops'] = per_token             # absolute: puts models of different sizes on one axis
+    elif 'eval_flops_vs_dense' in summary:
+        summary['eval_flops'] = summary['eval_flops_vs_dense'] * per_token
     log(run, summary)
     run.metrics_f.close()
     if not stopped:

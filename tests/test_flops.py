@@ -24,7 +24,7 @@ def counted(fn):
 def routed_configs(draw):
     n_layer = draw(st.integers(1, 4))
     n_head = draw(st.sampled_from([1, 2]))
-    gate = draw(st.sampled_from(['mlp', 'jepa', 'random', 'static_full', 'static_cheap']))
+    gate = draw(st.sampled_from(['mlp', 'jepa', 'random', 'static_full', 'static_cheap', 'oracle']))
     spec = draw(st.sampled_from(['all', 'every_other', 'list']))
     if spec == 'every_other' and n_layer < 2:
         spec = 'all'
@@ -43,6 +43,7 @@ def routed_configs(draw):
                     ffn_rank_weight=draw(st.sampled_from([0.0, 0.5])) if scored else 0.0,
                     ffn_oracle_policy=draw(st.sampled_from(['off', 'on'])),
                     ffn_oracle_start=draw(st.sampled_from(['auto', 'full', 'routed'])),
+                    ffn_oracle_label=draw(st.sampled_from(['token', 'sequence'])),
                     ffn_aux_grad=draw(st.sampled_from(['own', 'leak'])),
                     ffn_predictor_weight=draw(st.sampled_from([0.0, 1.0])))
     return cfg
@@ -123,13 +124,14 @@ def test_flops_cli_prints_the_breakdown(capsys):
 @pytest.mark.parametrize('aux_grad', ['own', 'leak'])
 @pytest.mark.parametrize('trainable', ['all', 'controller'])
 @pytest.mark.parametrize('policy,start', [('off', 'auto'), ('on', 'auto'), ('off', 'routed'), ('on', 'full')])
-def test_aux_loss_gradient_modes_and_oracle_starts_match_counter(gate, aux_grad, trainable, policy, start):
+@pytest.mark.parametrize('label', ['token', 'sequence'])
+def test_aux_loss_gradient_modes_and_oracle_starts_match_counter(gate, aux_grad, trainable, policy, start, label):
     """Every aux-loss gradient mode and oracle start with util, rank and JEPA on (the drawn configs
     above reach these combinations only now and then): 'own' scores the detached gate input again."""
     cfg = GPTConfig(n_layer=3, n_head=2, n_embd=8, vocab_size=11, block_size=16, route='ffn', ffn_gate=gate,
                     ffn_cheap_rank=2, ffn_gate_hidden=4, ffn_jepa_latent=3, ffn_jepa_weight=1.0, ffn_util_weight=1.0,
                     ffn_rank_weight=0.5, ffn_layers='all', ffn_aux_grad=aux_grad, ffn_oracle_policy=policy,
-                    ffn_oracle_start=start)
+                    ffn_oracle_start=start, ffn_oracle_label=label)
     torch.manual_seed(0)
     model = GPT(cfg).train()
     ctrl = {id(p) for p in model.controller_parameters()}

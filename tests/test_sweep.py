@@ -299,6 +299,7 @@ def test_frontier_is_interpolated_in_log_cost_and_never_extrapolated():
     assert sweep.frontier_at(pts, 4.0) == pytest.approx(2.0) and sweep.frontier_at(pts, 1.0) == pytest.approx(3.0)
     assert sweep.frontier_at(pts, 0.5) is None and sweep.frontier_at(pts, 17.0) is None
     assert sweep.frontier_at(pts[:1], 4.0) is None                     # one size is no frontier
+    assert sweep.frontier_at([(0.0, 3.0), (4.0, 2.0)], 2.0) is None     # a zero cost is dropped, not log(0)
 
 
 def test_matched_compute_pairs_each_seed_with_its_own_frontier():
@@ -322,7 +323,11 @@ def test_matched_compute_pairs_each_seed_with_its_own_frontier():
     assert (r['wins'], r['n'], r['inside']) == (2, 3, 3)
     assert fr['axes']['eval_flops']['routed']['mean_diff'] == pytest.approx(-0.1)
     odd = fr['axes']['train_flops']['odd']
-    assert (odd['n'], odd['inside'], odd['runs']) == (2, 2, 3)        # seed 3 at cost 8: outside, not dropped silently
+    assert (odd['n'], odd['inside'], odd['missing'], odd['runs']) == (2, 2, 0, 3)   # seed 3 at cost 8: outside, counted
+    del results[('routed', 2)]                                          # a failed run: not measured, not "outside"
+    r = sweep.summarize(study, results)['frontier']['axes']['eval_flops']['routed']
+    assert (r['n'], r['inside'], r['missing']) == (2, 2, 1) and 'not measured 1/3' in sweep.frontier_markdown(
+        sweep.summarize(study, results)['frontier'])
     assert set(fr['axes']['train_flops']) == {'routed', 'odd'}         # frontier arms are not compared with themselves
     assert fr['span'] == pytest.approx(1.0) and fr['seed_std'] == pytest.approx(0.2) and fr['verdict'] == 'no room'
     md = sweep.markdown(summary)
@@ -332,6 +337,7 @@ def test_matched_compute_pairs_each_seed_with_its_own_frontier():
 def test_absolute_flops_from_the_stored_config(tmp_path):
     """A dense run is the reference point of the ratio axes; eval_flops is the eval forward per token at
     the realised routing, so two dense sizes differ by their own FLOPs; runs without a route get none."""
+    import torch
     import flops
     from model import GPTConfig
     shape = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=20)
@@ -347,3 +353,12 @@ def test_absolute_flops_from_the_stored_config(tmp_path):
     assert dense['train_flops'] == routed['train_flops'] == 123.0
     fake_run(tmp_path / 'bare', 5, summary=dict(iter=5), evals=[2.0])      # a config.json without a route
     assert 'eval_flops' not in sweep.run_metrics(str(tmp_path / 'bare'))
+    # a scratch run stores vocab_size 0 (taken from the data): the checkpoint's built vocabulary counts
+    (tmp_path / 'dense' / 'config.json').write_text(json.dumps(dict(shape, vocab_size=0, route='none', max_iters=5)))
+    assert sweep.run_metrics(str(tmp_path / 'dense')).get('eval_flops') is None     # no checkpoint: no guess
+    torch.save(dict(model={}, config={}, model_args=dict(shape, route='none')), tmp_path / 'dense' / 'ckpt.pt')
+    assert sweep.run_metrics(str(tmp_path / 'dense'))['eval_flops'] == pytest.approx(per_token)
+    # a summary that records eval_flops itself is taken as it is
+    fake_run(tmp_path / 'new', 5, summary=dict(iter=5, eval_flops=7.0, train_flops=1.0), evals=[2.0])
+    (tmp_path / 'new' / 'config.json').write_text(json.dumps(dict(shape, route='none', max_iters=5)))
+    assert sweep.run_metrics(str(tmp_path / 'new'))['eval_flops'] == 7.0

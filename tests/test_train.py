@@ -27,6 +27,7 @@ from hypothesis import given, settings, strategies as st, HealthCheck
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+import flops  # noqa: E402
 import train  # noqa: E402
 from data import loader, prepare as P  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
@@ -933,6 +934,10 @@ def test_quickstart_prepares_trains_and_samples(tmp_path):
     assert abs(float(np.mean(routing["val_loss"]["full_frac"])) - routing["budget"]) <= 0.05
     assert set(routing["full_frac_by_class"]) == set(P.DIFFICULTY_CLASSES)
     assert routing["val_loss_cheap"] > 0 and routing["val_loss_full"] > 0
+    # absolute eval FLOPs per token, with the vocabulary the model was built with (config.json stores 0)
+    built = GPTConfig.from_dict(load_ckpt(out)["model_args"])
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 0 and built.vocab_size > 0
+    assert summary["eval_flops"] == pytest.approx(summary["eval_flops_vs_dense"] * flops.dense_forward_flops(built, built.block_size) / built.block_size)
     # eval.py in the documented form (--ckpt PATH --json) prints one JSON object; a bad key is a clean error
     e = ok(run_py("eval.py", ["--ckpt", str(out / "ckpt.pt"), "--json", f"--data_dir={data}", "--eval_iters=1"]))
     res = json.loads(e.stdout.strip().splitlines()[-1])
