@@ -405,6 +405,8 @@ def frontier_markdown(fr):
              '| arm | at equal training FLOPs | at equal eval FLOPs |', '|---|---|---|']
     def cell(e):
         gone = f"; not measured {e['missing']}/{e['runs']}" if e['missing'] else ''
+        if e['missing'] == e['runs']:
+            return 'not measured'
         if not e.get('n'):
             return f"no seed inside the frontier (inside 0/{e['runs']}{gone})"
         lo, hi = e['ci95']
