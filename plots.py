@@ -261,7 +261,7 @@ def plot_frontier(plt, points, sizes, colours, xlabel):
         ax.errorbar(x, y, xerr=xsd, yerr=ysd, fmt='s' if arm in sizes else 'o', color=colours[arm], label=arm, capsize=3)
     ax.set_xscale('log')
     ax.set(xlabel=xlabel, ylabel='final val loss', title='val loss vs cost against the dense frontier (mean ± std over seeds)')
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1.0))        # beside the points, not over them
     return fig
 
 
