@@ -1,8 +1,6 @@
 # study_a3 on Tiny Shakespeare (char level), CPU-sized. Needs: python data/prepare.py shakespeare_char
 #   python sweep.py config/study_a3_shakespeare.py
 base = 'config/ffn_stage2_shakespeare.py'
-# whole-sequence oracle labels: the setting docs/results.md reports this study under
-overrides = ['--ffn_oracle_label=sequence']
 out_root = 'out/study_a3_shakespeare'
 before = [['config/ffn_stage1_shakespeare.py', '--out_dir=out/ffn_stage1_shakespeare']]
 seeds = [1, 2, 3]
