@@ -172,6 +172,20 @@ def fake_study(tmp_path, name):
     return str(path)
 
 
+def test_parallel_runs_share_the_cores_instead_of_each_taking_all(tmp_path, monkeypatch):
+    envs = []
+    monkeypatch.setattr(sweep.subprocess, 'run', lambda args, **kw: envs.append(kw['env']) or type('R', (), {'returncode': 0})())
+    monkeypatch.setattr(sweep.os, 'cpu_count', lambda: 8)
+    monkeypatch.delenv('OMP_NUM_THREADS', raising=False)
+    sweep.run_one(['cfg.py'], str(tmp_path / 'a'), str(tmp_path / 'log'), jobs=2)
+    sweep.run_one(['cfg.py'], str(tmp_path / 'b'), str(tmp_path / 'log'), jobs=3)
+    sweep.run_one(['cfg.py'], str(tmp_path / 'c'), str(tmp_path / 'log'))
+    assert envs[0]['OMP_NUM_THREADS'] == '4' and envs[1]['OMP_NUM_THREADS'] == '2' and 'OMP_NUM_THREADS' not in envs[2]
+    monkeypatch.setenv('OMP_NUM_THREADS', '3')                  # the user's own setting wins
+    sweep.run_one(['cfg.py'], str(tmp_path / 'd'), str(tmp_path / 'log'), jobs=2)
+    assert envs[3]['OMP_NUM_THREADS'] == '3'
+
+
 def test_jobs_2_runs_two_at_once_and_summarises_as_sequential(tmp_path, monkeypatch):
     (tmp_path / 'fake_train.py').write_text(FAKE_TRAIN)
     monkeypatch.setattr(sweep, 'TRAIN', str(tmp_path / 'fake_train.py'))
