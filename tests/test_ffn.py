@@ -706,6 +706,24 @@ def test_on_policy_label_matches_hand_written_forks(seed, B, T, gate, gate_grad,
         torch.testing.assert_close(U_on, U_off, rtol=0, atol=1e-6)
 
 
+def from_full_start(start, policy):
+    return start == 'full' or (start == 'auto' and policy == 'off')
+
+
+def labelled_pass(model, seed, B, T, l):
+    """One training forward with oracle labels at layer l: (idx, targets, loss, aux, the routed state
+    at l after attention, layer l's gate score on it)."""
+    idx, tgt = tokens(seed, B, T, distinct_first=True), tokens(seed + 1, B, T)
+    calls, handles = record_ln2(model, [l])
+    _, loss, aux = model(idx, tgt, oracle_layers=(l,))
+    for hnd in handles:
+        hnd.remove()
+    x_routed, h_routed = calls[l][0]
+    with torch.no_grad():
+        score = model.transformer.h[l].gate(h_routed)
+    return idx, tgt, loss, aux, x_routed, score
+
+
 @settings(**SETTINGS)
 @given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(2, 24), gate=st.sampled_from(SCORING_GATES),
        policy=st.sampled_from(['off', 'on']), start=st.sampled_from(['auto', 'full', 'routed']),
@@ -718,20 +736,10 @@ def test_util_loss_regresses_routed_score_onto_reference_labels(seed, B, T, gate
     l = data.draw(st.integers(0, 2))
     model = build(seed, 3, ffn_gate=gate, ffn_budget=0.5, ffn_util_weight=1.0, ffn_oracle_policy=policy,
                   ffn_oracle_start=start, ffn_aux_grad=aux_grad, ffn_oracle_label='sequence').train()
-    from_full = start == 'full' or (start == 'auto' and policy == 'off')
-    idx, tgt = tokens(seed, B, T, distinct_first=True), tokens(seed + 1, B, T)
-    calls, handles = record_ln2(model, [l])
-    _, loss, aux = model(idx, tgt, oracle_layers=(l,))
-    for hnd in handles:
-        hnd.remove()
+    idx, tgt, loss, aux, x_routed, score = labelled_pass(model, seed, B, T, l)
     budget = Fraction(1, 2)
     with torch.no_grad():
-        x_routed, h_routed = calls[l][0]
-        score = model.transformer.h[l].gate(h_routed)
-        if from_full:
-            x_mid = full_mid_ref(model, idx, l)
-        else:
-            x_mid = x_routed
+        x_mid = full_mid_ref(model, idx, l) if from_full_start(start, policy) else x_routed
         later = {} if policy == 'off' else {i: 'policy' for i in range(l + 1, 3)}
         ce = {}
         for action in ('full', 'cheap'):
@@ -808,16 +816,9 @@ def test_util_loss_regresses_onto_token_labels_from_either_start(seed, B, T, gat
     model = build(seed, 3, ffn_gate=gate, ffn_budget=0.5, ffn_util_weight=1.0, ffn_oracle_policy=policy,
                   ffn_oracle_start=start).train()
     assert model.config.ffn_oracle_label == 'token'
-    from_full = start == 'full' or (start == 'auto' and policy == 'off')
-    idx, tgt = tokens(seed, B, T, distinct_first=True), tokens(seed + 1, B, T)
-    calls, handles = record_ln2(model, [l])
-    _, _, aux = model(idx, tgt, oracle_layers=(l,))
-    for hnd in handles:
-        hnd.remove()
+    idx, tgt, _, aux, x_routed, score = labelled_pass(model, seed, B, T, l)
     with torch.no_grad():
-        x_routed, h_routed = calls[l][0]
-        score = model.transformer.h[l].gate(h_routed)
-        if from_full:
+        if from_full_start(start, policy):
             x_mid = full_mid_ref(model, idx, l)
             base = torch.ones(B, T, dtype=torch.bool)
         else:
