@@ -151,8 +151,7 @@ def oracle_losses(model, ctx, layers, targets, aux):
             U = fork_utility(model, l, mids[l], targets, pos, later=later, ce_full=ce_full)
         score, terms = ctx.scores[l], {}
         if cfg.ffn_aux_grad == 'own':
-            gate, h = model.transformer.h[l].gate, ctx.gate_in[l]
-            score = gate.score(*gate.predict(h)) if cfg.ffn_gate == 'jepa' else gate(h)
+            score = gate_score(model.transformer.h[l], cfg, ctx.gate_in[l])
         if cfg.ffn_util_weight > 0:
             terms['util_loss'] = losses.utility_regression(score, U)
         if cfg.ffn_rank_weight > 0:
