@@ -11,6 +11,7 @@ Config values -> modules:
   ffn_gate='mlp'   G1: MLPGate, an MLP from h to a scalar utility score
   ffn_gate='jepa'  G3: JEPAGate, an action-conditional predictor whose latent forecasts are aligned to a
                fixed random projection of each action's actual outcome; the score is read from them
+               (ffn_jepa_readout: by default a utility MLP on h and the forecast difference)
   ffn_gate='random' | 'static_full' | 'static_cheap': baselines without parameters (StaticGate)
   ffn_gate='oracle': scores are the oracle utility labels themselves (see model.py); analysis only
 Other families' routers: HaltingRouter (route='halt', TSA), ModRouter (route='mod', Mixture-of-Depths),
@@ -87,16 +88,23 @@ class MLPGate(nn.Module):
 
 
 class JEPAGate(nn.Module):
-    """G3: action-conditional predictor P(h, a) -> R^latent for a in {full, cheap}.
+    """G3: action-conditional predictor P(h, a) -> R^latent for a in {full, cheap}, and a score read
+    from it.
 
     P(h, a) = W2·GELU(W1·h + e_a): the action enters as a learned embedding e_a added to the first
     layer, so both actions share W1·h. The alignment target is z_a = T·outcome_a, T a fixed random
     projection (a buffer: never trained, no EMA), outcome_a either the FFN update the action makes
-    ('delta') or the hidden state after it ('hidden'). The routing score is read from the two
-    predictions: 'distance' = ||P(h,full) − P(h,cheap)||² / latent (how much the full path is forecast
-    to change the outcome), or 'linear' = a learned w·(P(h,full) − P(h,cheap)) + b."""
+    ('delta') or the hidden state after it ('hidden'). e_a ~ N(0, action_std²).
 
-    def __init__(self, n_embd, hidden, latent, readout='distance', seed=0):
+    The score, with d = P(h, full) − P(h, cheap) (how the full path is forecast to change the
+    outcome):
+      'utility'  u = w2·GELU(W1'·[h, d] + b1) + b2: G1's utility MLP, fed the forecast difference
+      'linear'   u = w·d + b
+      'distance' u = ||d||² / latent (never negative; its gradient is proportional to d, so with
+                 the actions initialised close, action_std = 0.02, util, rank and the LM loss
+                 cannot move it)"""
+
+    def __init__(self, n_embd, hidden, latent, readout='utility', action_std=1.0, seed=0):
         super().__init__()
         self.fc = nn.Linear(n_embd, hidden)
         self.action = nn.Parameter(torch.zeros(2, hidden))     # row 0: full, row 1: cheap
@@ -105,10 +113,11 @@ class JEPAGate(nn.Module):
         self.register_buffer('target', torch.randn(latent, n_embd, generator=g) / math.sqrt(n_embd))
         self.readout = readout
         self.read = nn.Linear(latent, 1) if readout == 'linear' else None
+        self.head = MLPGate(n_embd + latent, hidden) if readout == 'utility' else None
         for lin in (self.fc, self.out):
             nn.init.normal_(lin.weight, std=0.02)
             nn.init.zeros_(lin.bias)
-        nn.init.normal_(self.action, std=0.02)
+        nn.init.normal_(self.action, std=action_std)
         self.latent = latent
 
     def predict(self, h):
@@ -118,8 +127,10 @@ class JEPAGate(nn.Module):
             return (self.out(F.gelu(a + self.action[0])), self.out(F.gelu(a + self.action[1])))
         return fp32(run)(h)
 
-    def score(self, p_full, p_cheap):
+    def score(self, h, p_full, p_cheap):
         diff = p_full - p_cheap
+        if self.head is not None:
+            return self.head(torch.cat([h.float(), diff], -1))
         if self.read is None:
             return diff.pow(2).sum(-1) / self.latent
         return fp32(lambda d: self.read(d).squeeze(-1))(diff)
@@ -129,7 +140,7 @@ class JEPAGate(nn.Module):
         return fp32(lambda o: o.detach() @ self.target.t())(outcome)
 
     def forward(self, h):
-        return self.score(*self.predict(h))
+        return self.score(h, *self.predict(h))
 
 
 class MembershipPredictor(nn.Module):

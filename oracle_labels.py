@@ -87,7 +87,7 @@ def switched_attention(attn, h_base, h_own, pos):
 
 
 def gate_score(block, cfg, h):
-    return block.gate.score(*block.gate.predict(h)) if cfg.ffn_gate == 'jepa' else block.gate(h)
+    return block.gate(h)
 
 
 def held_ffn(block, cfg, h, mask, score):

@@ -46,7 +46,12 @@ class FFNOptions:
     ffn_infer_rule: str = 'threshold' # causal eval decision: 'threshold' on the gate score, or 'predictor'
     ffn_jepa_latent: int = 32         # G3 latent size
     ffn_jepa_outcome: str = 'delta'   # G3 outcome projected by the fixed target: 'delta' (FFN update) or 'hidden'
-    ffn_jepa_readout: str = 'distance'  # G3 score: 'distance' between the two forecasts, or 'linear'
+    # G3's score from h and the forecasts: 'utility' (an MLP on [h, P(h,full) − P(h,cheap)]),
+    # 'linear' in that difference, or 'distance' (its squared norm)
+    ffn_jepa_readout: str = 'utility'
+    # G3's action embeddings' init std: 1 starts the two forecasts apart; 0.02 with 'distance' is
+    # the G3 of the studies before 'utility' (a score util, rank and the LM loss could not move)
+    ffn_jepa_action_std: float = 1.0
     # auxiliary losses: a weight of 0 means that computation does not run
     ffn_util_weight: float = 0.0      # utility regression onto oracle labels
     ffn_rank_weight: float = 0.0      # pairwise rank supervision from oracle labels
@@ -70,14 +75,19 @@ class FFNRouting(Family):
     # the names the options had before they took the family's prefix (config files, checkpoints);
     # options added since have none
     aliases = {name[4:]: name for name in options
-               if name.startswith('ffn_') and name not in ('ffn_layers', 'ffn_oracle_start', 'ffn_aux_grad', 'ffn_oracle_label')}
+               if name.startswith('ffn_') and name not in (
+                   'ffn_layers', 'ffn_oracle_start', 'ffn_aux_grad', 'ffn_oracle_label',
+                   'ffn_jepa_action_std')}
     aliases['controlled_layers'] = 'ffn_layers'
-    # before these options existed, aux-loss gradients took one graph and labels switched whole sequences
-    stored_before = {'ffn_aux_grad': 'leak', 'ffn_oracle_label': 'sequence'}
+    # before these options existed, aux-loss gradients took one graph, labels switched whole
+    # sequences and G3 read the distance between forecasts from actions drawn N(0, 0.02²)
+    stored_before = {'ffn_aux_grad': 'leak', 'ffn_oracle_label': 'sequence',
+                     'ffn_jepa_readout': 'distance', 'ffn_jepa_action_std': 0.02}
     budget_field = 'ffn_budget'
     backbone_options, layers_option = ('ffn_cheap_rank',), 'ffn_layers'
     resume_options = ('ffn_gate', 'ffn_gate_hidden', 'ffn_infer_rule', 'ffn_jepa_latent', 'ffn_jepa_readout',
-                      'ffn_aux_grad', 'ffn_oracle_label', 'ffn_oracle_policy', 'ffn_oracle_start')
+                      'ffn_jepa_action_std', 'ffn_aux_grad', 'ffn_oracle_label',
+                      'ffn_oracle_policy', 'ffn_oracle_start')
     spelled_options = ('ffn_layers',)   # 'auto' and 'all' are the same layers
     routes = True
     logged_stats = ('jepa_pred_std', 'utility_mean')
@@ -85,13 +95,15 @@ class FFNRouting(Family):
     def check_values(self, config):
         check_at_least(config, 1, ('ffn_cheap_rank', 'ffn_gate_hidden', 'ffn_jepa_latent', 'ffn_rank_pairs'))
         check_at_least(config, 0, ('ffn_util_weight', 'ffn_rank_weight', 'ffn_rank_margin', 'ffn_jepa_weight',
-                                   'ffn_predictor_weight', 'ffn_mimic_weight'))
+                                   'ffn_predictor_weight', 'ffn_mimic_weight',
+                                   'ffn_jepa_action_std'))
         check_fraction(config, 'ffn_budget')
 
     def validate(self, config):
         check_choices(config, ffn_gate=GATES, ffn_gate_grad=('ste', 'scale', 'none'),
                       ffn_infer_rule=('threshold', 'predictor'), ffn_jepa_outcome=('delta', 'hidden'),
-                      ffn_jepa_readout=('distance', 'linear'), ffn_rank_kind=('logistic', 'margin'),
+                      ffn_jepa_readout=('utility', 'linear', 'distance'),
+                      ffn_rank_kind=('logistic', 'margin'),
                       ffn_oracle_policy=('off', 'on'), ffn_oracle_label=('token', 'sequence'),
                       ffn_oracle_start=('auto', 'full', 'routed'), ffn_aux_grad=('own', 'leak'))
         if not self.routed_layers(config):
@@ -107,7 +119,8 @@ class FFNRouting(Family):
         block.cheap = MLP(config, width=config.ffn_cheap_rank)
         block.gate = (MLPGate(config.n_embd, config.ffn_gate_hidden) if config.ffn_gate == 'mlp' else
                       JEPAGate(config.n_embd, config.ffn_gate_hidden, config.ffn_jepa_latent, config.ffn_jepa_readout,
-                               seed=1000 + layer) if config.ffn_gate == 'jepa' else None)
+                               config.ffn_jepa_action_std, seed=1000 + layer)
+                      if config.ffn_gate == 'jepa' else None)
         block.predictor = (MembershipPredictor(config.n_embd, config.ffn_gate_hidden)
                            if config.ffn_infer_rule == 'predictor' and block.gate is not None else None)
         block.register_buffer('tau', torch.zeros(()))   # calibrated threshold of the causal score
@@ -255,8 +268,18 @@ def ffn_costs(config, T):
     d, gh, lat = config.n_embd, config.ffn_gate_hidden, config.ffn_jepa_latent
     return dict(flop_costs(config, T), cheap=2 * 2 * d * config.ffn_cheap_rank,
                 gate_fc=2 * d * gh, gate_out=2 * gh * (lat if config.ffn_gate == 'jepa' else 1),
-                gate_read=2 * lat if (config.ffn_gate == 'jepa' and config.ffn_jepa_readout == 'linear') else 0,
+                gate_read=gate_read_flops(config),
                 jepa_target=2 * d * lat, pred_fc=2 * d * gh, pred_out=2 * gh)
+
+
+def gate_read_flops(config):
+    """Per token: G3's score from its forecasts ('utility': an MLP on [h, d], 'linear': w·d; the
+    difference d and the distance are elementwise, which FlopCounterMode does not count)."""
+    d, gh, lat = config.n_embd, config.ffn_gate_hidden, config.ffn_jepa_latent
+    if config.ffn_gate != 'jepa':
+        return 0
+    costs = {'utility': 2 * (d + lat) * gh + 2 * gh, 'linear': 2 * lat}
+    return costs.get(config.ffn_jepa_readout, 0)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -283,7 +306,7 @@ def routed_ffn_update(block, cfg, x, ctx):
         mask = topk_mask(ctx.oracle(l, x), capacity(cfg.ffn_budget, T))
     else:
         preds = block.gate.predict(h) if cfg.ffn_gate == 'jepa' else None
-        score = block.gate.score(*preds) if preds is not None else block.gate(h)
+        score = block.gate.score(h, *preds) if preds is not None else block.gate(h)
         if causal:                  # calibrating: the threshold first set to hit the budget on this batch
             mask = threshold_mask(block.predictor(h) if block.predictor is not None else score, block.tau,
                                   cfg.ffn_budget if ctx.calibrate else None)

@@ -211,7 +211,8 @@ def test_an_old_config_json_reads_under_todays_names():
     c = GPTConfig.from_dict(stored)
     assert (c.mod_router, c.mod_capacity, c.ffn_cheap_rank, c.mod_bce_weight) == ('learned', 0.125, 4, 0.5)
     assert resolve_aliases({'route': 'ffn', 'budget': 0.3, 'ffn_budget': 0.4}) == \
-        {'route': 'ffn', 'ffn_budget': 0.4, 'ffn_aux_grad': 'leak', 'ffn_oracle_label': 'sequence'}
+        {'route': 'ffn', 'ffn_budget': 0.4, 'ffn_aux_grad': 'leak', 'ffn_oracle_label': 'sequence',
+         'ffn_jepa_readout': 'distance', 'ffn_jepa_action_std': 0.02}
 
 
 @pytest.mark.parametrize('route,key,before,today', [('ffn', 'ffn_aux_grad', 'leak', 'own'),
