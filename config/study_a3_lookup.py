@@ -11,11 +11,14 @@ before = [['config/ffn_stage1_lookup.py', '--out_dir=out/study_a3_lookup/stage1/
 overrides = ['--init_from=out/study_a3_lookup/stage1/seed{seed}/ckpt.pt', '--ffn_oracle_label=sequence']
 room_ckpt = 'out/study_a3_lookup/stage1/seed{seed}/ckpt.pt'
 seeds = [1, 2, 3]
+# G3 arms pin the G3 these results were reported with: a score read from forecasts whose action
+# embeddings start 0.02 apart, which util, rank and the LM loss could not move (docs/families.md)
+G3_LEGACY = ['--ffn_jepa_readout=distance', '--ffn_jepa_action_std=0.02']
 arms = {
     'G1_std': ['--ffn_gate=mlp'],
     'G1_A3': ['--ffn_gate=mlp', '--ffn_util_weight=0', '--ffn_rank_weight=0'],
-    'G3_std': ['--ffn_gate=jepa'],
-    'G3_A3': ['--ffn_gate=jepa', '--ffn_util_weight=0', '--ffn_rank_weight=0'],
+    'G3_std': ['--ffn_gate=jepa', *G3_LEGACY],
+    'G3_A3': ['--ffn_gate=jepa', *G3_LEGACY, '--ffn_util_weight=0', '--ffn_rank_weight=0'],
     'G1_onpolicy': ['--ffn_gate=mlp', '--ffn_oracle_policy=on'],
     # the on-policy arm changes two things; one at a time: where the forks start, what runs after them
     'G1_routed_start': ['--ffn_gate=mlp', '--ffn_oracle_policy=off', '--ffn_oracle_start=routed'],
