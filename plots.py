@@ -83,6 +83,7 @@ def run_metrics(out_dir):
     lm = train_lm_curve(recs)
     out['final_train_lm'] = lm[-1][1] if lm else None
     out['tlops_saved'] = last_value(recs, 'tlops_saved')
+    out['jepa_pred_std'] = last_value(recs, 'jepa_pred_std')   # G3: ~0 once its predictor collapsed
     norms = [r['ctrl_grad_norm'] for r in train if r.get('ctrl_grad_norm') is not None]
     out['ctrl_grad_norm'] = float(np.mean(norms)) if norms else None
     routing = summ.get('routing') or {}

@@ -17,8 +17,10 @@ results do not depend on N (each run is its own process and seed).
 The summary (summary.md, summary.json in out_root) gives per arm mean ± std over seeds of: avg LM,
 best val LM, final val loss, causal val loss and realised full-path fraction (routed families),
 threshold-hit iteration, controller grad norm, FLOPs proxy, TLOps saved (families that log
-'tlops_saved'; its last logged value), wall time, and train.py's own hit_<x> columns when the runs
-set lm_thresholds. Against the reference arm it gives per-seed paired differences: wins in k/n seeds
+'tlops_saved'; its last logged value), wall time, G3's forecast spread (jepa_pred_std, its last
+logged value: near 0 when the predictor has collapsed), and train.py's own hit_<x> columns when
+the runs set lm_thresholds.
+Against the reference arm it gives per-seed paired differences: wins in k/n seeds
 and the mean difference with a 95% t-interval. Runs made by different code versions (git SHA / dirty
 tree, from run_info.json) are flagged in the summary.
 
@@ -75,6 +77,7 @@ METRICS = {
     'tlops_saved': ('any', False), 'eval_tlops_saved': ('routing', False),
     'eval_flops_vs_dense': ('summary', True), 'eval_flops': ('summary', True), 'train_flops': ('summary', True),
     'wall_s': ('summary', True),
+    'jepa_pred_std': ('train', None),
 }
 
 
