@@ -40,7 +40,7 @@ import torch
 
 import flops
 import train
-from configurator import ConfigError, load_config, run_cli
+from configurator import ConfigError, load_config, run_cli, writable_file
 from device import autocast_context, cli_device, resolve_device_dtype
 from model import ALIASES, FAMILIES, GPT
 
@@ -410,16 +410,27 @@ def print_routed(res):
                 f"{k} {v['ms']:.0f} ms ({v['share'] * 100:.0f}%)" for k, v in res['profile'][name].items()))
 
 
-def main(argv):
+def parse_args(argv):
+    """(config, as_json, argv without --json): every option checked before any work, train.py's keys
+    as train.py checks them, and --out a writable .json file path."""
     as_json = '--json' in argv
     argv = [a for a in argv if a != '--json']
     cfg = load_config({**train.DEFAULTS, **BENCH_DEFAULTS}, argv, ALIASES)
+    ns = SimpleNamespace(**cfg)
+    train.check_train_config(ns)
+    train.model_config(ns)
     check_bench_config(cfg)
     cli_device(cfg['device'], cfg['dtype'])
-    if cfg['out'] and not os.path.isdir(os.path.dirname(os.path.abspath(cfg['out']))):
-        raise ConfigError(f"out: the folder of {cfg['out']!r} does not exist; create it or name another file")
+    if cfg['out']:
+        writable_file(cfg['out'], 'out', suffix='.json')
+    return cfg, as_json, argv
+
+
+def main(argv):
+    cfg, as_json, argv = parse_args(argv)
     res = bench_routed(cfg) if cfg['budgets'] else bench(cfg)
     if cfg['out']:                 # the raw file behind a reported figure, with the command that made it
+        os.makedirs(os.path.dirname(os.path.abspath(cfg['out'])), exist_ok=True)
         with open(cfg['out'], 'w') as f:
             json.dump(dict(res, command='python bench.py ' + ' '.join(argv + ['--json'] * as_json),
                            date=time.strftime('%Y-%m-%d')), f, indent=1)

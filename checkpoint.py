@@ -4,6 +4,7 @@ missing, truncated or foreign file into one clear error instead of a torch trace
 
     from checkpoint import save_checkpoint, load_checkpoint, load_model
 """
+import errno
 import glob
 import os
 
@@ -28,12 +29,18 @@ def save_checkpoint(path, state):
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:
-        # torch.save reports a full disk as a RuntimeError from its zip writer; say what it means
-        free = _free_bytes(os.path.dirname(os.path.abspath(path)))
-        raise CheckpointError(
-            f"could not write checkpoint {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-            f"{free / 2**20:.0f} MiB free on its disk: free some space (the previous checkpoint, if any, is "
-            f"kept unchanged)") from None
+        folder = os.path.dirname(os.path.abspath(path))
+        first_line = str(e).splitlines()[0][:200] if str(e) else ''
+        what = f"could not write checkpoint {path} ({type(e).__name__}: {first_line})"
+        kept = "the previous checkpoint, if any, is kept unchanged"
+        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise CheckpointError(f"{what}: {folder} is not writable by this user; make it "
+                                  f"writable (chmod u+w {folder}) and resume with "
+                                  f"--init_from=resume ({kept})") from None
+        # a full disk: ENOSPC, or torch's zip writer's RuntimeError
+        free = _free_bytes(folder)
+        raise CheckpointError(f"{what}; {free / 2**20:.0f} MiB free on its disk: free some space "
+                              f"and resume with --init_from=resume ({kept})") from None
     finally:
         if os.path.exists(tmp):           # the write failed: drop the partial file
             os.remove(tmp)
@@ -80,6 +87,10 @@ def load_checkpoint(path, map_location='cpu'):
         raise CheckpointError(f"no checkpoint file at {path}")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    except PermissionError as e:     # the file is fine; this user may not read it
+        raise CheckpointError(f"checkpoint {path} cannot be read by this user ({e.strerror}); "
+                              "make it "
+                              f"readable (chmod u+r {path}) or run as its owner") from None
     except Exception as e:           # truncated zip, random bytes, pickle errors, ...
         raise CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:160] if str(e) else 'corrupt'}); it is truncated or "
@@ -88,6 +99,36 @@ def load_checkpoint(path, map_location='cpu'):
     if missing:
         raise CheckpointError(f"{path} is not a nanodepth checkpoint (no {', '.join(missing)})")
     return ckpt
+
+
+def check_init_from(init_from):
+    """init_from is scratch, resume, gpt2[-medium|-large|-xl], a checkpoint file or a local Hugging
+    Face GPT-2 directory; a run folder (ckpt.pt inside) is not a GPT-2 directory: say what to give
+    instead."""
+    hub_name = init_from.startswith('gpt2') and not os.path.exists(init_from)
+    if init_from in ('scratch', 'resume') or hub_name:
+        return
+    if os.path.isfile(init_from):
+        return
+    if os.path.isdir(init_from):
+        if os.path.exists(os.path.join(init_from, 'ckpt.pt')):
+            raise CheckpointError(
+                f"init_from={init_from} is a run folder, not a GPT-2 directory: start from its "
+                "weights with "
+                f"--init_from={os.path.join(init_from, 'ckpt.pt')}, or continue that run with "
+                f"--out_dir={init_from} --init_from=resume")
+        hf = ('pytorch_model.bin', 'model.safetensors')
+        if not (os.path.isfile(os.path.join(init_from, 'config.json'))
+                and any(os.path.isfile(os.path.join(init_from, f)) for f in hf)):
+            raise CheckpointError(f"init_from={init_from} is a folder without a checkpoint "
+                                  "(ckpt.pt) or "
+                                  "Hugging Face GPT-2 weights (config.json and "
+                                  f"{' or '.join(hf)}); give "
+                                  f"a checkpoint file or such a folder")
+        return
+    raise CheckpointError("init_from must be scratch, resume, a checkpoint file, "
+                          "gpt2[-medium|-large|-xl] "
+                          f"or a local HF GPT-2 directory; {init_from!r} is none of these")
 
 
 def load_model(ckpt, device):

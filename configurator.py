@@ -16,6 +16,7 @@ field still apply left to right.
 """
 import ast
 import difflib
+import math
 import os
 
 
@@ -36,6 +37,70 @@ def run_cli(main):
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def writable_folder(path, key, label=None):
+    """Refuse (ConfigError naming --key) a folder this process could not write files into: path must
+    be a folder or creatable as one (no file on the way), and a file must really be creatable where
+    it is or would be (a probe created and removed at once: the root user ignores mode bits, so the
+    mode bits alone say nothing). Creates nothing that stays. Call it before any work."""
+    label = label or f"--{key}={path}"         # how the user gave it
+    if not path:
+        raise ConfigError(f"{label}: empty; name a folder, e.g. --{key}=out/myrun")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{label} is a file, not a folder; choose a folder")
+    _check_folder(path, label)
+
+
+def _check_folder(path, what):
+    probe_dir = os.path.abspath(path)
+    while not os.path.exists(probe_dir):          # the nearest existing folder would hold it
+        probe_dir = os.path.dirname(probe_dir)
+    if not os.path.isdir(probe_dir):
+        raise ConfigError(f"{what} cannot be created: {probe_dir} is a file; choose another path")
+    _probe_write(probe_dir, what)
+
+
+def writable_file(path, key, suffix=''):
+    """Refuse (ConfigError naming --key) a file path this process could not write: not a folder,
+    ending in `suffix` if given, its folder existing or creatable and writable (as writable_folder
+    checks)."""
+    if not path:
+        raise ConfigError(f"--{key} is empty; name a file, e.g. "
+                          f"--{key}=results/x{suffix or '.json'}")
+    if os.path.isdir(path):
+        raise ConfigError(f"--{key}={path} is a folder; name a file in it, e.g. "
+                          f"--{key}={os.path.join(path, 'out' + (suffix or '.json'))}")
+    if suffix and not path.endswith(suffix):
+        raise ConfigError(f"--{key}={path} must end in {suffix}, e.g. --{key}={path}{suffix}")
+    _check_folder(os.path.dirname(os.path.abspath(path)), f"--{key}={path}")
+    if os.path.exists(path) and not (os.access(path, os.W_OK) and _can_open_for_append(path)):
+        raise ConfigError(f"--{key}={path} exists and is not writable; choose another file")
+
+
+def _can_open_for_append(path):
+    try:
+        with open(path, 'a'):            # changes nothing; fails where a write would
+            return True
+    except OSError:
+        return False
+
+
+def _probe_write(folder, what):
+    import tempfile
+    why = None
+    if not os.access(folder, os.W_OK | os.X_OK):     # what a non-root user's write would meet
+        why = 'permission denied'
+    else:
+        try:
+            fd, probe = tempfile.mkstemp(prefix='.write-probe-', dir=folder)
+            os.close(fd)
+            os.remove(probe)
+        except OSError as e:
+            why = e.strerror or type(e).__name__
+    if why:
+        raise ConfigError(f"{what}: cannot write in {folder} ({why}); choose a folder you can "
+                          "write to")
 
 
 class Aliases:
@@ -113,6 +178,12 @@ def _check_type(key, value, default, where):
     if not ok:
         raise ConfigError(f"config key '{key}' from {where} must be {type(default).__name__}, "
                           f"got {type(value).__name__} {value!r}")
+    # torch and numpy take 64-bit numbers: a larger int or a non-finite float can only fail later
+    if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**63:
+        raise ConfigError(f"config key '{key}' from {where} is too large: {value} does not fit in "
+                          "64 bits")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"config key '{key}' from {where} must be a finite number, got {value!r}")
     return value
 
 
@@ -164,6 +235,11 @@ def load_config(defaults, argv, aliases=None):
                     exec(compile(f.read(), arg, 'exec'), namespace)
             except SyntaxError as e:
                 raise ConfigError(f"config file {arg}, line {e.lineno}: {e.msg}; fix the file") from None
+            except SystemExit as e:      # exit() in a config file would end the run silently
+                line = next((fr.lineno for fr in _traceback_frames(e) if fr.filename == arg), '?')
+                raise ConfigError(f"config file {arg}, line {line}: it exits (SystemExit "
+                                  f"{e.code!r}); "
+                                  f"a config file only assigns values: remove the exit") from None
             except Exception as e:       # a runtime error while executing the file
                 line = next((fr.lineno for fr in _traceback_frames(e) if fr.filename == arg), '?')
                 raise ConfigError(f"config file {arg}, line {line}: {type(e).__name__}: {e}; fix the file") from None

@@ -10,6 +10,10 @@ per difficulty class.
     python eval.py --ckpt out/ffn_stage1_lookup/ckpt.pt --room [--json]
 
 eval_iters / calib_iters / batch_size default to the run's own values (0 = from the checkpoint).
+The data (the checkpoint's data_dir, or --data_dir) must be the run's own, already prepared: eval.py
+prepares nothing and refuses another corpus (tokenizer, vocabulary, content hash) with one line.
+--room on a family without a forced-cheap path or random/oracle rules reports that number as
+{"not_applicable": why} and says so on stderr.
 
 --room: how much routing can matter for this backbone on the same validation batches (room()): the
 loss with every decision forced full and forced cheap and, for the ffn family, under random and oracle
@@ -19,10 +23,10 @@ beside their arm differences.
 --routing-map: which path each token of a validation snippet (the first row of the first eval batch,
 up to 64 tokens) took at each layer under causal eval-mode routing, printed as text ('#' full path,
 '.' cheap path or skipped, '-' layer not routed) and drawn as a PNG (tokens as columns, layers as
-rows; --out, default routing_map.png beside the checkpoint; needs matplotlib, else skipped with a
-note). On the synthetic corpus also the full-path fraction per difficulty class per layer over the
-eval batches (a table, and a second PNG, <out>_by_class.png). With --json, one JSON object instead of
-the text.
+rows; --out, a .png path, default routing_map.png beside the checkpoint, checked before any work;
+needs matplotlib, else skipped with a note). On the synthetic corpus also the full-path fraction
+per difficulty class per layer over the eval batches (a table, and a second PNG,
+<out>_by_class.png). With --json, one JSON object instead of the text.
 
 train.py uses the functions here for its periodic evals and its end-of-run summary.
 """
@@ -37,7 +41,7 @@ import numpy as np
 import torch
 
 from checkpoint import load_checkpoint, load_model
-from configurator import ConfigError, declared_defaults, load_config, run_cli
+from configurator import ConfigError, declared_defaults, load_config, run_cli, writable_file
 from data.loader import check_checkpoint_data, check_data, load_dataset_meta, load_tokenizer, open_splits
 from device import cli_device
 from model import GPTConfig, resolve_aliases
@@ -220,7 +224,8 @@ def print_routing_map(res, as_json):
         print(f"\nwrote {', '.join(res['png'])}")
 
 
-def main(argv):
+def parse_args(argv):
+    """The options, every one checked before any work: (args, as_json, routing, room_only)."""
     as_json, routing, room_only = '--json' in argv, '--routing-map' in argv, '--room' in argv
     if routing and room_only:
         raise ConfigError("--room and --routing-map are separate reports: give one of them")
@@ -238,16 +243,31 @@ def main(argv):
     for key in ('eval_iters', 'calib_iters', 'batch_size'):
         if args[key] < 0:
             raise ConfigError(f"{key} must be >= 1, or 0 for the checkpoint's own value; got {args[key]}")
+    if args['data_dir'] and not os.path.isdir(args['data_dir']):
+        raise ConfigError(f"--data_dir={args['data_dir']} is not a folder; give the folder that "
+                          "holds "
+                          f"the run's prepared dataset (eval.py prepares no data)")
+    if routing:             # the PNG, where named or beside the checkpoint: a writable .png path
+        args['out'] = args['out'] or os.path.join(os.path.dirname(args['ckpt']), 'routing_map.png')
+        writable_file(args['out'], 'out', suffix='.png')
+    cli_device(args['device'], args['dtype'])
+    if not os.path.isfile(args['ckpt']):         # after the options: their errors come first
+        raise ConfigError(f"--ckpt={args['ckpt']} is not a checkpoint file; name one, e.g. "
+                          f"--ckpt=out/quickstart/ckpt.pt")
+    return args, as_json, routing, room_only
+
+
+def main(argv):
+    args, as_json, routing, room_only = parse_args(argv)
     dev, _ = cli_device(args['device'], args['dtype'])
     ck = load_checkpoint(args['ckpt'])
-    # with --json, stdout holds exactly the one JSON object: notes printed on the way (e.g. preparing the
-    # synthetic corpus) go to stderr
+    # with --json, stdout holds exactly the one JSON object: notes on the way go to stderr
     with redirect_stdout(sys.stderr) if as_json else nullcontext():
         # train.py's defaults fill the keys a checkpoint does not hold
         cfg = SimpleNamespace(**{**{f.name: f.default for f in fields(GPTConfig)},
                                  **declared_defaults(os.path.join(HERE, 'train.py')), **resolve_aliases(ck['config'])})
         cfg.data_dir = args['data_dir'] or cfg.data_dir
-        meta = load_dataset_meta(cfg, master=True)
+        meta = load_dataset_meta(cfg, master=True, prepare_missing=False)   # only training prepares
         check_checkpoint_data(cfg, meta, ck)      # the data must be the run's (names the field)
         check_data(cfg, meta, ck)                 # and intact: sha256 and token ids
         model = load_model(ck, dev)
@@ -256,10 +276,15 @@ def main(argv):
         eval_iters, calib_iters = args['eval_iters'] or cfg.eval_iters, args['calib_iters'] or cfg.calib_iters
         if routing:
             res = routing_map_report(model, tr, va, meta, eval_iters, calib_iters, eval_seed=cfg.eval_seed)
-            png = args['out'] or os.path.join(os.path.dirname(args['ckpt']), 'routing_map.png')
-            res['png'] = draw_routing_map(png, map_grid(res), res['tokens'], res.get('full_frac_by_class'))
+            os.makedirs(os.path.dirname(os.path.abspath(args['out'])), exist_ok=True)
+            res['png'] = draw_routing_map(args['out'], map_grid(res), res['tokens'],
+                                          res.get('full_frac_by_class'))
         elif room_only:
             res = room(model, [va.fetch(s) for s in va.eval_batches(eval_iters, 2, cfg.eval_seed)])
+            for key in ('room', 'gate_room'):
+                if isinstance(res[key], dict):
+                    why = res[key]['not_applicable']
+                    print(f"note: {key}: not applicable: {why}", file=sys.stderr)
         else:
             res = report(model, tr, va, meta, eval_iters, calib_iters, eval_seed=cfg.eval_seed)
     res['ckpt'] = args['ckpt']
@@ -284,11 +309,23 @@ def room(model, batches, autocast=nullcontext(), seed=0):
         with overridden(model.config, **overrides):
             r = evaluate(model, batches, autocast)
         out[name], out[f'{name}_full_frac'] = r['loss'], r['full_frac']
+    route = model.config.route
+    # a family without these settings cannot give these numbers: say so in the report itself
     if {'full', 'cheap'} <= set(out):
         out['room'] = out['cheap'] - out['full']
+    else:
+        out['room'] = dict(not_applicable=f"route={route} has no forced-cheap setting (its "
+                                          "references: "
+                                          f"{', '.join(family.references) or 'none'}), so cheap - "
+                                          "full is undefined")
     if {'random', 'oracle'} <= set(out):
         out['gate_room'] = out['random'] - out['oracle']
-    if {'full', 'cheap', 'oracle'} <= set(out) and out['room'] > 0:
+    else:
+        out['gate_room'] = dict(not_applicable=f"route={route} has no random and oracle routing "
+                                               "rules "
+                                               f"to compare its gate with")
+    measured = isinstance(out['room'], float)
+    if {'full', 'cheap', 'oracle'} <= set(out) and measured and out['room'] > 0:
         out['oracle_recovery'] = (out['cheap'] - out['oracle']) / out['room']
     return out
 

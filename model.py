@@ -16,6 +16,7 @@ interface of routing.Family, whose defaults are the dense model. This file knows
     logits, loss = model(idx, targets)[:2]    # third element: dict of loss terms and routing stats
 """
 import math
+import os
 import re
 from dataclasses import dataclass, fields
 
@@ -24,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import losses
-from configurator import Aliases
+from configurator import Aliases, ConfigError
 from route_ensemble import DepthEnsemble, EnsembleOptions
 from route_exit import EarlyExit, ExitOptions
 from route_ffn import FFNOptions, FFNRouting
@@ -71,6 +72,8 @@ class GPTConfig(EnsembleOptions, ExitOptions, HaltOptions, ModOptions, FFNOption
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.pos == 'rope' and (self.n_embd // self.n_head) % 2:
             raise ValueError("rope needs an even head dimension (n_embd // n_head)")
+        if not self.rope_base > 0:
+            raise ValueError(f"rope_base must be > 0, got {self.rope_base}")
         if self.gelu not in ('none', 'tanh'):
             raise ValueError(f"gelu must be 'none' or 'tanh', got {self.gelu!r}")
         if self.route not in FAMILIES:
@@ -467,9 +470,22 @@ class GPT(nn.Module):
         transposed relative to nn.Linear, hence the transposes."""
         try:
             from transformers import GPT2LMHeadModel
-        except ImportError as e:
-            raise ImportError("init_from=gpt2* needs `pip install transformers`") from e
-        hf = GPT2LMHeadModel.from_pretrained(name_or_path)
+        except ImportError:
+            raise ConfigError(f"init_from={name_or_path} needs the transformers package: "
+                              f"pip install transformers") from None
+        try:
+            hf = GPT2LMHeadModel.from_pretrained(name_or_path)
+        except (OSError, ValueError) as e:       # no local copy and no network, or not GPT-2 files
+            cache = os.environ.get('HF_HUB_CACHE') or os.path.join(
+                os.environ.get('HF_HOME') or os.path.expanduser('~/.cache/huggingface'), 'hub')
+            where = (f"the folder {name_or_path}" if os.path.isdir(name_or_path) else
+                     f"the Hugging Face cache {cache}, then huggingface.co")
+            raise ConfigError(
+                f"init_from={name_or_path}: no GPT-2 weights could be loaded (looked in {where}: "
+                f"{str(e).splitlines()[0][:160]}); on a machine with network run python -c \"from "
+                f"transformers import GPT2LMHeadModel as M; M.from_pretrained('{name_or_path}')"
+                f".save_pretrained('gpt2_local')\", copy gpt2_local here and pass "
+                f"--init_from=gpt2_local") from None
         c = hf.config
         args = dict(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, vocab_size=c.vocab_size,
                     block_size=c.n_positions, bias=True, pos='learned', dropout=0.0,

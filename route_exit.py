@@ -65,6 +65,11 @@ class EarlyExit(Family):
             raise ValueError("route='exit' needs n_layer >= 2 (an exit sits below the last layer)")
         check_choices(config, exit_head=('shared', 'own'), exit_schedule=('uniform', 'calm', 'layerskip', 'mean'),
                       exit_conf=('softmax', 'margin', 'saturation'))
+        lowest = -1.0 if config.exit_conf == 'saturation' else 0.0    # a cosine, else probabilities
+        if not config.exit_threshold >= lowest:
+            raise ValueError(f"exit_threshold must be >= {lowest} for "
+                             f"exit_conf={config.exit_conf!r} (its "
+                             f"confidences lie in [{lowest}, 1]), got {config.exit_threshold}")
         exit_depths(config)
 
     def build(self, model):

@@ -4,14 +4,15 @@ Sample from a trained nanodepth model.
     python sample.py --out_dir=out/quickstart --start="12+34=" --num_samples=3 --max_new_tokens=100
 
 Decodes with the tokenizer recorded in the data's meta.json (char, byte, gpt2 or the synthetic
-corpus's symbols) and uses the KV cache unless --use_cache=False. Routed models decode routed (as
-model.eval() routes, causal per token) and print the realised full-path fraction per routed layer.
+corpus's symbols), refusing a data folder that is not the checkpoint's own (its recorded tokenizer,
+vocabulary and content hash), and uses the KV cache unless --use_cache=False. Routed models
+decode routed (as model.eval() routes, causal per token) and print the realised full-path
+fraction per routed layer.
 --prompts_file=FILE: one prompt per line, decoded together as one batch of different lengths.
 --start (default a newline; on the synthetic corpus, which has none, '|', a segment boundary) and
 every prompt must encode to at least one token, with no character outside a char or synthetic
 vocabulary. Only the tokenizer's real ids are sampled, never the padding of the model's vocabulary.
 """
-import json
 import os
 import time
 from types import SimpleNamespace
@@ -20,7 +21,8 @@ import torch
 
 from checkpoint import load_checkpoint, load_model
 from configurator import ConfigError, load_config, run_cli
-from data.loader import load_tokenizer
+from data import prepare as prep
+from data.loader import check_checkpoint_data, load_tokenizer
 from device import cli_device
 from model import FAMILIES, resolve_aliases
 
@@ -45,9 +47,8 @@ def prompt_batch(cfg, encode, meta, block_size, dev):
             start = '|'                # no newline symbol there; '|' ends a segment, so a fresh one follows
         ids = encode_prompt(encode, start, '--start')
         return torch.tensor(ids, dtype=torch.long, device=dev)[None].repeat(cfg['num_samples'], 1), None
-    with open(cfg['prompts_file']) as f:
-        prompts = [encode_prompt(encode, line.rstrip('\n'), f"{cfg['prompts_file']} line {n}")
-                   for n, line in enumerate(f, 1) if line.strip()]
+    prompts = [encode_prompt(encode, line, f"{cfg['prompts_file']} line {n}")
+               for n, line in enumerate(cfg['prompts'].split('\n'), 1) if line.strip()]
     if not prompts:
         raise ConfigError(f"{cfg['prompts_file']} has no prompts")
     lengths = [len(p) for p in prompts]
@@ -57,20 +58,57 @@ def prompt_batch(cfg, encode, meta, block_size, dev):
     return torch.tensor([p + [0] * (max(lengths) - len(p)) for p in prompts], dtype=torch.long, device=dev), lengths
 
 
-def main(argv):
+def check_config(argv):
+    """The options, each checked before any work; returns them (the prompts file read as text)."""
     cfg = load_config(DEFAULTS, argv)
     for key, lo in (('num_samples', 1), ('max_new_tokens', 1), ('top_k', 0)):
         if cfg[key] < lo:
             raise ConfigError(f"{key} must be >= {lo}, got {cfg[key]}" + (' (0: no top-k)' if key == 'top_k' else ''))
     if not cfg['temperature'] >= 0:            # also refuses NaN
         raise ConfigError(f"temperature must be >= 0 (0: greedy), got {cfg['temperature']}")
-    if cfg['prompts_file'] and not os.path.isfile(cfg['prompts_file']):
-        raise ConfigError(f"prompts_file {cfg['prompts_file']!r} is not a file; give a text file of one prompt per line")
-    dev, _ = cli_device(cfg['device'])
+    if cfg['seed'] < 0:
+        raise ConfigError(f"seed must be >= 0, got {cfg['seed']}")
+    if cfg['prompts_file']:
+        cfg['prompts'] = read_prompts_file(cfg['prompts_file'])
+    if not cfg['out_dir']:
+        raise ConfigError("--out_dir is empty; name the run folder that holds ckpt.pt, e.g. "
+                          "--out_dir=out/quickstart")
+    if os.path.isfile(cfg['out_dir']):        # e.g. the checkpoint file itself
+        folder = os.path.dirname(cfg['out_dir']) or '.'
+        raise ConfigError(f"--out_dir={cfg['out_dir']} is a file; --out_dir names the run's "
+                          f"folder: --out_dir={folder}")
+    if not cfg['prompts_file'] and not cfg['start']:
+        raise ConfigError("--start is empty: give at least one character to start from")
+    if cfg['data_dir'] and not os.path.isdir(cfg['data_dir']):
+        raise ConfigError(f"--data_dir={cfg['data_dir']} is not a folder; give the folder that "
+                          f"holds the run's prepared dataset, or leave it out for the run's own")
+    cli_device(cfg['device'])
     path = os.path.join(cfg['out_dir'], 'ckpt.pt')
-    if not os.path.exists(path):
-        raise ConfigError(f"no checkpoint at {path}; train one first with: python train.py --out_dir={cfg['out_dir']}")
-    ckpt = load_checkpoint(path)
+    if not os.path.exists(path):               # after the options: their errors come first
+        raise ConfigError(f"no checkpoint at {path}; train one first with: "
+                          f"python train.py --out_dir={cfg['out_dir']}")
+    return cfg
+
+
+def read_prompts_file(path):
+    if not os.path.isfile(path):
+        raise ConfigError(f"prompts_file {path!r} is not a file; give a text file of one prompt "
+                          "per line")
+    try:
+        with open(path, encoding='utf-8') as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"prompts_file {path!r} is not UTF-8 text (byte offset {e.start}); save "
+                          "it as "
+                          f"UTF-8 (e.g. iconv -f <its encoding> -t utf-8)") from None
+    except OSError as e:
+        raise ConfigError(f"prompts_file {path!r} cannot be read ({e.strerror})") from None
+
+
+def main(argv):
+    cfg = check_config(argv)
+    dev, _ = cli_device(cfg['device'])
+    ckpt = load_checkpoint(os.path.join(cfg['out_dir'], 'ckpt.pt'))
     margs, tcfg = ckpt['model_args'], ckpt['config']
     family = FAMILIES.get(margs.get('route'))
     # today's option names, whatever the checkpoint's
@@ -78,11 +116,13 @@ def main(argv):
     if refusal:
         raise ConfigError(refusal)
     folder = os.path.join(cfg['data_dir'] or tcfg.get('data_dir') or os.path.join(HERE, 'data'), tcfg['dataset'])
-    if not os.path.exists(os.path.join(folder, 'meta.json')):
-        raise ConfigError(f"no {folder}/meta.json to decode with: run python data/prepare.py {tcfg['dataset']} "
-                          f"(or pass --data_dir=...)")
-    with open(os.path.join(folder, 'meta.json')) as f:
-        meta = json.load(f)
+    try:                                        # its meta.json holds the tokenizer to decode with
+        meta = prep.check_prepared(folder)
+    except prep.PrepareError as e:
+        hint = f"(or pass --data_dir=<the folder that holds {tcfg['dataset']}>)"
+        raise ConfigError(f"{e} {hint}") from None
+    # decode with the run's own tokenizer and vocabulary only: another folder's would print garbage
+    check_checkpoint_data(SimpleNamespace(dataset=tcfg['dataset']), dict(meta, folder=folder), ckpt)
     encode, decode = load_tokenizer(meta)
     x, lengths = prompt_batch(cfg, encode, meta, margs['block_size'], dev)
     model = load_model(ckpt, dev).eval()

@@ -60,7 +60,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from configurator import ConfigError, run_cli
+from configurator import ConfigError, run_cli, writable_folder
 from plots import read_metrics, run_metrics, train_lm_curve, write_plots
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -90,7 +90,7 @@ def load_study(path):
             exec(compile(f.read(), path, 'exec'), ns)
     except SyntaxError as e:
         raise ConfigError(f"study {path}, line {e.lineno}: {e.msg}; fix the file") from None
-    except Exception as e:           # a runtime error while executing the file
+    except (Exception, SystemExit) as e:     # a runtime error or an exit() in the file
         raise ConfigError(f"study {path}: {type(e).__name__}: {e}; fix the file") from None
     missing = [k for k in ('base', 'arms', 'seeds', 'out_root') if k not in ns]
     if missing:
@@ -98,6 +98,12 @@ def load_study(path):
     if not isinstance(ns['arms'], dict) or not ns['arms'] or not ns['seeds']:
         raise ConfigError(f"study {path}: arms must be a non-empty dict {{name: [overrides]}} and seeds a "
                           f"non-empty list")
+    if not isinstance(ns['out_root'], str) or not ns['out_root']:
+        raise ConfigError(f"study {path}: out_root must name a folder, e.g. out_root = "
+                          "'out/study_x'")
+    whole = [isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**63 for s in ns['seeds']]
+    if not all(whole):
+        raise ConfigError(f"study {path}: seeds must be whole numbers >= 0, got {ns['seeds']!r}")
     ns.setdefault('overrides', [])
     ns.setdefault('before', [])
     ns.setdefault('reference', next(iter(ns['arms'])))
@@ -444,20 +450,35 @@ def room_markdown(room):
     return f"{head}{tail}. Backbones (eval.py --room, per seed): {vals}.\n"
 
 
-def main(argv):
+FLAGS = ('--summarize_only', '--dry_run', '--no_plots')
+
+
+def parse_args(argv):
+    """(study, options, jobs): the study file and every option checked before any run starts."""
     if not argv or not argv[0].endswith('.py'):
         raise ConfigError("usage: python sweep.py config/study_<name>.py [--jobs=N] [--summarize_only] [--dry_run] "
                           "[--no_plots]")
     opts = {a.split('=')[0]: (a.split('=', 1)[1] if '=' in a else True) for a in argv[1:]}
-    unknown = set(opts) - {'--jobs', '--summarize_only', '--dry_run', '--no_plots'}
+    unknown = set(opts) - {'--jobs', *FLAGS}
     if unknown:
         raise ConfigError(f"unknown option(s) {', '.join(sorted(unknown))}; the options are --jobs=N, "
                           f"--summarize_only, --dry_run and --no_plots")
+    for flag in FLAGS:
+        if opts.get(flag, True) is not True:
+            raise ConfigError(f"{flag} takes no value, got {flag}={opts[flag]}; give {flag} alone")
     jobs = str(opts.get('--jobs', 1))
-    if not jobs.isdigit() or int(jobs) < 1:
-        raise ConfigError(f"--jobs must be a whole number >= 1, got {jobs!r}")
+    if not jobs.isdigit() or not 1 <= int(jobs) <= 1024:
+        raise ConfigError(f"--jobs must be a whole number from 1 to 1024, got {jobs!r}")
     study = load_study(argv[0])
     study['__file__'] = argv[0]
+    if not opts.get('--dry_run'):         # it writes every run, the summary and the plots there
+        writable_folder(study['out_root'], 'out_root', label=f"out_root={study['out_root']!r} of "
+                                                             f"{argv[0]}")
+    return study, opts, jobs
+
+
+def main(argv):
+    study, opts, jobs = parse_args(argv)
     root = study['out_root']
     os.makedirs(root, exist_ok=True)
     grid = [(arm, s, with_seed([study['base'], *study['overrides'], *ov, f'--seed={s}'], s))

@@ -30,9 +30,11 @@ import torch
 
 import eval as evaluation
 import flops
-from checkpoint import load_checkpoint, remove_stale_temps, save_checkpoint
-from configurator import ConfigError, UserError, declared_defaults, load_config, run_cli
-from data.loader import DataError, check_checkpoint_data, check_data, data_identity, load_dataset_meta, open_splits
+from checkpoint import check_init_from, load_checkpoint, remove_stale_temps, save_checkpoint
+from configurator import (ConfigError, UserError, declared_defaults, load_config, run_cli,
+                          writable_folder)
+from data.loader import (DataError, check_checkpoint_data, check_data, check_data_folder,
+                         data_identity, load_dataset_meta, open_splits)
 from device import autocast_context, resolve_device_dtype
 from model import ALIASES, FAMILIES, GPT, GPTConfig, is_controller_key, resolve_aliases
 
@@ -199,15 +201,18 @@ def read_config(argv):
 
 def check_train_config(cfg):
     """The training loop's own fields."""
-    if cfg.init_from not in ('scratch', 'resume') and not cfg.init_from.startswith('gpt2') \
-            and not os.path.exists(cfg.init_from):
-        raise TrainError(f"init_from must be scratch, resume, a checkpoint file, gpt2[-medium|-large|-xl] "
-                         f"or a local HF GPT-2 directory; {cfg.init_from!r} is none of these")
+    check_init_from(cfg.init_from)
     try:
         [float(t) for t in str(cfg.lm_thresholds).split(',') if t.strip()]
     except ValueError:
         raise TrainError(f"lm_thresholds must be comma-separated numbers such as '2.5,2.0', got {cfg.lm_thresholds!r}") from None
-    at_least = dict(ffn_oracle_layers_per_step=1, eval_interval=1, log_interval=1, eval_iters=1, batch_size=1,
+    if cfg.trainable not in ('all', 'controller', 'last_layers'):
+        raise TrainError("trainable must be 'all', 'controller' or 'last_layers', got "
+                         f"{cfg.trainable!r}")
+    if cfg.dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
+        raise TrainError(f"dtype must be auto, float32, bfloat16 or float16, got {cfg.dtype!r}")
+    at_least = dict(seed=0, eval_seed=0, ffn_oracle_layers_per_step=1, eval_interval=1,
+                    log_interval=1, eval_iters=1, batch_size=1,
                     block_size=1, gradient_accumulation_steps=1, max_iters=0, calib_iters=1, warmup_iters=0,
                     lr_decay_iters=0, max_fp16_skips=1, ddp_timeout=1)
     for key, lo in at_least.items():
@@ -308,7 +313,11 @@ def open_inputs(cfg, master):
 
 
 def check_out_dir(cfg):
-    """A fresh run never silently replaces or appends to the run already in out_dir."""
+    """Every folder the run will write can be written, before any work (a resume onto a read-only
+    folder would otherwise train until its first save fails), and a fresh run never silently
+    replaces or appends to the run already in out_dir."""
+    writable_folder(cfg.out_dir, 'out_dir')
+    check_data_folder(cfg)          # a named dataset; its folder writable where it will be prepared
     if cfg.init_from == 'resume' or cfg.overwrite:
         return
     held = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]

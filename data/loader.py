@@ -10,7 +10,7 @@ import time
 import numpy as np
 import torch
 
-from configurator import ConfigError, UserError
+from configurator import ConfigError, UserError, writable_folder
 from data import prepare as prep
 
 DATA_DIR = os.path.dirname(os.path.abspath(__file__))   # where dataset folders live unless --data_dir says
@@ -23,11 +23,36 @@ class DataError(UserError):
 BUILTIN = ('synthetic', 'synthetic_lookup')      # generated here, so prepared on first use
 
 
-def load_dataset_meta(cfg, master):
-    """Check data/<dataset> is completely prepared (preparing the built-in synthetic corpus if absent)
-    and return its meta.json."""
-    folder = os.path.join(cfg.data_dir or DATA_DIR, cfg.dataset)
-    if cfg.dataset in BUILTIN and not os.path.exists(os.path.join(folder, 'meta.json')):
+def dataset_folder(cfg):
+    """data_dir/dataset (data_dir defaults to this package's folder); dataset is a folder's name."""
+    name = cfg.dataset
+    if not name or name != os.path.basename(name) or name in ('.', '..'):
+        raise ConfigError(f"--dataset={name} is not a dataset name: give the name of a prepared "
+                          "data folder "
+                          f"(e.g. --dataset=synthetic) and its parent with --data_dir")
+    return os.path.join(cfg.data_dir or DATA_DIR, name)
+
+
+def needs_preparing(cfg):
+    """Training on a built-in synthetic corpus prepares it on first use (the quickstart's first
+    run)."""
+    meta = os.path.join(dataset_folder(cfg), 'meta.json')
+    return cfg.dataset in BUILTIN and not os.path.exists(meta)
+
+
+def check_data_folder(cfg):
+    """The dataset is named properly and, where a run will prepare it, its folder can be written."""
+    folder = dataset_folder(cfg)
+    if needs_preparing(cfg):
+        writable_folder(folder, 'data_dir' if cfg.data_dir else 'dataset')
+
+
+def load_dataset_meta(cfg, master, prepare_missing=True):
+    """Check data_dir/<dataset> is completely prepared and return its meta.json. Training
+    (prepare_missing) prepares a built-in synthetic corpus that is absent; nothing else prepares
+    data: eval and sample name the command that would."""
+    folder = dataset_folder(cfg)
+    if prepare_missing and needs_preparing(cfg):
         if master:
             print(f"no {cfg.dataset} corpus at {folder}: preparing it (python data/prepare.py {cfg.dataset})")
             prep.prepare(cfg.dataset, out_dir=folder)

@@ -71,6 +71,9 @@ except ImportError:  # Windows: no advisory file locks, so prepares into one fol
 
 DATA_DIR = Path(__file__).resolve().parent
 REPO_ROOT = DATA_DIR.parent
+if str(REPO_ROOT) not in sys.path:  # run as a script: the repository's modules are its parent's
+    sys.path.append(str(REPO_ROOT))
+from configurator import ConfigError, writable_folder  # noqa: E402
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 ENWIK8_URL = "http://mattmahoney.net/dc/enwik8.zip"
@@ -223,12 +226,19 @@ def fetch(url, cache):
     return raw
 
 
-def decode_utf8(raw, path):
+def decode_utf8(raw, path, byte_option=False):
+    """raw as UTF-8 text; else a PrepareError whose fix this dataset accepts: --tokenizer=byte where
+    it has that option (the text dataset), else converting the file or preparing it as bytes."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise PrepareError(f"{path} is not valid UTF-8 (byte offset {e.start}); "
-                           "use --tokenizer byte for binary data") from None
+        fix = ("use --tokenizer=byte for binary data" if byte_option else
+               "convert it (iconv -f <its encoding> -t utf-8) and pass the converted file as "
+               "--input, "
+               "or prepare it as bytes: python data/prepare.py text "
+               f"--input={shlex.quote(str(path))} "
+               f"--tokenizer=byte")
+        raise PrepareError(f"{path} is not valid UTF-8 (byte offset {e.start}); {fix}") from None
 
 
 def ensure_tiktoken_cache():
@@ -329,11 +339,11 @@ def split_tokens(ids, val_fraction, what):
     return {"train": ids[:n_train], "val": ids[n_train:]}
 
 
-def tokenize_text(raw, path, tokenizer):
+def tokenize_text(raw, path, tokenizer, byte_option=False):
     """-> (ids, vocab_size, extra meta) for the char, byte or gpt2 tokenizer."""
     if tokenizer == "byte":
         return np.frombuffer(raw, dtype=np.uint8), 256, {}
-    text = decode_utf8(raw, path)
+    text = decode_utf8(raw, path, byte_option)
     if tokenizer == "gpt2":
         return encode_docs(split_txt_docs(text) or [text]), GPT2_EOT + 1, {"eot_token": GPT2_EOT}
     if tokenizer != "char":
@@ -352,7 +362,7 @@ def build_text(a, default_input=None, url=None):
         raw, source = read_input(path), str(Path(path).resolve())
     else:
         raw, source = fetch(url, a["_out"] / "input.txt"), url
-    ids, vocab, extra = tokenize_text(raw, path or url, tokenizer)
+    ids, vocab, extra = tokenize_text(raw, path or url, tokenizer, byte_option="tokenizer" in a)
     splits = split_tokens(ids, a.get("val_fraction", 0.1), source)
     pct = round(100 * (1 - float(a.get("val_fraction", 0.1))))
     meta = {"tokenizer": tokenizer, "vocab_size": vocab, **extra, "source": source,
@@ -464,6 +474,7 @@ def prepare(dataset, out_dir=None, **opts):
         raise PrepareError(f"option(s) {', '.join('--' + k for k in unknown)} do not apply to dataset {dataset}; "
                            f"its options: {', '.join('--' + k for k in args)}")
     args.update({k: v for k, v in opts.items() if v is not None})
+    check_options(args, out_dir)
     out = output_dir(dataset, out_dir, args.get("name"))
     splits, extra, meta = BUILDERS[dataset]({**args, "_out": out})
     arrays = {k: to_array(v, meta["vocab_size"], args["dtype"]) for k, v in splits.items()}
@@ -480,6 +491,38 @@ def prepare(dataset, out_dir=None, **opts):
             meta["files"][f"{name}.bin"] = {"bytes": arr.nbytes, "sha256": hashlib.sha256(arr).hexdigest()}
         write_file(out / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
     return meta
+
+
+MAX_TOKENS = 10**10     # the corpus is built in memory
+
+
+def check_options(args, out_dir):
+    """Every option's range and the output folder, before anything is built, read or written."""
+    if out_dir is not None and not str(out_dir):
+        raise PrepareError("--out_dir is empty; name a folder, or leave it out for data/<dataset>")
+    ranges = {"seed": (0, 2**63 - 1), "num_tokens": (1, MAX_TOKENS), "max_docs": (1, 2**63 - 1)}
+    for key, (lo, hi) in ranges.items():
+        if key in args and not lo <= args[key] <= hi:
+            raise PrepareError(f"--{key} {args[key]}: must be between {lo} and {hi:,}")
+    if "val_fraction" in args:
+        check_fraction(args["val_fraction"])
+    if args["dtype"] not in ("auto", "uint16", "uint32"):
+        raise PrepareError(f"--dtype {args['dtype']!r}: choose auto, uint16 or uint32")
+    if args.get("tokenizer", "char") not in ("char", "byte", "gpt2"):
+        raise PrepareError(f"--tokenizer {args['tokenizer']!r}: choose char, byte or gpt2")
+    if "mix" in args:
+        parse_mix(args["mix"])
+    name = args.get("name")
+    if name is not None and (not name or name != Path(name).name or name in (".", "..")):
+        raise PrepareError(f"--name {name!r}: give a folder name (no '/'), e.g. --name=mytext")
+    source = args.get("input")
+    if source is not None and not (Path(source).is_file() and Path(source).stat().st_size):
+        raise PrepareError(f"input file {'is empty' if Path(source).is_file() else 'not found'}: "
+                           f"{source}")
+    try:
+        writable_folder(str(out_dir) if out_dir is not None else str(DATA_DIR), "out_dir")
+    except ConfigError as e:
+        raise PrepareError(str(e)) from None
 
 
 @contextlib.contextmanager
@@ -537,10 +580,17 @@ def check_prepared(folder):
 
 
 def prepare_command(folder, meta=None):
-    """The command that rewrites folder: meta.json's own, else a guess from the folder's name."""
+    """The command that rewrites folder: meta.json's own options with --out_dir this folder (a
+    copied or moved folder must not send the user to re-prepare the original), else a guess from its
+    name."""
+    folder = Path(folder)
+    dataset = meta.get("dataset") if isinstance(meta, dict) else None
+    if dataset in BUILDERS and isinstance(meta.get("prepare_args"), dict):
+        known = {**COMMON_DEFAULTS, **DEFAULTS[dataset]}
+        args = {k: v for k, v in meta["prepare_args"].items() if k in known}
+        return command_for(dataset, args, folder)
     if isinstance(meta, dict) and meta.get("command"):
         return meta["command"]
-    folder = Path(folder)
     cmd = f"python data/prepare.py {folder.name if folder.name in BUILDERS else '<dataset>'}"
     if folder.resolve() != (DATA_DIR / folder.name).resolve():
         cmd += f" --out_dir={shlex.quote(str(folder))}"
@@ -606,8 +656,14 @@ def check_token_ids(folder, meta, vocab_size, what="meta.json's vocab_size", chu
     return meta
 
 
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):      # argparse's usage block would bury the one line that matters
+        print(f"prepare.py: error: {message}; see python data/prepare.py --help", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineParser(description=__doc__.split("\n")[0])
     p.add_argument("dataset", help=", ".join(BUILDERS))
     p.add_argument("--out_dir")
     for key, kind in [("dtype", str), ("seed", int), ("num_tokens", int), ("mix", str), ("input", str),

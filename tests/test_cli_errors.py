@@ -7,6 +7,7 @@ One tiny synthetic run is trained once per module (a train.py subprocess); the c
 made in-process. Everything else calls main(argv) in-process, except one subprocess test per script."""
 import json
 import os
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -222,14 +223,34 @@ def test_bench_refuses_decode_past_block_size(args):
 # ----------------------------------------------------------------------------------------------------
 # eval.py --json: stdout is exactly one JSON object
 
-def test_eval_json_stdout_is_one_object_while_preparing_the_corpus(run, tmp_path, capsys):
-    fresh = tmp_path / "fresh_data"
-    assert ev.main(["--ckpt", str(run / "out" / "ckpt.pt"), "--json", f"--data_dir={fresh}", "--eval_iters=1",
-                    "--calib_iters=1", "--device=cpu"]) == 0
+def test_eval_json_stdout_is_one_object(run, capsys):
+    assert ev.main(["--ckpt", str(run / "out" / "ckpt.pt"), "--json", f"--data_dir={run / 'data'}",
+                    "--eval_iters=1", "--calib_iters=1", "--device=cpu"]) == 0
     out, err = capsys.readouterr()
     res = json.loads(out)                                   # the whole of stdout
     assert res["val_loss"]["loss"] > 0 and res["ckpt"] == str(run / "out" / "ckpt.pt")
-    assert "preparing it" in err and (fresh / "synthetic" / "meta.json").is_file()
+
+
+def test_eval_prepares_no_data_and_its_suggested_prepare_works(run, tmp_path, capsys):
+    """A data folder without the run's corpus is refused, nothing is written there, and the command
+    the error names prepares exactly what eval then accepts."""
+    ckpt = str(run / "out" / "ckpt.pt")
+    args = ["--ckpt", ckpt, "--json", "--eval_iters=1", "--calib_iters=1", "--device=cpu"]
+    with pytest.raises(UserError, match="is not a folder"):
+        ev.main(args + [f"--data_dir={tmp_path / 'missing'}"])
+    assert not (tmp_path / "missing").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(UserError) as e:
+        ev.main(args + [f"--data_dir={empty}"])
+    assert list(empty.iterdir()) == []                     # nothing prepared, nothing written
+    command = str(e.value).split("run: ", 1)[1]
+    words = shlex.split(command)
+    assert words[:3] == ["python", "data/prepare.py", "synthetic"], command
+    assert P.main(words[2:]) == 0                          # the suggested command, as written
+    capsys.readouterr()
+    assert ev.main(args + [f"--data_dir={empty}"]) == 0
+    assert json.loads(capsys.readouterr().out)["val_loss"]["loss"] > 0
 
 
 # ----------------------------------------------------------------------------------------------------
