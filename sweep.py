@@ -60,6 +60,7 @@ import numpy as np
 
 from configurator import ConfigError, run_cli
 from plots import read_metrics, run_metrics, train_lm_curve, write_plots
+from runlock import lock_folder
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(HERE, 'train.py')
@@ -466,6 +467,7 @@ def main(argv):
         for arm, s, a in grid:
             print(f"{arm} seed {s}:", 'python train.py', ' '.join(a), f'--out_dir={root}/{arm}/seed{s}')
         return 0
+    lock = lock_folder(root, 'out_root')     # one sweep per folder: held until main returns or the process ends
     failed = []
     if not opts.get('--summarize_only'):
         if run_before(before, root, int(jobs)):
