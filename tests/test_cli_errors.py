@@ -7,7 +7,6 @@ One tiny synthetic run is trained once per module (a train.py subprocess); the c
 made in-process. Everything else calls main(argv) in-process, except one subprocess test per script."""
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -23,6 +22,7 @@ import sample  # noqa: E402
 import sweep  # noqa: E402
 from checkpoint import CheckpointError  # noqa: E402
 from configurator import UserError  # noqa: E402
+from conftest import run_group  # noqa: E402
 from data import prepare as P  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -33,8 +33,7 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine 
 
 
 def run_py(script, args, timeout=180):
-    return subprocess.run([sys.executable, script, *map(str, args)], cwd=REPO, env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
+    return run_group([sys.executable, script, *args], timeout, cwd=REPO, env=ENV)
 
 
 @pytest.fixture(scope="module")
