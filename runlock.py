@@ -1,9 +1,9 @@
 """
-One writer per run folder: train.py holds an exclusive lock on its out_dir, sweep.py on its out_root,
-for as long as it runs. A second writer (a resume, a fresh run with --overwrite=True, a sweep into the
-same folder) is refused with one line naming the folder and the holder's PID, before it touches
-anything. The lock is an flock on <folder>/.lock, so the kernel drops it when its holder dies, even by
-SIGKILL; the file left behind is then simply locked again.
+One writer per run folder: train.py holds an exclusive lock on its out_dir, sweep.py on its
+out_root, for as long as it runs. A second writer (a resume, a fresh run with --overwrite=True, a
+sweep into the same folder) is refused with one line naming the folder and the holder's PID, before
+it touches anything. The lock is an flock on <folder>/.lock, so the kernel drops it when its holder
+dies, even by SIGKILL; the file left behind is then simply locked again.
 
     from runlock import lock_folder
     lock = lock_folder(cfg.out_dir, 'out_dir')     # FolderBusy (a UserError) if another holds it
@@ -29,8 +29,9 @@ class FolderBusy(UserError):
     def __init__(self, folder, pid, option):
         self.pid = pid
         holder = f"PID {pid}" if pid else "a process whose PID it did not record"
-        super().__init__(f"{option} {folder} is in use by another run ({holder}, a train.py or sweep.py "
-                         f"still writing there); wait for it to end or stop it, or choose another {option}")
+        super().__init__(f"{option} {folder} is in use by another run ({holder}, a train.py or "
+                         f"sweep.py still writing there); wait for it to end or stop it, or choose "
+                         f"another {option}")
 
 
 class FolderLock:
@@ -50,7 +51,7 @@ class FolderLock:
             pass
         os.close(self.fd)
         self.fd = None
-        if self.created_folder:        # a run refused before it wrote anything leaves no empty folder
+        if self.created_folder:        # a run refused before it wrote anything leaves no folder
             try:
                 os.rmdir(self.created_folder)
             except OSError:
@@ -61,8 +62,8 @@ class FolderLock:
 
 
 def lock_folder(folder, option='out_dir'):
-    """Take the exclusive lock on folder (created if missing): a FolderLock, or FolderBusy naming the
-    holder's PID, or a UserError if the folder or its lock file cannot be created."""
+    """Take the exclusive lock on folder (created if missing): a FolderLock, or FolderBusy naming
+    the holder's PID, or a UserError if the folder or its lock file cannot be created."""
     if fcntl is None:
         return FolderLock(None, None, None)
     created = None if os.path.isdir(folder) else folder
@@ -89,15 +90,15 @@ def lock_folder(folder, option='out_dir'):
     except FolderBusy:
         raise
     except OSError as e:
-        raise UserError(f"cannot create the lock file {path} ({e.strerror}); choose an {option} you can "
-                        f"write to") from None
+        raise UserError(f"cannot create the lock file {path} ({e.strerror}); choose an {option} "
+                        f"you can write to") from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return FolderLock(fd, path, created)
 
 
 def holder_pid(fd, wait_s=0.5):
-    """The PID the holder wrote into the lock file (it writes it just after locking: wait a moment)."""
+    """The PID the holder wrote into the lock file (written just after locking: wait a moment)."""
     deadline = time.time() + wait_s
     while True:
         text = os.pread(fd, 32, 0).decode(errors='replace').strip()

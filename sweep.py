@@ -467,7 +467,7 @@ def main(argv):
         for arm, s, a in grid:
             print(f"{arm} seed {s}:", 'python train.py', ' '.join(a), f'--out_dir={root}/{arm}/seed{s}')
         return 0
-    lock = lock_folder(root, 'out_root')     # one sweep per folder: held until main returns or the process ends
+    lock = lock_folder(root, 'out_root')   # one sweep per folder, held until main returns
     failed = []
     if not opts.get('--summarize_only'):
         if run_before(before, root, int(jobs)):

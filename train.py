@@ -8,7 +8,8 @@ Train a nanodepth model.
 Writes into out_dir: metrics.jsonl (one JSON object per log line and per eval), config.json (the
 resolved config), run_info.json (code version, torch, device), ckpt.pt (written atomically: model,
 optimizer, scaler, RNG states, iteration, best val loss, config, sampler state). `--init_from=resume`
-continues exactly where ckpt.pt left off. Ctrl-C / SIGTERM finishes the current step, saves, exits 0.
+continues exactly where ckpt.pt left off (a finished run says so and writes nothing). Ctrl-C /
+SIGTERM finishes the current step, saves, exits 0. One run at a time per out_dir (runlock.py).
 """
 import errno
 import json
@@ -109,20 +110,22 @@ def main(argv):
 
 
 def end_ddp_process(argv):
-    """A DDP process ends with os._exit, on every path (done, stopped by a signal, an error). Left to
-    the interpreter, freeing the DDP wrapper drops the last reference to the gloo process group, whose
-    destructor joins gloo's worker thread while holding the GIL, which that thread waits for: about one
-    run in ten then hangs after its work is done, deaf to SIGTERM. By now everything the run writes is
-    on disk (the checkpoint fsynced, metrics flushed per record, closed, the lock released): only
-    stdout and stderr remain to flush."""
+    """A DDP process ends with os._exit, on every path (done, stopped by a signal, an error).
+    Left to the interpreter, freeing the DDP wrapper drops the last reference to the gloo process
+    group, whose destructor joins gloo's worker thread while holding the GIL, which that thread
+    waits for: about one run in ten then hangs after its work is done, deaf to SIGTERM. By now
+    everything the run writes is on disk (the checkpoint fsynced, metrics flushed per record and
+    closed, the lock released): only stdout and stderr remain to flush."""
     code = 1
     try:
         code = run_checked(argv)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         code = 2
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (e.code is not None and print(e.code, file=sys.stderr) or 0)
+    except SystemExit as e:    # as the interpreter does: sys.exit(message) prints it, exits 1
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if code == 1 and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
     except KeyboardInterrupt:          # a second Ctrl-C
         code = 130
     except BaseException:
@@ -154,7 +157,7 @@ def train(argv):
     cfg, cfg_dict = read_config(argv)
     proc = setup_process(cfg)
     start_process_group(cfg, proc)
-    lock = hold_out_dir(cfg, proc)    # one writer per run folder, from before anything is read or written
+    lock = hold_out_dir(cfg, proc)    # one writer per run folder, before anything is read or done
     run = None
     try:
         run = setup(cfg, cfg_dict, proc, argv)
@@ -166,7 +169,7 @@ def train(argv):
             run.metrics_f.close()
         if lock is not None:
             lock.release()
-    if proc.ddp:                # rank 0 may still be writing its summary: leave together (no destroy:
+    if proc.ddp:        # rank 0 may still be writing its summary: leave together (no destroy:
         torch.distributed.barrier()    # the process ends with os._exit, see end_ddp_process)
     return 0
 
@@ -205,7 +208,7 @@ def hold_out_dir(cfg, proc):
             lock = lock_folder(cfg.out_dir, 'out_dir')
         except UserError as e:
             refusal = e
-    if proc.ddp:                      # 0: locked; the holder's PID; -1: another error (rank 0 prints it)
+    if proc.ddp:              # 0: locked; the holder's PID; -1: another error (rank 0 prints it)
         code = 0 if refusal is None else (getattr(refusal, 'pid', None) or -1)
         status = torch.tensor([code], dtype=torch.int64, device=proc.dev)
         torch.distributed.broadcast(status, 0)
@@ -213,7 +216,8 @@ def hold_out_dir(cfg, proc):
         if refusal is None and code > 0:
             refusal = FolderBusy(cfg.out_dir, code, 'out_dir')
         elif refusal is None and code < 0:
-            refusal = TrainError(f"rank 0 could not lock out_dir {cfg.out_dir} (its error is above)")
+            refusal = TrainError(f"rank 0 could not lock out_dir {cfg.out_dir} (its error is "
+                                 f"above)")
     if refusal is not None:
         raise refusal
     return lock
@@ -227,9 +231,9 @@ def setup(cfg, cfg_dict, proc, argv):
     meta, ckpt = open_inputs(cfg, proc.master)     # the data's meta.json, the checkpoint to start from
     if finished_already(cfg, ckpt):
         if proc.master:
-            print(f"the run in {cfg.out_dir} is already finished (iteration {ckpt['iter_num']}, max_iters="
-                  f"{cfg.max_iters}, its summary recorded): nothing to do. Train it further with a larger "
-                  f"--max_iters, or evaluate it with --eval_only=True")
+            print(f"the run in {cfg.out_dir} is already finished (iteration {ckpt['iter_num']}, "
+                  f"max_iters={cfg.max_iters}, its summary recorded): nothing to do. Train it "
+                  f"further with a larger --max_iters, or evaluate it with --eval_only=True")
         return None
     seed_rngs(cfg.seed + proc.rank)
     model = build_model(cfg, meta, ckpt).to(proc.dev)
@@ -368,28 +372,30 @@ def open_inputs(cfg, master):
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
     check_out_dir(cfg)
     meta = load_dataset_meta(cfg, master)
+    if master:                  # temp files of a writer that was killed mid-save (the checkpoint is intact)
+        for tmp in remove_stale_temps(ckpt_path):
+            print(f"removed {tmp}, left by a checkpoint write that was killed")
     ckpt = None
     if cfg.init_from == 'resume':
         if not os.path.exists(ckpt_path):
             raise TrainError(f"init_from=resume but there is no checkpoint at {ckpt_path}; start the run afresh "
                              f"(with --overwrite=True if {cfg.out_dir} holds its other files)")
         ckpt = load_checkpoint(ckpt_path)
-        if finished_already(cfg, ckpt):            # nothing to check or clean up: setup says so
+        if finished_already(cfg, ckpt):            # nothing more to check: setup says so and stops
             return meta, ckpt
     elif os.path.isfile(cfg.init_from):
         ckpt = load_checkpoint(cfg.init_from)
-    if master:                  # temp files of a writer that was killed mid-save (the checkpoint is intact)
-        for tmp in remove_stale_temps(ckpt_path):
-            print(f"removed {tmp}, left by a checkpoint write that was killed")
     check_data(cfg, meta, ckpt)
     return meta, ckpt
 
 
 def finished_already(cfg, ckpt):
-    """A resume (not eval-only) of a run whose checkpoint reached max_iters and whose metrics hold the
-    summary written at that iteration (a run killed between its last checkpoint and its summary is
-    not finished: resuming writes the summary)."""
-    if cfg.init_from != 'resume' or cfg.eval_only or ckpt is None or ckpt['iter_num'] < cfg.max_iters:
+    """A resume (not eval-only) of a run whose checkpoint reached max_iters and whose metrics hold
+    the summary written at that iteration (a run killed between its last checkpoint and its
+    summary is not finished: resuming writes the summary)."""
+    if cfg.init_from != 'resume' or cfg.eval_only or ckpt is None:
+        return False
+    if ckpt['iter_num'] < cfg.max_iters:
         return False
     path = os.path.join(cfg.out_dir, 'metrics.jsonl')
     if not os.path.exists(path):
@@ -597,7 +603,7 @@ def wrap_model(raw_model, cfg, proc):
 def open_run_files(cfg, cfg_dict, proc, iter_num):
     """config.json and run_info.json, and metrics.jsonl open for appending (rank 0 only)."""
     os.makedirs(cfg.out_dir, exist_ok=True)
-    if not (cfg.eval_only and cfg.init_from == 'resume'):     # an evaluation keeps the training's record
+    if not (cfg.eval_only and cfg.init_from == 'resume'):     # an evaluation keeps the training's
         with open(os.path.join(cfg.out_dir, 'config.json'), 'w') as f:
             json.dump(cfg_dict, f, indent=2)
         with open(os.path.join(cfg.out_dir, 'run_info.json'), 'w') as f:
@@ -688,7 +694,7 @@ class StopFlag:
 
 def eval_due(run):
     cfg = run.cfg
-    # by the run this one resumes (an eval-only run evaluates the checkpoint once, whatever it holds)
+    # by the run this one resumes (an eval-only run evaluates the checkpoint once, whatever it has)
     logged_already = run.resumed and run.iter_num == run.start_iter and not cfg.eval_only
     return (run.iter_num % cfg.eval_interval == 0 or run.iter_num >= cfg.max_iters or cfg.eval_only) \
         and not logged_already
@@ -904,8 +910,8 @@ def stop_requested(run, stop, logged):
 # the end of the run
 
 def finish_run(run, stopped):
-    """Rank 0: the 'summary' record (and, for a routing family after a complete run, its routing report).
-    An eval-only run's summary is marked eval_only and keeps the training's wall time."""
+    """Rank 0: the 'summary' record (and, for a routing family after a complete run, its routing
+    report). An eval-only run's summary is marked eval_only and keeps the training's wall time."""
     cfg = run.cfg
     if not cfg.eval_only:
         run.flops_state['wall_s'] = time.time() - run.t_run
@@ -926,8 +932,8 @@ def finish_run(run, stopped):
     log(run, summary)
     run.metrics_f.close()
     if cfg.eval_only:
-        print(f"evaluated {cfg.out_dir} at iteration {run.iter_num} (eval only: nothing trained); its eval and "
-              f"summary are appended to {os.path.join(cfg.out_dir, 'metrics.jsonl')}")
+        print(f"evaluated {cfg.out_dir} at iteration {run.iter_num} (eval only: nothing trained); "
+              f"its eval and summary are appended to {os.path.join(cfg.out_dir, 'metrics.jsonl')}")
     elif not stopped:
         written = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
         print(f"done: {run.iter_num} iterations, best val loss {run.best_val:.4f}. Outputs in {cfg.out_dir}/ "

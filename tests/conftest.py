@@ -46,19 +46,20 @@ settings.load_profile(HYPOTHESIS_PROFILE)
 # ----------------------------------------------------------------------------------------------------
 # processes the tests start
 #
-# Every process a test starts goes through start() / started() / run_group() / finish(): it runs in a
-# session of its own (a group signal reaches it and whatever it forks without leaving the group), and
-# its environment carries a tag of its own, NANODEPTH_TEST_GROUP, that every descendant inherits, also
-# one that leaves the group (torchrun starts each worker in a new session). Ending a process ends its
-# group and every process carrying its tag: SIGTERM, a grace period, then SIGKILL. Every process the
-# tests start also inherits NANODEPTH_TEST_SESSION (set below in os.environ, so processes started
-# some other way carry it too): at the end of the session one still alive fails the run (see
-# pytest_sessionfinish). A pytest started by a test tags its own processes under this session's tag.
+# Every process a test starts goes through start() / started() / run_group() / finish(): it runs
+# in a session of its own (a group signal reaches it and whatever it forks without leaving the
+# group), and its environment carries a tag of its own, NANODEPTH_TEST_GROUP, that every descendant
+# inherits, also one that leaves the group (torchrun starts each worker in a new session). Ending a
+# process ends its group and every process carrying its tag: SIGTERM, a grace period, then SIGKILL.
+# Every process the tests start also inherits NANODEPTH_TEST_SESSION (set below in os.environ, so
+# processes started some other way carry it too): at the end of the session one still alive fails
+# the run (see pytest_sessionfinish). A pytest started by a test tags its processes under this tag.
 
 SESSION_VAR, GROUP_VAR = 'NANODEPTH_TEST_SESSION', 'NANODEPTH_TEST_GROUP'
-SESSION_TAG = '/'.join(filter(None, [os.environ.get(SESSION_VAR), f'nanodepth-tests-{os.getpid()}']))
+SESSION_TAG = '/'.join(filter(None, [os.environ.get(SESSION_VAR),
+                                     f'nanodepth-tests-{os.getpid()}']))
 os.environ[SESSION_VAR] = SESSION_TAG
-_groups = []                            # every process started by start(), for the end-of-session check
+_groups = []                    # every process start() started, for the end-of-session check
 
 
 def start(args, **kw):
@@ -139,7 +140,7 @@ def stop(proc, grace=10):
 
 @contextmanager
 def started(args, **kw):
-    """with started(args) as proc: ... the process and all it started are ended on leaving, however."""
+    """with started(args) as proc: ... the process and all it started end on leaving, however."""
     proc = start(args, **kw)
     try:
         yield proc
@@ -148,14 +149,15 @@ def started(args, **kw):
 
 
 def finish(proc, timeout=180, input=None):
-    """proc.communicate within timeout, as a CompletedProcess. On a timeout, everything proc started is
-    ended and TimeoutExpired raised; a process of its group or tag that outlives it by more than 5 s
-    is ended and fails the test (a command that exits leaves nothing running)."""
+    """proc.communicate within timeout, as a CompletedProcess. On a timeout, everything proc
+    started is ended and TimeoutExpired raised; a process of its group or tag that outlives it by
+    more than 5 s is ended and fails the test (a command that exits leaves nothing running)."""
     deadline, exited, left = time.time() + timeout, None, []
     try:
         while True:
-            try:            # in short slices: an orphan holding the pipes would block to the timeout
-                stdout, stderr = proc.communicate(input, timeout=max(0.01, min(1, deadline - time.time())))
+            try:        # in short slices: an orphan holding the pipes would block to the timeout
+                slice_s = max(0.01, min(1, deadline - time.time()))
+                stdout, stderr = proc.communicate(input, timeout=slice_s)
                 break
             except subprocess.TimeoutExpired:
                 input = None            # sent by the first call (a retry may not pass it again)
@@ -169,7 +171,7 @@ def finish(proc, timeout=180, input=None):
             left = _signal_all(proc, signal.SIGKILL)
     finally:
         stop(proc)
-    assert not left, f"{proc.args} exited ({proc.returncode}) but left processes {left} running (killed)"
+    assert not left, f"{proc.args} exited ({proc.returncode}) but left {left} running (killed)"
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
@@ -192,8 +194,8 @@ def _cmdline(pid):
 
 def leftover_processes():
     """Processes started during this session that are still alive: every process carrying this
-    session's tag (children, orphans, helpers' descendants), except a library's worker pool under this
-    process (LIBRARY_POOLS) and what it started; plus, where /proc is missing, the helpers' own."""
+    session's tag (children, orphans, helpers' descendants), except a library's worker pool under
+    this process (LIBRARY_POOLS) and what it started; plus, where /proc is missing, the helpers'."""
     left = set()
     for pid in tagged_processes(SESSION_VAR, SESSION_TAG):
         chain, ancestor = [], pid
@@ -227,8 +229,8 @@ def pytest_sessionfinish(session, exitstatus):
                 kill(target, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-    msg = (f"{len(left)} process(es) started by the tests were still running at the end of the session "
-           f"(now killed):\n" + '\n'.join(lines))
+    msg = (f"{len(left)} process(es) started by the tests were still running at the end of the "
+           f"session (now killed):\n" + '\n'.join(lines))
     reporter = session.config.pluginmanager.get_plugin('terminalreporter')
     if reporter is not None:
         reporter.write_line(msg, red=True, bold=True)

@@ -25,7 +25,8 @@ TINY = ['--n_layer=3', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_
 def test_bench_json(route):
     """Every family in the registry: training step, prefill and decode timed, step FLOPs the accountant's."""
     args = [*TINY, f'--route={route}']
-    r = run_group([sys.executable, 'bench.py', *args], 120, cwd=REPO, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    r = run_group([sys.executable, 'bench.py', *args], 120, cwd=REPO,
+                  env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert r.returncode == 0, r.stderr
     lines = [l for l in r.stdout.splitlines() if l.strip()]
     assert len(lines) == 1
@@ -55,7 +56,8 @@ def test_bench_routed_table(route, tmp_path):
             '--bench_steps=1', '--bench_warmup=0', '--decode_tokens=2', '--decode_batches=1,2', f'--route={route}',
             '--budgets=1.0,0.5', '--prefill_shapes=2x16,1x32', '--ffn_cheap_rank=4', '--exit_layers=1',
             f'--out={tmp_path / "bench.json"}', '--json']
-    r = run_group([sys.executable, 'bench.py', *args], 120, cwd=REPO, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    r = run_group([sys.executable, 'bench.py', *args], 120, cwd=REPO,
+                  env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout.strip().splitlines()[-1])
     pre = [x for x in res['rows'] if x['kind'] == 'prefill']

@@ -203,8 +203,8 @@ class Reference:
 
     def __init__(self, data_dir, out):
         self.out, self._ckpt = out, None
-        self.proc = start([sys.executable, "train.py", *CFG, *data_args(data_dir), f"--out_dir={out}"],
-                          cwd=REPO, env=ENV)
+        self.proc = start([sys.executable, "train.py", *CFG, *data_args(data_dir),
+                           f"--out_dir={out}"], cwd=REPO, env=ENV)
 
     def ckpt(self):
         if self._ckpt is None:

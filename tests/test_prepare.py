@@ -506,7 +506,8 @@ def test_prepare_without_fcntl(tmp_path, monkeypatch):
 
 
 def test_stale_tmp_files_of_dead_processes_are_removed(tmp_path):
-    dead_pid = int(run_group([sys.executable, "-c", "import os; print(os.getpid())"], 60).stdout)  # reaped
+    # a process that exited and was reaped: its pid no longer exists
+    dead_pid = int(run_group([sys.executable, "-c", "import os; print(os.getpid())"], 60).stdout)
     assert not P.pid_alive(dead_pid) and P.pid_alive(P.os.getpid())
     out = tmp_path / "synthetic"
     out.mkdir()

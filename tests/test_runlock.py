@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import runlock  # noqa: E402
 import sweep  # noqa: E402
-from conftest import SESSION_TAG, leftover_processes, run_group, start, started, stop, tagged_processes  # noqa: E402
+from conftest import (SESSION_TAG, leftover_processes, run_group, start,  # noqa: E402
+                      started, stop, tagged_processes)
 HOLD = "import sys, time; sys.path.insert(0, {repo!r}); import runlock; " \
        "lock = runlock.lock_folder({folder!r}); print('held', flush=True); time.sleep(600)"
 
@@ -28,14 +29,15 @@ def hold_in_another_process(folder):
 
 
 def test_second_lock_is_refused_naming_the_holder(tmp_path):
-    with started([sys.executable, "-c", HOLD.format(repo=str(REPO), folder=str(tmp_path / "run"))]) as holder:
+    hold = HOLD.format(repo=str(REPO), folder=str(tmp_path / "run"))
+    with started([sys.executable, "-c", hold]) as holder:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(runlock.FolderBusy) as e:
             runlock.lock_folder(tmp_path / "run", "out_dir")
         assert e.value.pid == holder.pid
-        assert str(e.value) == (f"out_dir {tmp_path / 'run'} is in use by another run (PID {holder.pid}, a train.py "
-                                f"or sweep.py still writing there); wait for it to end or stop it, or choose "
-                                f"another out_dir")
+        assert str(e.value) == (f"out_dir {tmp_path / 'run'} is in use by another run (PID "
+                                f"{holder.pid}, a train.py or sweep.py still writing there); "
+                                f"wait for it to end or stop it, or choose another out_dir")
 
 
 def test_lock_is_released_when_the_holder_is_killed(tmp_path):
@@ -47,7 +49,7 @@ def test_lock_is_released_when_the_holder_is_killed(tmp_path):
         holder.wait(timeout=30)
     finally:
         stop(holder)
-    assert (tmp_path / runlock.LOCK_NAME).exists()          # left behind by the killed holder: reused
+    assert (tmp_path / runlock.LOCK_NAME).exists()      # left by the killed holder: reused
     lock = runlock.lock_folder(tmp_path)
     assert (tmp_path / runlock.LOCK_NAME).read_text().strip() == str(os.getpid())
     lock.release()
@@ -57,7 +59,7 @@ def test_release_removes_the_lock_file_and_a_folder_left_empty(tmp_path):
     lock = runlock.lock_folder(tmp_path / "new", "out_dir")
     assert (tmp_path / "new" / runlock.LOCK_NAME).exists()
     lock.release()
-    assert not (tmp_path / "new").exists()                # created by the lock and left empty: removed
+    assert not (tmp_path / "new").exists()      # created by the lock and left empty: removed
     lock = runlock.lock_folder(tmp_path / "kept")
     (tmp_path / "kept" / "metrics.jsonl").write_text("{}\n")
     lock.release()
@@ -102,17 +104,20 @@ def test_sweep_refuses_an_out_root_another_process_holds(tmp_path, monkeypatch):
     file written."""
     root = tmp_path / "study"
     study = tmp_path / "study_x.py"
-    study.write_text(textwrap.dedent(STUDY.format(base=str(REPO / "config" / "exit_synthetic.py"), root=str(root))))
+    base = REPO / "config" / "exit_synthetic.py"
+    study.write_text(textwrap.dedent(STUDY.format(base=str(base), root=str(root))))
     runs = []
     monkeypatch.setattr(sweep, "run_one", lambda *a, **kw: runs.append(a) or (a[1], 0))
     holder = hold_in_another_process(root)
     try:
         before = sorted(p.name for p in root.iterdir())
-        with pytest.raises(runlock.FolderBusy, match=rf"out_root {root} is in use by another run \(PID {holder.pid},"):
+        busy = rf"out_root {root} is in use by another run \(PID {holder.pid},"
+        with pytest.raises(runlock.FolderBusy, match=busy):
             sweep.main([str(study), "--no_plots"])
         r = run_group([sys.executable, "sweep.py", study, "--no_plots"], 120, cwd=REPO)
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-        assert r.stderr.startswith(f"error: out_root {root} is in use by another run (PID {holder.pid},")
+        assert r.stderr.startswith(f"error: out_root {root} is in use by another run "
+                                   f"(PID {holder.pid},")
         assert runs == [] and sorted(p.name for p in root.iterdir()) == before
     finally:
         stop(holder)
@@ -123,7 +128,8 @@ def test_sweep_refuses_an_out_root_another_process_holds(tmp_path, monkeypatch):
 
 ESCAPES = ("import signal, subprocess, sys, time\n"
            "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
-           "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(600)'], "
+           "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); "
+           "time.sleep(600)'], "
            "start_new_session=True)\n"
            "time.sleep(600)\n")
 
@@ -138,7 +144,7 @@ def test_stop_ends_a_descendant_that_left_the_group_and_ignores_sigterm():
 
 
 def test_run_group_timeout_ends_everything():
-    escapes = ESCAPES.replace("signal.signal(signal.SIGTERM, signal.SIG_IGN); ", "")   # (SIGTERM ends it)
+    escapes = ESCAPES.replace("signal.signal(signal.SIGTERM, signal.SIG_IGN); ", "")   # not deaf
     with pytest.raises(Exception) as e:
         run_group([sys.executable, "-c", escapes], 2)
     assert type(e.value).__name__ == "TimeoutExpired"
@@ -147,8 +153,9 @@ def test_run_group_timeout_ends_everything():
 
 def test_a_command_that_exits_leaving_a_process_fails():
     leaves = ("import subprocess, sys\n"
-              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n")
-    with pytest.raises(AssertionError, match="left processes"):
+              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
+              "start_new_session=True)\n")
+    with pytest.raises(AssertionError, match="but left"):
         run_group([sys.executable, "-c", leaves], 60)
     assert leftover_processes() == []
 
@@ -169,6 +176,7 @@ def test_session_check_fails_a_run_that_leaves_a_process(tmp_path):
                    tmp_path / "test_leak.py"], 120, cwd=tmp_path, env=env)
     assert r.returncode == 1, r.stdout[-3000:]
     assert "1 passed" in r.stdout
-    assert "1 process(es) started by the tests were still running at the end of the session" in r.stdout
+    assert "1 process(es) started by the tests were still running at the end of the session" \
+        in r.stdout
     assert "time.sleep(600)" in r.stdout
     assert tagged_processes("NANODEPTH_TEST_SESSION", SESSION_TAG) == []
