@@ -62,6 +62,7 @@ import numpy as np
 
 from configurator import ConfigError, run_cli, writable_folder
 from plots import read_metrics, run_metrics, train_lm_curve, write_plots
+from runlock import lock_folder
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(HERE, 'train.py')
@@ -490,6 +491,7 @@ def main(argv):
         for arm, s, a in grid:
             print(f"{arm} seed {s}:", 'python train.py', ' '.join(a), f'--out_dir={root}/{arm}/seed{s}')
         return 0
+    lock = lock_folder(root, 'out_root')   # one sweep per folder, held until main returns
     failed = []
     if not opts.get('--summarize_only'):
         if run_before(before, root, int(jobs)):

@@ -8,7 +8,8 @@ Train a nanodepth model.
 Writes into out_dir: metrics.jsonl (one JSON object per log line and per eval), config.json (the
 resolved config), run_info.json (code version, torch, device), ckpt.pt (written atomically: model,
 optimizer, scaler, RNG states, iteration, best val loss, config, sampler state). `--init_from=resume`
-continues exactly where ckpt.pt left off. Ctrl-C / SIGTERM finishes the current step, saves, exits 0.
+continues exactly where ckpt.pt left off (a finished run says so and writes nothing). Ctrl-C /
+SIGTERM finishes the current step, saves, exits 0. One run at a time per out_dir (runlock.py).
 """
 import errno
 import json
@@ -21,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 from contextlib import contextmanager
 from dataclasses import asdict, fields
 from types import SimpleNamespace
@@ -37,6 +39,7 @@ from data.loader import (DataError, check_checkpoint_data, check_data, check_dat
                          data_identity, load_dataset_meta, open_splits)
 from device import autocast_context, resolve_device_dtype
 from model import ALIASES, FAMILIES, GPT, GPTConfig, is_controller_key, resolve_aliases
+from runlock import FolderBusy, lock_folder
 
 # ----------------------------------------------------------------------------------------------------
 # defaults (override with a config file and/or --key=value); the quickstart trains on these
@@ -103,6 +106,39 @@ class TrainError(UserError):
 
 
 def main(argv):
+    if int(os.environ.get('RANK', -1)) == -1:
+        return run_checked(argv)
+    end_ddp_process(argv)
+
+
+def end_ddp_process(argv):
+    """A DDP process ends with os._exit, on every path (done, stopped by a signal, an error).
+    Left to the interpreter, freeing the DDP wrapper drops the last reference to the gloo process
+    group, whose destructor joins gloo's worker thread while holding the GIL, which that thread
+    waits for: about one run in ten then hangs after its work is done, deaf to SIGTERM. By now
+    everything the run writes is on disk (the checkpoint fsynced, metrics flushed per record and
+    closed, the lock released): only stdout and stderr remain to flush."""
+    code = 1
+    try:
+        code = run_checked(argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    except SystemExit as e:    # as the interpreter does: sys.exit(message) prints it, exits 1
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if code == 1 and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:          # a second Ctrl-C
+        code = 130
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_checked(argv):
     try:
         return train(argv)
     except (ConfigError, DataError) as e:   # the config, device and data checks shared with the other scripts
@@ -120,7 +156,27 @@ def main(argv):
 
 
 def train(argv):
-    run = setup(argv)                 # config, process, data, model, optimizer: fresh or as the checkpoint left them
+    cfg, cfg_dict = read_config(argv)
+    proc = setup_process(cfg)
+    start_process_group(cfg, proc)
+    lock = hold_out_dir(cfg, proc)    # one writer per run folder, before anything is read or done
+    run = None
+    try:
+        run = setup(cfg, cfg_dict, proc, argv)
+        if run is None:               # a resumed run that is already finished: nothing to do
+            return 0
+        train_loop(run, argv)
+    finally:
+        if run is not None and run.metrics_f is not None:
+            run.metrics_f.close()
+        if lock is not None:
+            lock.release()
+    if proc.ddp:        # rank 0 may still be writing its summary: leave together (no destroy:
+        torch.distributed.barrier()    # the process ends with os._exit, see end_ddp_process)
+    return 0
+
+
+def train_loop(run, argv):
     stop = StopFlag()                 # from here, a first Ctrl-C / SIGTERM ends the run with a checkpoint
     stopped = False                   # by a signal to this process or, under DDP, to any process
     while True:
@@ -134,7 +190,7 @@ def train(argv):
         logged = run.iter_num % run.cfg.log_interval == 0 or run.iter_num == run.cfg.max_iters
         if logged:
             log_progress(run, lr, loss_sum, norm, step)
-        if stop_requested(run, stop, logged):
+        if run.iter_num < run.cfg.max_iters and stop_requested(run, stop, logged):   # else: finish
             stopped = True
             if run.master:
                 save_run(run)
@@ -143,23 +199,47 @@ def train(argv):
             break
     if run.master:
         finish_run(run, stopped)
-    if run.ddp:                 # rank 0 may still be writing its summary: leave together, or a rank
-        torch.distributed.barrier()            # tearing gloo down early can abort the others
-        torch.distributed.destroy_process_group()
-    return 0
 
 
-def setup(argv):
+def hold_out_dir(cfg, proc):
+    """Rank 0 locks out_dir for the run's lifetime (runlock); under DDP every rank learns whether it
+    could, so that all of them stop with the same error if another process holds the folder."""
+    lock, refusal = None, None
+    if proc.master:
+        try:
+            lock = lock_folder(cfg.out_dir, 'out_dir')
+        except UserError as e:
+            refusal = e
+    if proc.ddp:              # 0: locked; the holder's PID; -1: another error (rank 0 prints it)
+        code = 0 if refusal is None else (getattr(refusal, 'pid', None) or -1)
+        status = torch.tensor([code], dtype=torch.int64, device=proc.dev)
+        torch.distributed.broadcast(status, 0)
+        code = int(status.item())
+        if refusal is None and code > 0:
+            refusal = FolderBusy(cfg.out_dir, code, 'out_dir')
+        elif refusal is None and code < 0:
+            refusal = TrainError(f"rank 0 could not lock out_dir {cfg.out_dir} (its error is "
+                                 f"above)")
+    if refusal is not None:
+        raise refusal
+    return lock
+
+
+def setup(cfg, cfg_dict, proc, argv):
     """Everything the loop shares, in one namespace: the config, this process (DDP rank and world,
     device, dtype), the model (raw, and wrapped for the steps), optimizer, data, fixed eval batches,
-    the iteration and totals to start from; rank 0 also opens the run files."""
-    cfg, cfg_dict = read_config(argv)
-    proc = setup_process(cfg)
+    the iteration and totals to start from; rank 0 also opens the run files. None for a resumed run
+    that is already finished (it says so, and writes nothing)."""
     meta, ckpt = open_inputs(cfg, proc.master)     # the data's meta.json, the checkpoint to start from
+    if finished_already(cfg, ckpt):
+        if proc.master:
+            print(f"the run in {cfg.out_dir} is already finished (iteration {ckpt['iter_num']}, "
+                  f"max_iters={cfg.max_iters}, its summary recorded): nothing to do. Train it "
+                  f"further with a larger --max_iters, or evaluate it with --eval_only=True")
+        return None
     seed_rngs(cfg.seed + proc.rank)
     model = build_model(cfg, meta, ckpt).to(proc.dev)
     cfg_dict.update({k: getattr(cfg, k) for k in MODEL_KEYS})    # what was built (GPT-2 init sets the shape)
-    start_process_group(cfg, proc)
     train_data, val_data = open_splits(meta, cfg.block_size, cfg.batch_size, cfg.seed, proc.dev)
     scaler = torch.amp.GradScaler(proc.dev.type, enabled=(proc.dt == 'float16'))
     params = trainable_parameters(model, cfg)
@@ -306,10 +386,28 @@ def open_inputs(cfg, master):
             raise TrainError(f"init_from=resume but there is no checkpoint at {ckpt_path}; start the run afresh "
                              f"(with --overwrite=True if {cfg.out_dir} holds its other files)")
         ckpt = load_checkpoint(ckpt_path)
+        if finished_already(cfg, ckpt):            # nothing more to check: setup says so and stops
+            return meta, ckpt
     elif os.path.isfile(cfg.init_from):
         ckpt = load_checkpoint(cfg.init_from)
     check_data(cfg, meta, ckpt)
     return meta, ckpt
+
+
+def finished_already(cfg, ckpt):
+    """A resume (not eval-only) of a run whose checkpoint reached max_iters and whose metrics hold
+    the summary written at that iteration (a run killed between its last checkpoint and its
+    summary is not finished: resuming writes the summary)."""
+    if cfg.init_from != 'resume' or cfg.eval_only or ckpt is None:
+        return False
+    if ckpt['iter_num'] < cfg.max_iters:
+        return False
+    path = os.path.join(cfg.out_dir, 'metrics.jsonl')
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        records = [r for line in f if (r := parse_record(line)) is not None]
+    return any(r.get('type') == 'summary' and r.get('iter') == ckpt['iter_num'] for r in records)
 
 
 def check_out_dir(cfg):
@@ -514,10 +612,11 @@ def wrap_model(raw_model, cfg, proc):
 def open_run_files(cfg, cfg_dict, proc, iter_num):
     """config.json and run_info.json, and metrics.jsonl open for appending (rank 0 only)."""
     os.makedirs(cfg.out_dir, exist_ok=True)
-    with open(os.path.join(cfg.out_dir, 'config.json'), 'w') as f:
-        json.dump(cfg_dict, f, indent=2)
-    with open(os.path.join(cfg.out_dir, 'run_info.json'), 'w') as f:
-        json.dump(run_info(cfg, proc.dev, proc.dt, proc.world), f, indent=2)
+    if not (cfg.eval_only and cfg.init_from == 'resume'):     # an evaluation keeps the training's
+        with open(os.path.join(cfg.out_dir, 'config.json'), 'w') as f:
+            json.dump(cfg_dict, f, indent=2)
+        with open(os.path.join(cfg.out_dir, 'run_info.json'), 'w') as f:
+            json.dump(run_info(cfg, proc.dev, proc.dt, proc.world), f, indent=2)
     if cfg.init_from != 'resume':      # --overwrite: the old run goes only now that every check has passed
         for name in ('ckpt.pt', 'metrics.jsonl'):
             if os.path.exists(os.path.join(cfg.out_dir, name)):
@@ -604,7 +703,8 @@ class StopFlag:
 
 def eval_due(run):
     cfg = run.cfg
-    logged_already = run.resumed and run.iter_num == run.start_iter    # by the run this one resumes
+    # by the run this one resumes (an eval-only run evaluates the checkpoint once, whatever it has)
+    logged_already = run.resumed and run.iter_num == run.start_iter and not cfg.eval_only
     return (run.iter_num % cfg.eval_interval == 0 or run.iter_num >= cfg.max_iters or cfg.eval_only) \
         and not logged_already
 
@@ -621,10 +721,12 @@ def evaluate_and_checkpoint(run):
           + (f", val full-path fraction {np.mean(frac):.3f}" if frac else ''))
     rec = dict(type='eval', iter=run.iter_num, train_loss=res['train']['loss'], val_loss=res['val']['loss'],
                val_full_frac=frac)
+    if run.cfg.eval_only:             # an evaluation of the checkpoint, not a step of its training
+        rec['eval_only'] = True
     run.history['eval'].append(rec)
     log(run, rec)
-    run.flops_state['wall_s'] = time.time() - run.t_run
     if not run.cfg.eval_only and run.iter_num > 0:
+        run.flops_state['wall_s'] = time.time() - run.t_run
         save_run(run)
 
 
@@ -817,15 +919,19 @@ def stop_requested(run, stop, logged):
 # the end of the run
 
 def finish_run(run, stopped):
-    """Rank 0: the 'summary' record (and, for a routing family after a complete run, its routing report)."""
+    """Rank 0: the 'summary' record (and, for a routing family after a complete run, its routing
+    report). An eval-only run's summary is marked eval_only and keeps the training's wall time."""
     cfg = run.cfg
-    run.flops_state['wall_s'] = time.time() - run.t_run
+    if not cfg.eval_only:
+        run.flops_state['wall_s'] = time.time() - run.t_run
     summary = run_summary(run.history['train'], run.history['eval'], cfg, run.flops_state['wall_s'])
     summary.update(type='summary', iter=run.iter_num, best_val_loss=run.best_val, skipped_steps=int(run.skipped.item()),
                    trainable_params=count_params(run.params),
                    flops_proxy=run.flops_state['proxy_num'] / max(1.0, run.flops_state['dense']),
                    train_flops=run.flops_state['exact'])
-    if not cfg.eval_only and not stopped and run.raw_model.family.routes:
+    if cfg.eval_only:
+        summary['eval_only'] = True
+    if not stopped and run.raw_model.family.routes:
         summary.update(routing_summary(run))
     per_token = flops.dense_forward_flops(run.raw_model.config, cfg.block_size) / cfg.block_size
     if not run.raw_model.family.routes:
@@ -834,7 +940,10 @@ def finish_run(run, stopped):
         summary['eval_flops'] = summary['eval_flops_vs_dense'] * per_token
     log(run, summary)
     run.metrics_f.close()
-    if not stopped:
+    if cfg.eval_only:
+        print(f"evaluated {cfg.out_dir} at iteration {run.iter_num} (eval only: nothing trained); "
+              f"its eval and summary are appended to {os.path.join(cfg.out_dir, 'metrics.jsonl')}")
+    elif not stopped:
         written = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
         print(f"done: {run.iter_num} iterations, best val loss {run.best_val:.4f}. Outputs in {cfg.out_dir}/ "
               f"({', '.join(written)})."

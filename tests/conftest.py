@@ -2,6 +2,11 @@
 whose two sides run different kernels (tests import them: `from conftest import FP32_TOL, ...`)."""
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -37,6 +42,202 @@ settings.register_profile('dev', _BASE, derandomize=False, print_blob=False, dea
                           suppress_health_check=[HealthCheck.too_slow])
 HYPOTHESIS_PROFILE = 'ci' if os.environ.get('CI', '').strip().lower() not in ('', 'false', '0') else 'dev'
 settings.load_profile(HYPOTHESIS_PROFILE)
+
+# ----------------------------------------------------------------------------------------------------
+# processes the tests start
+#
+# Every process a test starts goes through start() / started() / run_group() / finish(): it runs
+# in a session of its own (a group signal reaches it and whatever it forks without leaving the
+# group), and its environment carries a tag of its own, NANODEPTH_TEST_GROUP, that every descendant
+# inherits, also one that leaves the group (torchrun starts each worker in a new session). Ending a
+# process ends its group and every process carrying its tag: SIGTERM, a grace period, then SIGKILL.
+# Every process the tests start also inherits NANODEPTH_TEST_SESSION (set below in os.environ, so
+# processes started some other way carry it too): at the end of the session one still alive fails
+# the run (see pytest_sessionfinish). A pytest started by a test tags its processes under this tag.
+
+SESSION_VAR, GROUP_VAR = 'NANODEPTH_TEST_SESSION', 'NANODEPTH_TEST_GROUP'
+SESSION_TAG = '/'.join(filter(None, [os.environ.get(SESSION_VAR),
+                                     f'nanodepth-tests-{os.getpid()}']))
+os.environ[SESSION_VAR] = SESSION_TAG
+_groups = []                    # every process start() started, for the end-of-session check
+
+
+def start(args, **kw):
+    """subprocess.Popen(args, **kw) in a new session, tagged; stdout/stderr piped as text unless kw
+    says otherwise. End it with stop() (or use started() / finish() / run_group(), which do)."""
+    tag = f'{SESSION_TAG}:{len(_groups)}'
+    env = dict(kw.pop('env', None) or os.environ, **{SESSION_VAR: SESSION_TAG, GROUP_VAR: tag})
+    kw.setdefault('stdout', subprocess.PIPE)
+    kw.setdefault('stderr', subprocess.PIPE)
+    kw.setdefault('text', True)
+    proc = subprocess.Popen([str(a) for a in args], env=env, start_new_session=True, **kw)
+    proc.group_tag = tag
+    _groups.append(proc)
+    return proc
+
+
+def _stat(pid):
+    """(state, parent pid) of a process, from /proc/<pid>/stat."""
+    with open(f'/proc/{pid}/stat', 'rb') as f:
+        fields = f.read().rpartition(b')')[2].split()
+    return fields[0].decode(), int(fields[1])
+
+
+def tagged_processes(var, value):
+    """Live processes (not zombies, not this one) whose environment has var == value or var ==
+    value/...; Linux (/proc) only: elsewhere [] (stop() then ends the process group alone)."""
+    found, want, under = [], f'{var}={value}'.encode(), f'{var}={value}/'.encode()
+    for entry in os.scandir('/proc') if os.path.isdir('/proc') else []:
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if _stat(entry.name)[0] == 'Z':
+                continue
+            with open(f'/proc/{entry.name}/environ', 'rb') as f:
+                env = f.read().split(b'\0')
+        except (OSError, IndexError, ValueError):       # gone meanwhile, or not ours to read
+            continue
+        if any(e == want or e.startswith(under) for e in env):
+            found.append(int(entry.name))
+    return found
+
+
+def _signal_all(proc, sig):
+    """sig to proc's process group and to every process carrying its tag; the pids signalled."""
+    pids = tagged_processes(GROUP_VAR, proc.group_tag)
+    for kill, target in [(os.killpg, proc.pid)] + [(os.kill, pid) for pid in pids]:
+        try:
+            kill(target, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return pids
+
+
+def _wait_all(proc, seconds):
+    """Wait until proc has exited and nothing carries its tag; True if so within `seconds`."""
+    deadline = time.time() + seconds
+    while True:
+        if proc.poll() is not None and not tagged_processes(GROUP_VAR, proc.group_tag):
+            return True
+        if time.time() > deadline:
+            return False
+        time.sleep(0.05)
+
+
+def stop(proc, grace=10):
+    """End proc, its process group and every process carrying its tag: SIGTERM, up to `grace` s for
+    them to exit, then SIGKILL. Closes proc's pipes (read what you need first)."""
+    if not _wait_all(proc, 0):
+        _signal_all(proc, signal.SIGTERM)
+        if not _wait_all(proc, grace):
+            _signal_all(proc, signal.SIGKILL)
+            _wait_all(proc, 10)
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
+    proc.wait()
+
+
+@contextmanager
+def started(args, **kw):
+    """with started(args) as proc: ... the process and all it started end on leaving, however."""
+    proc = start(args, **kw)
+    try:
+        yield proc
+    finally:
+        stop(proc)
+
+
+def finish(proc, timeout=180, input=None):
+    """proc.communicate within timeout, as a CompletedProcess. On a timeout, everything proc
+    started is ended and TimeoutExpired raised; a process of its group or tag that outlives it by
+    more than 5 s is ended and fails the test (a command that exits leaves nothing running)."""
+    deadline, exited, left = time.time() + timeout, None, []
+    try:
+        while True:
+            try:        # in short slices: an orphan holding the pipes would block to the timeout
+                slice_s = max(0.01, min(1, deadline - time.time()))
+                stdout, stderr = proc.communicate(input, timeout=slice_s)
+                break
+            except subprocess.TimeoutExpired:
+                input = None            # sent by the first call (a retry may not pass it again)
+                if time.time() > deadline:
+                    raise
+                if proc.poll() is not None:
+                    exited = exited or time.time()
+                    if time.time() > exited + 5 and not left:
+                        left = _signal_all(proc, signal.SIGKILL)
+        if not left and not _wait_all(proc, 5):
+            left = _signal_all(proc, signal.SIGKILL)
+    finally:
+        stop(proc)
+    assert not left, f"{proc.args} exited ({proc.returncode}) but left {left} running (killed)"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def run_group(args, timeout, input=None, **kw):
+    """subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kw), the process in a
+    session of its own and ended with all it started on every path (see finish)."""
+    if input is not None:
+        kw.setdefault('stdin', subprocess.PIPE)
+    return finish(start(args, **kw), timeout, input)
+
+
+# worker pools that libraries run under the pytest process and end with it: not leaks
+LIBRARY_POOLS = (b'torch/_inductor/compile_worker',)      # torch.compile's parallel compile workers
+
+
+def _cmdline(pid):
+    with open(f'/proc/{pid}/cmdline', 'rb') as f:
+        return f.read().replace(b'\0', b' ')
+
+
+def leftover_processes():
+    """Processes started during this session that are still alive: every process carrying this
+    session's tag (children, orphans, helpers' descendants), except a library's worker pool under
+    this process (LIBRARY_POOLS) and what it started; plus, where /proc is missing, the helpers'."""
+    left = set()
+    for pid in tagged_processes(SESSION_VAR, SESSION_TAG):
+        chain, ancestor = [], pid
+        try:
+            while ancestor not in (0, 1, os.getpid()) and len(chain) < 64:
+                chain.append(_cmdline(ancestor))
+                ancestor = _stat(ancestor)[1]
+        except (OSError, IndexError, ValueError):   # an ancestor exited meanwhile
+            pass
+        if not any(pool in cmd for cmd in chain for pool in LIBRARY_POOLS):
+            left.add(pid)
+    for proc in _groups:
+        if proc.poll() is None:
+            left.add(proc.pid)
+    return sorted(left)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run if a process the tests started outlived them (and kill it)."""
+    left = leftover_processes()
+    if not left:
+        return
+    lines = []
+    for pid in left:
+        try:
+            lines.append(f"  {pid}: {_cmdline(pid).decode(errors='replace')[:200]}")
+        except OSError:
+            lines.append(f"  {pid}")
+        for kill, target in ((os.kill, pid), (os.killpg, pid)):
+            try:
+                kill(target, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    msg = (f"{len(left)} process(es) started by the tests were still running at the end of the "
+           f"session (now killed):\n" + '\n'.join(lines))
+    reporter = session.config.pluginmanager.get_plugin('terminalreporter')
+    if reporter is not None:
+        reporter.write_line(msg, red=True, bold=True)
+    else:
+        print(msg, file=sys.stderr)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
 
 SHARED_GPT2 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gpt2"
 TIKTOKEN_FILES = {"vocab.bpe": "6d1cbeee0f20b3d9449abfede4726ed8212e3aee",

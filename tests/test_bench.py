@@ -3,7 +3,6 @@ no MFU on CPU, and the step FLOPs the analytic accountant gives for this config.
 import json
 import math
 import os
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -13,6 +12,7 @@ import torch
 import flops
 import train
 from configurator import load_config
+from conftest import run_group
 from dataclasses import replace
 from model import FAMILIES, controlled_layer_ids
 
@@ -25,8 +25,8 @@ TINY = ['--n_layer=3', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_
 def test_bench_json(route):
     """Every family in the registry: training step, prefill and decode timed, step FLOPs the accountant's."""
     args = [*TINY, f'--route={route}']
-    r = subprocess.run([sys.executable, 'bench.py', *args], cwd=REPO, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    r = run_group([sys.executable, 'bench.py', *args], 120, cwd=REPO,
+                  env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert r.returncode == 0, r.stderr
     lines = [l for l in r.stdout.splitlines() if l.strip()]
     assert len(lines) == 1
@@ -42,7 +42,7 @@ def test_bench_json(route):
 
 
 def test_bench_bad_key_is_a_clean_error():
-    r = subprocess.run([sys.executable, 'bench.py', '--n_layers=2'], cwd=REPO, capture_output=True, text=True, timeout=60)
+    r = run_group([sys.executable, 'bench.py', '--n_layers=2'], 60, cwd=REPO)
     assert r.returncode == 2 and "n_layer" in r.stderr and 'Traceback' not in r.stderr
 
 
@@ -56,8 +56,8 @@ def test_bench_routed_table(route, tmp_path):
             '--bench_steps=1', '--bench_warmup=0', '--decode_tokens=2', '--decode_batches=1,2', f'--route={route}',
             '--budgets=1.0,0.5', '--prefill_shapes=2x16,1x32', '--ffn_cheap_rank=4', '--exit_layers=1',
             f'--out={tmp_path / "bench.json"}', '--json']
-    r = subprocess.run([sys.executable, 'bench.py', *args], cwd=REPO, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    r = run_group([sys.executable, 'bench.py', *args], 120, cwd=REPO,
+                  env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout.strip().splitlines()[-1])
     pre = [x for x in res['rows'] if x['kind'] == 'prefill']

@@ -8,7 +8,6 @@ made in-process. Everything else calls main(argv) in-process, except one subproc
 import json
 import os
 import shlex
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -24,6 +23,7 @@ import sample  # noqa: E402
 import sweep  # noqa: E402
 from checkpoint import CheckpointError  # noqa: E402
 from configurator import UserError  # noqa: E402
+from conftest import run_group  # noqa: E402
 from data import prepare as P  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -34,8 +34,7 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine 
 
 
 def run_py(script, args, timeout=180):
-    return subprocess.run([sys.executable, script, *map(str, args)], cwd=REPO, env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
+    return run_group([sys.executable, script, *args], timeout, cwd=REPO, env=ENV)
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,11 @@ every key and kind (about 700 cases, a few seconds); one subprocess per script c
 code and stderr. A value a key legitimately takes (a negative bias, free text as a folder name) may
 be accepted; the tables below name those, and any other acceptance fails."""
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_group
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -198,14 +198,8 @@ class AcceptedError(Exception):
     ('sample.py', ['--num_samples=1e999']), ('bench.py', ['--bench_steps=']),
     ('sweep.py', ['x.py', '--jobs=-1']), ('data/prepare.py', ['synthetic', '--seed=abc'])])
 def test_each_script_exits_2_with_one_line(tmp_path, script, args):
-    p = subprocess.Popen([sys.executable, str(REPO / script), *args], cwd=tmp_path, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                         env={**os.environ, 'OMP_NUM_THREADS': '1'})
-    try:
-        out, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, 9)
-            p.wait()
+    p = run_group([sys.executable, str(REPO / script), *args], 120, cwd=tmp_path,
+                  env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    err = p.stderr
     assert p.returncode == 2 and err.count('\n') == 1 and 'Traceback' not in err, err
     assert os.listdir(tmp_path) == []

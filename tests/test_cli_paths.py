@@ -11,12 +11,12 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_group  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -40,17 +40,9 @@ LINUX = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux'
 
 
 def run_py(args, timeout=300, **kw):
-    """A script in its own process group, killed as a group on every path."""
-    p = subprocess.Popen([sys.executable, *map(str, args)], cwd=REPO, env=kw.pop("env", ENV),
-                         text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, 9)
-            p.wait()
-    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    """A script in its own process group, ended with all it started on every path."""
+    return run_group([sys.executable, *map(str, args)], timeout, cwd=REPO,
+                     env=kw.pop("env", ENV), **kw)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 from collections import namedtuple
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from checkpoint import load_checkpoint  # noqa: E402
+from conftest import finish, start, stop  # noqa: E402
 from data import prepare as P  # noqa: E402
 
 ENV = {k: v for k, v in os.environ.items()
@@ -127,15 +127,8 @@ run_cli(train.main)
 
 def run_py(script, args, env=None, timeout=TIMEOUT):
     """Run to completion; returns (CompletedProcess, pid)."""
-    proc = subprocess.Popen([sys.executable, str(script), *map(str, args)], cwd=REPO, env=env or ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), proc.pid
+    proc = start([sys.executable, script, *args], cwd=REPO, env=env or ENV)
+    return finish(proc, timeout), proc.pid
 
 
 def run_train(args):
@@ -210,22 +203,19 @@ class Reference:
 
     def __init__(self, data_dir, out):
         self.out, self._ckpt = out, None
-        self.proc = subprocess.Popen([sys.executable, "train.py", *CFG, *data_args(data_dir), f"--out_dir={out}"],
-                                     cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = start([sys.executable, "train.py", *CFG, *data_args(data_dir),
+                           f"--out_dir={out}"], cwd=REPO, env=ENV)
 
     def ckpt(self):
         if self._ckpt is None:
-            stdout, stderr = self.proc.communicate(timeout=TIMEOUT)
-            ok(subprocess.CompletedProcess(self.proc.args, self.proc.returncode, stdout, stderr))
+            ok(finish(self.proc, TIMEOUT))
             assert temps(self.out) == []
             self._ckpt = load_checkpoint(str(self.out / "ckpt.pt"))
             assert self._ckpt["iter_num"] == MAX_ITERS
         return self._ckpt
 
     def close(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.communicate()
+        stop(self.proc)
 
 
 @pytest.fixture(scope="module")

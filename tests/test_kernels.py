@@ -9,7 +9,6 @@ test_interp_*) run in a child pytest process started by test_triton_kernels_unde
 TRITON_INTERPRET=1 and NANODEPTH_TRITON=1 in its environment: no other test module sees either
 variable, whatever was imported first. In this process they skip."""
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,6 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import kernels
+from conftest import run_group
 from routing import MLP
 
 pytestmark = pytest.mark.usefixtures('one_thread')
@@ -207,9 +207,9 @@ def test_triton_kernels_under_interpreter():
         pytest.skip('this is the child')
     pytest.importorskip('triton')
     env = dict(os.environ, TRITON_INTERPRET='1', NANODEPTH_TRITON='1', NANODEPTH_KERNEL_CHILD='1')
-    proc = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-rs', '-p', 'no:cacheprovider',
-                           '-k', 'test_interp_', __file__], cwd=Path(__file__).resolve().parents[1],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = run_group([sys.executable, '-m', 'pytest', '-q', '-rs', '-p', 'no:cacheprovider',
+                      '-k', 'test_interp_', __file__], 600, cwd=Path(__file__).resolve().parents[1],
+                     env=env)
     report = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, report
     summary = proc.stdout.strip().splitlines()[-1]

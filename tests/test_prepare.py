@@ -5,7 +5,6 @@ import hashlib
 import io
 import json
 import re
-import subprocess
 import sys
 import threading
 import zipfile
@@ -17,6 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from conftest import run_group  # noqa: E402
 from data import prepare as P  # noqa: E402
 
 SHARED = REPO.parent / "shared" / "data"
@@ -357,8 +357,7 @@ def test_download_failure_says_pass_input(tmp_path, monkeypatch):
 
 def test_cli(tmp_path):
     def run(*args):
-        return subprocess.run([sys.executable, str(REPO / "data" / "prepare.py"), *args],
-                              capture_output=True, text=True, timeout=60)
+        return run_group([sys.executable, REPO / "data" / "prepare.py", *args], 60)
     r = run("nope")
     assert r.returncode == 2 and "unknown dataset 'nope'" in r.stderr and "synthetic" in r.stderr
     r = run("text", "--input", str(tmp_path / "missing.txt"), "--out_dir", str(tmp_path / "x"))
@@ -507,12 +506,12 @@ def test_prepare_without_fcntl(tmp_path, monkeypatch):
 
 
 def test_stale_tmp_files_of_dead_processes_are_removed(tmp_path):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()  # reaped: its pid no longer exists
-    assert not P.pid_alive(dead.pid) and P.pid_alive(P.os.getpid())
+    # a process that exited and was reaped: its pid no longer exists
+    dead_pid = int(run_group([sys.executable, "-c", "import os; print(os.getpid())"], 60).stdout)
+    assert not P.pid_alive(dead_pid) and P.pid_alive(P.os.getpid())
     out = tmp_path / "synthetic"
     out.mkdir()
-    stale, live = out / f"train.bin.tmp-{dead.pid}", out / f"input.txt.tmp-{P.os.getpid()}"
+    stale, live = out / f"train.bin.tmp-{dead_pid}", out / f"input.txt.tmp-{P.os.getpid()}"
     other = out / "notes.tmp-abc"
     for p in (stale, live, other):
         p.write_bytes(b"leftover")

@@ -28,7 +28,9 @@ from hypothesis import given, settings, strategies as st, HealthCheck
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import flops  # noqa: E402
+import runlock  # noqa: E402
 import train  # noqa: E402
+from conftest import finish, run_group, start, stop  # noqa: E402
 from data import loader, prepare as P  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -44,27 +46,15 @@ NAN_ARGS = ["--learning_rate=1e6", "--grad_clip=0", "--decay_lr=False", "--warmu
 # helpers and fixtures
 
 def run_py(script, args, timeout=180, env=None):
-    return subprocess.run([sys.executable, script, *map(str, args)], cwd=REPO, env=env or ENV,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_group([sys.executable, script, *args], timeout, cwd=REPO, env=env or ENV)
 
 
 def run_train(args, timeout=180):
     return run_py("train.py", args, timeout)
 
 
-def start_train(args):
-    return subprocess.Popen([sys.executable, "train.py", *map(str, args)], cwd=REPO, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finish(proc, timeout=180):
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+def start_train(args, **kw):
+    return start([sys.executable, "train.py", *args], cwd=REPO, env=ENV, **kw)
 
 
 def require(cond, msg=""):
@@ -256,12 +246,11 @@ def ddp_runs(synth, tmp_path_factory):
     ok(run_py(str(wrapper), [*common, f"--out_dir={single}"]))
     ddp = tmp / "ddp"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    r = subprocess.run([*torchrun, str(wrapper), *common, f"--out_dir={ddp}"], cwd=REPO, env=ENV,
-                       capture_output=True, text=True, timeout=240)
+    r = run_group([*torchrun, wrapper, *common, f"--out_dir={ddp}"], 240, cwd=REPO, env=ENV)
     if r.returncode != 0:
         smoke = tmp / "gloo_smoke.py"
         smoke.write_text(GLOO_SMOKE)
-        s = subprocess.run([*torchrun, str(smoke)], cwd=tmp, env=ENV, capture_output=True, text=True, timeout=120)
+        s = run_group([*torchrun, smoke], 120, cwd=tmp, env=ENV)
         if s.returncode != 0:
             pytest.skip(f"torchrun/gloo cannot start 2 CPU processes here: {s.stderr.strip()[-500:]}")
         ok(r)
@@ -315,8 +304,7 @@ def run_single_and_ddp(tmp, args):
     r1 = run_train([*args, f"--out_dir={single}"])
     require(r1.returncode == 0, r1.stdout[-2000:] + r1.stderr[-2000:])
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    r = subprocess.run([*torchrun, "train.py", *args, f"--out_dir={ddp}"], cwd=REPO, env=ENV,
-                       capture_output=True, text=True, timeout=240)
+    r = run_group([*torchrun, "train.py", *args, f"--out_dir={ddp}"], 240, cwd=REPO, env=ENV)
     return single, ddp, r
 
 
@@ -351,9 +339,9 @@ def start_ddp_and_wait_for_training(synth, tmp, extra):
     wrapper.write_text(PID_WRAPPER.format(repo=str(REPO), tmp=str(tmp)))
     out = tmp / "out"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.Popen([*torchrun, str(wrapper), *TINY, *data_args(synth), "--gradient_accumulation_steps=2",
-                             "--max_iters=1000000", "--eval_interval=1000000", f"--out_dir={out}", *extra],
-                            cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start([*torchrun, wrapper, *TINY, *data_args(synth), "--gradient_accumulation_steps=2",
+                  "--max_iters=1000000", "--eval_interval=1000000", f"--out_dir={out}", *extra],
+                 cwd=REPO, env=ENV)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
         if (out / "metrics.jsonl").exists() and '"type": "train"' in (out / "metrics.jsonl").read_text():
@@ -371,8 +359,11 @@ def test_ddp_signal_to_one_worker_stops_all_with_one_message(synth, tmp_path):
     """SIGTERM to rank 1 only: every rank stops at a common iteration, rank 0 saves and prints the
     resume command, and nothing claims the run is done."""
     proc, out, pids = start_ddp_and_wait_for_training(synth, tmp_path, [])
-    os.kill(pids[1], signal.SIGTERM)
-    r = finish(proc, timeout=120)
+    try:
+        os.kill(pids[1], signal.SIGTERM)
+        r = finish(proc, timeout=120)
+    finally:
+        stop(proc)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("stopped by signal") == 1 and "done:" not in r.stdout, r.stdout[-2000:]
     assert load_ckpt(out)["iter_num"] > 0
@@ -393,6 +384,7 @@ def test_ddp_hung_worker_times_out_with_an_error(synth, tmp_path):
                 os.kill(pids[1], sig)
             except ProcessLookupError:
                 pass
+        stop(proc)
     assert r.returncode != 0
     assert "error: a DDP process stopped responding" in r.stderr, r.stderr[-3000:]
     assert time.time() - t0 < 140
@@ -538,7 +530,7 @@ def test_outputs(base_run, synth):
 
 
 def test_run_info_git_sha_is_a_sha_or_none(tmp_path, monkeypatch):
-    require(subprocess.run(["git", "init", "-q", str(tmp_path)]).returncode == 0, "git init failed")
+    require(run_group(["git", "init", "-q", tmp_path], 60).returncode == 0, "git init failed")
     monkeypatch.setattr(train, "HERE", str(tmp_path))
     info = train.run_info(None, torch.device("cpu"), "float32", 1)
     assert info["git_sha"] is None or re.fullmatch(r"[0-9a-f]{40}", info["git_sha"]), info["git_sha"]
@@ -555,6 +547,41 @@ def test_run_info_outside_git(tmp_path, monkeypatch):
 # 5. Ctrl-C / SIGTERM
 
 SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM}
+
+
+@pytest.mark.slow
+def test_ddp_every_rank_stops_when_rank_0_cannot_lock_the_folder(base_run, synth, tmp_path):
+    """Only rank 0 takes out_dir's lock; when another process holds it, every rank stops with the
+    same error line (none waits for a peer until ddp_timeout), and nothing in the folder is
+    touched."""
+    out = copy_run(base_run, tmp_path)
+    before = snapshot(out)
+    holder = runlock.lock_folder(out)               # this process stands in for a run writing there
+    try:
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc_per_node=2"]
+        r = run_group([*torchrun, "train.py", *base_run.args, f"--out_dir={out}",
+                       "--init_from=resume", "--max_iters=8", "--gradient_accumulation_steps=2",
+                       "--ddp_timeout=600"], 240, cwd=REPO, env=ENV)
+    finally:
+        holder.release()
+    line = f"error: out_dir {out} is in use by another run (PID {os.getpid()},"
+    assert r.returncode != 0 and line in r.stderr, r.stderr[-3000:]
+    assert f'File "{REPO / "train.py"}"' not in r.stderr          # no traceback of train.py's
+    assert "stopped responding" not in r.stderr
+    assert snapshot(out) == before
+
+
+@pytest.mark.slow
+def test_ddp_runs_always_exit(tmp_path):
+    """Consecutive 2-process runs each exit 0 within the timeout and leave nothing running (before
+    DDP workers ended with os._exit, about one in ten hung at exit). tests/ddp_soak.py runs 20;
+    here 3
+    (30-50 s on a loaded 2-core machine)."""
+    r = run_group([sys.executable, "tests/ddp_soak.py", "--runs=3", "--timeout=120"], 600,
+                  cwd=REPO, env=ENV)
+    assert r.returncode == 0 and "3 of 3 runs exited 0" in r.stdout, \
+        r.stdout[-3000:] + r.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -584,9 +611,7 @@ def signalled_runs(synth, tmp_path_factory):
             run.result = finish(run.proc, timeout=60)
     finally:
         for run in runs.values():
-            if run.proc.poll() is None:
-                run.proc.kill()
-                run.proc.wait()
+            stop(run.proc)
     for run in runs.values():                      # resume both, side by side
         run.ckpt = load_ckpt(run.out) if (run.out / "ckpt.pt").exists() else None
         run.resume = None
@@ -729,8 +754,12 @@ def nan_runs(base_run, synth, tmp_path_factory):
     names = list(runs)
     for pair in (names[:2], names[2:]):
         procs = {n: start_train(runs[n].args) for n in pair}
-        for n, proc in procs.items():
-            runs[n].result = finish(proc)
+        try:
+            for n, proc in procs.items():
+                runs[n].result = finish(proc)
+        finally:
+            for proc in procs.values():
+                stop(proc)
     return runs
 
 
@@ -764,6 +793,144 @@ def test_overwrite_replaces_the_old_run(base_run, synth, tmp_path):
     recs = read_metrics(out)
     assert [r["iter"] for r in recs if r["type"] == "eval"] == [0, 2]      # none of the old run's evals
     assert load_ckpt(out)["iter_num"] == 2
+
+
+# ----------------------------------------------------------------------------------------------------
+# one writer per run folder
+
+def wait_for_train_line(proc, out, after=0, seconds=120):
+    """Wait until out/metrics.jsonl holds a train record past iteration `after` (proc running)."""
+    deadline = time.time() + seconds
+    while time.time() < deadline and proc.poll() is None:
+        path = out / "metrics.jsonl"
+        records = [train.parse_record(line) for line in open(path)] if path.exists() else []
+        if any(r is not None and r.get("type") == "train" and r["iter"] > after for r in records):
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"no train line from {proc.args} (exit {proc.poll()})")
+
+
+@pytest.fixture(scope="module")
+def held_run(base_run, tmp_path_factory):
+    """A copy of base_run resumed for 'ever' (the lock holder), and its checkpoint's bytes."""
+    out = tmp_path_factory.mktemp("held") / "out"
+    shutil.copytree(base_run.out, out)
+    ckpt = (out / "ckpt.pt").read_bytes()
+    proc = start_train([*base_run.args, f"--out_dir={out}", "--init_from=resume",
+                        "--max_iters=1000000", "--eval_interval=1000000"],
+                       stdout=subprocess.DEVNULL)          # (a full pipe would stall it)
+    try:
+        wait_for_train_line(proc, out, after=6)
+        yield SimpleNamespace(out=out, proc=proc, ckpt=ckpt)
+    finally:
+        stop(proc)
+
+
+@pytest.mark.parametrize("second", ["resume", "overwrite_spelled_otherwise"])
+def test_a_second_writer_is_refused_while_a_run_holds_the_folder(held_run, base_run, synth, second):
+    """While a run trains in out_dir, a resume or a fresh --overwrite=True run into it exits 2 with
+    one line naming the folder and the holder's PID, and touches nothing: the checkpoint and the
+    holder's metrics file (the same file, not a replaced one) are still there."""
+    out, holder = held_run.out, held_run.proc
+    args = {"resume": [*base_run.args, f"--out_dir={out}", "--init_from=resume", "--max_iters=100"],
+            "overwrite_spelled_otherwise": [*TINY, *data_args(synth), f"--out_dir={out}/../out/",
+                                            "--max_iters=2", "--overwrite=True"]}[second]
+    metrics_inode = os.stat(out / "metrics.jsonl").st_ino
+    r = run_train(args)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stderr.count("\n") == 1 and r.stdout == "", r.stdout + r.stderr
+    assert r.stderr.startswith(f"error: out_dir {out}"), r.stderr
+    assert f"is in use by another run (PID {holder.pid}," in r.stderr, r.stderr
+    assert holder.poll() is None                                  # the holder goes on
+    assert (out / "ckpt.pt").read_bytes() == held_run.ckpt
+    assert os.stat(out / "metrics.jsonl").st_ino == metrics_inode
+    last = max(r["iter"] for r in read_metrics(out) if r["type"] == "train")
+    wait_for_train_line(holder, out, after=last)
+
+
+def test_a_killed_holder_leaves_the_folder_free(base_run, tmp_path):
+    """The lock dies with its holder, even by SIGKILL: the run resumes at once from its
+    checkpoint."""
+    out = copy_run(base_run, tmp_path)
+    resume = [*base_run.args, f"--out_dir={out}", "--init_from=resume"]
+    proc = start_train([*resume, "--max_iters=1000000", "--eval_interval=1000000"],
+                       stdout=subprocess.DEVNULL)
+    try:
+        wait_for_train_line(proc, out, after=6)
+        refused = run_train([*resume, "--max_iters=8"])
+        assert refused.returncode == 2 and f"PID {proc.pid}" in refused.stderr, refused.stderr
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        stop(proc)
+    r = ok(run_train([*base_run.args, f"--out_dir={out}", "--init_from=resume", "--max_iters=8"]))
+    assert "done: 8 iterations" in r.stdout
+    assert not (out / ".lock").exists()      # released (and removed) by the run that finished
+
+
+def test_a_refused_run_leaves_no_folder_or_lock_behind(synth, tmp_path):
+    """The lock is taken before the inputs are checked; a run refused after it (here: missing data)
+    leaves no out_dir, as before."""
+    out = tmp_path / "new"
+    with pytest.raises(train.TrainError):
+        train.main([*TINY, f"--data_dir={tmp_path}", "--dataset=absent", f"--out_dir={out}"])
+    assert not out.exists()
+
+
+# ----------------------------------------------------------------------------------------------------
+# resume bookkeeping
+
+def test_resuming_a_finished_run_says_so_and_writes_nothing(base_run, tmp_path):
+    out = copy_run(base_run, tmp_path)
+    before = snapshot(out)
+    r = ok(run_train([*base_run.args, f"--out_dir={out}", "--init_from=resume"]))
+    finished = (f"the run in {out} is already finished (iteration 6, max_iters=6, its summary "
+                f"recorded): nothing to do. Train it further with a larger --max_iters, or "
+                f"evaluate it with --eval_only=True")
+    assert r.stdout.splitlines() == [finished], r.stdout
+    assert "done:" not in r.stdout and r.stderr == ""
+    assert snapshot(out) == before
+    assert [m["type"] for m in read_metrics(out)].count("summary") == 1
+
+
+def test_a_run_killed_before_its_summary_is_not_finished(base_run, tmp_path):
+    """Checkpoint at max_iters but no summary (killed in between): the resume writes the summary."""
+    out = copy_run(base_run, tmp_path)
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    assert json.loads(lines[-1])["type"] == "summary"
+    (out / "metrics.jsonl").write_text("".join(lines[:-1]))
+    r = ok(run_train([*base_run.args, f"--out_dir={out}", "--init_from=resume"]))
+    assert "done: 6 iterations" in r.stdout
+    recs = read_metrics(out)
+    assert [m["type"] for m in recs].count("summary") == 1 and recs[-1]["type"] == "summary"
+    assert recs[-1]["iter"] == 6 and "routing" in recs[-1]
+
+
+def test_eval_only_resume_evaluates_once_and_records_it_once(base_run, synth, tmp_path):
+    """--init_from=resume --eval_only=True: one eval of the checkpoint (the same losses the run's
+    last eval measured), one 'eval' and one 'summary' record marked eval_only, appended; the
+    checkpoint, config.json and run_info.json unchanged; no 'done:'."""
+    out = copy_run(base_run, tmp_path)
+    before, old = snapshot(out), read_metrics(out)
+    r = ok(run_train([*base_run.args, f"--out_dir={out}", "--init_from=resume",
+                      "--eval_only=True"]))
+    recs = read_metrics(out)
+    assert recs[:len(old)] == old and len(recs) == len(old) + 2
+    ev, summary = recs[-2:]
+    last_eval = [m for m in old if m["type"] == "eval"][-1]
+    assert ev["type"] == "eval" and ev["eval_only"] is True and ev["iter"] == 6
+    assert ev["val_loss"] == pytest.approx(last_eval["val_loss"], rel=1e-6)
+    assert ev["train_loss"] == pytest.approx(last_eval["train_loss"], rel=1e-6)
+    assert summary["type"] == "summary" and summary["eval_only"] is True and summary["iter"] == 6
+    assert summary["best_val_loss"] == pytest.approx(old[-1]["best_val_loss"], rel=1e-6)
+    assert "routing" in summary and summary["wall_s"] <= old[-1]["wall_s"]   # the training's
+    line = f"iter 6: train loss {ev['train_loss']:.4f}, val loss {ev['val_loss']:.4f}"
+    assert r.stdout.count(line) == 1, r.stdout
+    assert f"evaluated {out} at iteration 6 (eval only: nothing trained)" in r.stdout
+    assert "done:" not in r.stdout
+    after = snapshot(out)
+    assert {k: v for k, v in after.items() if k != "metrics.jsonl"} == \
+        {k: v for k, v in before.items() if k != "metrics.jsonl"}
 
 
 def test_max_iters_0_names_only_files_written(synth, tmp_path):

@@ -1,0 +1,182 @@
+"""runlock: one writer per run folder. A held folder refuses a second lock naming the holder's PID;
+the kernel drops the lock of a holder killed by SIGKILL; a released lock leaves no lock file and no
+folder it created; sweep.py refuses an out_root another process holds before it runs anything. The
+helpers that start processes (conftest) end everything they started, and the session check finds a
+process left running. train.py's own lock is tested in test_train.py."""
+import os
+import signal
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import runlock  # noqa: E402
+import sweep  # noqa: E402
+from conftest import (SESSION_TAG, leftover_processes, run_group, start,  # noqa: E402
+                      started, stop, tagged_processes)
+HOLD = "import sys, time; sys.path.insert(0, {repo!r}); import runlock; " \
+       "lock = runlock.lock_folder({folder!r}); print('held', flush=True); time.sleep(600)"
+
+
+def hold_in_another_process(folder):
+    """A process holding folder's lock (started by conftest.start: end it with stop)."""
+    proc = start([sys.executable, "-c", HOLD.format(repo=str(REPO), folder=str(folder))])
+    assert proc.stdout.readline().strip() == "held", proc.stderr.read()
+    return proc
+
+
+def test_second_lock_is_refused_naming_the_holder(tmp_path):
+    hold = HOLD.format(repo=str(REPO), folder=str(tmp_path / "run"))
+    with started([sys.executable, "-c", hold]) as holder:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(runlock.FolderBusy) as e:
+            runlock.lock_folder(tmp_path / "run", "out_dir")
+        assert e.value.pid == holder.pid
+        assert str(e.value) == (f"out_dir {tmp_path / 'run'} is in use by another run (PID "
+                                f"{holder.pid}, a train.py or sweep.py still writing there); "
+                                f"wait for it to end or stop it, or choose another out_dir")
+
+
+def test_lock_is_released_when_the_holder_is_killed(tmp_path):
+    holder = hold_in_another_process(tmp_path)
+    try:
+        with pytest.raises(runlock.FolderBusy):
+            runlock.lock_folder(tmp_path)
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=30)
+    finally:
+        stop(holder)
+    assert (tmp_path / runlock.LOCK_NAME).exists()      # left by the killed holder: reused
+    lock = runlock.lock_folder(tmp_path)
+    assert (tmp_path / runlock.LOCK_NAME).read_text().strip() == str(os.getpid())
+    lock.release()
+
+
+def test_release_removes_the_lock_file_and_a_folder_left_empty(tmp_path):
+    lock = runlock.lock_folder(tmp_path / "new", "out_dir")
+    assert (tmp_path / "new" / runlock.LOCK_NAME).exists()
+    lock.release()
+    assert not (tmp_path / "new").exists()      # created by the lock and left empty: removed
+    lock = runlock.lock_folder(tmp_path / "kept")
+    (tmp_path / "kept" / "metrics.jsonl").write_text("{}\n")
+    lock.release()
+    assert os.listdir(tmp_path / "kept") == ["metrics.jsonl"]
+    again = runlock.lock_folder(tmp_path / "kept")          # released: free for the next writer
+    again.release()
+
+
+def test_a_lock_file_unlinked_under_a_contender_is_not_shared(tmp_path, monkeypatch):
+    """A contender that opened the lock file just before the holder released (and unlinked) it locks
+    an unlinked file: it must notice and lock the file at the path instead, or a third writer that
+    creates a new lock file would hold the folder at the same time."""
+    first = runlock.lock_folder(tmp_path)
+    real_flock, calls = runlock.fcntl.flock, []
+
+    def flock_after_release(fd, op):          # the holder releases between our open() and flock()
+        calls.append(fd)
+        if len(calls) == 1:
+            first.release()
+        return real_flock(fd, op)
+    monkeypatch.setattr(runlock.fcntl, "flock", flock_after_release)
+    second = runlock.lock_folder(tmp_path)
+    assert len(calls) == 2                    # the first file was stale: it opened the path again
+    assert os.path.samestat(os.fstat(second.fd), os.stat(tmp_path / runlock.LOCK_NAME))
+    monkeypatch.undo()
+    with pytest.raises(runlock.FolderBusy):   # and it is the lock a third writer meets
+        runlock.lock_folder(tmp_path)
+    second.release()
+
+
+STUDY = """
+base = {base!r}
+arms = {{'a': []}}
+seeds = [1]
+out_root = {root!r}
+reference = 'a'
+"""
+
+
+def test_sweep_refuses_an_out_root_another_process_holds(tmp_path, monkeypatch):
+    """A second sweep into one out_root: exit 2 naming the folder and the holder, no run started, no
+    file written."""
+    root = tmp_path / "study"
+    study = tmp_path / "study_x.py"
+    base = REPO / "config" / "exit_synthetic.py"
+    study.write_text(textwrap.dedent(STUDY.format(base=str(base), root=str(root))))
+    runs = []
+    monkeypatch.setattr(sweep, "run_one", lambda *a, **kw: runs.append(a) or (a[1], 0))
+    holder = hold_in_another_process(root)
+    try:
+        before = sorted(p.name for p in root.iterdir())
+        busy = rf"out_root {root} is in use by another run \(PID {holder.pid},"
+        with pytest.raises(runlock.FolderBusy, match=busy):
+            sweep.main([str(study), "--no_plots"])
+        r = run_group([sys.executable, "sweep.py", study, "--no_plots"], 120, cwd=REPO)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert r.stderr.startswith(f"error: out_root {root} is in use by another run "
+                                   f"(PID {holder.pid},")
+        assert runs == [] and sorted(p.name for p in root.iterdir()) == before
+    finally:
+        stop(holder)
+
+
+# ----------------------------------------------------------------------------------------------------
+# conftest's process helpers
+
+ESCAPES = ("import signal, subprocess, sys, time\n"
+           "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+           "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); "
+           "time.sleep(600)'], "
+           "start_new_session=True)\n"
+           "time.sleep(600)\n")
+
+
+def test_stop_ends_a_descendant_that_left_the_group_and_ignores_sigterm():
+    """Like a hung torchrun worker: its own session, deaf to SIGTERM; stop() still ends it."""
+    proc = start([sys.executable, "-c", ESCAPES])
+    assert proc.stdout.readline().strip() == "1"          # the descendant now ignores SIGTERM
+    assert len(tagged_processes("NANODEPTH_TEST_GROUP", proc.group_tag)) == 2
+    stop(proc, grace=1)
+    assert tagged_processes("NANODEPTH_TEST_GROUP", proc.group_tag) == []
+
+
+def test_run_group_timeout_ends_everything():
+    escapes = ESCAPES.replace("signal.signal(signal.SIGTERM, signal.SIG_IGN); ", "")   # not deaf
+    with pytest.raises(Exception) as e:
+        run_group([sys.executable, "-c", escapes], 2)
+    assert type(e.value).__name__ == "TimeoutExpired"
+    assert leftover_processes() == []
+
+
+def test_a_command_that_exits_leaving_a_process_fails():
+    leaves = ("import subprocess, sys\n"
+              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
+              "start_new_session=True)\n")
+    with pytest.raises(AssertionError, match="but left"):
+        run_group([sys.executable, "-c", leaves], 60)
+    assert leftover_processes() == []
+
+
+LEAKS = """
+import subprocess, sys
+def test_leaks():
+    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)
+"""
+
+
+def test_session_check_fails_a_run_that_leaves_a_process(tmp_path):
+    """A pytest run whose test starts a process and leaves it: the run fails at its end, saying so,
+    and the process is killed."""
+    (tmp_path / "test_leak.py").write_text(LEAKS)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent))
+    r = run_group([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
+                   tmp_path / "test_leak.py"], 120, cwd=tmp_path, env=env)
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert "1 passed" in r.stdout
+    assert "1 process(es) started by the tests were still running at the end of the session" \
+        in r.stdout
+    assert "time.sleep(600)" in r.stdout
+    assert tagged_processes("NANODEPTH_TEST_SESSION", SESSION_TAG) == []
