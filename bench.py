@@ -42,7 +42,7 @@ import flops
 import train
 from configurator import ConfigError, load_config, run_cli, writable_file
 from device import autocast_context, cli_device, resolve_device_dtype
-from model import ALIASES, FAMILIES, GPT
+from model import FAMILIES, GPT
 
 BENCH_DEFAULTS = dict(bench_steps=10, bench_warmup=3, decode_tokens=32, decode_batches='1,8',
                       budgets='', prefill_shapes='8x512', sparse=True, profile=False, decode_prompt=0, out='')
@@ -415,7 +415,7 @@ def parse_args(argv):
     as train.py checks them, and --out a writable .json file path."""
     as_json = '--json' in argv
     argv = [a for a in argv if a != '--json']
-    cfg = load_config({**train.DEFAULTS, **BENCH_DEFAULTS}, argv, ALIASES)
+    cfg = load_config({**train.DEFAULTS, **BENCH_DEFAULTS}, argv)
     ns = SimpleNamespace(**cfg)
     train.check_train_config(ns)
     train.model_config(ns)

@@ -9,10 +9,8 @@ parsed with ast.literal_eval (a bare word is taken as a string) and must have th
 (an int is accepted for a float key; None-valued defaults accept anything). An unknown key or a wrong
 type raises ConfigError naming the key and the closest valid one, before any work is done.
 
-Options renamed since (e.g. budget -> ffn_budget) keep working under their old names, with a note on
-stderr once per name: `aliases` (an `Aliases` over the routing families: model.ALIASES) resolves an old
-name by the route the arguments end with, whatever their order, and an old and a new spelling of one
-field still apply left to right.
+An option's name from before the routing families' options took their prefix (budget, gate, ...)
+is refused with a ConfigError naming today's (RENAMED); config files and results were migrated.
 """
 import ast
 import difflib
@@ -103,66 +101,29 @@ def _probe_write(folder, what):
                           "write to")
 
 
-class Aliases:
-    """The old option names of a registry of routing families {route: family}, each listing its own
-    (family.aliases: {old: new} or {old: (new, {old value: new value})}). One old name can mean different
-    options under different routes (budget: ffn_budget under one, mod_capacity under another), so it
-    resolves by the route: the route's own family first, then the first family in registry order that
-    had it, so that the refusal of another family's option names the option."""
-
-    def __init__(self, families):
-        self.families = families        # held, not copied: a family registered later is seen
-
-    def names(self):
-        return {key for family in self.families.values() for key in family.aliases}
-
-    def resolve(self, key, value, route):
-        """(new key, new value) for an old name `key`, or None if it is not one."""
-        mine = self.families.get(route)
-        for family in ([mine] if mine is not None else []) + list(self.families.values()):
-            if key in family.aliases:
-                new = family.aliases[key]
-                if isinstance(new, tuple):             # (new name, {old value: new value})
-                    new, values = new
-                    value = values.get(value, value) if isinstance(value, str) else value
-                return new, value
-        return None
-
-    def resolve_dict(self, d):
-        """A copy of the stored dict d (model_args, config.json) with old option names read as today's,
-        by d's own route, in d's order; where d holds both spellings of one field, the later one wins.
-        Options d's route added since d was written, whose default now differs from what its code did,
-        get that behaviour (the family's stored_before), so a resumed or evaluated run means what it did."""
-        route = d.get('route')
-        out = {}
-        for key, value in d.items():
-            key, value = self.resolve(key, value, route) or (key, value)
-            out.pop(key, None)
-            out[key] = value
-        for key, value in getattr(self.families.get(route), 'stored_before', {}).items():
-            out.setdefault(key, value)
-        return out
+# The routing options' names from before each family's options took its prefix, and today's: an old
+# name is refused, naming the new one (under route=mod, MoD's learned router was gate='mlp').
+RENAMED = {
+    'budget': 'ffn_budget, or mod_capacity under route=mod',
+    'controlled_layers': 'ffn_layers, or mod_layers under route=mod',
+    'gate': "ffn_gate, or mod_router under route=mod (where gate='mlp' is mod_router='learned')",
+    'gate_hidden': 'ffn_gate_hidden, or mod_predictor_hidden under route=mod',
+    'infer_rule': 'ffn_infer_rule, or mod_infer_rule under route=mod',
+    'predictor_weight': 'ffn_predictor_weight, or mod_predictor_weight under route=mod',
+    'router_bce_weight': 'mod_bce_weight',
+    **{old: 'ffn_' + old for old in (
+        'cheap_rank', 'gate_grad', 'jepa_latent', 'jepa_outcome', 'jepa_readout', 'jepa_weight',
+        'mimic_weight', 'oracle_layers_per_step', 'oracle_policy', 'rank_kind', 'rank_margin',
+        'rank_pairs', 'rank_weight', 'util_weight')},
+}
 
 
-def _unknown(key, defaults, aliases=None, route=None):
-    old = aliases.names() if aliases is not None else set()
-    close = difflib.get_close_matches(key, list(defaults) + sorted(old), n=1)
-    if close and close[0] in old:          # suggest today's name of a close old one
-        close = [aliases.resolve(close[0], None, route)[0]]
+def _unknown(key, defaults, where):
+    if key in RENAMED and RENAMED[key].split(',')[0] in defaults:    # a script taking today's name
+        return ConfigError(f"config key '{key}' from {where} was renamed: use {RENAMED[key]}")
+    close = difflib.get_close_matches(key, list(defaults), n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ''
     return ConfigError(f"unknown config key '{key}'{hint}")
-
-
-_noted = set()
-
-
-def note_renamed(old, new, route):
-    """One note per old name per process, on stderr."""
-    if old not in _noted:
-        _noted.add(old)
-        import sys
-        print(f"note: config key '{old}' is now '{new}' for route={route!r} (the old name still works)",
-              file=sys.stderr)
 
 
 def _check_type(key, value, default, where):
@@ -219,9 +180,8 @@ def declared_defaults(path):
     return out
 
 
-def load_config(defaults, argv, aliases=None):
-    """Return a new dict: `defaults` updated by the config files and --key=value items of argv. aliases
-    (an Aliases, e.g. model.ALIASES): accept old option names, resolved by the final route."""
+def load_config(defaults, argv):
+    """Return a new dict: `defaults` updated by the config files and --key=value items of argv."""
     items = []                  # (key, value, where, text of a --key=value or None), left to right
     for arg in argv:
         if not arg.startswith('--'):
@@ -252,18 +212,10 @@ def load_config(defaults, argv, aliases=None):
             if not eq:
                 raise ConfigError(f"expected --key=value, got '{arg}'")
             items.append((key, parse_value(text), f"'{arg}'", text))
-    # an old name means what it meant under the route these arguments end with
-    route = next((v for k, v, _, _ in reversed(items) if k == 'route'), defaults.get('route'))
     config = dict(defaults)
     for key, value, where, text in items:
-        hit = aliases.resolve(key, value, route) if key not in defaults and aliases is not None else None
-        if hit is not None:
-            if text is not None and isinstance(defaults.get(hit[0]), str):
-                value = text   # as below: a str key takes the text as written
-            note_renamed(key, hit[0], route)
-            key, value = aliases.resolve(key, value, route)
         if key not in defaults:
-            raise _unknown(key, defaults, aliases, route)
+            raise _unknown(key, defaults, where)
         if text is not None and isinstance(defaults[key], str) and not isinstance(value, str):
             value = text       # a str key takes the text as written: --ffn_layers=0,2,5, --out_dir=2024
         config[key] = _check_type(key, value, defaults[key], where)

@@ -44,7 +44,7 @@ from checkpoint import load_checkpoint, load_model
 from configurator import ConfigError, declared_defaults, load_config, run_cli, writable_file
 from data.loader import check_checkpoint_data, check_data, load_dataset_meta, load_tokenizer, open_splits
 from device import cli_device
-from model import GPTConfig, resolve_aliases
+from model import GPTConfig, read_stored_config
 from routing import overridden
 from plots import SKIPPED, pyplot
 
@@ -265,7 +265,8 @@ def main(argv):
     with redirect_stdout(sys.stderr) if as_json else nullcontext():
         # train.py's defaults fill the keys a checkpoint does not hold
         cfg = SimpleNamespace(**{**{f.name: f.default for f in fields(GPTConfig)},
-                                 **declared_defaults(os.path.join(HERE, 'train.py')), **resolve_aliases(ck['config'])})
+                                 **declared_defaults(os.path.join(HERE, 'train.py')),
+                                 **read_stored_config(ck['config'])})
         cfg.data_dir = args['data_dir'] or cfg.data_dir
         meta = load_dataset_meta(cfg, master=True, prepare_missing=False)   # only training prepares
         check_checkpoint_data(cfg, meta, ck)      # the data must be the run's (names the field)

@@ -143,12 +143,12 @@ def main(argv):
     from dataclasses import fields, replace
 
     from configurator import ConfigError, declared_defaults, load_config
-    from model import ALIASES, GPTConfig
+    from model import GPTConfig
     here = os.path.dirname(os.path.abspath(__file__))
     # train.py's config keys, read from its source: train.py imports this module, so not the other way
     defaults = {f.name: f.default for f in fields(GPTConfig)}
     defaults.update(declared_defaults(os.path.join(here, 'train.py')))
-    cfg = load_config(defaults, argv, ALIASES)
+    cfg = load_config(defaults, argv)
     vocab = cfg['vocab_size']
     meta = os.path.join(cfg['data_dir'] or os.path.join(here, 'data'), cfg['dataset'], 'meta.json')
     if not vocab:

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import losses
-from configurator import Aliases, ConfigError
+from configurator import RENAMED, ConfigError
 from route_ensemble import DepthEnsemble, EnsembleOptions
 from route_exit import EarlyExit, ExitOptions
 from route_ffn import FFNOptions, FFNRouting
@@ -89,15 +89,27 @@ class GPTConfig(EnsembleOptions, ExitOptions, HaltOptions, ModOptions, FFNOption
 
     @classmethod
     def from_dict(cls, d):
-        """From a stored dict (a checkpoint's model_args, a run's config.json): names written before the
-        options took their family's prefix are read as today's, and keys that are not fields are dropped."""
+        """From a stored dict (a checkpoint's model_args, a run's config.json), read by
+        read_stored_config; keys that are not fields are dropped."""
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in resolve_aliases(d).items() if k in names})
+        return cls(**{k: v for k, v in read_stored_config(d).items() if k in names})
 
 
-# old option names (each family lists its own, Family.aliases), resolved by the route of the config
-ALIASES = Aliases(FAMILIES)
-resolve_aliases = ALIASES.resolve_dict      # a stored dict (model_args, config.json) with today's names
+def read_stored_config(d):
+    """A copy of a stored config dict (model_args, config.json) as it ran: options its route added
+    since it was written, whose default now differs from what the code did, get that behaviour (the
+    family's stored_before). One holding an option's name from before the family prefixes (RENAMED)
+    is refused: those names are no longer read."""
+    old = [k for k in d if k in RENAMED]
+    if old:
+        raise ConfigError("a stored config (checkpoint or config.json) holds old option names: "
+                          + ', '.join(f"{k} (now {RENAMED[k]})" for k in old)
+                          + "; rename those keys in its model_args and config, or read it with "
+                          "a version from before the old names were retired")
+    out = dict(d)
+    for key, value in getattr(FAMILIES.get(d.get('route')), 'stored_before', {}).items():
+        out.setdefault(key, value)
+    return out
 
 
 def controlled_layer_ids(config):

@@ -72,13 +72,6 @@ class FFNOptions:
 
 class FFNRouting(Family):
     options = option_names(FFNOptions) + ('ffn_oracle_layers_per_step', 'calib_iters')   # + the training loop's
-    # the names the options had before they took the family's prefix (config files, checkpoints);
-    # options added since have none
-    aliases = {name[4:]: name for name in options
-               if name.startswith('ffn_') and name not in (
-                   'ffn_layers', 'ffn_oracle_start', 'ffn_aux_grad', 'ffn_oracle_label',
-                   'ffn_jepa_action_std')}
-    aliases['controlled_layers'] = 'ffn_layers'
     # before these options existed, aux-loss gradients took one graph, labels switched whole
     # sequences and G3 read the distance between forecasts from actions drawn N(0, 0.02²)
     stored_before = {'ffn_aux_grad': 'leak', 'ffn_oracle_label': 'sequence',

@@ -37,10 +37,6 @@ class ModOptions:
 
 class MixtureOfDepths(Family):
     options = option_names(ModOptions)
-    # the names these options had when MoD shared the ffn family's (its learned router was the gate 'mlp')
-    aliases = {'budget': 'mod_capacity', 'controlled_layers': 'mod_layers', 'gate': ('mod_router', {'mlp': 'learned'}),
-               'infer_rule': 'mod_infer_rule', 'predictor_weight': 'mod_predictor_weight',
-               'gate_hidden': 'mod_predictor_hidden', 'router_bce_weight': 'mod_bce_weight'}
     budget_field = 'mod_capacity'
     layers_option, resume_options = 'mod_layers', ('mod_router', 'mod_infer_rule', 'mod_predictor_hidden')
     spelled_options = ('mod_layers',)   # 'auto' and 'every_other' are the same layers

@@ -8,7 +8,6 @@ A family file (route_ffn.py, route_mod.py, ...) overrides only what it changes:
 
     options                        the config fields it reads (another family's are refused): its options
                                    dataclass's fields (declared in its file, a base of model.GPTConfig)
-    aliases                        its options' old names: {old: new}, or {old: (new, {old value: new value})}
     stored_before                  {option: value}: for options added later, the behaviour a stored config
                                    (checkpoint, config.json) from before them had, whose new default differs
     budget_field                   the field that sets the fraction of tokens on the expensive path (ffn,
@@ -96,7 +95,6 @@ class RouteCtx:
 class Family:
     """The dense model: the default of every hook."""
     options = ('layer_dropout',)        # the config fields this family reads (others' are refused)
-    aliases = {}                        # old names of those fields, still accepted (configurator.Aliases)
     stored_before = {}                  # a stored config lacking these options ran with these values
     budget_field = None                 # ffn: 'ffn_budget', mod: 'mod_capacity'; None: no budget
     # what a run must share with the checkpoint it starts from (train.py)

@@ -24,7 +24,7 @@ from configurator import ConfigError, load_config, run_cli
 from data import prepare as prep
 from data.loader import check_checkpoint_data, load_tokenizer
 from device import cli_device
-from model import FAMILIES, resolve_aliases
+from model import FAMILIES, read_stored_config
 
 DEFAULTS = dict(out_dir='out/quickstart', start='\n', num_samples=3, max_new_tokens=200, temperature=0.8,
                 top_k=200, seed=1337, device='auto', use_cache=True, data_dir='', prompts_file='')
@@ -111,8 +111,8 @@ def main(argv):
     ckpt = load_checkpoint(os.path.join(cfg['out_dir'], 'ckpt.pt'))
     margs, tcfg = ckpt['model_args'], ckpt['config']
     family = FAMILIES.get(margs.get('route'))
-    # today's option names, whatever the checkpoint's
-    refusal = family.cannot_generate(SimpleNamespace(**resolve_aliases(margs))) if family is not None else None
+    stored = SimpleNamespace(**read_stored_config(margs))
+    refusal = family.cannot_generate(stored) if family is not None else None
     if refusal:
         raise ConfigError(refusal)
     folder = os.path.join(cfg['data_dir'] or tcfg.get('data_dir') or os.path.join(HERE, 'data'), tcfg['dataset'])

@@ -38,7 +38,7 @@ from configurator import (ConfigError, UserError, declared_defaults, load_config
 from data.loader import (DataError, check_checkpoint_data, check_data, check_data_folder,
                          data_identity, load_dataset_meta, open_splits)
 from device import autocast_context, resolve_device_dtype
-from model import ALIASES, FAMILIES, GPT, GPTConfig, is_controller_key, resolve_aliases
+from model import FAMILIES, GPT, GPTConfig, is_controller_key, read_stored_config
 from runlock import FolderBusy, lock_folder
 
 # ----------------------------------------------------------------------------------------------------
@@ -271,7 +271,7 @@ def setup(cfg, cfg_dict, proc, argv):
 
 def read_config(argv):
     """Defaults, then config files and --key=value in argv: (namespace, the dict written to config.json)."""
-    cfg_dict = load_config(DEFAULTS, argv, ALIASES)
+    cfg_dict = load_config(DEFAULTS, argv)
     cfg = SimpleNamespace(**cfg_dict)
     check_train_config(cfg)
     model_config(cfg)                           # validates routing fields before any work
@@ -333,7 +333,6 @@ def check_family_options(cfg, argv):
     --route=halt --ffn_gate=jepa); only note the ones a config file set, since a study's arms switch route
     on a shared base file (they are recorded in config.json but change nothing)."""
     given = {a[2:].partition('=')[0] for a in argv if a.startswith('--')}
-    given = {(ALIASES.resolve(k, None, cfg.route) or (k,))[0] for k in given}     # old names as today's
     mine = set(FAMILIES[cfg.route].options)
     if cfg.trainable == 'last_layers':
         mine.add('ens_layers')          # the dense fine-tuning baseline trains the last ens_layers blocks
@@ -492,7 +491,7 @@ def gpt2_model(cfg, meta):
 
 def check_against_checkpoint(cfg, meta, ckpt, keys):
     """The config's fields `keys` agree with the checkpoint's model_args, and the data is its own."""
-    margs = resolve_aliases(ckpt['model_args'])      # a checkpoint may use the options' old names
+    margs = read_stored_config(ckpt['model_args'])      # as it ran (stored_before)
     family = FAMILIES[margs.get('route', GPTConfig.route)]
     defaults = {f.name: f.default for f in fields(GPTConfig)}
     for k in keys:

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import flops
 from conftest import (EXAMPLES, ROUTED_TOL, SETTINGS, V, assert_greedy_traces_agree, build, counted, dense_twin,
                       greedy_trace, seeded, tokens)
-from model import FAMILIES as REGISTRY, KVCache
+from model import FAMILIES as REGISTRY, GPTConfig, KVCache
 from route_exit import exit_depths
 from routing import Family
 
@@ -245,3 +245,14 @@ def test_a_family_added_to_the_registry_is_held_to_the_promises(monkeypatch):
             test_family_flops_match_counter.hypothesis.inner_test(case, seed, T, B, 0.5, 1.0, trainable, 1.0, Drawn())
         test_ragged_batched_generation_equals_each_prompt_alone.hypothesis.inner_test(case, seed, [T, 1 + T // 2], 3)
     test_gradients_reach_every_router(case)
+
+
+def test_family_budget_api():
+    ffn, mod = GPTConfig(route='ffn', ffn_budget=0.3), GPTConfig(route='mod', mod_capacity=0.2)
+    assert REGISTRY['ffn'].budget(ffn) == 0.3 and REGISTRY['mod'].budget(mod) == 0.2
+    assert REGISTRY['ffn'].with_budget(ffn, 0.7).ffn_budget == 0.7
+    assert REGISTRY['mod'].with_budget(mod, 0.7).mod_capacity == 0.7 and mod.mod_capacity == 0.2
+    for route in ('none', 'halt', 'exit', 'ensemble'):
+        assert REGISTRY[route].budget(GPTConfig(route=route)) is None
+        with pytest.raises(ValueError, match='has no budget'):
+            REGISTRY[route].with_budget(GPTConfig(route=route), 0.5)
