@@ -14,11 +14,12 @@ stderr once per name: `aliases` (an `Aliases` over the routing families: model.A
 name by the route the arguments end with, whatever their order, and an old and a new spelling of one
 field still apply left to right.
 
-Smoke runs: with the environment variable NANODEPTH_SMOKE=1 every script that reads its options here
-(train.py, and through it sweep.py's runs; eval.py, sample.py, bench.py, flops.py) caps each count of
-iterations, steps, batches and tokens it has (SMOKE_CAPS, SMOKE_VALUES) after the config files and the
-command line, and says so on stderr: any documented command then runs in seconds. Its numbers mean
-nothing (config.json records the capped values); tests/test_docs.py runs the docs this way.
+Smoke runs: with the environment variable NANODEPTH_SMOKE=1 every script that reads its options
+here (train.py, and through it sweep.py's runs; eval.py, sample.py, bench.py, flops.py) caps each
+count of iterations, steps, batches and tokens it has, and the model's width and vocabulary
+(SMOKE_CAPS, SMOKE_VALUES), after the config files and the command line, and says so on stderr: any
+documented command then runs in seconds. Its numbers mean nothing (config.json records the capped
+values); tests/test_docs.py runs the docs this way.
 """
 import ast
 import difflib
@@ -86,9 +87,9 @@ class Aliases:
 
 
 SMOKE_ENV = 'NANODEPTH_SMOKE'
-SMOKE_CAPS = dict(max_iters=2, eval_interval=2, warmup_iters=1, log_interval=1, eval_iters=1, batch_size=2,
-                  block_size=128, n_embd=128, vocab_size=512, bench_steps=1, bench_warmup=0, decode_tokens=2,
-                  max_new_tokens=8)
+SMOKE_CAPS = dict(max_iters=2, eval_interval=2, warmup_iters=1, log_interval=1, eval_iters=1,
+                  batch_size=2, block_size=128, n_embd=128, vocab_size=512, bench_steps=1,
+                  bench_warmup=0, decode_tokens=2, max_new_tokens=8)
 SMOKE_VALUES = dict(decode_batches='1', prefill_shapes='1x32')
 
 
@@ -97,12 +98,13 @@ def smoke_caps(config):
     means 'from the checkpoint'), with one note on stderr."""
     if os.environ.get(SMOKE_ENV, '') in ('', '0'):
         return config
-    changed = {k: min(config[k], cap) for k, cap in SMOKE_CAPS.items() if k in config and config[k] > cap}
+    changed = {k: min(config[k], cap) for k, cap in SMOKE_CAPS.items()
+               if k in config and config[k] > cap}
     changed.update({k: v for k, v in SMOKE_VALUES.items() if k in config and config[k] != v})
     if changed:
         import sys
-        print(f"note: {SMOKE_ENV} is set: a smoke run with " + ', '.join(f'{k}={v}' for k, v in changed.items()),
-              file=sys.stderr)
+        print(f"note: {SMOKE_ENV} is set: a smoke run with "
+              + ', '.join(f'{k}={v}' for k, v in changed.items()), file=sys.stderr)
     return {**config, **changed}
 
 

@@ -137,10 +137,11 @@ def estimate_mfu(config, tokens_per_s, device, dtype, seq_len=None):
 
 
 def main(argv):
-    """python flops.py CONFIG [--key=value ...]: the training-FLOPs breakdown of a config. route=ffn: for
-    G1 and G3 with util/rank on and off, averaged over the uniformly sampled oracle layer; any other
-    route: one row, the config as it is. A bench.py config's model is costed too (its own keys are
-    inert here); a study file is refused with the command that costs one of its runs."""
+    """python flops.py CONFIG [--key=value ...]: the training-FLOPs breakdown of a config.
+    route=ffn: for G1 and G3 with util/rank on and off, averaged over the uniformly sampled oracle
+    layer; any other route: one row, the config as it is. A bench.py config's model is costed too
+    (its own keys are inert here); a study file is refused with the command that costs one of its
+    runs."""
     import json
     import os
     from dataclasses import fields, replace
@@ -164,8 +165,8 @@ def main(argv):
         raise ConfigError(str(e)) from None
     T, dense = base.block_size, dense_forward_flops(base, base.block_size)
     ids = controlled_layer_ids(base)
-    print(f"{argv[0] if argv else 'defaults'} (route {base.route}, vocab {vocab}, T={T}, {len(ids)} controlled "
-          f"layers, trainable={cfg['trainable']})")
+    print(f"{argv[0] if argv else 'defaults'} (route {base.route}, vocab {vocab}, T={T}, "
+          f"{len(ids)} controlled layers, trainable={cfg['trainable']})")
     print('| gate | util/rank | training forward / dense forward | oracle passes (dense forwards) '
           '| flops_proxy | exact step / dense joint step |')
     if base.route == 'ffn' and ids:
@@ -174,15 +175,16 @@ def main(argv):
                              ffn_rank_weight=1.0 if on else 0.0), 'G1' if gate == 'mlp' else 'G3',
                      'on' if on else 'off', [(l,) for l in ids] if on else [()])
                     for gate in ('mlp', 'jepa') for on in (True, False)]
-    else:              # no FFN gates to vary (another family, or the dense model): the config as it is
+    else:     # no FFN gates to vary (another family, or the dense model): the config as it is
         variants = [(base, '—', '—', [()])]
     for c, gate, util, layer_sets in variants:
         avg = lambda f: sum(f(ls) for ls in layer_sets) / len(layer_sets)
+        step = avg(lambda ls: train_step_flops(c, T, cfg['trainable'], ls)['total'])
         print(f"| {gate} | {util} "
               f"| {forward_flops(c, T, mode='train') / dense:.3f} "
               f"| {avg(lambda ls: oracle_flops(c, T, ls)) / dense:.3f} "
               f"| {avg(lambda ls: flops_proxy(c, T, ls)):.3f} "
-              f"| {avg(lambda ls: train_step_flops(c, T, cfg['trainable'], ls)['total']) / (3 * dense):.3f} |")
+              f"| {step / (3 * dense):.3f} |")
     return 0
 
 
@@ -201,12 +203,13 @@ def refuse_study_files(argv):
         except Exception:        # load_config reports a broken file with its line
             continue
         if 'base' in ns and isinstance(ns.get('arms'), dict) and ns['arms']:
-            arm = ns.get('reference') if ns.get('reference') in ns['arms'] else next(iter(ns['arms']))
+            arms = ns['arms']
+            arm = ns.get('reference') if ns.get('reference') in arms else next(iter(arms))
             seed = str((ns.get('seeds') or [1])[0])
-            run = [ns['base'], *ns.get('overrides', []), *ns['arms'][arm]]
+            run = [ns['base'], *ns.get('overrides', []), *arms[arm]]
             run = [a.replace('{seed}', seed) for a in run]
-            raise ConfigError(f"{arg} is a study file (python sweep.py {arg}), not a train config; cost its "
-                              f"arm {arm!r} with: python flops.py {shlex.join(run)}")
+            raise ConfigError(f"{arg} is a study file (python sweep.py {arg}), not a train config; "
+                              f"cost its arm {arm!r} with: python flops.py {shlex.join(run)}")
 
 
 if __name__ == '__main__':

@@ -48,15 +48,17 @@ Afterwards the plots of plots.py go to out_root/plots/ (skipped, with a note, wi
 Exit code 1 when a run failed (after the summary of those that finished; the failed runs' logs are
 named), 2 for a bad study file or option.
 
-Before the first run, every run's whole configuration (base + overrides + arm + seed, and the 'before'
-runs) goes through train.py's own parsing and checks: a typo, a wrong type or another family's option in
-any arm refuses the study (exit 2, one line naming the arm and the key) and nothing runs.
+Before the first run, every run's whole configuration (base + overrides + arm + seed, and the
+'before' runs) goes through train.py's own parsing and checks: a typo, a wrong type or another
+family's option in any arm refuses the study (exit 2, one line naming the arm and the key) and
+nothing runs.
 
-Stopping: each train.py runs in its own process group, so Ctrl-C at the terminal reaches the sweep alone.
-On SIGINT or SIGTERM the sweep passes the signal on to the runs in flight (each checkpoints and stops,
-as train.py does on a signal), starts no queued run, kills a run still alive STOP_GRACE_S (120 s) later
-with its whole group, and exits 130 (SIGINT) or 143 (SIGTERM) with one line on stderr giving the command
-that resumes the study (the same command: stopped runs resume from their checkpoints).
+Stopping: each train.py runs in its own process group, so Ctrl-C at the terminal reaches the sweep
+alone. On SIGINT or SIGTERM the sweep passes the signal on to the runs in flight (each checkpoints
+and stops, as train.py does on a signal), starts no queued run, kills a run still alive
+STOP_GRACE_S (120 s) later with its whole group, and exits 130 (SIGINT) or 143 (SIGTERM) with one
+line on stderr giving the command that resumes the study (the same command: stopped runs resume
+from their checkpoints).
 """
 import contextlib
 import io
@@ -149,8 +151,8 @@ def run_before(stages, root, jobs, children):
         argv, log = run
         out = next(a.split('=', 1)[1] for a in argv if a.startswith('--out_dir='))
         print(f"before: {' '.join(argv)}", flush=True)
-        return run_one([a for a in argv if not a.startswith('--out_dir=')], out, os.path.join(root, log), jobs,
-                       children)
+        return run_one([a for a in argv if not a.startswith('--out_dir=')], out,
+                       os.path.join(root, log), jobs, children)
     for stage in stages:
         codes = run_all(one, stage, jobs, children)
         if children.signum is not None:
@@ -210,10 +212,11 @@ def child_env(jobs):
 
 
 class Children:
-    """The train.py processes in flight, each in its own process group (so a Ctrl-C at the terminal
-    reaches the sweep alone, and the sweep decides what its runs get), and the stop a signal asked for:
-    the signal goes on to every run in flight (train.py checkpoints and stops, as on its own), no run
-    starts after it, and a run still alive STOP_GRACE_S later is killed with its whole group."""
+    """The train.py processes in flight, each in its own process group (so a Ctrl-C at the
+    terminal reaches the sweep alone, and the sweep decides what its runs get), and the stop a
+    signal asked for: the signal goes on to every run in flight (train.py checkpoints and stops, as
+    on its own), no run starts after it, and a run still alive STOP_GRACE_S later is killed with its
+    whole group."""
 
     def __init__(self):
         self.lock = threading.RLock()        # re-entrant: the handler runs in the main thread
@@ -235,7 +238,8 @@ class Children:
             self.running.remove(proc)
 
     def stop(self, signum, frame=None):
-        """The signal handler: a second signal is passed on as well (train.py aborts on a second Ctrl-C)."""
+        """The signal handler; a second signal is passed on too (train.py aborts on a second
+        Ctrl-C)."""
         with self.lock:
             if self.signum is None:
                 self.signum, self.kill_at = signum, time.time() + STOP_GRACE_S
@@ -257,8 +261,8 @@ def signal_group(proc, signum):
 
 
 def run_one(argv, out_dir, log_path, jobs=1, children=None):
-    """Run train.py (resuming if a checkpoint exists), one of `jobs` at a time; returns (out_dir, exit
-    code), the code None when a stop was asked for before it started."""
+    """Run train.py (resuming if a checkpoint exists), one of `jobs` at a time; returns (out_dir,
+    exit code), the code None when a stop was asked for before it started."""
     if finished(out_dir):
         return out_dir, 0
     children = children or Children()
@@ -271,7 +275,8 @@ def run_one(argv, out_dir, log_path, jobs=1, children=None):
         return out_dir, None
     os.makedirs(out_dir, exist_ok=True)
     with open(log_path, 'a') as log:
-        proc = children.start(args, stdout=log, stderr=subprocess.STDOUT, cwd=HERE, env=child_env(jobs))
+        proc = children.start(args, stdout=log, stderr=subprocess.STDOUT, cwd=HERE,
+                              env=child_env(jobs))
         if proc is None:
             return out_dir, None
         try:
@@ -282,8 +287,8 @@ def run_one(argv, out_dir, log_path, jobs=1, children=None):
 
 
 def run_all(fn, items, jobs, children):
-    """fn over items, jobs at a time, in order; the main thread waits in short steps so that a signal
-    is handled at once and a run that outlives the grace period after it is killed."""
+    """fn over items, jobs at a time, in order; the main thread waits in short steps so that a
+    signal is handled at once and a run that outlives the grace period after it is killed."""
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         futs = [pool.submit(fn, item) for item in items]
         while not all(f.done() for f in futs):
@@ -304,19 +309,20 @@ def stop_on_signals(children):
 
 
 def check_configs(runs, made_later):
-    """Every run's full configuration (config files, overrides, seed) through train.py's own parsing and
-    checks, before the first run starts: one bad option refuses the study, rather than failing its arm
-    after the others ran. runs: (name, argv); made_later: folders the study's 'before' runs write, whose
-    checkpoints a later run may start from (they do not exist yet)."""
+    """Every run's full configuration (config files, overrides, seed) through train.py's own
+    parsing and checks, before the first run starts: one bad option refuses the study, rather than
+    failing its arm after the others ran. runs: (name, argv); made_later: folders the study's
+    'before' runs write, whose checkpoints a later run may start from (they do not exist yet)."""
     import train             # torch: only where runs are started
     later = [os.path.abspath(os.path.join(HERE, d)) + os.sep for d in made_later]
     with contextlib.chdir(HERE), contextlib.redirect_stdout(io.StringIO()), \
-            contextlib.redirect_stderr(io.StringIO()):           # the notes are for the runs' own logs
+            contextlib.redirect_stderr(io.StringIO()):     # the notes are for the runs' own logs
         for name, argv in runs:
             try:
                 init_from = train.load_config(train.DEFAULTS, argv, train.ALIASES)['init_from']
-                if not os.path.exists(init_from) and os.path.abspath(init_from).startswith(tuple(later)):
-                    argv = [*argv, '--init_from=scratch']        # checked as far as it can be before then
+                made = os.path.abspath(init_from).startswith(tuple(later))
+                if made and not os.path.exists(init_from):
+                    argv = [*argv, '--init_from=scratch']    # checked as far as it can be
                 train.read_config(argv)
             except UserError as e:
                 raise ConfigError(f"{name}: {e}; fix the study file, no run was started") from None
@@ -604,20 +610,22 @@ def sweep(argv, children):
 
         def one(run):
             arm, s, a = run
-            return run_one(a, f'{root}/{arm}/seed{s}', f'{root}/{arm}/seed{s}.log', int(jobs), children)
+            out = f'{root}/{arm}/seed{s}'
+            return run_one(a, out, f'{out}.log', int(jobs), children)
         for out, code in run_all(one, grid, int(jobs), children):
             if code is None:
                 continue                # not started: a stop was asked for
             if children.signum is not None and not finished(out):
                 print(f"stopped: {out} [{time.time() - t0:.0f}s]", flush=True)
                 continue
-            print(f"{'done' if code == 0 else f'FAILED (exit {code})'}: {out} [{time.time() - t0:.0f}s]", flush=True)
+            status = 'done' if code == 0 else f'FAILED (exit {code})'
+            print(f"{status}: {out} [{time.time() - t0:.0f}s]", flush=True)
             if code:
                 failed.append(out)
-        if children.signum is not None:     # what stopped resumes from its checkpoint; nothing is summarised
+        if children.signum is not None:   # what stopped resumes from its checkpoint; no summary
             name = signal.Signals(children.signum).name
-            print(f"stopped by {name}; the runs in flight saved a checkpoint and nothing new was started; resume "
-                  f"with: python sweep.py {shlex.join(argv)}", file=sys.stderr)
+            print(f"stopped by {name}; the runs in flight saved a checkpoint and nothing new was "
+                  f"started; resume with: python sweep.py {shlex.join(argv)}", file=sys.stderr)
             return EXIT_CODES[children.signum]
     else:
         os.makedirs(root, exist_ok=True)

@@ -3,7 +3,8 @@
 #   python data/prepare.py fineweb_edu && python sweep.py config/study_families_gpu.py
 base = 'config/gpt2_124m_fineweb.py'
 out_root = 'out/study_families_gpu'
-overrides = ['--max_iters=2000', '--eval_interval=500', '--warmup_iters=200', '--gradient_accumulation_steps=4']
+overrides = ['--max_iters=2000', '--eval_interval=500', '--warmup_iters=200',
+             '--gradient_accumulation_steps=4']
 seeds = [1, 2]
 arms = {
     'dense': ['--route=none'],

@@ -2,14 +2,15 @@
 docs/*.md (sorted), line by line, in one fresh copy of the repository (its tracked files; ../shared
 beside it is a link to this checkout's), as a new user would run them.
 
-How the commands are shortened (one mechanism): each runs exactly as written, with NANODEPTH_SMOKE=1
-in its environment. Every script reads its options through configurator.load_config, which then caps
-the counts of iterations, steps, batches and tokens and the model's width (configurator.SMOKE_CAPS and
-SMOKE_VALUES), so a training run is 2 iterations and a benchmark one step on a small model; sweep.py's
-train.py runs inherit it. The commands' numbers mean nothing here: this checks that they run.
+How the commands are shortened (one mechanism): each runs exactly as written, with
+NANODEPTH_SMOKE=1 in its environment. Every script reads its options through
+configurator.load_config, which then caps the counts of iterations, steps, batches and tokens and
+the model's width and vocabulary (configurator.SMOKE_CAPS and SMOKE_VALUES), so a training run is 2
+iterations and a benchmark one step on a small model; sweep.py's train.py runs inherit it. The
+commands' numbers mean nothing here: this checks that they run.
 
-Not run (SKIP, each with its reason): `pip install` (the environment is given), the test suite itself,
-`torchrun` (DDP over 8 GPUs on FineWeb-Edu), and Tiny Shakespeare when its text is not in
+Not run (SKIP, each with its reason): `pip install` (the environment is given), the test suite
+itself, `torchrun` (DDP over 8 GPUs on FineWeb-Edu), and Tiny Shakespeare when its text is not in
 ../shared/data (preparing it downloads it). A skipped command is printed, never silently dropped.
 """
 import os
@@ -61,7 +62,8 @@ def skip_reason(command):
 def fresh_copy(dest):
     """The repository's tracked files (as they are in the working tree) under dest/repo, and
     dest/shared linking to the shared folder beside this checkout."""
-    files = subprocess.run(['git', 'ls-files', '-z'], cwd=REPO, capture_output=True, check=True).stdout
+    files = subprocess.run(['git', 'ls-files', '-z'], cwd=REPO, capture_output=True,
+                           check=True).stdout
     for name in filter(None, files.decode().split('\0')):
         src, dst = REPO / name, dest / 'repo' / name
         if src.is_file():
@@ -73,12 +75,13 @@ def fresh_copy(dest):
 
 
 def run_command(command, cwd, env):
-    """The command in its own process group, ended as a whole (SIGTERM, then SIGKILL) if it overruns."""
+    """The command in its own process group, ended as a whole (SIGTERM, then SIGKILL) if it
+    overruns."""
     argv = shlex.split(command)
     if argv[0] == 'python':
         argv[0] = sys.executable
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -94,8 +97,8 @@ def run_command(command, cwd, env):
 
 
 def test_the_commands_are_found():
-    """The extraction itself: the quickstart first, `&&` split, comments dropped, and every skip names
-    a command the docs still give (a skip list entry that matches nothing is stale)."""
+    """The extraction itself: the quickstart first, `&&` split, comments dropped, and every skip
+    names a command the docs still give (a skip list entry that matches nothing is stale)."""
     commands = [c for _, c in documented_commands()]
     assert commands[:2] == ['pip install -r requirements.txt', 'python train.py']
     assert not any('#' in c for c in commands) and len(commands) >= 15
@@ -105,7 +108,8 @@ def test_the_commands_are_found():
 @pytest.mark.slow
 def test_every_documented_command_runs_in_order(tmp_path):
     repo = fresh_copy(tmp_path)
-    env = {**os.environ, 'NANODEPTH_SMOKE': '1', 'OMP_NUM_THREADS': '1', 'PYTHONDONTWRITEBYTECODE': '1'}
+    env = {**os.environ, 'NANODEPTH_SMOKE': '1', 'OMP_NUM_THREADS': '1',
+           'PYTHONDONTWRITEBYTECODE': '1'}
     t0, ran, skipped = time.time(), [], []
     for doc, command in documented_commands():
         why = skip_reason(command)

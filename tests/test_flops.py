@@ -144,14 +144,14 @@ def test_aux_loss_gradient_modes_and_oracle_starts_match_counter(gate, aux_grad,
 
 
 def test_flops_cli_costs_every_config_file(capsys, monkeypatch):
-    """python flops.py CONFIG for every file in config/: a table for every train and bench config (one
-    row, the config as it is, for a family without FFN gates); a study file is refused in one line
-    naming the command that costs its reference arm, and that command works."""
+    """python flops.py CONFIG for every file in config/: a table for every train and bench config
+    (one row, the config as it is, for a family without FFN gates); a study file is refused in one
+    line naming the command that costs its reference arm, and that command works."""
     import os
     import shlex
     from configurator import ConfigError
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    monkeypatch.chdir(here)                    # config files name each other relative to the repository
+    monkeypatch.chdir(here)            # config files name each other relative to the repository
     for name in sorted(os.listdir('config')):
         path = os.path.join('config', name)
         try:
@@ -162,7 +162,7 @@ def test_flops_cli_costs_every_config_file(capsys, monkeypatch):
             assert command.startswith('python flops.py config/'), command
             assert flops.main(shlex.split(command)[2:]) == 0, command
         out = capsys.readouterr().out
-        rows = [line for line in out.splitlines() if line.startswith('| G') or line.startswith('| —')]
+        rows = [line for line in out.splitlines() if line.startswith(('| G', '| —'))]
         assert len(rows) in (1, 4), (path, out)
         ratios = [float(v) for row in rows for v in row.split('|')[3:7]]
         assert all(0 <= v < 20 for v in ratios), (path, rows)

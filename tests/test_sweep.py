@@ -123,14 +123,18 @@ def study_runs(study, path):
     'before' runs write."""
     before = sweep.before_runs(study, path)
     runs = [('before', argv) for stage in before for argv, _ in stage]
-    runs += [(f'arm {arm!r} seed {s}', sweep.with_seed([study['base'], *study['overrides'], *ov, f'--seed={s}'], s))
+    runs += [(f'arm {arm!r} seed {s}',
+              sweep.with_seed([study['base'], *study['overrides'], *ov, f'--seed={s}'], s))
              for arm, ov in study['arms'].items() for s in study['seeds']]
-    return runs, [a.split('=', 1)[1] for _, argv in runs[:len(runs)] for a in argv if a.startswith('--out_dir=')]
+    made_later = [a.split('=', 1)[1] for stage in before for argv, _ in stage for a in argv
+                  if a.startswith('--out_dir=')]
+    return runs, made_later
 
 
 def test_study_files_parse():
-    """Every study in config/ passes the check sweep.py makes before its first run: each run's whole
-    configuration through train.py's own parsing (another family's option on the command line, a typo)."""
+    """Every study in config/ passes the check sweep.py makes before its first run: each run's
+    whole configuration through train.py's own parsing (another family's option on the command
+    line, a typo)."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for name in sorted(os.listdir(os.path.join(here, 'config'))):
         if name.startswith('study_'):
@@ -215,7 +219,7 @@ def test_parallel_runs_share_the_cores_instead_of_each_taking_all(tmp_path, monk
 def test_jobs_2_runs_two_at_once_and_summarises_as_sequential(tmp_path, monkeypatch):
     (tmp_path / 'fake_train.py').write_text(FAKE_TRAIN)
     monkeypatch.setattr(sweep, 'TRAIN', str(tmp_path / 'fake_train.py'))
-    monkeypatch.setattr(sweep, 'check_configs', lambda runs, made_later: None)   # not train.py's options
+    monkeypatch.setattr(sweep, 'check_configs', lambda runs, made_later: None)  # no train.py keys
     (tmp_path / 'barrier').mkdir()
     monkeypatch.setenv('FAKE_BARRIER', str(tmp_path / 'barrier'))
     assert sweep.main([fake_study(tmp_path, 'par'), '--jobs=2', '--no_plots']) == 0
@@ -405,45 +409,48 @@ def test_absolute_flops_from_the_stored_config(tmp_path):
     assert sweep.run_metrics(str(tmp_path / 'new'))['eval_flops'] == 7.0
 
 
-# ----------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # checked before the first run; stopped by a signal
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize('bad,key', [(['--mod_capacityy=0.5'], 'mod_capacityy'), (['--max_iters=many'], 'max_iters'),
-                                     (['--ffn_gate=jepa'], 'ffn_gate'), (['config/missing.py'], 'missing.py')])
+@pytest.mark.parametrize('bad,key', [
+    (['--mod_capacityy=0.5'], 'mod_capacityy'), (['--max_iters=many'], 'max_iters'),
+    (['--ffn_gate=jepa'], 'ffn_gate'), (['config/missing.py'], 'missing.py')])
 def test_a_bad_option_in_any_arm_refuses_the_study_before_any_run(tmp_path, monkeypatch, bad, key):
-    """A typo, a wrong type, another family's option or a missing config file in the last arm refuses
-    the whole study (train.py's own checks), naming the arm and the key; no run starts, nothing written."""
+    """A typo, a wrong type, another family's option or a missing config file in the last arm
+    refuses the whole study (train.py's own checks), naming the arm and the key; no run starts and
+    nothing is written."""
     started = []
     monkeypatch.setattr(sweep.subprocess, 'Popen', fake_popen(started))
     study = tmp_path / 'study.py'
-    study.write_text(f"base = 'config/mod_synthetic.py'\nout_root = {str(tmp_path / 'out')!r}\nseeds = [1, 2]\n"
-                     f"arms = {{'ok': ['--mod_capacity=0.25'], 'bad': {bad!r}}}\n")
+    study.write_text(f"base = 'config/mod_synthetic.py'\nout_root = {str(tmp_path / 'out')!r}\n"
+                     f"seeds = [1, 2]\narms = {{'ok': ['--mod_capacity=0.25'], 'bad': {bad!r}}}\n")
     with pytest.raises(sweep.ConfigError) as e:
         sweep.main([str(study), '--no_plots'])
-    assert "arm 'bad' seed 1" in str(e.value) and key in str(e.value) and 'no run was started' in str(e.value)
+    assert "arm 'bad' seed 1" in str(e.value) and key in str(e.value)
+    assert 'no run was started' in str(e.value)
     assert started == [] and not (tmp_path / 'out').exists()
     study.write_text(study.read_text().replace(repr(bad), "['--mod_capacity=0.5']"))
-    assert sweep.main([str(study), '--dry_run']) == 0            # the same study without the bad option
+    assert sweep.main([str(study), '--dry_run']) == 0        # the same study without the bad option
 
 
 def test_a_bad_option_refuses_the_study_in_one_line(tmp_path):
     study = tmp_path / 'study.py'
-    study.write_text(f"base = 'config/mod_synthetic.py'\nout_root = {str(tmp_path / 'out')!r}\nseeds = [1]\n"
-                     f"arms = {{'A': [], 'B': ['--mod_capacityy=0.5']}}\n")
-    r = subprocess.run([sys.executable, 'sweep.py', str(study)], cwd=REPO, capture_output=True, text=True,
-                       timeout=120, start_new_session=True)
+    study.write_text(f"base = 'config/mod_synthetic.py'\nout_root = {str(tmp_path / 'out')!r}\n"
+                     f"seeds = [1]\narms = {{'A': [], 'B': ['--mod_capacityy=0.5']}}\n")
+    r = subprocess.run([sys.executable, 'sweep.py', str(study)], cwd=REPO, capture_output=True,
+                       text=True, timeout=120, start_new_session=True)
     assert r.returncode == 2 and r.stderr.count('\n') == 1 and 'Traceback' not in r.stderr, r.stderr
-    assert r.stderr.startswith("error: arm 'B' seed 1: unknown config key 'mod_capacityy'") and r.stdout == ''
-    assert not (tmp_path / 'out').exists()
+    assert r.stderr.startswith("error: arm 'B' seed 1: unknown config key 'mod_capacityy'")
+    assert r.stdout == '' and not (tmp_path / 'out').exists()
 
 
-# A stand-in for train.py that runs until a signal: it records its pid and arguments, writes ckpt.pt, and on
-# SIGINT/SIGTERM writes 'stopped' (the signal's number) and exits 0, as train.py does. FAKE_IGNORE=1: it
-# ignores both and starts a grandchild (in its process group) that must die with it. FAKE_FINISH=1: it
-# writes a finished run's files at once instead.
+# A stand-in for train.py that runs until a signal: it records its pid and arguments, writes
+# ckpt.pt, and on SIGINT/SIGTERM writes 'stopped' (the signal's number) and exits 0, as train.py
+# does. FAKE_IGNORE=1: it ignores both and starts a grandchild (in its process group) that must die
+# with it. FAKE_FINISH=1: it writes a finished run's files at once instead.
 STOPPABLE_TRAIN = textwrap.dedent("""
     import json, os, signal, subprocess, sys, time
     args = dict(a[2:].split('=', 1) for a in sys.argv[2:] if a.startswith('--'))
@@ -482,21 +489,23 @@ def alive(pid):
 
 
 def processes_under(folder):
-    """Pids of the processes whose command line names folder (the sweep's runs name their out_dir)."""
+    """Pids of the processes whose command line names folder (a sweep's runs name their out_dir)."""
     pids = []
     for pid in filter(str.isdigit, os.listdir('/proc')):
         try:
-            if str(folder).encode() in open(f'/proc/{pid}/cmdline', 'rb').read() and alive(int(pid)):
-                pids.append(int(pid))
+            with open(f'/proc/{pid}/cmdline', 'rb') as f:
+                if str(folder).encode() in f.read() and alive(int(pid)):
+                    pids.append(int(pid))
         except OSError:            # gone meanwhile
             pass
     return pids
 
 
 def kill_all(proc, pid_files, folder):
-    """The sweep's group, every process a fake run recorded and any process naming folder (a run in its
-    own process group): SIGTERM, then SIGKILL."""
-    pids = [int(p) for f in pid_files if f.exists() for p in f.read_text().split()] + processes_under(folder)
+    """The sweep's group, every process a fake run recorded and any process naming folder (a run in
+    its own process group): SIGTERM, then SIGKILL."""
+    pids = [int(p) for f in pid_files if f.exists() for p in f.read_text().split()]
+    pids += processes_under(folder)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             try:
@@ -514,9 +523,11 @@ def kill_all(proc, pid_files, folder):
 def start_fake_sweep(tmp_path, jobs, grace=120, env=()):
     (tmp_path / 'train.py').write_text(STOPPABLE_TRAIN)
     study = tmp_path / 'study.py'
-    study.write_text(f"base = 'cfg.py'\nout_root = {str(tmp_path / 'out')!r}\nseeds = [1, 2, 3]\narms = {{'A': []}}\n")
-    boot = (f"import sys; sys.path.insert(0, {REPO!r}); import sweep; sweep.TRAIN = {str(tmp_path / 'train.py')!r}; "
-            f"sweep.STOP_GRACE_S = {grace}; sweep.check_configs = lambda runs, made_later: None; "
+    study.write_text(f"base = 'cfg.py'\nout_root = {str(tmp_path / 'out')!r}\nseeds = [1, 2, 3]\n"
+                     f"arms = {{'A': []}}\n")
+    boot = (f"import sys; sys.path.insert(0, {REPO!r}); import sweep; "
+            f"sweep.TRAIN = {str(tmp_path / 'train.py')!r}; sweep.STOP_GRACE_S = {grace}; "
+            f"sweep.check_configs = lambda runs, made_later: None; "
             f"from configurator import run_cli; run_cli(sweep.main)")
     argv = [str(study), f'--jobs={jobs}', '--no_plots']
     proc = subprocess.Popen([sys.executable, '-c', boot, *argv], cwd=REPO, stdout=subprocess.PIPE,
@@ -526,8 +537,8 @@ def start_fake_sweep(tmp_path, jobs, grace=120, env=()):
 
 
 def wait_for(ready, proc, timeout=30):
-    """Until ready() (a list of paths: until they all exist); a sweep that exits first or a timeout fails
-    (the caller's finally ends the processes)."""
+    """Until ready() (a list of paths: until they all exist); a sweep that exits first or a timeout
+    fails (the caller's finally ends the processes)."""
     check = ready if callable(ready) else lambda: all(p.exists() for p in ready)
     deadline = time.time() + timeout
     while not check():
@@ -537,10 +548,11 @@ def wait_for(ready, proc, timeout=30):
 
 
 @pytest.mark.parametrize('signame,jobs', [('SIGTERM', 1), ('SIGINT', 2)])
-def test_a_signal_stops_the_runs_in_flight_and_starts_none_of_the_queued(tmp_path, monkeypatch, signame, jobs):
+def test_a_signal_stops_the_runs_in_flight_and_starts_none_of_the_queued(tmp_path, monkeypatch,
+                                                                         signame, jobs):
     """SIGTERM/SIGINT to the sweep alone reaches each run in flight (it checkpoints and stops), the
-    queued run never starts, the sweep exits 143/130 with one line giving the command that resumes, and
-    that command resumes the stopped runs from their checkpoints and starts the rest."""
+    queued run never starts, the sweep exits 143/130 with one line giving the command that resumes,
+    and that command resumes the stopped runs from their checkpoints and starts the rest."""
     sig = getattr(signal, signame)
     proc, argv = start_fake_sweep(tmp_path, jobs)
     runs = [tmp_path / 'out' / 'A' / f'seed{s}' for s in (1, 2, 3)]
@@ -551,19 +563,20 @@ def test_a_signal_stops_the_runs_in_flight_and_starts_none_of_the_queued(tmp_pat
     finally:
         kill_all(proc, [r / 'pids' for r in runs], tmp_path)
     assert proc.returncode == {'SIGTERM': 143, 'SIGINT': 130}[signame], err
-    assert err == f"stopped by {signame}; the runs in flight saved a checkpoint and nothing new was started; " \
-                  f"resume with: python sweep.py {' '.join(argv)}\n"
+    assert err == (f"stopped by {signame}; the runs in flight saved a checkpoint and nothing new "
+                   f"was started; resume with: python sweep.py {' '.join(argv)}\n")
     for r in runs[:jobs]:
         assert (r / 'stopped').read_text() == str(int(sig)) and (r / 'ckpt.pt').exists()
         assert not alive(int((r / 'pids').read_text())) and f'stopped: {r}' in out
     assert processes_under(tmp_path) == []
     assert not runs[jobs].exists()                                   # queued: never started
     # the printed command resumes: the stopped runs from their checkpoints, the queued one afresh
-    monkeypatch.setattr(sweep, 'TRAIN', str(tmp_path / 'train.py'))       # in-process: as the boot line set it
+    monkeypatch.setattr(sweep, 'TRAIN', str(tmp_path / 'train.py'))   # as the boot line set it
     monkeypatch.setattr(sweep, 'check_configs', lambda runs, made_later: None)
     monkeypatch.setenv('FAKE_FINISH', '1')
     assert sweep.main(err.split('resume with: python sweep.py ')[1].split()) == 0
-    calls = {run: [json.loads(line) for line in (run / 'calls').read_text().splitlines()] for run in runs}
+    calls = {run: [json.loads(line) for line in (run / 'calls').read_text().splitlines()]
+             for run in runs}
     for run in runs[:jobs]:
         assert len(calls[run]) == 2 and calls[run][1][-1] == '--init_from=resume'
     assert len(calls[runs[jobs]]) == 1 and calls[runs[jobs]][0][-1] == '--overwrite=True'
@@ -581,18 +594,19 @@ def test_a_run_that_ignores_the_signal_is_killed_with_its_group_after_the_grace_
         took = time.time() - t0
     finally:
         kill_all(proc, [run / 'pids'], tmp_path)
-    assert proc.returncode == 143 and 'resume with: python sweep.py' in err and 'Traceback' not in err
-    assert 1 <= took < 10 and not (run / 'stopped').exists()
+    assert proc.returncode == 143 and 'resume with: python sweep.py' in err
+    assert 'Traceback' not in err and 1 <= took < 10 and not (run / 'stopped').exists()
     pids = [int(p) for p in (run / 'pids').read_text().split()]
     assert len(pids) == 2 and not any(alive(p) for p in pids)       # the run and its grandchild
     assert not (tmp_path / 'out' / 'A' / 'seed2').exists()
 
 
 @pytest.mark.slow
-def test_sigterm_to_a_real_sweep_checkpoints_its_train_run_and_the_printed_command_resumes(tmp_path):
+def test_sigterm_to_a_real_sweep_checkpoints_its_run_and_the_printed_command_resumes(tmp_path):
     """The real train.py under sweep.py: SIGTERM to the sweep alone stops the run in flight with a
-    checkpoint, no train.py process is left, the queued seed never starts; the printed command (with
-    max_iters a few past the stop, by the study's environment variable) resumes seed 1 and runs seed 2."""
+    checkpoint, no train.py process is left, the queued seed never starts; the printed command
+    (with max_iters a few past the stop, by the study's environment variable) resumes seed 1 and
+    runs seed 2."""
     from data import prepare
     prepare.prepare('synthetic', out_dir=tmp_path / 'data' / 'syn', num_tokens=20000)
     study = tmp_path / 'study.py'
@@ -600,20 +614,23 @@ def test_sigterm_to_a_real_sweep_checkpoints_its_train_run_and_the_printed_comma
         import os
         base = 'config/mod_synthetic.py'
         out_root = {str(tmp_path / 'out')!r}
-        overrides = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=4', '--eval_iters=1',
-                     '--log_interval=1', '--eval_interval=100000', '--device=cpu',
+        overrides = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32',
+                     '--batch_size=4', '--eval_iters=1', '--log_interval=1',
+                     '--eval_interval=100000', '--device=cpu',
                      '--data_dir={tmp_path / 'data'}', '--dataset=syn',
                      '--max_iters=' + os.environ.get('TEST_MAX_ITERS', '1000000')]
         seeds = [1, 2]
         arms = {{'mod': []}}
     """))
     env = {**os.environ, 'OMP_NUM_THREADS': '1'}
-    proc = subprocess.Popen([sys.executable, 'sweep.py', str(study), '--no_plots'], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, 'sweep.py', str(study), '--no_plots'], cwd=REPO,
+                            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
     seed1, seed2 = tmp_path / 'out' / 'mod' / 'seed1', tmp_path / 'out' / 'mod' / 'seed2'
     try:
         metrics = seed1 / 'metrics.jsonl'         # training: a signal now stops it after this step
-        wait_for(lambda: metrics.exists() and '"type": "train"' in metrics.read_text(), proc, timeout=120)
+        wait_for(lambda: metrics.exists() and '"type": "train"' in metrics.read_text(), proc,
+                 timeout=120)
         os.kill(proc.pid, signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
@@ -625,10 +642,12 @@ def test_sigterm_to_a_real_sweep_checkpoints_its_train_run_and_the_printed_comma
     assert processes_under(tmp_path) == []                          # no train.py left behind
     resume = shlex.split(err.split('resume with: ')[1])
     assert resume[:2] == ['python', 'sweep.py']
-    r = subprocess.run([sys.executable, *resume[1:]], cwd=REPO, capture_output=True, text=True, timeout=300,
-                       env={**env, 'TEST_MAX_ITERS': str(stopped_at + 3)}, start_new_session=True)
+    r = subprocess.run([sys.executable, *resume[1:]], cwd=REPO, capture_output=True, text=True,
+                       timeout=300, env={**env, 'TEST_MAX_ITERS': str(stopped_at + 3)},
+                       start_new_session=True)
     assert r.returncode == 0, r.stderr
-    first = sweep.read_metrics(str(seed1))
-    assert [rec['iter'] for rec in first if rec['type'] == 'summary'] == [stopped_at, stopped_at + 3]
-    assert 'init_from=resume' in (seed1.parent / 'seed1.log').read_text().split('stopped by signal')[1]
+    summaries = [rec['iter'] for rec in sweep.read_metrics(str(seed1)) if rec['type'] == 'summary']
+    assert summaries == [stopped_at, stopped_at + 3]
+    resumed = (seed1.parent / 'seed1.log').read_text().split('stopped by signal')[1]
+    assert 'init_from=resume' in resumed
     assert sweep.finished(str(seed1)) and sweep.finished(str(seed2))
