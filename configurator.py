@@ -11,6 +11,13 @@ type raises ConfigError naming the key and the closest valid one, before any wor
 
 An option's name from before the routing families' options took their prefix (budget, gate, ...)
 is refused with a ConfigError naming today's (RENAMED); config files and results were migrated.
+
+Smoke runs: with the environment variable NANODEPTH_SMOKE=1 every script that reads its options
+here (train.py, and through it sweep.py's runs; eval.py, sample.py, bench.py, flops.py) caps each
+count of iterations, steps, batches and tokens it has, and the model's width and vocabulary
+(SMOKE_CAPS, SMOKE_VALUES), after the config files and the command line, and says so on stderr: any
+documented command then runs in seconds. Its numbers mean nothing (config.json records the capped
+values); tests/test_docs.py runs the docs this way.
 """
 import ast
 import difflib
@@ -118,6 +125,28 @@ RENAMED = {
 }
 
 
+SMOKE_ENV = 'NANODEPTH_SMOKE'
+SMOKE_CAPS = dict(max_iters=2, eval_interval=2, warmup_iters=1, log_interval=1, eval_iters=1,
+                  batch_size=2, block_size=128, n_embd=128, vocab_size=512, bench_steps=1,
+                  bench_warmup=0, decode_tokens=2, max_new_tokens=8)
+SMOKE_VALUES = dict(decode_batches='1', prefill_shapes='1x32')
+
+
+def smoke_caps(config):
+    """NANODEPTH_SMOKE=1: the counts config has capped (a value already below a cap is kept; 0 often
+    means 'from the checkpoint'), with one note on stderr."""
+    if os.environ.get(SMOKE_ENV, '') in ('', '0'):
+        return config
+    changed = {k: min(config[k], cap) for k, cap in SMOKE_CAPS.items()
+               if k in config and config[k] > cap}
+    changed.update({k: v for k, v in SMOKE_VALUES.items() if k in config and config[k] != v})
+    if changed:
+        import sys
+        print(f"note: {SMOKE_ENV} is set: a smoke run with "
+              + ', '.join(f'{k}={v}' for k, v in changed.items()), file=sys.stderr)
+    return {**config, **changed}
+
+
 def _unknown(key, defaults, where):
     if key in RENAMED and RENAMED[key].split(',')[0] in defaults:    # a script taking today's name
         return ConfigError(f"config key '{key}' from {where} was renamed: use {RENAMED[key]}")
@@ -219,4 +248,4 @@ def load_config(defaults, argv):
         if text is not None and isinstance(defaults[key], str) and not isinstance(value, str):
             value = text       # a str key takes the text as written: --ffn_layers=0,2,5, --out_dir=2024
         config[key] = _check_type(key, value, defaults[key], where)
-    return config
+    return smoke_caps(config)

@@ -11,6 +11,7 @@ Each routing family's terms are hooks of its Family (forward_flops, backward_flo
 its route_*.py); this module keeps the dense model's, sums a family's into a training step and the
 paper's proxy, and holds the device peaks and MFU.
 """
+import os
 import re
 
 import torch
@@ -136,18 +137,23 @@ def estimate_mfu(config, tokens_per_s, device, dtype, seq_len=None):
 
 
 def main(argv):
-    """python flops.py CONFIG [--key=value ...]: the training-FLOPs breakdown of a routed config, for G1
-    and G3 with util/rank on and off, averaged over the uniformly sampled oracle layer."""
+    """python flops.py CONFIG [--key=value ...]: the training-FLOPs breakdown of a config.
+    route=ffn: for G1 and G3 with util/rank on and off, averaged over the uniformly sampled oracle
+    layer; any other route: one row, the config as it is. A bench.py config's model is costed too
+    (its own keys are inert here); a study file is refused with the command that costs one of its
+    runs."""
     import json
     import os
     from dataclasses import fields, replace
 
+    from bench import BENCH_DEFAULTS
     from configurator import ConfigError, declared_defaults, load_config
     from model import GPTConfig
     here = os.path.dirname(os.path.abspath(__file__))
+    refuse_study_files(argv)
     # train.py's config keys, read from its source: train.py imports this module, so not the other way
     defaults = {f.name: f.default for f in fields(GPTConfig)}
-    defaults.update(declared_defaults(os.path.join(here, 'train.py')))
+    defaults.update(declared_defaults(os.path.join(here, 'train.py')), **BENCH_DEFAULTS)
     cfg = load_config(defaults, argv)
     vocab = cfg['vocab_size']
     meta = os.path.join(cfg['data_dir'] or os.path.join(here, 'data'), cfg['dataset'], 'meta.json')
@@ -159,21 +165,51 @@ def main(argv):
         raise ConfigError(str(e)) from None
     T, dense = base.block_size, dense_forward_flops(base, base.block_size)
     ids = controlled_layer_ids(base)
-    print(f"{argv[0] if argv else 'defaults'} (vocab {vocab}, T={T}, {len(ids)} controlled layers, "
-          f"trainable={cfg['trainable']})")
+    print(f"{argv[0] if argv else 'defaults'} (route {base.route}, vocab {vocab}, T={T}, "
+          f"{len(ids)} controlled layers, trainable={cfg['trainable']})")
     print('| gate | util/rank | training forward / dense forward | oracle passes (dense forwards) '
           '| flops_proxy | exact step / dense joint step |')
-    for gate in ('mlp', 'jepa'):
-        for on in (True, False):
-            c = replace(base, ffn_gate=gate, ffn_util_weight=1.0 if on else 0.0, ffn_rank_weight=1.0 if on else 0.0)
-            layer_sets = [(l,) for l in ids] if on else [()]
-            avg = lambda f: sum(f(ls) for ls in layer_sets) / len(layer_sets)
-            print(f"| {'G1' if gate == 'mlp' else 'G3'} | {'on' if on else 'off'} "
-                  f"| {forward_flops(c, T, mode='train') / dense:.3f} "
-                  f"| {avg(lambda ls: oracle_flops(c, T, ls)) / dense:.3f} "
-                  f"| {avg(lambda ls: flops_proxy(c, T, ls)):.3f} "
-                  f"| {avg(lambda ls: train_step_flops(c, T, cfg['trainable'], ls)['total']) / (3 * dense):.3f} |")
+    if base.route == 'ffn' and ids:
+        # util/rank on: one oracle layer per step, uniformly sampled among the controlled layers
+        variants = [(replace(base, ffn_gate=gate, ffn_util_weight=1.0 if on else 0.0,
+                             ffn_rank_weight=1.0 if on else 0.0), 'G1' if gate == 'mlp' else 'G3',
+                     'on' if on else 'off', [(l,) for l in ids] if on else [()])
+                    for gate in ('mlp', 'jepa') for on in (True, False)]
+    else:     # no FFN gates to vary (another family, or the dense model): the config as it is
+        variants = [(base, '—', '—', [()])]
+    for c, gate, util, layer_sets in variants:
+        avg = lambda f: sum(f(ls) for ls in layer_sets) / len(layer_sets)
+        step = avg(lambda ls: train_step_flops(c, T, cfg['trainable'], ls)['total'])
+        print(f"| {gate} | {util} "
+              f"| {forward_flops(c, T, mode='train') / dense:.3f} "
+              f"| {avg(lambda ls: oracle_flops(c, T, ls)) / dense:.3f} "
+              f"| {avg(lambda ls: flops_proxy(c, T, ls)):.3f} "
+              f"| {step / (3 * dense):.3f} |")
     return 0
+
+
+def refuse_study_files(argv):
+    """A study file (sweep.py's: base, arms) is no train config: name the command that costs its
+    reference arm's first run instead of an unknown-key error."""
+    import shlex
+    from configurator import ConfigError
+    for arg in argv:
+        if not (arg.endswith('.py') and os.path.isfile(arg)):
+            continue
+        ns = {}
+        try:
+            with open(arg) as f:
+                exec(compile(f.read(), arg, 'exec'), ns)
+        except Exception:        # load_config reports a broken file with its line
+            continue
+        if 'base' in ns and isinstance(ns.get('arms'), dict) and ns['arms']:
+            arms = ns['arms']
+            arm = ns.get('reference') if ns.get('reference') in arms else next(iter(arms))
+            seed = str((ns.get('seeds') or [1])[0])
+            run = [ns['base'], *ns.get('overrides', []), *arms[arm]]
+            run = [a.replace('{seed}', seed) for a in run]
+            raise ConfigError(f"{arg} is a study file (python sweep.py {arg}), not a train config; "
+                              f"cost its arm {arm!r} with: python flops.py {shlex.join(run)}")
 
 
 if __name__ == '__main__':

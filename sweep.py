@@ -49,18 +49,35 @@ spans in loss against the reference arm's seed std.
 Afterwards the plots of plots.py go to out_root/plots/ (skipped, with a note, without matplotlib).
 Exit code 1 when a run failed (after the summary of those that finished; the failed runs' logs are
 named), 2 for a bad study file or option.
+
+Before the first run, every run's whole configuration (base + overrides + arm + seed, and the
+'before' runs) goes through train.py's own parsing and checks: a typo, a wrong type or another
+family's option in any arm refuses the study (exit 2, one line naming the arm and the key) and
+nothing runs.
+
+Stopping: each train.py runs in its own process group, so Ctrl-C at the terminal reaches the sweep
+alone. On SIGINT or SIGTERM the sweep passes the signal on to the runs in flight (each checkpoints
+and stops, as train.py does on a signal), starts no queued run, kills a run still alive
+STOP_GRACE_S (120 s) later with its whole group, and exits 130 (SIGINT) or 143 (SIGTERM) with one
+line on stderr giving the command that resumes the study (the same command: stopped runs resume
+from their checkpoints).
 """
+import contextlib
+import io
 import json
 import math
 import os
+import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
-from configurator import ConfigError, run_cli, writable_folder
+from configurator import ConfigError, UserError, run_cli, writable_folder
 from plots import read_metrics, run_metrics, train_lm_curve, write_plots
 from runlock import lock_folder
 
@@ -70,6 +87,8 @@ TRAIN = os.path.join(HERE, 'train.py')
 T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]
 ROOM_FACTOR = 10           # arm differences count where the room is >= 10 × the reference arm's seed std
 THRESHOLD_FACTOR = 1.05     # default threshold: 1.05 × the reference arm's final train LM loss
+STOP_GRACE_S = 120          # after a signal, a run gets this long to checkpoint before it is killed
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}     # 128 + the signal, as a shell reports
 # metric -> (where it comes from, lower is better?), in the summary's column order
 METRICS = {
     'avg_lm': ('summary', True), 'best_val_lm': ('summary', True), 'final_val_loss': ('eval', True),
@@ -135,16 +154,19 @@ def before_runs(study, path):
     return stages
 
 
-def run_before(stages, root, jobs):
-    """The 'before' runs in order, a stage's per-seed runs jobs at a time; 1 as soon as one failed."""
+def run_before(stages, root, jobs, children):
+    """The 'before' runs in order, a stage's per-seed runs jobs at a time; 1 as soon as one failed
+    (or was stopped by a signal: the arms need them finished)."""
     def one(run):
         argv, log = run
         out = next(a.split('=', 1)[1] for a in argv if a.startswith('--out_dir='))
         print(f"before: {' '.join(argv)}", flush=True)
-        return run_one([a for a in argv if not a.startswith('--out_dir=')], out, os.path.join(root, log), jobs)
+        return run_one([a for a in argv if not a.startswith('--out_dir=')], out,
+                       os.path.join(root, log), jobs, children)
     for stage in stages:
-        with ThreadPoolExecutor(max_workers=jobs) as pool:
-            codes = list(pool.map(one, stage))
+        codes = run_all(one, stage, jobs, children)
+        if children.signum is not None:
+            return 1
         failed = [(out, code, log) for (out, code), (_, log) in zip(codes, stage) if code]
         for out, code, log in failed:
             print(f"error: 'before' run failed (exit {code}): {out}; see {root}/{log}", file=sys.stderr)
@@ -199,19 +221,121 @@ def child_env(jobs):
     return env
 
 
-def run_one(argv, out_dir, log_path, jobs=1):
-    """Run train.py (resuming if a checkpoint exists), one of `jobs` at a time; returns (out_dir, exit code)."""
+class Children:
+    """The train.py processes in flight, each in its own process group (so a Ctrl-C at the
+    terminal reaches the sweep alone, and the sweep decides what its runs get), and the stop a
+    signal asked for: the signal goes on to every run in flight (train.py checkpoints and stops, as
+    on its own), no run starts after it, and a run still alive STOP_GRACE_S later is killed with its
+    whole group."""
+
+    def __init__(self):
+        self.lock = threading.RLock()        # re-entrant: the handler runs in the main thread
+        self.running = []
+        self.signum = None                   # the first signal received
+        self.kill_at = None
+
+    def start(self, args, **kw):
+        """A started Popen, or None once a stop was asked for (nothing new starts)."""
+        with self.lock:
+            if self.signum is not None:
+                return None
+            proc = subprocess.Popen(args, start_new_session=True, **kw)
+            self.running.append(proc)
+            return proc
+
+    def done(self, proc):
+        with self.lock:
+            self.running.remove(proc)
+
+    def stop(self, signum, frame=None):
+        """The signal handler; a second signal is passed on too (train.py aborts on a second
+        Ctrl-C)."""
+        with self.lock:
+            if self.signum is None:
+                self.signum, self.kill_at = signum, time.time() + STOP_GRACE_S
+            for proc in self.running:
+                signal_group(proc, signum)
+
+    def kill_overdue(self):
+        with self.lock:
+            if self.kill_at is not None and time.time() > self.kill_at:
+                for proc in self.running:
+                    signal_group(proc, signal.SIGKILL)
+
+
+def signal_group(proc, signum):
+    try:
+        os.killpg(proc.pid, signum)
+    except ProcessLookupError:      # already gone
+        pass
+
+
+def run_one(argv, out_dir, log_path, jobs=1, children=None):
+    """Run train.py (resuming if a checkpoint exists), one of `jobs` at a time; returns (out_dir,
+    exit code), the code None when a stop was asked for before it started."""
     if finished(out_dir):
         return out_dir, 0
+    children = children or Children()
     args = [sys.executable, TRAIN, *argv, f'--out_dir={out_dir}']
     if os.path.exists(os.path.join(out_dir, 'ckpt.pt')):
         args.append('--init_from=resume')
     else:                       # a run that died before its first checkpoint starts over
         args.append('--overwrite=True')
+    if children.signum is not None:
+        return out_dir, None
     os.makedirs(out_dir, exist_ok=True)
     with open(log_path, 'a') as log:
-        code = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, cwd=HERE, env=child_env(jobs)).returncode
+        proc = children.start(args, stdout=log, stderr=subprocess.STDOUT, cwd=HERE,
+                              env=child_env(jobs))
+        if proc is None:
+            return out_dir, None
+        try:
+            code = proc.wait()
+        finally:
+            children.done(proc)
     return out_dir, code
+
+
+def run_all(fn, items, jobs, children):
+    """fn over items, jobs at a time, in order; the main thread waits in short steps so that a
+    signal is handled at once and a run that outlives the grace period after it is killed."""
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futs = [pool.submit(fn, item) for item in items]
+        while not all(f.done() for f in futs):
+            wait(futs, timeout=0.2)
+            children.kill_overdue()
+        return [f.result() for f in futs]
+
+
+@contextlib.contextmanager
+def stop_on_signals(children):
+    """SIGINT and SIGTERM go to children.stop while the sweep runs; the previous handlers after."""
+    old = {s: signal.signal(s, children.stop) for s in EXIT_CODES}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def check_configs(runs, made_later):
+    """Every run's full configuration (config files, overrides, seed) through train.py's own
+    parsing and checks, before the first run starts: one bad option refuses the study, rather than
+    failing its arm after the others ran. runs: (name, argv); made_later: folders the study's
+    'before' runs write, whose checkpoints a later run may start from (they do not exist yet)."""
+    import train             # torch: only where runs are started
+    later = [os.path.abspath(os.path.join(HERE, d)) + os.sep for d in made_later]
+    with contextlib.chdir(HERE), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):     # the notes are for the runs' own logs
+        for name, argv in runs:
+            try:
+                init_from = train.load_config(train.DEFAULTS, argv, train.ALIASES)['init_from']
+                made = os.path.abspath(init_from).startswith(tuple(later))
+                if made and not os.path.exists(init_from):
+                    argv = [*argv, '--init_from=scratch']    # checked as far as it can be
+                train.read_config(argv)
+            except UserError as e:
+                raise ConfigError(f"{name}: {e}; fix the study file, no run was started") from None
 
 
 def lm_threshold(study, results):
@@ -479,9 +603,14 @@ def parse_args(argv):
 
 
 def main(argv):
+    children = Children()
+    with stop_on_signals(children):         # from the start: a Ctrl-C at any point ends in one line
+        return sweep(argv, children)
+
+
+def sweep(argv, children):
     study, opts, jobs = parse_args(argv)
     root = study['out_root']
-    os.makedirs(root, exist_ok=True)
     grid = [(arm, s, with_seed([study['base'], *study['overrides'], *ov, f'--seed={s}'], s))
             for arm, ov in study['arms'].items() for s in study['seeds']]
     before = before_runs(study, argv[0])
@@ -491,20 +620,39 @@ def main(argv):
         for arm, s, a in grid:
             print(f"{arm} seed {s}:", 'python train.py', ' '.join(a), f'--out_dir={root}/{arm}/seed{s}')
         return 0
-    lock = lock_folder(root, 'out_root')   # one sweep per folder, held until main returns
     failed = []
     if not opts.get('--summarize_only'):
-        if run_before(before, root, int(jobs)):
-            return 1          # every arm starts from them: nothing to run or summarise
+        made_later = [a.split('=', 1)[1] for stage in before for argv_, _ in stage for a in argv_
+                      if a.startswith('--out_dir=')]
+        check_configs([(f"'before' run {' '.join(a)}", a) for stage in before for a, _ in stage]
+                      + [(f"arm {arm!r} seed {s}", [*a, f'--out_dir={root}/{arm}/seed{s}'])
+                         for arm, s, a in grid], made_later)
+    lock = lock_folder(root, 'out_root')   # one sweep per folder, held until this returns
+    if not opts.get('--summarize_only'):
+        if children.signum is None and run_before(before, root, int(jobs), children):
+            if children.signum is None:
+                return 1      # every arm starts from them: nothing to run or summarise
         t0 = time.time()
-        with ThreadPoolExecutor(max_workers=int(jobs)) as pool:
-            futs = [pool.submit(run_one, a, f'{root}/{arm}/seed{s}', f'{root}/{arm}/seed{s}.log', int(jobs))
-                    for arm, s, a in grid]
-            for f in futs:
-                out, code = f.result()
-                print(f"{'done' if code == 0 else f'FAILED (exit {code})'}: {out} [{time.time() - t0:.0f}s]", flush=True)
-                if code:
-                    failed.append(out)
+
+        def one(run):
+            arm, s, a = run
+            out = f'{root}/{arm}/seed{s}'
+            return run_one(a, out, f'{out}.log', int(jobs), children)
+        for out, code in run_all(one, grid, int(jobs), children):
+            if code is None:
+                continue                # not started: a stop was asked for
+            if children.signum is not None and not finished(out):
+                print(f"stopped: {out} [{time.time() - t0:.0f}s]", flush=True)
+                continue
+            status = 'done' if code == 0 else f'FAILED (exit {code})'
+            print(f"{status}: {out} [{time.time() - t0:.0f}s]", flush=True)
+            if code:
+                failed.append(out)
+        if children.signum is not None:   # what stopped resumes from its checkpoint; no summary
+            name = signal.Signals(children.signum).name
+            print(f"stopped by {name}; the runs in flight saved a checkpoint and nothing new was "
+                  f"started; resume with: python sweep.py {shlex.join(argv)}", file=sys.stderr)
+            return EXIT_CODES[children.signum]
     results = {(arm, s): run_metrics(f'{root}/{arm}/seed{s}') for arm, s, _ in grid if finished(f'{root}/{arm}/seed{s}')}
     threshold = lm_threshold(study, results)
     for (arm, s), m in results.items():      # no threshold, no hit column (not a column of never-hits)

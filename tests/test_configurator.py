@@ -223,3 +223,20 @@ def test_config_file_with_an_error_is_one_line(tmp_path, body, needle):
         load_config({"n_layer": 4, "batch_size": 1}, [str(path)])
     msg = str(e.value)
     assert str(path) in msg and needle in msg and "\n" not in msg
+
+
+def test_smoke_env_caps_the_counts_and_says_so(monkeypatch, capsys):
+    """NANODEPTH_SMOKE=1 (tests/test_docs.py runs the docs under it): counts above a cap come down,
+    a value below it (0: 'from the checkpoint') stays, keys a script lacks are not added; unset,
+    nothing changes."""
+    from configurator import SMOKE_CAPS, load_config
+    defaults = dict(max_iters=600, eval_iters=0, batch_size=16, learning_rate=1e-3,
+                    prefill_shapes='8x512')
+    assert load_config(defaults, ['--max_iters=5000']) == dict(defaults, max_iters=5000)
+    monkeypatch.setenv('NANODEPTH_SMOKE', '1')
+    cfg = load_config(defaults, ['--max_iters=5000'])
+    assert cfg == dict(defaults, max_iters=SMOKE_CAPS['max_iters'],
+                       batch_size=SMOKE_CAPS['batch_size'], prefill_shapes='1x32')
+    assert 'NANODEPTH_SMOKE is set' in capsys.readouterr().err
+    monkeypatch.setenv('NANODEPTH_SMOKE', '0')
+    assert load_config(defaults, [])['max_iters'] == 600

@@ -142,3 +142,28 @@ def test_aux_loss_gradient_modes_and_oracle_starts_match_counter(gate, aux_grad,
     idx = torch.randint(0, 11, (2, 9))
     expect = flops.train_step_flops(cfg, 9, trainable, (0, 2))
     assert counted(lambda: model(idx, idx, oracle_layers=(0, 2))[1].backward()) == 2 * expect['total'], expect
+
+
+def test_flops_cli_costs_every_config_file(capsys, monkeypatch):
+    """python flops.py CONFIG for every file in config/: a table for every train and bench config
+    (one row, the config as it is, for a family without FFN gates); a study file is refused in one
+    line naming the command that costs its reference arm, and that command works."""
+    import os
+    import shlex
+    from configurator import ConfigError
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(here)            # config files name each other relative to the repository
+    for name in sorted(os.listdir('config')):
+        path = os.path.join('config', name)
+        try:
+            assert flops.main([path]) == 0, path
+        except ConfigError as e:
+            assert name.startswith('study_'), f"{path}: {e}"
+            command = str(e).split(' with: ', 1)[1]
+            assert command.startswith('python flops.py config/'), command
+            assert flops.main(shlex.split(command)[2:]) == 0, command
+        out = capsys.readouterr().out
+        rows = [line for line in out.splitlines() if line.startswith(('| G', '| —'))]
+        assert len(rows) in (1, 4), (path, out)
+        ratios = [float(v) for row in rows for v in row.split('|')[3:7]]
+        assert all(0 <= v < 20 for v in ratios), (path, rows)

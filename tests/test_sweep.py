@@ -4,7 +4,12 @@ training); the --jobs test runs a fake train.py (a few lines of Python, no torch
 import json
 import math
 import os
+import shlex
+import signal
+import subprocess
+import sys
 import textwrap
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -50,9 +55,17 @@ def test_a_record_cut_short_is_skipped(tmp_path):
     assert not sweep.finished(str(tmp_path / 'a'))
 
 
+def fake_popen(calls, what=lambda args, kw: args):
+    """A stand-in for subprocess.Popen that records what(args, kwargs) and exits 0 at once."""
+    def popen(args, **kw):
+        calls.append(what(args, kw))
+        return SimpleNamespace(pid=-1, wait=lambda: 0)
+    return popen
+
+
 def test_run_one_skips_finished_and_resumes_interrupted(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(sweep.subprocess, 'run', lambda args, **kw: calls.append(args) or type('R', (), {'returncode': 0})())
+    monkeypatch.setattr(sweep.subprocess, 'Popen', fake_popen(calls))
     done, part = tmp_path / 'done', tmp_path / 'part'
     fake_run(done, 10, summary=dict(iter=10))
     fake_run(part, 10)
@@ -105,13 +118,30 @@ def test_run_metrics_reads_the_logs(tmp_path):
     assert m['causal_val_loss'] == 1.5 and m['realised_full_frac'] == pytest.approx(0.5)
 
 
+def study_runs(study, path):
+    """What sweep.main checks before the first run: (name, argv) of every run, and the folders the
+    'before' runs write."""
+    before = sweep.before_runs(study, path)
+    runs = [('before', argv) for stage in before for argv, _ in stage]
+    runs += [(f'arm {arm!r} seed {s}',
+              sweep.with_seed([study['base'], *study['overrides'], *ov, f'--seed={s}'], s))
+             for arm, ov in study['arms'].items() for s in study['seeds']]
+    made_later = [a.split('=', 1)[1] for stage in before for argv, _ in stage for a in argv
+                  if a.startswith('--out_dir=')]
+    return runs, made_later
+
+
 def test_study_files_parse():
+    """Every study in config/ passes the check sweep.py makes before its first run: each run's
+    whole configuration through train.py's own parsing (another family's option on the command
+    line, a typo)."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for name in sorted(os.listdir(os.path.join(here, 'config'))):
         if name.startswith('study_'):
             study = sweep.load_study(os.path.join(here, 'config', name))
             assert study['reference'] in study['arms'] and len(study['seeds']) >= 1
             assert os.path.exists(os.path.join(here, study['base']))
+            sweep.check_configs(*study_runs(study, name))
 
 
 def test_run_metrics_reads_tlops_saved_and_final_train_lm(tmp_path):
@@ -174,7 +204,7 @@ def fake_study(tmp_path, name):
 
 def test_parallel_runs_share_the_cores_instead_of_each_taking_all(tmp_path, monkeypatch):
     envs = []
-    monkeypatch.setattr(sweep.subprocess, 'run', lambda args, **kw: envs.append(kw['env']) or type('R', (), {'returncode': 0})())
+    monkeypatch.setattr(sweep.subprocess, 'Popen', fake_popen(envs, lambda args, kw: kw['env']))
     monkeypatch.setattr(sweep.os, 'cpu_count', lambda: 8)
     monkeypatch.delenv('OMP_NUM_THREADS', raising=False)
     sweep.run_one(['cfg.py'], str(tmp_path / 'a'), str(tmp_path / 'log'), jobs=2)
@@ -189,6 +219,7 @@ def test_parallel_runs_share_the_cores_instead_of_each_taking_all(tmp_path, monk
 def test_jobs_2_runs_two_at_once_and_summarises_as_sequential(tmp_path, monkeypatch):
     (tmp_path / 'fake_train.py').write_text(FAKE_TRAIN)
     monkeypatch.setattr(sweep, 'TRAIN', str(tmp_path / 'fake_train.py'))
+    monkeypatch.setattr(sweep, 'check_configs', lambda runs, made_later: None)  # no train.py keys
     (tmp_path / 'barrier').mkdir()
     monkeypatch.setenv('FAKE_BARRIER', str(tmp_path / 'barrier'))
     assert sweep.main([fake_study(tmp_path, 'par'), '--jobs=2', '--no_plots']) == 0
@@ -376,3 +407,247 @@ def test_absolute_flops_from_the_stored_config(tmp_path):
     fake_run(tmp_path / 'new', 5, summary=dict(iter=5, eval_flops=7.0, train_flops=1.0), evals=[2.0])
     (tmp_path / 'new' / 'config.json').write_text(json.dumps(dict(shape, route='none', max_iters=5)))
     assert sweep.run_metrics(str(tmp_path / 'new'))['eval_flops'] == 7.0
+
+
+# ------------------------------------------------------------------------------------------------
+# checked before the first run; stopped by a signal
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize('bad,key', [
+    (['--mod_capacityy=0.5'], 'mod_capacityy'), (['--max_iters=many'], 'max_iters'),
+    (['--ffn_gate=jepa'], 'ffn_gate'), (['config/missing.py'], 'missing.py')])
+def test_a_bad_option_in_any_arm_refuses_the_study_before_any_run(tmp_path, monkeypatch, bad, key):
+    """A typo, a wrong type, another family's option or a missing config file in the last arm
+    refuses the whole study (train.py's own checks), naming the arm and the key; no run starts and
+    nothing is written."""
+    started = []
+    monkeypatch.setattr(sweep.subprocess, 'Popen', fake_popen(started))
+    study = tmp_path / 'study.py'
+    study.write_text(f"base = 'config/mod_synthetic.py'\nout_root = {str(tmp_path / 'out')!r}\n"
+                     f"seeds = [1, 2]\narms = {{'ok': ['--mod_capacity=0.25'], 'bad': {bad!r}}}\n")
+    with pytest.raises(sweep.ConfigError) as e:
+        sweep.main([str(study), '--no_plots'])
+    assert "arm 'bad' seed 1" in str(e.value) and key in str(e.value)
+    assert 'no run was started' in str(e.value)
+    assert started == [] and not (tmp_path / 'out').exists()
+    study.write_text(study.read_text().replace(repr(bad), "['--mod_capacity=0.5']"))
+    assert sweep.main([str(study), '--dry_run']) == 0        # the same study without the bad option
+
+
+def test_a_bad_option_refuses_the_study_in_one_line(tmp_path):
+    study = tmp_path / 'study.py'
+    study.write_text(f"base = 'config/mod_synthetic.py'\nout_root = {str(tmp_path / 'out')!r}\n"
+                     f"seeds = [1]\narms = {{'A': [], 'B': ['--mod_capacityy=0.5']}}\n")
+    r = subprocess.run([sys.executable, 'sweep.py', str(study)], cwd=REPO, capture_output=True,
+                       text=True, timeout=120, start_new_session=True)
+    assert r.returncode == 2 and r.stderr.count('\n') == 1 and 'Traceback' not in r.stderr, r.stderr
+    assert r.stderr.startswith("error: arm 'B' seed 1: unknown config key 'mod_capacityy'")
+    assert r.stdout == '' and not (tmp_path / 'out').exists()
+
+
+# A stand-in for train.py that runs until a signal: it records its pid and arguments, writes
+# ckpt.pt, and on SIGINT/SIGTERM writes 'stopped' (the signal's number) and exits 0, as train.py
+# does. FAKE_IGNORE=1: it ignores both and starts a grandchild (in its process group) that must die
+# with it. FAKE_FINISH=1: it writes a finished run's files at once instead.
+STOPPABLE_TRAIN = textwrap.dedent("""
+    import json, os, signal, subprocess, sys, time
+    args = dict(a[2:].split('=', 1) for a in sys.argv[2:] if a.startswith('--'))
+    out = args['out_dir']
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, 'calls'), 'a') as f:
+        f.write(json.dumps(sys.argv[1:]) + '\\n')
+    if os.environ.get('FAKE_FINISH'):
+        json.dump(dict(max_iters=4), open(os.path.join(out, 'config.json'), 'w'))
+        with open(os.path.join(out, 'metrics.jsonl'), 'w') as f:
+            f.write(json.dumps(dict(type='summary', iter=4, avg_lm=2.0)) + '\\n')
+        sys.exit(0)
+    def stop(signum, frame):
+        open(os.path.join(out, 'stopped'), 'w').write(str(signum))
+        sys.exit(0)
+    handler = signal.SIG_IGN if os.environ.get('FAKE_IGNORE') else stop
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    pids = [os.getpid()]
+    if os.environ.get('FAKE_IGNORE'):
+        pids.append(subprocess.Popen(['sleep', '300']).pid)
+    open(os.path.join(out, 'ckpt.pt'), 'w').close()
+    open(os.path.join(out, 'pids'), 'w').write(' '.join(map(str, pids)))
+    while True:
+        time.sleep(0.05)
+""")
+
+
+def alive(pid):
+    """Running (a zombie, dead but not yet reaped by its parent, is not)."""
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
+    except FileNotFoundError:
+        return False
+
+
+def processes_under(folder):
+    """Pids of the processes whose command line names folder (a sweep's runs name their out_dir)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir('/proc')):
+        try:
+            with open(f'/proc/{pid}/cmdline', 'rb') as f:
+                if str(folder).encode() in f.read() and alive(int(pid)):
+                    pids.append(int(pid))
+        except OSError:            # gone meanwhile
+            pass
+    return pids
+
+
+def kill_all(proc, pid_files, folder):
+    """The sweep's group, every process a fake run recorded and any process naming folder (a run in
+    its own process group): SIGTERM, then SIGKILL."""
+    pids = [int(p) for f in pid_files if f.exists() for p in f.read_text().split()]
+    pids += processes_under(folder)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        time.sleep(0.2)
+    proc.wait()
+
+
+def start_fake_sweep(tmp_path, jobs, grace=120, env=()):
+    (tmp_path / 'train.py').write_text(STOPPABLE_TRAIN)
+    study = tmp_path / 'study.py'
+    study.write_text(f"base = 'cfg.py'\nout_root = {str(tmp_path / 'out')!r}\nseeds = [1, 2, 3]\n"
+                     f"arms = {{'A': []}}\n")
+    boot = (f"import sys; sys.path.insert(0, {REPO!r}); import sweep; "
+            f"sweep.TRAIN = {str(tmp_path / 'train.py')!r}; sweep.STOP_GRACE_S = {grace}; "
+            f"sweep.check_configs = lambda runs, made_later: None; "
+            f"from configurator import run_cli; run_cli(sweep.main)")
+    argv = [str(study), f'--jobs={jobs}', '--no_plots']
+    proc = subprocess.Popen([sys.executable, '-c', boot, *argv], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, 'OMP_NUM_THREADS': '1', **dict(env)})
+    return proc, argv
+
+
+def wait_for(ready, proc, timeout=30):
+    """Until ready() (a list of paths: until they all exist); a sweep that exits first or a timeout
+    fails (the caller's finally ends the processes)."""
+    check = ready if callable(ready) else lambda: all(p.exists() for p in ready)
+    deadline = time.time() + timeout
+    while not check():
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.time() < deadline, 'timed out'
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize('signame,jobs', [('SIGTERM', 1), ('SIGINT', 2)])
+def test_a_signal_stops_the_runs_in_flight_and_starts_none_of_the_queued(tmp_path, monkeypatch,
+                                                                         signame, jobs):
+    """SIGTERM/SIGINT to the sweep alone reaches each run in flight (it checkpoints and stops), the
+    queued run never starts, the sweep exits 143/130 with one line giving the command that resumes,
+    and that command resumes the stopped runs from their checkpoints and starts the rest."""
+    sig = getattr(signal, signame)
+    proc, argv = start_fake_sweep(tmp_path, jobs)
+    runs = [tmp_path / 'out' / 'A' / f'seed{s}' for s in (1, 2, 3)]
+    try:
+        wait_for([r / 'pids' for r in runs[:jobs]], proc)
+        os.kill(proc.pid, sig)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        kill_all(proc, [r / 'pids' for r in runs], tmp_path)
+    assert proc.returncode == {'SIGTERM': 143, 'SIGINT': 130}[signame], err
+    assert err == (f"stopped by {signame}; the runs in flight saved a checkpoint and nothing new "
+                   f"was started; resume with: python sweep.py {' '.join(argv)}\n")
+    for r in runs[:jobs]:
+        assert (r / 'stopped').read_text() == str(int(sig)) and (r / 'ckpt.pt').exists()
+        assert not alive(int((r / 'pids').read_text())) and f'stopped: {r}' in out
+    assert processes_under(tmp_path) == []
+    assert not runs[jobs].exists()                                   # queued: never started
+    # the printed command resumes: the stopped runs from their checkpoints, the queued one afresh
+    monkeypatch.setattr(sweep, 'TRAIN', str(tmp_path / 'train.py'))   # as the boot line set it
+    monkeypatch.setattr(sweep, 'check_configs', lambda runs, made_later: None)
+    monkeypatch.setenv('FAKE_FINISH', '1')
+    assert sweep.main(err.split('resume with: python sweep.py ')[1].split()) == 0
+    calls = {run: [json.loads(line) for line in (run / 'calls').read_text().splitlines()]
+             for run in runs}
+    for run in runs[:jobs]:
+        assert len(calls[run]) == 2 and calls[run][1][-1] == '--init_from=resume'
+    assert len(calls[runs[jobs]]) == 1 and calls[runs[jobs]][0][-1] == '--overwrite=True'
+    assert all(sweep.finished(str(run)) for run in runs)
+
+
+def test_a_run_that_ignores_the_signal_is_killed_with_its_group_after_the_grace_period(tmp_path):
+    proc, argv = start_fake_sweep(tmp_path, 1, grace=1, env={'FAKE_IGNORE': '1'})
+    run = tmp_path / 'out' / 'A' / 'seed1'
+    try:
+        wait_for([run / 'pids'], proc)
+        t0 = time.time()
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        took = time.time() - t0
+    finally:
+        kill_all(proc, [run / 'pids'], tmp_path)
+    assert proc.returncode == 143 and 'resume with: python sweep.py' in err
+    assert 'Traceback' not in err and 1 <= took < 10 and not (run / 'stopped').exists()
+    pids = [int(p) for p in (run / 'pids').read_text().split()]
+    assert len(pids) == 2 and not any(alive(p) for p in pids)       # the run and its grandchild
+    assert not (tmp_path / 'out' / 'A' / 'seed2').exists()
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_real_sweep_checkpoints_its_run_and_the_printed_command_resumes(tmp_path):
+    """The real train.py under sweep.py: SIGTERM to the sweep alone stops the run in flight with a
+    checkpoint, no train.py process is left, the queued seed never starts; the printed command
+    (with max_iters a few past the stop, by the study's environment variable) resumes seed 1 and
+    runs seed 2."""
+    from data import prepare
+    prepare.prepare('synthetic', out_dir=tmp_path / 'data' / 'syn', num_tokens=20000)
+    study = tmp_path / 'study.py'
+    study.write_text(textwrap.dedent(f"""
+        import os
+        base = 'config/mod_synthetic.py'
+        out_root = {str(tmp_path / 'out')!r}
+        overrides = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32',
+                     '--batch_size=4', '--eval_iters=1', '--log_interval=1',
+                     '--eval_interval=100000', '--device=cpu',
+                     '--data_dir={tmp_path / 'data'}', '--dataset=syn',
+                     '--max_iters=' + os.environ.get('TEST_MAX_ITERS', '1000000')]
+        seeds = [1, 2]
+        arms = {{'mod': []}}
+    """))
+    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    proc = subprocess.Popen([sys.executable, 'sweep.py', str(study), '--no_plots'], cwd=REPO,
+                            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    seed1, seed2 = tmp_path / 'out' / 'mod' / 'seed1', tmp_path / 'out' / 'mod' / 'seed2'
+    try:
+        metrics = seed1 / 'metrics.jsonl'         # training: a signal now stops it after this step
+        wait_for(lambda: metrics.exists() and '"type": "train"' in metrics.read_text(), proc,
+                 timeout=120)
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        kill_all(proc, [], tmp_path)
+    assert proc.returncode == 143 and err.count('\n') == 1 and 'Traceback' not in err, err
+    log = (seed1.parent / 'seed1.log').read_text()
+    stopped_at = int(log.split('stopped by signal at iteration ')[1].split(';')[0])
+    assert not seed2.exists() and f'stopped: {seed1}' in out
+    assert processes_under(tmp_path) == []                          # no train.py left behind
+    resume = shlex.split(err.split('resume with: ')[1])
+    assert resume[:2] == ['python', 'sweep.py']
+    r = subprocess.run([sys.executable, *resume[1:]], cwd=REPO, capture_output=True, text=True,
+                       timeout=300, env={**env, 'TEST_MAX_ITERS': str(stopped_at + 3)},
+                       start_new_session=True)
+    assert r.returncode == 0, r.stderr
+    summaries = [rec['iter'] for rec in sweep.read_metrics(str(seed1)) if rec['type'] == 'summary']
+    assert summaries == [stopped_at, stopped_at + 3]
+    resumed = (seed1.parent / 'seed1.log').read_text().split('stopped by signal')[1]
+    assert 'init_from=resume' in resumed
+    assert sweep.finished(str(seed1)) and sweep.finished(str(seed2))

@@ -1,0 +1,124 @@
+"""Every command the docs give works, in the order written: each ```bash block of README.md, then of
+docs/*.md (sorted), line by line, in one fresh copy of the repository (its tracked files; ../shared
+beside it is a link to this checkout's), as a new user would run them.
+
+How the commands are shortened (one mechanism): each runs exactly as written, with
+NANODEPTH_SMOKE=1 in its environment. Every script reads its options through
+configurator.load_config, which then caps the counts of iterations, steps, batches and tokens and
+the model's width and vocabulary (configurator.SMOKE_CAPS and SMOKE_VALUES), so a training run is 2
+iterations and a benchmark one step on a small model; sweep.py's train.py runs inherit it. The
+commands' numbers mean nothing here: this checks that they run.
+
+Not run (SKIP, each with its reason): `pip install` (the environment is given), the test suite
+itself, `torchrun` (DDP over 8 GPUs on FineWeb-Edu), and Tiny Shakespeare when its text is not in
+../shared/data (preparing it downloads it). A skipped command is printed, never silently dropped.
+"""
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / 'shared'
+HAVE_SHAKESPEARE = (SHARED / 'data' / 'tinyshakespeare.txt').is_file()
+SKIP = {      # command prefix -> why it is not run here (None: run it)
+    'pip install': 'installs packages: the environment is given',
+    'python -m pytest': 'the test suite, which this test is part of',
+    'torchrun': 'DDP over 8 processes (GPUs) on FineWeb-Edu, which is downloaded',
+    'python data/prepare.py shakespeare_char': None if HAVE_SHAKESPEARE else
+        'downloads Tiny Shakespeare (../shared/data/tinyshakespeare.txt is absent)',
+    'python train.py config/shakespeare_char.py': None if HAVE_SHAKESPEARE else
+        'needs data/shakespeare_char, prepared by the download above',
+}
+TIMEOUT_S = 300             # one command
+
+
+def documented_commands():
+    """(file, command line) for each command of each ```bash block, in reading order; a line's
+    trailing comment is dropped, and `a && b` gives two commands."""
+    out = []
+    for doc in [REPO / 'README.md', *sorted((REPO / 'docs').glob('*.md'))]:
+        for block in re.findall(r'^```bash\n(.*?)^```', doc.read_text(), re.S | re.M):
+            for line in block.splitlines():
+                words = shlex.split(line, comments=True)
+                while words:
+                    cut = words.index('&&') if '&&' in words else len(words)
+                    out.append((doc.relative_to(REPO).as_posix(), shlex.join(words[:cut])))
+                    words = words[cut + 1:]
+    return out
+
+
+def skip_reason(command):
+    return next((why for prefix, why in SKIP.items() if command.startswith(prefix) and why), None)
+
+
+def fresh_copy(dest):
+    """The repository's tracked files (as they are in the working tree) under dest/repo, and
+    dest/shared linking to the shared folder beside this checkout."""
+    files = subprocess.run(['git', 'ls-files', '-z'], cwd=REPO, capture_output=True,
+                           check=True).stdout
+    for name in filter(None, files.decode().split('\0')):
+        src, dst = REPO / name, dest / 'repo' / name
+        if src.is_file():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst)
+    if SHARED.exists():
+        (dest / 'shared').symlink_to(SHARED)
+    return dest / 'repo'
+
+
+def run_command(command, cwd, env):
+    """The command in its own process group, ended as a whole (SIGTERM, then SIGKILL) if it
+    overruns."""
+    argv = shlex.split(command)
+    if argv[0] == 'python':
+        argv[0] = sys.executable
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            time.sleep(1)
+        out, _ = proc.communicate()
+        pytest.fail(f"{command} ran past {TIMEOUT_S} s:\n{out[-3000:]}")
+    return proc.returncode, out
+
+
+def test_the_commands_are_found():
+    """The extraction itself: the quickstart first, `&&` split, comments dropped, and every skip
+    names a command the docs still give (a skip list entry that matches nothing is stale)."""
+    commands = [c for _, c in documented_commands()]
+    assert commands[:2] == ['pip install -r requirements.txt', 'python train.py']
+    assert not any('#' in c for c in commands) and len(commands) >= 15
+    assert all(any(c.startswith(prefix) for c in commands) for prefix in SKIP)
+
+
+@pytest.mark.slow
+def test_every_documented_command_runs_in_order(tmp_path):
+    repo = fresh_copy(tmp_path)
+    env = {**os.environ, 'NANODEPTH_SMOKE': '1', 'OMP_NUM_THREADS': '1',
+           'PYTHONDONTWRITEBYTECODE': '1'}
+    t0, ran, skipped = time.time(), [], []
+    for doc, command in documented_commands():
+        why = skip_reason(command)
+        if why:
+            skipped.append(f"{doc}: {command} ({why})")
+            continue
+        start = time.time()
+        code, out = run_command(command, repo, env)
+        assert code == 0, f"{doc}: `{command}` exited {code}:\n{out[-3000:]}"
+        ran.append(f"{time.time() - start:5.1f} s  {doc}: {command}")
+    print('\n'.join(['ran:', *ran, 'skipped:', *skipped, f'total {time.time() - t0:.0f} s']))
+    assert len(ran) >= 12
