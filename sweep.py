@@ -329,7 +329,7 @@ def check_configs(runs, made_later):
             contextlib.redirect_stderr(io.StringIO()):     # the notes are for the runs' own logs
         for name, argv in runs:
             try:
-                init_from = train.load_config(train.DEFAULTS, argv, train.ALIASES)['init_from']
+                init_from = train.load_config(train.DEFAULTS, argv)['init_from']
                 made = os.path.abspath(init_from).startswith(tuple(later))
                 if made and not os.path.exists(init_from):
                     argv = [*argv, '--init_from=scratch']    # checked as far as it can be
