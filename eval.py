@@ -67,7 +67,7 @@ def evaluate(model, batches, autocast=nullcontext(), force=None):
                 run = model.family.executed_fracs(aux['masks'])     # e.g. MoD pads each row to the longest
                 if run is not None:
                     execs.append(run.float().cpu())
-            for k in ('tlops_saved', 'mod_acc'):     # families that skip blocks; MoD's causal-rule accuracy
+            for k in model.family.eval_stats:     # e.g. TLOps saved, MoD's causal-rule accuracy
                 if k in aux:
                     extra.setdefault(k, []).append(float(aux[k]))
     full = torch.stack(fracs).mean(0).tolist() if fracs else None

@@ -17,7 +17,7 @@ import re
 import torch
 
 from model import FAMILIES, controlled_layer_ids
-from routing import Family, flop_costs
+from routing import flop_costs
 
 
 def dense_forward_flops(config, T):
@@ -66,57 +66,59 @@ def family_of(config):
     return FAMILIES[config.route]
 
 
-def forward_flops(config, T, mode='train', full_frac=None, exits=None):
+def forward_flops(config, T, mode='train', full_frac=None, **options):
     """Forward FLOPs of one sequence of length T.
-    mode 'train': training forward (route='ffn': both paths dense and mixed by the mask), plus
-                  training-only heads (JEPA targets, membership predictor); oracle passes are counted
-                  by oracle_flops.
+    mode 'train': training forward, training-only heads included; no-grad passes beside it are
+                  counted by oracle_flops.
     mode 'eval':  causal forward, masked-dense (every path on every token: the reference).
     mode 'policy': a no-grad pass under training decisions without loss heads (on-policy oracle).
     mode 'sparse': sparse execution at the realised fractions full_frac (a float or one per routed
                   layer), e.g. the full FFN on that fraction of the tokens and the cheap FFN on the rest.
-    exits: route='exit', the exit depths trained (None = all). Each family's terms: its forward_flops."""
-    return family_of(config).forward_flops(config, T, mode, full_frac, exits=exits)
+    options: the family's step options (Family.step_options). The terms: its forward_flops."""
+    return family_of(config).forward_flops(config, T, mode, full_frac, **options)
 
 
 def _last_layers_step_flops(config, T):
-    """trainable='last_layers' on a dense model: the last k = ens_layers blocks train, all 2x (their
-    first op, ln_1, has trainable weights, so even the first c_attn needs its input gradient); the
-    frozen (tied) LM head computes its input gradient only."""
-    if type(family_of(config)) is not Family:       # the base Family is the dense model
+    """trainable='last_layers' on a dense model: the last k blocks train (k: the option
+    Family.last_layers_option names), all 2x (their first op, ln_1, has trainable weights, so even
+    the first c_attn needs its input gradient); the frozen (tied) LM head computes its input
+    gradient only."""
+    family = family_of(config)
+    if family.routes:
         raise ValueError("trainable='last_layers' is the dense fine-tuning baseline (route='none')")
-    c, k = flop_costs(config, T), config.ens_layers
+    c, k = flop_costs(config, T), getattr(config, family.last_layers_option)
     fwd = dense_forward_flops(config, T)
     layer = 2 * (c['attn_proj'] + c['full']) + 2 * c['attn_core']
     bwd = T * (k * layer + c['head'])
     return dict(forward=fwd, backward=bwd, oracle=0, total=fwd + bwd)
 
 
-def oracle_flops(config, T, layers):
-    """No-grad FLOPs per sequence of the oracle labels at the sampled controlled layers (route='ffn')."""
-    return family_of(config).oracle_flops(config, T, oracle_layers=layers)
+def oracle_flops(config, T, **options):
+    """No-grad FLOPs per sequence that a training step runs beside its forward and backward at these
+    step options (the ffn family's oracle labels)."""
+    return family_of(config).oracle_flops(config, T, **options)
 
 
-def train_step_flops(config, T, trainable='all', oracle_layers=(), exits=None):
+def train_step_flops(config, T, trainable='all', **options):
     """FLOPs of one training step on one sequence: forward, backward and oracle passes, counted the
     way autograd runs them. trainable='all' (joint), 'controller' (frozen backbone: the backward
     computes activation gradients only, and nothing below the first router in the loss graph) or
-    'last_layers' (the dense fine-tuning baseline). oracle_layers, exits: the family's step options."""
+    'last_layers' (the dense fine-tuning baseline). options: the family's step options."""
     if trainable == 'last_layers':
         return _last_layers_step_flops(config, T)
-    family, options = family_of(config), dict(oracle_layers=oracle_layers, exits=exits)
+    family = family_of(config)
     fwd = family.forward_flops(config, T, 'train', **options)
     bwd = family.backward_flops(config, T, trainable, **options)
     orc = family.oracle_flops(config, T, **options)
     return dict(forward=fwd, backward=bwd, oracle=orc, total=fwd + bwd + orc)
 
 
-def flops_proxy(config, T, oracle_layers=(), exits=None):
+def flops_proxy(config, T, **options):
     """The paper's training FLOPs proxy of one step relative to a full-only step, reconstructed as
     (3 x training forward + oracle forwards) / (3 x dense forward): a step counts as three forwards
     whatever is frozen, and the oracle passes as forwards (they run without gradients)."""
-    fwd = family_of(config).forward_flops(config, T, 'train', exits=exits, oracle_layers=oracle_layers)
-    return (3 * fwd + oracle_flops(config, T, oracle_layers)) / (3 * dense_forward_flops(config, T))
+    fwd = family_of(config).forward_flops(config, T, 'train', **options)
+    return (3 * fwd + oracle_flops(config, T, **options)) / (3 * dense_forward_flops(config, T))
 
 
 def flops_per_token(config, seq_len=None, training=True):
@@ -173,17 +175,18 @@ def main(argv):
         # util/rank on: one oracle layer per step, uniformly sampled among the controlled layers
         variants = [(replace(base, ffn_gate=gate, ffn_util_weight=1.0 if on else 0.0,
                              ffn_rank_weight=1.0 if on else 0.0), 'G1' if gate == 'mlp' else 'G3',
-                     'on' if on else 'off', [(l,) for l in ids] if on else [()])
+                     'on' if on else 'off',
+                     [dict(oracle_layers=(l,)) for l in ids] if on else [dict(oracle_layers=())])
                     for gate in ('mlp', 'jepa') for on in (True, False)]
     else:     # no FFN gates to vary (another family, or the dense model): the config as it is
-        variants = [(base, '—', '—', [()])]
-    for c, gate, util, layer_sets in variants:
-        avg = lambda f: sum(f(ls) for ls in layer_sets) / len(layer_sets)
-        step = avg(lambda ls: train_step_flops(c, T, cfg['trainable'], ls)['total'])
+        variants = [(base, '—', '—', [{}])]
+    for c, gate, util, option_sets in variants:
+        avg = lambda f: sum(f(o) for o in option_sets) / len(option_sets)
+        step = avg(lambda o: train_step_flops(c, T, cfg['trainable'], **o)['total'])
         print(f"| {gate} | {util} "
               f"| {forward_flops(c, T, mode='train') / dense:.3f} "
-              f"| {avg(lambda ls: oracle_flops(c, T, ls)) / dense:.3f} "
-              f"| {avg(lambda ls: flops_proxy(c, T, ls)):.3f} "
+              f"| {avg(lambda o: oracle_flops(c, T, **o)) / dense:.3f} "
+              f"| {avg(lambda o: flops_proxy(c, T, **o)):.3f} "
               f"| {step / (3 * dense):.3f} |")
     return 0
 

@@ -10,11 +10,12 @@ its real causal order at its real positions, and a KV cache can hold slots that 
 
 How a forward is routed is the business of the model's routing family (`config.route`), looked up in
 FAMILIES below; each family lives in its own file (route_ffn.py, route_mod.py, ...) and implements the
-interface of routing.Family, whose defaults are the dense model. This file knows no family by name.
+contract of routing.Family (its docstring). This file knows no family but by its name in ROUTES.
 
     from model import GPT, GPTConfig
     logits, loss = model(idx, targets)[:2]    # third element: dict of loss terms and routing stats
 """
+import importlib
 import math
 import os
 import re
@@ -26,25 +27,21 @@ import torch.nn.functional as F
 
 import losses
 from configurator import RENAMED, ConfigError
-from route_ensemble import DepthEnsemble, EnsembleOptions
-from route_exit import EarlyExit, ExitOptions
-from route_ffn import FFNOptions, FFNRouting
-from route_halt import HaltOptions, TokenSelectiveAttention
-from route_mod import MixtureOfDepths, ModOptions
-from routing import MLP, Family, RouteCtx, training_flags
+from routing import MLP, Dense, RouteCtx, training_flags
 
-# the routing families, by config.route: adding one = a file with a Family subclass and its options
-# dataclass, a line here and a base of GPTConfig. An old option name two families share means, under
-# a third route, the earlier family's option.
-FAMILIES = {'none': Family(), 'ffn': FFNRouting(), 'mod': MixtureOfDepths(), 'halt': TokenSelectiveAttention(),
-            'exit': EarlyExit(), 'ensemble': DepthEnsemble()}
+# the routing families, by config.route: route_<name>.py defines each, as its FAMILY (a subclass
+# of routing.Family, whose Options become fields of GPTConfig). Adding one = its file and its name
+# here (docs/new_family.md).
+# An old option name two families share means, under a third route, the earlier family's option.
+ROUTES = ('ffn', 'mod', 'halt', 'exit', 'ensemble')
+FAMILIES = {'none': Dense(), **{r: importlib.import_module(f'route_{r}').FAMILY for r in ROUTES}}
 
 
 @dataclass
-class GPTConfig(EnsembleOptions, ExitOptions, HaltOptions, ModOptions, FFNOptions):
-    """The dense model's fields below; each routing family's options (ffn_*, mod_*, halt_*, exit_*, ens_*)
-    are the fields of its options dataclass, declared in its own file and a base of this class. fields()
-    lists the bases' first, the last base's first (so the families' in registry order), then these."""
+class GPTConfig(*[f.Options for f in reversed(FAMILIES.values()) if f.Options is not None]):
+    """The dense model's fields below; each routing family's options (<route>_*) are the fields of
+    its Options dataclass, declared in its own file and a base of this class. fields() lists the
+    bases' first, the last base's first (so the families' in registry order), then these."""
     block_size: int = 128
     vocab_size: int = 64
     n_layer: int = 4

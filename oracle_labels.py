@@ -135,14 +135,15 @@ def oracle_losses(model, ctx, layers, targets, aux):
             raise ValueError(f"oracle_layers names layer {l}, which has no trainable gate score")
     later = 'full' if cfg.ffn_oracle_policy == 'off' else 'policy'
     token, from_full = cfg.ffn_oracle_label == 'token', oracle_start(cfg) == 'full'
-    mids, ce_full = ctx.mid, None
+    from route_ffn import FFNState      # not at the top: route_ffn imports this module
+    mids, ce_full = ctx.state.mid, None
     if from_full:
         with torch.no_grad(), no_dropout(model):
-            full_ctx = RouteCtx(force='full', collect=False, keep_mid=set(layers))
+            full_ctx = RouteCtx(force='full', collect=False, state=FFNState(keep_mid=set(layers)))
             x = model.family.run_blocks(model, model.embed(ctx.idx, pos), pos, None, full_ctx)
             if later == 'full' and not token:
                 ce_full = ce_of(model, x, targets)
-        mids = full_ctx.mid
+        mids = full_ctx.state.mid
     for l in layers:
         if token:
             base = torch.ones_like(ctx.masks[l]) if from_full else ctx.masks[l]
@@ -151,7 +152,7 @@ def oracle_losses(model, ctx, layers, targets, aux):
             U = fork_utility(model, l, mids[l], targets, pos, later=later, ce_full=ce_full)
         score, terms = ctx.scores[l], {}
         if cfg.ffn_aux_grad == 'own':
-            score = gate_score(model.transformer.h[l], cfg, ctx.gate_in[l])
+            score = gate_score(model.transformer.h[l], cfg, ctx.state.gate_in[l])
         if cfg.ffn_util_weight > 0:
             terms['util_loss'] = losses.utility_regression(score, U)
         if cfg.ffn_rank_weight > 0:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import losses
 from gates import EnsembleRouter
-from routing import Family, add_weighted, check_at_least, check_choices, flop_costs, option_names
+from routing import Family, add_weighted, check_at_least, check_choices, flop_costs
 
 
 @dataclass
@@ -38,10 +38,9 @@ class EnsembleOptions:
 
 
 class DepthEnsemble(Family):
-    options = option_names(EnsembleOptions)
+    Options = EnsembleOptions
     stored_before = {'ens_distill': 'mixture'}    # the mixture was distilled before the option
     resume_options = ('ens_layers', 'ens_distill')
-    routes = True
 
     def check_values(self, config):
         check_at_least(config, 1, ('ens_layers',))
@@ -78,11 +77,11 @@ class DepthEnsemble(Family):
         g = model.ens_router(r_in.detach())                              # (B, T, k), fp32
         out = None
         per_layer = model.training and cfg.ens_distill == 'per_layer' and cfg.ens_kl_weight > 0
-        ctx.layer_logits = [] if per_layer else None
+        ctx.state = [] if per_layer else None          # each late layer's own logits, for the loss
         for j, h in enumerate(normed):
             lg, w = model.lm_head(h).float(), g[..., j:j + 1]
             if per_layer:
-                ctx.layer_logits.append(lg)
+                ctx.state.append(lg)
             if cfg.ens_mix == 'logit':
                 term = w * lg
             elif cfg.ens_mix == 'logprob':
@@ -102,7 +101,7 @@ class DepthEnsemble(Family):
                 aux['teacher_lm_loss'] = losses.lm_loss(teacher, targets)
             teacher = teacher.detach()    # the distillation never moves the teacher
         if teach and cfg.ens_kl_weight > 0:
-            students = ctx.layer_logits if cfg.ens_distill == 'per_layer' else [ctx.logits]
+            students = ctx.state if cfg.ens_distill == 'per_layer' else [ctx.logits]
             aux['distill_loss'] = sum(losses.distill_kl(s, teacher, cfg.ens_kl) for s in students) / len(students)
         return add_weighted(lm_loss, aux, dict(distill_loss=cfg.ens_kl_weight, teacher_lm_loss=cfg.ens_teacher_lm_weight))
 
@@ -144,3 +143,6 @@ class DepthEnsemble(Family):
             heads = k + (config.ens_teacher_lm_weight > 0)
             return 2 * T * (L * (c['attn_proj'] + c['attn_core'] + c['full']) + heads * c['head']) + T * 2 * d * k
         return T * k * c['head'] + T * 2 * d * k
+
+
+FAMILY = DepthEnsemble()

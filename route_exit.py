@@ -21,8 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import losses
-from routing import (Family, check_at_least, check_choices, flop_costs, option_names, overridden, parse_layer_list,
-                     split_apply, tlops_saved)
+from routing import (Family, check_at_least, check_choices, flop_costs, overridden,
+                     parse_layer_list, split_apply, tlops_saved)
 
 
 @dataclass
@@ -52,10 +52,19 @@ class ExitHead(nn.Module):
         return self.proj(self.ln(x))
 
 
+@dataclass
+class ExitState:
+    """What an eval forward keeps for the family (RouteCtx.state): who exited, and with own exit
+    heads the logits of the exit each token left at."""
+    exited: torch.Tensor = None
+    exit_out: torch.Tensor = None
+
+
 class EarlyExit(Family):
-    options = option_names(ExitOptions) + ('layer_dropout',)
-    routes = True
+    Options = ExitOptions
+    reads = ('layer_dropout',)          # LayerSkip's, model-wide
     logged_stats = ('tlops_saved',)
+    eval_stats = ('tlops_saved',)
 
     def check_values(self, config):
         check_at_least(config, 0, ('exit_weight', 'exit_rotation'))
@@ -89,9 +98,9 @@ class EarlyExit(Family):
         return run_exits(model, x, pos, cache, ctx)
 
     def logits(self, model, x, ctx, last):
-        logits = super().logits(model, x, ctx, last)
-        if ctx.exit_out is not None:        # own exit heads: an exited token's logits are its exit's
-            logits = torch.where(last(ctx.exited)[..., None], last(ctx.exit_out), logits)
+        logits, state = super().logits(model, x, ctx, last), ctx.state
+        if state is not None and state.exit_out is not None:    # own exit heads: the exit's logits
+            logits = torch.where(last(state.exited)[..., None], last(state.exit_out), logits)
         return logits
 
     def loss(self, model, ctx, lm_loss, targets, aux):
@@ -190,7 +199,8 @@ def exit_logits(model, d, x):
 def run_exits(model, x, pos, cache, ctx):
     """CALM-style early exit (see the module docstring). Sparse: the FFN and the exit heads run on the
     still-running tokens only (attention runs on all: their K/V are needed)."""
-    cfg = model.config
+    cfg, state = model.config, ExitState()
+    ctx.state = state
     done = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device)
     for l, block in enumerate(model.transformer.h):
         running = ~done
@@ -215,9 +225,10 @@ def run_exits(model, x, pos, cache, ctx):
             conf = top[..., 0] if cfg.exit_conf == 'softmax' else top[..., 0] - top[..., 1]
         newly = running & (conf >= cfg.exit_threshold)
         if model.exit_heads is not None:
-            ctx.exit_out = lg if ctx.exit_out is None else torch.where(newly[..., None], lg, ctx.exit_out)
+            state.exit_out = lg if state.exit_out is None else torch.where(newly[..., None], lg,
+                                                                           state.exit_out)
         done = done | newly
-    ctx.exited = done
+    state.exited = done
     return x
 
 
@@ -244,3 +255,6 @@ def exit_report(model, batches, autocast, evaluate, thresholds=(0.5, 0.7, 0.8, 0
                             exit_logits(model, d, h).float().flatten(0, 1), y.flatten())))
                 per_exit[d] = float(np.mean(vals))
     return dict(thresholds=rows, per_exit_loss=per_exit)
+
+
+FAMILY = EarlyExit()

@@ -19,7 +19,7 @@ Options: FFNOptions below (fields of model.GPTConfig); of the training loop: ffn
 calib_iters.
 """
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -70,8 +70,27 @@ class FFNOptions:
     ffn_mimic_weight: float = 0.0     # cheap FFN imitates the full FFN
 
 
+@dataclass
+class FFNState:
+    """What one forward keeps for the family (RouteCtx.state): the pre-FFN states of the layers
+    whose oracle labels fork from them, each gate's detached input for the aux losses, and the
+    oracle gate."""
+    keep_mid: set = field(default_factory=set)      # layers whose pre-FFN state is kept
+    mid: dict = field(default_factory=dict)
+    gate_in: dict = field(default_factory=dict)     # layer -> the gate's input, detached
+    oracle: object = None           # ffn_gate='oracle': fn(layer, x_mid) -> utility (B, T)
+
+
+def ffn_state(ctx):
+    """ctx's FFNState, made on first use (a forward the family's begin did not open: a fork)."""
+    if ctx.state is None:
+        ctx.state = FFNState()
+    return ctx.state
+
+
 class FFNRouting(Family):
-    options = option_names(FFNOptions) + ('ffn_oracle_layers_per_step', 'calib_iters')   # + the training loop's
+    Options = FFNOptions
+    reads = ('ffn_oracle_layers_per_step', 'calib_iters')      # the training loop's
     # before these options existed, aux-loss gradients took one graph, labels switched whole
     # sequences and G3 read the distance between forecasts from actions drawn N(0, 0.02²)
     stored_before = {'ffn_aux_grad': 'leak', 'ffn_oracle_label': 'sequence',
@@ -82,7 +101,6 @@ class FFNRouting(Family):
                       'ffn_jepa_action_std', 'ffn_aux_grad', 'ffn_oracle_label',
                       'ffn_oracle_policy', 'ffn_oracle_start')
     spelled_options = ('ffn_layers',)   # 'auto' and 'all' are the same layers
-    routes = True
     logged_stats = ('jepa_pred_std', 'utility_mean')
 
     def check_values(self, config):
@@ -119,13 +137,13 @@ class FFNRouting(Family):
         block.register_buffer('tau', torch.zeros(()))   # calibrated threshold of the causal score
 
     def begin(self, model, ctx):
-        cfg = model.config
+        cfg, state = model.config, ffn_state(ctx)
         if cfg.ffn_gate == 'oracle' and ctx.force is None:
             if ctx.targets is None:
                 raise ValueError("ffn_gate='oracle' routes by utility labels, which need targets")
-            ctx.oracle = lambda l, x_mid: oracle_routing_labels(model, l, x_mid, ctx.targets, ctx.pos)
+            state.oracle = lambda l, x: oracle_routing_labels(model, l, x, ctx.targets, ctx.pos)
         if oracle_start(cfg) == 'routed' and ctx.options.get('oracle_layers'):
-            ctx.keep_mid = set(ctx.options['oracle_layers'])
+            state.keep_mid = set(ctx.options['oracle_layers'])
 
     def run_blocks(self, model, x, pos, cache, ctx, start=0):
         for block in model.transformer.h[start:]:
@@ -281,9 +299,9 @@ def gate_read_flops(config):
 def routed_ffn_update(block, cfg, x, ctx):
     """Full FFN for the tokens the decision selects, cheap FFN for the rest. Both paths run densely
     and are mixed by the mask (training, and the masked reference for sparse execution)."""
-    l = block.layer
-    if l in ctx.keep_mid:
-        ctx.mid[l] = x.detach()
+    l, state = block.layer, ffn_state(ctx)
+    if l in state.keep_mid:
+        state.mid[l] = x.detach()
     h = block.ln_2(x)
     force = ctx.force or STATIC.get(cfg.ffn_gate)
     if force is not None:
@@ -296,7 +314,7 @@ def routed_ffn_update(block, cfg, x, ctx):
     if cfg.ffn_gate == 'random':
         mask = random_mask(B, T, cfg.ffn_budget, causal, h.device)
     elif cfg.ffn_gate == 'oracle':           # analysis only: peeks at the targets, so never causal
-        mask = topk_mask(ctx.oracle(l, x), capacity(cfg.ffn_budget, T))
+        mask = topk_mask(state.oracle(l, x), capacity(cfg.ffn_budget, T))
     else:
         preds = block.gate.predict(h) if cfg.ffn_gate == 'jepa' else None
         score = block.gate.score(h, *preds) if preds is not None else block.gate(h)
@@ -321,7 +339,7 @@ def routed_ffn_update(block, cfg, x, ctx):
         if score is not None:
             ctx.scores[l] = score
             if block.training and cfg.ffn_aux_grad == 'own' and l in ctx.options.get('oracle_layers', ()):
-                ctx.gate_in[l] = h.detach()
+                state.gate_in[l] = h.detach()
         if block.training:
             collect_losses(block, cfg, ctx, x, h, full, cheap, mask, preds)
     return update
@@ -348,3 +366,6 @@ def oracle_routing_labels(model, l, x_mid, targets, pos):
         full = torch.ones(x_mid.shape[:2], dtype=torch.bool, device=x_mid.device)
         return token_fork_utility(model, l, x_mid, full, targets, pos, later='full')
     return fork_utility(model, l, x_mid, targets, pos, later='full')
+
+
+FAMILY = FFNRouting()

@@ -19,7 +19,8 @@ import torch
 import torch.nn as nn
 
 from gates import HaltingRouter
-from routing import Family, add_weighted, check_at_least, flop_costs, option_names, overridden, split_apply, tlops_saved
+from routing import (Family, add_weighted, check_at_least, flop_costs, overridden, split_apply,
+                     tlops_saved)
 
 
 @dataclass
@@ -33,9 +34,9 @@ class HaltOptions:
 
 
 class TokenSelectiveAttention(Family):
-    options = option_names(HaltOptions)
-    routes = True
+    Options = HaltOptions
     logged_stats = ('tlops_saved', 'alpha')
+    eval_stats = ('tlops_saved',)
 
     def check_values(self, config):
         check_at_least(config, 0, ('halt_lambda',))
@@ -170,3 +171,6 @@ def halt_report(model, batches, autocast, evaluate, taus=(0.3, 0.5, 0.7, 0.9)):
         alpha = float(np.mean(r['full_frac']))
         return dict(loss=r['loss'], alpha=alpha, tlops_saved=1 - (1 + (L - 1) * alpha) / L, **hard)
     return dict(soft=row(True), hard=[row(False, tau=tau, mode=mode) for mode in ('scaled', 'binary') for tau in taus])
+
+
+FAMILY = TokenSelectiveAttention()

@@ -18,7 +18,7 @@ import torch
 import losses
 from gates import MembershipPredictor, ModRouter, capacity, random_mask, topk_mask
 from routing import (Family, add_weighted, check_at_least, check_fraction, exec_mode, flop_costs, gather_rows, layer_ids,
-                     option_names, split_apply, tlops_saved)
+                     split_apply, tlops_saved)
 
 
 @dataclass
@@ -36,12 +36,12 @@ class ModOptions:
 
 
 class MixtureOfDepths(Family):
-    options = option_names(ModOptions)
+    Options = ModOptions
     budget_field = 'mod_capacity'
     layers_option, resume_options = 'mod_layers', ('mod_router', 'mod_infer_rule', 'mod_predictor_hidden')
     spelled_options = ('mod_layers',)   # 'auto' and 'every_other' are the same layers
-    routes = True
     logged_stats = ('tlops_saved',)
+    eval_stats = ('tlops_saved', 'mod_acc')     # mod_acc: the causal rule's agreement with top-k
 
     def check_values(self, config):
         check_at_least(config, 1, ('mod_predictor_hidden',))
@@ -221,3 +221,6 @@ def mod_sparse(block, x, pos, cache, mask, r):
     w = torch.sigmoid(r.gather(1, order))[..., None] if r is not None else 1.0
     new = torch.where(valid[..., None], xs + w * block.delta(xs, gather_rows(pos, order), cache, valid), xs)
     return x.scatter(1, order[..., None].expand_as(xs), new.to(x.dtype))
+
+
+FAMILY = MixtureOfDepths()

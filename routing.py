@@ -1,48 +1,48 @@
 """
-What the dense model and every routing family share: the per-forward context `RouteCtx`, the
-`Family` interface (whose every method does the dense thing), the MLP of any width, and sparse
-execution (gather the selected tokens, compute, scatter back).
+The routing-family contract, and what the dense model and every family share: the per-forward
+context `RouteCtx`, the `Family` base class, the MLP of any width, and sparse execution (gather
+the selected tokens, compute, scatter back).
 
-A family is a class with these methods; model.py holds the registry {route: family} and calls them.
-A family file (route_ffn.py, route_mod.py, ...) overrides only what it changes:
+A family is one file, route_<name>.py, ending in `FAMILY = TheFamily()`, and its name in
+model.ROUTES. Its class subclasses Family and defines
 
-    options                        the config fields it reads (another family's are refused): its options
-                                   dataclass's fields (declared in its file, a base of model.GPTConfig)
-    stored_before                  {option: value}: for options added later, the behaviour a stored config
-                                   (checkpoint, config.json) from before them had, whose new default differs
-    budget_field                   the field that sets the fraction of tokens on the expensive path (ffn,
-                                   mod), read and set through budget(config) and with_budget(config, b)
-    check_values(config)           refuse out-of-range values of its own fields, whatever the route
-    validate(config)               refuse bad options of this family when it routes (ValueError naming the field)
-    routed_layers(config)          the layers whose decisions it makes (ffn, mod), else []
-    build_block(block, config, layer)  add its per-block modules (cheap FFN, gate, router) to a block
-    build(model)                   add its model-level modules (halting routers, exit heads, norms)
-    init_weights(model)            its own initialisation, after the GPT-2 init
-    begin(model, ctx)              prepare this forward (what to keep for losses computed after it)
-    run_blocks(model, x, pos, cache, ctx)   the stack of blocks, routed
-    logits(model, x, ctx, last)    the output logits from the final state
-    loss(model, ctx, lm_loss, targets, aux) the training loss: LM plus its named, weighted terms
-    stats(model, ctx, aux)         routing statistics added to aux (fractions, TLOps saved, ...)
-    is_controller_key(name)        parameters the controller-only recipe trains
-    calibrate(model, idx)          set causal thresholds on held-out data (ffn)
-    step_options(model, step, run) per-step forward options (the oracle layers, the exit curriculum); run:
-                                   the training config (seed, ffn_oracle_layers_per_step)
-    ddp_find_unused(config)        whether some parameters get no gradient in a step
-    no_gradient(config)            the parameters its training loss never reaches by design (ensemble: ln_f)
-    after_load(model)              fix-ups once backbone weights are loaded (ensemble norms)
-    logged_stats                   the statistics of aux (besides every *_loss term) the train log averages
-    routes                         True for every family but the dense one: train.py reports its routing
-                                   at the end of a run, and refuses the dense fine-tuning baseline
-                                   (trainable='last_layers') with it
-    spelled_options, option_meaning(config, key)   options whose spellings can name the same thing ('auto'
-                                   and 'all' may be the same layers): a resumed run must agree with its
-                                   checkpoint on the meaning, not the spelling
-    references, by_class, report, report_lines, executed_fracs    what eval reports and train prints
-    bench_config(config, b)        the config bench.py times at budget b (None: it has no budget)
-    cannot_generate(config)        why sample.py refuses to generate with it (None: it can)
-    forward_flops(config, T, mode, full_frac, **options)   analytic FLOPs of one forward (flops.py sums
-                                   these), backward_flops(config, T, trainable, **options) of a training
-                                   step's backward, oracle_flops(config, T, **options) of its no-grad passes
+the core (every family defines these; tests/test_families.py checks it):
+    Options              the dataclass of its config fields (<name>_..., with defaults): a base of
+                         model.GPTConfig, so --<name>_x=... and config files set them
+    validate(config)     refuse bad values of its options when it routes (ValueError naming the
+                         field and what it must be)
+    run_blocks(model, x, pos, cache, ctx, start=0)  and/or  logits(model, x, ctx, last)
+                         its forward: the stack of blocks, routed, and the output logits (the base
+                         class runs the dense stack and the LM head)
+    loss(model, ctx, lm_loss, targets, aux)   the training loss: LM plus its named, weighted terms
+    is_controller_key(name)   its controller's parameters (what trainable='controller' trains)
+    forward_flops(config, T, mode='train', full_frac=None, **options)   analytic FLOPs of a forward,
+    backward_flops(config, T, trainable='all', **options)   and of a training step's backward
+                         (flops.py sums them; the tests compare them with FlopCounterMode)
+
+and, only where it needs them, the optional hooks, whose defaults in Family do nothing (or the
+dense thing):
+    modules    build_block(block, config, layer), build(model), init_weights(model),
+               after_load(model) (fix-ups once backbone weights are loaded)
+    forward    begin(model, ctx) (prepare a forward; its own per-forward state goes in ctx.state),
+               stats(model, ctx, aux) (routing statistics: full_frac, TLOps saved, ...)
+    config     reads (fields declared elsewhere that it reads too), check_values(config) (ranges
+               of its fields, checked whatever the route), routed_layers(config)
+    training   step_options(model, step, run) (per-step options, a dict only it interprets, handed
+               to the forward and to the FLOPs hooks), logged_stats, last_layers_option,
+               ddp_find_unused(config), no_gradient(config), calibrate(model, idx) (causal
+               thresholds on held-out data), oracle_flops(config, T, **options) (no-grad passes)
+    budget     budget_field, budget(config), with_budget(config, b): the fraction of tokens on the
+               expensive path; bench_config(config, b), bench_knob(config): what bench.py times
+    resuming   backbone_options, layers_option, resume_options, spelled_options,
+               option_meaning(config, key), stored_before: what a resumed or stage-2
+               run must share with its checkpoint, and how stored configs are read
+    reporting  routes, references, by_class, eval_stats, room_rules, report(...), report_lines(r),
+               executed_fracs(masks), cannot_generate(config): what eval.py, train.py and
+               sample.py show or refuse
+
+docs/new_family.md walks through a complete small family. The dense model is `Dense` below: the base
+class with LayerSkip's layer dropout, routing nothing.
 """
 import math
 from contextlib import contextmanager
@@ -63,8 +63,10 @@ class RouteCtx:
     collect: record scores, masks and loss terms (off for the oracle's counterfactual passes).
     sparse: (eval) run the expensive path on the selected tokens only (gather, compute, scatter), or
     masked-dense (every path on every token, mixed by the mask: the reference sparse must equal).
-    options: the family's per-step options (e.g. oracle_layers, exits), from step_options.
-    exec_mode: how sparse eval runs, 'compact' or 'static' (see exec_mode below); None = by device."""
+    options: the family's per-step options, from its step_options, which only it interprets.
+    exec_mode: how sparse eval runs, 'compact' or 'static' (see exec_mode below); None = by device.
+    state: what the family itself keeps during this forward, in an object of its own (route_ffn's
+    FFNState, ...); None until the family sets it."""
     force: str = None
     calibrate: bool = False
     collect: bool = True
@@ -74,63 +76,29 @@ class RouteCtx:
     idx: torch.Tensor = None                         # the input ids and positions (oracle forks rerun them)
     pos: torch.Tensor = None
     options: dict = field(default_factory=dict)
-    keep_mid: set = field(default_factory=set)       # layers whose pre-FFN state is kept (oracle labels)
-    mid: dict = field(default_factory=dict)
     keep_hidden: set = field(default_factory=set)    # depths whose state after d blocks is kept
-    hidden: dict = field(default_factory=dict)
+    hidden: dict = field(default_factory=dict)       # (Family.run_blocks keeps them)
     scores: dict = field(default_factory=dict)       # layer -> gate score (B, T)
-    gate_in: dict = field(default_factory=dict)      # layer -> the gate's input, detached (ffn's aux losses)
     masks: dict = field(default_factory=dict)        # layer -> (B, T), 1 = full path / block runs
     terms: dict = field(default_factory=dict)        # named loss terms and statistics
-    exited: torch.Tensor = None                      # route='exit' eval: who exited, own heads' logits
-    exit_out: torch.Tensor = None
-    oracle: object = None                            # ffn_gate='oracle': fn(layer, x_mid) -> utility (B, T)
     final: torch.Tensor = None                       # the final hidden state and the logits, once known
     logits: torch.Tensor = None
+    state: object = None                             # the family's own (see above)
 
     def add(self, name, value):
         self.terms[name] = self.terms.get(name, 0.0) + value
 
 
 class Family:
-    """The dense model: the default of every hook."""
-    options = ('layer_dropout',)        # the config fields this family reads (others' are refused)
-    stored_before = {}                  # a stored config lacking these options ran with these values
-    budget_field = None                 # ffn: 'ffn_budget', mod: 'mod_capacity'; None: no budget
-    # what a run must share with the checkpoint it starts from (train.py)
-    backbone_options = ()               # shape backbone weights: a stage-2 run must agree as well
-    layers_option = None                # the routed layers (their modules are in the weights): a resume must agree
-    resume_options = ()                 # how the controllers are built and what their losses train: a resume too
+    """The base of every routing family: the core (see the module docstring) does the dense thing,
+    and every optional hook is neutral, so a family overrides only what it changes."""
 
-    def budget(self, config):
-        """The fraction of tokens on the expensive path this config asks for, or None (no budget)."""
-        return getattr(config, self.budget_field) if self.budget_field else None
+    # ---------------------------------------------------------------------------------------------
+    # the core
 
-    def with_budget(self, config, b):
-        """A copy of config at budget b."""
-        if not self.budget_field:
-            raise ValueError(f"route={config.route!r} has no budget")
-        return replace(config, **{self.budget_field: b})
-
-    def check_values(self, config):
-        pass
+    Options = None                      # the dataclass of its config fields (a base of GPTConfig)
 
     def validate(self, config):
-        pass
-
-    def routed_layers(self, config):
-        return []
-
-    def build_block(self, block, config, layer):
-        pass
-
-    def build(self, model):
-        pass
-
-    def begin(self, model, ctx):
-        pass
-
-    def init_weights(self, model):
         pass
 
     def run_blocks(self, model, x, pos, cache, ctx, start=0):
@@ -151,21 +119,89 @@ class Family:
     def loss(self, model, ctx, lm_loss, targets, aux):
         return lm_loss
 
+    def is_controller_key(self, name):
+        return False
+
+    # analytic FLOPs of one sequence of length T, as torch's FlopCounterMode counts them (flops.py
+    # states the conventions and sums these); options: the family's per-step options (step_options)
+    def forward_flops(self, config, T, mode='train', full_frac=None, **options):
+        """One forward. mode 'train' (training forward, training-only heads included), 'eval'
+        (causal, masked-dense), 'policy' (no grad, training decisions, no loss heads) or 'sparse'
+        (sparse execution at the realised fractions full_frac: a float, or one per routed layer)."""
+        c = flop_costs(config, T)
+        total = c['head']
+        for _ in range(config.n_layer):
+            total += c['attn_proj'] + c['attn_core'] + c['full']
+        return T * total
+
+    def backward_flops(self, config, T, trainable='all', **options):
+        """The backward of one training step, as autograd runs it: a matmul costs 2x its forward
+        when its input and weight both need gradients, 1x when only one does. trainable 'all'
+        (joint) or 'controller' (frozen backbone: the dense model has no controller, so nothing
+        runs)."""
+        if trainable != 'all':
+            return 0
+        c = flop_costs(config, T)
+        block = 2 * c['attn_proj'] + 2 * c['attn_core'] + 2 * c['full']
+        return T * (config.n_layer * block + 2 * c['head'])
+
+    # ---------------------------------------------------------------------------------------------
+    # optional hooks: config
+
+    reads = ()                          # config fields declared elsewhere that it reads too
+
+    @property
+    def options(self):
+        """The config fields this family reads (another family's, set under its route, are
+        refused)."""
+        return (option_names(self.Options) if self.Options else ()) + self.reads
+
+    def check_values(self, config):
+        """Refuse out-of-range values of its own fields, whatever the route."""
+
+    def routed_layers(self, config):
+        """The layers whose decisions it makes (routed FFNs or blocks), else []."""
+        return []
+
+    # optional hooks: modules and the forward
+
+    def build_block(self, block, config, layer):
+        """Add its per-block modules (cheap FFN, gate, router) to a block."""
+
+    def build(self, model):
+        """Add its model-level modules (halting routers, exit heads, norms)."""
+
+    def init_weights(self, model):
+        """Its own initialisation, after the GPT-2 init."""
+
+    def after_load(self, model):
+        """Fix-ups once backbone weights are loaded (from_pretrained, a stage-2 run)."""
+
+    def begin(self, model, ctx):
+        """Prepare this forward (what to keep for losses computed after it: ctx.keep_hidden,
+        ctx.state)."""
+
     def stats(self, model, ctx, aux):
+        """Routing statistics added to aux (the realised fraction of its masks, TLOps saved)."""
         if ctx.masks:
             aux['full_frac'] = torch.stack([ctx.masks[l].float().mean() for l in sorted(ctx.masks)])
             aux['masks'] = ctx.masks
 
-    def is_controller_key(self, name):
-        return False
+    # optional hooks: training (train.py)
 
-    def calibrate(self, model, idx):
-        return None
+    logged_stats = ()           # statistics in aux the train log averages (and every *_loss term)
+    # trainable='last_layers', the dense fine-tuning baseline for controllers on a frozen backbone,
+    # trains as many last blocks as this option says (the ensemble's k: what it is compared with)
+    last_layers_option = 'ens_layers'
 
     def step_options(self, model, step, run):
+        """Per-step forward options, a dict only this family interprets (the oracle layers, the exit
+        curriculum); model(...) and the FLOPs hooks take them as keywords. run: the training
+        config."""
         return {}
 
     def ddp_find_unused(self, config):
+        """Whether some parameters get no gradient in a step (DDP must look for them)."""
         return False
 
     def no_gradient(self, config):
@@ -173,41 +209,27 @@ class Family:
         gradient (tests/test_families.py)."""
         return ()
 
-    def after_load(self, model):
-        pass
-
-    # training: what train.py asks of the family beyond the forward
-    routes = False                      # the dense model: nothing to report at the end of a run
-    logged_stats = ()                   # statistics in aux the train log averages (besides every *_loss term)
-    spelled_options = ()                # options a resume compares by option_meaning
-
-    def option_meaning(self, config, key):
-        """What option `key` of `config` means to this family: the routed layers for ffn_layers
-        (none for the dense model, whatever the spelling), the value itself otherwise."""
-        return self.routed_layers(config) if key == 'ffn_layers' else getattr(config, key)
-
-    # evaluation: what eval.report adds for this family, and the lines train.py prints at the end
-    references = ()                     # forced settings whose val loss is reported beside the causal one
-    by_class = False                    # report the full-path fraction per difficulty class
-    # eval.room: decision rules that bracket what a learned gate can do, as config overrides
-    # (e.g. random and oracle routing at the budget)
-    room_rules = {}
-
-    def report(self, model, batches, autocast, evaluate):
-        """What eval.report adds (a family that routes at a budget: the budget)."""
-        return dict(budget=self.budget(model.config)) if self.budget_field else {}
-
-    def report_lines(self, r):
-        """The lines train.py prints at the end of a run (a family that routes at a budget: one summary line)."""
-        return routed_report_lines(r) if self.budget_field else []
-
-    def executed_fracs(self, masks):
-        """Fraction of tokens sparse execution runs per routed layer, when it differs from the mean."""
+    def calibrate(self, model, idx):
+        """Set causal thresholds on held-out batches idx; returns the realised fractions or None."""
         return None
 
-    def cannot_generate(self, config):
-        """Why a model of this config cannot generate text (one line for sample.py), or None."""
-        return None
+    def oracle_flops(self, config, T, **options):
+        """No-grad passes a training step runs beside forward and backward (ffn's oracle labels)."""
+        return 0
+
+    # optional hooks: the budget, and what bench.py times
+
+    budget_field = None         # the field that sets the fraction of tokens on the expensive path
+
+    def budget(self, config):
+        """The fraction of tokens on the expensive path this config asks for, or None."""
+        return getattr(config, self.budget_field) if self.budget_field else None
+
+    def with_budget(self, config, b):
+        """A copy of config at budget b."""
+        if not self.budget_field:
+            raise ValueError(f"route={config.route!r} has no budget")
+        return replace(config, **{self.budget_field: b})
 
     def bench_config(self, config, b):
         """The config bench.py times at budget b (an untrained model: its decisions must hold the
@@ -218,34 +240,56 @@ class Family:
 
     def bench_knob(self, config):
         """(field, lo, hi): an eval threshold whose raising keeps more tokens active, which bench.py
-        bisects so that an untrained model's realised active fraction meets the budget (families whose
-        causal decision is a threshold rather than a budget: TSA's τ, the exits' confidence); or None."""
+        bisects so that an untrained model's realised active fraction meets the budget (families
+        whose causal decision is a threshold rather than a budget: TSA's τ, the exits'
+        confidence); or None."""
         return None
 
-    # analytic FLOPs of one sequence of length T, as torch's FlopCounterMode counts them (flops.py
-    # states the conventions and sums these); options: the family's per-step options (step_options)
-    def forward_flops(self, config, T, mode='train', full_frac=None, **options):
-        """One forward. mode 'train' (training forward, training-only heads included), 'eval' (causal,
-        masked-dense), 'policy' (no grad, training decisions, no loss heads) or 'sparse' (sparse
-        execution at the realised fractions full_frac: a float, or one per routed layer)."""
-        c = flop_costs(config, T)
-        total = c['head']
-        for _ in range(config.n_layer):
-            total += c['attn_proj'] + c['attn_core'] + c['full']
-        return T * total
+    # optional hooks: resuming. What a run must share with the checkpoint it starts from (train.py)
 
-    def backward_flops(self, config, T, trainable='all', **options):
-        """The backward of one training step, as autograd runs it: a matmul costs 2x its forward when
-        its input and weight both need gradients, 1x when only one does. trainable 'all' (joint) or
-        'controller' (frozen backbone: the dense model has no controller, so nothing runs)."""
-        if trainable != 'all':
-            return 0
-        c = flop_costs(config, T)
-        return T * (config.n_layer * (2 * c['attn_proj'] + 2 * c['attn_core'] + 2 * c['full']) + 2 * c['head'])
+    backbone_options = ()       # shape backbone weights: a stage-2 run must agree as well
+    layers_option = None        # the routed layers (their modules are in the weights): a resume too
+    resume_options = ()         # how the controllers are built and what their losses train: too
+    spelled_options = ()        # options a resume compares by option_meaning
+    stored_before = {}          # a stored config lacking these options ran with these values
 
-    def oracle_flops(self, config, T, **options):
-        """No-grad passes a training step runs beside its forward and backward (ffn's oracle labels)."""
-        return 0
+    def option_meaning(self, config, key):
+        """What option `key` of `config` means to this family: the routed layers for ffn_layers
+        (none for the dense model, whatever the spelling), the value itself otherwise."""
+        return self.routed_layers(config) if key == 'ffn_layers' else getattr(config, key)
+
+    # optional hooks: reporting. What eval.report adds, the lines train.py prints at a run's end
+
+    routes = True               # False only for the dense model: train.py reports no routing
+    references = ()             # forced settings whose val loss is reported beside the causal one
+    by_class = False            # report the full-path fraction per difficulty class
+    eval_stats = ()             # statistics in aux that eval.evaluate averages over its batches
+    # eval.room: decision rules that bracket what a learned gate can do, as config overrides
+    # (e.g. random and oracle routing at the budget)
+    room_rules = {}
+
+    def report(self, model, batches, autocast, evaluate):
+        """What eval.report adds (a family that routes at a budget: the budget)."""
+        return dict(budget=self.budget(model.config)) if self.budget_field else {}
+
+    def report_lines(self, r):
+        """The lines train.py prints at the end of a run (a family that routes at a budget: one
+        summary line)."""
+        return routed_report_lines(r) if self.budget_field else []
+
+    def executed_fracs(self, masks):
+        """Fraction of tokens sparse execution runs per routed layer, when it differs from the mean."""
+        return None
+
+    def cannot_generate(self, config):
+        """Why a model of this config cannot generate text (one line for sample.py), or None."""
+        return None
+
+
+class Dense(Family):
+    """The dense model (route='none'): every block on every token, and LayerSkip's layer dropout."""
+    reads = ('layer_dropout',)
+    routes = False
 
 
 def option_names(options):

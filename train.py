@@ -334,8 +334,8 @@ def check_family_options(cfg, argv):
     on a shared base file (they are recorded in config.json but change nothing)."""
     given = {a[2:].partition('=')[0] for a in argv if a.startswith('--')}
     mine = set(FAMILIES[cfg.route].options)
-    if cfg.trainable == 'last_layers':
-        mine.add('ens_layers')          # the dense fine-tuning baseline trains the last ens_layers blocks
+    if cfg.trainable == 'last_layers':      # the dense fine-tuning baseline's number of last blocks
+        mine.add(FAMILIES[cfg.route].last_layers_option)
     inert = []
     for name, family in FAMILIES.items():
         for key in family.options:
@@ -538,10 +538,12 @@ def trainable_parameters(model, cfg):
     if cfg.trainable not in ('controller', 'last_layers'):
         raise TrainError(f"trainable must be 'all', 'controller' or 'last_layers', got {cfg.trainable!r}")
     if cfg.trainable == 'last_layers':
-        k = model.config.ens_layers
+        key = model.family.last_layers_option
+        k = getattr(model.config, key)
         if model.family.routes or not 1 <= k <= model.config.n_layer:
-            raise TrainError(f"trainable=last_layers fine-tunes the last ens_layers (1..n_layer) blocks of a dense "
-                             f"model (route='none'); got route={model.config.route!r}, ens_layers={k}")
+            raise TrainError(f"trainable=last_layers fine-tunes the last {key} (1..n_layer) blocks "
+                             f"of a dense model (route='none'); got route={model.config.route!r}, "
+                             f"{key}={k}")
         ctrl = [p for b in model.transformer.h[-k:] for p in b.parameters()] + list(model.transformer.ln_f.parameters())
     else:
         ctrl = model.controller_parameters()
@@ -829,11 +831,12 @@ def accumulate(interval, aux, accum, stats):
 
 def count_flops(run, opts):
     """Add the step's training FLOPs, exact and the paper's proxy, to the run's totals; returns the
-    step's analytic cost per sequence (computed once per set of oracle layers and exits)."""
-    key = (opts.get('oracle_layers', ()), opts.get('exits'))
+    step's analytic cost per sequence (computed once per set of the family's step options)."""
+    key = tuple(sorted(opts.items()))
     if key not in run.step_costs:
         mcfg, T = run.raw_model.config, run.cfg.block_size
-        run.step_costs[key] = (flops.train_step_flops(mcfg, T, run.cfg.trainable, *key), flops.flops_proxy(mcfg, T, *key))
+        run.step_costs[key] = (flops.train_step_flops(mcfg, T, run.cfg.trainable, **opts),
+                               flops.flops_proxy(mcfg, T, **opts))
     step, proxy_step = run.step_costs[key]
     run.flops_state['exact'] += run.seqs_per_iter * step['total']
     run.flops_state['proxy_num'] += run.seqs_per_iter * proxy_step * run.dense_step

@@ -4,28 +4,64 @@ the dense model, gradients reaching every router, FLOPs equal to torch's FlopCou
 batched generation equal to each prompt alone. References are computed here: a dense GPT carrying the
 same backbone weights, full recomputation, torch's counter. A family is held to these with the option
 sets in conftest.EXAMPLES, or its defaults: one added to the registry is checked without editing this
-file. Each family's own tests are in its file (test_ffn.py, test_halt.py, test_mod.py, test_exit.py,
-test_ensemble.py)."""
+file, and so is the example family of docs/new_family.md. Each family's own tests are in its file
+(test_ffn.py, test_halt.py, test_mod.py, test_exit.py, test_ensemble.py)."""
 import math
+import re
+import types
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import flops
+import model as model_module
 from conftest import (EXAMPLES, ROUTED_TOL, SETTINGS, V, assert_greedy_traces_agree, build, counted, dense_twin,
                       greedy_trace, seeded, tokens)
 from model import FAMILIES as REGISTRY, GPTConfig, KVCache
 from route_exit import exit_depths
-from routing import Family
+from routing import Dense
 
-# every family in the registry is held to the shared promises below, with its example option sets or,
-# for a family added without examples, its defaults: a new family is checked without editing this file
-FAMILIES = {route: EXAMPLES.get(route, [dict()]) for route in REGISTRY}
-CASES = [(route, i) for route, opts in FAMILIES.items() for i in range(len(opts))]
+NEW_FAMILY_DOC = Path(__file__).resolve().parent.parent / 'docs' / 'new_family.md'
+EXAMPLE_ROUTE = 'skip'          # the route docs/new_family.md registers
 
 
-pytestmark = pytest.mark.usefixtures('one_thread')      # tiny ops: see conftest.py
+def new_family_example():
+    """The module docs/new_family.md walks through: its one python block, run as route_skip.py."""
+    blocks = re.findall(r'```python\n(.*?)```', NEW_FAMILY_DOC.read_text(), re.S)
+    assert len(blocks) == 1, f"{NEW_FAMILY_DOC} must hold the whole family as one python block"
+    module = types.ModuleType(f'route_{EXAMPLE_ROUTE}')
+    exec(compile(blocks[0], str(NEW_FAMILY_DOC), 'exec'), module.__dict__)
+    return module
+
+
+EXAMPLE = new_family_example()
+
+# every family in the registry, and the example, is held to the shared promises below, with its
+# example option sets or its defaults: a new family is checked without editing this file. CASES:
+# the registry's alone (other test modules draw from them, where the example is not registered)
+FAMILIES = {route: EXAMPLES.get(route, [dict()]) for route in [*REGISTRY, EXAMPLE_ROUTE]}
+CASES = [(route, i) for route in REGISTRY for i in range(len(FAMILIES[route]))]
+ALL_CASES = CASES + [(EXAMPLE_ROUTE, i) for i in range(len(FAMILIES[EXAMPLE_ROUTE]))]
+
+
+@pytest.fixture(scope='module')
+def example_registered():
+    """The example registered as docs/new_family.md says (its name in model.ROUTES: a FAMILIES
+    entry, its Options a base of GPTConfig), for this module's tests only."""
+    @dataclass
+    class ConfigWithExample(model_module.GPTConfig, EXAMPLE.FAMILY.Options):
+        pass
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(REGISTRY, EXAMPLE_ROUTE, EXAMPLE.FAMILY)
+        mp.setattr(model_module, 'GPTConfig', ConfigWithExample)
+        yield
+
+
+# one_thread: tiny ops (see conftest.py)
+pytestmark = pytest.mark.usefixtures('one_thread', 'example_registered')
 
 
 def is_random(case):
@@ -37,8 +73,8 @@ def is_random(case):
 # what every family promises
 
 @settings(**SETTINGS)
-@given(case=st.sampled_from(CASES), seed=st.integers(0, 999), T=st.integers(2, 20), B=st.integers(1, 3),
-       sparse=st.booleans(), data=st.data())
+@given(case=st.sampled_from(ALL_CASES), seed=st.integers(0, 999), T=st.integers(2, 20),
+       B=st.integers(1, 3), sparse=st.booleans(), data=st.data())
 def test_eval_is_causal_for_every_family(case, seed, T, B, sparse, data):
     """Perturbing the tokens after t never changes the logits at or before t (model.eval())."""
     model = build(*case, seed=seed).eval()
@@ -55,8 +91,8 @@ def test_eval_is_causal_for_every_family(case, seed, T, B, sparse, data):
 
 
 @settings(**SETTINGS)
-@given(case=st.sampled_from(CASES), seed=st.integers(0, 999), T=st.integers(1, 20), B=st.integers(1, 3),
-       dtype=st.sampled_from(['float32', 'bfloat16']))
+@given(case=st.sampled_from(ALL_CASES), seed=st.integers(0, 999), T=st.integers(1, 20),
+       B=st.integers(1, 3), dtype=st.sampled_from(['float32', 'bfloat16']))
 def test_sparse_execution_equals_masked_dense(case, seed, T, B, dtype):
     """Gather -> compute -> scatter gives the masked-dense reference's numbers (tolerance by dtype:
     fp32, or bf16 autocast), and the same routing."""
@@ -83,8 +119,8 @@ def test_sparse_execution_equals_masked_dense(case, seed, T, B, dtype):
 
 
 @settings(**SETTINGS)
-@given(case=st.sampled_from(CASES), seed=st.integers(0, 999), T0=st.integers(1, 10), new=st.integers(1, 8),
-       B=st.integers(1, 3))
+@given(case=st.sampled_from(ALL_CASES), seed=st.integers(0, 999), T0=st.integers(1, 10),
+       new=st.integers(1, 8), B=st.integers(1, 3))
 def test_kv_cache_decoding_equals_recompute(case, seed, T0, new, B):
     """Prefill T0 tokens into a KV cache, then feed one token at a time: every step's logits equal the
     full causal forward's logits at that position (routing decided per token in both)."""
@@ -103,7 +139,8 @@ def test_kv_cache_decoding_equals_recompute(case, seed, T0, new, B):
 
 
 @settings(**SETTINGS)
-@given(case=st.sampled_from(CASES), seed=st.integers(0, 999), T=st.integers(1, 20), train_mode=st.booleans())
+@given(case=st.sampled_from(ALL_CASES), seed=st.integers(0, 999), T=st.integers(1, 20),
+       train_mode=st.booleans())
 def test_forced_open_is_the_dense_model(case, seed, T, train_mode):
     """force='full' (every gate open, every token through every block, no exits) computes exactly what a
     dense GPT with the same backbone weights computes."""
@@ -116,7 +153,7 @@ def test_forced_open_is_the_dense_model(case, seed, T, train_mode):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize('case', CASES)
+@pytest.mark.parametrize('case', ALL_CASES)
 def test_gradients_reach_every_router(case):
     """One training step's total loss gives every controller parameter (routers, predictors, exit
     heads, ensemble norms and router) and every backbone parameter a non-zero gradient, except those the
@@ -142,7 +179,7 @@ def test_gradients_reach_every_router(case):
 # every family in the registry (ffn and halt included), with as many examples per case as when only
 # mod, exit and ensemble were drawn here
 @settings(max_examples=36, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=st.sampled_from(CASES), seed=st.integers(0, 99),
+@given(case=st.sampled_from(ALL_CASES), seed=st.integers(0, 99),
        T=st.integers(2, 16), B=st.integers(1, 2), budget=st.floats(0.05, 1.0), pw=st.sampled_from([0.0, 1.0]),
        trainable=st.sampled_from(['all', 'controller']), kl=st.sampled_from([0.0, 1.0]), data=st.data())
 def test_family_flops_match_counter(case, seed, T, B, budget, pw, trainable, kl, data):
@@ -184,7 +221,7 @@ def test_family_flops_match_counter(case, seed, T, B, budget, pw, trainable, kl,
 
 
 @settings(**SETTINGS)
-@given(case=st.sampled_from([c for c in CASES if not is_random(c)]), seed=st.integers(0, 999),
+@given(case=st.sampled_from([c for c in ALL_CASES if not is_random(c)]), seed=st.integers(0, 999),
        lens=st.lists(st.integers(1, 9), min_size=1, max_size=3), new=st.integers(1, 6))
 def test_ragged_batched_generation_equals_each_prompt_alone(case, seed, lens, new):
     """Prompts of different lengths decoded together (right-padded, each row at its own positions,
@@ -212,11 +249,46 @@ def test_every_family_but_the_dense_one_routes():
 
 
 # ----------------------------------------------------------------------------------------------------
-# a family added to the registry is held to the promises above without editing this file
+# the contract (routing.py's docstring)
 
-class ToyFamily(Family):
-    """The smallest family: it reads no option and routes nothing, so every hook is the dense default."""
-    options = ()
+CORE = ('Options', 'validate', 'loss', 'is_controller_key', 'forward_flops', 'backward_flops')
+
+
+@pytest.mark.parametrize('route', [*REGISTRY, EXAMPLE_ROUTE])
+def test_every_family_defines_the_core(route):
+    """Each family's class (the dense model aside, whose core is the base class's) defines every
+    core member itself, and its forward: run_blocks, logits or both."""
+    family = REGISTRY[route]
+    if type(family) is Dense:
+        return
+    own = {k for c in type(family).__mro__ if c not in Dense.__mro__ for k in vars(c)}
+    assert [k for k in CORE if k not in own] == []
+    assert {'run_blocks', 'logits'} & own
+
+
+def test_the_new_family_example_is_one_short_block():
+    """docs/new_family.md's example stays a short read: at most ~80 lines, none over 100 columns."""
+    block = re.findall(r'```python\n(.*?)```', NEW_FAMILY_DOC.read_text(), re.S)[0].splitlines()
+    assert len(block) <= 80 and max(map(len, block)) <= 100, (len(block), max(map(len, block)))
+
+
+def test_the_example_registers_with_one_name():
+    """Registered, the example's options are config fields that validate, and training with it gives
+    the gate a gradient and a loss term of its own: what ROUTES and the file alone must provide."""
+    cfg = model_module.GPTConfig(route=EXAMPLE_ROUTE, skip_weight=0.5, n_layer=2, n_embd=16,
+                                 n_head=2)
+    with pytest.raises(ValueError, match='skip_threshold'):
+        model_module.GPTConfig(route=EXAMPLE_ROUTE, skip_threshold=1.5)
+    m = model_module.GPT(cfg).train()
+    idx = tokens(0, 2, 8)
+    _, loss, aux = m(idx, idx)
+    # the mean gate over the blocks: σ of a small-init linear, near 0.5
+    assert 0.3 < float(aux['skip_loss'].detach()) < 0.7
+    want = (aux['lm_loss'] + 0.5 * aux['skip_loss']).detach()
+    assert math.isclose(float(loss.detach()), float(want), rel_tol=1e-6)
+    loss.backward()
+    assert all(p.grad.abs().sum() > 0 for p in m.controller_parameters())
+    assert len(m.controller_parameters()) == 2 * cfg.n_layer       # each block's gate: weight, bias
 
 
 class Drawn:
@@ -229,21 +301,21 @@ class Drawn:
         return self.values.pop(0)
 
 
-def test_a_family_added_to_the_registry_is_held_to_the_promises(monkeypatch):
-    """Registering a Family subclass in model.FAMILIES is all a family needs to be built, validated,
-    costed by flops.py and run through each shared promise (the property tests' bodies, here on fixed
-    examples; FAMILIES is what this module derives from the registry at import)."""
-    monkeypatch.setitem(REGISTRY, 'toy', ToyFamily())
-    monkeypatch.setitem(FAMILIES, 'toy', EXAMPLES.get('toy', [dict()]))
-    case = ('toy', 0)
+@pytest.mark.parametrize('route', [EXAMPLE_ROUTE])
+def test_the_example_is_held_to_every_promise(route):
+    """The property tests above draw their cases at random; here every one of them runs on the
+    example of docs/new_family.md (their bodies on fixed examples), so each promise checks it."""
+    case = (route, 0)
     for seed, T, B in [(0, 9, 2), (5, 3, 1)]:
         test_eval_is_causal_for_every_family.hypothesis.inner_test(case, seed, T, B, True, Drawn(T // 2))
         test_sparse_execution_equals_masked_dense.hypothesis.inner_test(case, seed, T, B, 'float32')
         test_kv_cache_decoding_equals_recompute.hypothesis.inner_test(case, seed, T, 3, B)
         test_forced_open_is_the_dense_model.hypothesis.inner_test(case, seed, T, seed % 2 == 0)
         for trainable in ('all', 'controller'):
-            test_family_flops_match_counter.hypothesis.inner_test(case, seed, T, B, 0.5, 1.0, trainable, 1.0, Drawn())
-        test_ragged_batched_generation_equals_each_prompt_alone.hypothesis.inner_test(case, seed, [T, 1 + T // 2], 3)
+            flops_match = test_family_flops_match_counter.hypothesis.inner_test
+            flops_match(case, seed, T, B, 0.5, 1.0, trainable, 1.0, Drawn())
+        ragged = test_ragged_batched_generation_equals_each_prompt_alone.hypothesis.inner_test
+        ragged(case, seed, [T, 1 + T // 2], 3)
     test_gradients_reach_every_router(case)
 
 

@@ -87,7 +87,7 @@ def test_train_step_flops_match_counter(cfg, T, B, seed, trainable, data):
         loss = model(idx, idx, oracle_layers=oracle_layers)[1]
         if loss.requires_grad:
             loss.backward()
-    expect = flops.train_step_flops(cfg, T, trainable, oracle_layers)
+    expect = flops.train_step_flops(cfg, T, trainable, oracle_layers=oracle_layers)
     assert counted(step) == B * expect['total'], expect
 
 
@@ -140,7 +140,7 @@ def test_aux_loss_gradient_modes_and_oracle_starts_match_counter(gate, aux_grad,
         for p in model.parameters():
             p.requires_grad_(id(p) in ctrl)
     idx = torch.randint(0, 11, (2, 9))
-    expect = flops.train_step_flops(cfg, 9, trainable, (0, 2))
+    expect = flops.train_step_flops(cfg, 9, trainable, oracle_layers=(0, 2))
     assert counted(lambda: model(idx, idx, oracle_layers=(0, 2))[1].backward()) == 2 * expect['total'], expect
 
 
