@@ -12,6 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import configurator  # noqa: E402
 import train  # noqa: E402
+import train_checks  # noqa: E402
 from checkpoint import load_model  # noqa: E402
 from configurator import ConfigError, load_config  # noqa: E402
 from model import ALIASES, FAMILIES, GPT, GPTConfig, resolve_aliases  # noqa: E402
@@ -139,7 +140,8 @@ def test_another_familys_old_option_is_refused_by_its_new_name(capsys):
     cfg = load_config(train.DEFAULTS, ['--route=halt', '--gate=jepa'], ALIASES)
     assert cfg['ffn_gate'] == 'jepa'
     with pytest.raises(train.TrainError, match="--ffn_gate is an option of route=ffn"):
-        train.check_family_options(train.SimpleNamespace(**cfg), ['--route=halt', '--gate=jepa'])
+        train.check_family_options(train.SimpleNamespace(**cfg), ['--route=halt', '--gate=jepa'],
+                                   train.DEFAULTS)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -190,7 +192,7 @@ def test_an_old_checkpoint_loads(kw):
 
 
 def test_an_old_checkpoint_passes_the_resume_check_and_a_changed_field_fails(monkeypatch):
-    monkeypatch.setattr(train, 'check_checkpoint_data', lambda cfg, meta, ckpt: None)
+    monkeypatch.setattr(train_checks, 'check_checkpoint_data', lambda cfg, meta, ckpt: None)
     model_cfg = GPTConfig(**TINY, route='ffn', ffn_cheap_rank=4, ffn_layers='all')
     ckpt = dict(model_args=old_names(asdict(model_cfg)))
     cfg = train.SimpleNamespace(**{**train.DEFAULTS, **asdict(model_cfg), 'ffn_layers': 'auto'})  # 'auto' = all
@@ -245,7 +247,7 @@ def test_family_budget_api():
 def test_a_run_from_before_ffn_aux_grad_resumes_only_as_it_ran(monkeypatch):
     """An ffn checkpoint written before ffn_aux_grad existed trained with 'leak': resuming it under
     today's default 'own' is refused, naming the field; with --ffn_aux_grad=leak it resumes."""
-    monkeypatch.setattr(train, 'check_checkpoint_data', lambda cfg, meta, ckpt: None)
+    monkeypatch.setattr(train_checks, 'check_checkpoint_data', lambda cfg, meta, ckpt: None)
     model_cfg = GPTConfig(**TINY, route='ffn', ffn_cheap_rank=4, ffn_layers='all')
     margs = {k: v for k, v in asdict(model_cfg).items() if k != 'ffn_aux_grad'}
     cfg = train.SimpleNamespace(**{**train.DEFAULTS, **asdict(model_cfg)})
