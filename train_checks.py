@@ -15,7 +15,7 @@ from configurator import UserError, writable_folder
 from data.loader import check_checkpoint_data, check_data_folder
 from model import ALIASES, FAMILIES, GPTConfig, resolve_aliases
 
-RUN_FILES = ('ckpt.pt', 'metrics.jsonl', 'config.json', 'run_info.json')    # a run's files in out_dir
+RUN_FILES = ('ckpt.pt', 'metrics.jsonl', 'config.json', 'run_info.json')    # what a run writes
 
 
 class TrainError(UserError):
