@@ -10,36 +10,38 @@ resolved config), run_info.json (code version, torch, device), ckpt.pt (written 
 optimizer, scaler, RNG states, iteration, best val loss, config, sampler state). `--init_from=resume`
 continues exactly where ckpt.pt left off (a finished run says so and writes nothing). Ctrl-C /
 SIGTERM finishes the current step, saves, exits 0. One run at a time per out_dir (runlock.py).
+
+The file reads as a run: the config defaults, main, setup, the loop, one optimisation step. The
+checks live in train_checks.py, what carries a run across processes, signals and resumes in
+run_state.py, and its metrics, FLOPs and end-of-run report in train_report.py.
 """
 import errno
-import json
 import math
 import os
-import random
 import shlex
-import signal
-import socket
-import subprocess
-import sys
 import time
-import traceback
-from contextlib import contextmanager
-from dataclasses import asdict, fields
+from dataclasses import fields
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 
 import eval as evaluation
-import flops
-from checkpoint import check_init_from, load_checkpoint, remove_stale_temps, save_checkpoint
-from configurator import (ConfigError, UserError, declared_defaults, load_config, run_cli,
-                          writable_folder)
-from data.loader import (DataError, check_checkpoint_data, check_data, check_data_folder,
-                         data_identity, load_dataset_meta, open_splits)
+from checkpoint import save_checkpoint
+from configurator import ConfigError, declared_defaults, load_config, run_cli
+from data.loader import DataError, open_splits
 from device import autocast_context, resolve_device_dtype
-from model import FAMILIES, GPT, GPTConfig, is_controller_key, read_stored_config
-from runlock import FolderBusy, lock_folder
+from model import FAMILIES, GPT, GPTConfig, is_controller_key
+from run_state import (StopFlag, checkpoint_state, end_ddp_process, eval_rng, finished_already,
+                       hold_out_dir, kept, open_inputs, seed_rngs, start_progress, stop_requested)
+from train_checks import (TrainError, check_against_checkpoint, check_family_options,
+                          check_state_fits, check_train_config, model_config)
+from train_report import (accumulate, count_flops, count_params, finish_run, log_eval, log_progress,
+                          open_run_files, start_counters)
+# names bench.py and the tests reach as train.<name>
+from configurator import UserError  # noqa: F401
+from run_state import drop_records_after, parse_record  # noqa: F401
+from train_checks import check_out_dir  # noqa: F401
+from train_report import code_version, run_info  # noqa: F401
 
 # ----------------------------------------------------------------------------------------------------
 # defaults (override with a config file and/or --key=value); the quickstart trains on these
@@ -98,44 +100,12 @@ MODEL_KEYS = BACKBONE_KEYS + ('route', *(f.layers_option for f in FAMILIES.value
 RESUME_KEYS = MODEL_KEYS + tuple(k for f in FAMILIES.values() for k in f.resume_options)
 HERE = os.path.dirname(os.path.abspath(__file__))
 # ----------------------------------------------------------------------------------------------------
-RUN_FILES = ('ckpt.pt', 'metrics.jsonl', 'config.json', 'run_info.json')
-
-
-class TrainError(UserError):
-    """A problem with the user's input: printed as 'error: ...' and exit code 2, before any work."""
 
 
 def main(argv):
     if int(os.environ.get('RANK', -1)) == -1:
         return run_checked(argv)
-    end_ddp_process(argv)
-
-
-def end_ddp_process(argv):
-    """A DDP process ends with os._exit, on every path (done, stopped by a signal, an error).
-    Left to the interpreter, freeing the DDP wrapper drops the last reference to the gloo process
-    group, whose destructor joins gloo's worker thread while holding the GIL, which that thread
-    waits for: about one run in ten then hangs after its work is done, deaf to SIGTERM. By now
-    everything the run writes is on disk (the checkpoint fsynced, metrics flushed per record and
-    closed, the lock released): only stdout and stderr remain to flush."""
-    code = 1
-    try:
-        code = run_checked(argv)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
-    except SystemExit as e:    # as the interpreter does: sys.exit(message) prints it, exits 1
-        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-        if code == 1 and not isinstance(e.code, int):
-            print(e.code, file=sys.stderr)
-    except KeyboardInterrupt:          # a second Ctrl-C
-        code = 130
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    end_ddp_process(run_checked, argv)
 
 
 def run_checked(argv):
@@ -201,30 +171,6 @@ def train_loop(run, argv):
         finish_run(run, stopped)
 
 
-def hold_out_dir(cfg, proc):
-    """Rank 0 locks out_dir for the run's lifetime (runlock); under DDP every rank learns whether it
-    could, so that all of them stop with the same error if another process holds the folder."""
-    lock, refusal = None, None
-    if proc.master:
-        try:
-            lock = lock_folder(cfg.out_dir, 'out_dir')
-        except UserError as e:
-            refusal = e
-    if proc.ddp:              # 0: locked; the holder's PID; -1: another error (rank 0 prints it)
-        code = 0 if refusal is None else (getattr(refusal, 'pid', None) or -1)
-        status = torch.tensor([code], dtype=torch.int64, device=proc.dev)
-        torch.distributed.broadcast(status, 0)
-        code = int(status.item())
-        if refusal is None and code > 0:
-            refusal = FolderBusy(cfg.out_dir, code, 'out_dir')
-        elif refusal is None and code < 0:
-            refusal = TrainError(f"rank 0 could not lock out_dir {cfg.out_dir} (its error is "
-                                 f"above)")
-    if refusal is not None:
-        raise refusal
-    return lock
-
-
 def setup(cfg, cfg_dict, proc, argv):
     """Everything the loop shares, in one namespace: the config, this process (DDP rank and world,
     device, dtype), the model (raw, and wrapped for the steps), optimizer, data, fixed eval batches,
@@ -267,7 +213,7 @@ def setup(cfg, cfg_dict, proc, argv):
 
 
 # ----------------------------------------------------------------------------------------------------
-# the config, checked before anything is read or written
+# the config, checked before anything is read or written (train_checks.py holds the checks)
 
 def read_config(argv):
     """Defaults, then config files and --key=value in argv: (namespace, the dict written to config.json)."""
@@ -275,78 +221,8 @@ def read_config(argv):
     cfg = SimpleNamespace(**cfg_dict)
     check_train_config(cfg)
     model_config(cfg)                           # validates routing fields before any work
-    check_family_options(cfg, argv)
+    check_family_options(cfg, argv, DEFAULTS)
     return cfg, cfg_dict
-
-
-def check_train_config(cfg):
-    """The training loop's own fields."""
-    check_init_from(cfg.init_from)
-    try:
-        [float(t) for t in str(cfg.lm_thresholds).split(',') if t.strip()]
-    except ValueError:
-        raise TrainError(f"lm_thresholds must be comma-separated numbers such as '2.5,2.0', got {cfg.lm_thresholds!r}") from None
-    if cfg.trainable not in ('all', 'controller', 'last_layers'):
-        raise TrainError("trainable must be 'all', 'controller' or 'last_layers', got "
-                         f"{cfg.trainable!r}")
-    if cfg.dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
-        raise TrainError(f"dtype must be auto, float32, bfloat16 or float16, got {cfg.dtype!r}")
-    at_least = dict(seed=0, eval_seed=0, ffn_oracle_layers_per_step=1, eval_interval=1,
-                    log_interval=1, eval_iters=1, batch_size=1,
-                    block_size=1, gradient_accumulation_steps=1, max_iters=0, calib_iters=1, warmup_iters=0,
-                    lr_decay_iters=0, max_fp16_skips=1, ddp_timeout=1)
-    for key, lo in at_least.items():
-        if getattr(cfg, key) < lo:
-            raise TrainError(f"{key} must be >= {lo}, got {getattr(cfg, key)}")
-    for key in ('learning_rate', 'min_lr', 'weight_decay', 'grad_clip'):
-        if not getattr(cfg, key) >= 0:         # also refuses NaN
-            raise TrainError(f"{key} must be >= 0, got {getattr(cfg, key)}")
-    for key in ('beta1', 'beta2'):
-        if not 0 <= getattr(cfg, key) < 1:
-            raise TrainError(f"{key} must be in [0, 1), got {getattr(cfg, key)}")
-    if not 0 < cfg.avg_lm_until <= 1:
-        raise TrainError(f"avg_lm_until must be in (0, 1], got {cfg.avg_lm_until}")
-    for key in ('out_dir', 'data_dir'):
-        path = getattr(cfg, key)
-        if path and os.path.exists(path) and not os.path.isdir(path):
-            raise TrainError(f"{key}={path!r} is a file, not a folder; choose a folder")
-    if cfg.device != 'auto':
-        try:
-            kind = torch.device(cfg.device).type
-        except RuntimeError:           # torch.device('bogus')
-            kind = None
-        if kind not in ('cpu', 'cuda'):   # e.g. 'mps': a device type torch knows but this harness does not run on
-            raise TrainError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {cfg.device!r}")
-
-
-def model_config(cfg, **override):
-    d = {f.name: getattr(cfg, f.name) for f in fields(GPTConfig) if hasattr(cfg, f.name)}
-    d.update(override)
-    try:
-        return GPTConfig(**d)
-    except ValueError as e:
-        raise TrainError(str(e)) from None
-
-
-def check_family_options(cfg, argv):
-    """Refuse another family's option given on the command line with a non-default value (e.g.
-    --route=halt --ffn_gate=jepa); only note the ones a config file set, since a study's arms switch route
-    on a shared base file (they are recorded in config.json but change nothing)."""
-    given = {a[2:].partition('=')[0] for a in argv if a.startswith('--')}
-    mine = set(FAMILIES[cfg.route].options)
-    if cfg.trainable == 'last_layers':      # the dense fine-tuning baseline's number of last blocks
-        mine.add(FAMILIES[cfg.route].last_layers_option)
-    inert = []
-    for name, family in FAMILIES.items():
-        for key in family.options:
-            if key in mine or key in inert or getattr(cfg, key) == DEFAULTS[key]:
-                continue
-            if key in given:
-                raise TrainError(f"--{key} is an option of route={name}, which route={cfg.route!r} does not "
-                                 f"read; drop it or set --route")
-            inert.append(key)
-    if inert and int(os.environ.get('RANK', 0)) == 0:
-        print(f"note: route={cfg.route} does not read {', '.join(sorted(inert))} (set in a config file)")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -370,63 +246,15 @@ def setup_process(cfg):
                            autocast=autocast_context(dev, dt))
 
 
-def open_inputs(cfg, master):
-    """The dataset's meta.json and the checkpoint the run starts from (None from scratch or GPT-2),
-    checked against each other."""
-    ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
-    check_out_dir(cfg)
-    meta = load_dataset_meta(cfg, master)
-    if master:                  # temp files of a writer that was killed mid-save (the checkpoint is intact)
-        for tmp in remove_stale_temps(ckpt_path):
-            print(f"removed {tmp}, left by a checkpoint write that was killed")
-    ckpt = None
-    if cfg.init_from == 'resume':
-        if not os.path.exists(ckpt_path):
-            raise TrainError(f"init_from=resume but there is no checkpoint at {ckpt_path}; start the run afresh "
-                             f"(with --overwrite=True if {cfg.out_dir} holds its other files)")
-        ckpt = load_checkpoint(ckpt_path)
-        if finished_already(cfg, ckpt):            # nothing more to check: setup says so and stops
-            return meta, ckpt
-    elif os.path.isfile(cfg.init_from):
-        ckpt = load_checkpoint(cfg.init_from)
-    check_data(cfg, meta, ckpt)
-    return meta, ckpt
-
-
-def finished_already(cfg, ckpt):
-    """A resume (not eval-only) of a run whose checkpoint reached max_iters and whose metrics hold
-    the summary written at that iteration (a run killed between its last checkpoint and its
-    summary is not finished: resuming writes the summary)."""
-    if cfg.init_from != 'resume' or cfg.eval_only or ckpt is None:
-        return False
-    if ckpt['iter_num'] < cfg.max_iters:
-        return False
-    path = os.path.join(cfg.out_dir, 'metrics.jsonl')
-    if not os.path.exists(path):
-        return False
-    with open(path) as f:
-        records = [r for line in f if (r := parse_record(line)) is not None]
-    return any(r.get('type') == 'summary' and r.get('iter') == ckpt['iter_num'] for r in records)
-
-
-def check_out_dir(cfg):
-    """Every folder the run will write can be written, before any work (a resume onto a read-only
-    folder would otherwise train until its first save fails), and a fresh run never silently
-    replaces or appends to the run already in out_dir."""
-    writable_folder(cfg.out_dir, 'out_dir')
-    check_data_folder(cfg)          # a named dataset; its folder writable where it will be prepared
-    if cfg.init_from == 'resume' or cfg.overwrite:
-        return
-    held = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
-    if held:
-        raise TrainError(f"out_dir {cfg.out_dir} already holds a run ({', '.join(held)}); continue it with "
-                         f"--init_from=resume, pick another --out_dir, or replace it with --overwrite=True")
-
-
-def seed_rngs(seed):
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed)
+def start_process_group(cfg, proc):
+    if proc.ddp:
+        from torch.distributed import init_process_group
+        from datetime import timedelta     # a silent (hung, stopped) peer ends the run instead of blocking it
+        init_process_group(backend='nccl' if proc.dev.type == 'cuda' else 'gloo',
+                           timeout=timedelta(seconds=cfg.ddp_timeout))
+    if proc.dev.type == 'cuda':
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
 
 def build_model(cfg, meta, ckpt):
@@ -489,45 +317,6 @@ def gpt2_model(cfg, meta):
     return model
 
 
-def check_against_checkpoint(cfg, meta, ckpt, keys):
-    """The config's fields `keys` agree with the checkpoint's model_args, and the data is its own."""
-    margs = read_stored_config(ckpt['model_args'])      # as it ran (stored_before)
-    family = FAMILIES[margs.get('route', GPTConfig.route)]
-    defaults = {f.name: f.default for f in fields(GPTConfig)}
-    for k in keys:
-        want, have = getattr(cfg, k), margs.get(k, defaults.get(k))
-        if k == 'vocab_size' and want == 0:
-            continue
-        if k in family.spelled_options:    # compare what is meant ('auto' is the family's default)
-            want, have = (family.option_meaning(GPTConfig.from_dict({**margs, k: v}), k) for v in (want, have))
-        if have != want:
-            raise TrainError(f"config field '{k}' differs from the checkpoint: checkpoint has "
-                             f"{margs.get(k)!r}, config has {getattr(cfg, k)!r}")
-    check_checkpoint_data(cfg, meta, ckpt)
-
-
-def check_state_fits(model, state, source):
-    """The same tensor names and shapes as the model, or one line naming the first differences
-    (a config field this check's key list does not name still changes the model's shape)."""
-    mine = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    theirs = {k: tuple(v.shape) for k, v in state.items()}
-    diff = sorted(set(mine) ^ set(theirs)) + sorted(k for k in set(mine) & set(theirs) if mine[k] != theirs[k])
-    if diff:
-        raise TrainError(f"checkpoint ({source}) does not fit the model this config builds: {diff[:4]} differ; "
-                         f"use the run's original model and routing options")
-
-
-def start_process_group(cfg, proc):
-    if proc.ddp:
-        from torch.distributed import init_process_group
-        from datetime import timedelta     # a silent (hung, stopped) peer ends the run instead of blocking it
-        init_process_group(backend='nccl' if proc.dev.type == 'cuda' else 'gloo',
-                           timeout=timedelta(seconds=cfg.ddp_timeout))
-    if proc.dev.type == 'cuda':
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-
-
 def trainable_parameters(model, cfg):
     """Joint training: everything. Controller-only: freeze the backbone (requires_grad=False) and
     return only the controller's parameters (model.is_controller_key). 'last_layers': only the last
@@ -557,41 +346,6 @@ def trainable_parameters(model, cfg):
     return ctrl
 
 
-def count_params(params):
-    return sum(p.numel() for p in {id(p): p for p in params}.values())    # tied weights once
-
-
-# ----------------------------------------------------------------------------------------------------
-# where the loop starts: fresh or resumed, the wrapped model, the run files, the counters
-
-def start_progress(cfg, ckpt, optimizer, scaler, master):
-    """What a checkpoint carries across a resume: iteration, best val loss, cumulative training FLOPs
-    (exact: autograd's count, and the paper's proxy; per sequence), the log history for the summary,
-    the optimizer and scaler, and (rank 0, whose RNG draws matter) the RNG streams."""
-    if ckpt is None or cfg.init_from != 'resume':
-        return dict(resumed=False, iter_num=0, best_val=float('inf'), history=dict(train=[], eval=[]),
-                    flops_state=dict(exact=0.0, proxy_num=0.0, dense=0.0, wall_s=0.0))
-    optimizer.load_state_dict(ckpt['optimizer'])
-    scaler.load_state_dict(ckpt['scaler'])
-    if master and ckpt.get('rng') is not None:
-        set_rng_state(ckpt['rng'])
-    return dict(resumed=True, iter_num=ckpt['iter_num'], best_val=ckpt['best_val_loss'], history=ckpt['history'],
-                flops_state=ckpt['flops_state'])
-
-
-def rng_state():
-    return dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
-                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-
-
-def set_rng_state(s):
-    torch.set_rng_state(s['torch'])
-    np.random.set_state(s['numpy'])
-    random.setstate(s['python'])
-    if s.get('cuda') is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s['cuda'])
-
-
 def wrap_model(raw_model, cfg, proc):
     """What the training steps call: the model compiled and/or DDP-wrapped (evals, checkpoints and the
     family's hooks use the raw model)."""
@@ -610,97 +364,8 @@ def wrap_model(raw_model, cfg, proc):
     return model
 
 
-def open_run_files(cfg, cfg_dict, proc, iter_num):
-    """config.json and run_info.json, and metrics.jsonl open for appending (rank 0 only)."""
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    if not (cfg.eval_only and cfg.init_from == 'resume'):     # an evaluation keeps the training's
-        with open(os.path.join(cfg.out_dir, 'config.json'), 'w') as f:
-            json.dump(cfg_dict, f, indent=2)
-        with open(os.path.join(cfg.out_dir, 'run_info.json'), 'w') as f:
-            json.dump(run_info(cfg, proc.dev, proc.dt, proc.world), f, indent=2)
-    if cfg.init_from != 'resume':      # --overwrite: the old run goes only now that every check has passed
-        for name in ('ckpt.pt', 'metrics.jsonl'):
-            if os.path.exists(os.path.join(cfg.out_dir, name)):
-                os.remove(os.path.join(cfg.out_dir, name))
-    else:                              # records a killed run logged after its last checkpoint are redone
-        drop_records_after(os.path.join(cfg.out_dir, 'metrics.jsonl'), iter_num)
-    return open(os.path.join(cfg.out_dir, 'metrics.jsonl'), 'a')
-
-
-def code_version():
-    """The git commit of this code (None outside git or before the first commit) and whether the
-    working tree differs from it: run_info.json and bench.py's results record it."""
-    def git(*args):
-        try:
-            r = subprocess.run(['git', *args], cwd=HERE, capture_output=True, text=True, timeout=10)
-            return r.stdout.strip() if r.returncode == 0 else ''   # e.g. no commits yet: not a sha
-        except Exception:
-            return ''
-    return dict(git_sha=git('rev-parse', 'HEAD') or None, git_dirty=bool(git('status', '--porcelain')))
-
-
-def run_info(cfg, dev, dt, world_size):
-    return dict(**code_version(), torch=torch.__version__, cuda=torch.version.cuda, python=sys.version.split()[0],
-                device=str(dev), device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
-                dtype=dt, world_size=world_size, host=socket.gethostname(), argv=sys.argv,
-                threads=torch.get_num_threads(), started=time.strftime('%Y-%m-%dT%H:%M:%S%z'))
-
-
-def drop_records_after(path, iter_num):
-    """Keep the metrics records up to the resumed iteration: the steps after it run again."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        lines = [l for l in f if l.strip()]
-    keep = [l if l.endswith('\n') else l + '\n' for l in lines
-            if (r := parse_record(l)) is not None and r.get('iter', 0) <= iter_num]
-    if keep != lines:
-        with open(path + '.tmp', 'w') as f:
-            f.writelines(keep)
-        os.replace(path + '.tmp', path)
-
-
-def parse_record(line):
-    """A metrics line as a dict, or None for a line cut short (a full disk or a kill mid-write)."""
-    try:
-        r = json.loads(line)
-    except ValueError:
-        return None
-    return r if isinstance(r, dict) else None
-
-
-def start_counters(run):
-    """The loop's running totals and clocks; fp16 overflow steps are counted on the device (no sync)."""
-    cfg = run.cfg
-    run.seqs_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size
-    run.dense_step = 3 * flops.dense_forward_flops(run.raw_model.config, cfg.block_size)   # a full-only step, per sequence
-    run.step_costs, run.interval = {}, new_interval(run.dev)
-    run.skipped, run.last_skipped, run.consecutive_skips = torch.zeros((), device=run.dev), 0, 0
-    run.t_last, run.it_last, run.start_iter = time.time(), run.iter_num, run.iter_num
-    run.t_run = time.time() - run.flops_state['wall_s']
-
-
-def new_interval(dev):
-    """Sums over one log interval, kept on the device until the log step reads them."""
-    return dict(lm=torch.zeros((), device=dev), frac=None, ctrl_norm=torch.zeros((), device=dev), n=0, aux={})
-
-
-class StopFlag:
-    """First Ctrl-C / SIGTERM: finish the step, checkpoint, exit 0. A second Ctrl-C aborts at once."""
-
-    def __init__(self):
-        self.signum = None
-        signal.signal(signal.SIGINT, self._handle)
-        signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame):
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signum = signum
-
-
 # ----------------------------------------------------------------------------------------------------
-# the loop: eval and checkpoint, one optimisation step, its FLOPs, the log, stopping
+# the loop: eval and checkpoint, one optimisation step (train_report.py logs it, counts its FLOPs)
 
 def eval_due(run):
     cfg = run.cfg
@@ -717,15 +382,7 @@ def evaluate_and_checkpoint(run):
         raise TrainError(f"eval loss is not finite at iteration {run.iter_num} (train {res['train']['loss']}, "
                          f"val {res['val']['loss']}); stopping; {kept(run)}. Try a lower learning_rate or grad_clip.")
     run.best_val = min(run.best_val, res['val']['loss'])
-    frac = res['val']['full_frac']
-    print(f"iter {run.iter_num}: train loss {res['train']['loss']:.4f}, val loss {res['val']['loss']:.4f}"
-          + (f", val full-path fraction {np.mean(frac):.3f}" if frac else ''))
-    rec = dict(type='eval', iter=run.iter_num, train_loss=res['train']['loss'], val_loss=res['val']['loss'],
-               val_full_frac=frac)
-    if run.cfg.eval_only:             # an evaluation of the checkpoint, not a step of its training
-        rec['eval_only'] = True
-    run.history['eval'].append(rec)
-    log(run, rec)
+    log_eval(run, res)
     if not run.cfg.eval_only and run.iter_num > 0:
         run.flops_state['wall_s'] = time.time() - run.t_run
         save_run(run)
@@ -741,33 +398,12 @@ def estimate_loss(run):
                 for split, (batches, starts) in run.eval_sets.items()}
 
 
-@contextmanager
-def eval_rng(dev, seed):
-    """Evals draw random numbers (ffn_gate='random' decides per token at eval): fork the RNG and seed it,
-    so evaluating never changes training and every eval is repeatable."""
-    with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []):
-        torch.manual_seed(seed)
-        yield
-
-
 def save_run(run):
     """Everything an exact resume needs, written atomically; never a broken model over a good checkpoint."""
     for p in run.raw_model.parameters():
         if not torch.isfinite(p).all():
             raise TrainError(f"non-finite weights at iteration {run.iter_num}; {kept(run)}")
-    cfg = run.cfg
-    save_checkpoint(run.ckpt_path, dict(
-        model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(), scaler=run.scaler.state_dict(),
-        model_args=asdict(run.raw_model.config), iter_num=run.iter_num, best_val_loss=run.best_val,
-        config=run.cfg_dict, history=run.history, flops_state=run.flops_state,
-        rng=rng_state(), sampler=dict(kind='epoch-permutation', seed=cfg.seed, next_iter=run.iter_num,
-                                      micro_batches_per_iter=cfg.gradient_accumulation_steps),
-        data_meta=data_identity(run.meta)))
-
-
-def kept(run):
-    return (f"the last good checkpoint {run.ckpt_path} is left untouched" if os.path.exists(run.ckpt_path)
-            else "no checkpoint was saved yet")
+    save_checkpoint(run.ckpt_path, checkpoint_state(run))
 
 
 def lr_at(cfg, it):
@@ -815,176 +451,6 @@ def optimisation_step(run):
     run.iter_num += 1
     run.interval['n'] += 1
     return lr, loss_sum, norm, count_flops(run, opts)
-
-
-def accumulate(interval, aux, accum, stats):
-    """Add one micro-batch's LM loss, auxiliary *_loss terms, the family's statistics `stats` and its
-    full-path fractions to the interval's sums."""
-    interval['lm'] += aux['lm_loss'].float() / accum
-    for k, v in aux.items():
-        if (k.endswith('_loss') and k != 'lm_loss') or k in stats:
-            interval['aux'][k] = interval['aux'].get(k, 0.0) + v.detach().float() / accum
-    if 'full_frac' in aux:
-        f = aux['full_frac'].float() / accum
-        interval['frac'] = f if interval['frac'] is None else interval['frac'] + f
-
-
-def count_flops(run, opts):
-    """Add the step's training FLOPs, exact and the paper's proxy, to the run's totals; returns the
-    step's analytic cost per sequence (computed once per set of the family's step options)."""
-    key = tuple(sorted(opts.items()))
-    if key not in run.step_costs:
-        mcfg, T = run.raw_model.config, run.cfg.block_size
-        run.step_costs[key] = (flops.train_step_flops(mcfg, T, run.cfg.trainable, **opts),
-                               flops.flops_proxy(mcfg, T, **opts))
-    step, proxy_step = run.step_costs[key]
-    run.flops_state['exact'] += run.seqs_per_iter * step['total']
-    run.flops_state['proxy_num'] += run.seqs_per_iter * proxy_step * run.dense_step
-    run.flops_state['dense'] += run.seqs_per_iter * run.dense_step
-    return step
-
-
-def log_progress(run, lr, loss_sum, norm, step):
-    """Every log_interval steps: the interval's means (global under DDP), a stop if training diverged,
-    and (rank 0) one printed line and one 'train' record."""
-    iv = run.interval
-    if run.ddp:                                # log the global mean, not rank 0's share
-        both = torch.stack([loss_sum, iv['lm']])
-        torch.distributed.all_reduce(both)
-        loss_sum, iv['lm'] = both[0] / run.world, both[1] / run.world
-    lossf = loss_sum.item()
-    dtime = (time.time() - run.t_last) / max(1, run.iter_num - run.it_last)
-    run.t_last, run.it_last = time.time(), run.iter_num
-    n_skipped = check_divergence(run, lossf)
-    n = max(1, iv['n'])
-    lm = iv['lm'].item() / n
-    frac = (iv['frac'] / n).tolist() if iv['frac'] is not None else None
-    ctrl_norm = iv['ctrl_norm'].item() / n if run.ctrl_params else None
-    aux_means = {k: float(v) / n for k, v in iv['aux'].items()}
-    run.interval = new_interval(run.dev)
-    if not run.master:
-        return
-    tps = run.seqs_per_iter * run.cfg.block_size / dtime
-    peak = flops.peak_flops(run.dev, run.dt)         # MFU from the FLOPs this step really ran
-    mfu = step['total'] * run.seqs_per_iter / run.world / dtime / peak if peak else None
-    fs = run.flops_state
-    proxy = fs['proxy_num'] / fs['dense']
-    print(f"iter {run.iter_num}: loss {lossf:.4f}, lm {lm:.4f}, lr {lr:.2e}, {dtime * 1000:.1f} ms/iter, "
-          f"{tps:,.0f} tok/s" + (f", mfu {mfu * 100:.1f}%" if mfu is not None else '')
-          + (f", full {np.mean(frac):.3f}, flops proxy {proxy:.3f}x" if frac else ''))
-    rec = dict(type='train', iter=run.iter_num, loss=lossf, lm_loss=lm, lr=lr, ms_per_iter=dtime * 1000,
-               tokens_per_s=tps, mfu=mfu, grad_norm=float(norm), ctrl_grad_norm=ctrl_norm, full_frac=frac,
-               flops_proxy=proxy, train_flops=fs['exact'], train_flops_vs_dense=fs['exact'] / fs['dense'],
-               skipped_steps=n_skipped)
-    rec.update(aux_means)            # auxiliary terms, averaged over the log interval
-    run.history['train'].append(dict(iter=run.iter_num, lm_loss=lm))
-    log(run, rec)
-
-
-def check_divergence(run, lossf):
-    """Stop on a loss that is no longer finite, or (fp16) on max_fp16_skips overflow steps in a row;
-    returns the number of steps the GradScaler skipped so far."""
-    n_skipped = int(run.skipped.item())
-    run.consecutive_skips = run.consecutive_skips + (n_skipped - run.last_skipped) if n_skipped > run.last_skipped else 0
-    run.last_skipped = n_skipped
-    if not math.isfinite(lossf) and not run.scaler.is_enabled():
-        raise TrainError(f"loss is {lossf} at iteration {run.iter_num}; stopping; {kept(run)}. "
-                         f"Try a lower learning_rate or grad_clip.")
-    if run.scaler.is_enabled() and run.consecutive_skips >= run.cfg.max_fp16_skips:
-        raise TrainError(f"{run.consecutive_skips} consecutive fp16 overflow steps by iteration {run.iter_num}; "
-                         f"stopping. Try dtype=bfloat16/float32 or a lower learning_rate.")
-    return n_skipped
-
-
-def log(run, obj):
-    if run.metrics_f is not None:
-        try:
-            run.metrics_f.write(json.dumps(obj) + '\n')
-            run.metrics_f.flush()
-        except OSError as e:           # name the file (a full disk: see main)
-            raise OSError(e.errno, e.strerror, run.metrics_f.name) from None
-
-
-def stop_requested(run, stop, logged):
-    """A signal stops a lone process after this step; DDP processes agree at a log step (a collective),
-    so that all of them stop at the same iteration."""
-    if not run.ddp:
-        return stop.signum is not None
-    if not logged:
-        return False
-    flag = torch.tensor(float(stop.signum is not None), device=run.dev)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return flag.item() > 0
-
-
-# ----------------------------------------------------------------------------------------------------
-# the end of the run
-
-def finish_run(run, stopped):
-    """Rank 0: the 'summary' record (and, for a routing family after a complete run, its routing
-    report). An eval-only run's summary is marked eval_only and keeps the training's wall time."""
-    cfg = run.cfg
-    if not cfg.eval_only:
-        run.flops_state['wall_s'] = time.time() - run.t_run
-    summary = run_summary(run.history['train'], run.history['eval'], cfg, run.flops_state['wall_s'])
-    summary.update(type='summary', iter=run.iter_num, best_val_loss=run.best_val, skipped_steps=int(run.skipped.item()),
-                   trainable_params=count_params(run.params),
-                   flops_proxy=run.flops_state['proxy_num'] / max(1.0, run.flops_state['dense']),
-                   train_flops=run.flops_state['exact'])
-    if cfg.eval_only:
-        summary['eval_only'] = True
-    if not stopped and run.raw_model.family.routes:
-        summary.update(routing_summary(run))
-    per_token = flops.dense_forward_flops(run.raw_model.config, cfg.block_size) / cfg.block_size
-    if not run.raw_model.family.routes:
-        summary['eval_flops'] = per_token             # absolute: puts models of different sizes on one axis
-    elif 'eval_flops_vs_dense' in summary:
-        summary['eval_flops'] = summary['eval_flops_vs_dense'] * per_token
-    log(run, summary)
-    run.metrics_f.close()
-    if cfg.eval_only:
-        print(f"evaluated {cfg.out_dir} at iteration {run.iter_num} (eval only: nothing trained); "
-              f"its eval and summary are appended to {os.path.join(cfg.out_dir, 'metrics.jsonl')}")
-    elif not stopped:
-        written = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
-        print(f"done: {run.iter_num} iterations, best val loss {run.best_val:.4f}. Outputs in {cfg.out_dir}/ "
-              f"({', '.join(written)})."
-              + (f"\nsample with: python sample.py --out_dir={cfg.out_dir}" if 'ckpt.pt' in written else ''))
-
-
-def run_summary(log_lines, evals, cfg, wall_s):
-    """avg LM, best LM, threshold hits: the seed paper's optimisation metrics, from this run's logs."""
-    lm = [(r['iter'], r['lm_loss']) for r in log_lines]
-    early = [v for it, v in lm if it <= cfg.avg_lm_until * cfg.max_iters]
-    out = dict(avg_lm=float(np.mean(early)) if early else None,
-               best_train_lm=min((v for _, v in lm), default=None),
-               best_val_lm=min((e['val_loss'] for e in evals), default=None), wall_s=wall_s)
-    for th in [float(t) for t in str(cfg.lm_thresholds).split(',') if t.strip()]:
-        out[f'hit_{th:g}'] = next((it for it, v in lm if v < th), None)
-    return out
-
-
-def routing_summary(run):
-    """The family's end-of-run report (eval.report), printed, and the eval forward's FLOPs at the
-    realised routing: ideal (mean fractions) and as executed (sparse execution may run more, e.g. MoD
-    pads every row to the longest)."""
-    cfg, mcfg = run.cfg, run.raw_model.config
-    with eval_rng(run.dev, cfg.eval_seed):
-        out = dict(routing=evaluation.report(run.raw_model, run.train_data, run.val_data, run.meta, cfg.eval_iters,
-                                             cfg.calib_iters, run.autocast, cfg.eval_seed))
-    print_routing(run.raw_model.family, out['routing'])
-    dense_fwd = flops.dense_forward_flops(mcfg, cfg.block_size)
-    for key, frac_key in (('eval_flops_vs_dense', 'full_frac'), ('eval_flops_executed_vs_dense', 'exec_frac')):
-        frac = out['routing']['val_loss'][frac_key]
-        out[key] = flops.forward_flops(mcfg, cfg.block_size, 'sparse', full_frac=frac) / dense_fwd
-    return out
-
-
-def print_routing(family, r):
-    for line in family.report_lines(r):
-        print(line)
-    for name, per_layer in r.get('full_frac_by_class', {}).items():
-        print(f"  full-path fraction for {name:>9} targets: " + ' '.join(f"L{l}:{v:.2f}" for l, v in per_layer.items()))
 
 
 if __name__ == '__main__':

@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import routing  # noqa: E402
 import train  # noqa: E402
+import train_checks  # noqa: E402
 from checkpoint import load_model  # noqa: E402
 from configurator import RENAMED, ConfigError, load_config  # noqa: E402
 from conftest import run_group  # noqa: E402
@@ -80,7 +81,7 @@ def test_a_stored_config_with_an_old_name_is_refused_naming_the_new_one(monkeypa
     want = r"holds old option names: budget \(now ffn_budget, or mod_capacity under route=mod\)"
     with pytest.raises(ConfigError, match=want):
         load_model(ckpt, 'cpu')                        # sample.py, eval.py, stage 2
-    monkeypatch.setattr(train, 'check_checkpoint_data', lambda cfg, meta, ckpt: None)
+    monkeypatch.setattr(train_checks, 'check_checkpoint_data', lambda cfg, meta, ckpt: None)
     cfg = train.SimpleNamespace(**{**train.DEFAULTS, **asdict(model.config)})
     with pytest.raises(ConfigError, match=want):       # resume
         train.check_against_checkpoint(cfg, {}, ckpt, train.RESUME_KEYS)
@@ -104,7 +105,7 @@ def test_a_stored_config_from_before_an_option_keeps_its_behaviour(route, key, b
 def test_a_run_from_before_ffn_aux_grad_resumes_only_as_it_ran(monkeypatch):
     """An ffn checkpoint written before ffn_aux_grad existed trained with 'leak': resuming it under
     today's default 'own' is refused, naming the field; with --ffn_aux_grad=leak it resumes."""
-    monkeypatch.setattr(train, 'check_checkpoint_data', lambda cfg, meta, ckpt: None)
+    monkeypatch.setattr(train_checks, 'check_checkpoint_data', lambda cfg, meta, ckpt: None)
     model_cfg = GPTConfig(**TINY, route='ffn', ffn_cheap_rank=4, ffn_layers='all')
     margs = {k: v for k, v in asdict(model_cfg).items() if k != 'ffn_aux_grad'}
     cfg = train.SimpleNamespace(**{**train.DEFAULTS, **asdict(model_cfg)})

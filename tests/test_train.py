@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))
 import flops  # noqa: E402
 import runlock  # noqa: E402
 import train  # noqa: E402
+import train_report  # noqa: E402
 from conftest import finish, run_group, start, stop  # noqa: E402
 from data import loader, prepare as P  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
@@ -531,13 +532,13 @@ def test_outputs(base_run, synth):
 
 def test_run_info_git_sha_is_a_sha_or_none(tmp_path, monkeypatch):
     require(run_group(["git", "init", "-q", tmp_path], 60).returncode == 0, "git init failed")
-    monkeypatch.setattr(train, "HERE", str(tmp_path))
+    monkeypatch.setattr(train_report, "HERE", str(tmp_path))
     info = train.run_info(None, torch.device("cpu"), "float32", 1)
     assert info["git_sha"] is None or re.fullmatch(r"[0-9a-f]{40}", info["git_sha"]), info["git_sha"]
 
 
 def test_run_info_outside_git(tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "HERE", str(tmp_path))
+    monkeypatch.setattr(train_report, "HERE", str(tmp_path))
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
     info = train.run_info(None, torch.device("cpu"), "float32", 1)
     assert info["git_sha"] is None and info["git_dirty"] is False

@@ -1,0 +1,235 @@
+"""
+What carries a training run across processes, signals and resumes: the end of a DDP process, the
+run folder's lock, what a checkpoint holds and how a resume picks it up (iteration, best val loss,
+FLOPs, log history, optimizer, scaler, RNG streams), the metrics records a resume redoes, and the
+stop on a first Ctrl-C / SIGTERM.
+"""
+import json
+import os
+import random
+import signal
+import sys
+import traceback
+from contextlib import contextmanager
+from dataclasses import asdict
+
+import numpy as np
+import torch
+
+from checkpoint import load_checkpoint, remove_stale_temps
+from configurator import UserError
+from data.loader import check_data, data_identity, load_dataset_meta
+from runlock import FolderBusy, lock_folder
+from train_checks import TrainError, check_out_dir
+
+
+def end_ddp_process(run_checked, argv):
+    """A DDP process ends with os._exit, on every path (done, stopped by a signal, an error).
+    Left to the interpreter, freeing the DDP wrapper drops the last reference to the gloo process
+    group, whose destructor joins gloo's worker thread while holding the GIL, which that thread
+    waits for: about one run in ten then hangs after its work is done, deaf to SIGTERM. By now
+    everything the run writes is on disk (the checkpoint fsynced, metrics flushed per record and
+    closed, the lock released): only stdout and stderr remain to flush."""
+    code = 1
+    try:
+        code = run_checked(argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    except SystemExit as e:    # as the interpreter does: sys.exit(message) prints it, exits 1
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if code == 1 and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:          # a second Ctrl-C
+        code = 130
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def hold_out_dir(cfg, proc):
+    """Rank 0 locks out_dir for the run's lifetime (runlock); under DDP every rank learns whether it
+    could, so that all of them stop with the same error if another process holds the folder."""
+    lock, refusal = None, None
+    if proc.master:
+        try:
+            lock = lock_folder(cfg.out_dir, 'out_dir')
+        except UserError as e:
+            refusal = e
+    if proc.ddp:              # 0: locked; the holder's PID; -1: another error (rank 0 prints it)
+        code = 0 if refusal is None else (getattr(refusal, 'pid', None) or -1)
+        status = torch.tensor([code], dtype=torch.int64, device=proc.dev)
+        torch.distributed.broadcast(status, 0)
+        code = int(status.item())
+        if refusal is None and code > 0:
+            refusal = FolderBusy(cfg.out_dir, code, 'out_dir')
+        elif refusal is None and code < 0:
+            refusal = TrainError(f"rank 0 could not lock out_dir {cfg.out_dir} (its error is "
+                                 f"above)")
+    if refusal is not None:
+        raise refusal
+    return lock
+
+
+# ----------------------------------------------------------------------------------------------------
+# where a run starts: its inputs, whether a resume has anything left to do, what it picks up
+# and the records it redoes
+
+def open_inputs(cfg, master):
+    """The dataset's meta.json and the checkpoint the run starts from (None from scratch or GPT-2),
+    checked against each other."""
+    ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
+    check_out_dir(cfg)
+    meta = load_dataset_meta(cfg, master)
+    if master:                  # temp files of a writer that was killed mid-save (the checkpoint is intact)
+        for tmp in remove_stale_temps(ckpt_path):
+            print(f"removed {tmp}, left by a checkpoint write that was killed")
+    ckpt = None
+    if cfg.init_from == 'resume':
+        if not os.path.exists(ckpt_path):
+            raise TrainError(f"init_from=resume but there is no checkpoint at {ckpt_path}; start the run afresh "
+                             f"(with --overwrite=True if {cfg.out_dir} holds its other files)")
+        ckpt = load_checkpoint(ckpt_path)
+        if finished_already(cfg, ckpt):            # nothing more to check: setup says so and stops
+            return meta, ckpt
+    elif os.path.isfile(cfg.init_from):
+        ckpt = load_checkpoint(cfg.init_from)
+    check_data(cfg, meta, ckpt)
+    return meta, ckpt
+
+
+def finished_already(cfg, ckpt):
+    """A resume (not eval-only) of a run whose checkpoint reached max_iters and whose metrics hold
+    the summary written at that iteration (a run killed between its last checkpoint and its
+    summary is not finished: resuming writes the summary)."""
+    if cfg.init_from != 'resume' or cfg.eval_only or ckpt is None:
+        return False
+    if ckpt['iter_num'] < cfg.max_iters:
+        return False
+    path = os.path.join(cfg.out_dir, 'metrics.jsonl')
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        records = [r for line in f if (r := parse_record(line)) is not None]
+    return any(r.get('type') == 'summary' and r.get('iter') == ckpt['iter_num'] for r in records)
+
+
+def start_progress(cfg, ckpt, optimizer, scaler, master):
+    """What a checkpoint carries across a resume: iteration, best val loss, cumulative training FLOPs
+    (exact: autograd's count, and the paper's proxy; per sequence), the log history for the summary,
+    the optimizer and scaler, and (rank 0, whose RNG draws matter) the RNG streams."""
+    if ckpt is None or cfg.init_from != 'resume':
+        return dict(resumed=False, iter_num=0, best_val=float('inf'), history=dict(train=[], eval=[]),
+                    flops_state=dict(exact=0.0, proxy_num=0.0, dense=0.0, wall_s=0.0))
+    optimizer.load_state_dict(ckpt['optimizer'])
+    scaler.load_state_dict(ckpt['scaler'])
+    if master and ckpt.get('rng') is not None:
+        set_rng_state(ckpt['rng'])
+    return dict(resumed=True, iter_num=ckpt['iter_num'], best_val=ckpt['best_val_loss'], history=ckpt['history'],
+                flops_state=ckpt['flops_state'])
+
+
+def drop_records_after(path, iter_num):
+    """Keep the metrics records up to the resumed iteration: the steps after it run again."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [l for l in f if l.strip()]
+    keep = [l if l.endswith('\n') else l + '\n' for l in lines
+            if (r := parse_record(l)) is not None and r.get('iter', 0) <= iter_num]
+    if keep != lines:
+        with open(path + '.tmp', 'w') as f:
+            f.writelines(keep)
+        os.replace(path + '.tmp', path)
+
+
+def parse_record(line):
+    """A metrics line as a dict, or None for a line cut short (a full disk or a kill mid-write)."""
+    try:
+        r = json.loads(line)
+    except ValueError:
+        return None
+    return r if isinstance(r, dict) else None
+
+
+# ----------------------------------------------------------------------------------------------------
+# a checkpoint of the run
+
+def checkpoint_state(run):
+    """Everything an exact resume needs (start_progress reads it back)."""
+    cfg = run.cfg
+    return dict(
+        model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(), scaler=run.scaler.state_dict(),
+        model_args=asdict(run.raw_model.config), iter_num=run.iter_num, best_val_loss=run.best_val,
+        config=run.cfg_dict, history=run.history, flops_state=run.flops_state,
+        rng=rng_state(), sampler=dict(kind='epoch-permutation', seed=cfg.seed, next_iter=run.iter_num,
+                                      micro_batches_per_iter=cfg.gradient_accumulation_steps),
+        data_meta=data_identity(run.meta))
+
+
+def kept(run):
+    return (f"the last good checkpoint {run.ckpt_path} is left untouched" if os.path.exists(run.ckpt_path)
+            else "no checkpoint was saved yet")
+
+
+# ----------------------------------------------------------------------------------------------------
+# random streams
+
+def seed_rngs(seed):
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def rng_state():
+    return dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
+                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+
+def set_rng_state(s):
+    torch.set_rng_state(s['torch'])
+    np.random.set_state(s['numpy'])
+    random.setstate(s['python'])
+    if s.get('cuda') is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s['cuda'])
+
+
+@contextmanager
+def eval_rng(dev, seed):
+    """Evals draw random numbers (ffn_gate='random' decides per token at eval): fork the RNG and seed it,
+    so evaluating never changes training and every eval is repeatable."""
+    with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []):
+        torch.manual_seed(seed)
+        yield
+
+
+# ----------------------------------------------------------------------------------------------------
+# stopping on a signal
+
+class StopFlag:
+    """First Ctrl-C / SIGTERM: finish the step, checkpoint, exit 0. A second Ctrl-C aborts at once."""
+
+    def __init__(self):
+        self.signum = None
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+
+def stop_requested(run, stop, logged):
+    """A signal stops a lone process after this step; DDP processes agree at a log step (a collective),
+    so that all of them stop at the same iteration."""
+    if not run.ddp:
+        return stop.signum is not None
+    if not logged:
+        return False
+    flag = torch.tensor(float(stop.signum is not None), device=run.dev)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return flag.item() > 0

@@ -1,0 +1,134 @@
+"""
+The checks train.py makes before any work is done, each failing with a TrainError (one line
+`error: ...` on stderr, exit 2, nothing written): the training loop's own config fields, the model
+config, the run folder, and a checkpoint against the config that resumes or extends it.
+
+    from train_checks import TrainError, check_train_config, model_config
+"""
+import os
+from dataclasses import fields
+
+import torch
+
+from checkpoint import check_init_from
+from configurator import UserError, writable_folder
+from data.loader import check_checkpoint_data, check_data_folder
+from model import FAMILIES, GPTConfig, read_stored_config
+
+RUN_FILES = ('ckpt.pt', 'metrics.jsonl', 'config.json', 'run_info.json')    # what a run writes
+
+
+class TrainError(UserError):
+    """A problem with the user's input: printed as 'error: ...' and exit code 2, before any work."""
+
+
+def check_train_config(cfg):
+    """The training loop's own fields."""
+    check_init_from(cfg.init_from)
+    try:
+        [float(t) for t in str(cfg.lm_thresholds).split(',') if t.strip()]
+    except ValueError:
+        raise TrainError(f"lm_thresholds must be comma-separated numbers such as '2.5,2.0', got {cfg.lm_thresholds!r}") from None
+    if cfg.trainable not in ('all', 'controller', 'last_layers'):
+        raise TrainError("trainable must be 'all', 'controller' or 'last_layers', got "
+                         f"{cfg.trainable!r}")
+    if cfg.dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
+        raise TrainError(f"dtype must be auto, float32, bfloat16 or float16, got {cfg.dtype!r}")
+    at_least = dict(seed=0, eval_seed=0, ffn_oracle_layers_per_step=1, eval_interval=1,
+                    log_interval=1, eval_iters=1, batch_size=1,
+                    block_size=1, gradient_accumulation_steps=1, max_iters=0, calib_iters=1, warmup_iters=0,
+                    lr_decay_iters=0, max_fp16_skips=1, ddp_timeout=1)
+    for key, lo in at_least.items():
+        if getattr(cfg, key) < lo:
+            raise TrainError(f"{key} must be >= {lo}, got {getattr(cfg, key)}")
+    for key in ('learning_rate', 'min_lr', 'weight_decay', 'grad_clip'):
+        if not getattr(cfg, key) >= 0:         # also refuses NaN
+            raise TrainError(f"{key} must be >= 0, got {getattr(cfg, key)}")
+    for key in ('beta1', 'beta2'):
+        if not 0 <= getattr(cfg, key) < 1:
+            raise TrainError(f"{key} must be in [0, 1), got {getattr(cfg, key)}")
+    if not 0 < cfg.avg_lm_until <= 1:
+        raise TrainError(f"avg_lm_until must be in (0, 1], got {cfg.avg_lm_until}")
+    for key in ('out_dir', 'data_dir'):
+        path = getattr(cfg, key)
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise TrainError(f"{key}={path!r} is a file, not a folder; choose a folder")
+    if cfg.device != 'auto':
+        try:
+            kind = torch.device(cfg.device).type
+        except RuntimeError:           # torch.device('bogus')
+            kind = None
+        if kind not in ('cpu', 'cuda'):   # e.g. 'mps': a device type torch knows but this harness does not run on
+            raise TrainError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {cfg.device!r}")
+
+
+def model_config(cfg, **override):
+    d = {f.name: getattr(cfg, f.name) for f in fields(GPTConfig) if hasattr(cfg, f.name)}
+    d.update(override)
+    try:
+        return GPTConfig(**d)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
+
+
+def check_family_options(cfg, argv, defaults):
+    """Refuse another family's option given on the command line with a non-default value (e.g.
+    --route=halt --ffn_gate=jepa); only note the ones a config file set, since a study's arms switch route
+    on a shared base file (they are recorded in config.json but change nothing)."""
+    given = {a[2:].partition('=')[0] for a in argv if a.startswith('--')}
+    mine = set(FAMILIES[cfg.route].options)
+    if cfg.trainable == 'last_layers':      # the dense fine-tuning baseline's number of last blocks
+        mine.add(FAMILIES[cfg.route].last_layers_option)
+    inert = []
+    for name, family in FAMILIES.items():
+        for key in family.options:
+            if key in mine or key in inert or getattr(cfg, key) == defaults[key]:
+                continue
+            if key in given:
+                raise TrainError(f"--{key} is an option of route={name}, which route={cfg.route!r} does not "
+                                 f"read; drop it or set --route")
+            inert.append(key)
+    if inert and int(os.environ.get('RANK', 0)) == 0:
+        print(f"note: route={cfg.route} does not read {', '.join(sorted(inert))} (set in a config file)")
+
+
+def check_out_dir(cfg):
+    """Every folder the run will write can be written, before any work (a resume onto a read-only
+    folder would otherwise train until its first save fails), and a fresh run never silently
+    replaces or appends to the run already in out_dir."""
+    writable_folder(cfg.out_dir, 'out_dir')
+    check_data_folder(cfg)          # a named dataset; its folder writable where it will be prepared
+    if cfg.init_from == 'resume' or cfg.overwrite:
+        return
+    held = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
+    if held:
+        raise TrainError(f"out_dir {cfg.out_dir} already holds a run ({', '.join(held)}); continue it with "
+                         f"--init_from=resume, pick another --out_dir, or replace it with --overwrite=True")
+
+
+def check_against_checkpoint(cfg, meta, ckpt, keys):
+    """The config's fields `keys` agree with the checkpoint's model_args, and the data is its own."""
+    margs = read_stored_config(ckpt['model_args'])      # as it ran (stored_before)
+    family = FAMILIES[margs.get('route', GPTConfig.route)]
+    defaults = {f.name: f.default for f in fields(GPTConfig)}
+    for k in keys:
+        want, have = getattr(cfg, k), margs.get(k, defaults.get(k))
+        if k == 'vocab_size' and want == 0:
+            continue
+        if k in family.spelled_options:    # compare what is meant ('auto' is the family's default)
+            want, have = (family.option_meaning(GPTConfig.from_dict({**margs, k: v}), k) for v in (want, have))
+        if have != want:
+            raise TrainError(f"config field '{k}' differs from the checkpoint: checkpoint has "
+                             f"{margs.get(k)!r}, config has {getattr(cfg, k)!r}")
+    check_checkpoint_data(cfg, meta, ckpt)
+
+
+def check_state_fits(model, state, source):
+    """The same tensor names and shapes as the model, or one line naming the first differences
+    (a config field this check's key list does not name still changes the model's shape)."""
+    mine = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    theirs = {k: tuple(v.shape) for k, v in state.items()}
+    diff = sorted(set(mine) ^ set(theirs)) + sorted(k for k in set(mine) & set(theirs) if mine[k] != theirs[k])
+    if diff:
+        raise TrainError(f"checkpoint ({source}) does not fit the model this config builds: {diff[:4]} differ; "
+                         f"use the run's original model and routing options")
