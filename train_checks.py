@@ -10,7 +10,7 @@ from dataclasses import fields
 
 import torch
 
-from checkpoint import check_init_from
+from checkpoint import CheckpointError, check_init_from
 from configurator import UserError, writable_folder
 from data.loader import check_checkpoint_data, check_data_folder
 from model import FAMILIES, GPTConfig, read_stored_config
@@ -24,7 +24,10 @@ class TrainError(UserError):
 
 def check_train_config(cfg):
     """The training loop's own fields."""
-    check_init_from(cfg.init_from)
+    try:
+        check_init_from(cfg.init_from)
+    except CheckpointError as e:    # a bad value of this run's own key: the run's own error
+        raise TrainError(str(e)) from None
     try:
         [float(t) for t in str(cfg.lm_thresholds).split(',') if t.strip()]
     except ValueError:
