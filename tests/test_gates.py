@@ -6,14 +6,17 @@ The criterion. A module trained by several losses (G1 and G3 under util + rank +
 G3's JEPA alignment; MoD's router; TSA's halting routers; the ensemble's router) is updated with
 their sum. Each loss's gradient norm on the module's parameters, taken at weight 1 (the weights are
 the recipe's knobs; the question here is whether the parameterisation lets a loss reach the module
-at all), must be at least REACH = 1e-2 times the largest of them, the module's main training signal.
-Below that a loss is under 1% of the summed gradient, and under Adam, which normalises the summed
-gradient per parameter, it steers the update by under 1%: it might as well be off. Healthy gates sit
-at 0.05-1 here; the G3 that read the squared distance between two forecasts whose action embeddings
+at all), must be at least REACH = 5e-3 times the largest of them, the module's main training signal.
+Below that a loss is under half a percent of the summed gradient, and under Adam, which normalises
+the summed gradient per parameter, it steers the update by under half a percent: it might as well be
+off. Healthy gates sit at 0.03-1 here (the LM loss's straight-through pull is the smallest, and on a
+rare batch of 10 tokens it has measured 0.008); the G3 that read the squared distance between two forecasts whose action embeddings
 start 0.02 apart sits at 1e-4-1e-6 (its score's gradient is proportional to the gap).
 A module with one loss (MoD's membership predictor, the exit heads) has no other signal to be
-swamped by; for it, the loss's gradient on the parameters must be at least REACH times its gradient
-on the module's output: the pull on the output reaches the weights.
+swamped by; for it, the loss's gradient on the parameters must be at least OUTPUT_REACH = 1e-3 times
+its gradient on the module's output: the pull on the output reaches the weights (this ratio carries
+the scale of the module's input, about 1e-2 for MoD's predictor here, 0.008 at the lowest measured;
+a path that stops the gradient gives 0).
 
 The backbone is moved off its GPT-2 initialisation (noise of std 0.05 on every non-controller
 parameter) to stand in for the trained stage-1 backbone the controllers are trained on: at init the
@@ -33,7 +36,8 @@ from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures('one_thread')      # tiny ops: see conftest.py
 
-REACH = 1e-2
+REACH = 5e-3
+OUTPUT_REACH = 1e-3
 SETTINGS = dict(max_examples=6, deadline=None)
 V = 23
 SEEDS = st.integers(0, 10_000)
@@ -218,7 +222,7 @@ def test_mod_predictor_gets_its_bce(seed, B, T, n_embd, steps):
     finally:
         hook.remove()
     ratio = output_reach(terms['pred_loss'], list(pred.parameters()), seen[-1])
-    assert ratio >= REACH, ratio
+    assert ratio >= OUTPUT_REACH, ratio
 
 
 @settings(**SETTINGS)
@@ -265,4 +269,4 @@ def test_exit_heads_get_their_exit_losses(seed, B, T, n_embd, steps):
             h.remove()
     for d, head in model.exit_heads.items():
         ratio = output_reach(terms['exit_loss'], list(head.parameters()), outs[d])
-        assert ratio >= REACH, (d, ratio)
+        assert ratio >= OUTPUT_REACH, (d, ratio)
