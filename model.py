@@ -358,8 +358,9 @@ class GPT(nn.Module):
             cache, step = None, self.decode_step_fn(idx.device, compile)
             for _ in range(max_new_tokens):
                 B, T = idx.shape
-                if use_cache and T <= bs and cache is not None:     # nxt, not a view of idx: same strides every step
-                    logits, aux = step(nxt, torch.full((B, 1), T - 1, device=idx.device), cache)
+                # nxt (set at the end of the previous step), not a view of idx: same strides every step
+                if use_cache and T <= bs and cache is not None:
+                    logits, aux = step(nxt, torch.full((B, 1), T - 1, device=idx.device), cache)  # noqa: F821
                 elif use_cache and T <= bs:
                     cache = self.new_cache(B, idx.device, compile)
                     logits, _, aux = self(idx, pos=torch.arange(T, device=idx.device).expand(B, T), cache=cache)

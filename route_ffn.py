@@ -28,7 +28,7 @@ from gates import (GATES, JEPAGate, MembershipPredictor, MLPGate, capacity, rand
                    threshold_mask, topk_mask)
 from oracle_labels import fork_utility, oracle_flops, oracle_losses, oracle_start, suffix_flops, token_fork_utility
 from routing import (MLP, Family, add_weighted, check_at_least, check_choices, check_fraction, flop_costs,
-                     layer_ids, option_names, split_apply)
+                     layer_ids, split_apply)
 
 STATIC = {'static_full': 'full', 'static_cheap': 'cheap'}     # the gates that send every token down one path
 

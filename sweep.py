@@ -627,7 +627,7 @@ def sweep(argv, children):
         check_configs([(f"'before' run {' '.join(a)}", a) for stage in before for a, _ in stage]
                       + [(f"arm {arm!r} seed {s}", [*a, f'--out_dir={root}/{arm}/seed{s}'])
                          for arm, s, a in grid], made_later)
-    lock = lock_folder(root, 'out_root')   # one sweep per folder, held until this returns
+    _lock = lock_folder(root, 'out_root')   # one sweep per folder, held until this returns
     if not opts.get('--summarize_only'):
         if children.signum is None and run_before(before, root, int(jobs), children):
             if children.signum is None:

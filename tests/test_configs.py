@@ -37,6 +37,6 @@ def test_every_study_arm_parses(name):
     """Each arm's overrides on the study's base config are valid train.py keys and a valid model."""
     import sweep
     study = sweep.load_study(os.path.join(HERE, 'config', name))
-    for arm, extra in study['arms'].items():
+    for extra in study['arms'].values():
         cfg = load_config(train.DEFAULTS, [os.path.join(HERE, study['base']), *study['overrides'], *extra])
         train.model_config(SimpleNamespace(**cfg), vocab_size=cfg['vocab_size'] or 65)

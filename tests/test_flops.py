@@ -1,7 +1,6 @@
 """Analytic FLOPs (flops.py) against torch's FlopCounterMode, for random routed configs: the forward,
 and a whole training step (forward, backward, oracle passes) with the backbone trainable or frozen."""
 import math
-import random
 from types import SimpleNamespace
 
 import pytest

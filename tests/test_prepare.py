@@ -2,7 +2,6 @@
 (checked by an independent parser), errors, idempotence, atomic and serialised writes, and the
 checksum and token-id checks."""
 import hashlib
-import io
 import json
 import re
 import sys
