@@ -75,7 +75,8 @@ def check_bench_config(cfg):
         raise ConfigError(f"budgets must be full-path fractions in (0, 1], got {cfg['budgets']!r}")
     if any(min(s) < 1 for s in numbers(cfg, 'prefill_shapes', shape)):
         raise ConfigError(f"prefill_shapes must be BxT with B, T >= 1, got {cfg['prefill_shapes']!r}")
-    # decode is timed with the KV cache: past block_size, generate would recompute the cropped window
+    # decode is timed with the KV cache: past block_size, generate would recompute the cropped
+    # window
     prompt = (cfg['decode_prompt'] if cfg['budgets'] else 0) or 1
     if prompt + cfg['decode_tokens'] > cfg['block_size']:
         raise ConfigError(f"decode_tokens={cfg['decode_tokens']} plus a {prompt}-token prompt exceeds "
@@ -143,7 +144,8 @@ def bench(cfg):
                 model.generate(prompt, cfg['decode_tokens'], temperature=0, use_cache=True)
         decode[db] = db * cfg['decode_tokens'] / timed(gen, max(1, cfg['bench_steps'] // 3), 1, dev)
     train_tps, prefill_tps = B * T / t_train, B * T / t_prefill
-    peak = flops.peak_flops(dev, dt)          # MFU from the FLOPs the step really runs (routed or not)
+    peak = flops.peak_flops(dev, dt)          # MFU from the FLOPs the step really runs (routed or
+                                              # not)
     step_flops = B * flops.train_step_flops(mcfg, T)['total']
     mfu = step_flops / t_train / peak if peak else None
     return dict(route=mcfg.route, budget=FAMILIES[mcfg.route].budget(mcfg), vocab_size=mcfg.vocab_size, device=str(dev),
@@ -203,11 +205,13 @@ def bench_routed(cfg):
     for budget in numbers(cfg, 'budgets', float):
         mcfg = FAMILIES[base.route].bench_config(base, budget)
         m = routed_model(mcfg, state, xs, cfg['seed'], dev, autocast, budget)
-        if mcfg not in trained.values():     # TSA's and the exits' training does not depend on the budget
+        if mcfg not in trained.values():     # TSA's and the exits' training does not depend on the
+                                             # budget
             trained[budget] = mcfg
             rows.append(train_row(cfg, mcfg, base, budget, dev, autocast, dense_train_ms))
         r_pre, r_dec = time_model(m, cfg, xs, g, base, dev, autocast)
-        d_pre = time_model(dense, cfg, xs, g, base, dev, autocast, decode=False)[0]     # dense again, in the same window
+        # dense again, in the same window
+        d_pre = time_model(dense, cfg, xs, g, base, dev, autocast, decode=False)[0]
         rows += prefill_rows(cfg, m, base, budget, xs, r_pre, d_pre, autocast)
         rows += [dict(kind='decode', budget=budget, batch=b, dense_tokens_per_s=d_dec[b], routed_tokens_per_s=r_dec[b],
                       time_ratio=d_dec[b] / r_dec[b]) for b in r_dec]
@@ -293,7 +297,8 @@ def time_model(m, cfg, xs, g, base, dev, autocast, decode=True):
             pre[s] = timed(no_grad_forward(fwd, x, cfg['sparse']), steps, warm, dev)
     dec = {}
     for b in numbers(cfg, 'decode_batches', int) if decode else ():
-        n = cfg['decode_prompt'] or max(1, base.block_size - cfg['decode_tokens'] - 1)    # prompt tokens
+        # prompt tokens
+        n = cfg['decode_prompt'] or max(1, base.block_size - cfg['decode_tokens'] - 1)
         prompt = torch.randint(0, base.vocab_size, (b, n), generator=g).to(dev)
         gen = lambda k: (lambda: m.generate(prompt, k, temperature=0))
         with autocast:
@@ -429,7 +434,8 @@ def parse_args(argv):
 def main(argv):
     cfg, as_json, argv = parse_args(argv)
     res = bench_routed(cfg) if cfg['budgets'] else bench(cfg)
-    if cfg['out']:                 # the raw file behind a reported figure, with the command that made it
+    if cfg['out']:                 # the raw file behind a reported figure, with the command that
+                                   # made it
         os.makedirs(os.path.dirname(os.path.abspath(cfg['out'])), exist_ok=True)
         with open(cfg['out'], 'w') as f:
             json.dump(dict(res, command='python bench.py ' + ' '.join(argv + ['--json'] * as_json),

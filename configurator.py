@@ -246,6 +246,7 @@ def load_config(defaults, argv):
         if key not in defaults:
             raise _unknown(key, defaults, where)
         if text is not None and isinstance(defaults[key], str) and not isinstance(value, str):
-            value = text       # a str key takes the text as written: --ffn_layers=0,2,5, --out_dir=2024
+            value = text       # a str key takes the text as written: --ffn_layers=0,2,5,
+                               # --out_dir=2024
         config[key] = _check_type(key, value, defaults[key], where)
     return smoke_caps(config)

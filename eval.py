@@ -64,7 +64,8 @@ def evaluate(model, batches, autocast=nullcontext(), force=None):
             losses.append(float(aux['lm_loss']))
             if 'full_frac' in aux:
                 fracs.append(aux['full_frac'].float().cpu())
-                run = model.family.executed_fracs(aux['masks'])     # e.g. MoD pads each row to the longest
+                # e.g. MoD pads each row to the longest
+                run = model.family.executed_fracs(aux['masks'])
                 if run is not None:
                     execs.append(run.float().cpu())
             for k in model.family.eval_stats:     # e.g. TLOps saved, MoD's causal-rule accuracy
@@ -349,7 +350,8 @@ def report(model, train_data, val_data, meta, eval_iters, calib_iters, autocast=
     family = model.family
     out = dict(val_loss=evaluate(model, batches, autocast))
     out.update(family.report(model, batches, autocast, evaluate))
-    for force in family.references:     # forced full = the dense model; forced cheap = every token skips
+    for force in family.references:     # forced full = the dense model; forced cheap = every token
+                                        # skips
         out[f'val_loss_{force}'] = evaluate(model, batches, autocast, force=force)['loss']
     if family.by_class and meta.get('difficulty_classes'):
         diff = np.memmap(os.path.join(meta['folder'], 'val_difficulty.bin'), dtype=np.uint8, mode='r')

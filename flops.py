@@ -58,8 +58,8 @@ def peak_flops(device, dtype):
 
 
 # ----------------------------------------------------------------------------------------------------
-# routed models: each family's analytic terms live in its file (Family.forward_flops, backward_flops,
-# oracle_flops); these sum them for the family of config.route
+# routed models: each family's analytic terms live in its file (Family.forward_flops,
+# backward_flops, oracle_flops); these sum them for the family of config.route
 
 def family_of(config):
     """The routing family of config, whose hooks hold its FLOPs terms."""
@@ -153,7 +153,8 @@ def main(argv):
     from model import GPTConfig
     here = os.path.dirname(os.path.abspath(__file__))
     refuse_study_files(argv)
-    # train.py's config keys, read from its source: train.py imports this module, so not the other way
+    # train.py's config keys, read from its source: train.py imports this module, so not the other
+    # way
     defaults = {f.name: f.default for f in fields(GPTConfig)}
     defaults.update(declared_defaults(os.path.join(here, 'train.py')), **BENCH_DEFAULTS)
     cfg = load_config(defaults, argv)

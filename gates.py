@@ -59,7 +59,8 @@ def threshold_mask(score, tau, calibrate_to=None):
 def straight_through(mask, score):
     """Forward value: the hard 0/1 mask. Backward: the gradient of sigmoid(score)."""
     soft = torch.sigmoid(score)
-    return mask.to(soft.dtype) + (soft - soft.detach())   # the bracket is exactly 0: (m + σ) − σ would round
+    return mask.to(soft.dtype) + (soft - soft.detach())   # the bracket is exactly 0: (m + σ) − σ
+                                                          # would round
 
 
 def fp32(module_call):

@@ -46,7 +46,8 @@ except ImportError:                     # optional: without triton every call ru
     triton = None
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32  # autotune-free; tl.dot needs every block dimension >= 16
-MIN_CAPABILITY = (8, 0)                 # Triton 3.3+ supports NVIDIA compute capability 8.0 and newer
+MIN_CAPABILITY = (8, 0)                 # Triton 3.3+ supports NVIDIA compute capability 8.0 and
+                                        # newer
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -190,7 +191,8 @@ def launch_mlp_rows(x, order, lo, hi, w_fc, b_fc, w_proj, b_proj, approximate, o
     started = started if count else lo                         # an unused pointer when not counting
     # fp32 inputs: TF32 tensor cores only where torch's matmuls also use them. Triton's interpreter
     # (triton 3.9) computes tl.dot of bf16 operands wrongly, so there they are upcast first: exact
-    # (a product of two bf16 values fits in fp32), the same sums as the GPU's bf16 dot with fp32 acc.
+    # (a product of two bf16 values fits in fp32), the same sums as the GPU's bf16 dot with fp32
+    # acc.
     ieee = x.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     dot_fp32 = ieee or (x.dtype == torch.bfloat16 and _interpreted(_gather_fc_gelu_kernel))
     blocks = dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
@@ -253,9 +255,11 @@ def mlp_rows(x, order, lo, hi, mlp, out):
     w_fc, b_fc, w_proj, b_proj, approximate = _weights(mlp)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, w_fc, b_fc, w_proj, b_proj))
-    if needs_grad or not use_triton(x):         # the kernels have no backward: training takes the reference
+    if needs_grad or not use_triton(x):         # the kernels have no backward: training takes the
+                                                # reference
         return mlp_rows_reference(x, order, lo, hi, mlp, out)
-    if torch.is_autocast_enabled(x.device.type):   # as autocast casts F.linear's operands in the reference
+    if torch.is_autocast_enabled(x.device.type):   # as autocast casts F.linear's operands in the
+                                                   # reference
         dtype = torch.get_autocast_dtype(x.device.type)
         x, w_fc, b_fc, w_proj, b_proj = (t if t is None else t.to(dtype) for t in (x, w_fc, b_fc, w_proj, b_proj))
     torch.ops.nanodepth.mlp_rows(x, order, _as_count(lo, x.device), _as_count(hi, x.device),

@@ -51,9 +51,11 @@ class GPTConfig(*[f.Options for f in reversed(FAMILIES.values()) if f.Options is
     bias: bool = False        # bias in Linear and LayerNorm (GPT-2 checkpoints need True)
     pos: str = 'learned'      # 'learned' absolute position embeddings, or 'rope'
     rope_base: float = 10000.0
-    gelu: str = 'none'        # GELU approximation: 'none' (exact) or 'tanh' (what GPT-2 checkpoints use)
+    gelu: str = 'none'        # GELU approximation: 'none' (exact) or 'tanh' (what GPT-2 checkpoints
+                              # use)
     route: str = 'none'       # the routing family, a key of FAMILIES ('none': the dense model)
-    layer_dropout: float = 0.0  # LayerSkip p_max: block l skipped per sequence w.p. p_max·(2^{l/(L-1)} − 1)
+    layer_dropout: float = 0.0  # LayerSkip p_max: block l skipped per sequence w.p.
+                                # p_max·(2^{l/(L-1)} − 1)
 
     def __post_init__(self):
         for key in ('block_size', 'n_layer', 'n_head', 'n_embd'):
@@ -79,7 +81,8 @@ class GPTConfig(*[f.Options for f in reversed(FAMILIES.values()) if f.Options is
             family.check_values(self)
         if not 0.0 <= self.layer_dropout < 1.0:
             raise ValueError(f"layer_dropout must be in [0, 1), got {self.layer_dropout}")
-        if self.layer_dropout > 0 and 'layer_dropout' not in FAMILIES[self.route].options:   # the blocks are routed
+        # the blocks are routed
+        if self.layer_dropout > 0 and 'layer_dropout' not in FAMILIES[self.route].options:
             readers = ' or '.join(repr(r) for r, f in FAMILIES.items() if 'layer_dropout' in f.options)
             raise ValueError(f"layer_dropout is LayerSkip's (route={readers}), not for route={self.route!r}")
         FAMILIES[self.route].validate(self)
@@ -196,7 +199,8 @@ class CausalSelfAttention(nn.Module):
             else:
                 kpos = pos if valid is None else torch.where(valid, pos, -1)
             mask = (kpos[:, None, None, :] >= 0) & (kpos[:, None, None, :] <= pos[:, None, :, None])
-            if valid is not None:       # dropped query rows attend anywhere: no empty row, so no NaN
+            if valid is not None:       # dropped query rows attend anywhere: no empty row, so no
+                                        # NaN
                 mask = mask | ~valid[:, None, :, None]
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
@@ -251,11 +255,13 @@ class GPT(nn.Module):
         self.transformer.wte.weight = self.lm_head.weight   # tied embeddings
         self.family.build(self)                             # the family's model-level modules
         self.apply(self._init_weights)
-        for name, p in self.named_parameters():             # scaled init of residual projections (GPT-2)
+        for name, p in self.named_parameters():             # scaled init of residual projections
+                                                            # (GPT-2)
             if name.endswith('c_proj.weight'):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         self.family.init_weights(self)
-        self.exec_mode = None           # sparse eval: None (by device), 'compact' or 'static' (routing.exec_mode)
+        self.exec_mode = None           # sparse eval: None (by device), 'compact' or 'static'
+                                        # (routing.exec_mode)
 
     @staticmethod
     def _init_weights(module):
@@ -358,7 +364,8 @@ class GPT(nn.Module):
             cache, step = None, self.decode_step_fn(idx.device, compile)
             for _ in range(max_new_tokens):
                 B, T = idx.shape
-                # nxt (set at the end of the previous step), not a view of idx: same strides every step
+                # nxt (set at the end of the previous step), not a view of idx: same strides every
+                # step
                 if use_cache and T <= bs and cache is not None:
                     logits, aux = step(nxt, torch.full((B, 1), T - 1, device=idx.device), cache)  # noqa: F821
                 elif use_cache and T <= bs:
@@ -430,7 +437,8 @@ class GPT(nn.Module):
         logits, _, aux = self(idx, pos=torch.arange(T, device=dev).expand(B, T), cache=cache, last_only=False)
         record(aux)
         slot = torch.arange(cache.max_len, device=dev)[None, :]
-        cache.kpos.masked_fill_((slot >= n[:, None]) & (slot < T), -1)  # forget what the padding wrote
+        # forget what the padding wrote
+        cache.kpos.masked_fill_((slot >= n[:, None]) & (slot < T), -1)
         logits = logits[torch.arange(B, device=dev), n - 1]
         out = torch.zeros(B, max(lengths) + max_new_tokens, dtype=idx.dtype, device=dev)
         out[:, :T] = idx
@@ -444,7 +452,8 @@ class GPT(nn.Module):
 
     @staticmethod
     def sample_next(logits, temperature, top_k, vocab_limit=None):
-        if vocab_limit is not None:       # ids are column indices, so dropping the padded columns excludes them
+        if vocab_limit is not None:       # ids are column indices, so dropping the padded columns
+                                          # excludes them
             logits = logits[:, :vocab_limit]
         if temperature == 0:
             return logits.argmax(dim=-1, keepdim=True)
@@ -506,7 +515,8 @@ class GPT(nn.Module):
         transposed = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
         keys = [k for k in sd_hf if not k.endswith(('.attn.masked_bias', '.attn.bias'))]
         dense = re.compile(r'(lm_head|transformer\.(wte|wpe|ln_f|h\.\d+\.(ln_1|attn|ln_2|mlp)))\.')
-        missing = {k for k in sd if dense.match(k)} - set(keys)      # the family's modules keep their init
+        # the family's modules keep their init
+        missing = {k for k in sd if dense.match(k)} - set(keys)
         if missing:
             raise ValueError(f"from_pretrained: no HF weights for {sorted(missing)}")
         with torch.no_grad():

@@ -117,7 +117,8 @@ def token_fork_utility(model, l, x_mid, base_full, targets, pos, later):
             if later == 'full' or not hasattr(block, 'cheap'):
                 xb, xo = xb + block.mlp(hb), xo + block.mlp(ho)
                 continue
-            sb, so = gate_score(block, cfg, hb), gate_score(block, cfg, ho)     # both scored, as two forwards
+            # both scored, as two forwards
+            sb, so = gate_score(block, cfg, hb), gate_score(block, cfg, ho)
             mask = topk_mask(sb, capacity(cfg.ffn_budget, hb.size(1)))
             xb, xo = xb + held_ffn(block, cfg, hb, mask, sb), xo + held_ffn(block, cfg, ho, mask, so)
         ce_base, ce_own = ce_of(model, xb, targets), ce_of(model, xo, targets)
@@ -157,7 +158,8 @@ def oracle_losses(model, ctx, layers, targets, aux):
             terms['util_loss'] = losses.utility_regression(score, U)
         if cfg.ffn_rank_weight > 0:
             terms['rank_loss'] = losses.pairwise_rank(score, U, cfg.ffn_rank_pairs, cfg.ffn_rank_kind, cfg.ffn_rank_margin)
-        for name, value in dict(terms, utility_mean=U.mean()).items():     # means over the sampled layers
+        # means over the sampled layers
+        for name, value in dict(terms, utility_mean=U.mean()).items():
             aux[name] = aux.get(name, 0.0) + value / len(layers)
 
 

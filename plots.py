@@ -66,7 +66,8 @@ def read_metrics(out_dir):
         for line in f:
             try:
                 out.append(json.loads(line))
-            except ValueError:      # a record cut short (a full disk, a kill mid-write): resume drops it too
+            except ValueError:      # a record cut short (a full disk, a kill mid-write): resume
+                                    # drops it too
                 continue
     return out
 
@@ -91,7 +92,8 @@ def run_metrics(out_dir):
         out['causal_val_loss'] = routing['val_loss']['loss']
         frac = routing['val_loss'].get('full_frac')
         out['realised_full_frac'] = float(np.mean(frac)) if frac else None
-        out['eval_tlops_saved'] = routing['val_loss'].get('tlops_saved')   # under eval (hard) routing
+        # under eval (hard) routing
+        out['eval_tlops_saved'] = routing['val_loss'].get('tlops_saved')
     out.update(absolute_flops(out_dir, summ, out))
     try:
         with open(os.path.join(out_dir, 'run_info.json')) as f:
@@ -118,9 +120,11 @@ def absolute_flops(out_dir, summ, metrics):
     out = {} if FAMILIES[stored['route']].routes else dict(eval_flops_vs_dense=1.0, eval_tlops_saved=0.0)
     out['train_flops'], out['eval_flops'] = summ.get('train_flops'), summ.get('eval_flops')
     ratio = out.get('eval_flops_vs_dense', metrics.get('eval_flops_vs_dense'))
-    if out['eval_flops'] is None and ratio is not None:     # a summary written before it recorded eval_flops
+    if out['eval_flops'] is None and ratio is not None:     # a summary written before it recorded
+                                                            # eval_flops
         cfg = GPTConfig.from_dict(stored)
-        vocab = cfg.vocab_size or built_vocab(out_dir)    # 0 in config.json: taken from the data when built
+        vocab = cfg.vocab_size or built_vocab(out_dir)    # 0 in config.json: taken from the data
+                                                          # when built
         if vocab:
             cfg = replace(cfg, vocab_size=vocab)
             out['eval_flops'] = ratio * flops.dense_forward_flops(cfg, cfg.block_size) / cfg.block_size
@@ -177,7 +181,8 @@ def seed_band(dirs, kind, key):
     iters = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
     if not iters:
         return None
-    v = np.array([[c[i] for i in iters] for c in curves], dtype=float)     # (seeds, iters[, layers])
+    # (seeds, iters[, layers])
+    v = np.array([[c[i] for i in iters] for c in curves], dtype=float)
     return np.array(iters), v.mean(0), v.min(0), v.max(0)
 
 
@@ -262,7 +267,8 @@ def plot_frontier(plt, points, sizes, colours, xlabel):
         ax.errorbar(x, y, xerr=xsd, yerr=ysd, fmt='s' if arm in sizes else 'o', color=colours[arm], label=arm, capsize=3)
     ax.set_xscale('log')
     ax.set(xlabel=xlabel, ylabel='final val loss', title='val loss vs cost against the dense frontier (mean ± std over seeds)')
-    ax.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1.0))        # beside the points, not over them
+    # beside the points, not over them
+    ax.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1.0))
     return fig
 
 

@@ -26,15 +26,20 @@ from routing import Family, add_weighted, check_at_least, check_choices, flop_co
 class EnsembleOptions:
     """The family's fields of model.GPTConfig (a base of it), with their defaults."""
     ens_layers: int = 3               # the last k layers (the final one included) are mixed
-    ens_router_input: str = 'final'   # router reads ln_f(final hidden state) ('final') or the mean of the
-                                      # k normed states ('mean'); both stop-gradient
+    ens_router_input: str = 'final'   # router reads ln_f(final hidden state) ('final') or the mean
+                                      # of the k normed states ('mean'); both stop-gradient
     ens_mix: str = 'logprob'          # mix 'logit's, 'logprob's (a geometric mixture) or 'prob's
-    ens_kl: str = 'forward'           # KL(teacher ‖ mix) ('forward') or KL(mix ‖ teacher) ('reverse')
-    ens_kl_weight: float = 1.0        # λ of the distillation loss (teacher: the final layer, stop-gradient)
-    ens_distill: str = 'per_layer'    # distil each late layer's own prediction (the paper's reading: the
-                                      # KL adapts the late layers), mean over the k; or the 'mixture'
-    ens_teacher_lm_weight: float = 0.0  # the teacher's own LM loss (ln_f, final layer), so that in joint
-                                      # training from scratch the teacher trains; 0: only the mixture's
+    ens_kl: str = 'forward'           # KL(teacher ‖ mix) ('forward') or KL(mix ‖ teacher)
+                                      # ('reverse')
+    ens_kl_weight: float = 1.0        # λ of the distillation loss (teacher: the final layer,
+                                      # stop-gradient)
+    ens_distill: str = 'per_layer'    # distil each late layer's own prediction (the paper's
+                                      # reading: the KL adapts the late layers), mean over the k; or
+                                      # the 'mixture'
+    ens_teacher_lm_weight: float = 0.0  # the teacher's own LM loss (ln_f, final layer), so that in
+                                        # joint
+                                      # training from scratch the teacher trains; 0: only the
+                                      # mixture's
 
 
 class DepthEnsemble(Family):
@@ -120,7 +125,8 @@ class DepthEnsemble(Family):
         # ln_f is the teacher's alone, which trains only through its own LM loss
         ln_f = ['transformer.ln_f.weight'] + (['transformer.ln_f.bias'] if config.bias else [])
         return ((ln_f if config.ens_teacher_lm_weight == 0 else [])
-                + (['ens_router.w.weight'] if config.ens_layers == 1 else []))   # softmax over one layer: 1
+                # softmax over one layer: 1
+                + (['ens_router.w.weight'] if config.ens_layers == 1 else []))
 
     @torch.no_grad()
     def after_load(self, model):

@@ -29,14 +29,19 @@ from routing import (Family, check_at_least, check_choices, flop_costs, overridd
 class ExitOptions:
     """The family's fields of model.GPTConfig (a base of it), with their defaults. LayerSkip's layer
     dropout is the model-wide layer_dropout: the dense model reads it too."""
-    exit_layers: str = 'auto'         # exits after d blocks: 'auto' {2, n/2, 3n/4}, 'every' (1..n-1), or '1,3'
-    exit_head: str = 'shared'         # 'shared' final norm + LM head (LayerSkip), or 'own' norm + projection
-    exit_schedule: str = 'layerskip'  # exit-loss weights: 'uniform', 'calm' (∝ d), 'layerskip' (∝ Σ_{i≤d} i),
-                                      # or 'mean' (mean CE over exits and final layer: TSA's baseline)
+    exit_layers: str = 'auto'         # exits after d blocks: 'auto' {2, n/2, 3n/4}, 'every'
+                                      # (1..n-1), or '1,3'
+    exit_head: str = 'shared'         # 'shared' final norm + LM head (LayerSkip), or 'own' norm +
+                                      # projection
+    exit_schedule: str = 'layerskip'  # exit-loss weights: 'uniform', 'calm' (∝ d), 'layerskip' (∝
+                                      # Σ_{i≤d} i), or 'mean' (mean CE over exits and final layer:
+                                      # TSA's baseline)
     exit_weight: float = 1.0          # Σ_d α_d (not used by 'mean')
-    exit_rotation: int = 0            # rotational curriculum: only exits with d % R == step % R; 0 = all
-    exit_conf: str = 'softmax'        # eval confidence: 'softmax' (max prob), 'margin' (top-1 − top-2),
-                                      # 'saturation' (cosine of the hidden state to the previous layer's)
+    exit_rotation: int = 0            # rotational curriculum: only exits with d % R == step % R; 0
+                                      # = all
+    exit_conf: str = 'softmax'        # eval confidence: 'softmax' (max prob), 'margin' (top-1 −
+                                      # top-2), 'saturation' (cosine of the hidden state to the
+                                      # previous layer's)
     exit_threshold: float = 0.9       # a token exits at the first exit whose confidence ≥ this
 
 
@@ -88,7 +93,8 @@ class EarlyExit(Family):
                             if cfg.exit_head == 'own' else None)
 
     def begin(self, model, ctx):
-        if model.training and ctx.targets is not None and ctx.force is None:    # this step's exit losses
+        # this step's exit losses
+        if model.training and ctx.targets is not None and ctx.force is None:
             exits = ctx.options.get('exits')
             ctx.keep_hidden = set(model.exit_ids if exits is None else exits)
 
@@ -121,7 +127,8 @@ class EarlyExit(Family):
         if ctx.masks:
             aux['tlops_saved'] = tlops_saved(aux['full_frac'], model.config.n_layer)
 
-    def bench_knob(self, config):                 # a token exits where its confidence ≥ the threshold
+    def bench_knob(self, config):                 # a token exits where its confidence ≥ the
+                                                  # threshold
         return ('exit_threshold', -1.0 if config.exit_conf == 'saturation' else 0.0, 1.0 + 1e-6)
 
     def is_controller_key(self, name):

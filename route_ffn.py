@@ -30,22 +30,28 @@ from oracle_labels import fork_utility, oracle_flops, oracle_losses, oracle_star
 from routing import (MLP, Family, add_weighted, check_at_least, check_choices, check_fraction, flop_costs,
                      layer_ids, split_apply)
 
-STATIC = {'static_full': 'full', 'static_cheap': 'cheap'}     # the gates that send every token down one path
+STATIC = {'static_full': 'full', 'static_cheap': 'cheap'}     # the gates that send every token down
+                                                              # one path
 
 
 @dataclass
 class FFNOptions:
     """The family's fields of model.GPTConfig (a base of it), with their defaults."""
-    ffn_gate: str = 'mlp'     # 'mlp' (G1), 'jepa' (G3), 'random', 'static_full', 'static_cheap', 'oracle'
-    ffn_budget: float = 0.5   # fraction of tokens per sequence on the full path: ceil(ffn_budget·T) in training
-    ffn_layers: str = 'auto'  # routed layers: 'all', 'every_other' (1, 3, 5, ...), a list such as '0,2,5',
-                              # or 'auto' (all)
+    ffn_gate: str = 'mlp'     # 'mlp' (G1), 'jepa' (G3), 'random', 'static_full', 'static_cheap',
+                              # 'oracle'
+    ffn_budget: float = 0.5   # fraction of tokens per sequence on the full path: ceil(ffn_budget·T)
+                              # in training
+    ffn_layers: str = 'auto'  # routed layers: 'all', 'every_other' (1, 3, 5, ...), a list such as
+                              # '0,2,5', or 'auto' (all)
     ffn_cheap_rank: int = 16  # rank of the cheap low-rank FFN
     ffn_gate_hidden: int = 64         # hidden width of the gate and predictor MLPs
-    ffn_gate_grad: str = 'ste'        # how the LM loss reaches the gate: 'ste' straight-through, 'scale' MoD-style, 'none'
-    ffn_infer_rule: str = 'threshold' # causal eval decision: 'threshold' on the gate score, or 'predictor'
+    ffn_gate_grad: str = 'ste'        # how the LM loss reaches the gate: 'ste' straight-through,
+                                      # 'scale' MoD-style, 'none'
+    ffn_infer_rule: str = 'threshold' # causal eval decision: 'threshold' on the gate score, or
+                                      # 'predictor'
     ffn_jepa_latent: int = 32         # G3 latent size
-    ffn_jepa_outcome: str = 'delta'   # G3 outcome projected by the fixed target: 'delta' (FFN update) or 'hidden'
+    ffn_jepa_outcome: str = 'delta'   # G3 outcome projected by the fixed target: 'delta' (FFN
+                                      # update) or 'hidden'
     # G3's score from h and the forecasts: 'utility' (an MLP on [h, P(h,full) − P(h,cheap)]),
     # 'linear' in that difference, or 'distance' (its squared norm)
     ffn_jepa_readout: str = 'utility'
@@ -58,15 +64,20 @@ class FFNOptions:
     ffn_rank_kind: str = 'logistic'   # 'logistic' or 'margin'
     ffn_rank_margin: float = 0.1
     ffn_rank_pairs: int = 256         # pairs sampled per sequence
-    ffn_oracle_label: str = 'token'   # labels switch 'token' t alone at l (others keep their action) or the
-                                      # whole 'sequence' at once (then U_t moves with t's prefix too)
-    ffn_oracle_policy: str = 'off'    # labels: 'off' (later layers all full, the paper) or 'on' (gate policy)
-    ffn_oracle_start: str = 'auto'    # the state at l the forks start from: 'full' (all layers below full),
-                                      # 'routed' (this pass's own), 'auto' (full if policy 'off', else routed)
-    ffn_aux_grad: str = 'own'         # util/rank/JEPA gradients reach only their own layer's gate ('own': the
-                                      # gate's input detached) or also lower gates through the mixes ('leak')
+    ffn_oracle_label: str = 'token'   # labels switch 'token' t alone at l (others keep their
+                                      # action) or the whole 'sequence' at once (then U_t moves with
+                                      # t's prefix too)
+    ffn_oracle_policy: str = 'off'    # labels: 'off' (later layers all full, the paper) or 'on'
+                                      # (gate policy)
+    ffn_oracle_start: str = 'auto'    # the state at l the forks start from: 'full' (all layers
+                                      # below full), 'routed' (this pass's own), 'auto' (full if
+                                      # policy 'off', else routed)
+    ffn_aux_grad: str = 'own'         # util/rank/JEPA gradients reach only their own layer's gate
+                                      # ('own': the gate's input detached) or also lower gates
+                                      # through the mixes ('leak')
     ffn_jepa_weight: float = 1.0      # λ_JEPA (G3 only)
-    ffn_predictor_weight: float = 1.0 # BCE of the membership predictor (ffn_infer_rule='predictor' only)
+    ffn_predictor_weight: float = 1.0 # BCE of the membership predictor (ffn_infer_rule='predictor'
+                                      # only)
     ffn_mimic_weight: float = 0.0     # cheap FFN imitates the full FFN
 
 
@@ -207,7 +218,8 @@ class FFNRouting(Family):
             kind = config.ffn_gate if layer in ids else 'static_full'
             if kind in STATIC:
                 total += c[STATIC[kind]]
-            elif mode == 'sparse':          # full_frac: one per layer not routed by a static gate, or one for all
+            elif mode == 'sparse':          # full_frac: one per layer not routed by a static gate,
+                                            # or one for all
                 f = next(fracs)
                 total += f * c['full'] + (1 - f) * c['cheap']
             else:
@@ -220,12 +232,14 @@ class FFNRouting(Family):
                 if config.ffn_infer_rule == 'predictor' and (mode in ('eval', 'sparse') or
                                                          (mode == 'train' and config.ffn_predictor_weight > 0)):
                     total += c['pred_fc'] + c['pred_out']
-                if mode == 'train' and config.ffn_aux_grad == 'own':  # aux losses score the detached input again
+                # aux losses score the detached input again
+                if mode == 'train' and config.ffn_aux_grad == 'own':
                     if kind == 'jepa' and config.ffn_jepa_weight > 0:
                         total += c['gate_fc'] + 2 * c['gate_out']
                     if aux_on_score(config) and layer in options.get('oracle_layers', ()):
                         total += c['gate_fc'] + n_out * c['gate_out'] + c['gate_read']
-            elif kind == 'oracle':        # both actions again, then two all-full suffixes, per layer
+            elif kind == 'oracle':        # both actions again, then two all-full suffixes, per
+                                          # layer
                 total += c['full'] + c['cheap'] + 2 * suffix_flops(config, layer, c)
         return T * total
 
@@ -235,8 +249,10 @@ class FFNRouting(Family):
         c, ids = ffn_costs(config, T), self.routed_layers(config)
         joint = trainable == 'all'
         leak, own = config.ffn_aux_grad == 'leak', config.ffn_aux_grad == 'own'
-        stream = joint                      # does the residual stream entering this layer need a gradient?
-        w = 2 if joint else 1               # backbone matmuls: input grad (+ weight grad when trainable)
+        stream = joint                      # does the residual stream entering this layer need a
+                                            # gradient?
+        w = 2 if joint else 1               # backbone matmuls: input grad (+ weight grad when
+                                            # trainable)
         bwd = 0
         for layer in range(config.n_layer):
             kind = config.ffn_gate if layer in ids else 'static_full'
@@ -249,11 +265,13 @@ class FFNRouting(Family):
             score_in_graph = config.ffn_gate_grad != 'none' or (leak and oracle_here)
             preds_in_graph = score_in_graph or (leak and kind == 'jepa' and config.ffn_jepa_weight > 0)
             n_out = 2 if kind == 'jepa' else 1
-            if own and kind == 'jepa' and config.ffn_jepa_weight > 0:     # on the detached input: weight grads
+            # on the detached input: weight grads
+            if own and kind == 'jepa' and config.ffn_jepa_weight > 0:
                 bwd += c['gate_fc'] + 2 * 2 * c['gate_out']
             if own and oracle_here:
                 bwd += c['gate_fc'] + 2 * n_out * c['gate_out'] + 2 * c['gate_read']
-            if preds_in_graph:              # gate weights always trainable; its input needs grad only if the stream does
+            if preds_in_graph:              # gate weights always trainable; its input needs grad
+                                            # only if the stream does
                 bwd += (2 if stream else 1) * c['gate_fc'] + 2 * n_out * c['gate_out']
             if score_in_graph:
                 bwd += 2 * c['gate_read']
@@ -318,7 +336,8 @@ def routed_ffn_update(block, cfg, x, ctx):
     else:
         preds = block.gate.predict(h) if cfg.ffn_gate == 'jepa' else None
         score = block.gate.score(h, *preds) if preds is not None else block.gate(h)
-        if causal:                  # calibrating: the threshold first set to hit the budget on this batch
+        if causal:                  # calibrating: the threshold first set to hit the budget on this
+                                    # batch
             mask = threshold_mask(block.predictor(h) if block.predictor is not None else score, block.tau,
                                   cfg.ffn_budget if ctx.calibrate else None)
         else:
@@ -327,7 +346,8 @@ def routed_ffn_update(block, cfg, x, ctx):
         update = split_apply(h, mask, block.mlp, block.cheap, mode=ctx.exec_mode)
         if score is not None and cfg.ffn_gate_grad == 'scale':
             update = update * torch.where(mask, torch.sigmoid(score), 1.0)[..., None]
-    elif score is not None and cfg.ffn_gate_grad == 'scale':       # MoD: x + σ(s)·full on the selected path
+    # MoD: x + σ(s)·full on the selected path
+    elif score is not None and cfg.ffn_gate_grad == 'scale':
         update = torch.where(mask[..., None], torch.sigmoid(score)[..., None] * full, cheap)
     elif score is not None and cfg.ffn_gate_grad == 'ste' and block.training:
         w = straight_through(mask, score)[..., None]

@@ -29,8 +29,10 @@ class HaltOptions:
     halt_lambda: float = 0.001        # depth regulariser λ on the mean active fraction
     halt_tau: float = 0.5             # eval: a token skips block l+1 where p_l > halt_tau
     halt_soft_eval: bool = False      # eval with the soft (1 − p) scaling instead of hard skipping
-    halt_hard: str = 'scaled'         # hard eval: kept tokens add (1 − p)·Δ as in training, or 'binary': Δ
-    halt_router_bias: float = -1.0    # the routers' output bias at init (the paper's −1: p ≈ 0.27, α ≈ 0.73)
+    halt_hard: str = 'scaled'         # hard eval: kept tokens add (1 − p)·Δ as in training, or
+                                      # 'binary': Δ
+    halt_router_bias: float = -1.0    # the routers' output bias at init (the paper's −1: p ≈ 0.27,
+                                      # α ≈ 0.73)
 
 
 class TokenSelectiveAttention(Family):
@@ -66,7 +68,8 @@ class TokenSelectiveAttention(Family):
                 keep = active = torch.ones_like(p)
             elif model.training or cfg.halt_soft_eval:
                 keep = active = 1 - p
-            else:                       # skip where p > τ; kept tokens as trained ('scaled') or whole
+            else:                       # skip where p > τ; kept tokens as trained ('scaled') or
+                                        # whole
                 active = (p <= cfg.halt_tau).to(p.dtype)
                 keep = active * (1 - p) if cfg.halt_hard == 'scaled' else active
             block = blocks[l + 1]
@@ -132,8 +135,10 @@ class TokenSelectiveAttention(Family):
         hidden = max(16, config.n_embd // 4)
         fc, out = 2 * config.n_embd * hidden, 2 * hidden        # the router's two layers
         joint = trainable == 'all'
-        w = 2 if joint else 1           # backbone matmuls: input grad (+ weight grad when trainable)
-        stream = joint                  # does the residual stream entering this layer need a gradient?
+        w = 2 if joint else 1           # backbone matmuls: input grad (+ weight grad when
+                                        # trainable)
+        stream = joint                  # does the residual stream entering this layer need a
+                                        # gradient?
         bwd = 0
         for layer in range(L):
             if layer > 0:

@@ -25,14 +25,18 @@ from routing import (Family, add_weighted, check_at_least, check_fraction, exec_
 class ModOptions:
     """The family's fields of model.GPTConfig (a base of it), with their defaults."""
     mod_router: str = 'learned'       # 'learned' (a linear router per routed block) or 'random'
-    mod_capacity: float = 0.5         # fraction of tokens per sequence that run a routed block: ceil(c·T)
-                                      # in training (0.125 in the paper)
-    mod_layers: str = 'auto'          # routed blocks, as ffn_layers; 'auto' = every_other, as in the paper
-    mod_infer_rule: str = 'threshold' # causal eval: 'threshold' (router trained with BCE on top-k membership,
-                                      # route iff σ(r) > 0.5) or 'predictor' (a stop-gradient MLP)
-    mod_predictor_weight: float = 1.0 # BCE of the membership predictor (mod_infer_rule='predictor' only)
+    mod_capacity: float = 0.5         # fraction of tokens per sequence that run a routed block:
+                                      # ceil(c·T) in training (0.125 in the paper)
+    mod_layers: str = 'auto'          # routed blocks, as ffn_layers; 'auto' = every_other, as in
+                                      # the paper
+    mod_infer_rule: str = 'threshold' # causal eval: 'threshold' (router trained with BCE on top-k
+                                      # membership, route iff σ(r) > 0.5) or 'predictor' (a
+                                      # stop-gradient MLP)
+    mod_predictor_weight: float = 1.0 # BCE of the membership predictor (mod_infer_rule='predictor'
+                                      # only)
     mod_predictor_hidden: int = 64    # hidden width of the predictor
-    mod_bce_weight: float = 1.0       # BCE of the router on top-k membership (mod_infer_rule='threshold')
+    mod_bce_weight: float = 1.0       # BCE of the router on top-k membership
+                                      # (mod_infer_rule='threshold')
 
 
 class MixtureOfDepths(Family):
@@ -161,12 +165,14 @@ def mod_block(block, cfg, x, pos, cache, ctx):
     if block.training:
         k = capacity(cfg.mod_capacity, T)
         sel = (r.detach() if r is not None else torch.rand(B, T, device=x.device)).topk(k, dim=-1).indices
-        sel = sel.sort(dim=-1).values               # causal order among the selected = original order
+        sel = sel.sort(dim=-1).values               # causal order among the selected = original
+                                                    # order
         mask = torch.zeros(B, T, dtype=torch.bool, device=x.device).scatter(1, sel, True)
         xs = gather_rows(x, sel)
         f = block.delta(xs, gather_rows(pos, sel))
         w = torch.sigmoid(r.gather(1, sel))[..., None] if r is not None else 1.0
-        out = x.scatter(1, sel[..., None].expand_as(xs), (xs + w * f).to(x.dtype))   # replace, not add
+        # replace, not add
+        out = x.scatter(1, sel[..., None].expand_as(xs), (xs + w * f).to(x.dtype))
         if ctx.collect and r is not None:
             if block.predictor is not None and cfg.mod_predictor_weight > 0:
                 ctx.add('pred_loss', losses.membership_bce(block.predictor(x), mask))
@@ -212,7 +218,8 @@ def mod_static(block, x, pos, cache, mask, r):
 def mod_sparse(block, x, pos, cache, mask, r):
     """Each row's selected tokens gathered first in original order, padded to the longest row."""
     counts = mask.sum(1)
-    kmax = int(counts.max())                    # host sync: causal decisions make the count data-dependent
+    kmax = int(counts.max())                    # host sync: causal decisions make the count
+                                                # data-dependent
     if kmax == 0:
         return x
     order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices[:, :kmax]

@@ -73,7 +73,8 @@ class RouteCtx:
     sparse: bool = True
     exec_mode: str = None
     targets: torch.Tensor = None
-    idx: torch.Tensor = None                         # the input ids and positions (oracle forks rerun them)
+    idx: torch.Tensor = None                         # the input ids and positions (oracle forks
+                                                     # rerun them)
     pos: torch.Tensor = None
     options: dict = field(default_factory=dict)
     keep_hidden: set = field(default_factory=set)    # depths whose state after d blocks is kept
@@ -81,7 +82,8 @@ class RouteCtx:
     scores: dict = field(default_factory=dict)       # layer -> gate score (B, T)
     masks: dict = field(default_factory=dict)        # layer -> (B, T), 1 = full path / block runs
     terms: dict = field(default_factory=dict)        # named loss terms and statistics
-    final: torch.Tensor = None                       # the final hidden state and the logits, once known
+    final: torch.Tensor = None                       # the final hidden state and the logits, once
+                                                     # known
     logits: torch.Tensor = None
     state: object = None                             # the family's own (see above)
 
@@ -429,7 +431,8 @@ def rows_apply(x_flat, order, lo, hi, fn, out=None):
     An MLP goes to kernels.mlp_rows: on a GPU, Triton programs beyond the range exit before loading
     its weights. Any other fn (an exit head) runs the reference: fn on all N rows, those in range
     written (static shapes, no host sync)."""
-    if isinstance(fn, MLP) and not (fn.training and fn.dropout.p > 0):      # mlp_rows runs dropout-free
+    # mlp_rows runs dropout-free
+    if isinstance(fn, MLP) and not (fn.training and fn.dropout.p > 0):
         if out is None:         # the dtype fn's output would have (autocast's where it is on)
             dev = x_flat.device.type
             dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_flat.dtype

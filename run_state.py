@@ -84,7 +84,8 @@ def open_inputs(cfg, master):
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
     check_out_dir(cfg)
     meta = load_dataset_meta(cfg, master)
-    if master:                  # temp files of a writer that was killed mid-save (the checkpoint is intact)
+    if master:                  # temp files of a writer that was killed mid-save (the checkpoint is
+                                # intact)
         for tmp in remove_stale_temps(ckpt_path):
             print(f"removed {tmp}, left by a checkpoint write that was killed")
     ckpt = None

@@ -44,7 +44,8 @@ def prompt_batch(cfg, encode, meta, block_size, dev):
     if not cfg['prompts_file']:
         start = cfg['start']
         if start == DEFAULTS['start'] and meta.get('tokenizer') == 'synthetic':
-            start = '|'                # no newline symbol there; '|' ends a segment, so a fresh one follows
+            start = '|'                # no newline symbol there; '|' ends a segment, so a fresh one
+                                       # follows
         ids = encode_prompt(encode, start, '--start')
         return torch.tensor(ids, dtype=torch.long, device=dev)[None].repeat(cfg['num_samples'], 1), None
     prompts = [encode_prompt(encode, line, f"{cfg['prompts_file']} line {n}")
@@ -129,7 +130,8 @@ def main(argv):
     torch.manual_seed(cfg['seed'])
     stats = {}
     t0 = time.time()
-    # the model's vocabulary is padded (e.g. GPT-2's 50257 to 50304): a padding id has no text to decode
+    # the model's vocabulary is padded (e.g. GPT-2's 50257 to 50304): a padding id has no text to
+    # decode
     y = model.generate(x, cfg['max_new_tokens'], temperature=cfg['temperature'], top_k=cfg['top_k'] or None,
                        use_cache=cfg['use_cache'], lengths=lengths, stats=stats, vocab_limit=meta['vocab_size'])
     dt = time.time() - t0

@@ -85,7 +85,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(HERE, 'train.py')
 # two-sided 95% quantiles of Student's t for df = 1..10 (df > 10 uses the normal 1.96 as a bound)
 T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]
-ROOM_FACTOR = 10           # arm differences count where the room is >= 10 × the reference arm's seed std
+ROOM_FACTOR = 10           # arm differences count where the room is >= 10 × the reference arm's
+                           # seed std
 THRESHOLD_FACTOR = 1.05     # default threshold: 1.05 × the reference arm's final train LM loss
 STOP_GRACE_S = 120          # after a signal, a run gets this long to checkpoint before it is killed
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}     # 128 + the signal, as a shell reports
@@ -410,7 +411,8 @@ def summarize(study, results, threshold=(None, None), room=None):
             lower = METRICS.get(k, (None, True))[1]
             ref_vals = [results.get((ref, s), {}).get(k) for s in seeds]
             if is_hit_metric(k):   # censored: a run that never hit is a result, not a missing value
-                ran = [k in results.get((arm, s), {}) for s in seeds]     # a run that measured this hit
+                # a run that measured this hit
+                ran = [k in results.get((arm, s), {}) for s in seeds]
                 entry.update(hits=sum(v is not None for v, ok in zip(vals, ran) if ok), runs=sum(ran))
                 if arm != ref:
                     both = [a and k in results.get((ref, s), {}) for a, s in zip(ran, seeds)]
@@ -458,14 +460,16 @@ def matched_compute(study, results, ref_row, loss='final_val_loss'):
             at, own, missing = [], [], 0
             for s in seeds:
                 p, pts = point(arm, s, axis), [q for q in (point(f, s, axis) for f in sizes) if q]
-                missing += p is None or len(pts) < 2        # not measured: not the same as outside the range
+                missing += p is None or len(pts) < 2        # not measured: not the same as outside
+                                                            # the range
                 own.append(p and p[1])
                 at.append(frontier_at(pts, p[0]) if p else None)
             rows[arm] = dict(paired(own, at, True) or {}, inside=sum(v is not None for v in at), missing=missing,
                              runs=len(seeds))
         axes[axis] = rows
     spans = []
-    for s in seeds:                 # smallest minus largest model, by whichever cost the runs record
+    for s in seeds:                 # smallest minus largest model, by whichever cost the runs
+                                    # record
         pts = max([sorted(q for q in (point(f, s, axis) for f in sizes) if q) for axis in ('eval_flops', 'train_flops')], key=len)
         spans.append(pts[0][1] - pts[-1][1] if len(pts) > 1 else None)
     span, std = mean_std(spans)[0], ref_row[loss]['std']
@@ -480,7 +484,8 @@ def room_verdict(study, room, ref_row):
     least ROOM_FACTOR × that std. Where each seed has its own backbone, backbones differ in level and a
     paired arm difference cancels that level, so the spread used is that of the endpoint relative to its
     own backbone's all-full loss (the raw spread is reported beside it)."""
-    seeds = study.get('seeds') or sorted(room)          # per_seed lists in the study's seed order, None where missing
+    seeds = study.get('seeds') or sorted(room)          # per_seed lists in the study's seed order,
+                                                        # None where missing
     measured = [s for s in seeds if s in room]
     keys = sorted({k for r in room.values() for k, v in r.items() if isinstance(v, (int, float)) and k != 'ckpt_mtime'})
     out = {k: dict(zip(('mean', 'std'), mean_std([room[s].get(k) for s in measured])),
@@ -655,7 +660,8 @@ def sweep(argv, children):
             return EXIT_CODES[children.signum]
     results = {(arm, s): run_metrics(f'{root}/{arm}/seed{s}') for arm, s, _ in grid if finished(f'{root}/{arm}/seed{s}')}
     threshold = lm_threshold(study, results)
-    for (arm, s), m in results.items():      # no threshold, no hit column (not a column of never-hits)
+    for (arm, s), m in results.items():      # no threshold, no hit column (not a column of
+                                             # never-hits)
         if threshold[0] is not None:
             m['threshold_hit'] = threshold_hit(f'{root}/{arm}/seed{s}', threshold[0])
     summary = summarize(study, results, threshold, room=measure_room(study, root))
@@ -667,7 +673,8 @@ def sweep(argv, children):
     print(md)
     if not opts.get('--no_plots'):
         write_plots(root, arms=list(study['arms']), frontier=study.get('frontier'))
-    if failed:            # a failed run is not a user error: exit 1, after summarising what finished
+    if failed:            # a failed run is not a user error: exit 1, after summarising what
+                          # finished
         print(f"{len(failed)} of {len(grid)} runs failed; their logs: {', '.join(o + '.log' for o in failed)}",
               file=sys.stderr)
         return 1

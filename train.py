@@ -51,22 +51,30 @@ eval_interval = 100
 log_interval = 10
 eval_iters = 20
 eval_only = False
-init_from = 'scratch'        # 'scratch', 'resume', a checkpoint file (e.g. out/stage1/ckpt.pt: weights only,
-                             # fresh optimizer; for stage 2 of controller-only training), or GPT-2: 'gpt2', ...
+init_from = 'scratch'        # 'scratch', 'resume', a checkpoint file (e.g. out/stage1/ckpt.pt:
+                             # weights only, fresh optimizer; for stage 2 of controller-only
+                             # training), or GPT-2: 'gpt2', ...
 # data
 dataset = 'synthetic'        # a folder data/<dataset> written by data/prepare.py
 data_dir = ''                # where dataset folders live; '' means data/ beside this file
 batch_size = 16              # sequences per micro-batch per process
 gradient_accumulation_steps = 1   # micro-batches per optimizer step, summed over all DDP processes
-# model and routing: every field of model.GPTConfig is a config key with GPTConfig's default (there: the
-# shape, block_size 128, and every family's options); the two below are the only ones train.py changes
-route = 'ffn'                # GPTConfig's default is the dense model; the quickstart trains G1-routed FFNs
-vocab_size = 0               # 0: from the data's meta.json (rounded up to a multiple of 64 above 1024)
-trainable = 'all'            # 'all' (joint), 'controller' (backbone frozen: gates, routers, predictors,
-                             # exit heads, ensemble norms) or 'last_layers' (the last ens_layers blocks + ln_f)
-ffn_oracle_layers_per_step = 1   # controlled layers given oracle utility labels per step (util/rank losses)
-calib_iters = 4              # train-split batches that calibrate the causal thresholds before each eval
-lm_thresholds = ''           # e.g. '2.5,2.0': report the first iteration the train LM falls below each
+# model and routing: every field of model.GPTConfig is a config key with GPTConfig's default (there:
+# the shape, block_size 128, and every family's options); the two below are the only ones train.py
+# changes
+route = 'ffn'                # GPTConfig's default is the dense model; the quickstart trains
+                             # G1-routed FFNs
+vocab_size = 0               # 0: from the data's meta.json (rounded up to a multiple of 64 above
+                             # 1024)
+trainable = 'all'            # 'all' (joint), 'controller' (backbone frozen: gates, routers,
+                             # predictors, exit heads, ensemble norms) or 'last_layers' (the last
+                             # ens_layers blocks + ln_f)
+ffn_oracle_layers_per_step = 1   # controlled layers given oracle utility labels per step (util/rank
+                                 # losses)
+calib_iters = 4              # train-split batches that calibrate the causal thresholds before each
+                             # eval
+lm_thresholds = ''           # e.g. '2.5,2.0': report the first iteration the train LM falls below
+                             # each
 avg_lm_until = 0.5           # avg LM = mean logged train LM over the first avg_lm_until of the run
 # AdamW and schedule
 learning_rate = 2e-3
@@ -84,16 +92,21 @@ device = 'auto'              # 'auto', 'cpu', 'cuda', 'cuda:1', ...
 dtype = 'auto'               # 'auto', 'float32', 'bfloat16', 'float16' (float16 uses a GradScaler)
 compile = False              # torch.compile(dynamic=False)
 seed = 1337
-eval_seed = 1337             # eval/calibration batches: fixed, so every run of a study sees the same ones
+eval_seed = 1337             # eval/calibration batches: fixed, so every run of a study sees the
+                             # same ones
 max_fp16_skips = 50          # stop if this many consecutive fp16 steps overflow
-ddp_timeout = 900            # seconds a DDP process waits for a silent peer before stopping with an error
+ddp_timeout = 900            # seconds a DDP process waits for a silent peer before stopping with an
+                             # error
 overwrite = False            # a fresh run may replace the run already in out_dir (else it refuses)
-verify_data = True           # before training: the data files' sha256 against meta.json, token ids against the vocabulary
-DEFAULTS = declared_defaults(__file__)     # the literals above: flops.py and eval.py read the same keys
+verify_data = True           # before training: the data files' sha256 against meta.json, token ids
+                             # against the vocabulary
+DEFAULTS = declared_defaults(__file__)     # the literals above: flops.py and eval.py read the same
+                                           # keys
 for _f in fields(GPTConfig):
     DEFAULTS.setdefault(_f.name, _f.default)
-# fields a run shares with its checkpoint: the backbone's shape (stage 2 too), the routed layers (a resume),
-# and how the controllers are built and what their losses train (a resume); each family names its own
+# fields a run shares with its checkpoint: the backbone's shape (stage 2 too), the routed layers (a
+# resume), and how the controllers are built and what their losses train (a resume); each family
+# names its own
 BACKBONE_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'pos', 'vocab_size', 'gelu', 'rope_base',
                  *(k for f in FAMILIES.values() for k in f.backbone_options))
 MODEL_KEYS = BACKBONE_KEYS + ('route', *(f.layers_option for f in FAMILIES.values() if f.layers_option))
@@ -111,14 +124,17 @@ def main(argv):
 def run_checked(argv):
     try:
         return train(argv)
-    except (ConfigError, DataError) as e:   # the config, device and data checks shared with the other scripts
+    except (ConfigError, DataError) as e:   # the config, device and data checks shared with the
+                                            # other scripts
         raise TrainError(str(e)) from None
-    except OSError as e:               # a full disk under the run's logs (a checkpoint write says so itself)
+    except OSError as e:               # a full disk under the run's logs (a checkpoint write says
+                                       # so itself)
         if e.errno != errno.ENOSPC:
             raise
         raise TrainError(f"no space left on the disk while writing {e.filename or 'the run files'}; free some "
                          f"space, then continue with --init_from=resume (the last checkpoint, if any, is kept)") from None
-    except RuntimeError as e:          # DDP: a peer died, or hung past ddp_timeout, inside a collective
+    except RuntimeError as e:          # DDP: a peer died, or hung past ddp_timeout, inside a
+                                       # collective
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             raise
         raise TrainError(f"a DDP process stopped responding ({str(e).splitlines()[0][:160]}); this process "
@@ -147,7 +163,8 @@ def train(argv):
 
 
 def train_loop(run, argv):
-    stop = StopFlag()                 # from here, a first Ctrl-C / SIGTERM ends the run with a checkpoint
+    stop = StopFlag()                 # from here, a first Ctrl-C / SIGTERM ends the run with a
+                                      # checkpoint
     stopped = False                   # by a signal to this process or, under DDP, to any process
     while True:
         if eval_due(run):
@@ -176,7 +193,8 @@ def setup(cfg, cfg_dict, proc, argv):
     device, dtype), the model (raw, and wrapped for the steps), optimizer, data, fixed eval batches,
     the iteration and totals to start from; rank 0 also opens the run files. None for a resumed run
     that is already finished (it says so, and writes nothing)."""
-    meta, ckpt = open_inputs(cfg, proc.master)     # the data's meta.json, the checkpoint to start from
+    meta, ckpt = open_inputs(cfg, proc.master)     # the data's meta.json, the checkpoint to start
+                                                   # from
     if finished_already(cfg, ckpt):
         if proc.master:
             print(f"the run in {cfg.out_dir} is already finished (iteration {ckpt['iter_num']}, "
@@ -185,7 +203,8 @@ def setup(cfg, cfg_dict, proc, argv):
         return None
     seed_rngs(cfg.seed + proc.rank)
     model = build_model(cfg, meta, ckpt).to(proc.dev)
-    cfg_dict.update({k: getattr(cfg, k) for k in MODEL_KEYS})    # what was built (GPT-2 init sets the shape)
+    # what was built (GPT-2 init sets the shape)
+    cfg_dict.update({k: getattr(cfg, k) for k in MODEL_KEYS})
     train_data, val_data = open_splits(meta, cfg.block_size, cfg.batch_size, cfg.seed, proc.dev)
     scaler = torch.amp.GradScaler(proc.dev.type, enabled=(proc.dt == 'float16'))
     params = trainable_parameters(model, cfg)
@@ -249,7 +268,8 @@ def setup_process(cfg):
 def start_process_group(cfg, proc):
     if proc.ddp:
         from torch.distributed import init_process_group
-        from datetime import timedelta     # a silent (hung, stopped) peer ends the run instead of blocking it
+        from datetime import timedelta     # a silent (hung, stopped) peer ends the run instead of
+                                           # blocking it
         init_process_group(backend='nccl' if proc.dev.type == 'cuda' else 'gloo',
                            timeout=timedelta(seconds=cfg.ddp_timeout))
     if proc.dev.type == 'cuda':
@@ -262,7 +282,8 @@ def build_model(cfg, meta, ckpt):
     fresh gates), or from GPT-2 weights, with the checks that the data and the checkpoint agree."""
     if ckpt is not None and cfg.init_from == 'resume':
         check_against_checkpoint(cfg, meta, ckpt, RESUME_KEYS)
-        for k in ('batch_size', 'gradient_accumulation_steps', 'seed', 'trainable'):   # data order, optimizer
+        # data order, optimizer
+        for k in ('batch_size', 'gradient_accumulation_steps', 'seed', 'trainable'):
             if ckpt['config'].get(k) != getattr(cfg, k):
                 raise TrainError(f"config field '{k}' differs from the checkpoint: checkpoint has "
                                  f"{ckpt['config'].get(k)!r}, config has {getattr(cfg, k)!r}; resume with the "
@@ -312,7 +333,8 @@ def gpt2_model(cfg, meta):
     model = GPT.from_pretrained(cfg.init_from, routing)
     if cfg.block_size < model.config.block_size:
         model.crop_block_size(cfg.block_size)
-    for k in MODEL_KEYS:            # the checkpoint's shape wins: record it, so config.json and resume agree
+    for k in MODEL_KEYS:            # the checkpoint's shape wins: record it, so config.json and
+                                    # resume agree
         setattr(cfg, k, getattr(model.config, k))
     return model
 
@@ -352,13 +374,15 @@ def wrap_model(raw_model, cfg, proc):
     model = raw_model
     if cfg.compile:
         model = torch.compile(model, dynamic=False)
-        import torch._dynamo as dynamo         # (a bare `import torch._dynamo` would make torch local here)
+        import torch._dynamo as dynamo         # (a bare `import torch._dynamo` would make torch
+                                               # local here)
         limit = 'recompile_limit' if hasattr(dynamo.config, 'recompile_limit') else 'cache_size_limit'
         # one graph per set of per-step options (e.g. oracle layers): compile each
         setattr(dynamo.config, limit, max(getattr(dynamo.config, limit), raw_model.config.n_layer + 8))
     if proc.ddp:
         from torch.nn.parallel import DistributedDataParallel as DDP
-        partial = raw_model.family.ddp_find_unused(raw_model.config)   # some parameters get no gradient
+        # some parameters get no gradient
+        partial = raw_model.family.ddp_find_unused(raw_model.config)
         model = DDP(model, device_ids=[proc.local_rank] if proc.dev.type == 'cuda' else None,
                     find_unused_parameters=partial)
     return model
@@ -425,7 +449,8 @@ def optimisation_step(run):
     lr = lr_at(cfg, run.iter_num)
     for group in run.optimizer.param_groups:
         group['lr'] = lr
-    # the family's per-step options (oracle layers, the exit curriculum): a pure function of the step
+    # the family's per-step options (oracle layers, the exit curriculum): a pure function of the
+    # step
     opts = run.raw_model.family.step_options(run.raw_model, run.iter_num, cfg)
     loss_sum = torch.zeros((), device=run.dev)
     for micro in range(run.accum):

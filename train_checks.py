@@ -61,7 +61,8 @@ def check_train_config(cfg):
             kind = torch.device(cfg.device).type
         except RuntimeError:           # torch.device('bogus')
             kind = None
-        if kind not in ('cpu', 'cuda'):   # e.g. 'mps': a device type torch knows but this harness does not run on
+        if kind not in ('cpu', 'cuda'):   # e.g. 'mps': a device type torch knows but this harness
+                                          # does not run on
             raise TrainError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {cfg.device!r}")
 
 

@@ -30,11 +30,13 @@ def open_run_files(cfg, cfg_dict, proc, iter_num):
             json.dump(cfg_dict, f, indent=2)
         with open(os.path.join(cfg.out_dir, 'run_info.json'), 'w') as f:
             json.dump(run_info(cfg, proc.dev, proc.dt, proc.world), f, indent=2)
-    if cfg.init_from != 'resume':      # --overwrite: the old run goes only now that every check has passed
+    if cfg.init_from != 'resume':      # --overwrite: the old run goes only now that every check has
+                                       # passed
         for name in ('ckpt.pt', 'metrics.jsonl'):
             if os.path.exists(os.path.join(cfg.out_dir, name)):
                 os.remove(os.path.join(cfg.out_dir, name))
-    else:                              # records a killed run logged after its last checkpoint are redone
+    else:                              # records a killed run logged after its last checkpoint are
+                                       # redone
         drop_records_after(os.path.join(cfg.out_dir, 'metrics.jsonl'), iter_num)
     return open(os.path.join(cfg.out_dir, 'metrics.jsonl'), 'a')
 
@@ -91,7 +93,8 @@ def start_counters(run):
     """The loop's running totals and clocks; fp16 overflow steps are counted on the device (no sync)."""
     cfg = run.cfg
     run.seqs_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size
-    run.dense_step = 3 * flops.dense_forward_flops(run.raw_model.config, cfg.block_size)   # a full-only step, per sequence
+    # a full-only step, per sequence
+    run.dense_step = 3 * flops.dense_forward_flops(run.raw_model.config, cfg.block_size)
     run.step_costs, run.interval = {}, new_interval(run.dev)
     run.skipped, run.last_skipped, run.consecutive_skips = torch.zeros((), device=run.dev), 0, 0
     run.t_last, run.it_last, run.start_iter = time.time(), run.iter_num, run.iter_num
@@ -202,7 +205,8 @@ def finish_run(run, stopped):
         summary.update(routing_summary(run))
     per_token = flops.dense_forward_flops(run.raw_model.config, cfg.block_size) / cfg.block_size
     if not run.raw_model.family.routes:
-        summary['eval_flops'] = per_token             # absolute: puts models of different sizes on one axis
+        summary['eval_flops'] = per_token             # absolute: puts models of different sizes on
+                                                      # one axis
     elif 'eval_flops_vs_dense' in summary:
         summary['eval_flops'] = summary['eval_flops_vs_dense'] * per_token
     log(run, summary)

@@ -6,7 +6,8 @@ dataset = 'fineweb_edu'
 route = 'none'               # dense GPT-2 small
 batch_size = 32
 block_size = 1024
-gradient_accumulation_steps = 16      # total over all processes: 32 * 1024 * 16 = 524,288 tokens per step
+gradient_accumulation_steps = 16      # total over all processes: 32 * 1024 * 16 = 524,288 tokens
+                                      # per step
 n_layer = 12
 n_head = 12
 n_embd = 768

@@ -13,7 +13,8 @@ import torch
 from configurator import ConfigError, UserError, writable_folder
 from data import prepare as prep
 
-DATA_DIR = os.path.dirname(os.path.abspath(__file__))   # where dataset folders live unless --data_dir says
+DATA_DIR = os.path.dirname(os.path.abspath(__file__))   # where dataset folders live unless
+                                                        # --data_dir says
 
 
 class DataError(UserError):
@@ -56,7 +57,8 @@ def load_dataset_meta(cfg, master, prepare_missing=True):
         if master:
             print(f"no {cfg.dataset} corpus at {folder}: preparing it (python data/prepare.py {cfg.dataset})")
             prep.prepare(cfg.dataset, out_dir=folder)
-        else:                        # DDP: rank 0 prepares (meta.json is written last); the others wait
+        else:                        # DDP: rank 0 prepares (meta.json is written last); the others
+                                     # wait
             deadline = time.time() + 600
             while not os.path.exists(os.path.join(folder, 'meta.json')) and time.time() < deadline:
                 time.sleep(0.5)
@@ -169,7 +171,8 @@ def load_tokenizer(meta):
         return (lambda s, where='': list(s.encode('utf-8'))), (lambda ids: bytes(ids).decode('utf-8', errors='replace'))
     itos = meta['chars'] if tok == 'char' else meta['itos']
     stoi = {s: i for i, s in enumerate(itos)}
-    syms = sorted(stoi, key=len, reverse=True)     # synthetic symbols may be multi-character: longest match
+    syms = sorted(stoi, key=len, reverse=True)     # synthetic symbols may be multi-character:
+                                                   # longest match
     listing = repr(''.join(itos)) if tok == 'char' else ' '.join(itos)
     has = (f"the {tok} vocabulary has {len(itos)} {'characters' if tok == 'char' else 'symbols'}: "
            f"{listing if len(listing) <= 100 else listing[:100] + '...'}")

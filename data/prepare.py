@@ -66,7 +66,8 @@ import numpy as np
 
 try:
     import fcntl
-except ImportError:  # Windows: no advisory file locks, so prepares into one folder are not serialised
+except ImportError:  # Windows: no advisory file locks, so prepares into one folder are not
+                     # serialised
     fcntl = None
 
 DATA_DIR = Path(__file__).resolve().parent
@@ -83,7 +84,8 @@ TIKTOKEN_FILES = {"vocab.bpe": "6d1cbeee0f20b3d9449abfede4726ed8212e3aee",
 COMMON_DEFAULTS = {"dtype": "auto"}
 DEFAULTS = {
     "synthetic": {"seed": 1337, "num_tokens": 2_000_000, "mix": "copy=0.3,count=0.2,noise=0.2,add=0.3"},
-    # the same grammar with lookup segments, whose values only a memorised table predicts: the FFN's job
+    # the same grammar with lookup segments, whose values only a memorised table predicts: the FFN's
+    # job
     "synthetic_lookup": {"seed": 1337, "num_tokens": 2_000_000, "mix": "copy=0.2,count=0.1,noise=0.1,add=0.2,lookup=0.4"},
     "shakespeare_char": {"input": None},
     "enwik8": {"input": None},
@@ -100,11 +102,12 @@ class PrepareError(Exception):
 SYMBOLS = list("0123456789abcdefghijklmnop|CNRA>+=")
 SEP, GT, PLUS, EQ = (SYMBOLS.index(c) for c in "|>+=")
 KINDS = ["copy", "count", "noise", "add", "lookup"]
-# 'L' (the lookup kind) and the 'recall' class exist only in corpora whose mix has lookup segments, so
-# the default corpus keeps its 34 tokens and 5 classes
+# 'L' (the lookup kind) and the 'recall' class exist only in corpora whose mix has lookup segments,
+# so the default corpus keeps its 34 tokens and 5 classes
 KIND_TOKENS = [SYMBOLS.index(c) for c in "CNRA"] + [len(SYMBOLS)]
 LOOKUP_SYMBOLS = SYMBOLS + ["L"]
-LOOKUP_KEYS = 8          # key letters a-h: a table of 8 x 8 = 64 pairs, small enough to memorise on a CPU
+LOOKUP_KEYS = 8          # key letters a-h: a table of 8 x 8 = 64 pairs, small enough to memorise on
+                         # a CPU
 DIFFICULTY_CLASSES = ["structure", "trivial", "noise", "hard", "header"]
 LOOKUP_CLASSES = DIFFICULTY_CLASSES + ["recall"]
 STRUCT, TRIVIAL, NOISE, HARD, HEADER, RECALL = range(6)
@@ -145,7 +148,8 @@ def generate_synthetic(num_tokens, seed, mix=DEFAULTS["synthetic"]["mix"], table
         kinds, lens = rng.choice(5, size=n_seg, p=probs).tolist(), rng.integers(1, 10, size=n_seg).tolist()
         letters, pl = rng.integers(10, 26, size=9 * n_seg).tolist(), 0
         digits, pd = rng.integers(0, 10, size=18 * n_seg).tolist(), 0
-        # drawn last and only for lookup mixes, so the other mixes' streams are what they always were
+        # drawn last and only for lookup mixes, so the other mixes' streams are what they always
+        # were
         keys, pk = (rng.integers(10, 10 + LOOKUP_KEYS, size=18 * n_seg).tolist() if probs[4] > 0 else []), 0
         for kind, n in zip(kinds, lens):
             if kind == 0:    # copy
@@ -485,7 +489,8 @@ def prepare(dataset, out_dir=None, **opts):
     out.mkdir(parents=True, exist_ok=True)
     with folder_lock(out):  # a second prepare into out waits, then rewrites every file itself
         remove_stale_tmp(out)
-        (out / "meta.json").unlink(missing_ok=True)  # the folder is incomplete until meta.json is back
+        (out / "meta.json").unlink(missing_ok=True)  # the folder is incomplete until meta.json is
+                                                     # back
         for name, arr in arrays.items():
             write_file(out / f"{name}.bin", arr)
             meta["files"][f"{name}.bin"] = {"bytes": arr.nbytes, "sha256": hashlib.sha256(arr).hexdigest()}

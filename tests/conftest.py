@@ -14,13 +14,13 @@ from hypothesis import HealthCheck, settings
 
 # ----------------------------------------------------------------------------------------------------
 # Hypothesis profiles, chosen here on purpose rather than by Hypothesis's own CI detection.
-# Hypothesis (6.1xx+) loads a built-in 'ci' profile (derandomize=True, database=None, print_blob=True,
-# deadline=None, too_slow suppressed) by itself whenever CI is set to *any* value (CI=false included)
-# or a vendor variable (GITHUB_ACTIONS, ...) is present. Derandomized runs draw the same examples on
-# every run, so a check that depends on a machine's floating-point kernels fails on that machine every
-# time and nowhere else (a bitwise comparison of sparse-eval logits fails for some seeds on some CPUs
-# only). We want that determinism in CI, stated here, the same in every Hypothesis version, and random
-# exploration elsewhere:
+# Hypothesis (6.1xx+) loads a built-in 'ci' profile (derandomize=True, database=None,
+# print_blob=True, deadline=None, too_slow suppressed) by itself whenever CI is set to *any* value
+# (CI=false included) or a vendor variable (GITHUB_ACTIONS, ...) is present. Derandomized runs draw
+# the same examples on every run, so a check that depends on a machine's floating-point kernels
+# fails on that machine every time and nowhere else (a bitwise comparison of sparse-eval logits
+# fails for some seeds on some CPUs only). We want that determinism in CI, stated here, the same in
+# every Hypothesis version, and random exploration elsewhere:
 #   ci : derandomize=True (the examples are a function of the test alone: no flakes, reproducible),
 #        print_blob=True (a failure prints its @reproduce_failure blob), deadline=None (2 shared
 #        cores: timings are noise), too_slow suppressed (a timing-based health check).
@@ -33,8 +33,9 @@ from hypothesis import HealthCheck, settings
 # Selection: CI set and not '', 'false' or '0' (any case) -> 'ci', else 'dev'. Loaded when this
 # conftest is imported, i.e. before any test module: @settings(...) is evaluated at decoration time
 # and takes its unset fields from the profile loaded then.
-# Both derive from Hypothesis's 'default' profile, not from whichever profile its CI detection already
-# loaded (a profile registered without parent inherits the loaded one: 'dev' would get database=None).
+# Both derive from Hypothesis's 'default' profile, not from whichever profile its CI detection
+# already loaded (a profile registered without parent inherits the loaded one: 'dev' would get
+# database=None).
 _BASE = settings.get_profile('default')
 settings.register_profile('ci', _BASE, derandomize=True, database=None, print_blob=True, deadline=None,
                           max_examples=100, suppress_health_check=[HealthCheck.too_slow])
@@ -283,19 +284,21 @@ def one_thread():
 # Bitwise equality (torch.equal) is right only when both sides run the same kernels on the same
 # shapes. Where they do not (sparse eval gathers a data-dependent number of tokens into one matmul;
 # a KV-cache step has T=1 and a masked attention where recomputation has T and is_causal; a ragged
-# batch has other B and T than a prompt alone), CPU BLAS/oneDNN may block and vectorise the same sums
-# differently, so values differ in the last bits on some machines (4e-7 seen on one). Those checks
-# compare decisions (routing masks, tokens) exactly and values within a stated tolerance.
+# batch has other B and T than a prompt alone), CPU BLAS/oneDNN may block and vectorise the same
+# sums differently, so values differ in the last bits on some machines (4e-7 seen on one). Those
+# checks compare decisions (routing masks, tokens) exactly and values within a stated tolerance.
 
-# fp32 tolerances for such checks. Reassociation error is ~1 ulp (6e-8 relative) per op and compounds
-# over layers and decoding steps; a real bug (a token routed wrongly, a future token leaking, a wrong
-# position) moves logits by >> 1e-3.
-# FP32_TOL: the dense model and TSA (backbones at init scale): differences measured <= 0.007 of FP32_TOL
-# over this machine's kernel variants (ATEN_CPU_CAPABILITY=default/avx2, MKL_CBWR=COMPATIBLE, 1-2 threads).
+# fp32 tolerances for such checks. Reassociation error is ~1 ulp (6e-8 relative) per op and
+# compounds over layers and decoding steps; a real bug (a token routed wrongly, a future token
+# leaking, a wrong position) moves logits by >> 1e-3.
+# FP32_TOL: the dense model and TSA (backbones at init scale): differences measured <= 0.007 of
+# FP32_TOL over this machine's kernel variants (ATEN_CPU_CAPABILITY=default/avx2,
+# MKL_CBWR=COMPATIBLE, 1-2 threads).
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
 # ROUTED_TOL: routed models whose every weight is noised by 0.3 (large activations, up to 4 layers):
-# differences of 4e-7 seen on another machine; measured here up to 0.12 of FP32_TOL in one forward and
-# 0.39 of it over step-by-step decoding, so 1e-4 (as test_families' KV-cache check uses) for > 25x room.
+# differences of 4e-7 seen on another machine; measured here up to 0.12 of FP32_TOL in one forward
+# and 0.39 of it over step-by-step decoding, so 1e-4 (as test_families' KV-cache check uses) for >
+# 25x room.
 ROUTED_TOL = dict(rtol=1e-4, atol=1e-4)
 
 

@@ -74,8 +74,10 @@ def test_bench_routed_table(route, tmp_path):
         if route == 'mod':
             assert mcfg.mod_router == 'random'
         if route in ('halt', 'exit') and (x['budget'] == 1.0 or (x['batch'], x['seq']) == (2, 16)):
-            assert x['budget'] - 1e-9 <= x['realised_frac']     # bisected on the first shape's batch
-        if route in ('ffn', 'mod'):            # TSA gates blocks 1.., the exits count the running tokens per block
+            assert x['budget'] - 1e-9 <= x['realised_frac']     # bisected on the first shape's
+                                                                # batch
+        if route in ('ffn', 'mod'):            # TSA gates blocks 1.., the exits count the running
+                                               # tokens per block
             assert len(x['layer_fracs']) == len(controlled_layer_ids(mcfg))
         assert math.isclose(x['realised_frac'], sum(x['layer_fracs']) / len(x['layer_fracs']))
         head = (x['seq'] - 1) * 2 * 32 * 50

@@ -210,7 +210,8 @@ def test_bench_bad_options(arg, needle):
 
 
 @pytest.mark.parametrize("args", [
-    ["--decode_tokens=32"],                                   # a 1-token prompt + 32 new tokens > 32
+    ["--decode_tokens=32"],                                   # a 1-token prompt + 32 new tokens >
+                                                              # 32
     ["--decode_tokens=40"],
     ["--route=ffn", "--budgets=0.5", "--prefill_shapes=1x16", "--decode_tokens=8", "--decode_prompt=25"]])
 def test_bench_refuses_decode_past_block_size(args):

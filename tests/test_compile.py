@@ -220,9 +220,10 @@ def test_traced_greedy_decoding_gives_the_eager_tokens(route, monkeypatch):
     assert compiled_decoding_case(route, [dict(), dict(lengths=[6, 2])], 'eager', monkeypatch) == [1, 1]
 
 
-# Inductor's own code generation (minutes per family on 2 cores, with a cold cache) for a few families
-# only: every family's graph is held to eager without code generation above; these check that the
-# generated kernels run it too, for the dense model, the token-level FFN routing and MoD's masked blocks.
+# Inductor's own code generation (minutes per family on 2 cores, with a cold cache) for a few
+# families only: every family's graph is held to eager without code generation above; these check
+# that the generated kernels run it too, for the dense model, the token-level FFN routing and MoD's
+# masked blocks.
 INDUCTOR_ROUTES = ('none', 'ffn', 'mod')
 
 

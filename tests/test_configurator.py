@@ -44,7 +44,8 @@ def test_no_args_returns_a_copy_of_the_defaults():
     ("--init_from=gpt2-medium", "init_from", "gpt2-medium"),
     ("--out_dir=out/run 1", "out_dir", "out/run 1"),
     ("--device=cuda:1", "device", "cuda:1"),
-    ("--dataset='quoted'", "dataset", "quoted"),                     # a quoted string loses its quotes
+    # a quoted string loses its quotes
+    ("--dataset='quoted'", "dataset", "quoted"),
     ('--dataset="dq"', "dataset", "dq"),
     ("--lm_thresholds=", "lm_thresholds", ""),
 ])
@@ -61,7 +62,8 @@ def test_int_for_float_key_becomes_float():
 def test_later_arguments_override_earlier_ones(tmp_path):
     cfg = write(tmp_path, "n_layer = 8\nbatch_size = 32\n")
     out = load_config(DEFAULTS, ["--n_layer=2", cfg, "--batch_size=4"])
-    assert out["n_layer"] == 8 and out["batch_size"] == 4             # the file overrode --n_layer=2
+    # the file overrode --n_layer=2
+    assert out["n_layer"] == 8 and out["batch_size"] == 4
     out = load_config(DEFAULTS, [cfg, "--n_layer=2", "--n_layer=3"])
     assert out["n_layer"] == 3
     cfg2 = write(tmp_path, "n_layer = 5\n", "b.py")

@@ -49,7 +49,8 @@ def test_ensemble_matches_hand_computation(seed, T, mix, r_in, kl, k, distill, t
             student = F.log_softmax(student_logits, -1)
             p, q = (teacher, student) if kl == 'forward' else (student, teacher)
             return (p.exp() * (p - q)).sum(-1).mean()
-        # per_layer: each late layer's own prediction distilled, mean over the k; mixture: the mixture's
+        # per_layer: each late layer's own prediction distilled, mean over the k; mixture: the
+        # mixture's
         kl_val = kl_to(want) if distill == 'mixture' else sum(kl_to(lg) for lg in per) / k
         teacher_ce = F.cross_entropy(teacher_logits.flatten(0, 1), tgt.flatten())
         torch.testing.assert_close(loss, F.cross_entropy(want.flatten(0, 1), tgt.flatten()) + 0.3 * kl_val

@@ -102,10 +102,11 @@ def test_sparse_execution_equals_masked_dense(case, seed, T, B, dtype):
     with torch.no_grad(), amp:
         a_logits, _, a = seeded(lambda: model(idx, idx, sparse=True))
         b_logits, _, b = seeded(lambda: model(idx, idx, sparse=False))
-    # gathered vs full-batch matmuls round differently; routed models' noisy weights reach ~0.2e-5 under
-    # some BLAS modes, so fp32 gets ROUTED_TOL and exact decisions. bf16 rounds to ~1e-2 of the values'
-    # scale per op (one ulp of a logit of 4 is 0.03), so a router score within that of the threshold can
-    # flip: bf16 allows one flipped decision per row and layer, and compares logits only where none flipped
+    # gathered vs full-batch matmuls round differently; routed models' noisy weights reach ~0.2e-5
+    # under some BLAS modes, so fp32 gets ROUTED_TOL and exact decisions. bf16 rounds to ~1e-2 of
+    # the values' scale per op (one ulp of a logit of 4 is 0.03), so a router score within that of
+    # the threshold can flip: bf16 allows one flipped decision per row and layer, and compares
+    # logits only where none flipped
     assert a.get('masks', {}).keys() == b.get('masks', {}).keys()
     flips = {l: (a['masks'][l] != b['masks'][l]).flatten(1).sum(1) for l in a.get('masks', {})}
     if dtype == 'float32':
@@ -196,7 +197,8 @@ def test_family_flops_match_counter(case, seed, T, B, budget, pw, trainable, kl,
         for p in model.parameters():
             p.requires_grad_(trainable == 'all' or id(p) in ctrl)
     exits = None
-    if 'exit_layers' in model.family.options and data.draw(st.booleans()):     # the exit families' step option
+    # the exit families' step option
+    if 'exit_layers' in model.family.options and data.draw(st.booleans()):
         exits = tuple(sorted(data.draw(st.sets(st.sampled_from(exit_depths(cfg))))))
     idx = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
     model.train()
@@ -215,7 +217,8 @@ def test_family_flops_match_counter(case, seed, T, B, budget, pw, trainable, kl,
         out = []
         got = counted(lambda: out.append(seeded(lambda: model(idx, idx))[2].get('masks', {})))
     masks = out[0]
-    run = model.family.executed_fracs(masks) if masks else None     # e.g. MoD pads rows to the longest
+    # e.g. MoD pads rows to the longest
+    run = model.family.executed_fracs(masks) if masks else None
     frac = run.tolist() if run is not None else [int(m.sum()) / m.numel() for _, m in sorted(masks.items())] or None
     assert math.isclose(got, B * flops.forward_flops(cfg, T, 'sparse', full_frac=frac), rel_tol=1e-9)
 
@@ -237,7 +240,8 @@ def test_ragged_batched_generation_equals_each_prompt_alone(case, seed, lens, ne
         alone = greedy_trace(model, idx[b:b + 1, :n], new)[0]
         assert_greedy_traces_agree(together[b], alone, ROUTED_TOL)
     with torch.no_grad():
-        reported = 'full_frac' in model(idx[:1])[2]         # the family reports its realised fractions
+        reported = 'full_frac' in model(idx[:1])[2]         # the family reports its realised
+                                                            # fractions
     if reported:
         assert len(stats['full_frac']) > 0 and all(0 <= f <= 1 for f in stats['full_frac'])
 

@@ -234,13 +234,14 @@ def wrapper(tmp_path):
 
 # ----------------------------------------------------------------------------------------------------
 # SIGTERM during a training step: save, exit 0, and the resume is bit-exact
-# (tests/test_train.py checks that a signalled run saves and that its printed resume command runs, but
-# not that the resumed run ends bit-equal to an uninterrupted one)
+# (tests/test_train.py checks that a signalled run saves and that its printed resume command runs,
+# but not that the resumed run ends bit-equal to an uninterrupted one)
 
 def test_sigterm_mid_step_then_resume_is_bit_exact(reference, data_dir, wrapper, tmp_path):
     out, rec = tmp_path / "out", tmp_path / "sigterm.json"
     args = [*CFG, *data_args(data_dir), f"--out_dir={out}"]
-    r, pid = run_py(wrapper, args, fault_env("sigterm_at_iter", 4, rec))    # while computing step 4 -> 5
+    # while computing step 4 -> 5
+    r, pid = run_py(wrapper, args, fault_env("sigterm_at_iter", 4, rec))
     ok(r)
     assert json.loads(rec.read_text()) == {"pid": pid, "iter": 4}, "the SIGTERM was never sent"
     assert "stopped by signal at iteration 5" in r.stdout and "done:" not in r.stdout, r.stdout[-2000:]
@@ -252,7 +253,8 @@ def test_sigterm_mid_step_then_resume_is_bit_exact(reference, data_dir, wrapper,
 
 
 # ----------------------------------------------------------------------------------------------------
-# SIGINT while save_checkpoint is writing: the write completes, the file is valid, then the run stops
+# SIGINT while save_checkpoint is writing: the write completes, the file is valid, then the run
+# stops
 
 def test_sigint_during_checkpoint_write_completes_the_save(reference, data_dir, wrapper, tmp_path):
     """Ctrl-C arrives when 30% of the iteration-4 checkpoint is written: the handler only sets the stop
@@ -312,9 +314,11 @@ def test_corrupt_checkpoint_fails_cleanly(reference, data_dir, tmp_path, damage,
 # ----------------------------------------------------------------------------------------------------
 # SIGKILL in the middle of checkpoint writes, then resume: bit-equal to the uninterrupted run
 
-KILL_SEED = 14      # a fixed seed; its plan is asserted to cover the cases below before anything runs
+KILL_SEED = 14      # a fixed seed; its plan is asserted to cover the cases below before anything
+                    # runs
 N_KILLS = 3
-Kill = namedtuple("Kill", "start save iter_num frac survivor")   # start/survivor: ckpt iteration or None
+# start/survivor: ckpt iteration or None
+Kill = namedtuple("Kill", "start save iter_num frac survivor")
 
 
 def kill_plan(seed):
@@ -326,7 +330,8 @@ def kill_plan(seed):
     for _ in range(N_KILLS):
         base = start or 0
         save = rng.randint(1, (MAX_ITERS - base) // EVAL_INTERVAL)
-        frac = rng.choice((0.0, 1.0, rng.random(), rng.random()))   # empty temp, complete but unrenamed, partial
+        # empty temp, complete but unrenamed, partial
+        frac = rng.choice((0.0, 1.0, rng.random(), rng.random()))
         survivor = start if save == 1 else base + EVAL_INTERVAL * (save - 1)
         plan.append(Kill(start, save, base + EVAL_INTERVAL * save, frac, survivor))
         start = survivor
@@ -358,7 +363,8 @@ def test_sigkill_during_checkpoint_writes_then_resume_is_bit_exact(reference, da
         if orphan is not None:           # the previous writer's orphan went at this run's start
             assert f"removed {orphan}" in r.stdout, where
             assert not orphan.exists()
-        # the killed writer's temp file is there (with exactly the bytes it got to write), and only it
+        # the killed writer's temp file is there (with exactly the bytes it got to write), and only
+        # it
         orphan = out / f"ckpt.pt.tmp-{pid}"
         assert info["tmp"] == str(orphan) and temps(out) == [orphan.name], (temps(out), info)
         assert orphan.stat().st_size == info["cut"]

@@ -51,7 +51,8 @@ def build(seed, n_layer=2, noise=0.3, **kw):
 def tokens(seed, B, T, vocab=V, distinct_first=False):
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, vocab, (B, T), generator=g)
-    if distinct_first:      # rows start differently: no two tokens share a hidden state (no score ties)
+    if distinct_first:      # rows start differently: no two tokens share a hidden state (no score
+                            # ties)
         idx[:, 0] = torch.randperm(vocab, generator=g)[:B]
     return idx
 
@@ -219,7 +220,8 @@ def test_train_masks_hold_exactly_ceil_budget_T_top_scoring_tokens(seed, B, T, b
         hnd.remove()
     k = ceil_frac(budget, T)            # of the actual T, never of block_size
     assert sorted(aux['masks']) == ids
-    torch.manual_seed(seed)             # the random gate draws one (B, T) uniform tensor per layer, in order
+    torch.manual_seed(seed)             # the random gate draws one (B, T) uniform tensor per layer,
+                                        # in order
     with torch.no_grad():
         scores = {l: (torch.rand(B, T) if gate == 'random' else model.transformer.h[l].gate(calls[l][0][1]))
                   for l in ids}
@@ -235,7 +237,8 @@ def test_train_masks_hold_exactly_ceil_budget_T_top_scoring_tokens(seed, B, T, b
 
 
 # ----------------------------------------------------------------------------------------------------
-# 2. gate forced open (or budget 1.0) == the dense model; forced shut == a hand-written cheap forward
+# 2. gate forced open (or budget 1.0) == the dense model; forced shut == a hand-written cheap
+# forward
 
 DENSE_EQ = dict(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 24), layout=layouts(),
                 pos=st.sampled_from(['learned', 'rope']), bias=st.booleans())
@@ -254,7 +257,8 @@ def test_budget_one_no_grad_equals_dense_bitwise(seed, B, T, layout, pos, bias, 
     out, _, aux = model.train()(idx, idx)
     assert all(m.all() for m in aux['masks'].values())
     assert torch.equal(out, ref)
-    model.calibrate(tokens(seed + 1, 2, T))      # budget 1.0: every token passes the causal threshold
+    model.calibrate(tokens(seed + 1, 2, T))      # budget 1.0: every token passes the causal
+                                                 # threshold
     out, _, aux = model.eval()(idx, idx)
     assert all(m.all() for m in aux['masks'].values())
     assert torch.equal(out, ref)
@@ -405,12 +409,14 @@ def test_eval_routing_is_causal(seed, B, T, budget, layout, gate, infer_rule, ga
     assert sorted(aux_a.get('masks', {})) == expect_masks
     for l in expect_masks:          # the decisions at positions <= t: exactly equal
         assert torch.equal(aux_a['masks'][l][:, :t + 1], aux_b['masks'][l][:, :t + 1])
-    # Sparse eval gathers the selected tokens of the whole batch into one matmul, and the future tokens
-    # change how many there are: BLAS may then block the same dot products differently (seen: 3 vs 2
-    # rows, logits off by 4e-7 on some CPUs). So values within ROUTED_TOL (see conftest) here ...
+    # Sparse eval gathers the selected tokens of the whole batch into one matmul, and the future
+    # tokens change how many there are: BLAS may then block the same dot products differently (seen:
+    # 3 vs 2 rows, logits off by 4e-7 on some CPUs). So values within ROUTED_TOL (see conftest) here
+    # ...
     torch.testing.assert_close(la[:, :t + 1], lb[:, :t + 1], **ROUTED_TOL)
     changed = (other != idx).any(0).nonzero()
-    if len(changed):                # ... a tolerance far below what changing a token does to its logits
+    if len(changed):                # ... a tolerance far below what changing a token does to its
+                                    # logits
         p = changed[0, 0].item()
         assert not torch.allclose(la[:, p], lb[:, p], **ROUTED_TOL)
     # ... and bitwise in masked-dense eval, where both passes run every op on the whole (B, T) batch
@@ -573,9 +579,9 @@ def test_calibration_hits_budget_on_its_own_batch(seed, B, T, budget, layout, ga
     assert (frac - float(budget)).abs().max().item() <= 1 / (B * T) + 1e-6
 
 
-# Held-out batch: N = 32·24 = 768 tokens per batch. If the calibration quantile and the fresh batch's
-# fraction were both binomial, the difference would have std <= sqrt(2·0.25/768) ≈ 0.026, so ±0.1 is
-# ~4 std. derandomize=True keeps the drawn examples fixed, so the test cannot flake.
+# Held-out batch: N = 32·24 = 768 tokens per batch. If the calibration quantile and the fresh
+# batch's fraction were both binomial, the difference would have std <= sqrt(2·0.25/768) ≈ 0.026, so
+# ±0.1 is ~4 std. derandomize=True keeps the drawn examples fixed, so the test cannot flake.
 @settings(**dict(SETTINGS, derandomize=True))
 @given(seed=SEEDS, budget=st.integers(5, 95).map(lambda n: Fraction(n, 100)), layout=layouts(),
        gate=st.sampled_from(SCORING_GATES), infer_rule=st.sampled_from(['threshold', 'predictor']))
@@ -604,7 +610,8 @@ def boom(*args, **kwargs):
 def test_no_oracle_pass_without_oracle_layers(gate):
     model = build(0, 2, ffn_gate=gate, ffn_util_weight=1.0, ffn_rank_weight=1.0).train()
     idx = tokens(0, 2, 12)
-    saved = oracle_labels.fork_utility, oracle_labels.token_fork_utility    # every oracle fork goes through one
+    # every oracle fork goes through one
+    saved = oracle_labels.fork_utility, oracle_labels.token_fork_utility
     oracle_labels.fork_utility = oracle_labels.token_fork_utility = boom
     try:
         no_oracle_pass_without_oracle_layers(model, idx)
@@ -801,7 +808,8 @@ def test_token_labels_match_one_fork_per_token(seed, B, T, n_layer, data, gate, 
     U = oracle_labels.token_fork_utility(model, l, x_mid, base, tgt, None, later)
     assert U.shape == (B, T) and not U.requires_grad
     torch.testing.assert_close(U, U_ref, rtol=0, atol=1e-5)
-    if later == 'full' and bool(base.all()):      # the first token has no prefix: both kinds of label agree there
+    if later == 'full' and bool(base.all()):      # the first token has no prefix: both kinds of
+                                                  # label agree there
         U_seq = oracle_labels.fork_utility(model, l, x_mid, tgt, None, later='full')
         torch.testing.assert_close(U[:, 0], U_seq[:, 0], rtol=0, atol=1e-5)
 
@@ -863,9 +871,11 @@ def test_pairwise_rank_equals_brute_force(seed, B, T, n_pairs, kind, margin, lev
 @given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(2, 16))
 def test_pairwise_rank_is_small_when_ordered_and_large_when_reversed(seed, B, T):
     g = torch.Generator().manual_seed(seed)
-    U = torch.stack([torch.randperm(T, generator=g) for _ in range(B)]).float()   # distinct utilities
+    # distinct utilities
+    U = torch.stack([torch.randperm(T, generator=g) for _ in range(B)]).float()
     gen = lambda: torch.Generator().manual_seed(seed)
-    ordered = 50.0 * U                 # every untied pair has a score gap >= 50 in the right direction
+    ordered = 50.0 * U                 # every untied pair has a score gap >= 50 in the right
+                                       # direction
     assert losses.pairwise_rank(ordered, U, 64, 'logistic', generator=gen()).item() < 1e-6
     assert losses.pairwise_rank(ordered, U, 64, 'margin', 0.1, generator=gen()).item() == 0.0
     rev = losses.pairwise_rank(-ordered, U, 64, 'logistic', generator=gen()).item()

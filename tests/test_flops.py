@@ -14,7 +14,8 @@ from model import GPT, GPTConfig, controlled_layer_ids
 
 
 def counted(fn):
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:   # fused CPU SDPA is uncounted
+    # fused CPU SDPA is uncounted
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
         fn()
     return fc.get_total_flops()
 
@@ -60,7 +61,8 @@ def test_forward_flops_match_counter(cfg, T, B, seed):
         assert counted(lambda: model(idx, idx)) == B * flops.forward_flops(cfg, T, mode='train')
         model.eval()
         assert counted(lambda: model(idx, idx, sparse=False)) == B * flops.forward_flops(cfg, T, mode='eval')
-        out = []                                            # sparse execution: each path on its own tokens
+        out = []                                            # sparse execution: each path on its own
+                                                            # tokens
         got = counted(lambda: out.append(model(idx, idx)[2].get('masks', {})))
         frac = [int(m.sum()) / m.numel() for _, m in sorted(out[0].items())] or None
         assert math.isclose(got, B * flops.forward_flops(cfg, T, mode='sparse', full_frac=frac), rel_tol=1e-9)

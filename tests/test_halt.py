@@ -18,7 +18,8 @@ def build(seed, n_layer=3, **kw):
     torch.manual_seed(seed)
     model = GPT(GPTConfig(**BASE, n_layer=n_layer, route='halt', **kw))
     g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():                       # routers away from their init, so p varies per token
+    with torch.no_grad():                       # routers away from their init, so p varies per
+                                                # token
         for r in model.halt:
             r.fc.weight.add_(torch.randn(r.fc.weight.shape, generator=g) * 0.5)
             r.out.weight.add_(torch.randn(r.out.weight.shape, generator=g) * 0.5)
@@ -150,7 +151,8 @@ def test_eval_is_causal(seed, T, soft, data):
     other[:, t + 1:] = torch.randint(0, 29, (2, T - t - 1), generator=g)
     (a, _, aux_a), (b, _, aux_b) = model(idx, idx), model(other, other)
     assert sorted(aux_a['masks']) == sorted(aux_b['masks']) == [1, 2]
-    for l in aux_a['masks']:        # skip decisions (hard) or active fractions (soft) at <= t: exactly equal
+    for l in aux_a['masks']:        # skip decisions (hard) or active fractions (soft) at <= t:
+                                    # exactly equal
         assert torch.equal(aux_a['masks'][l][:, :t + 1], aux_b['masks'][l][:, :t + 1])
     if soft:                        # soft eval is dense: same kernels on the same (2, T) shapes
         assert torch.equal(a[:, :t + 1], b[:, :t + 1])
@@ -159,7 +161,8 @@ def test_eval_is_causal(seed, T, soft, data):
     # change how many are kept: other matmul shapes, so values within FP32_TOL (see conftest) ...
     torch.testing.assert_close(a[:, :t + 1], b[:, :t + 1], **FP32_TOL)
     changed = (other != idx).any(0).nonzero()
-    if len(changed):                # ... a tolerance far below what changing a token does to its logits
+    if len(changed):                # ... a tolerance far below what changing a token does to its
+                                    # logits
         p = changed[0, 0].item()
         assert not torch.allclose(a[:, p], b[:, p], **FP32_TOL)
     # ... and bitwise in masked-dense eval (every op on the whole batch in both passes)
@@ -172,8 +175,9 @@ def test_eval_is_causal(seed, T, soft, data):
 def test_kv_cache_decoding_equals_recompute(seed, T0, new):
     model = build(seed, 3).eval()
     idx = torch.randint(0, 29, (2, T0), generator=torch.Generator().manual_seed(seed))
-    # a cache step (T=1, masked attention, FFN gathered over the kept tokens) and recomputation run other
-    # shapes: skip decisions exactly equal, logits within FP32_TOL, tokens equal unless a near-tie
+    # a cache step (T=1, masked attention, FFN gathered over the kept tokens) and recomputation run
+    # other shapes: skip decisions exactly equal, logits within FP32_TOL, tokens equal unless a
+    # near-tie
     cached = greedy_trace(model, idx, new, use_cache=True)
     recomputed = greedy_trace(model, idx, new, use_cache=False)
     for a, b in zip(cached, recomputed):

@@ -75,7 +75,8 @@ def test_mod_selected_tokens_attend_among_themselves_at_real_positions(seed, T, 
             dense = dense + block.mlp(block.ln_2(dense))
             want = xs + torch.sigmoid(r[b, sel])[None, :, None] * (dense - xs)
             torch.testing.assert_close(out[b:b + 1, sel], want, rtol=1e-4, atol=1e-5)
-            if pos == 'rope' and len(set((sel - torch.arange(len(sel))).tolist())) > 1:   # not a uniform shift
+            # not a uniform shift
+            if pos == 'rope' and len(set((sel - torch.arange(len(sel))).tolist())) > 1:
                 wrong = xs + block.attn.forward(block.ln_1(xs), torch.arange(len(sel))[None])
                 assert not torch.allclose(wrong, xs + block.attn.forward(block.ln_1(xs), p), atol=1e-6)
 

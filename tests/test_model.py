@@ -27,8 +27,8 @@ def test_kv_cache_greedy_equals_full_recompute(seed, pos, B, T0, new, bias):
     # new tokens may run past block_size (24): then generate crops the context, as without a cache
     model = tiny(seed, pos=pos, bias=bias)
     idx = torch.randint(0, 37, (B, T0), generator=torch.Generator().manual_seed(seed))
-    # a cache step runs T=1 and masked attention, recomputation T and is_causal: logits within FP32_TOL,
-    # tokens equal unless a near-tie (conftest.assert_greedy_traces_agree)
+    # a cache step runs T=1 and masked attention, recomputation T and is_causal: logits within
+    # FP32_TOL, tokens equal unless a near-tie (conftest.assert_greedy_traces_agree)
     full = greedy_trace(model, idx, new, use_cache=False)
     cached = greedy_trace(model, idx, new, use_cache=True)
     for a, b in zip(cached, full):
@@ -83,7 +83,8 @@ def test_analytic_flops_match_flop_counter(n_layer, n_head, hd, T, B, V, pos, bi
                     pos=pos, bias=bias)
     model = GPT(cfg)
     idx = torch.randint(0, V, (B, T))
-    with sdpa_kernel(SDPBackend.MATH):           # the fused CPU kernel is invisible to FlopCounterMode
+    with sdpa_kernel(SDPBackend.MATH):           # the fused CPU kernel is invisible to
+                                                 # FlopCounterMode
         with FlopCounterMode(display=False) as fc:
             with torch.no_grad():
                 model(idx, idx)
@@ -144,7 +145,8 @@ def test_from_pretrained_matches_transformers(tmp_path):
     torch.manual_seed(0)
     hf_cfg = transformers.GPT2Config(vocab_size=61, n_positions=32, n_embd=24, n_layer=2, n_head=3,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                     initializer_range=0.3)   # large weights: an activation mismatch shows
+                                     initializer_range=0.3)   # large weights: an activation
+                                                              # mismatch shows
     hf = transformers.GPT2LMHeadModel(hf_cfg).eval()
     hf.save_pretrained(tmp_path)
     ours = GPT.from_pretrained(str(tmp_path)).eval()

@@ -30,11 +30,12 @@ def test_pareto_front_hand_example():
     ys = [3.0,    2.0,    2.5,      4.0,    1.0,    1.0]
     # 2 is dominated by 1; 3 by 0 and 1; 5 by 4 (equal loss, more cost); 0, 1, 4 trade off
     assert plots.pareto_front(xs, ys) == [0, 1, 4]
-    # maximising x (TLOps saved): negate it. 2 is dominated by 1 (less saved, higher loss); the order is
-    # by increasing -x, i.e. most saved first
+    # maximising x (TLOps saved): negate it. 2 is dominated by 1 (less saved, higher loss); the
+    # order is by increasing -x, i.e. most saved first
     saved, loss = [0.1, 0.3, 0.2, 0.5], [2.0, 2.1, 2.2, 2.5]
     assert plots.pareto_front([-x for x in saved], loss) == [3, 1, 0]
-    assert plots.pareto_front([1.0, 1.0], [2.0, 2.0]) == [0, 1]          # identical points dominate neither
+    # identical points dominate neither
+    assert plots.pareto_front([1.0, 1.0], [2.0, 2.0]) == [0, 1]
 
 
 def fake_study(root, arms=(('routed', 0.0, True), ('dense', 0.3, False)), seeds=(1, 2)):
@@ -65,13 +66,15 @@ def test_seed_band_and_arm_points_match_hand_computation(tmp_path):
     assert iters.tolist() == [10, 20, 30, 40]
     assert mean == pytest.approx([3 - it / 40 + 0.15 for it in iters])
     assert lo == pytest.approx([3 - it / 40 + 0.1 for it in iters]) and hi == pytest.approx([3 - it / 40 + 0.2 for it in iters])
-    _, mean, _, _ = plots.seed_band(runs['routed'], 'train', 'full_frac')           # per-layer lists
+    # per-layer lists
+    _, mean, _, _ = plots.seed_band(runs['routed'], 'train', 'full_frac')
     assert mean.shape == (4, 2) and mean[:, 1] == pytest.approx([0.415] * 4)
     assert plots.seed_band(runs['dense'], 'train', 'full_frac') is None
     points = plots.arm_points(runs, 'flops_proxy')
     # x: flops_proxy 1.51, 1.52; y: final val loss 2.0 + 0.1·s
     assert points['routed'] == pytest.approx((1.515, 0.005, 2.15, 0.05))
-    assert set(plots.arm_points(runs, 'tlops_saved')) == {'routed'}                 # dense never logs it
+    # dense never logs it
+    assert set(plots.arm_points(runs, 'tlops_saved')) == {'routed'}
 
 
 def test_write_plots_for_a_tiny_fake_study(tmp_path):
@@ -99,7 +102,8 @@ def test_sweep_plots_after_its_summary_and_no_plots_skips(tmp_path):
 
 def test_missing_matplotlib_skips_plots_with_one_line(tmp_path, monkeypatch, capsys):
     fake_study(tmp_path)
-    monkeypatch.setitem(sys.modules, 'matplotlib', None)          # import matplotlib now raises ImportError
+    # import matplotlib now raises ImportError
+    monkeypatch.setitem(sys.modules, 'matplotlib', None)
     assert plots.pyplot() is None
     assert plots.write_plots(str(tmp_path)) == []
     out = capsys.readouterr().out
@@ -123,7 +127,8 @@ def test_routing_map_text_has_a_row_per_layer_and_a_column_per_token():
     x = torch.randint(0, 12, (1, 10))
     torch.manual_seed(1)
     grid = ev.routing_map(model, x)
-    torch.manual_seed(1)                                           # the random gate draws again: same draws
+    # the random gate draws again: same draws
+    torch.manual_seed(1)
     model.eval()
     masks = model(x)[2]['masks']
     assert grid.shape == (3, 10) and np.isnan(grid[1]).all()
@@ -155,7 +160,8 @@ def test_class_fractions_equal_a_recomputation_from_the_masks():
         batches.append((torch.randint(0, 12, (3, T)), torch.randint(0, 12, (3, T)), starts))
     torch.manual_seed(5)
     got = ev.difficulty_fractions(model, batches, difficulty, classes)
-    torch.manual_seed(5)                                           # replay the same random-gate draws
+    # replay the same random-gate draws
+    torch.manual_seed(5)
     model.eval()
     full, count = {}, {}
     with torch.no_grad():
@@ -163,7 +169,8 @@ def test_class_fractions_equal_a_recomputation_from_the_masks():
             masks = model(x, y)[2]['masks']
             for b, s in enumerate(starts):
                 for t in range(T):
-                    c = classes[difficulty[s + t + 1]]        # the class of the target of position t
+                    c = classes[difficulty[s + t + 1]]        # the class of the target of position
+                                                              # t
                     count[c] = count.get(c, 0) + 1
                     for layer, m in masks.items():
                         full[c, layer] = full.get((c, layer), 0) + int(m[b, t])
@@ -189,7 +196,8 @@ def test_eval_routing_map_cli_on_a_tiny_checkpoint(tmp_path, capsys):
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     val = np.fromfile(data / 'val.bin', dtype=meta['dtype'])
     assert res['ids'] == val[res['start']:res['start'] + 16].tolist()
-    assert res['tokens'] == [meta['itos'][i] for i in res['ids']]            # single-character symbols
+    # single-character symbols
+    assert res['tokens'] == [meta['itos'][i] for i in res['ids']]
     assert len(res['map']) == 3 and all(len(row) == 16 for row in res['map']) and set(res['map'][1]) == {None}
     assert set(res['full_frac_by_class']) == set(meta['difficulty_classes'])
     assert ev.main(['--ckpt', str(ckpt), '--routing-map', '--out', str(tmp_path / 'map.png')]) == 0

@@ -65,7 +65,8 @@ def expected_classes(text):
             cls = "N" * n + "S" + "N" * n + "S" + "H" * (n + 1)
         elif kind == "L":
             assert re.fullmatch(f"([a-p]{{3}}){{{n}}}", body), seg
-            for i in range(0, 3 * n, 3):         # one value per key pair, the same wherever it occurs
+            for i in range(0, 3 * n, 3):         # one value per key pair, the same wherever it
+                                                 # occurs
                 assert LOOKUP_SEEN.setdefault(body[i:i + 2], body[i + 2]) == body[i + 2], f"two values: {seg}"
             cls = "NNR" * n
         else:

@@ -93,7 +93,8 @@ def test_summary_statistics_match_hand_computation(tmp_path):
     assert a['std'] == pytest.approx(np.std(list(arm.values()), ddof=1))
     d = [arm[s] - ref[s] for s in seeds]
     vs = a['vs_reference']
-    assert vs['wins'] == 2 and vs['n'] == 3                       # lower avg LM is better in seeds 1 and 3
+    # lower avg LM is better in seeds 1 and 3
+    assert vs['wins'] == 2 and vs['n'] == 3
     half = 4.303 * np.std(d, ddof=1) / math.sqrt(3)              # t(0.975, df=2) = 4.303
     assert vs['mean_diff'] == pytest.approx(np.mean(d))
     assert vs['ci95'] == pytest.approx([np.mean(d) - half, np.mean(d) + half])
@@ -162,7 +163,8 @@ def test_threshold_hit_default_and_from_the_study(tmp_path):
     th, source = sweep.lm_threshold(study, results)
     assert th == pytest.approx(1.05 * (2.0 + 2.2) / 2) and 'reference' in source      # 2.205
     hits = {k: sweep.threshold_hit(str(tmp_path / k[0] / f'seed{k[1]}'), th) for k in curves}
-    assert hits == {('ref', 1): 20, ('ref', 2): 30, ('arm', 1): 10, ('arm', 2): None}   # iters 10, 20, 30
+    # iters 10, 20, 30
+    assert hits == {('ref', 1): 20, ('ref', 2): 30, ('arm', 1): 10, ('arm', 2): None}
     assert sweep.lm_threshold(dict(study, threshold=2.1), results) == (2.1, 'study file')
     assert sweep.threshold_hit(str(tmp_path / 'arm' / 'seed1'), 2.1) == 20
 
@@ -230,7 +232,8 @@ def test_jobs_2_runs_two_at_once_and_summarises_as_sequential(tmp_path, monkeypa
     assert par.pop('study') != seq.pop('study') and par == seq
     a, b = par['table']['A'], par['table']['B']
     assert a['avg_lm']['per_seed'] == pytest.approx([2.51, 2.52]) and b['avg_lm']['per_seed'] == pytest.approx([3.01, 3.02])
-    # default threshold: 1.05 × A's final train LM (1.81, 1.82) -> 1.90575; A gets there at iter 4, B never
+    # default threshold: 1.05 × A's final train LM (1.81, 1.82) -> 1.90575; A gets there at iter 4,
+    # B never
     assert par['threshold']['value'] == pytest.approx(1.05 * 1.815)
     assert a['threshold_hit']['per_seed'] == [4, 4] and b['threshold_hit']['per_seed'] == [None, None]
     assert not (tmp_path / 'par' / 'plots').exists()
@@ -253,7 +256,8 @@ def test_threshold_hits_are_censored_not_dropped():
     results = {(a, s): dict(threshold_hit=v[s], code='x') for a, v in (('ref', ref), ('arm', arm)) for s in seeds}
     table = sweep.summarize(dict(arms={'ref': [], 'arm': []}, seeds=seeds, reference='ref'), results)['table']
     e = table['arm']['threshold_hit']
-    assert (e['hits'], e['runs']) == (2, 4) and e['mean'] == 25.0          # the mean is over the 2 that hit
+    # the mean is over the 2 that hit
+    assert (e['hits'], e['runs']) == (2, 4) and e['mean'] == 25.0
     assert table['ref']['threshold_hit']['hits'] == 2
     # seed 1: 10 < 20 win; seed 2: 40 < never win; seed 3: never > 30 loss; seed 4: both never, tie
     assert e['vs_reference'] == dict(n=4, wins=2, losses=1, ties=1, sign_p=1.0)
@@ -286,11 +290,13 @@ def test_room_verdict_against_the_seed_spread():
     def ref(ends):
         return dict(causal_val_loss=dict(mean=float(np.mean(ends)), std=float(np.std(ends, ddof=1)), per_seed=ends),
                     final_val_loss=dict(mean=None, std=None, per_seed=[None, None]))
-    v = sweep.room_verdict(dict(seeds=[1, 2]), room, ref([1.01, 1.2]))     # levels 0.13 apart, relative 0.0071
+    # levels 0.13 apart, relative 0.0071
+    v = sweep.room_verdict(dict(seeds=[1, 2]), room, ref([1.01, 1.2]))
     assert v['key'] == 'gate_room' and v['size'] == pytest.approx(0.10) and v['verdict'] == 'room'
     assert v['seed_std'] == pytest.approx(np.std([0.01, 0.0], ddof=1)) and v['seed_std_raw'] == pytest.approx(np.std([1.01, 1.2], ddof=1))
     assert v['values']['room']['mean'] == pytest.approx(0.6)
-    no = sweep.room_verdict(dict(seeds=[1, 2]), room, ref([1.0, 1.22]))        # relative 0.0141: 0.10 < 10×
+    # relative 0.0141: 0.10 < 10×
+    no = sweep.room_verdict(dict(seeds=[1, 2]), room, ref([1.0, 1.22]))
     assert no['verdict'] == 'no room'
     assert sweep.room_verdict(dict(seeds=[1, 2], room_key='room'), room, ref([1.0, 1.22]))['verdict'] == 'room'
     md = sweep.room_markdown(no)
@@ -329,22 +335,26 @@ def test_room_is_measured_again_for_a_retrained_backbone(tmp_path, monkeypatch):
         return SimpleNamespace(returncode=0, stdout=json.dumps(dict(full=1.0, cheap=1.5, room=0.5)), stderr='')
     monkeypatch.setattr(sweep.subprocess, 'run', fake_run)
     study = dict(room_ckpt=str(tmp_path / 'seed{seed}.pt'), seeds=[1, 2])
-    assert sweep.measure_room(study, str(tmp_path))[1]['room'] == 0.5 and len(calls) == 1    # seed 2: no backbone
+    # seed 2: no backbone
+    assert sweep.measure_room(study, str(tmp_path))[1]['room'] == 0.5 and len(calls) == 1
     sweep.measure_room(study, str(tmp_path))
     assert len(calls) == 1                                       # cached
     os.utime(ckpt, (1, 1))
     sweep.measure_room(study, str(tmp_path))
-    assert len(calls) == 2                                       # the backbone changed: measured again
+    # the backbone changed: measured again
+    assert len(calls) == 2
 
 
 def test_frontier_is_interpolated_in_log_cost_and_never_extrapolated():
     pts = [(4.0, 2.0), (1.0, 3.0), (16.0, 1.5)]           # unsorted on purpose
-    assert sweep.frontier_at(pts, 2.0) == pytest.approx(2.5)          # halfway in log between 1 and 4
+    # halfway in log between 1 and 4
+    assert sweep.frontier_at(pts, 2.0) == pytest.approx(2.5)
     assert sweep.frontier_at(pts, 8.0) == pytest.approx(1.75)         # halfway between 4 and 16
     assert sweep.frontier_at(pts, 4.0) == pytest.approx(2.0) and sweep.frontier_at(pts, 1.0) == pytest.approx(3.0)
     assert sweep.frontier_at(pts, 0.5) is None and sweep.frontier_at(pts, 17.0) is None
     assert sweep.frontier_at(pts[:1], 4.0) is None                     # one size is no frontier
-    assert sweep.frontier_at([(0.0, 3.0), (4.0, 2.0)], 2.0) is None     # a zero cost is dropped, not log(0)
+    # a zero cost is dropped, not log(0)
+    assert sweep.frontier_at([(0.0, 3.0), (4.0, 2.0)], 2.0) is None
 
 
 def test_matched_compute_pairs_each_seed_with_its_own_frontier():
@@ -368,12 +378,15 @@ def test_matched_compute_pairs_each_seed_with_its_own_frontier():
     assert (r['wins'], r['n'], r['inside']) == (2, 3, 3)
     assert fr['axes']['eval_flops']['routed']['mean_diff'] == pytest.approx(-0.1)
     odd = fr['axes']['train_flops']['odd']
-    assert (odd['n'], odd['inside'], odd['missing'], odd['runs']) == (2, 2, 0, 3)   # seed 3 at cost 8: outside, counted
-    del results[('routed', 2)]                                          # a failed run: not measured, not "outside"
+    # seed 3 at cost 8: outside, counted
+    assert (odd['n'], odd['inside'], odd['missing'], odd['runs']) == (2, 2, 0, 3)
+    # a failed run: not measured, not "outside"
+    del results[('routed', 2)]
     r = sweep.summarize(study, results)['frontier']['axes']['eval_flops']['routed']
     assert (r['n'], r['inside'], r['missing']) == (2, 2, 1) and 'not measured 1/3' in sweep.frontier_markdown(
         sweep.summarize(study, results)['frontier'])
-    assert set(fr['axes']['train_flops']) == {'routed', 'odd'}         # frontier arms are not compared with themselves
+    # frontier arms are not compared with themselves
+    assert set(fr['axes']['train_flops']) == {'routed', 'odd'}
     assert fr['span'] == pytest.approx(1.0) and fr['seed_std'] == pytest.approx(0.2) and fr['verdict'] == 'no room'
     md = sweep.markdown(summary)
     assert '**Matched compute: no room.**' in md and '| odd |' in md and 'inside 2/3' in md
@@ -396,11 +409,14 @@ def test_absolute_flops_from_the_stored_config(tmp_path):
     assert dense['eval_flops_vs_dense'] == 1.0 and dense['eval_tlops_saved'] == 0.0
     assert dense['eval_flops'] == pytest.approx(per_token) and routed['eval_flops'] == pytest.approx(0.6 * per_token)
     assert dense['train_flops'] == routed['train_flops'] == 123.0
-    fake_run(tmp_path / 'bare', 5, summary=dict(iter=5), evals=[2.0])      # a config.json without a route
+    # a config.json without a route
+    fake_run(tmp_path / 'bare', 5, summary=dict(iter=5), evals=[2.0])
     assert 'eval_flops' not in sweep.run_metrics(str(tmp_path / 'bare'))
-    # a scratch run stores vocab_size 0 (taken from the data): the checkpoint's built vocabulary counts
+    # a scratch run stores vocab_size 0 (taken from the data): the checkpoint's built vocabulary
+    # counts
     (tmp_path / 'dense' / 'config.json').write_text(json.dumps(dict(shape, vocab_size=0, route='none', max_iters=5)))
-    assert sweep.run_metrics(str(tmp_path / 'dense')).get('eval_flops') is None     # no checkpoint: no guess
+    # no checkpoint: no guess
+    assert sweep.run_metrics(str(tmp_path / 'dense')).get('eval_flops') is None
     torch.save(dict(model={}, config={}, model_args=dict(shape, route='none')), tmp_path / 'dense' / 'ckpt.pt')
     assert sweep.run_metrics(str(tmp_path / 'dense'))['eval_flops'] == pytest.approx(per_token)
     # a summary that records eval_flops itself is taken as it is

@@ -191,7 +191,8 @@ def test_resume_is_bit_exact(synth, tmp_path, n, eval_interval, log_interval, ac
               f"--log_interval={log_interval}", f"--gradient_accumulation_steps={accum}",
               f"--lr_decay_iters={2 * n}"]
     a, b = tmp_path / "a", tmp_path / "b"
-    run_a = start_train([*common, f"--max_iters={2 * n}", f"--out_dir={a}"])   # in parallel with run B
+    # in parallel with run B
+    run_a = start_train([*common, f"--max_iters={2 * n}", f"--out_dir={a}"])
     try:
         ok(run_train([*common, f"--max_iters={n}", f"--out_dir={b}"]))
         assert load_ckpt(b)["iter_num"] == n
@@ -296,7 +297,8 @@ def mfu_per_token_rate(out_dir):
 def test_ddp_mfu_accounts_for_world_size(ddp_runs):
     single, ddp = mfu_per_token_rate(ddp_runs.single), mfu_per_token_rate(ddp_runs.ddp)
     assert single and len(single) == len(ddp)
-    for a, b in zip(single, ddp):          # same model and global batch: FLOPs per token agree to ~routing noise
+    for a, b in zip(single, ddp):          # same model and global batch: FLOPs per token agree to
+                                           # ~routing noise
         assert b == pytest.approx(a / 2, rel=0.1)
 
 
@@ -435,7 +437,8 @@ def test_batches_epochs_ranks_and_shift(block_size, batch_size, seed, extra, wid
             assert torch.equal(y[:, -1], torch.tensor(data[s + block_size].astype(np.int64)))
 
         # 2 ranks x accumulation 1 read exactly what 1 rank x accumulation 2 reads, iteration by
-        # iteration (train.py's index: j = (iter*accum + micro)*world + rank), and ranks never share a row
+        # iteration (train.py's index: j = (iter*accum + micro)*world + rank), and ranks never share
+        # a row
         def read(world, accum, iters=3):
             out = []
             for it in range(iters):
@@ -450,7 +453,8 @@ def test_batches_epochs_ranks_and_shift(block_size, batch_size, seed, extra, wid
         for it in range(3):
             assert sorted(ddp[it].values()) == sorted(single[it].values())
             assert ddp[it][(0, 0)] == single[it][(0, 0)] and ddp[it][(1, 0)] == single[it][(0, 1)]
-        js = [(it * 2 + m) * 2 + r for it in range(5) for m in range(2) for r in range(2)]   # world 2, accum 2
+        # world 2, accum 2
+        js = [(it * 2 + m) * 2 + r for it in range(5) for m in range(2) for r in range(2)]
         assert sorted(js) == list(range(20))          # every micro-batch index exactly once
 
         # eval batches: fixed, in range, and different per split seed
@@ -465,7 +469,8 @@ def test_batches_rejects_too_short_file(tmp_path):
     np.arange(64, dtype=np.uint16).tofile(path)
     with pytest.raises(loader.DataError, match="too few"):
         loader.Batches(str(path), np.uint16, 32, 4, 0, torch.device("cpu"))
-    loader.Batches(str(path), np.uint16, 31, 4, 0, torch.device("cpu"))   # 64 - 1 - 31 = 32 -> 1 window
+    # 64 - 1 - 31 = 32 -> 1 window
+    loader.Batches(str(path), np.uint16, 31, 4, 0, torch.device("cpu"))
 
 
 def test_batches_seed_changes_order(tmp_path):
@@ -727,7 +732,8 @@ def test_resume_drops_metrics_lines_cut_short(tmp_path):
     path.write_text('{"type": "train", "iter": 1}\n{"type": "eval", "iter": 2}\n{"type": "train", "it')
     train.drop_records_after(str(path), 5)
     assert path.read_text() == '{"type": "train", "iter": 1}\n{"type": "eval", "iter": 2}\n'
-    path.write_text('{"type": "train", "iter": 1}\n{"type": "train", "iter": 2}')     # the newline was lost
+    # the newline was lost
+    path.write_text('{"type": "train", "iter": 1}\n{"type": "train", "iter": 2}')
     train.drop_records_after(str(path), 5)
     assert path.read_text() == '{"type": "train", "iter": 1}\n{"type": "train", "iter": 2}\n'
     train.drop_records_after(str(path), 1)
@@ -782,7 +788,8 @@ def test_nonfinite_loss_from_scratch(nan_runs):
     r = run.result
     assert r.returncode == 2 and re.search(r"error: .*iteration \d+", r.stderr), r.stderr
     assert "Traceback" not in r.stderr
-    assert not (run.out / "ckpt.pt").exists()   # no eval happened after iteration 0: nothing to save
+    assert not (run.out / "ckpt.pt").exists()   # no eval happened after iteration 0: nothing to
+                                                # save
     assert "no checkpoint was saved yet" in r.stderr and "left untouched" not in r.stderr
 
 
@@ -792,7 +799,8 @@ def test_overwrite_replaces_the_old_run(base_run, synth, tmp_path):
     ok(run_train([*TINY, *data_args(synth), f"--out_dir={out}", "--max_iters=2", "--eval_interval=2",
                   "--overwrite=True"]))
     recs = read_metrics(out)
-    assert [r["iter"] for r in recs if r["type"] == "eval"] == [0, 2]      # none of the old run's evals
+    # none of the old run's evals
+    assert [r["iter"] for r in recs if r["type"] == "eval"] == [0, 2]
     assert load_ckpt(out)["iter_num"] == 2
 
 
@@ -1014,7 +1022,8 @@ def bad_input_cases(synth, text_data, base_copy):
         "negative_lr": ([*TINY, *d, "--learning_rate=-1e-3"], "learning_rate"),
         "dropout_above_1": ([*TINY, *d, "--dropout=1.5"], "dropout"),
         "negative_max_iters": ([*TINY, *d, "--max_iters=-1"], "max_iters"),
-        # a model vocabulary below the data's 34 symbols: refused, not an embedding index error mid-run
+        # a model vocabulary below the data's 34 symbols: refused, not an embedding index error
+        # mid-run
         "vocab_below_data": ([*TINY, *d, "--vocab_size=20"], "vocab_size"),
         "bogus_device": ([*TINY, *d, "--device=bogus"], "device"),
         "mps_device": ([*TINY, *d, "--device=mps"], "device"),
@@ -1102,11 +1111,13 @@ def test_quickstart_prepares_trains_and_samples(tmp_path):
     assert abs(float(np.mean(routing["val_loss"]["full_frac"])) - routing["budget"]) <= 0.05
     assert set(routing["full_frac_by_class"]) == set(P.DIFFICULTY_CLASSES)
     assert routing["val_loss_cheap"] > 0 and routing["val_loss_full"] > 0
-    # absolute eval FLOPs per token, with the vocabulary the model was built with (config.json stores 0)
+    # absolute eval FLOPs per token, with the vocabulary the model was built with (config.json
+    # stores 0)
     built = GPTConfig.from_dict(load_ckpt(out)["model_args"])
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 0 and built.vocab_size > 0
     assert summary["eval_flops"] == pytest.approx(summary["eval_flops_vs_dense"] * flops.dense_forward_flops(built, built.block_size) / built.block_size)
-    # eval.py in the documented form (--ckpt PATH --json) prints one JSON object; a bad key is a clean error
+    # eval.py in the documented form (--ckpt PATH --json) prints one JSON object; a bad key is a
+    # clean error
     e = ok(run_py("eval.py", ["--ckpt", str(out / "ckpt.pt"), "--json", f"--data_dir={data}", "--eval_iters=1"]))
     res = json.loads(e.stdout.strip().splitlines()[-1])
     assert abs(float(np.mean(res["val_loss"]["full_frac"])) - res["budget"]) <= 0.05
@@ -1123,7 +1134,8 @@ def test_quickstart_prepares_trains_and_samples(tmp_path):
     s = ok(run_py("sample.py", [f"--out_dir={out}", "--num_samples=1", "--max_new_tokens=10", f"--data_dir={data}"]))
     first = s.stdout.splitlines()[0]
     symbols = set(P.SYMBOLS)
-    assert len(first) == 11 and set(first) <= symbols, first     # 1 prompt token + 10 new, all corpus symbols
+    # 1 prompt token + 10 new, all corpus symbols
+    assert len(first) == 11 and set(first) <= symbols, first
 
 
 # ----------------------------------------------------------------------------------------------------
