@@ -44,8 +44,18 @@ from configurator import ConfigError, load_config, run_cli, writable_file
 from device import autocast_context, cli_device, resolve_device_dtype
 from model import FAMILIES, GPT
 
-BENCH_DEFAULTS = dict(bench_steps=10, bench_warmup=3, decode_tokens=32, decode_batches='1,8',
-                      budgets='', prefill_shapes='8x512', sparse=True, profile=False, decode_prompt=0, out='')
+BENCH_DEFAULTS = dict(
+    bench_steps=10,
+    bench_warmup=3,
+    decode_tokens=32,
+    decode_batches='1,8',
+    budgets='',
+    prefill_shapes='8x512',
+    sparse=True,
+    profile=False,
+    decode_prompt=0,
+    out='',
+)
 BENCH_EXAMPLES = dict(budgets="'1.0,0.5'", decode_batches="'1,8'", prefill_shapes="'8x512' (BxT)")
 
 
@@ -65,7 +75,9 @@ def shape(text):
 
 def check_bench_config(cfg):
     """The benchmark's own fields, refused before any model is built."""
-    at_least = dict(bench_steps=1, bench_warmup=0, block_size=1, batch_size=1, decode_tokens=1, decode_prompt=0)
+    at_least = dict(
+        bench_steps=1, bench_warmup=0, block_size=1, batch_size=1, decode_tokens=1, decode_prompt=0
+    )
     for key, lo in at_least.items():
         if cfg[key] < lo:
             raise ConfigError(f"{key} must be >= {lo}, got {cfg[key]}")
@@ -74,14 +86,18 @@ def check_bench_config(cfg):
     if any(not 0 < b <= 1 for b in numbers(cfg, 'budgets', float)):
         raise ConfigError(f"budgets must be full-path fractions in (0, 1], got {cfg['budgets']!r}")
     if any(min(s) < 1 for s in numbers(cfg, 'prefill_shapes', shape)):
-        raise ConfigError(f"prefill_shapes must be BxT with B, T >= 1, got {cfg['prefill_shapes']!r}")
+        raise ConfigError(
+            f"prefill_shapes must be BxT with B, T >= 1, got {cfg['prefill_shapes']!r}"
+        )
     # decode is timed with the KV cache: past block_size, generate would recompute the cropped
     # window
     prompt = (cfg['decode_prompt'] if cfg['budgets'] else 0) or 1
     if prompt + cfg['decode_tokens'] > cfg['block_size']:
-        raise ConfigError(f"decode_tokens={cfg['decode_tokens']} plus a {prompt}-token prompt exceeds "
-                          f"block_size={cfg['block_size']}, so decode would not be KV-cached; lower decode_tokens"
-                          + (" or decode_prompt" if prompt > 1 else ''))
+        raise ConfigError(
+            f"decode_tokens={cfg['decode_tokens']} plus a {prompt}-token prompt exceeds "
+            f"block_size={cfg['block_size']}, so decode would not be KV-cached; lower decode_tokens"
+            + (" or decode_prompt" if prompt > 1 else '')
+        )
 
 
 def timed(fn, steps, warmup, dev):
@@ -137,7 +153,9 @@ def bench(cfg):
     t_prefill = timed(prefill, cfg['bench_steps'], cfg['bench_warmup'], dev)
     decode = {}
     for db in numbers(cfg, 'decode_batches', int):
-        prompt = torch.randint(0, mcfg.vocab_size, (db, max(1, T - cfg['decode_tokens'])), device=dev)
+        prompt = torch.randint(
+            0, mcfg.vocab_size, (db, max(1, T - cfg['decode_tokens'])), device=dev
+        )
 
         def gen():
             with autocast:
@@ -148,13 +166,27 @@ def bench(cfg):
                                               # not)
     step_flops = B * flops.train_step_flops(mcfg, T)['total']
     mfu = step_flops / t_train / peak if peak else None
-    return dict(route=mcfg.route, budget=FAMILIES[mcfg.route].budget(mcfg), vocab_size=mcfg.vocab_size, device=str(dev),
-                device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu', dtype=dt,
-                compile=cfg['compile'], torch=torch.__version__, **train.code_version(), threads=torch.get_num_threads(),
-                params=model.get_num_params(), batch_size=B, block_size=T,
-                train_ms_per_step=t_train * 1e3, train_tokens_per_s=train_tps, train_mfu=mfu,
-                prefill_tokens_per_s=prefill_tps, decode_tokens_per_s={str(k): v for k, v in decode.items()},
-                train_flops_per_step=step_flops)
+    return dict(
+        route=mcfg.route,
+        budget=FAMILIES[mcfg.route].budget(mcfg),
+        vocab_size=mcfg.vocab_size,
+        device=str(dev),
+        device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
+        dtype=dt,
+        compile=cfg['compile'],
+        torch=torch.__version__,
+        **train.code_version(),
+        threads=torch.get_num_threads(),
+        params=model.get_num_params(),
+        batch_size=B,
+        block_size=T,
+        train_ms_per_step=t_train * 1e3,
+        train_tokens_per_s=train_tps,
+        train_mfu=mfu,
+        prefill_tokens_per_s=prefill_tps,
+        decode_tokens_per_s={str(k): v for k, v in decode.items()},
+        train_flops_per_step=step_flops,
+    )
 
 
 def eval_model(mcfg, dev):
@@ -213,18 +245,42 @@ def bench_routed(cfg):
         # dense again, in the same window
         d_pre = time_model(dense, cfg, xs, g, base, dev, autocast, decode=False)[0]
         rows += prefill_rows(cfg, m, base, budget, xs, r_pre, d_pre, autocast)
-        rows += [dict(kind='decode', budget=budget, batch=b, dense_tokens_per_s=d_dec[b], routed_tokens_per_s=r_dec[b],
-                      time_ratio=d_dec[b] / r_dec[b]) for b in r_dec]
+        rows += [
+            dict(
+                kind='decode',
+                budget=budget,
+                batch=b,
+                dense_tokens_per_s=d_dec[b],
+                routed_tokens_per_s=r_dec[b],
+                time_ratio=d_dec[b] / r_dec[b],
+            )
+            for b in r_dec
+        ]
         if cfg['profile'] and abs(budget - 0.5) < 1e-9:
             s, x = shapes[-1], xs[shapes[-1]]
             with autocast:
-                profile = dict(shape=f"{s[0]}x{s[1]}", routed=profile_breakdown(no_grad_forward(m, x, cfg['sparse'])),
-                               dense=profile_breakdown(no_grad_forward(dense, x, cfg['sparse'])))
-    return dict(route=base.route, device=str(dev), device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
-                dtype=dt, compile=cfg['compile'], sparse=cfg['sparse'], torch=torch.__version__, **train.code_version(),
-                threads=torch.get_num_threads(),
-                n_layer=base.n_layer, n_embd=base.n_embd, routed_layers=FAMILIES[base.route].routed_layers(base),
-                rows=rows, train=bench_controller_step(cfg, base, dev, autocast), profile=profile)
+                profile = dict(
+                    shape=f"{s[0]}x{s[1]}",
+                    routed=profile_breakdown(no_grad_forward(m, x, cfg['sparse'])),
+                    dense=profile_breakdown(no_grad_forward(dense, x, cfg['sparse'])),
+                )
+    return dict(
+        route=base.route,
+        device=str(dev),
+        device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
+        dtype=dt,
+        compile=cfg['compile'],
+        sparse=cfg['sparse'],
+        torch=torch.__version__,
+        **train.code_version(),
+        threads=torch.get_num_threads(),
+        n_layer=base.n_layer,
+        n_embd=base.n_embd,
+        routed_layers=FAMILIES[base.route].routed_layers(base),
+        rows=rows,
+        train=bench_controller_step(cfg, base, dev, autocast),
+        profile=profile,
+    )
 
 
 def routed_base(cfg):
@@ -233,11 +289,15 @@ def routed_base(cfg):
     base = train.model_config(SimpleNamespace(**cfg), vocab_size=cfg['vocab_size'] or 50304)
     if FAMILIES[base.route].bench_config(base, 1.0) is None:
         routes = tuple(r for r, f in FAMILIES.items() if f.bench_config(base, 1.0) is not None)
-        raise train.TrainError(f"--budgets times route={' or '.join(map(repr, routes))} against dense; "
-                               f"this config has route={base.route!r}")
+        raise train.TrainError(
+            f"--budgets times route={' or '.join(map(repr, routes))} against dense; "
+            f"this config has route={base.route!r}"
+        )
     shapes = numbers(cfg, 'prefill_shapes', shape)
     if any(T > base.block_size for _, T in shapes):
-        raise train.TrainError(f"prefill_shapes {cfg['prefill_shapes']} exceed block_size {base.block_size}")
+        raise train.TrainError(
+            f"prefill_shapes {cfg['prefill_shapes']} exceed block_size {base.block_size}"
+        )
     return base, shapes
 
 
@@ -320,12 +380,27 @@ def prefill_rows(cfg, m, base, budget, xs, r_pre, d_pre, autocast):
         frac = [int(v.sum()) / v.numel() for _, v in sorted(masks.items())]
         executed = m.family.executed_fracs(masks) if masks else None
         run_frac = executed.tolist() if executed is not None else frac
-        f_ratio, exec_ratio = (prefill_flops_ratio(m.config, base, s[1], f) for f in (frac, run_frac))
+        f_ratio, exec_ratio = (
+            prefill_flops_ratio(m.config, base, s[1], f) for f in (frac, run_frac)
+        )
         t_ratio = r_pre[s] / d_pre[s]
-        rows.append(dict(kind='prefill', budget=budget, batch=s[0], seq=s[1], realised_frac=sum(frac) / len(frac),
-                         layer_fracs=frac, executed_fracs=run_frac,
-                         dense_ms=d_pre[s] * 1e3, routed_ms=r_pre[s] * 1e3, time_ratio=t_ratio,
-                         flops_ratio=f_ratio, executed_flops_ratio=exec_ratio, ideal_realised=f_ratio / t_ratio))
+        rows.append(
+            dict(
+                kind='prefill',
+                budget=budget,
+                batch=s[0],
+                seq=s[1],
+                realised_frac=sum(frac) / len(frac),
+                layer_fracs=frac,
+                executed_fracs=run_frac,
+                dense_ms=d_pre[s] * 1e3,
+                routed_ms=r_pre[s] * 1e3,
+                time_ratio=t_ratio,
+                flops_ratio=f_ratio,
+                executed_flops_ratio=exec_ratio,
+                ideal_realised=f_ratio / t_ratio,
+            )
+        )
     return rows
 
 
@@ -341,8 +416,10 @@ def bench_controller_step(cfg, base, dev, autocast):
     """Training step of controller-only G1 without util/rank (frozen backbone, gates only) against a
     dense joint training step of the same backbone, at batch_size x block_size."""
     g1 = replace(base, route='ffn', ffn_gate='mlp', ffn_util_weight=0.0, ffn_rank_weight=0.0)
-    out = dict(dense_joint_ms=time_train_step(cfg, replace(base, route='none'), dev, autocast) * 1e3,
-               g1_controller_ms=time_train_step(cfg, g1, dev, autocast, controller=True) * 1e3)
+    out = dict(
+        dense_joint_ms=time_train_step(cfg, replace(base, route='none'), dev, autocast) * 1e3,
+        g1_controller_ms=time_train_step(cfg, g1, dev, autocast, controller=True) * 1e3,
+    )
     out['ratio'] = out['g1_controller_ms'] / out['dense_joint_ms']
     return out
 
@@ -378,41 +455,70 @@ def train_row(cfg, mcfg, base, budget, dev, autocast, dense_s):
     """The routed model's joint training step against the dense one's (timed before the budgets), with
     the analytic step-FLOPs ratio (training top-k at the budget; soft TSA and the exits run every token)."""
     routed_s, T = time_train_step(cfg, mcfg, dev, autocast), base.block_size
-    f_ratio = flops.train_step_flops(mcfg, T)['total'] / flops.train_step_flops(replace(base, route='none'), T)['total']
+    f_ratio = (
+        flops.train_step_flops(mcfg, T)['total']
+        / flops.train_step_flops(replace(base, route='none'), T)['total']
+    )
     t_ratio = routed_s / dense_s
-    return dict(kind='train', budget=budget, dense_ms=dense_s * 1e3, routed_ms=routed_s * 1e3, time_ratio=t_ratio,
-                flops_ratio=f_ratio, ideal_realised=f_ratio / t_ratio)
+    return dict(
+        kind='train',
+        budget=budget,
+        dense_ms=dense_s * 1e3,
+        routed_ms=routed_s * 1e3,
+        time_ratio=t_ratio,
+        flops_ratio=f_ratio,
+        ideal_realised=f_ratio / t_ratio,
+    )
 
 
 def print_routed(res):
-    print(f"{res['route']} routing vs dense | {res['device']} {res['dtype']} compile={res['compile']} "
-          f"sparse={res['sparse']} torch {res['torch']} threads {res['threads']} | L={res['n_layer']} d={res['n_embd']}")
-    print('| budget | BxT | realised | dense ms | routed ms | time ratio | FLOPs ratio (ideal / executed) | ideal realised |')
+    print(
+        f"{res['route']} routing vs dense | {res['device']} {res['dtype']} compile={res['compile']} "
+        f"sparse={res['sparse']} torch {res['torch']} threads {res['threads']} | L={res['n_layer']} d={res['n_embd']}"
+    )
+    print(
+        '| budget | BxT | realised | dense ms | routed ms | time ratio | FLOPs ratio (ideal / executed) | ideal realised |'
+    )
     print('|---|---|---|---|---|---|---|---|')
     for r in res['rows']:
         if r['kind'] == 'prefill':
-            print(f"| {r['budget']} | {r['batch']}x{r['seq']} | {r['realised_frac']:.3f} | {r['dense_ms']:.1f} | "
-                  f"{r['routed_ms']:.1f} | {r['time_ratio']:.3f} | {r['flops_ratio']:.3f} / "
-                  f"{r['executed_flops_ratio']:.3f} | {r['ideal_realised']:.2f} |")
+            print(
+                f"| {r['budget']} | {r['batch']}x{r['seq']} | {r['realised_frac']:.3f} | {r['dense_ms']:.1f} | "
+                f"{r['routed_ms']:.1f} | {r['time_ratio']:.3f} | {r['flops_ratio']:.3f} / "
+                f"{r['executed_flops_ratio']:.3f} | {r['ideal_realised']:.2f} |"
+            )
     print('| budget | decode batch | dense tok/s | routed tok/s | time ratio |')
     print('|---|---|---|---|---|')
     for r in res['rows']:
         if r['kind'] == 'decode':
-            print(f"| {r['budget']} | {r['batch']} | {r['dense_tokens_per_s']:.0f} | {r['routed_tokens_per_s']:.0f} | "
-                  f"{r['time_ratio']:.3f} |")
-    print('| budget | joint training step: dense ms | routed ms | time ratio | FLOPs ratio | ideal realised |')
+            print(
+                f"| {r['budget']} | {r['batch']} | {r['dense_tokens_per_s']:.0f} | {r['routed_tokens_per_s']:.0f} | "
+                f"{r['time_ratio']:.3f} |"
+            )
+    print(
+        '| budget | joint training step: dense ms | routed ms | time ratio | FLOPs ratio | ideal realised |'
+    )
     print('|---|---|---|---|---|---|')
     for r in res['rows']:
         if r['kind'] == 'train':
-            print(f"| {r['budget']} | {r['dense_ms']:.1f} | {r['routed_ms']:.1f} | {r['time_ratio']:.3f} | "
-                  f"{r['flops_ratio']:.3f} | {r['ideal_realised']:.2f} |")
+            print(
+                f"| {r['budget']} | {r['dense_ms']:.1f} | {r['routed_ms']:.1f} | {r['time_ratio']:.3f} | "
+                f"{r['flops_ratio']:.3f} | {r['ideal_realised']:.2f} |"
+            )
     t = res['train']
-    print(f"training step: dense joint {t['dense_joint_ms']:.1f} ms, controller-only G1 (no util/rank) "
-          f"{t['g1_controller_ms']:.1f} ms, ratio {t['ratio']:.3f}")
+    print(
+        f"training step: dense joint {t['dense_joint_ms']:.1f} ms, controller-only G1 (no util/rank) "
+        f"{t['g1_controller_ms']:.1f} ms, ratio {t['ratio']:.3f}"
+    )
     if res['profile']:
         for name in ('routed', 'dense'):
-            print(f"profile of the {name} prefill {res['profile']['shape']} at budget 0.5: " + ', '.join(
-                f"{k} {v['ms']:.0f} ms ({v['share'] * 100:.0f}%)" for k, v in res['profile'][name].items()))
+            print(
+                f"profile of the {name} prefill {res['profile']['shape']} at budget 0.5: "
+                + ', '.join(
+                    f"{k} {v['ms']:.0f} ms ({v['share'] * 100:.0f}%)"
+                    for k, v in res['profile'][name].items()
+                )
+            )
 
 
 def parse_args(argv):

@@ -95,7 +95,9 @@ def load_checkpoint(path, map_location='cpu'):
         raise CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:160] if str(e) else 'corrupt'}); it is truncated or "
                               f"corrupt: use another checkpoint or retrain") from None
-    missing = [k for k in ('model', 'model_args', 'config') if not isinstance(ckpt, dict) or k not in ckpt]
+    missing = [
+        k for k in ('model', 'model_args', 'config') if not isinstance(ckpt, dict) or k not in ckpt
+    ]
     if missing:
         raise CheckpointError(f"{path} is not a nanodepth checkpoint (no {', '.join(missing)})")
     return ckpt

@@ -215,7 +215,9 @@ def load_config(defaults, argv):
     for arg in argv:
         if not arg.startswith('--'):
             if not arg.endswith('.py'):
-                raise ConfigError(f"expected a config file ending in .py or --key=value, got '{arg}'")
+                raise ConfigError(
+                    f"expected a config file ending in .py or --key=value, got '{arg}'"
+                )
             if not os.path.isfile(arg):
                 raise ConfigError(f"config file not found: {arg}")
             namespace = {}

@@ -134,8 +134,11 @@ if triton is not None:
             h = acc * tl.sigmoid(1.5957691216057308 * (acc + 0.044715 * acc * acc * acc))
         else:           # exact GELU
             h = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
-        tl.store(h_ptr + rm64[:, None] * stride_hm + rn[None, :] * stride_hn, h.to(h_ptr.dtype.element_ty),
-                 mask=live[:, None] & (rn[None, :] < W))
+        tl.store(
+            h_ptr + rm64[:, None] * stride_hm + rn[None, :] * stride_hn,
+            h.to(h_ptr.dtype.element_ty),
+            mask=live[:, None] & (rn[None, :] < W),
+        )
 
     @triton.jit
     def _proj_scatter_kernel(
@@ -171,8 +174,11 @@ if triton is not None:
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=rn < C, other=0.0).to(tl.float32)[None, :]
         rows = tl.load(order_ptr + rm, mask=live, other=0)  # the scatter: out's rows through order
-        tl.store(out_ptr + rows[:, None] * stride_om + rn[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
-                 mask=live[:, None] & (rn[None, :] < C))
+        tl.store(
+            out_ptr + rows[:, None] * stride_om + rn[None, :] * stride_on,
+            acc.to(out_ptr.dtype.element_ty),
+            mask=live[:, None] & (rn[None, :] < C),
+        )
 
 
 def _interpreted(kernel):
@@ -197,9 +203,29 @@ def launch_mlp_rows(x, order, lo, hi, w_fc, b_fc, w_proj, b_proj, approximate, o
     dot_fp32 = ieee or (x.dtype == torch.bfloat16 and _interpreted(_gather_fc_gelu_kernel))
     blocks = dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     wrap(_gather_fc_gelu_kernel)[(triton.cdiv(N, block_m), triton.cdiv(W, BLOCK_N))](
-        x, order, lo, hi, w_fc, b_fc if b_fc is not None else w_fc, h, started, N, C, W,
-        x.stride(0), x.stride(1), w_fc.stride(0), w_fc.stride(1), h.stride(0), h.stride(1),
-        HAS_BIAS=b_fc is not None, TANH=approximate == 'tanh', COUNT_STARTED=count, DOT_FP32=dot_fp32, **blocks)
+        x,
+        order,
+        lo,
+        hi,
+        w_fc,
+        b_fc if b_fc is not None else w_fc,
+        h,
+        started,
+        N,
+        C,
+        W,
+        x.stride(0),
+        x.stride(1),
+        w_fc.stride(0),
+        w_fc.stride(1),
+        h.stride(0),
+        h.stride(1),
+        HAS_BIAS=b_fc is not None,
+        TANH=approximate == 'tanh',
+        COUNT_STARTED=count,
+        DOT_FP32=dot_fp32,
+        **blocks,
+    )
     wrap(_proj_scatter_kernel)[(triton.cdiv(N, block_m), triton.cdiv(C, BLOCK_N))](
         h, order, lo, hi, w_proj, b_proj if b_proj is not None else w_proj, out, started, N, C, W,
         h.stride(0), h.stride(1), w_proj.stride(0), w_proj.stride(1), out.stride(0), out.stride(1),
@@ -238,7 +264,11 @@ def use_triton(x):
     forced = os.environ.get('NANODEPTH_TRITON', '')
     if forced in ('0', '1'):
         return forced == '1'
-    return x.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(x.device) >= MIN_CAPABILITY
+    return (
+        x.is_cuda
+        and torch.version.hip is None
+        and torch.cuda.get_device_capability(x.device) >= MIN_CAPABILITY
+    )
 
 
 def _as_count(v, device):
@@ -261,7 +291,9 @@ def mlp_rows(x, order, lo, hi, mlp, out):
     if torch.is_autocast_enabled(x.device.type):   # as autocast casts F.linear's operands in the
                                                    # reference
         dtype = torch.get_autocast_dtype(x.device.type)
-        x, w_fc, b_fc, w_proj, b_proj = (t if t is None else t.to(dtype) for t in (x, w_fc, b_fc, w_proj, b_proj))
+        x, w_fc, b_fc, w_proj, b_proj = (
+            t if t is None else t.to(dtype) for t in (x, w_fc, b_fc, w_proj, b_proj)
+        )
     torch.ops.nanodepth.mlp_rows(x, order, _as_count(lo, x.device), _as_count(hi, x.device),
                                  w_fc, b_fc, w_proj, b_proj, approximate, out)
     return out

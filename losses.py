@@ -11,7 +11,9 @@ import torch.nn.functional as F
 
 def per_token_ce(logits, targets):
     """CE_t = −log softmax(logits_t)[y_t], (B, T); positions with target −1 give 0."""
-    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1, reduction='none')
+    ce = F.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1, reduction='none'
+    )
     return ce.view(targets.shape)
 
 

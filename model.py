@@ -83,8 +83,12 @@ class GPTConfig(*[f.Options for f in reversed(FAMILIES.values()) if f.Options is
             raise ValueError(f"layer_dropout must be in [0, 1), got {self.layer_dropout}")
         # the blocks are routed
         if self.layer_dropout > 0 and 'layer_dropout' not in FAMILIES[self.route].options:
-            readers = ' or '.join(repr(r) for r, f in FAMILIES.items() if 'layer_dropout' in f.options)
-            raise ValueError(f"layer_dropout is LayerSkip's (route={readers}), not for route={self.route!r}")
+            readers = ' or '.join(
+                repr(r) for r, f in FAMILIES.items() if 'layer_dropout' in f.options
+            )
+            raise ValueError(
+                f"layer_dropout is LayerSkip's (route={readers}), not for route={self.route!r}"
+            )
         FAMILIES[self.route].validate(self)
 
     @classmethod
@@ -138,7 +142,9 @@ class KVCache:
         shape = (config.n_layer, batch_size, config.n_head, max_len, hd)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.kpos = torch.full((config.n_layer, batch_size, max_len), -1, dtype=torch.long, device=device)
+        self.kpos = torch.full(
+            (config.n_layer, batch_size, max_len), -1, dtype=torch.long, device=device
+        )
         self.max_len = max_len
 
     def write(self, layer, k, v, pos, valid=None):
@@ -174,7 +180,10 @@ class CausalSelfAttention(nn.Module):
     def heads(self, x, pos=None):
         """q, k, v (B, n_head, T, head size) of x (B, T, C), q and k rotated at pos with rotary positions."""
         B, T, C = x.size()
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
+        q, k, v = (
+            t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+            for t in self.c_attn(x).split(C, dim=2)
+        )
         if self.rope_base is not None:
             p = pos if pos is not None else torch.arange(T, device=x.device).expand(B, T)
             q, k = rope_rotate(q, p, self.rope_base), rope_rotate(k, p, self.rope_base)
@@ -280,7 +289,9 @@ class GPT(nn.Module):
 
     def embed(self, idx, pos=None):
         if idx.size(1) > self.config.block_size:
-            raise ValueError(f"sequence length {idx.size(1)} exceeds block_size {self.config.block_size}")
+            raise ValueError(
+                f"sequence length {idx.size(1)} exceeds block_size {self.config.block_size}"
+            )
         x = self.transformer.wte(idx)
         if self.transformer.wpe is not None:
             x = x + (self.transformer.wpe(pos) if pos is not None
@@ -296,11 +307,23 @@ class GPT(nn.Module):
         {layer: (B, T), 1 = full path / block runs}, 'tlops_saved'. force, calibrate, sparse, exec_mode
         (None: self.exec_mode) and the family's per-step options (Family.step_options) are what this
         forward asks of the routing family: routing.RouteCtx says what each means."""
-        ctx = RouteCtx(force=force, calibrate=calibrate, sparse=sparse, targets=targets, idx=idx, pos=pos,
-                       options=options, exec_mode=exec_mode if exec_mode is not None else self.exec_mode)
+        ctx = RouteCtx(
+            force=force,
+            calibrate=calibrate,
+            sparse=sparse,
+            targets=targets,
+            idx=idx,
+            pos=pos,
+            options=options,
+            exec_mode=exec_mode if exec_mode is not None else self.exec_mode,
+        )
         self.family.begin(self, ctx)
         ctx.final = x = self.family.run_blocks(self, self.embed(idx, pos), pos, cache, ctx)
-        last = (lambda t: t[:, [-1]]) if (targets is None if last_only is None else last_only) else (lambda t: t)
+        last = (
+            (lambda t: t[:, [-1]])
+            if (targets is None if last_only is None else last_only)
+            else (lambda t: t)
+        )
         ctx.logits = logits = self.family.logits(self, x, ctx, last)
         aux, loss = dict(ctx.terms), None
         self.family.stats(self, ctx, aux)
@@ -355,11 +378,21 @@ class GPT(nn.Module):
         compile: run each cached decoding step (decode_step) through torch.compile(fullgraph=True),
         captured as a CUDA graph ('reduce-overhead') on CUDA; the prefill and sampling stay eager."""
         bs = self.config.block_size
-        record = (lambda aux: [stats.setdefault(k, []).append(aux[k].float()) for k in ('full_frac', 'tlops_saved')
-                               if k in aux]) if stats is not None else (lambda aux: None)
+        record = (
+            (
+                lambda aux: [
+                    stats.setdefault(k, []).append(aux[k].float())
+                    for k in ('full_frac', 'tlops_saved')
+                    if k in aux
+                ]
+            )
+            if stats is not None
+            else (lambda aux: None)
+        )
         if lengths is not None:
-            idx = self.generate_ragged(idx, list(lengths), max_new_tokens, temperature, top_k, record, vocab_limit,
-                                       compile)
+            idx = self.generate_ragged(
+                idx, list(lengths), max_new_tokens, temperature, top_k, record, vocab_limit, compile
+            )
         else:
             cache, step = None, self.decode_step_fn(idx.device, compile)
             for _ in range(max_new_tokens):
@@ -370,7 +403,9 @@ class GPT(nn.Module):
                     logits, aux = step(nxt, torch.full((B, 1), T - 1, device=idx.device), cache)  # noqa: F821
                 elif use_cache and T <= bs:
                     cache = self.new_cache(B, idx.device, compile)
-                    logits, _, aux = self(idx, pos=torch.arange(T, device=idx.device).expand(B, T), cache=cache)
+                    logits, _, aux = self(
+                        idx, pos=torch.arange(T, device=idx.device).expand(B, T), cache=cache
+                    )
                     logits = logits[:, -1, :]
                 else:
                     logits, _, aux = self(idx[:, -bs:])
@@ -398,7 +433,9 @@ class GPT(nn.Module):
             return self.decode_step
         if device.type != 'cuda':
             return torch.compile(self.decode_step, fullgraph=True, dynamic=False)
-        graphed = torch.compile(self.decode_step, fullgraph=True, dynamic=False, mode='reduce-overhead')
+        graphed = torch.compile(
+            self.decode_step, fullgraph=True, dynamic=False, mode='reduce-overhead'
+        )
 
         def step(tok, pos, cache):
             torch.compiler.cudagraph_mark_step_begin()
@@ -416,8 +453,9 @@ class GPT(nn.Module):
         caches = self.__dict__.setdefault('graph_caches', {})
         cache = caches.get((batch_size, device, dtype))
         if cache is None:
-            cache = caches[batch_size, device, dtype] = KVCache(self.config, batch_size, self.config.block_size,
-                                                                device, dtype)
+            cache = caches[batch_size, device, dtype] = KVCache(
+                self.config, batch_size, self.config.block_size, device, dtype
+            )
             for t in (cache.k, cache.v, cache.kpos):
                 torch._dynamo.mark_static_address(t)
         cache.kpos.fill_(-1)            # empty: slots whose kpos is -1 are never read
@@ -426,15 +464,21 @@ class GPT(nn.Module):
     def generate_ragged(self, idx, lengths, max_new_tokens, temperature, top_k, record, vocab_limit=None, compile=False):
         B, dev = idx.size(0), idx.device
         if len(lengths) != B or min(lengths) < 1 or max(lengths) > idx.size(1):
-            raise ValueError(f"lengths {lengths} must give 1..{idx.size(1)} prompt tokens for each of {B} rows")
+            raise ValueError(
+                f"lengths {lengths} must give 1..{idx.size(1)} prompt tokens for each of {B} rows"
+            )
         if max(lengths) + max_new_tokens > self.config.block_size:
-            raise ValueError(f"the longest prompt ({max(lengths)}) plus {max_new_tokens} new tokens exceeds "
-                             f"block_size {self.config.block_size}")
+            raise ValueError(
+                f"the longest prompt ({max(lengths)}) plus {max_new_tokens} new tokens exceeds "
+                f"block_size {self.config.block_size}"
+            )
         step = self.decode_step_fn(dev, compile)
         cache = self.new_cache(B, dev, compile)
         n = torch.tensor(lengths, device=dev)
         T = idx.size(1)
-        logits, _, aux = self(idx, pos=torch.arange(T, device=dev).expand(B, T), cache=cache, last_only=False)
+        logits, _, aux = self(
+            idx, pos=torch.arange(T, device=dev).expand(B, T), cache=cache, last_only=False
+        )
         record(aux)
         slot = torch.arange(cache.max_len, device=dev)[None, :]
         # forget what the padding wrote
@@ -469,7 +513,9 @@ class GPT(nn.Module):
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, params=None):
         """AdamW with decay on matrices only; `params` restricts training to a subset (e.g. the
         controller in controller-only training). Fused where the device supports it."""
-        params = [p for p in (params if params is not None else self.parameters()) if p.requires_grad]
+        params = [
+            p for p in (params if params is not None else self.parameters()) if p.requires_grad
+        ]
         seen, uniq = set(), []
         for p in params:                                   # tied weights appear once
             if id(p) not in seen:
@@ -506,13 +552,26 @@ class GPT(nn.Module):
                 f".save_pretrained('gpt2_local')\", copy gpt2_local here and pass "
                 f"--init_from=gpt2_local") from None
         c = hf.config
-        args = dict(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, vocab_size=c.vocab_size,
-                    block_size=c.n_positions, bias=True, pos='learned', dropout=0.0,
-                    gelu='tanh' if c.activation_function in ('gelu_new', 'gelu_pytorch_tanh') else 'none')
+        args = dict(
+            n_layer=c.n_layer,
+            n_head=c.n_head,
+            n_embd=c.n_embd,
+            vocab_size=c.vocab_size,
+            block_size=c.n_positions,
+            bias=True,
+            pos='learned',
+            dropout=0.0,
+            gelu='tanh' if c.activation_function in ('gelu_new', 'gelu_pytorch_tanh') else 'none',
+        )
         args.update(override_args or {})
         model = cls(GPTConfig(**args))
         sd, sd_hf = model.state_dict(), hf.state_dict()
-        transposed = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
+        transposed = (
+            'attn.c_attn.weight',
+            'attn.c_proj.weight',
+            'mlp.c_fc.weight',
+            'mlp.c_proj.weight',
+        )
         keys = [k for k in sd_hf if not k.endswith(('.attn.masked_bias', '.attn.bias'))]
         dense = re.compile(r'(lm_head|transformer\.(wte|wpe|ln_f|h\.\d+\.(ln_1|attn|ln_2|mlp)))\.')
         # the family's modules keep their init
@@ -523,7 +582,9 @@ class GPT(nn.Module):
             for k in keys:
                 src = sd_hf[k].t() if k.endswith(transposed) else sd_hf[k]
                 if src.shape != sd[k].shape:
-                    raise ValueError(f"from_pretrained: shape mismatch for {k}: {tuple(src.shape)} vs {tuple(sd[k].shape)}")
+                    raise ValueError(
+                        f"from_pretrained: shape mismatch for {k}: {tuple(src.shape)} vs {tuple(sd[k].shape)}"
+                    )
                 sd[k].copy_(src)
         model.family.after_load(model)
         return model

@@ -64,8 +64,11 @@ def fork_utility(model, l, x_mid, targets, pos, later, ce_full=None):
             if ce[action] is None:
                 update = block.mlp(h) if action == 'full' else block.cheap(h)
                 sub = RouteCtx(force='full' if later == 'full' else None, collect=False)
-                ce[action] = ce_of(model, model.family.run_blocks(model, x_mid + update, pos, None, sub, start=l + 1),
-                                   targets)
+                ce[action] = ce_of(
+                    model,
+                    model.family.run_blocks(model, x_mid + update, pos, None, sub, start=l + 1),
+                    targets,
+                )
     return losses.oracle_utility(ce['cheap'], ce['full'])
 
 
@@ -79,7 +82,9 @@ def switched_attention(attn, h_base, h_own, pos):
     scale = 1.0 / (C // attn.n_head) ** 0.5
     later = p[:, None, None, :] > p[:, None, :, None]                  # key after the query
     eye = torch.eye(T, dtype=torch.bool, device=h_own.device)
-    wb = torch.softmax((qb @ kb.transpose(-2, -1) * scale).masked_fill(later, float('-inf')), dim=-1)
+    wb = torch.softmax(
+        (qb @ kb.transpose(-2, -1) * scale).masked_fill(later, float('-inf')), dim=-1
+    )
     so = (qo @ kb.transpose(-2, -1) * scale).masked_fill(later | eye, float('-inf'))
     wo = torch.softmax(torch.where(eye, (qo * ko).sum(-1, keepdim=True) * scale, so), dim=-1)
     yb, yo = wb @ vb, wo.masked_fill(eye, 0.0) @ vb + wo.diagonal(dim1=-2, dim2=-1)[..., None] * vo
@@ -120,9 +125,14 @@ def token_fork_utility(model, l, x_mid, base_full, targets, pos, later):
             # both scored, as two forwards
             sb, so = gate_score(block, cfg, hb), gate_score(block, cfg, ho)
             mask = topk_mask(sb, capacity(cfg.ffn_budget, hb.size(1)))
-            xb, xo = xb + held_ffn(block, cfg, hb, mask, sb), xo + held_ffn(block, cfg, ho, mask, so)
+            xb, xo = (
+                xb + held_ffn(block, cfg, hb, mask, sb),
+                xo + held_ffn(block, cfg, ho, mask, so),
+            )
         ce_base, ce_own = ce_of(model, xb, targets), ce_of(model, xo, targets)
-    return losses.oracle_utility(torch.where(base_full, ce_own, ce_base), torch.where(base_full, ce_base, ce_own))
+    return losses.oracle_utility(
+        torch.where(base_full, ce_own, ce_base), torch.where(base_full, ce_base, ce_own)
+    )
 
 
 def oracle_losses(model, ctx, layers, targets, aux):
@@ -157,7 +167,9 @@ def oracle_losses(model, ctx, layers, targets, aux):
         if cfg.ffn_util_weight > 0:
             terms['util_loss'] = losses.utility_regression(score, U)
         if cfg.ffn_rank_weight > 0:
-            terms['rank_loss'] = losses.pairwise_rank(score, U, cfg.ffn_rank_pairs, cfg.ffn_rank_kind, cfg.ffn_rank_margin)
+            terms['rank_loss'] = losses.pairwise_rank(
+                score, U, cfg.ffn_rank_pairs, cfg.ffn_rank_kind, cfg.ffn_rank_margin
+            )
         # means over the sampled layers
         for name, value in dict(terms, utility_mean=U.mean()).items():
             aux[name] = aux.get(name, 0.0) + value / len(layers)
@@ -178,14 +190,20 @@ def oracle_flops(family, config, T, c, oracle_layers):
         return 0
     later_full, from_full = config.ffn_oracle_policy == 'off', oracle_start(config) == 'full'
     reuse = from_full and later_full and config.ffn_oracle_label == 'sequence'
-    total = (Family.forward_flops(family, config, T) / T - (0 if reuse else c['head'])) if from_full else 0
+    total = (
+        (Family.forward_flops(family, config, T) / T - (0 if reuse else c['head']))
+        if from_full
+        else 0
+    )
     if later_full:
         suffix = [suffix_flops(config, l, c) for l in range(config.n_layer)]
     else:
         ids, per_layer = family.routed_layers(config), [0] * config.n_layer
         for layer in range(config.n_layer):
             # this layer alone with a zero-width head: routed as trained, or a dense layer
-            one = replace(config, n_layer=1, vocab_size=0, ffn_layers='0' if layer in ids else 'all')
+            one = replace(
+                config, n_layer=1, vocab_size=0, ffn_layers='0' if layer in ids else 'all'
+            )
             per_layer[layer] = (family.forward_flops(one, T, mode='policy') if layer in ids else
                                 Family.forward_flops(family, one, T, mode='policy')) / T
         suffix = [sum(per_layer[l + 1:]) + c['head'] for l in range(config.n_layer)]

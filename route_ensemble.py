@@ -53,13 +53,22 @@ class DepthEnsemble(Family):
 
     def validate(self, config):
         if not 1 <= config.ens_layers <= config.n_layer:
-            raise ValueError(f"ens_layers must be in 1..n_layer={config.n_layer}, got {config.ens_layers}")
-        check_choices(config, ens_router_input=('final', 'mean'), ens_mix=('logit', 'logprob', 'prob'),
-                      ens_kl=('forward', 'reverse'), ens_distill=('per_layer', 'mixture'))
+            raise ValueError(
+                f"ens_layers must be in 1..n_layer={config.n_layer}, got {config.ens_layers}"
+            )
+        check_choices(
+            config,
+            ens_router_input=('final', 'mean'),
+            ens_mix=('logit', 'logprob', 'prob'),
+            ens_kl=('forward', 'reverse'),
+            ens_distill=('per_layer', 'mixture'),
+        )
 
     def build(self, model):
         cfg = model.config
-        model.ens_norms = nn.ModuleList([nn.LayerNorm(cfg.n_embd, bias=cfg.bias) for _ in range(cfg.ens_layers)])
+        model.ens_norms = nn.ModuleList(
+            [nn.LayerNorm(cfg.n_embd, bias=cfg.bias) for _ in range(cfg.ens_layers)]
+        )
         model.ens_router = EnsembleRouter(cfg.n_embd, cfg.ens_layers)
 
     def init_weights(self, model):
@@ -78,7 +87,11 @@ class DepthEnsemble(Family):
         cfg = model.config
         states = [last(ctx.hidden[d]) for d in sorted(ctx.hidden)]
         normed = [norm(h) for norm, h in zip(model.ens_norms, states)]
-        r_in = model.transformer.ln_f(states[-1]) if cfg.ens_router_input == 'final' else torch.stack(normed).mean(0)
+        r_in = (
+            model.transformer.ln_f(states[-1])
+            if cfg.ens_router_input == 'final'
+            else torch.stack(normed).mean(0)
+        )
         g = model.ens_router(r_in.detach())                              # (B, T, k), fp32
         out = None
         per_layer = model.training and cfg.ens_distill == 'per_layer' and cfg.ens_kl_weight > 0
@@ -93,12 +106,20 @@ class DepthEnsemble(Family):
                 term = w * F.log_softmax(lg, dim=-1)
             else:
                 term = F.log_softmax(lg, dim=-1) + torch.log(w.clamp_min(1e-30))
-            out = term if out is None else (torch.logaddexp(out, term) if cfg.ens_mix == 'prob' else out + term)
+            out = (
+                term
+                if out is None
+                else (torch.logaddexp(out, term) if cfg.ens_mix == 'prob' else out + term)
+            )
         return out
 
     def loss(self, model, ctx, lm_loss, targets, aux):
         cfg = model.config
-        teach = ctx.force != 'full' and model.training and (cfg.ens_kl_weight > 0 or cfg.ens_teacher_lm_weight > 0)
+        teach = (
+            ctx.force != 'full'
+            and model.training
+            and (cfg.ens_kl_weight > 0 or cfg.ens_teacher_lm_weight > 0)
+        )
         if teach:                     # the teacher: the final layer through ln_f
             with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.ens_teacher_lm_weight > 0):
                 teacher = model.lm_head(model.transformer.ln_f(ctx.final))
@@ -107,8 +128,14 @@ class DepthEnsemble(Family):
             teacher = teacher.detach()    # the distillation never moves the teacher
         if teach and cfg.ens_kl_weight > 0:
             students = ctx.state if cfg.ens_distill == 'per_layer' else [ctx.logits]
-            aux['distill_loss'] = sum(losses.distill_kl(s, teacher, cfg.ens_kl) for s in students) / len(students)
-        return add_weighted(lm_loss, aux, dict(distill_loss=cfg.ens_kl_weight, teacher_lm_loss=cfg.ens_teacher_lm_weight))
+            aux['distill_loss'] = sum(
+                losses.distill_kl(s, teacher, cfg.ens_kl) for s in students
+            ) / len(students)
+        return add_weighted(
+            lm_loss,
+            aux,
+            dict(distill_loss=cfg.ens_kl_weight, teacher_lm_loss=cfg.ens_teacher_lm_weight),
+        )
 
     def is_controller_key(self, name):
         return name.startswith(('ens_norms.', 'ens_router.'))
@@ -116,7 +143,9 @@ class DepthEnsemble(Family):
     references = ('full',)
 
     def report_lines(self, r):
-        return [f"val loss (late-layer ensemble) {r['val_loss']['loss']:.4f} | final layer alone {r['val_loss_full']:.4f}"]
+        return [
+            f"val loss (late-layer ensemble) {r['val_loss']['loss']:.4f} | final layer alone {r['val_loss_full']:.4f}"
+        ]
 
     def ddp_find_unused(self, config):
         return True                     # ln_f feeds only the stop-gradient teacher
@@ -138,8 +167,11 @@ class DepthEnsemble(Family):
         teacher's head)."""
         c, L, d, k = flop_costs(config, T), config.n_layer, config.n_embd, config.ens_layers
         teacher = mode == 'train' and (config.ens_kl_weight > 0 or config.ens_teacher_lm_weight > 0)
-        return T * c['head'] + T * (L * (c['attn_proj'] + c['attn_core'] + c['full']) + (k - 1 + teacher) * c['head']
-                                    + 2 * d * k)
+        return T * c['head'] + T * (
+            L * (c['attn_proj'] + c['attn_core'] + c['full'])
+            + (k - 1 + teacher) * c['head']
+            + 2 * d * k
+        )
 
     def backward_flops(self, config, T, trainable='all', **options):
         """The router's input is detached (weight gradient only). Controller-only: the frozen head
@@ -147,7 +179,10 @@ class DepthEnsemble(Family):
         c, L, d, k = flop_costs(config, T), config.n_layer, config.n_embd, config.ens_layers
         if trainable == 'all':           # (+ the teacher's head when it has an LM loss of its own)
             heads = k + (config.ens_teacher_lm_weight > 0)
-            return 2 * T * (L * (c['attn_proj'] + c['attn_core'] + c['full']) + heads * c['head']) + T * 2 * d * k
+            return (
+                2 * T * (L * (c['attn_proj'] + c['attn_core'] + c['full']) + heads * c['head'])
+                + T * 2 * d * k
+            )
         return T * k * c['head'] + T * 2 * d * k
 
 

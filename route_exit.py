@@ -77,8 +77,12 @@ class EarlyExit(Family):
     def validate(self, config):
         if config.n_layer < 2:
             raise ValueError("route='exit' needs n_layer >= 2 (an exit sits below the last layer)")
-        check_choices(config, exit_head=('shared', 'own'), exit_schedule=('uniform', 'calm', 'layerskip', 'mean'),
-                      exit_conf=('softmax', 'margin', 'saturation'))
+        check_choices(
+            config,
+            exit_head=('shared', 'own'),
+            exit_schedule=('uniform', 'calm', 'layerskip', 'mean'),
+            exit_conf=('softmax', 'margin', 'saturation'),
+        )
         lowest = -1.0 if config.exit_conf == 'saturation' else 0.0    # a cosine, else probabilities
         if not config.exit_threshold >= lowest:
             raise ValueError(f"exit_threshold must be >= {lowest} for "
@@ -117,7 +121,9 @@ class EarlyExit(Family):
         depths = sorted(hidden)
         w = losses.exit_loss_weights(depths, cfg.n_layer, cfg.exit_schedule, cfg.exit_weight)
         ce = [losses.lm_loss(exit_logits(model, d, hidden[d]), targets) for d in depths]
-        aux['exit_loss'] = sum(w[d] * c for d, c in zip(depths, ce)) if ce else lm_loss.new_zeros(())
+        aux['exit_loss'] = (
+            sum(w[d] * c for d, c in zip(depths, ce)) if ce else lm_loss.new_zeros(())
+        )
         if ce:
             aux['exit_ce'] = torch.stack(ce)
         return lm_loss * w[cfg.n_layer] + aux['exit_loss']
@@ -138,7 +144,11 @@ class EarlyExit(Family):
         """The exits whose losses count at training step `step`: all, or under the rotational
         curriculum (exit_rotation = R > 0) those with d % R == step % R."""
         R = model.config.exit_rotation
-        return dict(exits=tuple(model.exit_ids) if R <= 0 else tuple(d for d in model.exit_ids if d % R == step % R))
+        return dict(
+            exits=tuple(model.exit_ids)
+            if R <= 0
+            else tuple(d for d in model.exit_ids if d % R == step % R)
+        )
 
     def ddp_find_unused(self, config):
         return config.exit_head == 'own' and config.exit_rotation > 0
@@ -156,11 +166,16 @@ class EarlyExit(Family):
 
     def report_lines(self, r):
         v = r['val_loss']
-        lines = [f"val loss with early exit {v['loss']:.4f} (TLOps saved {v['tlops_saved']:.3f}) | no exit "
-                 f"{r['val_loss_full']:.4f} | each exit alone: "
-                 + ' '.join(f"d{d}:{l:.4f}" for d, l in r['exit']['per_exit_loss'].items())]
-        return lines + [f"  threshold {row['threshold']:.2f}: val loss {row['loss']:.4f}, TLOps saved "
-                        f"{row['tlops_saved']:.3f}" for row in r['exit']['thresholds']]
+        lines = [
+            f"val loss with early exit {v['loss']:.4f} (TLOps saved {v['tlops_saved']:.3f}) | no exit "
+            f"{r['val_loss_full']:.4f} | each exit alone: "
+            + ' '.join(f"d{d}:{l:.4f}" for d, l in r['exit']['per_exit_loss'].items())
+        ]
+        return lines + [
+            f"  threshold {row['threshold']:.2f}: val loss {row['loss']:.4f}, TLOps saved "
+            f"{row['tlops_saved']:.3f}"
+            for row in r['exit']['thresholds']
+        ]
 
     def forward_flops(self, config, T, mode='train', full_frac=None, exits=None, **options):
         """The dense body plus every exit head on every token ('eval'), the trained exits ('train', all
@@ -171,7 +186,11 @@ class EarlyExit(Family):
         heads = all_exits if (mode != 'train' or exits is None) else exits
         total = T * c['head']
         for l in range(L):
-            f = (full_frac[l] if isinstance(full_frac, (list, tuple)) else full_frac) if mode == 'sparse' else 1.0
+            f = (
+                (full_frac[l] if isinstance(full_frac, (list, tuple)) else full_frac)
+                if mode == 'sparse'
+                else 1.0
+            )
             total += T * (c['attn_proj'] + c['attn_core'] + f * c['full'])
             if l + 1 in heads:
                 total += f * T * c['head']
@@ -183,7 +202,9 @@ class EarlyExit(Family):
         if trainable == 'all':
             return 2 * self.forward_flops(config, T, 'train', exits=exits)
         trained = exit_depths(config) if exits is None else exits
-        return 2 * len(trained) * T * flop_costs(config, T)['head'] if config.exit_head == 'own' else 0
+        return (
+            2 * len(trained) * T * flop_costs(config, T)['head'] if config.exit_head == 'own' else 0
+        )
 
 
 def exit_depths(config):
@@ -196,11 +217,17 @@ def exit_depths(config):
     try:
         return parse_layer_list(spec, 1, L - 1, 'exit_layers')
     except ValueError:
-        raise ValueError(f"exit_layers must be 'auto', 'every' or depths in 1..{L - 1} such as '1,3', got {spec!r}") from None
+        raise ValueError(
+            f"exit_layers must be 'auto', 'every' or depths in 1..{L - 1} such as '1,3', got {spec!r}"
+        ) from None
 
 
 def exit_logits(model, d, x):
-    return model.exit_heads[str(d)](x) if model.exit_heads is not None else model.lm_head(model.transformer.ln_f(x))
+    return (
+        model.exit_heads[str(d)](x)
+        if model.exit_heads is not None
+        else model.lm_head(model.transformer.ln_f(x))
+    )
 
 
 def run_exits(model, x, pos, cache, ctx):
@@ -247,7 +274,11 @@ def exit_report(model, batches, autocast, evaluate, thresholds=(0.5, 0.7, 0.8, 0
     for thr in thresholds:
         with overridden(model.config, exit_threshold=thr):
             r = evaluate(model, batches, autocast)
-        rows.append(dict(threshold=thr, loss=r['loss'], tlops_saved=r['tlops_saved'], running=r['full_frac']))
+        rows.append(
+            dict(
+                threshold=thr, loss=r['loss'], tlops_saved=r['tlops_saved'], running=r['full_frac']
+            )
+        )
     with model.mode(training=False):
         per_exit = {}
         with torch.no_grad():

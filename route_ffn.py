@@ -24,11 +24,36 @@ from dataclasses import dataclass, field
 import torch
 
 import losses
-from gates import (GATES, JEPAGate, MembershipPredictor, MLPGate, capacity, random_mask, straight_through,
-                   threshold_mask, topk_mask)
-from oracle_labels import fork_utility, oracle_flops, oracle_losses, oracle_start, suffix_flops, token_fork_utility
-from routing import (MLP, Family, add_weighted, check_at_least, check_choices, check_fraction, flop_costs,
-                     layer_ids, split_apply)
+from gates import (
+    GATES,
+    JEPAGate,
+    MembershipPredictor,
+    MLPGate,
+    capacity,
+    random_mask,
+    straight_through,
+    threshold_mask,
+    topk_mask,
+)
+from oracle_labels import (
+    fork_utility,
+    oracle_flops,
+    oracle_losses,
+    oracle_start,
+    suffix_flops,
+    token_fork_utility,
+)
+from routing import (
+    MLP,
+    Family,
+    add_weighted,
+    check_at_least,
+    check_choices,
+    check_fraction,
+    flop_costs,
+    layer_ids,
+    split_apply,
+)
 
 STATIC = {'static_full': 'full', 'static_cheap': 'cheap'}     # the gates that send every token down
                                                               # one path
@@ -108,26 +133,54 @@ class FFNRouting(Family):
                      'ffn_jepa_readout': 'distance', 'ffn_jepa_action_std': 0.02}
     budget_field = 'ffn_budget'
     backbone_options, layers_option = ('ffn_cheap_rank',), 'ffn_layers'
-    resume_options = ('ffn_gate', 'ffn_gate_hidden', 'ffn_infer_rule', 'ffn_jepa_latent', 'ffn_jepa_readout',
-                      'ffn_jepa_action_std', 'ffn_aux_grad', 'ffn_oracle_label',
-                      'ffn_oracle_policy', 'ffn_oracle_start')
+    resume_options = (
+        'ffn_gate',
+        'ffn_gate_hidden',
+        'ffn_infer_rule',
+        'ffn_jepa_latent',
+        'ffn_jepa_readout',
+        'ffn_jepa_action_std',
+        'ffn_aux_grad',
+        'ffn_oracle_label',
+        'ffn_oracle_policy',
+        'ffn_oracle_start',
+    )
     spelled_options = ('ffn_layers',)   # 'auto' and 'all' are the same layers
     logged_stats = ('jepa_pred_std', 'utility_mean')
 
     def check_values(self, config):
-        check_at_least(config, 1, ('ffn_cheap_rank', 'ffn_gate_hidden', 'ffn_jepa_latent', 'ffn_rank_pairs'))
-        check_at_least(config, 0, ('ffn_util_weight', 'ffn_rank_weight', 'ffn_rank_margin', 'ffn_jepa_weight',
-                                   'ffn_predictor_weight', 'ffn_mimic_weight',
-                                   'ffn_jepa_action_std'))
+        check_at_least(
+            config, 1, ('ffn_cheap_rank', 'ffn_gate_hidden', 'ffn_jepa_latent', 'ffn_rank_pairs')
+        )
+        check_at_least(
+            config,
+            0,
+            (
+                'ffn_util_weight',
+                'ffn_rank_weight',
+                'ffn_rank_margin',
+                'ffn_jepa_weight',
+                'ffn_predictor_weight',
+                'ffn_mimic_weight',
+                'ffn_jepa_action_std',
+            ),
+        )
         check_fraction(config, 'ffn_budget')
 
     def validate(self, config):
-        check_choices(config, ffn_gate=GATES, ffn_gate_grad=('ste', 'scale', 'none'),
-                      ffn_infer_rule=('threshold', 'predictor'), ffn_jepa_outcome=('delta', 'hidden'),
-                      ffn_jepa_readout=('utility', 'linear', 'distance'),
-                      ffn_rank_kind=('logistic', 'margin'),
-                      ffn_oracle_policy=('off', 'on'), ffn_oracle_label=('token', 'sequence'),
-                      ffn_oracle_start=('auto', 'full', 'routed'), ffn_aux_grad=('own', 'leak'))
+        check_choices(
+            config,
+            ffn_gate=GATES,
+            ffn_gate_grad=('ste', 'scale', 'none'),
+            ffn_infer_rule=('threshold', 'predictor'),
+            ffn_jepa_outcome=('delta', 'hidden'),
+            ffn_jepa_readout=('utility', 'linear', 'distance'),
+            ffn_rank_kind=('logistic', 'margin'),
+            ffn_oracle_policy=('off', 'on'),
+            ffn_oracle_label=('token', 'sequence'),
+            ffn_oracle_start=('auto', 'full', 'routed'),
+            ffn_aux_grad=('own', 'leak'),
+        )
         if not self.routed_layers(config):
             raise ValueError(f"ffn_layers={config.ffn_layers!r} routes no layer of a "
                              f"{config.n_layer}-layer model")
@@ -139,12 +192,25 @@ class FFNRouting(Family):
         if layer not in self.routed_layers(config):
             return
         block.cheap = MLP(config, width=config.ffn_cheap_rank)
-        block.gate = (MLPGate(config.n_embd, config.ffn_gate_hidden) if config.ffn_gate == 'mlp' else
-                      JEPAGate(config.n_embd, config.ffn_gate_hidden, config.ffn_jepa_latent, config.ffn_jepa_readout,
-                               config.ffn_jepa_action_std, seed=1000 + layer)
-                      if config.ffn_gate == 'jepa' else None)
-        block.predictor = (MembershipPredictor(config.n_embd, config.ffn_gate_hidden)
-                           if config.ffn_infer_rule == 'predictor' and block.gate is not None else None)
+        block.gate = (
+            MLPGate(config.n_embd, config.ffn_gate_hidden)
+            if config.ffn_gate == 'mlp'
+            else JEPAGate(
+                config.n_embd,
+                config.ffn_gate_hidden,
+                config.ffn_jepa_latent,
+                config.ffn_jepa_readout,
+                config.ffn_jepa_action_std,
+                seed=1000 + layer,
+            )
+            if config.ffn_gate == 'jepa'
+            else None
+        )
+        block.predictor = (
+            MembershipPredictor(config.n_embd, config.ffn_gate_hidden)
+            if config.ffn_infer_rule == 'predictor' and block.gate is not None
+            else None
+        )
         block.register_buffer('tau', torch.zeros(()))   # calibrated threshold of the causal score
 
     def begin(self, model, ctx):
@@ -159,7 +225,11 @@ class FFNRouting(Family):
     def run_blocks(self, model, x, pos, cache, ctx, start=0):
         for block in model.transformer.h[start:]:
             x = x + block.attn_update(x, pos, cache)
-            x = x + (routed_ffn_update(block, model.config, x, ctx) if hasattr(block, 'cheap') else block.ffn_update(x))
+            x = x + (
+                routed_ffn_update(block, model.config, x, ctx)
+                if hasattr(block, 'cheap')
+                else block.ffn_update(x)
+            )
         return x
 
     def loss(self, model, ctx, lm_loss, targets, aux):
@@ -167,9 +237,17 @@ class FFNRouting(Family):
         layers = tuple(ctx.options.get('oracle_layers') or ())
         if layers and (cfg.ffn_util_weight > 0 or cfg.ffn_rank_weight > 0):
             oracle_losses(model, ctx, layers, targets, aux)
-        return add_weighted(lm_loss, aux, dict(
-            util_loss=cfg.ffn_util_weight, rank_loss=cfg.ffn_rank_weight, jepa_loss=cfg.ffn_jepa_weight,
-            pred_loss=cfg.ffn_predictor_weight, mimic_loss=cfg.ffn_mimic_weight))
+        return add_weighted(
+            lm_loss,
+            aux,
+            dict(
+                util_loss=cfg.ffn_util_weight,
+                rank_loss=cfg.ffn_rank_weight,
+                jepa_loss=cfg.ffn_jepa_weight,
+                pred_loss=cfg.ffn_predictor_weight,
+                mimic_loss=cfg.ffn_mimic_weight,
+            ),
+        )
 
     def is_controller_key(self, name):
         return any(f in name for f in ('.gate.', '.predictor.')) or name.endswith('.tau')
@@ -192,7 +270,9 @@ class FFNRouting(Family):
             return {}
         ids = self.routed_layers(cfg)
         k = min(run.ffn_oracle_layers_per_step, len(ids))
-        return dict(oracle_layers=tuple(sorted(random.Random(run.seed * 1_000_003 + step).sample(ids, k))))
+        return dict(
+            oracle_layers=tuple(sorted(random.Random(run.seed * 1_000_003 + step).sample(ids, k)))
+        )
 
     references, by_class = ('full', 'cheap'), True
     room_rules = dict(random=dict(ffn_gate='random'), oracle=dict(ffn_gate='oracle'))
@@ -263,7 +343,9 @@ class FFNRouting(Family):
                 continue
             oracle_here = aux_on_score(config) and layer in oracle_layers
             score_in_graph = config.ffn_gate_grad != 'none' or (leak and oracle_here)
-            preds_in_graph = score_in_graph or (leak and kind == 'jepa' and config.ffn_jepa_weight > 0)
+            preds_in_graph = score_in_graph or (
+                leak and kind == 'jepa' and config.ffn_jepa_weight > 0
+            )
             n_out = 2 if kind == 'jepa' else 1
             # on the detached input: weight grads
             if own and kind == 'jepa' and config.ffn_jepa_weight > 0:
@@ -338,8 +420,11 @@ def routed_ffn_update(block, cfg, x, ctx):
         score = block.gate.score(h, *preds) if preds is not None else block.gate(h)
         if causal:                  # calibrating: the threshold first set to hit the budget on this
                                     # batch
-            mask = threshold_mask(block.predictor(h) if block.predictor is not None else score, block.tau,
-                                  cfg.ffn_budget if ctx.calibrate else None)
+            mask = threshold_mask(
+                block.predictor(h) if block.predictor is not None else score,
+                block.tau,
+                cfg.ffn_budget if ctx.calibrate else None,
+            )
         else:
             mask = topk_mask(score.detach(), capacity(cfg.ffn_budget, T))
     if sparse:                      # each path on its own tokens only
@@ -373,7 +458,9 @@ def collect_losses(block, cfg, ctx, x, h, full, cheap, mask, preds):
         if cfg.ffn_aux_grad == 'own':     # the alignment trains this layer's predictor only
             preds = block.gate.predict(h.detach())
         outcomes = (full, cheap) if cfg.ffn_jepa_outcome == 'delta' else (x + full, x + cheap)
-        ctx.add('jepa_loss', losses.jepa_alignment(preds, [block.gate.target_of(o) for o in outcomes]))
+        ctx.add(
+            'jepa_loss', losses.jepa_alignment(preds, [block.gate.target_of(o) for o in outcomes])
+        )
     if block.predictor is not None and cfg.ffn_predictor_weight > 0:
         ctx.add('pred_loss', losses.membership_bce(block.predictor(h), mask))
     if cfg.ffn_mimic_weight > 0:

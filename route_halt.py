@@ -45,7 +45,9 @@ class TokenSelectiveAttention(Family):
 
     def validate(self, config):
         if config.n_layer < 2:
-            raise ValueError("route='halt' needs n_layer >= 2 (block 0 is the stem that always runs)")
+            raise ValueError(
+                "route='halt' needs n_layer >= 2 (block 0 is the stem that always runs)"
+            )
         if not 0.0 <= config.halt_tau <= 1.0:
             raise ValueError(f"halt_tau must be in [0, 1], got {config.halt_tau}")
         if config.halt_hard not in ('scaled', 'binary'):
@@ -53,7 +55,9 @@ class TokenSelectiveAttention(Family):
 
     def build(self, model):
         # router l (after block l, l = 0..L-2) gates block l+1
-        model.halt = nn.ModuleList([HaltingRouter(model.config.n_embd) for _ in range(model.config.n_layer - 1)])
+        model.halt = nn.ModuleList(
+            [HaltingRouter(model.config.n_embd) for _ in range(model.config.n_layer - 1)]
+        )
 
     def init_weights(self, model):
         for router in model.halt:       # b2 (after the generic init): at −1 blocks start mostly on
@@ -76,7 +80,9 @@ class TokenSelectiveAttention(Family):
             x = x + keep[..., None] * block.attn_update(x, pos, cache)
             if not model.training and ctx.sparse and ctx.force != 'full' and not cfg.halt_soft_eval:
                 # the FFN on kept tokens only
-                x = x + keep[..., None] * split_apply(block.ln_2(x), active > 0, block.mlp, mode=ctx.exec_mode)
+                x = x + keep[..., None] * split_apply(
+                    block.ln_2(x), active > 0, block.mlp, mode=ctx.exec_mode
+                )
             else:
                 x = x + keep[..., None] * block.ffn_update(x)
             if ctx.collect:             # α's per-token share: 1 − p (soft) or not-skipped (hard)
@@ -108,8 +114,11 @@ class TokenSelectiveAttention(Family):
         soft = r['halt']['soft']
         lines = [f"val loss soft-gated {soft['loss']:.4f} (α {soft['alpha']:.3f}, TLOps saved "
                  f"{soft['tlops_saved']:.3f}); hard skipping where p > τ:"]
-        return lines + [f"  {row['mode']:>6} τ={row['tau']:.2f}: val loss {row['loss']:.4f}, α {row['alpha']:.3f}, "
-                        f"TLOps saved {row['tlops_saved']:.3f}" for row in r['halt']['hard']]
+        return lines + [
+            f"  {row['mode']:>6} τ={row['tau']:.2f}: val loss {row['loss']:.4f}, α {row['alpha']:.3f}, "
+            f"TLOps saved {row['tlops_saved']:.3f}"
+            for row in r['halt']['hard']
+        ]
 
     def forward_flops(self, config, T, mode='train', full_frac=None, **options):
         """Every block's attention; the router before blocks 1..L−1; sparse eval runs block l's FFN on
@@ -175,7 +184,11 @@ def halt_report(model, batches, autocast, evaluate, taus=(0.3, 0.5, 0.7, 0.9)):
             r = evaluate(model, batches, autocast)
         alpha = float(np.mean(r['full_frac']))
         return dict(loss=r['loss'], alpha=alpha, tlops_saved=1 - (1 + (L - 1) * alpha) / L, **hard)
-    return dict(soft=row(True), hard=[row(False, tau=tau, mode=mode) for mode in ('scaled', 'binary') for tau in taus])
+
+    return dict(
+        soft=row(True),
+        hard=[row(False, tau=tau, mode=mode) for mode in ('scaled', 'binary') for tau in taus],
+    )
 
 
 FAMILY = TokenSelectiveAttention()

@@ -17,8 +17,18 @@ import torch
 
 import losses
 from gates import MembershipPredictor, ModRouter, capacity, random_mask, topk_mask
-from routing import (Family, add_weighted, check_at_least, check_fraction, exec_mode, flop_costs, gather_rows, layer_ids,
-                     split_apply, tlops_saved)
+from routing import (
+    Family,
+    add_weighted,
+    check_at_least,
+    check_fraction,
+    exec_mode,
+    flop_costs,
+    gather_rows,
+    layer_ids,
+    split_apply,
+    tlops_saved,
+)
 
 
 @dataclass
@@ -42,7 +52,10 @@ class ModOptions:
 class MixtureOfDepths(Family):
     Options = ModOptions
     budget_field = 'mod_capacity'
-    layers_option, resume_options = 'mod_layers', ('mod_router', 'mod_infer_rule', 'mod_predictor_hidden')
+    layers_option, resume_options = (
+        'mod_layers',
+        ('mod_router', 'mod_infer_rule', 'mod_predictor_hidden'),
+    )
     spelled_options = ('mod_layers',)   # 'auto' and 'every_other' are the same layers
     logged_stats = ('tlops_saved',)
     eval_stats = ('tlops_saved', 'mod_acc')     # mod_acc: the causal rule's agreement with top-k
@@ -54,10 +67,14 @@ class MixtureOfDepths(Family):
 
     def validate(self, config):
         if config.mod_router not in ('learned', 'random'):
-            raise ValueError(f"mod_router must be 'learned' (a linear router per routed block) or 'random', "
-                             f"got {config.mod_router!r}")
+            raise ValueError(
+                f"mod_router must be 'learned' (a linear router per routed block) or 'random', "
+                f"got {config.mod_router!r}"
+            )
         if config.mod_infer_rule not in ('threshold', 'predictor'):
-            raise ValueError(f"mod_infer_rule must be 'threshold' or 'predictor', got {config.mod_infer_rule!r}")
+            raise ValueError(
+                f"mod_infer_rule must be 'threshold' or 'predictor', got {config.mod_infer_rule!r}"
+            )
         if not self.routed_layers(config):
             raise ValueError(f"mod_layers={config.mod_layers!r} routes no layer of a "
                              f"{config.n_layer}-layer model")
@@ -69,17 +86,26 @@ class MixtureOfDepths(Family):
         if layer not in self.routed_layers(config):
             return
         block.router = ModRouter(config.n_embd) if config.mod_router == 'learned' else None
-        block.predictor = (MembershipPredictor(config.n_embd, config.mod_predictor_hidden)
-                           if config.mod_infer_rule == 'predictor' and block.router is not None else None)
+        block.predictor = (
+            MembershipPredictor(config.n_embd, config.mod_predictor_hidden)
+            if config.mod_infer_rule == 'predictor' and block.router is not None
+            else None
+        )
 
     def run_blocks(self, model, x, pos, cache, ctx, start=0):
         for block in model.transformer.h[start:]:
-            x = mod_block(block, model.config, x, pos, cache, ctx) if hasattr(block, 'router') else block(x, pos, cache)
+            x = (
+                mod_block(block, model.config, x, pos, cache, ctx)
+                if hasattr(block, 'router')
+                else block(x, pos, cache)
+            )
         return x
 
     def loss(self, model, ctx, lm_loss, targets, aux):
         cfg = model.config
-        return add_weighted(lm_loss, aux, dict(pred_loss=cfg.mod_predictor_weight, router_loss=cfg.mod_bce_weight))
+        return add_weighted(
+            lm_loss, aux, dict(pred_loss=cfg.mod_predictor_weight, router_loss=cfg.mod_bce_weight)
+        )
 
     def stats(self, model, ctx, aux):
         super().stats(model, ctx, aux)
@@ -119,7 +145,13 @@ class MixtureOfDepths(Family):
                 total += T * (c['attn_proj'] + c['attn_core'] + c['full'])
                 continue
             f = full_frac[ids.index(l)] if isinstance(full_frac, (list, tuple)) else full_frac
-            n = capacity(config.mod_capacity, T) if mode in ('train', 'policy') else f * T if mode == 'sparse' else T
+            n = (
+                capacity(config.mod_capacity, T)
+                if mode in ('train', 'policy')
+                else f * T
+                if mode == 'sparse'
+                else T
+            )
             total += T * 2 * d * router + n * (c['attn_proj'] + c['full']) + 4 * n * n * d
             if router and config.mod_infer_rule == 'predictor' and (mode != 'train' or config.mod_predictor_weight > 0):
                 total += T * (c['pred_fc'] + c['pred_out'])
@@ -164,7 +196,11 @@ def mod_block(block, cfg, x, pos, cache, ctx):
     r = block.router(x) if block.router is not None else None
     if block.training:
         k = capacity(cfg.mod_capacity, T)
-        sel = (r.detach() if r is not None else torch.rand(B, T, device=x.device)).topk(k, dim=-1).indices
+        sel = (
+            (r.detach() if r is not None else torch.rand(B, T, device=x.device))
+            .topk(k, dim=-1)
+            .indices
+        )
         sel = sel.sort(dim=-1).values               # causal order among the selected = original
                                                     # order
         mask = torch.zeros(B, T, dtype=torch.bool, device=x.device).scatter(1, sel, True)
@@ -202,7 +238,9 @@ def mod_block(block, cfg, x, pos, cache, ctx):
 def mod_masked(block, x, pos, cache, mask, r):
     """The reference: the block on every token, keys restricted to the selected, result masked."""
     w = torch.sigmoid(r)[..., None] if r is not None else 1.0
-    return x + torch.where(mask[..., None], w * block.delta(x, pos, cache, valid=mask), 0.0).to(x.dtype)
+    return x + torch.where(mask[..., None], w * block.delta(x, pos, cache, valid=mask), 0.0).to(
+        x.dtype
+    )
 
 
 def mod_static(block, x, pos, cache, mask, r):
@@ -226,7 +264,9 @@ def mod_sparse(block, x, pos, cache, mask, r):
     valid = torch.arange(kmax, device=x.device) < counts[:, None]
     xs = gather_rows(x, order)
     w = torch.sigmoid(r.gather(1, order))[..., None] if r is not None else 1.0
-    new = torch.where(valid[..., None], xs + w * block.delta(xs, gather_rows(pos, order), cache, valid), xs)
+    new = torch.where(
+        valid[..., None], xs + w * block.delta(xs, gather_rows(pos, order), cache, valid), xs
+    )
     return x.scatter(1, order[..., None].expand_as(xs), new.to(x.dtype))
 
 

@@ -435,7 +435,9 @@ def rows_apply(x_flat, order, lo, hi, fn, out=None):
     if isinstance(fn, MLP) and not (fn.training and fn.dropout.p > 0):
         if out is None:         # the dtype fn's output would have (autocast's where it is on)
             dev = x_flat.device.type
-            dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_flat.dtype
+            dtype = (
+                torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_flat.dtype
+            )
             out = x_flat.new_zeros(x_flat.shape[0], fn.c_proj.out_features, dtype=dtype)
         return mlp_rows(x_flat, order, lo, hi, fn, out)
     y = fn(x_flat.index_select(0, order))
@@ -468,7 +470,9 @@ def split_apply(x, mask, fn_true, fn_false=None, mode=None):
 
 def gather_rows(x, idx):
     """x (B, T, ...) at per-row indices idx (B, k) -> (B, k, ...)."""
-    return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(*idx.shape, *x.shape[2:]))
+    return x.gather(
+        1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(*idx.shape, *x.shape[2:])
+    )
 
 
 def layer_ids(config, field, default):
@@ -482,7 +486,9 @@ def layer_ids(config, field, default):
     if spec == 'every_other':
         return list(range(1, L, 2))        # may be empty for L = 1: validate refuses that
     if any(c not in '0123456789, ' for c in spec):
-        raise ValueError(f"{field} must be 'auto', 'all', 'every_other' or e.g. '0,2,5', got {spec!r}")
+        raise ValueError(
+            f"{field} must be 'auto', 'all', 'every_other' or e.g. '0,2,5', got {spec!r}"
+        )
     return parse_layer_list(spec, 0, L - 1, field)
 
 

@@ -91,8 +91,10 @@ def open_inputs(cfg, master):
     ckpt = None
     if cfg.init_from == 'resume':
         if not os.path.exists(ckpt_path):
-            raise TrainError(f"init_from=resume but there is no checkpoint at {ckpt_path}; start the run afresh "
-                             f"(with --overwrite=True if {cfg.out_dir} holds its other files)")
+            raise TrainError(
+                f"init_from=resume but there is no checkpoint at {ckpt_path}; start the run afresh "
+                f"(with --overwrite=True if {cfg.out_dir} holds its other files)"
+            )
         ckpt = load_checkpoint(ckpt_path)
         if finished_already(cfg, ckpt):            # nothing more to check: setup says so and stops
             return meta, ckpt
@@ -123,14 +125,24 @@ def start_progress(cfg, ckpt, optimizer, scaler, master):
     (exact: autograd's count, and the paper's proxy; per sequence), the log history for the summary,
     the optimizer and scaler, and (rank 0, whose RNG draws matter) the RNG streams."""
     if ckpt is None or cfg.init_from != 'resume':
-        return dict(resumed=False, iter_num=0, best_val=float('inf'), history=dict(train=[], eval=[]),
-                    flops_state=dict(exact=0.0, proxy_num=0.0, dense=0.0, wall_s=0.0))
+        return dict(
+            resumed=False,
+            iter_num=0,
+            best_val=float('inf'),
+            history=dict(train=[], eval=[]),
+            flops_state=dict(exact=0.0, proxy_num=0.0, dense=0.0, wall_s=0.0),
+        )
     optimizer.load_state_dict(ckpt['optimizer'])
     scaler.load_state_dict(ckpt['scaler'])
     if master and ckpt.get('rng') is not None:
         set_rng_state(ckpt['rng'])
-    return dict(resumed=True, iter_num=ckpt['iter_num'], best_val=ckpt['best_val_loss'], history=ckpt['history'],
-                flops_state=ckpt['flops_state'])
+    return dict(
+        resumed=True,
+        iter_num=ckpt['iter_num'],
+        best_val=ckpt['best_val_loss'],
+        history=ckpt['history'],
+        flops_state=ckpt['flops_state'],
+    )
 
 
 def drop_records_after(path, iter_num):
@@ -163,17 +175,32 @@ def checkpoint_state(run):
     """Everything an exact resume needs (start_progress reads it back)."""
     cfg = run.cfg
     return dict(
-        model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(), scaler=run.scaler.state_dict(),
-        model_args=asdict(run.raw_model.config), iter_num=run.iter_num, best_val_loss=run.best_val,
-        config=run.cfg_dict, history=run.history, flops_state=run.flops_state,
-        rng=rng_state(), sampler=dict(kind='epoch-permutation', seed=cfg.seed, next_iter=run.iter_num,
-                                      micro_batches_per_iter=cfg.gradient_accumulation_steps),
-        data_meta=data_identity(run.meta))
+        model=run.raw_model.state_dict(),
+        optimizer=run.optimizer.state_dict(),
+        scaler=run.scaler.state_dict(),
+        model_args=asdict(run.raw_model.config),
+        iter_num=run.iter_num,
+        best_val_loss=run.best_val,
+        config=run.cfg_dict,
+        history=run.history,
+        flops_state=run.flops_state,
+        rng=rng_state(),
+        sampler=dict(
+            kind='epoch-permutation',
+            seed=cfg.seed,
+            next_iter=run.iter_num,
+            micro_batches_per_iter=cfg.gradient_accumulation_steps,
+        ),
+        data_meta=data_identity(run.meta),
+    )
 
 
 def kept(run):
-    return (f"the last good checkpoint {run.ckpt_path} is left untouched" if os.path.exists(run.ckpt_path)
-            else "no checkpoint was saved yet")
+    return (
+        f"the last good checkpoint {run.ckpt_path} is left untouched"
+        if os.path.exists(run.ckpt_path)
+        else "no checkpoint was saved yet"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------

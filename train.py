@@ -107,9 +107,22 @@ for _f in fields(GPTConfig):
 # fields a run shares with its checkpoint: the backbone's shape (stage 2 too), the routed layers (a
 # resume), and how the controllers are built and what their losses train (a resume); each family
 # names its own
-BACKBONE_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'pos', 'vocab_size', 'gelu', 'rope_base',
-                 *(k for f in FAMILIES.values() for k in f.backbone_options))
-MODEL_KEYS = BACKBONE_KEYS + ('route', *(f.layers_option for f in FAMILIES.values() if f.layers_option))
+BACKBONE_KEYS = (
+    'n_layer',
+    'n_head',
+    'n_embd',
+    'block_size',
+    'bias',
+    'pos',
+    'vocab_size',
+    'gelu',
+    'rope_base',
+    *(k for f in FAMILIES.values() for k in f.backbone_options),
+)
+MODEL_KEYS = BACKBONE_KEYS + (
+    'route',
+    *(f.layers_option for f in FAMILIES.values() if f.layers_option),
+)
 RESUME_KEYS = MODEL_KEYS + tuple(k for f in FAMILIES.values() for k in f.resume_options)
 HERE = os.path.dirname(os.path.abspath(__file__))
 # ----------------------------------------------------------------------------------------------------
@@ -181,8 +194,10 @@ def train_loop(run, argv):
             stopped = True
             if run.master:
                 save_run(run)
-                print(f"stopped by signal at iteration {run.iter_num}; checkpoint saved to {run.ckpt_path}.\n"
-                      f"resume with: python train.py {shlex.join(argv)} --init_from=resume")
+                print(
+                    f"stopped by signal at iteration {run.iter_num}; checkpoint saved to {run.ckpt_path}.\n"
+                    f"resume with: python train.py {shlex.join(argv)} --init_from=resume"
+                )
             break
     if run.master:
         finish_run(run, stopped)
@@ -208,8 +223,9 @@ def setup(cfg, cfg_dict, proc, argv):
     train_data, val_data = open_splits(meta, cfg.block_size, cfg.batch_size, cfg.seed, proc.dev)
     scaler = torch.amp.GradScaler(proc.dev.type, enabled=(proc.dt == 'float16'))
     params = trainable_parameters(model, cfg)
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
-                                           proc.dev.type, params=params)
+    optimizer = model.configure_optimizers(
+        cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), proc.dev.type, params=params
+    )
     progress = start_progress(cfg, ckpt, optimizer, scaler, proc.master)
     del ckpt                                       # loaded: free its memory before the loop
     run = SimpleNamespace(
@@ -224,9 +240,11 @@ def setup(cfg, cfg_dict, proc, argv):
         ckpt_path=os.path.join(cfg.out_dir, 'ckpt.pt'), metrics_f=None)
     if run.master:
         run.metrics_f = open_run_files(cfg, cfg_dict, proc, run.iter_num)
-        print(f"model: {model.get_num_params() / 1e6:.2f}M parameters ({count_params(params):,} trainable) | data: "
-              f"{cfg.dataset} ({meta['vocab_size']} tokens vocab, {meta['train_tokens']:,} train tokens) | "
-              f"device {run.dev}, {run.dt}, world {run.world}")
+        print(
+            f"model: {model.get_num_params() / 1e6:.2f}M parameters ({count_params(params):,} trainable) | data: "
+            f"{cfg.dataset} ({meta['vocab_size']} tokens vocab, {meta['train_tokens']:,} train tokens) | "
+            f"device {run.dev}, {run.dt}, world {run.world}"
+        )
     start_counters(run)
     return run
 
@@ -285,9 +303,11 @@ def build_model(cfg, meta, ckpt):
         # data order, optimizer
         for k in ('batch_size', 'gradient_accumulation_steps', 'seed', 'trainable'):
             if ckpt['config'].get(k) != getattr(cfg, k):
-                raise TrainError(f"config field '{k}' differs from the checkpoint: checkpoint has "
-                                 f"{ckpt['config'].get(k)!r}, config has {getattr(cfg, k)!r}; resume with the "
-                                 f"run's original value")
+                raise TrainError(
+                    f"config field '{k}' differs from the checkpoint: checkpoint has "
+                    f"{ckpt['config'].get(k)!r}, config has {getattr(cfg, k)!r}; resume with the "
+                    f"run's original value"
+                )
         model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
         check_state_fits(model, ckpt['model'], cfg.init_from)
         model.load_state_dict(ckpt['model'])
@@ -295,15 +315,21 @@ def build_model(cfg, meta, ckpt):
         model = backbone_from_checkpoint(cfg, meta, ckpt)
     elif cfg.init_from == 'scratch':
         data_vocab = meta['vocab_size']
-        vs = cfg.vocab_size or (data_vocab if data_vocab <= 1024 else ((data_vocab + 63) // 64) * 64)
+        vs = cfg.vocab_size or (
+            data_vocab if data_vocab <= 1024 else ((data_vocab + 63) // 64) * 64
+        )
         model = GPT(model_config(cfg, vocab_size=vs))
     else:
         model = gpt2_model(cfg, meta)
     if meta['vocab_size'] > model.config.vocab_size:
-        raise TrainError(f"field 'vocab_size' differs: data/{cfg.dataset} has {meta['vocab_size']} tokens but "
-                         f"the model's vocabulary is {model.config.vocab_size}")
+        raise TrainError(
+            f"field 'vocab_size' differs: data/{cfg.dataset} has {meta['vocab_size']} tokens but "
+            f"the model's vocabulary is {model.config.vocab_size}"
+        )
     if cfg.block_size != model.config.block_size:
-        raise TrainError(f"field 'block_size' differs: config {cfg.block_size}, model {model.config.block_size}")
+        raise TrainError(
+            f"field 'block_size' differs: config {cfg.block_size}, model {model.config.block_size}"
+        )
     return model
 
 
@@ -328,8 +354,12 @@ def gpt2_model(cfg, meta):
     if meta.get('tokenizer') != 'gpt2':
         raise TrainError(f"init_from={cfg.init_from} needs GPT-2 BPE data; data/{cfg.dataset} uses "
                          f"the {meta.get('tokenizer')!r} tokenizer")
-    routing = {f.name: getattr(cfg, f.name) for f in fields(GPTConfig)
-               if f.name not in ('n_layer', 'n_head', 'n_embd', 'vocab_size', 'block_size', 'bias', 'pos', 'gelu')}
+    routing = {
+        f.name: getattr(cfg, f.name)
+        for f in fields(GPTConfig)
+        if f.name
+        not in ('n_layer', 'n_head', 'n_embd', 'vocab_size', 'block_size', 'bias', 'pos', 'gelu')
+    }
     model = GPT.from_pretrained(cfg.init_from, routing)
     if cfg.block_size < model.config.block_size:
         model.crop_block_size(cfg.block_size)
@@ -347,7 +377,9 @@ def trainable_parameters(model, cfg):
     if cfg.trainable == 'all':
         return list(model.parameters())
     if cfg.trainable not in ('controller', 'last_layers'):
-        raise TrainError(f"trainable must be 'all', 'controller' or 'last_layers', got {cfg.trainable!r}")
+        raise TrainError(
+            f"trainable must be 'all', 'controller' or 'last_layers', got {cfg.trainable!r}"
+        )
     if cfg.trainable == 'last_layers':
         key = model.family.last_layers_option
         k = getattr(model.config, key)
@@ -355,13 +387,17 @@ def trainable_parameters(model, cfg):
             raise TrainError(f"trainable=last_layers fine-tunes the last {key} (1..n_layer) blocks "
                              f"of a dense model (route='none'); got route={model.config.route!r}, "
                              f"{key}={k}")
-        ctrl = [p for b in model.transformer.h[-k:] for p in b.parameters()] + list(model.transformer.ln_f.parameters())
+        ctrl = [p for b in model.transformer.h[-k:] for p in b.parameters()] + list(
+            model.transformer.ln_f.parameters()
+        )
     else:
         ctrl = model.controller_parameters()
     if not ctrl:
-        raise TrainError(f"trainable=controller trains only a routing controller's parameters (gates, routers, "
-                         f"predictors, own exit heads, ensemble norms); this config (route={cfg.route!r} with its "
-                         f"options) has none: use trainable=all")
+        raise TrainError(
+            f"trainable=controller trains only a routing controller's parameters (gates, routers, "
+            f"predictors, own exit heads, ensemble norms); this config (route={cfg.route!r} with its "
+            f"options) has none: use trainable=all"
+        )
     ids = {id(p) for p in ctrl}
     for p in model.parameters():
         p.requires_grad_(id(p) in ids)
@@ -376,9 +412,13 @@ def wrap_model(raw_model, cfg, proc):
         model = torch.compile(model, dynamic=False)
         import torch._dynamo as dynamo         # (a bare `import torch._dynamo` would make torch
                                                # local here)
-        limit = 'recompile_limit' if hasattr(dynamo.config, 'recompile_limit') else 'cache_size_limit'
+        limit = (
+            'recompile_limit' if hasattr(dynamo.config, 'recompile_limit') else 'cache_size_limit'
+        )
         # one graph per set of per-step options (e.g. oracle layers): compile each
-        setattr(dynamo.config, limit, max(getattr(dynamo.config, limit), raw_model.config.n_layer + 8))
+        setattr(
+            dynamo.config, limit, max(getattr(dynamo.config, limit), raw_model.config.n_layer + 8)
+        )
     if proc.ddp:
         from torch.nn.parallel import DistributedDataParallel as DDP
         # some parameters get no gradient
@@ -395,16 +435,19 @@ def eval_due(run):
     cfg = run.cfg
     # by the run this one resumes (an eval-only run evaluates the checkpoint once, whatever it has)
     logged_already = run.resumed and run.iter_num == run.start_iter and not cfg.eval_only
-    return (run.iter_num % cfg.eval_interval == 0 or run.iter_num >= cfg.max_iters or cfg.eval_only) \
-        and not logged_already
+    return (
+        run.iter_num % cfg.eval_interval == 0 or run.iter_num >= cfg.max_iters or cfg.eval_only
+    ) and not logged_already
 
 
 def evaluate_and_checkpoint(run):
     """Rank 0: train and val loss on the fixed eval batches, one 'eval' record, and a checkpoint."""
     res = estimate_loss(run)
     if not all(math.isfinite(res[s]['loss']) for s in res):
-        raise TrainError(f"eval loss is not finite at iteration {run.iter_num} (train {res['train']['loss']}, "
-                         f"val {res['val']['loss']}); stopping; {kept(run)}. Try a lower learning_rate or grad_clip.")
+        raise TrainError(
+            f"eval loss is not finite at iteration {run.iter_num} (train {res['train']['loss']}, "
+            f"val {res['val']['loss']}); stopping; {kept(run)}. Try a lower learning_rate or grad_clip."
+        )
     run.best_val = min(run.best_val, res['val']['loss'])
     log_eval(run, res)
     if not run.cfg.eval_only and run.iter_num > 0:
@@ -418,8 +461,12 @@ def estimate_loss(run):
     with eval_rng(run.dev, run.cfg.eval_seed):
         with run.autocast:
             run.raw_model.calibrate(torch.cat(run.calib))
-        return {split: evaluation.evaluate(run.raw_model, [batches.fetch(s) for s in starts], run.autocast)
-                for split, (batches, starts) in run.eval_sets.items()}
+        return {
+            split: evaluation.evaluate(
+                run.raw_model, [batches.fetch(s) for s in starts], run.autocast
+            )
+            for split, (batches, starts) in run.eval_sets.items()
+        }
 
 
 def save_run(run):
@@ -467,7 +514,9 @@ def optimisation_step(run):
     if run.ctrl_params:                           # controller gradient norm, before clipping
         grads = [p.grad.float().norm() for p in run.ctrl_params if p.grad is not None]
         run.interval['ctrl_norm'] += torch.stack(grads).norm() if grads else 0.0
-    norm = torch.nn.utils.clip_grad_norm_(run.params, cfg.grad_clip if cfg.grad_clip > 0 else float('inf'))
+    norm = torch.nn.utils.clip_grad_norm_(
+        run.params, cfg.grad_clip if cfg.grad_clip > 0 else float('inf')
+    )
     if run.scaler.is_enabled():
         run.skipped += ~torch.isfinite(norm)      # exactly the steps the GradScaler skips
     run.scaler.step(run.optimizer)

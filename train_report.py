@@ -50,14 +50,27 @@ def code_version():
             return r.stdout.strip() if r.returncode == 0 else ''   # e.g. no commits yet: not a sha
         except Exception:
             return ''
-    return dict(git_sha=git('rev-parse', 'HEAD') or None, git_dirty=bool(git('status', '--porcelain')))
+
+    return dict(
+        git_sha=git('rev-parse', 'HEAD') or None, git_dirty=bool(git('status', '--porcelain'))
+    )
 
 
 def run_info(cfg, dev, dt, world_size):
-    return dict(**code_version(), torch=torch.__version__, cuda=torch.version.cuda, python=sys.version.split()[0],
-                device=str(dev), device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
-                dtype=dt, world_size=world_size, host=socket.gethostname(), argv=sys.argv,
-                threads=torch.get_num_threads(), started=time.strftime('%Y-%m-%dT%H:%M:%S%z'))
+    return dict(
+        **code_version(),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        python=sys.version.split()[0],
+        device=str(dev),
+        device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
+        dtype=dt,
+        world_size=world_size,
+        host=socket.gethostname(),
+        argv=sys.argv,
+        threads=torch.get_num_threads(),
+        started=time.strftime('%Y-%m-%dT%H:%M:%S%z'),
+    )
 
 
 def log(run, obj):
@@ -76,10 +89,17 @@ def count_params(params):
 def log_eval(run, res):
     """An eval's printed line and its 'eval' record, kept in the history the summary reads."""
     frac = res['val']['full_frac']
-    print(f"iter {run.iter_num}: train loss {res['train']['loss']:.4f}, val loss {res['val']['loss']:.4f}"
-          + (f", val full-path fraction {np.mean(frac):.3f}" if frac else ''))
-    rec = dict(type='eval', iter=run.iter_num, train_loss=res['train']['loss'], val_loss=res['val']['loss'],
-               val_full_frac=frac)
+    print(
+        f"iter {run.iter_num}: train loss {res['train']['loss']:.4f}, val loss {res['val']['loss']:.4f}"
+        + (f", val full-path fraction {np.mean(frac):.3f}" if frac else '')
+    )
+    rec = dict(
+        type='eval',
+        iter=run.iter_num,
+        train_loss=res['train']['loss'],
+        val_loss=res['val']['loss'],
+        val_full_frac=frac,
+    )
     if run.cfg.eval_only:             # an evaluation of the checkpoint, not a step of its training
         rec['eval_only'] = True
     run.history['eval'].append(rec)
@@ -103,7 +123,13 @@ def start_counters(run):
 
 def new_interval(dev):
     """Sums over one log interval, kept on the device until the log step reads them."""
-    return dict(lm=torch.zeros((), device=dev), frac=None, ctrl_norm=torch.zeros((), device=dev), n=0, aux={})
+    return dict(
+        lm=torch.zeros((), device=dev),
+        frac=None,
+        ctrl_norm=torch.zeros((), device=dev),
+        n=0,
+        aux={},
+    )
 
 
 def accumulate(interval, aux, accum, stats):
@@ -158,13 +184,29 @@ def log_progress(run, lr, loss_sum, norm, step):
     mfu = step['total'] * run.seqs_per_iter / run.world / dtime / peak if peak else None
     fs = run.flops_state
     proxy = fs['proxy_num'] / fs['dense']
-    print(f"iter {run.iter_num}: loss {lossf:.4f}, lm {lm:.4f}, lr {lr:.2e}, {dtime * 1000:.1f} ms/iter, "
-          f"{tps:,.0f} tok/s" + (f", mfu {mfu * 100:.1f}%" if mfu is not None else '')
-          + (f", full {np.mean(frac):.3f}, flops proxy {proxy:.3f}x" if frac else ''))
-    rec = dict(type='train', iter=run.iter_num, loss=lossf, lm_loss=lm, lr=lr, ms_per_iter=dtime * 1000,
-               tokens_per_s=tps, mfu=mfu, grad_norm=float(norm), ctrl_grad_norm=ctrl_norm, full_frac=frac,
-               flops_proxy=proxy, train_flops=fs['exact'], train_flops_vs_dense=fs['exact'] / fs['dense'],
-               skipped_steps=n_skipped)
+    print(
+        f"iter {run.iter_num}: loss {lossf:.4f}, lm {lm:.4f}, lr {lr:.2e}, {dtime * 1000:.1f} ms/iter, "
+        f"{tps:,.0f} tok/s"
+        + (f", mfu {mfu * 100:.1f}%" if mfu is not None else '')
+        + (f", full {np.mean(frac):.3f}, flops proxy {proxy:.3f}x" if frac else '')
+    )
+    rec = dict(
+        type='train',
+        iter=run.iter_num,
+        loss=lossf,
+        lm_loss=lm,
+        lr=lr,
+        ms_per_iter=dtime * 1000,
+        tokens_per_s=tps,
+        mfu=mfu,
+        grad_norm=float(norm),
+        ctrl_grad_norm=ctrl_norm,
+        full_frac=frac,
+        flops_proxy=proxy,
+        train_flops=fs['exact'],
+        train_flops_vs_dense=fs['exact'] / fs['dense'],
+        skipped_steps=n_skipped,
+    )
     rec.update(aux_means)            # auxiliary terms, averaged over the log interval
     run.history['train'].append(dict(iter=run.iter_num, lm_loss=lm))
     log(run, rec)
@@ -174,14 +216,20 @@ def check_divergence(run, lossf):
     """Stop on a loss that is no longer finite, or (fp16) on max_fp16_skips overflow steps in a row;
     returns the number of steps the GradScaler skipped so far."""
     n_skipped = int(run.skipped.item())
-    run.consecutive_skips = run.consecutive_skips + (n_skipped - run.last_skipped) if n_skipped > run.last_skipped else 0
+    run.consecutive_skips = (
+        run.consecutive_skips + (n_skipped - run.last_skipped)
+        if n_skipped > run.last_skipped
+        else 0
+    )
     run.last_skipped = n_skipped
     if not math.isfinite(lossf) and not run.scaler.is_enabled():
         raise TrainError(f"loss is {lossf} at iteration {run.iter_num}; stopping; {kept(run)}. "
                          f"Try a lower learning_rate or grad_clip.")
     if run.scaler.is_enabled() and run.consecutive_skips >= run.cfg.max_fp16_skips:
-        raise TrainError(f"{run.consecutive_skips} consecutive fp16 overflow steps by iteration {run.iter_num}; "
-                         f"stopping. Try dtype=bfloat16/float32 or a lower learning_rate.")
+        raise TrainError(
+            f"{run.consecutive_skips} consecutive fp16 overflow steps by iteration {run.iter_num}; "
+            f"stopping. Try dtype=bfloat16/float32 or a lower learning_rate."
+        )
     return n_skipped
 
 
@@ -195,10 +243,15 @@ def finish_run(run, stopped):
     if not cfg.eval_only:
         run.flops_state['wall_s'] = time.time() - run.t_run
     summary = run_summary(run.history['train'], run.history['eval'], cfg, run.flops_state['wall_s'])
-    summary.update(type='summary', iter=run.iter_num, best_val_loss=run.best_val, skipped_steps=int(run.skipped.item()),
-                   trainable_params=count_params(run.params),
-                   flops_proxy=run.flops_state['proxy_num'] / max(1.0, run.flops_state['dense']),
-                   train_flops=run.flops_state['exact'])
+    summary.update(
+        type='summary',
+        iter=run.iter_num,
+        best_val_loss=run.best_val,
+        skipped_steps=int(run.skipped.item()),
+        trainable_params=count_params(run.params),
+        flops_proxy=run.flops_state['proxy_num'] / max(1.0, run.flops_state['dense']),
+        train_flops=run.flops_state['exact'],
+    )
     if cfg.eval_only:
         summary['eval_only'] = True
     if not stopped and run.raw_model.family.routes:
@@ -216,9 +269,15 @@ def finish_run(run, stopped):
               f"its eval and summary are appended to {os.path.join(cfg.out_dir, 'metrics.jsonl')}")
     elif not stopped:
         written = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
-        print(f"done: {run.iter_num} iterations, best val loss {run.best_val:.4f}. Outputs in {cfg.out_dir}/ "
-              f"({', '.join(written)})."
-              + (f"\nsample with: python sample.py --out_dir={cfg.out_dir}" if 'ckpt.pt' in written else ''))
+        print(
+            f"done: {run.iter_num} iterations, best val loss {run.best_val:.4f}. Outputs in {cfg.out_dir}/ "
+            f"({', '.join(written)})."
+            + (
+                f"\nsample with: python sample.py --out_dir={cfg.out_dir}"
+                if 'ckpt.pt' in written
+                else ''
+            )
+        )
 
 
 def run_summary(log_lines, evals, cfg, wall_s):
@@ -239,8 +298,18 @@ def routing_summary(run):
     pads every row to the longest)."""
     cfg, mcfg = run.cfg, run.raw_model.config
     with eval_rng(run.dev, cfg.eval_seed):
-        out = dict(routing=evaluation.report(run.raw_model, run.train_data, run.val_data, run.meta, cfg.eval_iters,
-                                             cfg.calib_iters, run.autocast, cfg.eval_seed))
+        out = dict(
+            routing=evaluation.report(
+                run.raw_model,
+                run.train_data,
+                run.val_data,
+                run.meta,
+                cfg.eval_iters,
+                cfg.calib_iters,
+                run.autocast,
+                cfg.eval_seed,
+            )
+        )
     print_routing(run.raw_model.family, out['routing'])
     dense_fwd = flops.dense_forward_flops(mcfg, cfg.block_size)
     for key, frac_key in (('eval_flops_vs_dense', 'full_frac'), ('eval_flops_executed_vs_dense', 'exec_frac')):
@@ -253,4 +322,7 @@ def print_routing(family, r):
     for line in family.report_lines(r):
         print(line)
     for name, per_layer in r.get('full_frac_by_class', {}).items():
-        print(f"  full-path fraction for {name:>9} targets: " + ' '.join(f"L{l}:{v:.2f}" for l, v in per_layer.items()))
+        print(
+            f"  full-path fraction for {name:>9} targets: "
+            + ' '.join(f"L{l}:{v:.2f}" for l, v in per_layer.items())
+        )

@@ -8,7 +8,10 @@ base = 'config/ffn_stage2_lookup.py'
 out_root = 'out/study_a3_lookup'
 before = [['config/ffn_stage1_lookup.py', '--out_dir=out/study_a3_lookup/stage1/seed{seed}']]
 # whole-sequence oracle labels: the setting docs/results.md reports this study under
-overrides = ['--init_from=out/study_a3_lookup/stage1/seed{seed}/ckpt.pt', '--ffn_oracle_label=sequence']
+overrides = [
+    '--init_from=out/study_a3_lookup/stage1/seed{seed}/ckpt.pt',
+    '--ffn_oracle_label=sequence',
+]
 room_ckpt = 'out/study_a3_lookup/stage1/seed{seed}/ckpt.pt'
 seeds = [1, 2, 3]
 # G3 arms pin the G3 these results were reported with: a score read from forecasts whose action

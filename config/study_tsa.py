@@ -18,6 +18,11 @@ arms = {
     'tsa_l0_b0': ['--halt_lambda=0', '--halt_router_bias=0'],
     'tsa_l0.001': ['--halt_lambda=0.001'],
     'tsa_l0.05': ['--halt_lambda=0.05'],
-    'exit_mean': ['--route=exit', '--exit_layers=every', '--exit_schedule=mean', '--exit_head=shared'],
+    'exit_mean': [
+        '--route=exit',
+        '--exit_layers=every',
+        '--exit_schedule=mean',
+        '--exit_head=shared',
+    ],
 }
 reference = 'dense'

@@ -10,6 +10,11 @@ arms = {
     'tsa_l0.001': ['--halt_lambda=0.001'],
     'tsa_l0.05': ['--halt_lambda=0.05'],
     'tsa_l0.5': ['--halt_lambda=0.5'],
-    'exit_mean': ['--route=exit', '--exit_layers=every', '--exit_schedule=mean', '--exit_head=shared'],
+    'exit_mean': [
+        '--route=exit',
+        '--exit_layers=every',
+        '--exit_schedule=mean',
+        '--exit_head=shared',
+    ],
 }
 reference = 'dense'

@@ -55,7 +55,9 @@ def load_dataset_meta(cfg, master, prepare_missing=True):
     folder = dataset_folder(cfg)
     if prepare_missing and needs_preparing(cfg):
         if master:
-            print(f"no {cfg.dataset} corpus at {folder}: preparing it (python data/prepare.py {cfg.dataset})")
+            print(
+                f"no {cfg.dataset} corpus at {folder}: preparing it (python data/prepare.py {cfg.dataset})"
+            )
             prep.prepare(cfg.dataset, out_dir=folder)
         else:                        # DDP: rank 0 prepares (meta.json is written last); the others
                                      # wait
@@ -95,9 +97,11 @@ def check_checkpoint_data(cfg, meta, ckpt):
     cmeta = ckpt.get('data_meta') or {}
     for k in ('dataset', 'tokenizer', 'vocab_size', 'source_sha256', 'train_sha256'):
         if cmeta.get(k) is not None and cmeta[k] != data_identity(meta).get(k):
-            raise DataError(f"data field '{k}' differs from the checkpoint's data: checkpoint has "
-                            f"{cmeta[k]!r}, {meta.get('folder', cfg.dataset)} has {data_identity(meta).get(k)!r}; "
-                            f"use the run's own data (--data_dir/--dataset)")
+            raise DataError(
+                f"data field '{k}' differs from the checkpoint's data: checkpoint has "
+                f"{cmeta[k]!r}, {meta.get('folder', cfg.dataset)} has {data_identity(meta).get(k)!r}; "
+                f"use the run's own data (--data_dir/--dataset)"
+            )
 
 
 class Batches:
@@ -135,9 +139,13 @@ class Batches:
     def fetch(self, starts):
         data = np.memmap(self.path, dtype=self.np_dtype, mode='r')   # re-open: avoids a memmap leak
         x = torch.from_numpy(np.stack([data[s:s + self.T].astype(np.int64) for s in starts]))
-        y = torch.from_numpy(np.stack([data[s + 1:s + 1 + self.T].astype(np.int64) for s in starts]))
+        y = torch.from_numpy(
+            np.stack([data[s + 1 : s + 1 + self.T].astype(np.int64) for s in starts])
+        )
         if self.device.type == 'cuda':
-            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(
+                self.device, non_blocking=True
+            )
         return x.to(self.device), y.to(self.device)
 
     def get(self, j):
@@ -154,8 +162,17 @@ class Batches:
 def open_splits(meta, block_size, batch_size, seed, device):
     """The samplers of a prepared dataset's train and val token files."""
     np_dtype = np.uint32 if meta.get('dtype') == 'uint32' else np.uint16
-    return tuple(Batches(os.path.join(meta['folder'], f'{split}.bin'), np_dtype, block_size, batch_size, seed, device)
-                 for split in ('train', 'val'))
+    return tuple(
+        Batches(
+            os.path.join(meta['folder'], f'{split}.bin'),
+            np_dtype,
+            block_size,
+            batch_size,
+            seed,
+            device,
+        )
+        for split in ('train', 'val')
+    )
 
 
 def load_tokenizer(meta):
@@ -168,7 +185,9 @@ def load_tokenizer(meta):
         enc = tiktoken.get_encoding('gpt2')
         return (lambda s, where='': enc.encode(s, allowed_special={'<|endoftext|>'})), enc.decode
     if tok == 'byte':
-        return (lambda s, where='': list(s.encode('utf-8'))), (lambda ids: bytes(ids).decode('utf-8', errors='replace'))
+        return (lambda s, where='': list(s.encode('utf-8'))), (
+            lambda ids: bytes(ids).decode('utf-8', errors='replace')
+        )
     itos = meta['chars'] if tok == 'char' else meta['itos']
     stoi = {s: i for i, s in enumerate(itos)}
     syms = sorted(stoi, key=len, reverse=True)     # synthetic symbols may be multi-character:
@@ -189,7 +208,11 @@ def load_tokenizer(meta):
             i += len(m)
         if unknown:
             unknown = list(dict.fromkeys(unknown))
-            shown = ', '.join(map(repr, unknown[:5])) + (f' and {len(unknown) - 5} more' if len(unknown) > 5 else '')
-            raise ConfigError(f"{where} has characters outside the vocabulary: {shown} ({has}); use only those")
+            shown = ', '.join(map(repr, unknown[:5])) + (
+                f' and {len(unknown) - 5} more' if len(unknown) > 5 else ''
+            )
+            raise ConfigError(
+                f"{where} has characters outside the vocabulary: {shown} ({has}); use only those"
+            )
         return out
     return encode, (lambda ids: ''.join(itos[i] for i in ids))

@@ -37,11 +37,28 @@ from hypothesis import HealthCheck, settings
 # already loaded (a profile registered without parent inherits the loaded one: 'dev' would get
 # database=None).
 _BASE = settings.get_profile('default')
-settings.register_profile('ci', _BASE, derandomize=True, database=None, print_blob=True, deadline=None,
-                          max_examples=100, suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile('dev', _BASE, derandomize=False, print_blob=False, deadline=None, max_examples=100,
-                          suppress_health_check=[HealthCheck.too_slow])
-HYPOTHESIS_PROFILE = 'ci' if os.environ.get('CI', '').strip().lower() not in ('', 'false', '0') else 'dev'
+settings.register_profile(
+    'ci',
+    _BASE,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    deadline=None,
+    max_examples=100,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    'dev',
+    _BASE,
+    derandomize=False,
+    print_blob=False,
+    deadline=None,
+    max_examples=100,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+HYPOTHESIS_PROFILE = (
+    'ci' if os.environ.get('CI', '').strip().lower() not in ('', 'false', '0') else 'dev'
+)
 settings.load_profile(HYPOTHESIS_PROFILE)
 
 # ----------------------------------------------------------------------------------------------------
@@ -365,16 +382,30 @@ def assert_greedy_traces_agree(a, b, tol=FP32_TOL):
 
 SETTINGS = dict(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 V = 23
-BASE = dict(block_size=24, vocab_size=V, n_head=2, n_embd=16, ffn_gate_hidden=8, mod_predictor_hidden=8)
+BASE = dict(
+    block_size=24, vocab_size=V, n_head=2, n_embd=16, ffn_gate_hidden=8, mod_predictor_hidden=8
+)
 
 # the gates/options that change each family's code path; build(route, opt) takes option set `opt`,
 # and a family without an entry here is built with its defaults
 EXAMPLES = {
-    'mod': [dict(), dict(mod_infer_rule='predictor'), dict(mod_router='random'), dict(mod_layers='all', pos='rope')],
-    'exit': [dict(), dict(exit_head='own', exit_layers='every', exit_schedule='calm'), dict(exit_conf='margin', exit_threshold=0.05),
-             dict(exit_conf='saturation', exit_threshold=0.5)],
-    'ensemble': [dict(), dict(ens_mix='prob', ens_router_input='mean', ens_distill='mixture'),
-                 dict(ens_mix='logit', ens_layers=1, ens_teacher_lm_weight=0.5)],
+    'mod': [
+        dict(),
+        dict(mod_infer_rule='predictor'),
+        dict(mod_router='random'),
+        dict(mod_layers='all', pos='rope'),
+    ],
+    'exit': [
+        dict(),
+        dict(exit_head='own', exit_layers='every', exit_schedule='calm'),
+        dict(exit_conf='margin', exit_threshold=0.05),
+        dict(exit_conf='saturation', exit_threshold=0.5),
+    ],
+    'ensemble': [
+        dict(),
+        dict(ens_mix='prob', ens_router_input='mean', ens_distill='mixture'),
+        dict(ens_mix='logit', ens_layers=1, ens_teacher_lm_weight=0.5),
+    ],
     'halt': [dict(), dict(halt_hard='binary', halt_tau=0.3)],
     'ffn': [dict(ffn_gate='mlp', ffn_cheap_rank=4), dict(ffn_gate='random', ffn_cheap_rank=4)],
 }

@@ -41,9 +41,22 @@ def run_py(script, args, timeout=180):
 def run(tmp_path_factory):
     """A 2-iteration routed run on the synthetic corpus (prepared into its own data_dir)."""
     root = tmp_path_factory.mktemp("run")
-    r = run_py("train.py", ["--max_iters=2", "--eval_interval=2", "--eval_iters=1", "--batch_size=2",
-                            "--block_size=16", "--n_layer=1", "--n_embd=32", "--n_head=2", "--device=cpu",
-                            f"--out_dir={root / 'out'}", f"--data_dir={root / 'data'}"])
+    r = run_py(
+        "train.py",
+        [
+            "--max_iters=2",
+            "--eval_interval=2",
+            "--eval_iters=1",
+            "--batch_size=2",
+            "--block_size=16",
+            "--n_layer=1",
+            "--n_embd=32",
+            "--n_head=2",
+            "--device=cpu",
+            f"--out_dir={root / 'out'}",
+            f"--data_dir={root / 'data'}",
+        ],
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return root
 
@@ -52,7 +65,11 @@ def padded_model(vocab_size=64, real=28, block_size=16):
     """A model whose logits favour the padded ids >= real whatever the input: ln_f returns its bias (all
     ones), so the logit of id i is the sum of its lm_head row: n_embd for padded ids, about 0 for real ones."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=1, n_head=2, n_embd=16, bias=True))
+    model = GPT(
+        GPTConfig(
+            vocab_size=vocab_size, block_size=block_size, n_layer=1, n_head=2, n_embd=16, bias=True
+        )
+    )
     with torch.no_grad():
         model.transformer.ln_f.weight.zero_()
         model.transformer.ln_f.bias.fill_(1.0)
@@ -66,11 +83,19 @@ def char_run(tmp_path_factory):
     """A char-level dataset of 28 characters and a checkpoint of padded_model (vocabulary 64) for it."""
     root = tmp_path_factory.mktemp("char")
     (root / "tiny.txt").write_text(TEXT)
-    meta = P.prepare("text", out_dir=root / "data" / "txt", input=str(root / "tiny.txt"), tokenizer="char")
+    meta = P.prepare(
+        "text", out_dir=root / "data" / "txt", input=str(root / "tiny.txt"), tokenizer="char"
+    )
     model = padded_model(real=meta["vocab_size"])
     (root / "out").mkdir()
-    torch.save(dict(model=model.state_dict(), model_args=dict(model.config.__dict__),
-                    config=dict(dataset="txt", data_dir=str(root / "data"))), root / "out" / "ckpt.pt")
+    torch.save(
+        dict(
+            model=model.state_dict(),
+            model_args=dict(model.config.__dict__),
+            config=dict(dataset="txt", data_dir=str(root / "data")),
+        ),
+        root / "out" / "ckpt.pt",
+    )
     return root
 
 
@@ -87,7 +112,9 @@ def test_generate_never_samples_padded_ids(ragged, temperature, top_k):
     free = model.generate(idx, 8, temperature=temperature, top_k=top_k, lengths=lengths)
     assert any(int(row.max()) >= limit for row in free)          # the model does favour padded ids
     torch.manual_seed(0)
-    out = model.generate(idx, 8, temperature=temperature, top_k=top_k, lengths=lengths, vocab_limit=limit)
+    out = model.generate(
+        idx, 8, temperature=temperature, top_k=top_k, lengths=lengths, vocab_limit=limit
+    )
     rows = out if ragged else list(out)
     assert [len(r) for r in rows] == ([13, 10, 12] if ragged else [13] * 3)
     assert all(int(r.max()) < limit for r in rows)
@@ -96,8 +123,19 @@ def test_generate_never_samples_padded_ids(ragged, temperature, top_k):
 @pytest.mark.parametrize("extra", [["--temperature=0"], [], ["--use_cache=False", "--top_k=3"]])
 def test_sample_decodes_only_real_ids(char_run, capsys, extra):
     chars = set(json.loads((char_run / "data" / "txt" / "meta.json").read_text())["chars"])
-    assert sample.main([f"--out_dir={char_run / 'out'}", "--start=the", "--num_samples=2", "--max_new_tokens=8",
-                        "--device=cpu", *extra]) == 0
+    assert (
+        sample.main(
+            [
+                f"--out_dir={char_run / 'out'}",
+                "--start=the",
+                "--num_samples=2",
+                "--max_new_tokens=8",
+                "--device=cpu",
+                *extra,
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()
     texts = [lines[0], lines[2]]
     assert lines[1] == lines[3] == "---------------"
@@ -107,10 +145,24 @@ def test_sample_decodes_only_real_ids(char_run, capsys, extra):
 def test_sample_prompts_file_decodes_only_real_ids(char_run, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the\n\nlazy dog\n")
-    assert sample.main([f"--out_dir={char_run / 'out'}", f"--prompts_file={prompts}", "--max_new_tokens=4",
-                        "--device=cpu"]) == 0
+    assert (
+        sample.main(
+            [
+                f"--out_dir={char_run / 'out'}",
+                f"--prompts_file={prompts}",
+                "--max_new_tokens=4",
+                "--device=cpu",
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("the") and len(lines[0]) == 7 and lines[2].startswith("lazy dog") and len(lines[2]) == 12
+    assert (
+        lines[0].startswith("the")
+        and len(lines[0]) == 7
+        and lines[2].startswith("lazy dog")
+        and len(lines[2]) == 12
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -205,8 +257,17 @@ def test_corrupt_checkpoint_is_a_one_line_error(run, tmp_path, kind):
     ("--device=bogus", "device"), pytest.param("--device=cuda", "CUDA", marks=NO_CUDA)])
 def test_bench_bad_options(arg, needle):
     with pytest.raises(UserError, match=needle):
-        bench.main(["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--vocab_size=50", "--decode_tokens=4",
-                    arg])
+        bench.main(
+            [
+                "--n_layer=1",
+                "--n_head=2",
+                "--n_embd=32",
+                "--block_size=32",
+                "--vocab_size=50",
+                "--decode_tokens=4",
+                arg,
+            ]
+        )
 
 
 @pytest.mark.parametrize("args", [
@@ -217,7 +278,16 @@ def test_bench_bad_options(arg, needle):
 def test_bench_refuses_decode_past_block_size(args):
     # past block_size generate recomputes the cropped window: that is no KV-cached decode to report
     with pytest.raises(UserError, match=r"decode_tokens=\d+ .*block_size=32"):
-        bench.main(["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--vocab_size=50", *args])
+        bench.main(
+            [
+                "--n_layer=1",
+                "--n_head=2",
+                "--n_embd=32",
+                "--block_size=32",
+                "--vocab_size=50",
+                *args,
+            ]
+        )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -285,7 +355,9 @@ def test_sweep_exits_1_after_the_summary_when_runs_fail(tmp_path, monkeypatch, c
     monkeypatch.setattr(sweep, "check_configs", lambda runs, made_later: None)  # no train.py keys
     assert sweep.main([study_file(tmp_path), "--no_plots"]) == 1
     summary = json.loads((tmp_path / "study" / "summary.json").read_text())
-    assert summary["table"]["A"]["avg_lm"]["per_seed"] == [2.0] and summary["table"]["B"]["avg_lm"]["per_seed"] == [None]
+    assert summary["table"]["A"]["avg_lm"]["per_seed"] == [2.0] and summary["table"]["B"]["avg_lm"][
+        "per_seed"
+    ] == [None]
     err = capsys.readouterr().err
     log = tmp_path / "study" / "B" / "seed1.log"
     assert "1 of 2 runs failed" in err and str(log) in err and "boom" in log.read_text()
@@ -320,7 +392,10 @@ def test_sweep_missing_study_file(tmp_path):
     ("flops.py", ["--n_layers=3"], "n_layer"),
     ("plots.py", ["NO_SUCH_STUDY"], "OUT_ROOT")])
 def test_cli_exit_code_and_one_line(run, tmp_path, script, args, needle):
-    bad, study = corrupt(run / "out" / "ckpt.pt", tmp_path / "ckpt.pt", "random"), study_file(tmp_path)
+    bad, study = (
+        corrupt(run / "out" / "ckpt.pt", tmp_path / "ckpt.pt", "random"),
+        study_file(tmp_path),
+    )
     args = [a.replace("CORRUPT", str(bad)).replace("STUDY", study) for a in args]
     r = run_py(script, args)
     assert r.returncode == 2, r.stderr

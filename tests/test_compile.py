@@ -34,7 +34,10 @@ def eval_prefill(model):
 
 
 def break_reasons(explained):
-    return [f"{r.reason} at {r.user_stack[-1] if r.user_stack else '?'}" for r in explained.break_reasons]
+    return [
+        f"{r.reason} at {r.user_stack[-1] if r.user_stack else '?'}"
+        for r in explained.break_reasons
+    ]
 
 
 @pytest.fixture(autouse=True)
@@ -68,8 +71,12 @@ def test_compiled_once_never_recompiles_on_new_data(case, training):
     """Per-layer Python state (layer ids, the sets and dicts of the routing context, capacities) is
     constant per model, so a second batch of the same shape reuses the first compilation."""
     model = build(*case).train(training)
-    fn = torch.compile(train_loss(model) if training else eval_prefill(model), backend='eager', fullgraph=True,
-                       dynamic=False)
+    fn = torch.compile(
+        train_loss(model) if training else eval_prefill(model),
+        backend='eager',
+        fullgraph=True,
+        dynamic=False,
+    )
     with torch.set_grad_enabled(training):
         fn(tokens(0, B, T))
         with torch.compiler.set_stance('fail_on_recompile'):
@@ -184,7 +191,10 @@ def sampled_trace(model, idx, new, **kw):
         del model.sample_next
     assert len(calls) == new
     lengths = kw.get('lengths') or [idx.size(1)] * idx.size(0)
-    return [(out[b][n:n + new], torch.stack([c[b] for c in calls]), [{}] * new) for b, n in enumerate(lengths)]
+    return [
+        (out[b][n : n + new], torch.stack([c[b] for c in calls]), [{}] * new)
+        for b, n in enumerate(lengths)
+    ]
 
 
 def compiled_decoding_case(route, batches, backend=None, monkeypatch=None):
@@ -196,8 +206,15 @@ def compiled_decoding_case(route, batches, backend=None, monkeypatch=None):
     default compiler (inductor) by a cheaper one. Returns how many graphs each generate compiled."""
     model = build(route, seed=3).eval()
     if backend is not None:
-        monkeypatch.setattr(model, 'decode_step_fn', lambda device, compile: torch.compile(
-            model.decode_step, backend=backend, fullgraph=True, dynamic=False) if compile else model.decode_step)
+        monkeypatch.setattr(
+            model,
+            'decode_step_fn',
+            lambda device, compile: (
+                torch.compile(model.decode_step, backend=backend, fullgraph=True, dynamic=False)
+                if compile
+                else model.decode_step
+            ),
+        )
     idx = tokens(3, 2, 6)
     graphs = []
     with torch.no_grad():
@@ -217,7 +234,10 @@ def test_traced_greedy_decoding_gives_the_eager_tokens(route, monkeypatch):
     """The captured step graph (static execution) replayed without code generation, for every family,
     on equal prompts and on a ragged batch (rows at different positions); each decoding compiles its
     step once (positions are a device tensor, the fed token a fresh tensor of fixed strides)."""
-    assert compiled_decoding_case(route, [dict(), dict(lengths=[6, 2])], 'eager', monkeypatch) == [1, 1]
+    assert compiled_decoding_case(route, [dict(), dict(lengths=[6, 2])], 'eager', monkeypatch) == [
+        1,
+        1,
+    ]
 
 
 # Inductor's own code generation (minutes per family on 2 cores, with a cold cache) for a few

@@ -10,9 +10,20 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from configurator import ConfigError, load_config, parse_value  # noqa: E402
 
-DEFAULTS = dict(out_dir='out/quickstart', dataset='synthetic', n_layer=4, batch_size=16, learning_rate=2e-3,
-                dropout=0.0, decay_lr=True, compile=False, ffn_layers='all', lm_thresholds='',
-                device='auto', init_from='scratch')
+DEFAULTS = dict(
+    out_dir='out/quickstart',
+    dataset='synthetic',
+    n_layer=4,
+    batch_size=16,
+    learning_rate=2e-3,
+    dropout=0.0,
+    decay_lr=True,
+    compile=False,
+    ffn_layers='all',
+    lm_thresholds='',
+    device='auto',
+    init_from='scratch',
+)
 
 
 def write(tmp_path, text, name='cfg.py'):
@@ -52,7 +63,9 @@ def test_no_args_returns_a_copy_of_the_defaults():
 def test_typed_overrides(arg, key, value):
     out = load_config(DEFAULTS, [arg])
     assert out[key] == value and type(out[key]) is type(value)
-    assert {k: v for k, v in out.items() if k != key} == {k: v for k, v in DEFAULTS.items() if k != key}
+    assert {k: v for k, v in out.items() if k != key} == {
+        k: v for k, v in DEFAULTS.items() if k != key
+    }
 
 
 def test_int_for_float_key_becomes_float():
@@ -92,7 +105,11 @@ def test_config_file_assigns_keys(tmp_path):
                           "decay_lr = False\n"
                           "dropout = 0\n")
     out = load_config(DEFAULTS, [cfg])
-    assert out["n_layer"] == 6 and out["learning_rate"] == 6e-4 and out["dataset"] == "shakespeare_char"
+    assert (
+        out["n_layer"] == 6
+        and out["learning_rate"] == 6e-4
+        and out["dataset"] == "shakespeare_char"
+    )
     assert out["decay_lr"] is False and out["dropout"] == 0.0 and type(out["dropout"]) is float
     assert "math" not in out and "helper" not in out and "_private" not in out
 
@@ -183,7 +200,9 @@ def test_arg_without_equals_mentions_key_value():
 
 def test_parse_value():
     assert parse_value("3") == 3 and parse_value("3.5") == 3.5 and parse_value("False") is False
-    assert parse_value("word") == "word" and parse_value("'q'") == "q" and parse_value("a b") == "a b"
+    assert (
+        parse_value("word") == "word" and parse_value("'q'") == "q" and parse_value("a b") == "a b"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -18,8 +18,19 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import flops
 import model as model_module
-from conftest import (EXAMPLES, ROUTED_TOL, SETTINGS, V, assert_greedy_traces_agree, build, counted, dense_twin,
-                      greedy_trace, seeded, tokens)
+from conftest import (
+    EXAMPLES,
+    ROUTED_TOL,
+    SETTINGS,
+    V,
+    assert_greedy_traces_agree,
+    build,
+    counted,
+    dense_twin,
+    greedy_trace,
+    seeded,
+    tokens,
+)
 from model import FAMILIES as REGISTRY, GPTConfig, KVCache
 from route_exit import exit_depths
 from routing import Dense
@@ -116,7 +127,9 @@ def test_sparse_execution_equals_masked_dense(case, seed, T, B, dtype):
         assert all(int(f.max()) <= 1 for f in flips.values()), flips
         if all(int(f.sum()) == 0 for f in flips.values()):
             scale = max(1.0, b_logits.float().abs().max().item())
-            torch.testing.assert_close(a_logits.float(), b_logits.float(), rtol=3e-2, atol=3e-2 * scale)
+            torch.testing.assert_close(
+                a_logits.float(), b_logits.float(), rtol=3e-2, atol=3e-2 * scale
+            )
 
 
 @settings(**SETTINGS)
@@ -187,8 +200,16 @@ def test_family_flops_match_counter(case, seed, T, B, budget, pw, trainable, kl,
     """Training forward, a whole training step (joint or controller-only), the masked eval forward and
     the sparse eval forward (at the realised fractions) equal FlopCounterMode's count."""
     route, opt = case
-    model = build(route, opt, seed=seed, ffn_budget=budget, mod_capacity=budget, ffn_predictor_weight=pw,
-                  mod_predictor_weight=pw, ens_kl_weight=kl)
+    model = build(
+        route,
+        opt,
+        seed=seed,
+        ffn_budget=budget,
+        mod_capacity=budget,
+        ffn_predictor_weight=pw,
+        mod_predictor_weight=pw,
+        ens_kl_weight=kl,
+    )
     cfg = model.config
     if trainable == 'controller':
         ctrl = {id(p) for p in model.controller_parameters()}
@@ -213,14 +234,22 @@ def test_family_flops_match_counter(case, seed, T, B, budget, pw, trainable, kl,
     assert counted(step) == B * flops.train_step_flops(cfg, T, trainable, exits=exits)['total']
     model.eval()
     with torch.no_grad():
-        assert counted(lambda: seeded(lambda: model(idx, idx, sparse=False))) == B * flops.forward_flops(cfg, T, 'eval')
+        assert counted(
+            lambda: seeded(lambda: model(idx, idx, sparse=False))
+        ) == B * flops.forward_flops(cfg, T, 'eval')
         out = []
         got = counted(lambda: out.append(seeded(lambda: model(idx, idx))[2].get('masks', {})))
     masks = out[0]
     # e.g. MoD pads rows to the longest
     run = model.family.executed_fracs(masks) if masks else None
-    frac = run.tolist() if run is not None else [int(m.sum()) / m.numel() for _, m in sorted(masks.items())] or None
-    assert math.isclose(got, B * flops.forward_flops(cfg, T, 'sparse', full_frac=frac), rel_tol=1e-9)
+    frac = (
+        run.tolist()
+        if run is not None
+        else [int(m.sum()) / m.numel() for _, m in sorted(masks.items())] or None
+    )
+    assert math.isclose(
+        got, B * flops.forward_flops(cfg, T, 'sparse', full_frac=frac), rel_tol=1e-9
+    )
 
 
 @settings(**SETTINGS)
@@ -311,7 +340,9 @@ def test_the_example_is_held_to_every_promise(route):
     example of docs/new_family.md (their bodies on fixed examples), so each promise checks it."""
     case = (route, 0)
     for seed, T, B in [(0, 9, 2), (5, 3, 1)]:
-        test_eval_is_causal_for_every_family.hypothesis.inner_test(case, seed, T, B, True, Drawn(T // 2))
+        test_eval_is_causal_for_every_family.hypothesis.inner_test(
+            case, seed, T, B, True, Drawn(T // 2)
+        )
         test_sparse_execution_equals_masked_dense.hypothesis.inner_test(case, seed, T, B, 'float32')
         test_kv_cache_decoding_equals_recompute.hypothesis.inner_test(case, seed, T, 3, B)
         test_forced_open_is_the_dense_model.hypothesis.inner_test(case, seed, T, seed % 2 == 0)

@@ -28,9 +28,13 @@ from checkpoint import load_checkpoint  # noqa: E402
 from conftest import finish, start, stop  # noqa: E402
 from data import prepare as P  # noqa: E402
 
-ENV = {k: v for k, v in os.environ.items()
-       if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-       and not k.startswith("FAULT_")}
+ENV = {
+    k: v
+    for k, v in os.environ.items()
+    if k
+    not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    and not k.startswith("FAULT_")
+}
 # one thread: quick on a loaded 2-core box and bit-reproducible; unbuffered, so a SIGKILLed child's
 # stdout (e.g. "removed ...") is not lost in its pipe buffer
 ENV.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONHASHSEED="0", PYTHONUNBUFFERED="1")
@@ -136,12 +140,16 @@ def run_train(args):
 
 
 def ok(r):
-    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+    assert r.returncode == 0, (
+        f"exit {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+    )
     return r
 
 
 def fault_env(mode, at, record, frac=0.5, copy=None):
-    env = dict(ENV, FAULT_MODE=mode, FAULT_AT=str(at), FAULT_FRAC=repr(frac), FAULT_RECORD=str(record))
+    env = dict(
+        ENV, FAULT_MODE=mode, FAULT_AT=str(at), FAULT_FRAC=repr(frac), FAULT_RECORD=str(record)
+    )
     if copy is not None:
         env["FAULT_COPY"] = str(copy)
     return env
@@ -159,9 +167,13 @@ def assert_identical(a, b, where="ckpt"):
     """Recursively: tensors torch.equal (same dtype and shape), everything else ==."""
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), f"{where}: tensors differ (max abs diff {(a.double() - b.double()).abs().max()})"
+        assert torch.equal(a, b), (
+            f"{where}: tensors differ (max abs diff {(a.double() - b.double()).abs().max()})"
+        )
     elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        assert isinstance(b, dict) and set(a) == set(b), (
+            f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        )
         for k in a:
             assert_identical(a[k], b[k], f"{where}[{k!r}]")
     elif isinstance(a, (list, tuple)):
@@ -244,7 +256,9 @@ def test_sigterm_mid_step_then_resume_is_bit_exact(reference, data_dir, wrapper,
     r, pid = run_py(wrapper, args, fault_env("sigterm_at_iter", 4, rec))
     ok(r)
     assert json.loads(rec.read_text()) == {"pid": pid, "iter": 4}, "the SIGTERM was never sent"
-    assert "stopped by signal at iteration 5" in r.stdout and "done:" not in r.stdout, r.stdout[-2000:]
+    assert "stopped by signal at iteration 5" in r.stdout and "done:" not in r.stdout, r.stdout[
+        -2000:
+    ]
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 5      # 5: not an eval iteration
     assert temps(out) == []
     r2 = ok(run_train([*args, "--init_from=resume"]))
@@ -272,7 +286,9 @@ def test_sigint_during_checkpoint_write_completes_the_save(reference, data_dir, 
     assert copy.exists(), "the checkpoint write interrupted by SIGINT never completed"
     assert sha256(copy) == info["sha256"]                           # complete, byte for byte
     assert load_checkpoint(str(copy))["iter_num"] == 4
-    assert "stopped by signal at iteration 5" in r.stdout and "done:" not in r.stdout, r.stdout[-2000:]
+    assert "stopped by signal at iteration 5" in r.stdout and "done:" not in r.stdout, r.stdout[
+        -2000:
+    ]
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 5
     assert temps(out) == []
     ok(run_train([*args, "--init_from=resume"]))
@@ -290,7 +306,11 @@ def test_corrupt_checkpoint_fails_cleanly(reference, data_dir, tmp_path, damage,
     reference.ckpt()
     out = tmp_path / "out"
     real = (reference.out / "ckpt.pt").read_bytes()
-    bad = real[:len(real) // 2] if damage == "truncated_half" else random.Random(0).randbytes(len(real))
+    bad = (
+        real[: len(real) // 2]
+        if damage == "truncated_half"
+        else random.Random(0).randbytes(len(real))
+    )
     if use == "resume":
         out.mkdir()
         for name in ("config.json", "metrics.jsonl", "run_info.json"):
@@ -305,7 +325,9 @@ def test_corrupt_checkpoint_fails_cleanly(reference, data_dir, tmp_path, damage,
     assert r.returncode == 2, f"exit {r.returncode}\n{r.stderr[-3000:]}"
     lines = r.stderr.splitlines()
     assert len(lines) == 1, r.stderr
-    assert lines[0].startswith("error:") and str(ckpt) in lines[0] and "corrupt" in lines[0], lines[0]
+    assert lines[0].startswith("error:") and str(ckpt) in lines[0] and "corrupt" in lines[0], lines[
+        0
+    ]
     # the checkpoint and everything else untouched; init_from: no out_dir created
     assert {str(p): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
     assert use == "resume" or not out.exists()
@@ -353,7 +375,13 @@ def test_sigkill_during_checkpoint_writes_then_resume_is_bit_exact(reference, da
     orphan = None                        # the temp file the last killed writer left
     for n, kill in enumerate(plan):
         rec = tmp_path / f"kill{n}.json"
-        args = [*base, "--init_from=resume"] if kill.start is not None else [*base, "--overwrite=True"] if n else base
+        args = (
+            [*base, "--init_from=resume"]
+            if kill.start is not None
+            else [*base, "--overwrite=True"]
+            if n
+            else base
+        )
         r, pid = run_py(wrapper, args, fault_env("kill_in_save", kill.save, rec, frac=kill.frac))
         where = f"kill {n} {kill}:\nstdout:\n{r.stdout[-2000:]}\nstderr:\n{r.stderr[-2000:]}"
         assert r.returncode == -signal.SIGKILL, where
@@ -382,7 +410,9 @@ def test_sigkill_during_checkpoint_writes_then_resume_is_bit_exact(reference, da
             lines = r.stderr.splitlines()
             assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
             assert "no checkpoint" in lines[0] and str(ckpt) in lines[0], lines[0]
-            assert f"removed {orphan}" in r.stdout and not orphan.exists() and not ckpt.exists(), r.stdout
+            assert f"removed {orphan}" in r.stdout and not orphan.exists() and not ckpt.exists(), (
+                r.stdout
+            )
             orphan = None
 
     # the last resume, unpatched: it removes the last orphan and ends bit-equal to the reference

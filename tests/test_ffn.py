@@ -25,8 +25,22 @@ from routing import RouteCtx
 SETTINGS = dict(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 V = 29
-BASE = dict(block_size=24, vocab_size=V, n_head=2, n_embd=16, ffn_cheap_rank=4, ffn_gate_hidden=8, ffn_jepa_latent=6)
-ZERO_AUX = dict(ffn_util_weight=0.0, ffn_rank_weight=0.0, ffn_jepa_weight=0.0, ffn_predictor_weight=0.0, ffn_mimic_weight=0.0)
+BASE = dict(
+    block_size=24,
+    vocab_size=V,
+    n_head=2,
+    n_embd=16,
+    ffn_cheap_rank=4,
+    ffn_gate_hidden=8,
+    ffn_jepa_latent=6,
+)
+ZERO_AUX = dict(
+    ffn_util_weight=0.0,
+    ffn_rank_weight=0.0,
+    ffn_jepa_weight=0.0,
+    ffn_predictor_weight=0.0,
+    ffn_mimic_weight=0.0,
+)
 SCORING_GATES = ('mlp', 'jepa')
 
 
@@ -64,7 +78,9 @@ def calibration_tokens(seed, prompts):
     decision to the last bit of whichever kernels computed it (~0.6% of examples had such a tie)."""
     cal = tokens(seed, 4, 24)
     free = torch.tensor(sorted(set(range(V)) - set(prompts[:, 0].tolist())))
-    cal[:, 0] = free[torch.randint(0, len(free), (4,), generator=torch.Generator().manual_seed(seed))]
+    cal[:, 0] = free[
+        torch.randint(0, len(free), (4,), generator=torch.Generator().manual_seed(seed))
+    ]
     return cal
 
 
@@ -100,8 +116,12 @@ def record_ln2(model, layers):
     """Forward hooks on ln_2 of the given blocks; calls[l] lists (input x, output h) per call. The
     routed pass calls ln_2 once per block, before any oracle fork."""
     calls = {l: [] for l in layers}
-    handles = [model.transformer.h[l].ln_2.register_forward_hook(
-        lambda mod, inp, out, l=l: calls[l].append((inp[0].detach(), out.detach()))) for l in layers]
+    handles = [
+        model.transformer.h[l].ln_2.register_forward_hook(
+            lambda mod, inp, out, l=l: calls[l].append((inp[0].detach(), out.detach()))
+        )
+        for l in layers
+    ]
     return calls, handles
 
 
@@ -194,7 +214,10 @@ def dense_twin(routed_model, seed):
             p.add_(0.3 * torch.randn(p.shape, generator=g))
     missing, unexpected = routed_model.load_state_dict(dense.state_dict(), strict=False)
     assert not unexpected
-    assert all(any(s in k for s in ('.cheap.', '.gate.', '.predictor.')) or k.endswith('.tau') for k in missing)
+    assert all(
+        any(s in k for s in ('.cheap.', '.gate.', '.predictor.')) or k.endswith('.tau')
+        for k in missing
+    )
     return dense
 
 
@@ -209,8 +232,16 @@ def dense_twin(routed_model, seed):
 def test_train_masks_hold_exactly_ceil_budget_T_top_scoring_tokens(seed, B, T, budget, gate, layout, readout,
                                                                     block_size, gate_grad):
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, ffn_gate=gate, ffn_budget=float(budget), ffn_layers=spec, ffn_jepa_readout=readout,
-                  block_size=block_size, ffn_gate_grad=gate_grad).train()
+    model = build(
+        seed,
+        n_layer,
+        ffn_gate=gate,
+        ffn_budget=float(budget),
+        ffn_layers=spec,
+        ffn_jepa_readout=readout,
+        block_size=block_size,
+        ffn_gate_grad=gate_grad,
+    ).train()
     assert controlled_layer_ids(model.config) == ids
     idx = tokens(seed, B, T, distinct_first=True)
     calls, handles = record_ln2(model, ids)
@@ -223,8 +254,14 @@ def test_train_masks_hold_exactly_ceil_budget_T_top_scoring_tokens(seed, B, T, b
     torch.manual_seed(seed)             # the random gate draws one (B, T) uniform tensor per layer,
                                         # in order
     with torch.no_grad():
-        scores = {l: (torch.rand(B, T) if gate == 'random' else model.transformer.h[l].gate(calls[l][0][1]))
-                  for l in ids}
+        scores = {
+            l: (
+                torch.rand(B, T)
+                if gate == 'random'
+                else model.transformer.h[l].gate(calls[l][0][1])
+            )
+            for l in ids
+        }
     for l in ids:
         mask = aux['masks'][l]
         assert mask.shape == (B, T) and mask.dtype == torch.bool
@@ -284,7 +321,9 @@ def check_budget_one_ste_equals_dense(seed, B, T, layout, pos, bias, gate, reado
 # tokens; fixed cases here, hypothesis below.
 @pytest.mark.parametrize('seed,gate,readout', STE_CASES)
 def test_budget_one_ste_equals_dense_bitwise(seed, gate, readout):
-    check_budget_one_ste_equals_dense(seed, 2, 16, (3, 'all', [0, 1, 2]), 'learned', False, gate, readout, True)
+    check_budget_one_ste_equals_dense(
+        seed, 2, 16, (3, 'all', [0, 1, 2]), 'learned', False, gate, readout, True
+    )
 
 
 @settings(**SETTINGS)
@@ -299,8 +338,16 @@ def test_budget_one_ste_equals_dense_property(seed, B, T, layout, pos, bias, gat
 def test_forced_full_and_static_full_equal_dense_bitwise(seed, B, T, layout, pos, bias, gate, gate_grad, budget,
                                                         training):
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, ffn_gate=gate, ffn_budget=float(budget), ffn_layers=spec, pos=pos, bias=bias,
-                  ffn_gate_grad=gate_grad).train(training)
+    model = build(
+        seed,
+        n_layer,
+        ffn_gate=gate,
+        ffn_budget=float(budget),
+        ffn_layers=spec,
+        pos=pos,
+        bias=bias,
+        ffn_gate_grad=gate_grad,
+    ).train(training)
     dense = dense_twin(model, seed)
     idx = tokens(seed, B, T)
     ref = dense.eval()(idx, idx)[0]
@@ -345,7 +392,11 @@ def test_routed_model_from_checkpoint_file_keeps_backbone_and_gets_fresh_gates(s
     for force in ('full', 'cheap'):
         assert torch.equal(model(idx, idx, force=force)[0], src(idx, idx, force=force)[0])
     g_src = dict(src.named_parameters())
-    assert any(n not in g_src or not torch.equal(p, g_src[n]) for n, p in model.named_parameters() if '.gate.' in n)
+    assert any(
+        n not in g_src or not torch.equal(p, g_src[n])
+        for n, p in model.named_parameters()
+        if '.gate.' in n
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -393,8 +444,17 @@ def test_masked_update_equals_gather_scatter(seed, B, T, p, gate, gate_grad, lay
        readout=st.sampled_from(['distance', 'linear']), pos=st.sampled_from(['learned', 'rope']), data=st.data())
 def test_eval_routing_is_causal(seed, B, T, budget, layout, gate, infer_rule, gate_grad, readout, pos, data):
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, ffn_gate=gate, ffn_budget=float(budget), ffn_layers=spec, ffn_infer_rule=infer_rule,
-                  ffn_gate_grad=gate_grad, ffn_jepa_readout=readout, pos=pos)
+    model = build(
+        seed,
+        n_layer,
+        ffn_gate=gate,
+        ffn_budget=float(budget),
+        ffn_layers=spec,
+        ffn_infer_rule=infer_rule,
+        ffn_gate_grad=gate_grad,
+        ffn_jepa_readout=readout,
+        pos=pos,
+    )
     idx = tokens(seed, B, T)
     model.calibrate(calibration_tokens(seed + 1, idx))
     model.eval()
@@ -438,8 +498,15 @@ def test_eval_routing_kv_cache_decoding_equals_recompute(seed, B, T0, new, gate,
     attention, recomputation T and is_causal, and sparse gathers of other sizes; tokens equal unless a
     near-tie, see conftest.assert_greedy_traces_agree)."""
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, ffn_gate=gate, ffn_layers=spec, ffn_infer_rule=infer_rule, ffn_gate_grad=gate_grad,
-                  pos=pos)
+    model = build(
+        seed,
+        n_layer,
+        ffn_gate=gate,
+        ffn_layers=spec,
+        ffn_infer_rule=infer_rule,
+        ffn_gate_grad=gate_grad,
+        pos=pos,
+    )
     idx = tokens(seed, B, T0)
     model.calibrate(calibration_tokens(seed + 1, idx))
     model.eval()
@@ -476,8 +543,16 @@ def gate_params_on_score(block):
        gate_grad=st.sampled_from(['ste', 'scale', 'none']), infer_rule=st.sampled_from(['threshold', 'predictor']))
 def test_lm_loss_alone_reaches_the_gate(seed, B, T, budget, layout, gate, readout, gate_grad, infer_rule):
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, ffn_gate=gate, ffn_jepa_readout=readout, ffn_budget=float(budget), ffn_layers=spec,
-                  ffn_gate_grad=gate_grad, ffn_infer_rule=infer_rule).train()
+    model = build(
+        seed,
+        n_layer,
+        ffn_gate=gate,
+        ffn_jepa_readout=readout,
+        ffn_budget=float(budget),
+        ffn_layers=spec,
+        ffn_gate_grad=gate_grad,
+        ffn_infer_rule=infer_rule,
+    ).train()
     idx = tokens(seed, B, T)
     _, loss, aux = model(idx, idx)
     assert torch.equal(loss.detach(), aux['lm_loss'])              # no auxiliary term in the loss
@@ -495,7 +570,9 @@ def test_lm_loss_alone_reaches_the_gate(seed, B, T, budget, layout, gate, readou
 
 
 def test_jepa_target_projection_is_a_fixed_buffer():
-    model = build(4, 2, ffn_gate='jepa', ffn_jepa_weight=1.0, ffn_util_weight=1.0, ffn_rank_weight=1.0).train()
+    model = build(
+        4, 2, ffn_gate='jepa', ffn_jepa_weight=1.0, ffn_util_weight=1.0, ffn_rank_weight=1.0
+    ).train()
     names = {n for n, _ in model.named_parameters()}
     targets = {n: b.clone() for n, b in model.named_buffers() if n.endswith('gate.target')}
     assert sorted(targets) == ['transformer.h.0.gate.target', 'transformer.h.1.gate.target']
@@ -518,8 +595,15 @@ def test_jepa_target_projection_is_a_fixed_buffer():
 
 def check_hard_mixture(seed, B, T, budget, layout, gate, gate_grad, readout, exact=True):
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, ffn_gate=gate, ffn_jepa_readout=readout, ffn_budget=float(budget), ffn_layers=spec,
-                  ffn_gate_grad=gate_grad).train()
+    model = build(
+        seed,
+        n_layer,
+        ffn_gate=gate,
+        ffn_jepa_readout=readout,
+        ffn_budget=float(budget),
+        ffn_layers=spec,
+        ffn_gate_grad=gate_grad,
+    ).train()
     idx = tokens(seed, B, T)
     calls, handles = record_ln2(model, ids)
     with record_updates(model, ids) as updates:
@@ -569,8 +653,15 @@ def test_scale_and_none_forward_is_the_hard_mixture(seed, B, T, budget, layout, 
        readout=st.sampled_from(['distance', 'linear']))
 def test_calibration_hits_budget_on_its_own_batch(seed, B, T, budget, layout, gate, infer_rule, readout):
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, ffn_gate=gate, ffn_budget=float(budget), ffn_layers=spec, ffn_infer_rule=infer_rule,
-                  ffn_jepa_readout=readout).train()
+    model = build(
+        seed,
+        n_layer,
+        ffn_gate=gate,
+        ffn_budget=float(budget),
+        ffn_layers=spec,
+        ffn_infer_rule=infer_rule,
+        ffn_jepa_readout=readout,
+    ).train()
     x_cal = tokens(seed, B, T, distinct_first=True)
     fracs = model.calibrate(x_cal)
     assert model.training                   # calibrate restores the mode
@@ -587,8 +678,15 @@ def test_calibration_hits_budget_on_its_own_batch(seed, B, T, budget, layout, ga
        gate=st.sampled_from(SCORING_GATES), infer_rule=st.sampled_from(['threshold', 'predictor']))
 def test_calibration_generalises_to_a_fresh_batch(seed, budget, layout, gate, infer_rule):
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, ffn_gate=gate, ffn_budget=float(budget), ffn_layers=spec, ffn_infer_rule=infer_rule,
-                  vocab_size=61)
+    model = build(
+        seed,
+        n_layer,
+        ffn_gate=gate,
+        ffn_budget=float(budget),
+        ffn_layers=spec,
+        ffn_infer_rule=infer_rule,
+        vocab_size=61,
+    )
     model.calibrate(tokens(seed, 32, 24, vocab=61))
     frac = model.eval()(tokens(seed + 1, 32, 24, vocab=61))[2]['full_frac']
     assert (frac - float(budget)).abs().max().item() <= 0.1
@@ -638,9 +736,13 @@ def test_jepa_weight_zero_never_projects_targets(monkeypatch):
 def test_predictor_weight_zero_never_runs_predictor_in_training(monkeypatch):
     idx = tokens(0, 2, 12)
     monkeypatch.setattr(gates.MembershipPredictor, 'forward', boom)
-    build(0, 2, ffn_gate='mlp', ffn_infer_rule='predictor', ffn_predictor_weight=0.0).train()(idx, idx)
+    build(0, 2, ffn_gate='mlp', ffn_infer_rule='predictor', ffn_predictor_weight=0.0).train()(
+        idx, idx
+    )
     with pytest.raises(AssertionError):
-        build(0, 2, ffn_gate='mlp', ffn_infer_rule='predictor', ffn_predictor_weight=1.0).train()(idx, idx)
+        build(0, 2, ffn_gate='mlp', ffn_infer_rule='predictor', ffn_predictor_weight=1.0).train()(
+            idx, idx
+        )
 
 
 def test_mimic_weight_zero_never_runs_mimic(monkeypatch):
@@ -741,8 +843,17 @@ def test_util_loss_regresses_routed_score_onto_reference_labels(seed, B, T, gate
     on-policy labels), and the later layers run all full (off) or by the gates (on); the regressed
     score is this pass's gate score (whichever graph its gradient takes)."""
     l = data.draw(st.integers(0, 2))
-    model = build(seed, 3, ffn_gate=gate, ffn_budget=0.5, ffn_util_weight=1.0, ffn_oracle_policy=policy,
-                  ffn_oracle_start=start, ffn_aux_grad=aux_grad, ffn_oracle_label='sequence').train()
+    model = build(
+        seed,
+        3,
+        ffn_gate=gate,
+        ffn_budget=0.5,
+        ffn_util_weight=1.0,
+        ffn_oracle_policy=policy,
+        ffn_oracle_start=start,
+        ffn_aux_grad=aux_grad,
+        ffn_oracle_label='sequence',
+    ).train()
     idx, tgt, loss, aux, x_routed, score = labelled_pass(model, seed, B, T, l)
     budget = Fraction(1, 2)
     with torch.no_grad():
@@ -753,9 +864,13 @@ def test_util_loss_regresses_routed_score_onto_reference_labels(seed, B, T, gate
             y = x_mid + ffn_ref(model.transformer.h[l], x_mid, action)
             ce[action] = ce_ref(logits_ref(model, suffix_ref(model, y, l + 1, later, budget)), tgt)
         U_ref = (ce['cheap'] - ce['full']).float()
-    torch.testing.assert_close(aux['util_loss'].detach(), ((score - U_ref) ** 2).mean(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        aux['util_loss'].detach(), ((score - U_ref) ** 2).mean(), rtol=1e-5, atol=1e-5
+    )
     torch.testing.assert_close(aux['utility_mean'], U_ref.mean(), rtol=0, atol=1e-5)
-    torch.testing.assert_close(loss.detach(), aux['lm_loss'] + aux['util_loss'].detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        loss.detach(), aux['lm_loss'] + aux['util_loss'].detach(), rtol=1e-6, atol=1e-6
+    )
 
 
 def token_labels_ref(model, l, x_mid, base, tgt, later, budget):
@@ -765,7 +880,15 @@ def token_labels_ref(model, l, x_mid, base, tgt, later, budget):
     blocks, T = model.transformer.h, x_mid.size(1)
 
     def run(sel, held=None):
-        x, masks = x_mid + torch.where(sel[..., None], ffn_ref(blocks[l], x_mid, 'full'), ffn_ref(blocks[l], x_mid, 'cheap')), {}
+        x, masks = (
+            x_mid
+            + torch.where(
+                sel[..., None],
+                ffn_ref(blocks[l], x_mid, 'full'),
+                ffn_ref(blocks[l], x_mid, 'cheap'),
+            ),
+            {},
+        )
         for i in range(l + 1, len(blocks)):
             block = blocks[i]
             x = x + block.attn(block.ln_1(x))
@@ -775,7 +898,11 @@ def token_labels_ref(model, l, x_mid, base, tgt, later, budget):
                 continue
             score = block.gate(h)
             masks[i] = topk_ref(score, ceil_frac(budget, T)) if held is None else held[i]
-            full = torch.sigmoid(score)[..., None] * block.mlp(h) if model.config.ffn_gate_grad == 'scale' else block.mlp(h)
+            full = (
+                torch.sigmoid(score)[..., None] * block.mlp(h)
+                if model.config.ffn_gate_grad == 'scale'
+                else block.mlp(h)
+            )
             x = x + torch.where(masks[i][..., None], full, block.cheap(h))
         return ce_ref(logits_ref(model, x), tgt), masks
 
@@ -798,10 +925,16 @@ def test_token_labels_match_one_fork_per_token(seed, B, T, n_layer, data, gate, 
     separate forks, each switching one token, from any base decision at l (all full, as from the
     all-full state, or a routed mask)."""
     l = data.draw(st.integers(0, n_layer - 1))
-    model = build(seed, n_layer, ffn_gate=gate, ffn_budget=0.5, ffn_gate_grad=gate_grad, pos=pos).train()
+    model = build(
+        seed, n_layer, ffn_gate=gate, ffn_budget=0.5, ffn_gate_grad=gate_grad, pos=pos
+    ).train()
     idx, tgt = tokens(seed, B, T, distinct_first=True), tokens(seed + 1, B, T)
     g = torch.Generator().manual_seed(seed + 3)
-    base = torch.ones(B, T, dtype=torch.bool) if data.draw(st.booleans()) else torch.rand(B, T, generator=g) < 0.5
+    base = (
+        torch.ones(B, T, dtype=torch.bool)
+        if data.draw(st.booleans())
+        else torch.rand(B, T, generator=g) < 0.5
+    )
     with torch.no_grad():
         x_mid = full_mid_ref(model, idx, l)
         U_ref = token_labels_ref(model, l, x_mid, base, tgt, later, Fraction(1, 2))
@@ -821,8 +954,15 @@ def test_util_loss_regresses_onto_token_labels_from_either_start(seed, B, T, gat
     """End to end with the default 'token' labels: from the all-full state every other token is full at
     l; from the routed state every other token keeps this pass's own training decision at l."""
     l = data.draw(st.integers(0, 2))
-    model = build(seed, 3, ffn_gate=gate, ffn_budget=0.5, ffn_util_weight=1.0, ffn_oracle_policy=policy,
-                  ffn_oracle_start=start).train()
+    model = build(
+        seed,
+        3,
+        ffn_gate=gate,
+        ffn_budget=0.5,
+        ffn_util_weight=1.0,
+        ffn_oracle_policy=policy,
+        ffn_oracle_start=start,
+    ).train()
     assert model.config.ffn_oracle_label == 'token'
     idx, tgt, _, aux, x_routed, score = labelled_pass(model, seed, B, T, l)
     with torch.no_grad():
@@ -831,8 +971,12 @@ def test_util_loss_regresses_onto_token_labels_from_either_start(seed, B, T, gat
             base = torch.ones(B, T, dtype=torch.bool)
         else:
             x_mid, base = x_routed, topk_ref(score, ceil_frac(Fraction(1, 2), T))
-        U_ref = token_labels_ref(model, l, x_mid, base, tgt, 'full' if policy == 'off' else 'policy', Fraction(1, 2))
-    torch.testing.assert_close(aux['util_loss'].detach(), ((score - U_ref) ** 2).mean(), rtol=1e-5, atol=1e-5)
+        U_ref = token_labels_ref(
+            model, l, x_mid, base, tgt, 'full' if policy == 'off' else 'policy', Fraction(1, 2)
+        )
+    torch.testing.assert_close(
+        aux['util_loss'].detach(), ((score - U_ref) ** 2).mean(), rtol=1e-5, atol=1e-5
+    )
     torch.testing.assert_close(aux['utility_mean'], U_ref.mean(), rtol=0, atol=1e-5)
 
 
@@ -864,7 +1008,9 @@ def test_pairwise_rank_equals_brute_force(seed, B, T, n_pairs, kind, margin, lev
     g2 = torch.Generator().manual_seed(seed)
     i = torch.randint(0, T, (B, n_pairs), generator=g2)
     j = torch.randint(0, T, (B, n_pairs), generator=g2)
-    assert loss.item() == pytest.approx(rank_brute(score, U, i, j, kind, margin), rel=1e-5, abs=1e-6)
+    assert loss.item() == pytest.approx(
+        rank_brute(score, U, i, j, kind, margin), rel=1e-5, abs=1e-6
+    )
 
 
 @settings(**SETTINGS)
@@ -893,7 +1039,9 @@ def test_pairwise_rank_is_small_when_ordered_and_large_when_reversed(seed, B, T)
 def test_utility_regression_equals_brute_force(seed, B, T):
     g = torch.Generator().manual_seed(seed)
     s, U = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
-    brute = sum((s[b, t].item() - U[b, t].item()) ** 2 for b in range(B) for t in range(T)) / (B * T)
+    brute = sum((s[b, t].item() - U[b, t].item()) ** 2 for b in range(B) for t in range(T)) / (
+        B * T
+    )
     assert losses.utility_regression(s, U).item() == pytest.approx(brute, rel=1e-5, abs=1e-7)
     assert losses.utility_regression(U, U).item() == 0.0
 
@@ -903,8 +1051,18 @@ def test_utility_regression_equals_brute_force(seed, B, T):
 
 @pytest.mark.parametrize('gate,infer_rule', [('mlp', 'threshold'), ('jepa', 'predictor'), ('mlp', 'predictor')])
 def test_controller_only_training_freezes_the_backbone(gate, infer_rule):
-    model = build(1, 3, ffn_gate=gate, ffn_infer_rule=infer_rule, ffn_layers='0,2', ffn_util_weight=1.0,
-                  ffn_rank_weight=1.0, ffn_jepa_weight=1.0, ffn_predictor_weight=1.0, ffn_mimic_weight=1.0).train()
+    model = build(
+        1,
+        3,
+        ffn_gate=gate,
+        ffn_infer_rule=infer_rule,
+        ffn_layers='0,2',
+        ffn_util_weight=1.0,
+        ffn_rank_weight=1.0,
+        ffn_jepa_weight=1.0,
+        ffn_predictor_weight=1.0,
+        ffn_mimic_weight=1.0,
+    ).train()
     cfg = SimpleNamespace(trainable='controller', route='ffn', ffn_gate=gate)
     params = train.trainable_parameters(model, cfg)
     opt = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), 'cpu', params=params)
@@ -933,7 +1091,9 @@ def test_controller_only_training_freezes_the_backbone(gate, infer_rule):
 @pytest.mark.parametrize('kw', [dict(ffn_gate='random'), dict(ffn_gate='static_full'), dict(route='none')])
 def test_controller_only_needs_gate_parameters(kw):
     model = build(0, 2, **kw)
-    cfg = SimpleNamespace(trainable='controller', route=model.config.route, ffn_gate=model.config.ffn_gate)
+    cfg = SimpleNamespace(
+        trainable='controller', route=model.config.route, ffn_gate=model.config.ffn_gate
+    )
     with pytest.raises(train.TrainError, match='controller'):
         train.trainable_parameters(model, cfg)
 
@@ -958,7 +1118,9 @@ def test_config_validation_names_the_field(field, value):
 @given(layout=layouts(), budget=BUDGETS)
 def test_valid_config_accepted(layout, budget):
     n_layer, spec, ids = layout
-    cfg = GPTConfig(**dict(BASE, n_layer=n_layer, route='ffn', ffn_layers=spec, ffn_budget=float(budget)))
+    cfg = GPTConfig(
+        **dict(BASE, n_layer=n_layer, route='ffn', ffn_layers=spec, ffn_budget=float(budget))
+    )
     assert controlled_layer_ids(cfg) == ids
     assert [i for i, b in enumerate(GPT(cfg).transformer.h) if hasattr(b, 'cheap')] == ids
 
@@ -1026,12 +1188,22 @@ def test_room_brackets_match_a_hand_computation(seed, B, T, budget):
         x = embed_ref(model, idx)
         block = model.transformer.h[0]
         x = x + block.attn(block.ln_1(x))
-        ce = {a: ce_ref(logits_ref(model, x + ffn_ref(block, x, a)), tgt) for a in ('full', 'cheap')}
+        ce = {
+            a: ce_ref(logits_ref(model, x + ffn_ref(block, x, a)), tgt) for a in ('full', 'cheap')
+        }
         mask = topk_ref(ce['cheap'] - ce['full'], ceil_frac(budget, T))
-    assert out['full'] == pytest.approx(ce['full'].mean().item(), rel=ROUTED_TOL["rtol"], abs=ROUTED_TOL["atol"])
-    assert out['cheap'] == pytest.approx(ce['cheap'].mean().item(), rel=ROUTED_TOL["rtol"], abs=ROUTED_TOL["atol"])
+    assert out['full'] == pytest.approx(
+        ce['full'].mean().item(), rel=ROUTED_TOL["rtol"], abs=ROUTED_TOL["atol"]
+    )
+    assert out['cheap'] == pytest.approx(
+        ce['cheap'].mean().item(), rel=ROUTED_TOL["rtol"], abs=ROUTED_TOL["atol"]
+    )
     assert out['room'] == pytest.approx(out['cheap'] - out['full'])
-    assert out['oracle'] == pytest.approx(torch.where(mask, ce['full'], ce['cheap']).mean().item(), rel=ROUTED_TOL["rtol"], abs=ROUTED_TOL["atol"])
+    assert out['oracle'] == pytest.approx(
+        torch.where(mask, ce['full'], ce['cheap']).mean().item(),
+        rel=ROUTED_TOL["rtol"],
+        abs=ROUTED_TOL["atol"],
+    )
     assert out['oracle_full_frac'] == [pytest.approx(ceil_frac(budget, T) / T)]
     assert out['gate_room'] == pytest.approx(out['random'] - out['oracle'])
     assert model.config.ffn_gate == 'mlp' and not model.training

@@ -28,7 +28,9 @@ def build(seed, n_layer=3, **kw):
 
 def dense_twin(model):
     dense = GPT(GPTConfig(**BASE, n_layer=model.config.n_layer))
-    dense.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith('halt.')})
+    dense.load_state_dict(
+        {k: v for k, v in model.state_dict().items() if not k.startswith('halt.')}
+    )
     return dense
 
 
@@ -78,7 +80,9 @@ def test_closed_router_is_the_dense_model(seed, n_layer, T, pos):
     model = build(seed, n_layer, pos=pos)
     close_routers(model)
     dense = GPT(GPTConfig(**BASE, n_layer=n_layer, pos=pos))
-    dense.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith('halt.')})
+    dense.load_state_dict(
+        {k: v for k, v in model.state_dict().items() if not k.startswith('halt.')}
+    )
     idx = torch.randint(0, 29, (2, T))
     ref = dense.eval()(idx, idx)[0]
     assert torch.equal(model.train()(idx, idx)[0], ref)          # soft: (1 − 0)·Δ
@@ -118,7 +122,9 @@ def test_hard_eval_skips_where_p_exceeds_tau(seed, tau, T, mode):
         b = blocks[l + 1]
         x = x + scale[..., None] * b.attn(b.ln_1(x))
         x = x + scale[..., None] * b.mlp(b.ln_2(x))
-    torch.testing.assert_close(model(idx, idx)[0], model.lm_head(model.transformer.ln_f(x)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        model(idx, idx)[0], model.lm_head(model.transformer.ln_f(x)), rtol=1e-5, atol=1e-5
+    )
     # tau = 1 skips nothing: 'scaled' is then the soft model, 'binary' the dense model
     model.config.halt_tau = 1.0
     if mode == 'binary':
@@ -203,4 +209,7 @@ def test_flops_match_flop_counter(seed, n_layer, T, trainable, lam):
         return fc.get_total_flops()
     with torch.no_grad():
         assert count(lambda: model(idx, idx)) == 2 * flops.forward_flops(cfg, T, mode='train')
-    assert count(lambda: model(idx, idx)[1].backward()) == 2 * flops.train_step_flops(cfg, T, trainable)['total']
+    assert (
+        count(lambda: model(idx, idx)[1].backward())
+        == 2 * flops.train_step_flops(cfg, T, trainable)['total']
+    )

@@ -95,8 +95,10 @@ def cases(draw, max_n=70, dtypes=(torch.float32, torch.bfloat16, torch.float16))
     else:
         lo, hi = sorted(draw(st.lists(st.integers(0, n), min_size=2, max_size=2)))
     as_tensor = draw(st.sampled_from(['int', 'int64', 'int32']))
-    lo, hi = [int(v) if as_tensor == 'int' else torch.as_tensor(int(v), dtype=getattr(torch, as_tensor))
-              for v in (lo, hi)]
+    lo, hi = [
+        int(v) if as_tensor == 'int' else torch.as_tensor(int(v), dtype=getattr(torch, as_tensor))
+        for v in (lo, hi)
+    ]
     C, W = draw(st.integers(8, 48)), draw(st.integers(8, 96))
     dtype = draw(st.sampled_from(dtypes))
     mlp = make_mlp(C, W, draw(st.booleans()), draw(st.sampled_from(['none', 'tanh'])), dtype,
@@ -155,7 +157,10 @@ def test_reference_writes_the_selected_rows_only(c):
 
 
 def test_reference_full_and_cheap_cover_every_row():
-    full, cheap = make_mlp(16, 64, True, 'tanh', torch.float32, 0), make_mlp(16, 4, False, 'none', torch.float32, 1)
+    full, cheap = (
+        make_mlp(16, 64, True, 'tanh', torch.float32, 0),
+        make_mlp(16, 4, False, 'none', torch.float32, 1),
+    )
     torch.manual_seed(0)
     x, mask = torch.randn(37, 16), torch.rand(37) < 0.4
     got = routed_ffn(full, cheap)(x, mask)
@@ -166,7 +171,10 @@ def test_reference_full_and_cheap_cover_every_row():
 
 def test_reference_compiles_without_graph_break(monkeypatch):
     monkeypatch.delenv('NANODEPTH_TRITON', raising=False)
-    full, cheap = make_mlp(16, 64, True, 'tanh', torch.float32, 0), make_mlp(16, 4, False, 'none', torch.float32, 1)
+    full, cheap = (
+        make_mlp(16, 64, True, 'tanh', torch.float32, 0),
+        make_mlp(16, 4, False, 'none', torch.float32, 1),
+    )
     f = routed_ffn(full, cheap)
     x, mask = torch.randn(20, 16), torch.rand(20) < 0.5
     torch._dynamo.reset()
@@ -187,7 +195,9 @@ def test_dispatch_rule(monkeypatch):
     gpu = SimpleNamespace(is_cuda=True, device=torch.device('cuda', 0))
     for capability, runs_kernel in [((7, 0), False), ((7, 5), False), ((8, 0), True), ((8, 6), True),
                                     ((9, 0), True), ((10, 0), True)]:
-        monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device=None, c=capability: c)
+        monkeypatch.setattr(
+            torch.cuda, 'get_device_capability', lambda device=None, c=capability: c
+        )
         monkeypatch.setattr(torch.version, 'hip', None)
         assert kernels.use_triton(gpu) == runs_kernel, capability
         monkeypatch.setenv('NANODEPTH_TRITON', '0')
@@ -280,7 +290,10 @@ def test_interp_gradients_take_the_reference():
 
 @interp
 def test_interp_full_and_cheap_cover_every_row():
-    full, cheap = make_mlp(24, 96, True, 'none', torch.float32, 0), make_mlp(24, 8, False, 'tanh', torch.float32, 1)
+    full, cheap = (
+        make_mlp(24, 96, True, 'none', torch.float32, 0),
+        make_mlp(24, 8, False, 'tanh', torch.float32, 1),
+    )
     torch.manual_seed(0)
     x, mask = torch.randn(70, 24), torch.rand(70) < 0.3
     with torch.no_grad(), CountLaunches() as launches:
@@ -309,20 +322,37 @@ def test_interp_programs_outside_the_range_exit_before_loading_weights(lo, hi):
     x, out = torch.randn(n, C), torch.randn(n, C)
     before = out.clone()
     started = torch.zeros(1, dtype=torch.int32)
-    kernels.launch_mlp_rows(x, order, torch.tensor(lo), torch.tensor(hi), mlp.c_fc.weight, mlp.c_fc.bias,
-                            mlp.c_proj.weight, mlp.c_proj.bias, 'none', out, block_m=block_m, started=started)
+    kernels.launch_mlp_rows(
+        x,
+        order,
+        torch.tensor(lo),
+        torch.tensor(hi),
+        mlp.c_fc.weight,
+        mlp.c_fc.bias,
+        mlp.c_proj.weight,
+        mlp.c_proj.bias,
+        'none',
+        out,
+        block_m=block_m,
+        started=started,
+    )
     col_blocks = -(-W // kernels.BLOCK_N) + -(-C // kernels.BLOCK_N)
     assert started.item() == _blocks_touching(lo, hi, n, block_m) * col_blocks
     sel = selected(order, lo, hi)
     assert torch.equal(out[~sel], before[~sel])
-    torch.testing.assert_close(out[sel], plain_rows(x, order, lo, hi, mlp, before)[sel], **TOL[torch.float32])
+    torch.testing.assert_close(
+        out[sel], plain_rows(x, order, lo, hi, mlp, before)[sel], **TOL[torch.float32]
+    )
 
 
 @interp
 def test_interp_compiles_without_graph_break():
     """sort_by_mask + mlp_rows twice (full and cheap into one buffer): one graph, no break, and the
     compiled function (the custom op inside a full graph) equals eager."""
-    full, cheap = make_mlp(16, 64, True, 'tanh', torch.float32, 0), make_mlp(16, 4, False, 'none', torch.float32, 1)
+    full, cheap = (
+        make_mlp(16, 64, True, 'tanh', torch.float32, 0),
+        make_mlp(16, 4, False, 'none', torch.float32, 1),
+    )
     f = routed_ffn(full, cheap)
     x, mask = torch.randn(20, 16), torch.rand(20) < 0.5
     torch._dynamo.reset()
@@ -358,8 +388,18 @@ def test_kernels_compile_to_cubin(capability, dtype):
         consts = dict(HAS_BIAS=True, TANH=True, COUNT_STARTED=False, DOT_FP32=dtype == 'fp32',
                       BLOCK_M=kernels.BLOCK_M, BLOCK_N=kernels.BLOCK_N, BLOCK_K=kernels.BLOCK_K)
         consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
-        signature = {a: ptr if a in data else '*i32' if a == 'started_ptr' else '*i64' if a.endswith('_ptr')
-                     else 'constexpr' if a in consts else 'i32' for a in kernel.arg_names}
+        signature = {
+            a: ptr
+            if a in data
+            else '*i32'
+            if a == 'started_ptr'
+            else '*i64'
+            if a.endswith('_ptr')
+            else 'constexpr'
+            if a in consts
+            else 'i32'
+            for a in kernel.arg_names
+        }
         source = ASTSource(fn=kernel, signature=signature,
                            constexprs={(kernel.arg_names.index(k),): v for k, v in consts.items()})
         compiled = triton.compile(source, target=GPUTarget('cuda', capability, 32))

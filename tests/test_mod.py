@@ -78,7 +78,9 @@ def test_mod_selected_tokens_attend_among_themselves_at_real_positions(seed, T, 
             # not a uniform shift
             if pos == 'rope' and len(set((sel - torch.arange(len(sel))).tolist())) > 1:
                 wrong = xs + block.attn.forward(block.ln_1(xs), torch.arange(len(sel))[None])
-                assert not torch.allclose(wrong, xs + block.attn.forward(block.ln_1(xs), p), atol=1e-6)
+                assert not torch.allclose(
+                    wrong, xs + block.attn.forward(block.ln_1(xs), p), atol=1e-6
+                )
 
 
 @settings(**SETTINGS)

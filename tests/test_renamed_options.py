@@ -48,8 +48,10 @@ def test_an_old_name_is_refused_naming_the_new_one(tmp_path, old, where):
         argv = [str(path)]
     with pytest.raises(ConfigError) as e:
         load_config(train.DEFAULTS, ['--route=mod', *argv])
-    assert str(e.value) == (f"config key '{old}' from {argv[0] if where == 'file' else repr(argv[0])}"
-                            f" was renamed: use {RENAMED[old]}")
+    assert str(e.value) == (
+        f"config key '{old}' from {argv[0] if where == 'file' else repr(argv[0])}"
+        f" was renamed: use {RENAMED[old]}"
+    )
 
 
 def test_a_script_without_todays_name_calls_an_old_one_unknown():
@@ -164,9 +166,13 @@ def test_no_config_or_result_file_uses_an_old_name():
 
 
 def test_the_detectors_find_old_names():
-    assert old_names_in_config_file("budget = 0.3\n") and old_names_in_config_file("x = ['--gate=mlp']")
+    assert old_names_in_config_file("budget = 0.3\n") and old_names_in_config_file(
+        "x = ['--gate=mlp']"
+    )
     assert old_names_in_config_file("arms = {'cheap_rank': 4}")
-    assert not old_names_in_config_file("ffn_budget = 0.3\n# the budget = half\nx = '--ffn_gate=mlp'")
+    assert not old_names_in_config_file(
+        "ffn_budget = 0.3\n# the budget = half\nx = '--ffn_gate=mlp'"
+    )
     assert old_names_in_record({'route': 'ffn', 'cheap_rank': 4}, set()) == {'cheap_rank'}
     assert old_names_in_record({'overrides': ['--gate=mlp']}, set()) == {'gate'}
     assert old_names_in_record({'routing': {'budget': 0.5}}, set()) == set()

@@ -28,7 +28,9 @@ def fake_run(path, max_iters, summary=None, evals=(), norms=(), sha='abc123', di
         for i, n in enumerate(norms):
             f.write(json.dumps(dict(type='train', iter=i, ctrl_grad_norm=n)) + '\n')
         for i, (lm, t) in enumerate(zip(lms, tlops or [None] * len(lms))):
-            f.write(json.dumps(dict(type='train', iter=10 * (i + 1), lm_loss=lm, tlops_saved=t)) + '\n')
+            f.write(
+                json.dumps(dict(type='train', iter=10 * (i + 1), lm_loss=lm, tlops_saved=t)) + '\n'
+            )
         for i, v in enumerate(evals):
             f.write(json.dumps(dict(type='eval', iter=i, val_loss=v)) + '\n')
         if summary is not None:
@@ -51,7 +53,9 @@ def test_a_record_cut_short_is_skipped(tmp_path):
     fake_run(tmp_path / 'a', 100, lms=[2.0])
     with open(tmp_path / 'a' / 'metrics.jsonl', 'a') as f:
         f.write('{"type": "summary", "it')
-    assert sweep.read_metrics(str(tmp_path / 'a')) == [dict(type='train', iter=10, lm_loss=2.0, tlops_saved=None)]
+    assert sweep.read_metrics(str(tmp_path / 'a')) == [
+        dict(type='train', iter=10, lm_loss=2.0, tlops_saved=None)
+    ]
     assert not sweep.finished(str(tmp_path / 'a'))
 
 
@@ -112,8 +116,21 @@ def test_mixed_code_versions_are_flagged(tmp_path):
 
 def test_run_metrics_reads_the_logs(tmp_path):
     routing = dict(val_loss=dict(loss=1.5, full_frac=[0.4, 0.6]))
-    fake_run(tmp_path, 5, summary=dict(iter=5, avg_lm=2.0, best_val_lm=1.4, flops_proxy=1.5, wall_s=3.0,
-                                       hit_2=3, routing=routing), evals=[1.8, 1.6], norms=[1.0, 3.0])
+    fake_run(
+        tmp_path,
+        5,
+        summary=dict(
+            iter=5,
+            avg_lm=2.0,
+            best_val_lm=1.4,
+            flops_proxy=1.5,
+            wall_s=3.0,
+            hit_2=3,
+            routing=routing,
+        ),
+        evals=[1.8, 1.6],
+        norms=[1.0, 3.0],
+    )
     m = sweep.run_metrics(str(tmp_path))
     assert m['final_val_loss'] == 1.6 and m['ctrl_grad_norm'] == 2.0 and m['hit_2'] == 3
     assert m['causal_val_loss'] == 1.5 and m['realised_full_frac'] == pytest.approx(0.5)
@@ -154,7 +171,12 @@ def test_run_metrics_reads_tlops_saved_and_final_train_lm(tmp_path):
 
 
 def test_threshold_hit_default_and_from_the_study(tmp_path):
-    curves = {('ref', 1): [3.0, 2.2, 2.0], ('ref', 2): [3.0, 2.3, 2.2], ('arm', 1): [2.2, 2.05, 1.9], ('arm', 2): [3.0, 3.0, 3.0]}
+    curves = {
+        ('ref', 1): [3.0, 2.2, 2.0],
+        ('ref', 2): [3.0, 2.3, 2.2],
+        ('arm', 1): [2.2, 2.05, 1.9],
+        ('arm', 2): [3.0, 3.0, 3.0],
+    }
     results = {}
     for (arm, s), lms in curves.items():
         fake_run(tmp_path / arm / f'seed{s}', 5, summary=dict(iter=5), lms=lms)
@@ -212,7 +234,11 @@ def test_parallel_runs_share_the_cores_instead_of_each_taking_all(tmp_path, monk
     sweep.run_one(['cfg.py'], str(tmp_path / 'a'), str(tmp_path / 'log'), jobs=2)
     sweep.run_one(['cfg.py'], str(tmp_path / 'b'), str(tmp_path / 'log'), jobs=3)
     sweep.run_one(['cfg.py'], str(tmp_path / 'c'), str(tmp_path / 'log'))
-    assert envs[0]['OMP_NUM_THREADS'] == '4' and envs[1]['OMP_NUM_THREADS'] == '2' and 'OMP_NUM_THREADS' not in envs[2]
+    assert (
+        envs[0]['OMP_NUM_THREADS'] == '4'
+        and envs[1]['OMP_NUM_THREADS'] == '2'
+        and 'OMP_NUM_THREADS' not in envs[2]
+    )
     monkeypatch.setenv('OMP_NUM_THREADS', '3')                  # the user's own setting wins
     sweep.run_one(['cfg.py'], str(tmp_path / 'd'), str(tmp_path / 'log'), jobs=2)
     assert envs[3]['OMP_NUM_THREADS'] == '3'
@@ -225,17 +251,24 @@ def test_jobs_2_runs_two_at_once_and_summarises_as_sequential(tmp_path, monkeypa
     (tmp_path / 'barrier').mkdir()
     monkeypatch.setenv('FAKE_BARRIER', str(tmp_path / 'barrier'))
     assert sweep.main([fake_study(tmp_path, 'par'), '--jobs=2', '--no_plots']) == 0
-    assert all(sweep.finished(str(tmp_path / 'par' / arm / f'seed{s}')) for arm in 'AB' for s in (1, 2))
+    assert all(
+        sweep.finished(str(tmp_path / 'par' / arm / f'seed{s}')) for arm in 'AB' for s in (1, 2)
+    )
     monkeypatch.delenv('FAKE_BARRIER')
     assert sweep.main([fake_study(tmp_path, 'seq'), '--no_plots']) == 0
     par, seq = (json.loads((tmp_path / n / 'summary.json').read_text()) for n in ('par', 'seq'))
     assert par.pop('study') != seq.pop('study') and par == seq
     a, b = par['table']['A'], par['table']['B']
-    assert a['avg_lm']['per_seed'] == pytest.approx([2.51, 2.52]) and b['avg_lm']['per_seed'] == pytest.approx([3.01, 3.02])
+    assert a['avg_lm']['per_seed'] == pytest.approx([2.51, 2.52]) and b['avg_lm'][
+        'per_seed'
+    ] == pytest.approx([3.01, 3.02])
     # default threshold: 1.05 × A's final train LM (1.81, 1.82) -> 1.90575; A gets there at iter 4,
     # B never
     assert par['threshold']['value'] == pytest.approx(1.05 * 1.815)
-    assert a['threshold_hit']['per_seed'] == [4, 4] and b['threshold_hit']['per_seed'] == [None, None]
+    assert a['threshold_hit']['per_seed'] == [4, 4] and b['threshold_hit']['per_seed'] == [
+        None,
+        None,
+    ]
     assert not (tmp_path / 'par' / 'plots').exists()
     assert 'threshold_hit' in (tmp_path / 'par' / 'summary.md').read_text()
 
@@ -253,30 +286,65 @@ def test_threshold_hits_are_censored_not_dropped():
     seeds = [1, 2, 3, 4]
     ref = {1: 20, 2: None, 3: 30, 4: None}
     arm = {1: 10, 2: 40, 3: None, 4: None}
-    results = {(a, s): dict(threshold_hit=v[s], code='x') for a, v in (('ref', ref), ('arm', arm)) for s in seeds}
-    table = sweep.summarize(dict(arms={'ref': [], 'arm': []}, seeds=seeds, reference='ref'), results)['table']
+    results = {
+        (a, s): dict(threshold_hit=v[s], code='x')
+        for a, v in (('ref', ref), ('arm', arm))
+        for s in seeds
+    }
+    table = sweep.summarize(
+        dict(arms={'ref': [], 'arm': []}, seeds=seeds, reference='ref'), results
+    )['table']
     e = table['arm']['threshold_hit']
     # the mean is over the 2 that hit
     assert (e['hits'], e['runs']) == (2, 4) and e['mean'] == 25.0
     assert table['ref']['threshold_hit']['hits'] == 2
     # seed 1: 10 < 20 win; seed 2: 40 < never win; seed 3: never > 30 loss; seed 4: both never, tie
     assert e['vs_reference'] == dict(n=4, wins=2, losses=1, ties=1, sign_p=1.0)
-    md = sweep.markdown(dict(table=table, seeds=seeds, reference='ref', code_versions=['x'], mixed_code_versions=False))
+    md = sweep.markdown(
+        dict(
+            table=table,
+            seeds=seeds,
+            reference='ref',
+            code_versions=['x'],
+            mixed_code_versions=False,
+        )
+    )
     assert '2/4 hit, 25 ± 21 (2–1–1, p=1)' in md
 
 
 def test_a_missing_run_is_not_a_never_hit():
-    results = {('ref', 1): dict(threshold_hit=5), ('arm', 1): dict(threshold_hit=None), ('ref', 2): dict(threshold_hit=5)}
-    e = sweep.summarize(dict(arms={'ref': [], 'arm': []}, seeds=[1, 2], reference='ref'), results)['table']['arm']['threshold_hit']
-    assert (e['hits'], e['runs']) == (0, 1) and e['vs_reference']['n'] == 1 and e['vs_reference']['losses'] == 1
+    results = {
+        ('ref', 1): dict(threshold_hit=5),
+        ('arm', 1): dict(threshold_hit=None),
+        ('ref', 2): dict(threshold_hit=5),
+    }
+    e = sweep.summarize(dict(arms={'ref': [], 'arm': []}, seeds=[1, 2], reference='ref'), results)[
+        'table'
+    ]['arm']['threshold_hit']
+    assert (
+        (e['hits'], e['runs']) == (0, 1)
+        and e['vs_reference']['n'] == 1
+        and e['vs_reference']['losses'] == 1
+    )
 
 
 def test_seed_placeholders_give_each_seed_its_own_backbone(tmp_path):
-    study = dict(seeds=[1, 2, 3], before=[['s1.py', '--out_dir=out/s1/seed{seed}'], ['data.py', '--out_dir=out/d']])
+    study = dict(
+        seeds=[1, 2, 3],
+        before=[['s1.py', '--out_dir=out/s1/seed{seed}'], ['data.py', '--out_dir=out/d']],
+    )
     stages = sweep.before_runs(study, 'study.py')
-    assert stages == [[(['s1.py', f'--out_dir=out/s1/seed{s}', f'--seed={s}'], f'before_seed{s}.log') for s in (1, 2, 3)],
-                      [(['data.py', '--out_dir=out/d'], 'before.log')]]
-    assert sweep.with_seed(['--init_from=out/s1/seed{seed}/ckpt.pt', '--x=1'], 2) == ['--init_from=out/s1/seed2/ckpt.pt', '--x=1']
+    assert stages == [
+        [
+            (['s1.py', f'--out_dir=out/s1/seed{s}', f'--seed={s}'], f'before_seed{s}.log')
+            for s in (1, 2, 3)
+        ],
+        [(['data.py', '--out_dir=out/d'], 'before.log')],
+    ]
+    assert sweep.with_seed(['--init_from=out/s1/seed{seed}/ckpt.pt', '--x=1'], 2) == [
+        '--init_from=out/s1/seed2/ckpt.pt',
+        '--x=1',
+    ]
     with pytest.raises(sweep.ConfigError, match='--out_dir'):
         sweep.before_runs(dict(seeds=[1], before=[['s1.py']]), 'study.py')
 
@@ -288,24 +356,36 @@ def test_room_verdict_against_the_seed_spread():
             for s, f, r, g in ((1, 1.0, 0.5, 0.11), (2, 1.2, 0.7, 0.09))}
 
     def ref(ends):
-        return dict(causal_val_loss=dict(mean=float(np.mean(ends)), std=float(np.std(ends, ddof=1)), per_seed=ends),
-                    final_val_loss=dict(mean=None, std=None, per_seed=[None, None]))
+        return dict(
+            causal_val_loss=dict(
+                mean=float(np.mean(ends)), std=float(np.std(ends, ddof=1)), per_seed=ends
+            ),
+            final_val_loss=dict(mean=None, std=None, per_seed=[None, None]),
+        )
+
     # levels 0.13 apart, relative 0.0071
     v = sweep.room_verdict(dict(seeds=[1, 2]), room, ref([1.01, 1.2]))
     assert v['key'] == 'gate_room' and v['size'] == pytest.approx(0.10) and v['verdict'] == 'room'
-    assert v['seed_std'] == pytest.approx(np.std([0.01, 0.0], ddof=1)) and v['seed_std_raw'] == pytest.approx(np.std([1.01, 1.2], ddof=1))
+    assert v['seed_std'] == pytest.approx(np.std([0.01, 0.0], ddof=1)) and v[
+        'seed_std_raw'
+    ] == pytest.approx(np.std([1.01, 1.2], ddof=1))
     assert v['values']['room']['mean'] == pytest.approx(0.6)
     # relative 0.0141: 0.10 < 10×
     no = sweep.room_verdict(dict(seeds=[1, 2]), room, ref([1.0, 1.22]))
     assert no['verdict'] == 'no room'
-    assert sweep.room_verdict(dict(seeds=[1, 2], room_key='room'), room, ref([1.0, 1.22]))['verdict'] == 'room'
+    assert (
+        sweep.room_verdict(dict(seeds=[1, 2], room_key='room'), room, ref([1.0, 1.22]))['verdict']
+        == 'room'
+    )
     md = sweep.room_markdown(no)
     assert md.startswith('**Room: no room.**') and 'not evidence' in md and 'all-full' in md
 
 
 def test_too_few_seeds_are_flagged():
     results = {('ref', 1): dict(avg_lm=1.0), ('arm', 1): dict(avg_lm=0.9)}
-    summary = sweep.summarize(dict(arms={'ref': [], 'arm': []}, seeds=[1], reference='ref'), results)
+    summary = sweep.summarize(
+        dict(arms={'ref': [], 'arm': []}, seeds=[1], reference='ref'), results
+    )
     assert 'too few' in sweep.markdown(summary)
 
 
@@ -313,7 +393,9 @@ def test_no_threshold_means_no_hit_column_and_room_seeds_stay_aligned():
     """Without a threshold (or for a hit_<x> a run did not set) runs are not counted as never-hits;
     the room's per-seed lists follow the study's seeds, None where a backbone was not measured."""
     results = {(a, s): dict(avg_lm=1.0 + s / 10) for a in ('ref', 'arm') for s in (1, 2)}
-    summary = sweep.summarize(dict(arms={'ref': [], 'arm': []}, seeds=[1, 2], reference='ref'), results)
+    summary = sweep.summarize(
+        dict(arms={'ref': [], 'arm': []}, seeds=[1, 2], reference='ref'), results
+    )
     e = summary['table']['arm']['threshold_hit']
     assert (e['hits'], e['runs']) == (0, 0) and e['vs_reference'] is None
     assert 'threshold_hit' not in sweep.markdown(summary)
@@ -332,7 +414,10 @@ def test_room_is_measured_again_for_a_retrained_backbone(tmp_path, monkeypatch):
 
     def fake_run(args, **kw):
         calls.append(args)
-        return SimpleNamespace(returncode=0, stdout=json.dumps(dict(full=1.0, cheap=1.5, room=0.5)), stderr='')
+        return SimpleNamespace(
+            returncode=0, stdout=json.dumps(dict(full=1.0, cheap=1.5, room=0.5)), stderr=''
+        )
+
     monkeypatch.setattr(sweep.subprocess, 'run', fake_run)
     study = dict(room_ckpt=str(tmp_path / 'seed{seed}.pt'), seeds=[1, 2])
     # seed 2: no backbone
@@ -364,17 +449,28 @@ def test_matched_compute_pairs_each_seed_with_its_own_frontier():
     for s in (1, 2, 3):
         results[('small', s)] = dict(final_val_loss=3.0 + 0.2 * s, train_flops=1.0, eval_flops=10.0)
         results[('big', s)] = dict(final_val_loss=2.0 + 0.2 * s, train_flops=4.0, eval_flops=40.0)
-        results[('routed', s)] = dict(final_val_loss=2.5 + 0.2 * s + [-0.1, -0.2, 0.0][s - 1], train_flops=2.0,
-                                      eval_flops=20.0)
-        results[('odd', s)] = dict(final_val_loss=2.0, train_flops=[2.0, 2.0, 8.0][s - 1], eval_flops=40.0)
-    study = dict(arms={'big': [], 'small': [], 'routed': [], 'odd': []}, seeds=[1, 2, 3], reference='big',
-                 frontier=['small', 'big'])
+        results[('routed', s)] = dict(
+            final_val_loss=2.5 + 0.2 * s + [-0.1, -0.2, 0.0][s - 1],
+            train_flops=2.0,
+            eval_flops=20.0,
+        )
+        results[('odd', s)] = dict(
+            final_val_loss=2.0, train_flops=[2.0, 2.0, 8.0][s - 1], eval_flops=40.0
+        )
+    study = dict(
+        arms={'big': [], 'small': [], 'routed': [], 'odd': []},
+        seeds=[1, 2, 3],
+        reference='big',
+        frontier=['small', 'big'],
+    )
     summary = sweep.summarize(study, results)
     fr = summary['frontier']
     r = fr['axes']['train_flops']['routed']
     d = [-0.1, -0.2, 0.0]
     half = 4.303 * np.std(d, ddof=1) / math.sqrt(3)
-    assert r['mean_diff'] == pytest.approx(-0.1) and r['ci95'] == pytest.approx([-0.1 - half, -0.1 + half])
+    assert r['mean_diff'] == pytest.approx(-0.1) and r['ci95'] == pytest.approx(
+        [-0.1 - half, -0.1 + half]
+    )
     assert (r['wins'], r['n'], r['inside']) == (2, 3, 3)
     assert fr['axes']['eval_flops']['routed']['mean_diff'] == pytest.approx(-0.1)
     odd = fr['axes']['train_flops']['odd']
@@ -383,11 +479,18 @@ def test_matched_compute_pairs_each_seed_with_its_own_frontier():
     # a failed run: not measured, not "outside"
     del results[('routed', 2)]
     r = sweep.summarize(study, results)['frontier']['axes']['eval_flops']['routed']
-    assert (r['n'], r['inside'], r['missing']) == (2, 2, 1) and 'not measured 1/3' in sweep.frontier_markdown(
-        sweep.summarize(study, results)['frontier'])
+    assert (r['n'], r['inside'], r['missing']) == (
+        2,
+        2,
+        1,
+    ) and 'not measured 1/3' in sweep.frontier_markdown(sweep.summarize(study, results)['frontier'])
     # frontier arms are not compared with themselves
     assert set(fr['axes']['train_flops']) == {'routed', 'odd'}
-    assert fr['span'] == pytest.approx(1.0) and fr['seed_std'] == pytest.approx(0.2) and fr['verdict'] == 'no room'
+    assert (
+        fr['span'] == pytest.approx(1.0)
+        and fr['seed_std'] == pytest.approx(0.2)
+        and fr['verdict'] == 'no room'
+    )
     md = sweep.markdown(summary)
     assert '**Matched compute: no room.**' in md and '| odd |' in md and 'inside 2/3' in md
 
@@ -401,27 +504,43 @@ def test_absolute_flops_from_the_stored_config(tmp_path):
     shape = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=20)
     for name, route, ratio in (('dense', 'none', None), ('routed', 'mod', 0.6)):
         cfg = dict(shape, route=route, max_iters=5)
-        summ = dict(iter=5, train_flops=123.0, **({} if ratio is None else dict(eval_flops_vs_dense=ratio)))
+        summ = dict(
+            iter=5, train_flops=123.0, **({} if ratio is None else dict(eval_flops_vs_dense=ratio))
+        )
         fake_run(tmp_path / name, 5, summary=summ, evals=[2.0])
         (tmp_path / name / 'config.json').write_text(json.dumps(cfg))
     per_token = flops.dense_forward_flops(GPTConfig(**shape), 16) / 16
-    dense, routed = sweep.run_metrics(str(tmp_path / 'dense')), sweep.run_metrics(str(tmp_path / 'routed'))
+    dense, routed = (
+        sweep.run_metrics(str(tmp_path / 'dense')),
+        sweep.run_metrics(str(tmp_path / 'routed')),
+    )
     assert dense['eval_flops_vs_dense'] == 1.0 and dense['eval_tlops_saved'] == 0.0
-    assert dense['eval_flops'] == pytest.approx(per_token) and routed['eval_flops'] == pytest.approx(0.6 * per_token)
+    assert dense['eval_flops'] == pytest.approx(per_token) and routed[
+        'eval_flops'
+    ] == pytest.approx(0.6 * per_token)
     assert dense['train_flops'] == routed['train_flops'] == 123.0
     # a config.json without a route
     fake_run(tmp_path / 'bare', 5, summary=dict(iter=5), evals=[2.0])
     assert 'eval_flops' not in sweep.run_metrics(str(tmp_path / 'bare'))
     # a scratch run stores vocab_size 0 (taken from the data): the checkpoint's built vocabulary
     # counts
-    (tmp_path / 'dense' / 'config.json').write_text(json.dumps(dict(shape, vocab_size=0, route='none', max_iters=5)))
+    (tmp_path / 'dense' / 'config.json').write_text(
+        json.dumps(dict(shape, vocab_size=0, route='none', max_iters=5))
+    )
     # no checkpoint: no guess
     assert sweep.run_metrics(str(tmp_path / 'dense')).get('eval_flops') is None
-    torch.save(dict(model={}, config={}, model_args=dict(shape, route='none')), tmp_path / 'dense' / 'ckpt.pt')
+    torch.save(
+        dict(model={}, config={}, model_args=dict(shape, route='none')),
+        tmp_path / 'dense' / 'ckpt.pt',
+    )
     assert sweep.run_metrics(str(tmp_path / 'dense'))['eval_flops'] == pytest.approx(per_token)
     # a summary that records eval_flops itself is taken as it is
-    fake_run(tmp_path / 'new', 5, summary=dict(iter=5, eval_flops=7.0, train_flops=1.0), evals=[2.0])
-    (tmp_path / 'new' / 'config.json').write_text(json.dumps(dict(shape, route='none', max_iters=5)))
+    fake_run(
+        tmp_path / 'new', 5, summary=dict(iter=5, eval_flops=7.0, train_flops=1.0), evals=[2.0]
+    )
+    (tmp_path / 'new' / 'config.json').write_text(
+        json.dumps(dict(shape, route='none', max_iters=5))
+    )
     assert sweep.run_metrics(str(tmp_path / 'new'))['eval_flops'] == 7.0
 
 
