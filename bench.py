@@ -7,25 +7,26 @@ Speed of a config: training step, prefill and KV-cached decode, as tokens/s and 
 Takes every key of train.py (model shape, batch_size, block_size, device, dtype, compile) plus
 bench_steps / bench_warmup / decode_tokens / decode_batches. Random tokens, so no data is needed.
 Reports medians over bench_steps timed repeats after bench_warmup untimed ones; with --json prints
-exactly one JSON object, which records the device, torch version and git commit (git_sha, git_dirty).
+exactly one JSON object, which records the device, torch version and git commit (git_sha,
+git_dirty).
 
 --out=results/<name>.json also writes the JSON (with the command and the date) to that file.
 
 Routed vs dense: with --budgets=1.0,0.75,0.5,0.25,0.125 the config's routed model (route=ffn or mod
 at that budget; route=halt or exit with its eval threshold bisected on the benchmark batch until the
-realised active fraction meets the budget) is timed at each budget beside the dense model of the same
-shape, in eval mode:
-prefill of each --prefill_shapes BxT (last-position logits, as generation's prefill) and KV-cached
-decode at each --decode_batches (decode alone: the prefill's time is subtracted). Per row: measured
-time ratio routed/dense, analytic forward-FLOPs ratio routed/dense at the realised routing (ideal;
-and as executed, where MoD pads each row to the longest), and their quotient flops_ratio /
-time_ratio = the share of the FLOPs-ideal speedup realised (1.0 = all of it). Routing: ffn uses its gate with the threshold
-calibrated on the benchmark batch; mod uses mod_router='random' at the capacity (an untrained router's
-σ(r) > 0.5 rule would not hold the budget; the router is one dot product per token). Also the
-joint training step of the routed model at each budget (once where training ignores the budget: TSA,
-exits) against the dense one's, with the analytic step-FLOPs ratio; the training step of
-controller-only G1 (util/rank off) against the dense joint step; and with --profile
-where the routed prefill at budget 0.5 spends its time (torch.profiler, by op kind).
+realised active fraction meets the budget) is timed at each budget beside the dense model of the
+same shape, in eval mode: prefill of each --prefill_shapes BxT (last-position logits, as
+generation's prefill) and KV-cached decode at each --decode_batches (decode alone: the prefill's
+time is subtracted). Per row: measured time ratio routed/dense, analytic forward-FLOPs ratio
+routed/dense at the realised routing (ideal; and as executed, where MoD pads each row to the
+longest), and their quotient flops_ratio / time_ratio = the share of the FLOPs-ideal speedup
+realised (1.0 = all of it). Routing: ffn uses its gate with the threshold calibrated on the
+benchmark batch; mod uses mod_router='random' at the capacity (an untrained router's σ(r) > 0.5 rule
+would not hold the budget; the router is one dot product per token). Also the joint training step of
+the routed model at each budget (once where training ignores the budget: TSA, exits) against the
+dense one's, with the analytic step-FLOPs ratio; the training step of controller-only G1 (util/rank
+off) against the dense joint step; and with --profile where the routed prefill at budget 0.5 spends
+its time (torch.profiler, by op kind).
 
     python bench.py config/bench_cpu.py --budgets=1.0,0.75,0.5,0.25,0.125 --json
 """
@@ -60,7 +61,8 @@ BENCH_EXAMPLES = dict(budgets="'1.0,0.5'", decode_batches="'1,8'", prefill_shape
 
 
 def numbers(cfg, key, kind):
-    """The comma-separated values of a list option such as --budgets=1.0,0.5, each parsed by kind."""
+    """The comma-separated values of a list option such as --budgets=1.0,0.5, each parsed by
+    kind."""
     try:
         return [kind(s) for s in str(cfg[key]).split(',') if s.strip()]
     except ValueError:
@@ -221,8 +223,9 @@ def profile_breakdown(fn):
 
 
 def bench_routed(cfg):
-    """The routed-vs-dense table (see the module docstring): at each budget the routed model, on the dense
-    model's backbone, timed beside the dense model in the same window; and the training step."""
+    """The routed-vs-dense table (see the module docstring): at each budget the routed model, on the
+    dense model's backbone, timed beside the dense model in the same window; and the training
+    step."""
     dev, dt = resolve_device_dtype(SimpleNamespace(**cfg))
     autocast = autocast_context(dev, dt)
     base, shapes = routed_base(cfg)
@@ -303,8 +306,8 @@ def routed_base(cfg):
 
 def routed_model(mcfg, state, xs, seed, dev, autocast, budget):
     """The routed model of config mcfg on the dense model's backbone (state), its causal thresholds
-    calibrated on the benchmark batches xs (ffn) or its bench_knob bisected on the first of them (halt,
-    exit), so that it holds its budget."""
+    calibrated on the benchmark batches xs (ffn) or its bench_knob bisected on the first of them
+    (halt, exit), so that it holds its budget."""
     torch.manual_seed(seed)
     m = eval_model(mcfg, dev)
     m.load_state_dict(state, strict=False)
@@ -345,9 +348,9 @@ def no_grad_forward(m, x, sparse):
 
 
 def time_model(m, cfg, xs, g, base, dev, autocast, decode=True):
-    """{shape: seconds} of m's prefill of each batch in xs (compiled with --compile) and {batch: tokens/s}
-    of its eager KV-cached decode, on prompts drawn from g. Decode alone: (prefill + 1 + N steps) minus
-    (prefill + 1), over N."""
+    """{shape: seconds} of m's prefill of each batch in xs (compiled with --compile) and {batch:
+    tokens/s} of its eager KV-cached decode, on prompts drawn from g. Decode alone: (prefill + 1 + N
+    steps) minus (prefill + 1), over N."""
     steps, warm = cfg['bench_steps'], cfg['bench_warmup']
     fwd = torch.compile(m, dynamic=False) if cfg['compile'] else m
     pre = {}
@@ -370,8 +373,8 @@ def time_model(m, cfg, xs, g, base, dev, autocast, decode=True):
 
 def prefill_rows(cfg, m, base, budget, xs, r_pre, d_pre, autocast):
     """One row per prefill shape: the realised routing, routed and dense times and their ratio, the
-    analytic FLOPs ratio at the realised routing (ideal, and as sparse execution runs it: MoD pads each
-    row to the longest), and the share of the FLOPs-ideal speedup realised."""
+    analytic FLOPs ratio at the realised routing (ideal, and as sparse execution runs it: MoD pads
+    each row to the longest), and the share of the FLOPs-ideal speedup realised."""
     rows = []
     for s, x in xs.items():
         torch.manual_seed(cfg['seed'])
@@ -405,8 +408,8 @@ def prefill_rows(cfg, m, base, budget, xs, r_pre, d_pre, autocast):
 
 
 def prefill_flops_ratio(mcfg, base, T, full_frac):
-    """Analytic forward FLOPs of mcfg's sparse prefill at the fractions full_frac over the dense model's,
-    both computing the logits of the last position only."""
+    """Analytic forward FLOPs of mcfg's sparse prefill at the fractions full_frac over the dense
+    model's, both computing the logits of the last position only."""
     last_only = (T - 1) * 2 * base.n_embd * base.vocab_size
     dense = flops.forward_flops(replace(base, route='none'), T, 'eval') - last_only
     return (flops.forward_flops(mcfg, T, 'sparse', full_frac=full_frac) - last_only) / dense
@@ -452,8 +455,9 @@ def time_train_step(cfg, mcfg, dev, autocast, controller=False):
 
 
 def train_row(cfg, mcfg, base, budget, dev, autocast, dense_s):
-    """The routed model's joint training step against the dense one's (timed before the budgets), with
-    the analytic step-FLOPs ratio (training top-k at the budget; soft TSA and the exits run every token)."""
+    """The routed model's joint training step against the dense one's (timed before the budgets),
+    with the analytic step-FLOPs ratio (training top-k at the budget; soft TSA and the exits run
+    every token)."""
     routed_s, T = time_train_step(cfg, mcfg, dev, autocast), base.block_size
     f_ratio = (
         flops.train_step_flops(mcfg, T)['total']

@@ -19,8 +19,9 @@ class CheckpointError(UserError):
 
 
 def save_checkpoint(path, state):
-    """Atomic: write path.tmp-<pid> in the same folder, fsync, then rename over the old checkpoint, so
-    a crash or a full disk at any moment leaves either the old or the new file, never a partial one."""
+    """Atomic: write path.tmp-<pid> in the same folder, fsync, then rename over the old checkpoint,
+    so a crash or a full disk at any moment leaves either the old or the new file, never a partial
+    one."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, 'wb') as f:
@@ -134,7 +135,8 @@ def check_init_from(init_from):
 
 
 def load_model(ckpt, device):
-    """The model a loaded checkpoint holds (built from its model_args, its weights loaded) on device."""
+    """The model a loaded checkpoint holds (built from its model_args, its weights loaded) on
+    device."""
     model = GPT(GPTConfig.from_dict(ckpt['model_args']))
     model.load_state_dict(ckpt['model'])
     return model.to(device)

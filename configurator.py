@@ -3,11 +3,12 @@ Config files and typed --key=value overrides, nanoGPT-style but strict.
 
     python train.py config/shakespeare_char.py --batch_size=32 --compile=False
 
-The defaults are a dict (train.py's module-level values). Arguments are applied left to right: a path
-ending in .py is executed and every top-level name it assigns must be a known key; `--key=value` is
-parsed with ast.literal_eval (a bare word is taken as a string) and must have the default's type
-(an int is accepted for a float key; None-valued defaults accept anything). An unknown key or a wrong
-type raises ConfigError naming the key and the closest valid one, before any work is done.
+The defaults are a dict (train.py's module-level values). Arguments are applied left to right: a
+path ending in .py is executed and every top-level name it assigns must be a known key;
+`--key=value` is parsed with ast.literal_eval (a bare word is taken as a string) and must have the
+default's type (an int is accepted for a float key; None-valued defaults accept anything). An
+unknown key or a wrong type raises ConfigError naming the key and the closest valid one, before any
+work is done.
 
 An option's name from before the routing families' options took their prefix (budget, gate, ...)
 is refused with a ConfigError naming today's (RENAMED); config files and results were migrated.
@@ -26,8 +27,8 @@ import os
 
 
 class UserError(Exception):
-    """A problem with the user's input (config, command line, data or checkpoint files): every script
-    prints it as one line 'error: ...' and exits with code 2, before any work is done."""
+    """A problem with the user's input (config, command line, data or checkpoint files): every
+    script prints it as one line 'error: ...' and exits with code 2, before any work is done."""
 
 
 class ConfigError(UserError, ValueError):
@@ -35,7 +36,8 @@ class ConfigError(UserError, ValueError):
 
 
 def run_cli(main):
-    """The scripts' entry point: sys.exit(main(sys.argv[1:])), a UserError as one line and exit 2."""
+    """The scripts' entry point: sys.exit(main(sys.argv[1:])), a UserError as one line and exit
+    2."""
     import sys
     try:
         sys.exit(main(sys.argv[1:]))

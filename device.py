@@ -12,8 +12,9 @@ from configurator import ConfigError
 
 
 def resolve_device_dtype(cfg):
-    """(torch.device, dtype name) for cfg.device ('auto', 'cpu', 'cuda', 'cuda:N') and cfg.dtype ('auto',
-    'float32', 'bfloat16', 'float16'); a ConfigError for a missing GPU or a dtype the device cannot use."""
+    """(torch.device, dtype name) for cfg.device ('auto', 'cpu', 'cuda', 'cuda:N') and cfg.dtype
+    ('auto', 'float32', 'bfloat16', 'float16'); a ConfigError for a missing GPU or a dtype the
+    device cannot use."""
     dev = cfg.device
     if dev == 'auto':
         dev = 'cuda' if torch.cuda.is_available() else 'cpu'

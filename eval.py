@@ -1,8 +1,8 @@
 """
 Evaluate a checkpoint: validation loss under causal routing (what model.eval() means), next to the
 same backbone with every gate forced to the full path (dense reference) and to the cheap path; the
-realised full-path fraction per controlled layer; and, on the synthetic corpus, the full-path fraction
-per difficulty class.
+realised full-path fraction per controlled layer; and, on the synthetic corpus, the full-path
+fraction per difficulty class.
 
     python eval.py --ckpt out/quickstart/ckpt.pt --json
     python eval.py --ckpt=out/quickstart/ckpt.pt --eval_iters=50 --device=cpu
@@ -110,10 +110,10 @@ def difficulty_fractions(model, batches, difficulty, class_names, autocast=nullc
 
 @torch.no_grad()
 def routing_map(model, x, y=None, autocast=nullcontext()):
-    """Eval-mode (causal, hard) routing of one sequence x (1, T): an (L, T) float array whose row l is
-    aux['masks'][l][0] (1 = full path / active, values in [0, 1]) and NaN where layer l is not routed
-    (absent from the masks). Rows cover the model's layers and any other layer index the masks name.
-    Column t is the decision taken while processing input token x[0, t]."""
+    """Eval-mode (causal, hard) routing of one sequence x (1, T): an (L, T) float array whose row l
+    is aux['masks'][l][0] (1 = full path / active, values in [0, 1]) and NaN where layer l is not
+    routed (absent from the masks). Rows cover the model's layers and any other layer index the
+    masks name. Column t is the decision taken while processing input token x[0, t]."""
     with model.mode(training=False):
         with autocast:
             masks = model(x, y)[2].get('masks', {})
@@ -124,8 +124,8 @@ def routing_map(model, x, y=None, autocast=nullcontext()):
 
 
 def token_text(decode, ids, width=8):
-    """Each token id as printable text: spaces as '␣', newlines and other control characters escaped,
-    cut to `width` characters."""
+    """Each token id as printable text: spaces as '␣', newlines and other control characters
+    escaped, cut to `width` characters."""
     out = []
     for i in ids:
         t = decode([i]).replace(' ', '␣')
@@ -139,9 +139,9 @@ def map_cell(v):
 
 
 def routing_map_text(grid, tokens, per_line=32):
-    """The map as text, per_line tokens per block: a line of tokens, then one line per layer ('#' full
-    path (mask ≥ 0.5), '.' cheap or skipped, '-' layer not routed); cells right-aligned to the widest
-    token plus one space."""
+    """The map as text, per_line tokens per block: a line of tokens, then one line per layer ('#'
+    full path (mask ≥ 0.5), '.' cheap or skipped, '-' layer not routed); cells right-aligned to the
+    widest token plus one space."""
     w = max(len(t) for t in tokens) + 1
     blocks = []
     for a in range(0, len(tokens), per_line):
@@ -222,9 +222,10 @@ def save_figure(plt, fig, path):
 
 def routing_map_report(model, train_data, val_data, meta, eval_iters, calib_iters, autocast=nullcontext(),
                        eval_seed=1337, n_tokens=64):
-    """The routing map of the first row of the first eval batch (its first n_tokens tokens; the whole
-    row is run, which gives the same decisions since eval routing is causal), after the same threshold
-    calibration report() does, and the per-difficulty-class fractions over all eval batches."""
+    """The routing map of the first row of the first eval batch (its first n_tokens tokens; the
+    whole row is run, which gives the same decisions since eval routing is causal), after the same
+    threshold calibration report() does, and the per-difficulty-class fractions over all eval
+    batches."""
     batches, starts = calibrated_eval_batches(
         model, train_data, val_data, eval_iters, calib_iters, autocast, eval_seed
     )
@@ -352,11 +353,12 @@ def main(argv):
 
 @torch.no_grad()
 def room(model, batches, autocast=nullcontext(), seed=0):
-    """How much routing can matter on these batches, for this backbone: the val loss with every routed
-    decision forced full and forced cheap (the family's references), and under each of its room rules
-    (ffn: random and oracle routing at the budget; the oracle peeks at the targets, so it bounds what a
-    causal gate can reach). room = cheap − full; gate_room = random − oracle, what a learned gate can
-    gain over chance at the budget; oracle_recovery = the share of the room oracle routing recovers."""
+    """How much routing can matter on these batches, for this backbone: the val loss with every
+    routed decision forced full and forced cheap (the family's references), and under each of its
+    room rules (ffn: random and oracle routing at the budget; the oracle peeks at the targets, so it
+    bounds what a causal gate can reach). room = cheap − full; gate_room = random − oracle, what a
+    learned gate can gain over chance at the budget; oracle_recovery = the share of the room oracle
+    routing recovers."""
     family = model.family
     out = {
         force: evaluate(model, batches, autocast, force=force)['loss']

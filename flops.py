@@ -131,7 +131,8 @@ def flops_per_token(config, seq_len=None, training=True):
 
 
 def estimate_mfu(config, tokens_per_s, device, dtype, seq_len=None):
-    """Model FLOPs utilisation against the peak of the device in use (None when unknown, e.g. CPU)."""
+    """Model FLOPs utilisation against the peak of the device in use (None when unknown, e.g.
+    CPU)."""
     peak = peak_flops(device, dtype)
     if peak is None:
         return None

@@ -56,7 +56,8 @@ MIN_CAPABILITY = (8, 0)                 # Triton 3.3+ supports NVIDIA compute ca
 def sort_by_mask(mask):
     """mask (N,) bool -> (order (N,) int64, count 0-dim int64), both on mask's device: the True rows
     first, then the False rows, each group in its original order; count = mask.sum(). A stable
-    partition by two prefix sums (O(N), deterministic: every destination is written once), no sync."""
+    partition by two prefix sums (O(N), deterministic: every destination is written once), no
+    sync."""
     mask = mask.reshape(-1).bool()
     m = mask.long()
     count = m.sum()
@@ -82,8 +83,9 @@ def _in_range(order, lo, hi):
 
 
 def mlp_rows_reference(x, order, lo, hi, mlp, out):
-    """mlp_rows in pure PyTorch with static shapes: computes mlp (dropout off) on all N rows and writes
-    the rows whose sorted position is in [lo, hi) into out; the other rows keep their bits."""
+    """mlp_rows in pure PyTorch with static shapes: computes mlp (dropout off) on all N rows and
+    writes the rows whose sorted position is in [lo, hi) into out; the other rows keep their
+    bits."""
     w_fc, b_fc, w_proj, b_proj, approximate = _weights(mlp)
     y = F.linear(F.gelu(F.linear(x, w_fc, b_fc), approximate=approximate), w_proj, b_proj)
     keep = _in_range(order, lo, hi).unsqueeze(1)
@@ -281,7 +283,8 @@ def _as_count(v, device):
 def mlp_rows(x, order, lo, hi, mlp, out):
     """For every lo <= i < hi: out[order[i]] = mlp(x[order[i]]) (dropout off); other rows of out are
     untouched; returns out. x, out (N, C); order (N,) from sort_by_mask; lo, hi: ints or 0-dim int
-    tensors on x's device; mlp: c_fc, c_proj (nn.Linear, bias optional) and `approximate` for F.gelu."""
+    tensors on x's device; mlp: c_fc, c_proj (nn.Linear, bias optional) and `approximate` for
+    F.gelu."""
     w_fc, b_fc, w_proj, b_proj, approximate = _weights(mlp)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, w_fc, b_fc, w_proj, b_proj))

@@ -34,8 +34,8 @@ def utility_regression(score, utility):
 
 
 def pairwise_rank(score, utility, n_pairs, kind='logistic', margin=0.1, generator=None):
-    """Pairs (i, j) drawn uniformly within each sequence (n_pairs per sequence, static shape), ordered
-    so that U_i > U_j (ties dropped). With δ = s_i − s_j:
+    """Pairs (i, j) drawn uniformly within each sequence (n_pairs per sequence, static shape),
+    ordered so that U_i > U_j (ties dropped). With δ = s_i − s_j:
         logistic: L_rank = mean log(1 + exp(−δ))
         margin:   L_rank = mean max(0, margin − δ)"""
     B, T = score.shape
@@ -56,7 +56,8 @@ def jepa_alignment(pred, target):
 
 
 def membership_bce(logit, mask):
-    """L_pred = BCE(σ(q_t), m_t): a causal predictor q of top-k membership (targets stop-gradient)."""
+    """L_pred = BCE(σ(q_t), m_t): a causal predictor q of top-k membership (targets
+    stop-gradient)."""
     return F.binary_cross_entropy_with_logits(logit.float(), mask.float().detach())
 
 

@@ -1,16 +1,17 @@
 """
-The nanodepth GPT: a pre-LN decoder-only transformer, nanoGPT-style, built so that every block can be
-routed per token.
+The nanodepth GPT: a pre-LN decoder-only transformer, nanoGPT-style, built so that every block can
+be routed per token.
 
 A `Block` exposes its two residual updates separately, `attn_update(x, pos, cache)` and
-`ffn_update(x)`, so a routing family can run them on a subset of tokens, scale them, or replace the FFN
-with a cheap one without rewriting the block. Attention takes explicit token positions `pos` (B, T):
-RoPE rotates by them and the causal mask compares them, so a gathered subset of tokens still attends in
-its real causal order at its real positions, and a KV cache can hold slots that were never written.
+`ffn_update(x)`, so a routing family can run them on a subset of tokens, scale them, or replace the
+FFN with a cheap one without rewriting the block. Attention takes explicit token positions `pos` (B,
+T): RoPE rotates by them and the causal mask compares them, so a gathered subset of tokens still
+attends in its real causal order at its real positions, and a KV cache can hold slots that were
+never written.
 
 How a forward is routed is the business of the model's routing family (`config.route`), looked up in
-FAMILIES below; each family lives in its own file (route_ffn.py, route_mod.py, ...) and implements the
-contract of routing.Family (its docstring). This file knows no family but by its name in ROUTES.
+FAMILIES below; each family lives in its own file (route_ffn.py, route_mod.py, ...) and implements
+the contract of routing.Family (its docstring). This file knows no family but by its name in ROUTES.
 
     from model import GPT, GPTConfig
     logits, loss = model(idx, targets)[:2]    # third element: dict of loss terms and routing stats
@@ -122,9 +123,9 @@ def controlled_layer_ids(config):
 
 
 def is_controller_key(name):
-    """Parameters and buffers of a routing controller rather than the backbone, of any family (each says
-    which are its own: Family.is_controller_key): a stage-2 run loads the backbone from a checkpoint and
-    starts these fresh; trainable='controller' trains these."""
+    """Parameters and buffers of a routing controller rather than the backbone, of any family (each
+    says which are its own: Family.is_controller_key): a stage-2 run loads the backbone from a
+    checkpoint and starts these fresh; trainable='controller' trains these."""
     return any(family.is_controller_key(name) for family in FAMILIES.values())
 
 
@@ -132,10 +133,10 @@ def is_controller_key(name):
 # attention, with positions and an optional KV cache
 
 class KVCache:
-    """Per-layer K/V slots for batched decoding. Slot s of a row holds the token at absolute position s
-    (so prompts of different lengths and tokens that skip a layer just leave slots empty); `kpos` is
-    the position a slot holds, or -1 while empty. Shapes are static (max_len slots), so decoding steps
-    all look alike to torch.compile / CUDA graphs."""
+    """Per-layer K/V slots for batched decoding. Slot s of a row holds the token at absolute
+    position s (so prompts of different lengths and tokens that skip a layer just leave slots
+    empty); `kpos` is the position a slot holds, or -1 while empty. Shapes are static (max_len
+    slots), so decoding steps all look alike to torch.compile / CUDA graphs."""
 
     def __init__(self, config, batch_size, max_len, device, dtype):
         hd = config.n_embd // config.n_head
@@ -148,8 +149,8 @@ class KVCache:
         self.max_len = max_len
 
     def write(self, layer, k, v, pos, valid=None):
-        """k, v: (B, H, T, hd) for tokens at positions pos (B, T), distinct within a row; where valid
-        (B, T) is False (a token that skips this layer) the slot is marked empty. Returns this
+        """k, v: (B, H, T, hd) for tokens at positions pos (B, T), distinct within a row; where
+        valid (B, T) is False (a token that skips this layer) the slot is marked empty. Returns this
         layer's full K, V, kpos."""
         b = torch.arange(k.size(0), device=k.device)[:, None]
         self.k[layer][b, :, pos] = k.transpose(1, 2).to(self.k.dtype)
@@ -159,7 +160,8 @@ class KVCache:
 
 
 def rope_rotate(x, pos, base):
-    """Rotary embedding of x (B, H, T, hd) at absolute positions pos (B, T), half-split convention."""
+    """Rotary embedding of x (B, H, T, hd) at absolute positions pos (B, T), half-split
+    convention."""
     hd = x.size(-1)
     inv_freq = 1.0 / (base ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
     ang = pos[:, None, :, None].float() * inv_freq          # (B, 1, T, hd/2)
@@ -178,7 +180,8 @@ class CausalSelfAttention(nn.Module):
         self.rope_base = config.rope_base if config.pos == 'rope' else None
 
     def heads(self, x, pos=None):
-        """q, k, v (B, n_head, T, head size) of x (B, T, C), q and k rotated at pos with rotary positions."""
+        """q, k, v (B, n_head, T, head size) of x (B, T, C), q and k rotated at pos with rotary
+        positions."""
         B, T, C = x.size()
         q, k, v = (
             t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
@@ -191,9 +194,9 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, pos=None, cache=None, valid=None):
         """x (B, T, C). pos (B, T) absolute positions, or None for 0..T-1. With a cache, the new K/V
-        are written into it and the queries attend over every filled slot at a position <= their own.
-        valid (B, T) bool, optional: only these tokens are keys (and written to the cache); the others
-        are padding or tokens that skip this layer, whose outputs the caller drops."""
+        are written into it and the queries attend over every filled slot at a position <= their
+        own. valid (B, T) bool, optional: only these tokens are keys (and written to the cache); the
+        others are padding or tokens that skip this layer, whose outputs the caller drops."""
         B, T, C = x.size()
         q, k, v = self.heads(x, pos)
         drop = self.dropout if self.training else 0.0
@@ -304,9 +307,9 @@ class GPT(nn.Module):
         are given (or last_only=False), else for the last position only; loss is the total training
         loss (LM + the family's weighted terms); aux holds the separate terms and routing statistics
         as tensors (no host sync): 'lm_loss', '<name>_loss', 'full_frac' (per routed layer), 'masks'
-        {layer: (B, T), 1 = full path / block runs}, 'tlops_saved'. force, calibrate, sparse, exec_mode
-        (None: self.exec_mode) and the family's per-step options (Family.step_options) are what this
-        forward asks of the routing family: routing.RouteCtx says what each means."""
+        {layer: (B, T), 1 = full path / block runs}, 'tlops_saved'. force, calibrate, sparse,
+        exec_mode (None: self.exec_mode) and the family's per-step options (Family.step_options) are
+        what this forward asks of the routing family: routing.RouteCtx says what each means."""
         ctx = RouteCtx(
             force=force,
             calibrate=calibrate,
@@ -337,11 +340,13 @@ class GPT(nn.Module):
         return logits, loss, aux
 
     def mode(self, training):
-        """Temporarily train() or eval(): every module's mode is restored afterwards (also on error)."""
+        """Temporarily train() or eval(): every module's mode is restored afterwards (also on
+        error)."""
         return training_flags(list(self.modules()), training)
 
     def controller_parameters(self):
-        """The parameters controller-only training updates: the family's controller, not the backbone."""
+        """The parameters controller-only training updates: the family's controller, not the
+        backbone."""
         return [p for n, p in self.named_parameters() if self.family.is_controller_key(n)]
 
     def calibrate(self, idx):
@@ -350,7 +355,8 @@ class GPT(nn.Module):
         return self.family.calibrate(self, idx)
 
     def crop_block_size(self, block_size):
-        """Shrink the context (e.g. GPT-2's 1024) to a smaller block_size; learned positions are cut."""
+        """Shrink the context (e.g. GPT-2's 1024) to a smaller block_size; learned positions are
+        cut."""
         assert block_size <= self.config.block_size
         self.config.block_size = block_size
         if self.transformer.wpe is not None:
@@ -363,20 +369,19 @@ class GPT(nn.Module):
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, lengths=None, stats=None,
                  vocab_limit=None, compile=False):
         """Sample max_new_tokens continuations of idx (B, T), routed as model.eval() routes. With
-        use_cache, the prompt is prefilled once and each new token costs one single-position forward;
-        once the sequence outgrows block_size the context is cropped as in nanoGPT, which shifts every
-        position, so the remaining tokens are computed by full recomputation on the cropped window
-        (identical to use_cache=False by construction).
-        lengths: prompts of different lengths, right-padded in idx (B, max len), row b's prompt being
-        idx[b, :lengths[b]]: each row continues at its own positions (the cache slots the padding
-        wrote are emptied after the prefill); returns a list of 1-D tensors. Needs the cache and
-        max(lengths) + max_new_tokens <= block_size.
-        stats: a dict to fill with the mean realised full-path fraction per routed layer over every
-        forward ('full_frac') and the mean TLOps saved ('tlops_saved'), where the family has them.
-        vocab_limit: sample only ids < vocab_limit (the tokenizer's real vocabulary; the model's is
-        padded, and a padding id has no text).
-        compile: run each cached decoding step (decode_step) through torch.compile(fullgraph=True),
-        captured as a CUDA graph ('reduce-overhead') on CUDA; the prefill and sampling stay eager."""
+        use_cache, the prompt is prefilled once and each new token costs one single-position
+        forward; once the sequence outgrows block_size the context is cropped as in nanoGPT, which
+        shifts every position, so the remaining tokens are computed by full recomputation on the
+        cropped window (identical to use_cache=False by construction). lengths: prompts of different
+        lengths, right-padded in idx (B, max len), row b's prompt being idx[b, :lengths[b]]: each
+        row continues at its own positions (the cache slots the padding wrote are emptied after the
+        prefill); returns a list of 1-D tensors. Needs the cache and max(lengths) + max_new_tokens
+        <= block_size. stats: a dict to fill with the mean realised full-path fraction per routed
+        layer over every forward ('full_frac') and the mean TLOps saved ('tlops_saved'), where the
+        family has them. vocab_limit: sample only ids < vocab_limit (the tokenizer's real
+        vocabulary; the model's is padded, and a padding id has no text). compile: run each cached
+        decoding step (decode_step) through torch.compile(fullgraph=True), captured as a CUDA graph
+        ('reduce-overhead') on CUDA; the prefill and sampling stay eager."""
         bs = self.config.block_size
         record = (
             (
@@ -419,16 +424,17 @@ class GPT(nn.Module):
         return idx
 
     def decode_step(self, tok, pos, cache):
-        """One cached decoding step: tok (B, 1) ids at absolute positions pos (B, 1), a device tensor
-        (per row: ragged batches), attending over and writing into cache. Returns the next-token logits
-        (B, V) and the step's routing statistics. Static shapes and no host sync (sparse eval runs
-        'static' under torch.compile and on CUDA), so every step is the same graph."""
+        """One cached decoding step: tok (B, 1) ids at absolute positions pos (B, 1), a device
+        tensor (per row: ragged batches), attending over and writing into cache. Returns the
+        next-token logits (B, V) and the step's routing statistics. Static shapes and no host sync
+        (sparse eval runs 'static' under torch.compile and on CUDA), so every step is the same
+        graph."""
         logits, _, aux = self(tok, pos=pos, cache=cache)
         return logits[:, -1], {k: aux[k] for k in ('full_frac', 'tlops_saved') if k in aux}
 
     def decode_step_fn(self, device, compile):
-        """decode_step, eager or compiled. On CUDA the compiled step is captured as a CUDA graph, whose
-        outputs the next replay overwrites: they are cloned before anyone keeps them."""
+        """decode_step, eager or compiled. On CUDA the compiled step is captured as a CUDA graph,
+        whose outputs the next replay overwrites: they are cloned before anyone keeps them."""
         if not compile:
             return self.decode_step
         if device.type != 'cuda':
@@ -446,7 +452,8 @@ class GPT(nn.Module):
     def new_cache(self, batch_size, device, compile=False):
         """An empty KV cache of block_size slots. A CUDA graph writes into the cache in place at the
         addresses it was captured with, so compiled decoding on CUDA gets one cache per batch size,
-        at static addresses, emptied and reused by every later decoding: the graph is captured once."""
+        at static addresses, emptied and reused by every later decoding: the graph is captured
+        once."""
         dtype = self.lm_head.weight.dtype
         if not (compile and device.type == 'cuda'):
             return KVCache(self.config, batch_size, self.config.block_size, device, dtype)
@@ -530,9 +537,9 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name_or_path, override_args=None):
-        """Load HF GPT-2 weights ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', or a local directory
-        saved by transformers). Needs the `transformers` package; HF's Conv1D stores weights
-        transposed relative to nn.Linear, hence the transposes."""
+        """Load HF GPT-2 weights ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', or a local
+        directory saved by transformers). Needs the `transformers` package; HF's Conv1D stores
+        weights transposed relative to nn.Linear, hence the transposes."""
         try:
             from transformers import GPT2LMHeadModel
         except ImportError:

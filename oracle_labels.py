@@ -33,8 +33,8 @@ from routing import Family, RouteCtx, training_flags
 
 
 def no_dropout(model):
-    """Dropout off (routing stays in training mode): the two forks of a label must differ only in the
-    action at l, not in their dropout masks. nn.Dropout layers, and attention, whose dropout
+    """Dropout off (routing stays in training mode): the two forks of a label must differ only in
+    the action at l, not in their dropout masks. nn.Dropout layers, and attention, whose dropout
     probability is a float attribute."""
     return training_flags([m for m in model.modules() if isinstance(m, nn.Dropout)
                            or isinstance(getattr(m, 'dropout', None), float)], False)
@@ -53,9 +53,9 @@ def ce_of(model, x, targets):
 
 @torch.no_grad()
 def fork_utility(model, l, x_mid, targets, pos, later, ce_full=None):
-    """'sequence' labels at controlled layer l from the state x_mid (after layer l's attention): every
-    token cheap at l minus every token full at l; the later layers all full (later='full') or following
-    the current gate policy (later='policy'). ce_full, when known, skips that fork."""
+    """'sequence' labels at controlled layer l from the state x_mid (after layer l's attention):
+    every token cheap at l minus every token full at l; the later layers all full (later='full') or
+    following the current gate policy (later='policy'). ce_full, when known, skips that fork."""
     block = model.transformer.h[l]
     ce = {'full': ce_full, 'cheap': None}
     with no_dropout(model):
@@ -73,9 +73,10 @@ def fork_utility(model, l, x_mid, targets, pos, later, ce_full=None):
 
 
 def switched_attention(attn, h_base, h_own, pos):
-    """Causal attention of the base stream, and of the switched one, in which token t's query sees the
-    base stream's keys and values before t and its own at t: each token as if it alone had been
-    switched. Explicit matmuls (no fused kernel takes a separate diagonal); labels run without dropout."""
+    """Causal attention of the base stream, and of the switched one, in which token t's query sees
+    the base stream's keys and values before t and its own at t: each token as if it alone had been
+    switched. Explicit matmuls (no fused kernel takes a separate diagonal); labels run without
+    dropout."""
     B, T, C = h_own.shape
     (qb, kb, vb), (qo, ko, vo) = attn.heads(h_base, pos), attn.heads(h_own, pos)
     p = pos if pos is not None else torch.arange(T, device=h_own.device).expand(B, T)
@@ -106,10 +107,11 @@ def held_ffn(block, cfg, h, mask, score):
 
 @torch.no_grad()
 def token_fork_utility(model, l, x_mid, base_full, targets, pos, later):
-    """'token' labels at controlled layer l from x_mid (after layer l's attention): each token t switched
-    alone from its base action at l (base_full, (B, T) bool: full where True) to the other one. The base
-    suffix runs the later layers all full or, on-policy, by the gates' top-k on the base stream; the
-    switched stream keeps those decisions, so only token t's action at l differs between its forks."""
+    """'token' labels at controlled layer l from x_mid (after layer l's attention): each token t
+    switched alone from its base action at l (base_full, (B, T) bool: full where True) to the other
+    one. The base suffix runs the later layers all full or, on-policy, by the gates' top-k on the
+    base stream; the switched stream keeps those decisions, so only token t's action at l differs
+    between its forks."""
     cfg, blocks = model.config, model.transformer.h
     with no_dropout(model):
         h = blocks[l].ln_2(x_mid)
@@ -136,10 +138,10 @@ def token_fork_utility(model, l, x_mid, base_full, targets, pos, later):
 
 
 def oracle_losses(model, ctx, layers, targets, aux):
-    """util/rank losses at the sampled controlled layers, from labels forked as the three switches say
-    (the all-full start is one no-grad all-full pass; all full after it with 'sequence' labels reuses
-    that pass's CE as the full fork's). With ffn_aux_grad='own' the losses score the gate's detached
-    input again, so their gradient trains that gate alone."""
+    """util/rank losses at the sampled controlled layers, from labels forked as the three switches
+    say (the all-full start is one no-grad all-full pass; all full after it with 'sequence' labels
+    reuses that pass's CE as the full fork's). With ffn_aux_grad='own' the losses score the gate's
+    detached input again, so their gradient trains that gate alone."""
     cfg, pos = model.config, ctx.pos
     for l in layers:
         if l not in ctx.scores:
@@ -183,9 +185,9 @@ def suffix_flops(config, l, c):
 def oracle_flops(family, config, T, c, oracle_layers):
     """The labels at the sampled layers, without gradients: from the all-full state, one all-full
     forward first (its CE too when 'sequence' labels run all full after it); then per layer both
-    actions at l and two suffixes (the switched one's attention costs what a causal one does), all full
-    or routed by the gates (masked dense), except that 'sequence' labels all full from the all-full
-    state reuse that forward's CE: the cheap action and one suffix."""
+    actions at l and two suffixes (the switched one's attention costs what a causal one does), all
+    full or routed by the gates (masked dense), except that 'sequence' labels all full from the
+    all-full state reuse that forward's CE: the cheap action and one suffix."""
     if not oracle_layers:
         return 0
     later_full, from_full = config.ffn_oracle_policy == 'off', oracle_start(config) == 'full'

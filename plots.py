@@ -1,6 +1,7 @@
 """
-Plots of a study, as PNG files in OUT_ROOT/plots/, from each run's metrics.jsonl (OUT_ROOT/<arm>/seed<s>/,
-the layout sweep.py writes). sweep.py calls write_plots after its summary (--no_plots to skip); alone:
+Plots of a study, as PNG files in OUT_ROOT/plots/, from each run's metrics.jsonl
+(OUT_ROOT/<arm>/seed<s>/, the layout sweep.py writes). sweep.py calls write_plots after its summary
+(--no_plots to skip); alone:
 
     python plots.py out/study_a3
 
@@ -110,11 +111,12 @@ def run_metrics(out_dir):
 
 
 def absolute_flops(out_dir, summ, metrics):
-    """From the run's config.json: a dense run's eval FLOPs ratio and TLOps saved (1 and 0: it is the
-    reference point of those axes), and the absolute FLOPs that put models of different sizes on one
-    axis: train_flops (the whole run, train.py's exact count) and eval_flops (one eval forward, per
-    token, at the realised routing: the summary's, or for an older summary computed from config.json
-    with the vocabulary the checkpoint was built with). Nothing for a run without a stored route."""
+    """From the run's config.json: a dense run's eval FLOPs ratio and TLOps saved (1 and 0: it is
+    the reference point of those axes), and the absolute FLOPs that put models of different sizes on
+    one axis: train_flops (the whole run, train.py's exact count) and eval_flops (one eval forward,
+    per token, at the realised routing: the summary's, or for an older summary computed from
+    config.json with the vocabulary the checkpoint was built with). Nothing for a run without a
+    stored route."""
     try:
         with open(os.path.join(out_dir, 'config.json')) as f:
             stored = json.load(f)
@@ -143,7 +145,8 @@ def absolute_flops(out_dir, summ, metrics):
 
 
 def built_vocab(out_dir):
-    """The vocabulary the run's model was built with (its checkpoint's), or None without a checkpoint."""
+    """The vocabulary the run's model was built with (its checkpoint's), or None without a
+    checkpoint."""
     try:
         return load_checkpoint(os.path.join(out_dir, 'ckpt.pt'))['model_args'].get('vocab_size')
     except CheckpointError:           # none kept (e.g. results/ copies), or unreadable
@@ -165,8 +168,8 @@ def train_lm_curve(recs):
 
 
 def find_runs(root, arms=None):
-    """{arm: {seed: out_dir}} for every root/<arm>/seed<s>/ holding a metrics.jsonl. Arms in the given
-    order, else in summary.json's order when there is one, else sorted."""
+    """{arm: {seed: out_dir}} for every root/<arm>/seed<s>/ holding a metrics.jsonl. Arms in the
+    given order, else in summary.json's order when there is one, else sorted."""
     if arms is None:
         try:
             with open(os.path.join(root, 'summary.json')) as f:
@@ -187,13 +190,14 @@ def find_runs(root, arms=None):
 
 
 def curve(recs, kind, key):
-    """{iter: value} over the records of type `kind` that have `key` (a number or a per-layer list)."""
+    """{iter: value} over the records of type `kind` that have `key` (a number or a per-layer
+    list)."""
     return {r['iter']: r[key] for r in recs if r.get('type') == kind and r.get(key) is not None}
 
 
 def seed_band(dirs, kind, key):
-    """(iters, mean, lo, hi) over the seeds of one arm at the iterations every seed logged; for per-layer
-    lists the last three have a layer axis. None when no seed logged key."""
+    """(iters, mean, lo, hi) over the seeds of one arm at the iterations every seed logged; for
+    per-layer lists the last three have a layer axis. None when no seed logged key."""
     curves = [c for c in (curve(read_metrics(d), kind, key) for d in dirs.values()) if c]
     iters = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
     if not iters:
@@ -219,8 +223,9 @@ def arm_points(runs, xkey, ykey='final_val_loss'):
 
 
 def pareto_front(xs, ys):
-    """Indices of the points no other point dominates when both coordinates are minimised (j dominates
-    i if x_j <= x_i and y_j <= y_i, one of them strictly), in increasing x. Negate x to maximise it."""
+    """Indices of the points no other point dominates when both coordinates are minimised (j
+    dominates i if x_j <= x_i and y_j <= y_i, one of them strictly), in increasing x. Negate x to
+    maximise it."""
     pts = list(zip(xs, ys))
     front = [i for i, (x, y) in enumerate(pts)
              if not any(a <= x and b <= y and (a < x or b < y) for a, b in pts)]

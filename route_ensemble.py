@@ -1,13 +1,14 @@
 """
 route='ensemble': Mixture-of-Depths Ensemble (Luo & Specia, arXiv 2410.13077).
 
-The last k layers' hidden states each pass their own norm N_j and the shared LM head; a router
-G(x) = softmax(x·W_g) (input stop-gradient) mixes their logits per token into the prediction; a KL
+The last k layers' hidden states each pass their own norm N_j and the shared LM head; a router G(x)
+= softmax(x·W_g) (input stop-gradient) mixes their logits per token into the prediction; a KL
 distillation loss with the final layer as teacher (stop-gradient) adapts the late layers: each late
-layer's own prediction (ens_distill='per_layer', the default) or the mixture's. In joint training from
-scratch the teacher (ln_f) feeds nothing else, so ens_teacher_lm_weight gives it its own LM loss. Used as
-parameter-cheap tuning on a frozen backbone (trainable='controller'). The norms start as copies of
-ln_f (after_load), so a pretrained backbone's late layers begin read out the way its final layer is.
+layer's own prediction (ens_distill='per_layer', the default) or the mixture's. In joint training
+from scratch the teacher (ln_f) feeds nothing else, so ens_teacher_lm_weight gives it its own LM
+loss. Used as parameter-cheap tuning on a frozen backbone (trainable='controller'). The norms start
+as copies of ln_f (after_load), so a pretrained backbone's late layers begin read out the way its
+final layer is.
 
 Options: EnsembleOptions below (fields of model.GPTConfig).
 """
@@ -80,8 +81,8 @@ class DepthEnsemble(Family):
             ctx.keep_hidden = set(range(L - model.config.ens_layers + 1, L + 1))
 
     def logits(self, model, x, ctx, last):
-        """Σ g·logits, Σ g·log p (renormalised by the loss's log-softmax) or log Σ g·p, accumulated one
-        layer at a time: never k vocabulary-sized tensors at once."""
+        """Σ g·logits, Σ g·log p (renormalised by the loss's log-softmax) or log Σ g·p, accumulated
+        one layer at a time: never k vocabulary-sized tensors at once."""
         if ctx.force == 'full':
             return super().logits(model, x, ctx, last)
         cfg = model.config

@@ -1,15 +1,15 @@
 """
-route='exit': early exits with deep supervision (auxiliary losses; LayerSkip, arXiv 2404.16710; CALM,
-arXiv 2207.07061).
+route='exit': early exits with deep supervision (auxiliary losses; LayerSkip, arXiv 2404.16710;
+CALM, arXiv 2207.07061).
 
-Exit heads after d blocks for d in exit_layers ('auto' {2, n/2, 3n/4}), sharing the final norm and LM
-head (LayerSkip) or with their own norm and projection. Training: L = L_n + Σ_d α_d·L_d with weights
-uniform, CALM's (∝ d), LayerSkip's (∝ Σ_{i≤l} i) or the plain mean over exits and the final layer (TSA's
-baseline); a rotational curriculum trains only the exits with d % R == step % R; LayerSkip's layer
-dropout skips whole blocks per sequence. Eval (CALM, causal per token): after block d-1 a still-running
-token whose confidence (max softmax, top-1 − top-2 margin, or hidden-state saturation) is >=
-exit_threshold exits; its state is copied upward unchanged and every higher layer still computes its
-own K/V from that copy, so later tokens attend to it as to any token.
+Exit heads after d blocks for d in exit_layers ('auto' {2, n/2, 3n/4}), sharing the final norm and
+LM head (LayerSkip) or with their own norm and projection. Training: L = L_n + Σ_d α_d·L_d with
+weights uniform, CALM's (∝ d), LayerSkip's (∝ Σ_{i≤l} i) or the plain mean over exits and the final
+layer (TSA's baseline); a rotational curriculum trains only the exits with d % R == step % R;
+LayerSkip's layer dropout skips whole blocks per sequence. Eval (CALM, causal per token): after
+block d-1 a still-running token whose confidence (max softmax, top-1 − top-2 margin, or hidden-state
+saturation) is >= exit_threshold exits; its state is copied upward unchanged and every higher layer
+still computes its own K/V from that copy, so later tokens attend to it as to any token.
 
 Options: ExitOptions below (fields of model.GPTConfig), and the model-wide layer_dropout.
 """
@@ -114,7 +114,8 @@ class EarlyExit(Family):
         return logits
 
     def loss(self, model, ctx, lm_loss, targets, aux):
-        """L = L_n·w_n + Σ_d α_d·L_d over this step's exits (schedule 'mean': the plain mean of all)."""
+        """L = L_n·w_n + Σ_d α_d·L_d over this step's exits (schedule 'mean': the plain mean of
+        all)."""
         if not ctx.keep_hidden:
             return lm_loss
         cfg, hidden = model.config, ctx.hidden
@@ -178,9 +179,10 @@ class EarlyExit(Family):
         ]
 
     def forward_flops(self, config, T, mode='train', full_frac=None, exits=None, **options):
-        """The dense body plus every exit head on every token ('eval'), the trained exits ('train', all
-        unless `exits` names them), or ('sparse', full_frac one per layer = the fraction of tokens still
-        running into block l) the FFN of block l and the head at d on the running tokens only."""
+        """The dense body plus every exit head on every token ('eval'), the trained exits ('train',
+        all unless `exits` names them), or ('sparse', full_frac one per layer = the fraction of
+        tokens still running into block l) the FFN of block l and the head at d on the running
+        tokens only."""
         c, L = flop_costs(config, T), config.n_layer
         all_exits = exit_depths(config)
         heads = all_exits if (mode != 'train' or exits is None) else exits
@@ -197,8 +199,8 @@ class EarlyExit(Family):
         return total
 
     def backward_flops(self, config, T, trainable='all', exits=None, **options):
-        """Joint: twice the training forward. Controller-only: own exit heads only (the trainable norm
-        before each projection makes it 2x); shared heads leave nothing to train."""
+        """Joint: twice the training forward. Controller-only: own exit heads only (the trainable
+        norm before each projection makes it 2x); shared heads leave nothing to train."""
         if trainable == 'all':
             return 2 * self.forward_flops(config, T, 'train', exits=exits)
         trained = exit_depths(config) if exits is None else exits
@@ -231,8 +233,8 @@ def exit_logits(model, d, x):
 
 
 def run_exits(model, x, pos, cache, ctx):
-    """CALM-style early exit (see the module docstring). Sparse: the FFN and the exit heads run on the
-    still-running tokens only (attention runs on all: their K/V are needed)."""
+    """CALM-style early exit (see the module docstring). Sparse: the FFN and the exit heads run on
+    the still-running tokens only (attention runs on all: their K/V are needed)."""
     cfg, state = model.config, ExitState()
     ctx.state = state
     done = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device)

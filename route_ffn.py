@@ -1,22 +1,23 @@
 """
-route='ffn': cheap-vs-full FFN routing with G1/G3 gates ("Revisiting Auxiliary Losses for Conditional
-Depth Routing", arXiv 2604.17228).
+route='ffn': cheap-vs-full FFN routing with G1/G3 gates ("Revisiting Auxiliary Losses for
+Conditional Depth Routing", arXiv 2604.17228).
 
-At each controlled layer a gate scores every token; the selected tokens take the full FFN, the rest a
-low-rank cheap FFN; attention is not routed. Training selects the top ceil(ffn_budget·T) scores of each
-sequence (static shapes, non-causal, as the paper); model.eval() decides causally per token, by a
-threshold calibrated on held-out batches or by a predictor of top-k membership. The LM loss reaches
-the gate straight-through ('ste'), MoD-style through σ(score) ('scale'), or not at all ('none').
+At each controlled layer a gate scores every token; the selected tokens take the full FFN, the rest
+a low-rank cheap FFN; attention is not routed. Training selects the top ceil(ffn_budget·T) scores of
+each sequence (static shapes, non-causal, as the paper); model.eval() decides causally per token, by
+a threshold calibrated on held-out batches or by a predictor of top-k membership. The LM loss
+reaches the gate straight-through ('ste'), MoD-style through σ(score) ('scale'), or not at all
+('none').
 
 Auxiliary losses, each a named term with its weight (0 = not computed): utility regression and
 pairwise rank supervision onto oracle utility labels U_t = CE_t(cheap at l) − CE_t(full at l)
-(oracle_labels.py: token t switched alone or the whole sequence, forks from the all-full or the routed
-state, later layers all full or following the gates), G3's JEPA alignment, the membership predictor's
-BCE, and a cheap-imitates-full term. util/rank/JEPA train only their own layer's gate unless
-ffn_aux_grad='leak'.
+(oracle_labels.py: token t switched alone or the whole sequence, forks from the all-full or the
+routed state, later layers all full or following the gates), G3's JEPA alignment, the membership
+predictor's BCE, and a cheap-imitates-full term. util/rank/JEPA train only their own layer's gate
+unless ffn_aux_grad='leak'.
 
-Options: FFNOptions below (fields of model.GPTConfig); of the training loop: ffn_oracle_layers_per_step,
-calib_iters.
+Options: FFNOptions below (fields of model.GPTConfig); of the training loop:
+ffn_oracle_layers_per_step, calib_iters.
 """
 import random
 from dataclasses import dataclass, field
@@ -255,16 +256,16 @@ class FFNRouting(Family):
     @torch.no_grad()
     def calibrate(self, model, idx):
         """Set every controlled layer's causal threshold so that, on idx (held-out batches), the
-        realised full-path fraction equals the budget; layers are calibrated in order, each under the
-        already-calibrated decisions of the layers below it. Returns the realised fractions."""
+        realised full-path fraction equals the budget; layers are calibrated in order, each under
+        the already-calibrated decisions of the layers below it. Returns the realised fractions."""
         if model.config.ffn_gate not in ('mlp', 'jepa'):
             return None                    # no score to threshold
         with model.mode(training=False):
             return model(idx, last_only=True, calibrate=True)[2].get('full_frac')
 
     def step_options(self, model, step, run):
-        """The controlled layers that get oracle labels this step (util/rank losses on): sampled from the
-        seed and the step alone, so every DDP rank and a resumed run draw the same."""
+        """The controlled layers that get oracle labels this step (util/rank losses on): sampled
+        from the seed and the step alone, so every DDP rank and a resumed run draw the same."""
         cfg = model.config
         if cfg.ffn_gate not in ('mlp', 'jepa') or not (cfg.ffn_util_weight > 0 or cfg.ffn_rank_weight > 0):
             return {}
@@ -288,8 +289,9 @@ class FFNRouting(Family):
 
     def forward_flops(self, config, T, mode='train', full_frac=None, **options):
         """Training and eval: both paths dense, mixed by the mask ('train' adds the JEPA targets and
-        the membership predictor's training; the oracle gate, its forks); 'sparse': the full FFN on a
-        fraction full_frac of the tokens, the cheap FFN on the rest. Oracle labels: oracle_flops."""
+        the membership predictor's training; the oracle gate, its forks); 'sparse': the full FFN on
+        a fraction full_frac of the tokens, the cheap FFN on the rest. Oracle labels:
+        oracle_flops."""
         c, ids = ffn_costs(config, T), self.routed_layers(config)
         fracs = iter(full_frac if isinstance(full_frac, (list, tuple)) else [full_frac] * len(ids))
         total = c['head']
@@ -324,8 +326,8 @@ class FFNRouting(Family):
         return T * total
 
     def backward_flops(self, config, T, trainable='all', oracle_layers=(), **options):
-        """Controller-only: activation gradients only, and nothing below the first gate in the LM-loss
-        graph; the gate's input needs a gradient only once the stream does."""
+        """Controller-only: activation gradients only, and nothing below the first gate in the
+        LM-loss graph; the gate's input needs a gradient only once the stream does."""
         c, ids = ffn_costs(config, T), self.routed_layers(config)
         joint = trainable == 'all'
         leak, own = config.ffn_aux_grad == 'leak', config.ffn_aux_grad == 'own'
@@ -468,7 +470,8 @@ def collect_losses(block, cfg, ctx, x, h, full, cheap, mask, preds):
 
 
 def oracle_routing_labels(model, l, x_mid, targets, pos):
-    """The oracle gate's labels: from the state its own decisions below l left, later layers all full."""
+    """The oracle gate's labels: from the state its own decisions below l left, later layers all
+    full."""
     if model.config.ffn_oracle_label == 'token':
         full = torch.ones(x_mid.shape[:2], dtype=torch.bool, device=x_mid.device)
         return token_fork_utility(model, l, x_mid, full, targets, pos, later='full')

@@ -2,13 +2,14 @@
 route='halt': Token-Selective Attention ("Adaptive Computation Depth via Learned Token Routing in
 Transformers", arXiv 2605.05222).
 
-Block 0 is a stem that always runs. A router after each block l = 0..L−2 gives p_l = r_l(h) in (0, 1),
-the probability of skipping block l+1, which then adds (1 − p_l)·Δattn and (1 − p_l)·Δffn. The LM
-gradient reaches the router through that product; a depth regulariser λ·mean(1 − p) (the mean active
-fraction α) pushes towards skipping. Eval (hard, causal per token): a token skips both updates where
-p_l > halt_tau; kept tokens add (1 − p_l)·Δ as in training ('scaled') or the whole Δ ('binary'). A
-skipped token's K/V are still computed, so later tokens attend to it as in training; sparse eval runs
-the FFN on the kept tokens only. force='full' keeps every update whole (the dense model).
+Block 0 is a stem that always runs. A router after each block l = 0..L−2 gives p_l = r_l(h) in (0,
+1), the probability of skipping block l+1, which then adds (1 − p_l)·Δattn and (1 − p_l)·Δffn. The
+LM gradient reaches the router through that product; a depth regulariser λ·mean(1 − p) (the mean
+active fraction α) pushes towards skipping. Eval (hard, causal per token): a token skips both
+updates where p_l > halt_tau; kept tokens add (1 − p_l)·Δ as in training ('scaled') or the whole Δ
+('binary'). A skipped token's K/V are still computed, so later tokens attend to it as in training;
+sparse eval runs the FFN on the kept tokens only. force='full' keeps every update whole (the dense
+model).
 
 Options: HaltOptions below (fields of model.GPTConfig).
 """
@@ -121,8 +122,8 @@ class TokenSelectiveAttention(Family):
         ]
 
     def forward_flops(self, config, T, mode='train', full_frac=None, **options):
-        """Every block's attention; the router before blocks 1..L−1; sparse eval runs block l's FFN on
-        the kept fraction full_frac (a float, or one per gated block) of the tokens only."""
+        """Every block's attention; the router before blocks 1..L−1; sparse eval runs block l's FFN
+        on the kept fraction full_frac (a float, or one per gated block) of the tokens only."""
         c, L = flop_costs(config, T), config.n_layer
         router = halt_router_flops(config)
         total = c['head']
@@ -138,8 +139,8 @@ class TokenSelectiveAttention(Family):
         return T * total
 
     def backward_flops(self, config, T, trainable='all', **options):
-        """x + keep·Δattn(x), then + keep·Δffn(·): the routers are trainable, so from router 0 on the
-        stream needs a gradient even on a frozen backbone."""
+        """x + keep·Δattn(x), then + keep·Δffn(·): the routers are trainable, so from router 0 on
+        the stream needs a gradient even on a frozen backbone."""
         c, L = flop_costs(config, T), config.n_layer
         hidden = max(16, config.n_embd // 4)
         fc, out = 2 * config.n_embd * hidden, 2 * hidden        # the router's two layers
@@ -174,8 +175,9 @@ def halt_router_flops(config):
 def halt_report(model, batches, autocast, evaluate, taus=(0.3, 0.5, 0.7, 0.9)):
     """TSA: validation loss with the soft (1 − p) scaling the model was trained with, and with hard
     skipping (skip block l+1 where p_l > τ) at several τ — the comparison the paper never showed.
-    Kept tokens add (1 − p)·Δ as in training ('scaled') or the whole Δ ('binary'). α is the mean active
-    fraction (soft: mean 1 − p; hard: the fraction not skipped), TLOps saved 1 − (1 + (L−1)α)/L."""
+    Kept tokens add (1 − p)·Δ as in training ('scaled') or the whole Δ ('binary'). α is the mean
+    active fraction (soft: mean 1 − p; hard: the fraction not skipped), TLOps saved 1 − (1 +
+    (L−1)α)/L."""
     L = model.config.n_layer
 
     def row(soft, **hard):          # hard: tau and mode of hard skipping

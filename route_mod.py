@@ -1,12 +1,12 @@
 """
 route='mod': Mixture-of-Depths (Raposo et al., arXiv 2404.02258): top-k block routing.
 
-A routed block has a scalar linear router r = wᵀx. The selected tokens get x + σ(r)·f(x̃), f the whole
-block run on the selected tokens only, attending among themselves at their real positions (RoPE and
-the causal mask see real positions); the others pass unchanged and write no K/V at that block.
-Training: top-k of r at capacity ceil(budget·T) of the actual length T (static shapes), gathered in
-original order. Eval (causal): selected where σ(r) > 0.5 (the router trained with BCE on top-k
-membership) or where a stop-gradient membership predictor says so. σ(r) rather than the raw r
+A routed block has a scalar linear router r = wᵀx. The selected tokens get x + σ(r)·f(x̃), f the
+whole block run on the selected tokens only, attending among themselves at their real positions
+(RoPE and the causal mask see real positions); the others pass unchanged and write no K/V at that
+block. Training: top-k of r at capacity ceil(budget·T) of the actual length T (static shapes),
+gathered in original order. Eval (causal): selected where σ(r) > 0.5 (the router trained with BCE on
+top-k membership) or where a stop-gradient membership predictor says so. σ(r) rather than the raw r
 multiplies the update: a raw logit multiplied into the residual can blow up.
 
 Options: ModOptions below (fields of model.GPTConfig).
@@ -119,7 +119,8 @@ class MixtureOfDepths(Family):
 
     def executed_fracs(self, masks):
         """Compact sparse execution pads every row to the longest: the fraction it really runs (in
-        float64, so that it equals count / T exactly as a Python float and rounds to the same float32)."""
+        float64, so that it equals count / T exactly as a Python float and rounds to the same
+        float32)."""
         return torch.stack([m.sum(1).max().double() / m.size(1) for _, m in sorted(masks.items())])
 
     def option_meaning(self, config, key):
@@ -134,9 +135,9 @@ class MixtureOfDepths(Family):
 
     def forward_flops(self, config, T, mode='train', full_frac=None, **options):
         """A routed layer costs its router on every token, then the whole block on n tokens with
-        attention among them (4·n²·d): n = ceil(budget·T) in training, T masked-dense ('eval'), and in
-        'sparse' n = full_frac·T per routed layer, where full_frac is the padded row length over T
-        (sparse execution pads every row to the longest)."""
+        attention among them (4·n²·d): n = ceil(budget·T) in training, T masked-dense ('eval'), and
+        in 'sparse' n = full_frac·T per routed layer, where full_frac is the padded row length over
+        T (sparse execution pads every row to the longest)."""
         c, L, d = mod_costs(config, T), config.n_layer, config.n_embd
         ids, router = self.routed_layers(config), config.mod_router == 'learned'
         total = T * c['head']
@@ -158,8 +159,8 @@ class MixtureOfDepths(Family):
         return total
 
     def backward_flops(self, config, T, trainable='all', **options):
-        """Controller-only: the router's weight gradient, and the blocks' input gradients from the first
-        router up (σ(r) multiplies the update from there on)."""
+        """Controller-only: the router's weight gradient, and the blocks' input gradients from the
+        first router up (σ(r) multiplies the update from there on)."""
         c, L, d = mod_costs(config, T), config.n_layer, config.n_embd
         joint = trainable == 'all'
         w = 2 if joint else 1

@@ -207,8 +207,8 @@ class Family:
         return False
 
     def no_gradient(self, config):
-        """Names of the parameters the training loss does not reach by design; every other one gets a
-        gradient (tests/test_families.py)."""
+        """Names of the parameters the training loss does not reach by design; every other one gets
+        a gradient (tests/test_families.py)."""
         return ()
 
     def calibrate(self, model, idx):
@@ -280,7 +280,8 @@ class Family:
         return routed_report_lines(r) if self.budget_field else []
 
     def executed_fracs(self, masks):
-        """Fraction of tokens sparse execution runs per routed layer, when it differs from the mean."""
+        """Fraction of tokens sparse execution runs per routed layer, when it differs from the
+        mean."""
         return None
 
     def cannot_generate(self, config):
@@ -300,8 +301,8 @@ def option_names(options):
 
 
 def check_at_least(config, low, keys):
-    """Refuse any field in keys below low: every config is checked, whatever its route, so that a bad
-    value is caught where it is given, not when a run switches to the family that reads it."""
+    """Refuse any field in keys below low: every config is checked, whatever its route, so that a
+    bad value is caught where it is given, not when a run switches to the family that reads it."""
     for key in keys:
         if getattr(config, key) < low:
             raise ValueError(f"{key} must be >= {low}, got {getattr(config, key)}")
@@ -331,8 +332,8 @@ def routed_report_lines(r):
 
 
 def flop_costs(config, T):
-    """Forward FLOPs per token of the pieces every family is built from (attention core at length T):
-    a block's attention projections and core, the full FFN, the LM head."""
+    """Forward FLOPs per token of the pieces every family is built from (attention core at length
+    T): a block's attention projections and core, the full FFN, the LM head."""
     d = config.n_embd
     return dict(attn_proj=2 * d * 3 * d + 2 * d * d, attn_core=4 * T * d, full=2 * 2 * d * 4 * d,
                 head=2 * d * config.vocab_size)
@@ -340,8 +341,9 @@ def flop_costs(config, T):
 
 @contextmanager
 def training_flags(modules, training):
-    """Set each module's own `training` flag (not its children's) for the duration, then restore each
-    flag as it was, also on error: model.mode (train/eval) and the oracle's dropout-free forks."""
+    """Set each module's own `training` flag (not its children's) for the duration, then restore
+    each flag as it was, also on error: model.mode (train/eval) and the oracle's dropout-free
+    forks."""
     saved = [(m, m.training) for m in modules]
     for m, _ in saved:
         m.training = training
@@ -354,8 +356,9 @@ def training_flags(modules, training):
 
 @contextmanager
 def overridden(config, **fields):
-    """config's fields set for the duration, then restored, also on error (the model reads its config
-    at every forward): eval sweeps (TSA's τ and hard mode, the exits' threshold, eval.room's rules)."""
+    """config's fields set for the duration, then restored, also on error (the model reads its
+    config at every forward): eval sweeps (TSA's τ and hard mode, the exits' threshold, eval.room's
+    rules)."""
     saved = {k: getattr(config, k) for k in fields}
     for k, v in fields.items():
         setattr(config, k, v)
@@ -382,7 +385,8 @@ def add_weighted(loss, aux, weights):
 
 
 def tlops_saved(full_frac, n_layer):
-    """Token-layer operations skipped: 1 − (Σ_l fraction run at routed layer l + layers not routed) / L."""
+    """Token-layer operations skipped: 1 − (Σ_l fraction run at routed layer l + layers not routed)
+    / L."""
     return 1 - (full_frac.sum() + (n_layer - len(full_frac))) / n_layer
 
 
@@ -425,12 +429,12 @@ def exec_mode(x, mode=None):
 
 
 def rows_apply(x_flat, order, lo, hi, fn, out=None):
-    """out[order[i]] = fn(x_flat[order[i]]) for lo <= i < hi; every other row of out untouched. lo, hi:
-    Python ints or 0-dim device tensors. fn maps rows to rows; out=None starts from zeros of fn's
-    output. Returns out (written in place when given).
-    An MLP goes to kernels.mlp_rows: on a GPU, Triton programs beyond the range exit before loading
-    its weights. Any other fn (an exit head) runs the reference: fn on all N rows, those in range
-    written (static shapes, no host sync)."""
+    """out[order[i]] = fn(x_flat[order[i]]) for lo <= i < hi; every other row of out untouched. lo,
+    hi: Python ints or 0-dim device tensors. fn maps rows to rows; out=None starts from zeros of
+    fn's output. Returns out (written in place when given). An MLP goes to kernels.mlp_rows: on a
+    GPU, Triton programs beyond the range exit before loading its weights. Any other fn (an exit
+    head) runs the reference: fn on all N rows, those in range written (static shapes, no host
+    sync)."""
     # mlp_rows runs dropout-free
     if isinstance(fn, MLP) and not (fn.training and fn.dropout.p > 0):
         if out is None:         # the dtype fn's output would have (autocast's where it is on)
@@ -448,10 +452,11 @@ def rows_apply(x_flat, order, lo, hi, fn, out=None):
 
 
 def split_apply(x, mask, fn_true, fn_false=None, mode=None):
-    """Sparse execution: fn_true on the tokens of x (B, T, C) where mask (B, T), fn_false (or zeros) on
-    the rest, scattered back into (B, T, C). mode (exec_mode): 'compact' gathers exactly each path's
-    tokens into one batch (the count of selected tokens is a host sync, causal decisions make it
-    data-dependent); 'static' runs each path over its device-side range of the selected-first order."""
+    """Sparse execution: fn_true on the tokens of x (B, T, C) where mask (B, T), fn_false (or zeros)
+    on the rest, scattered back into (B, T, C). mode (exec_mode): 'compact' gathers exactly each
+    path's tokens into one batch (the count of selected tokens is a host sync, causal decisions make
+    it data-dependent); 'static' runs each path over its device-side range of the selected-first
+    order."""
     flat, m = x.reshape(-1, x.size(-1)), mask.reshape(-1)
     if exec_mode(x, mode) == 'static':
         order, n = sort_by_mask(m)

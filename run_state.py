@@ -121,9 +121,9 @@ def finished_already(cfg, ckpt):
 
 
 def start_progress(cfg, ckpt, optimizer, scaler, master):
-    """What a checkpoint carries across a resume: iteration, best val loss, cumulative training FLOPs
-    (exact: autograd's count, and the paper's proxy; per sequence), the log history for the summary,
-    the optimizer and scaler, and (rank 0, whose RNG draws matter) the RNG streams."""
+    """What a checkpoint carries across a resume: iteration, best val loss, cumulative training
+    FLOPs (exact: autograd's count, and the paper's proxy; per sequence), the log history for the
+    summary, the optimizer and scaler, and (rank 0, whose RNG draws matter) the RNG streams."""
     if ckpt is None or cfg.init_from != 'resume':
         return dict(
             resumed=False,
@@ -227,8 +227,8 @@ def set_rng_state(s):
 
 @contextmanager
 def eval_rng(dev, seed):
-    """Evals draw random numbers (ffn_gate='random' decides per token at eval): fork the RNG and seed it,
-    so evaluating never changes training and every eval is repeatable."""
+    """Evals draw random numbers (ffn_gate='random' decides per token at eval): fork the RNG and
+    seed it, so evaluating never changes training and every eval is repeatable."""
     with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []):
         torch.manual_seed(seed)
         yield
@@ -238,7 +238,8 @@ def eval_rng(dev, seed):
 # stopping on a signal
 
 class StopFlag:
-    """First Ctrl-C / SIGTERM: finish the step, checkpoint, exit 0. A second Ctrl-C aborts at once."""
+    """First Ctrl-C / SIGTERM: finish the step, checkpoint, exit 0. A second Ctrl-C aborts at
+    once."""
 
     def __init__(self):
         self.signum = None
@@ -252,8 +253,8 @@ class StopFlag:
 
 
 def stop_requested(run, stop, logged):
-    """A signal stops a lone process after this step; DDP processes agree at a log step (a collective),
-    so that all of them stop at the same iteration."""
+    """A signal stops a lone process after this step; DDP processes agree at a log step (a
+    collective), so that all of them stop at the same iteration."""
     if not run.ddp:
         return stop.signum is not None
     if not logged:

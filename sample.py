@@ -50,8 +50,8 @@ def encode_prompt(encode, text, where):
 
 
 def prompt_batch(cfg, encode, meta, block_size, dev):
-    """The prompts as token ids (B, T) and their lengths: --prompts_file's lines right-padded to the longest
-    (lengths: each one's), or --num_samples copies of --start (lengths None)."""
+    """The prompts as token ids (B, T) and their lengths: --prompts_file's lines right-padded to the
+    longest (lengths: each one's), or --num_samples copies of --start (lengths None)."""
     if not cfg['prompts_file']:
         start = cfg['start']
         if start == DEFAULTS['start'] and meta.get('tokenizer') == 'synthetic':

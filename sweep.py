@@ -25,11 +25,11 @@ and the mean difference with a 95% t-interval. Runs made by different code versi
 tree, from run_info.json) are flagged in the summary.
 
 Threshold-hit iteration: the first logged iteration whose train LM loss (the 'lm_loss' of 'train'
-records) is below a threshold: the study file's `threshold` if it sets one, else 1.05 × the reference
-arm's final train LM loss (the last logged value, mean over its seeds). 1.05 makes "reached 5% of
-where the reference ends" a question every arm can answer early, which is what the metric is for
-(speed of optimisation, not endpoint). The value used and where it came from are in the summary.
-Runs that never get there are counted as such (see Room below), never dropped.
+records) is below a threshold: the study file's `threshold` if it sets one, else 1.05 × the
+reference arm's final train LM loss (the last logged value, mean over its seeds). 1.05 makes
+"reached 5% of where the reference ends" a question every arm can answer early, which is what the
+metric is for (speed of optimisation, not endpoint). The value used and where it came from are in
+the summary. Runs that never get there are counted as such (see Room below), never dropped.
 
 Room: a study file may name room_ckpt, the backbone its arms start from ('{seed}' in it, in a
 'before' run or in an override is replaced by the run's seed, so each seed can train its own
@@ -40,11 +40,11 @@ summary says "no room" and that the arm differences are not evidence. Threshold 
 not dropped: k/n runs hit, the mean over those that did, and a per-seed comparison with never = ∞
 (wins–losses–ties and the exact sign test's p).
 
-Matched compute: a study file may name `frontier`, dense arms of several sizes. Each other arm is then
-compared, per seed, with that seed's frontier interpolated (linear in log FLOPs, never extrapolated) at
-the arm's own training FLOPs (the whole run) and its own eval FLOPs per token: the paired difference,
-its t-interval, and in how many seeds the arm sits below the frontier. Its room is how far the frontier
-spans in loss against the reference arm's seed std.
+Matched compute: a study file may name `frontier`, dense arms of several sizes. Each other arm is
+then compared, per seed, with that seed's frontier interpolated (linear in log FLOPs, never
+extrapolated) at the arm's own training FLOPs (the whole run) and its own eval FLOPs per token: the
+paired difference, its t-interval, and in how many seeds the arm sits below the frontier. Its room
+is how far the frontier spans in loss against the reference arm's seed std.
 
 Afterwards the plots of plots.py go to out_root/plots/ (skipped, with a note, without matplotlib).
 Exit code 1 when a run failed (after the summary of those that finished; the failed runs' logs are
@@ -151,7 +151,8 @@ def load_study(path):
 
 
 def with_seed(argv, seed):
-    """A run's arguments with '{seed}' replaced: per-seed paths, e.g. each seed's own stage-1 backbone."""
+    """A run's arguments with '{seed}' replaced: per-seed paths, e.g. each seed's own stage-1
+    backbone."""
     return [a.replace('{seed}', str(seed)) for a in argv]
 
 
@@ -201,7 +202,8 @@ def run_before(stages, root, jobs, children):
 def measure_room(study, root):
     """eval.py --room on each seed's backbone (the study's room_ckpt, '{seed}' replaced), cached in
     out_root/room/seed<s>.json with the checkpoint's mtime (a retrained backbone is measured again);
-    {seed: report} ({} when no seed could be measured), or None when the study names no room_ckpt."""
+    {seed: report} ({} when no seed could be measured), or None when the study names no
+    room_ckpt."""
     if not study.get('room_ckpt'):
         return None
     os.makedirs(os.path.join(root, 'room'), exist_ok=True)
@@ -379,8 +381,8 @@ def check_configs(runs, made_later):
 
 
 def lm_threshold(study, results):
-    """(threshold, where it came from): the study's `threshold`, else THRESHOLD_FACTOR × the mean over
-    seeds of the reference arm's final train LM loss; (None, why) when neither is available."""
+    """(threshold, where it came from): the study's `threshold`, else THRESHOLD_FACTOR × the mean
+    over seeds of the reference arm's final train LM loss; (None, why) when neither is available."""
     if study.get('threshold') is not None:
         return float(study['threshold']), 'study file'
     finals = [
@@ -422,7 +424,8 @@ def paired(arm_vals, ref_vals, lower_better):
 
 
 def sign_test(wins, losses):
-    """Two-sided exact sign test over the untied pairs: P(a split at least this uneven | no difference)."""
+    """Two-sided exact sign test over the untied pairs: P(a split at least this uneven | no
+    difference)."""
     n = wins + losses
     if n == 0:
         return 1.0
@@ -430,9 +433,9 @@ def sign_test(wins, losses):
 
 
 def paired_hits(arm_hits, ref_hits, ran):
-    """Threshold hits compared per seed with a run that never got there counted as hitting at infinity
-    (never dropped): wins (the arm got there first), losses, ties (same iteration, or neither got
-    there), and the sign test's p over the untied seeds."""
+    """Threshold hits compared per seed with a run that never got there counted as hitting at
+    infinity (never dropped): wins (the arm got there first), losses, ties (same iteration, or
+    neither got there), and the sign test's p over the untied seeds."""
     inf = float('inf')
     d = [
         (inf if a is None else a) - (inf if r is None else r)
@@ -488,8 +491,9 @@ def summarize(study, results, threshold=(None, None), room=None):
 
 
 def frontier_at(points, x):
-    """The dense frontier's loss at cost x: linear in log(cost) between the two frontier points either
-    side of x (points: (cost, loss) of each dense size); None outside their range (never extrapolated)."""
+    """The dense frontier's loss at cost x: linear in log(cost) between the two frontier points
+    either side of x (points: (cost, loss) of each dense size); None outside their range (never
+    extrapolated)."""
     pts = sorted(p for p in points if p[0] > 0)         # a cost of 0 has no logarithm
     if len(pts) < 2 or not pts[0][0] <= x <= pts[-1][0]:
         return None
@@ -500,10 +504,11 @@ def frontier_at(points, x):
 
 def matched_compute(study, results, ref_row, loss='final_val_loss'):
     """Each arm against the dense frontier (the study's `frontier`: dense arms of several sizes) at
-    equal cost, per seed against that seed's own frontier: on the training FLOPs of the whole run and on
-    the eval forward's FLOPs per token. Paired like the reference comparison (wins = below the frontier);
-    a seed whose cost lies outside the frontier's range has no difference. Room: how far the frontier
-    spans in loss (smallest minus largest model, mean over seeds) against the reference arm's seed std."""
+    equal cost, per seed against that seed's own frontier: on the training FLOPs of the whole run
+    and on the eval forward's FLOPs per token. Paired like the reference comparison (wins = below
+    the frontier); a seed whose cost lies outside the frontier's range has no difference. Room: how
+    far the frontier spans in loss (smallest minus largest model, mean over seeds) against the
+    reference arm's seed std."""
     sizes, seeds = study.get('frontier') or [], study['seeds']
     if len(sizes) < 2:
         return None
@@ -558,9 +563,9 @@ def matched_compute(study, results, ref_row, loss='final_val_loss'):
 def room_verdict(study, room, ref_row):
     """The study's room (eval.room of each seed's backbone, mean ± std over seeds) against the seed
     spread of the reference arm's endpoint: arm differences are evidence only where the room is at
-    least ROOM_FACTOR × that std. Where each seed has its own backbone, backbones differ in level and a
-    paired arm difference cancels that level, so the spread used is that of the endpoint relative to its
-    own backbone's all-full loss (the raw spread is reported beside it)."""
+    least ROOM_FACTOR × that std. Where each seed has its own backbone, backbones differ in level
+    and a paired arm difference cancels that level, so the spread used is that of the endpoint
+    relative to its own backbone's all-full loss (the raw spread is reported beside it)."""
     seeds = study.get('seeds') or sorted(room)          # per_seed lists in the study's seed order,
                                                         # None where missing
     measured = [s for s in seeds if s in room]

@@ -7,9 +7,10 @@ Train a nanodepth model.
 
 Writes into out_dir: metrics.jsonl (one JSON object per log line and per eval), config.json (the
 resolved config), run_info.json (code version, torch, device), ckpt.pt (written atomically: model,
-optimizer, scaler, RNG states, iteration, best val loss, config, sampler state). `--init_from=resume`
-continues exactly where ckpt.pt left off (a finished run says so and writes nothing). Ctrl-C /
-SIGTERM finishes the current step, saves, exits 0. One run at a time per out_dir (runlock.py).
+optimizer, scaler, RNG states, iteration, best val loss, config, sampler state).
+`--init_from=resume` continues exactly where ckpt.pt left off (a finished run says so and writes
+nothing). Ctrl-C / SIGTERM finishes the current step, saves, exits 0. One run at a time per out_dir
+(runlock.py).
 
 The file reads as a run: the config defaults, main, setup, the loop, one optimisation step. The
 checks live in train_checks.py, what carries a run across processes, signals and resumes in
@@ -253,7 +254,8 @@ def setup(cfg, cfg_dict, proc, argv):
 # the config, checked before anything is read or written (train_checks.py holds the checks)
 
 def read_config(argv):
-    """Defaults, then config files and --key=value in argv: (namespace, the dict written to config.json)."""
+    """Defaults, then config files and --key=value in argv: (namespace, the dict written to
+    config.json)."""
     cfg_dict = load_config(DEFAULTS, argv)
     cfg = SimpleNamespace(**cfg_dict)
     check_train_config(cfg)
@@ -296,8 +298,9 @@ def start_process_group(cfg, proc):
 
 
 def build_model(cfg, meta, ckpt):
-    """Model from scratch, from a checkpoint (resume: everything; a checkpoint file: the backbone, with
-    fresh gates), or from GPT-2 weights, with the checks that the data and the checkpoint agree."""
+    """Model from scratch, from a checkpoint (resume: everything; a checkpoint file: the backbone,
+    with fresh gates), or from GPT-2 weights, with the checks that the data and the checkpoint
+    agree."""
     if ckpt is not None and cfg.init_from == 'resume':
         check_against_checkpoint(cfg, meta, ckpt, RESUME_KEYS)
         # data order, optimizer
@@ -334,9 +337,9 @@ def build_model(cfg, meta, ckpt):
 
 
 def backbone_from_checkpoint(cfg, meta, ckpt):
-    """Stage 2: the checkpoint's backbone under fresh controller modules. The routing family may change
-    (e.g. a dense backbone under another family's controller) as long as every backbone weight comes
-    from the checkpoint."""
+    """Stage 2: the checkpoint's backbone under fresh controller modules. The routing family may
+    change (e.g. a dense backbone under another family's controller) as long as every backbone
+    weight comes from the checkpoint."""
     check_against_checkpoint(cfg, meta, ckpt, BACKBONE_KEYS)
     model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
     backbone = {k: v for k, v in ckpt['model'].items() if not is_controller_key(k)}
@@ -372,8 +375,8 @@ def gpt2_model(cfg, meta):
 def trainable_parameters(model, cfg):
     """Joint training: everything. Controller-only: freeze the backbone (requires_grad=False) and
     return only the controller's parameters (model.is_controller_key). 'last_layers': only the last
-    ens_layers blocks and the final norm (plain fine-tuning of a dense model, a baseline for controllers
-    trained on a frozen backbone)."""
+    ens_layers blocks and the final norm (plain fine-tuning of a dense model, a baseline for
+    controllers trained on a frozen backbone)."""
     if cfg.trainable == 'all':
         return list(model.parameters())
     if cfg.trainable not in ('controller', 'last_layers'):
@@ -405,8 +408,8 @@ def trainable_parameters(model, cfg):
 
 
 def wrap_model(raw_model, cfg, proc):
-    """What the training steps call: the model compiled and/or DDP-wrapped (evals, checkpoints and the
-    family's hooks use the raw model)."""
+    """What the training steps call: the model compiled and/or DDP-wrapped (evals, checkpoints and
+    the family's hooks use the raw model)."""
     model = raw_model
     if cfg.compile:
         model = torch.compile(model, dynamic=False)
@@ -456,8 +459,8 @@ def evaluate_and_checkpoint(run):
 
 
 def estimate_loss(run):
-    """LM loss on fixed train/val batches in eval mode: causal routing, thresholds calibrated first on
-    separate train-split batches (never on val)."""
+    """LM loss on fixed train/val batches in eval mode: causal routing, thresholds calibrated first
+    on separate train-split batches (never on val)."""
     with eval_rng(run.dev, run.cfg.eval_seed):
         with run.autocast:
             run.raw_model.calibrate(torch.cat(run.calib))
@@ -470,7 +473,8 @@ def estimate_loss(run):
 
 
 def save_run(run):
-    """Everything an exact resume needs, written atomically; never a broken model over a good checkpoint."""
+    """Everything an exact resume needs, written atomically; never a broken model over a good
+    checkpoint."""
     for p in run.raw_model.parameters():
         if not torch.isfinite(p).all():
             raise TrainError(f"non-finite weights at iteration {run.iter_num}; {kept(run)}")
@@ -491,7 +495,8 @@ def lr_at(cfg, it):
 
 def optimisation_step(run):
     """One optimizer step over accum micro-batches (DDP syncs gradients on the last), unscaled and
-    clipped. Returns its learning rate, summed loss (on the device: no sync), grad norm and FLOPs."""
+    clipped. Returns its learning rate, summed loss (on the device: no sync), grad norm and
+    FLOPs."""
     cfg = run.cfg
     lr = lr_at(cfg, run.iter_num)
     for group in run.optimizer.param_groups:

@@ -134,7 +134,8 @@ def check_out_dir(cfg):
 
 
 def check_against_checkpoint(cfg, meta, ckpt, keys):
-    """The config's fields `keys` agree with the checkpoint's model_args, and the data is its own."""
+    """The config's fields `keys` agree with the checkpoint's model_args, and the data is its
+    own."""
     margs = read_stored_config(ckpt['model_args'])      # as it ran (stored_before)
     family = FAMILIES[margs.get('route', GPTConfig.route)]
     defaults = {f.name: f.default for f in fields(GPTConfig)}

@@ -110,7 +110,8 @@ def log_eval(run, res):
 # each step: its sums and FLOPs; each log step: the line, the record, the divergence check
 
 def start_counters(run):
-    """The loop's running totals and clocks; fp16 overflow steps are counted on the device (no sync)."""
+    """The loop's running totals and clocks; fp16 overflow steps are counted on the device (no
+    sync)."""
     cfg = run.cfg
     run.seqs_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size
     # a full-only step, per sequence
@@ -133,8 +134,8 @@ def new_interval(dev):
 
 
 def accumulate(interval, aux, accum, stats):
-    """Add one micro-batch's LM loss, auxiliary *_loss terms, the family's statistics `stats` and its
-    full-path fractions to the interval's sums."""
+    """Add one micro-batch's LM loss, auxiliary *_loss terms, the family's statistics `stats` and
+    its full-path fractions to the interval's sums."""
     interval['lm'] += aux['lm_loss'].float() / accum
     for k, v in aux.items():
         if (k.endswith('_loss') and k != 'lm_loss') or k in stats:
@@ -160,8 +161,8 @@ def count_flops(run, opts):
 
 
 def log_progress(run, lr, loss_sum, norm, step):
-    """Every log_interval steps: the interval's means (global under DDP), a stop if training diverged,
-    and (rank 0) one printed line and one 'train' record."""
+    """Every log_interval steps: the interval's means (global under DDP), a stop if training
+    diverged, and (rank 0) one printed line and one 'train' record."""
     iv = run.interval
     if run.ddp:                                # log the global mean, not rank 0's share
         both = torch.stack([loss_sum, iv['lm']])
@@ -281,7 +282,8 @@ def finish_run(run, stopped):
 
 
 def run_summary(log_lines, evals, cfg, wall_s):
-    """avg LM, best LM, threshold hits: the seed paper's optimisation metrics, from this run's logs."""
+    """avg LM, best LM, threshold hits: the seed paper's optimisation metrics, from this run's
+    logs."""
     lm = [(r['iter'], r['lm_loss']) for r in log_lines]
     early = [v for it, v in lm if it <= cfg.avg_lm_until * cfg.max_iters]
     out = dict(avg_lm=float(np.mean(early)) if early else None,
@@ -294,8 +296,8 @@ def run_summary(log_lines, evals, cfg, wall_s):
 
 def routing_summary(run):
     """The family's end-of-run report (eval.report), printed, and the eval forward's FLOPs at the
-    realised routing: ideal (mean fractions) and as executed (sparse execution may run more, e.g. MoD
-    pads every row to the longest)."""
+    realised routing: ideal (mean fractions) and as executed (sparse execution may run more, e.g.
+    MoD pads every row to the longest)."""
     cfg, mcfg = run.cfg, run.raw_model.config
     with eval_rng(run.dev, cfg.eval_seed):
         out = dict(

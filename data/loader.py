@@ -1,6 +1,7 @@
 """
 Reading a prepared dataset (data/<dataset>/, written by data/prepare.py): its meta.json and checks,
-the reproducible batch sampler, and the tokenizer. Shared by train.py, eval.py, sample.py and bench.py.
+the reproducible batch sampler, and the tokenizer. Shared by train.py, eval.py, sample.py and
+bench.py.
 
     from data.loader import Batches, load_dataset_meta, open_splits
 """
@@ -18,7 +19,8 @@ DATA_DIR = os.path.dirname(os.path.abspath(__file__))   # where dataset folders 
 
 
 class DataError(UserError):
-    """Data that is missing, incomplete, corrupt or not the run's own; the message says what to do."""
+    """Data that is missing, incomplete, corrupt or not the run's own; the message says what to
+    do."""
 
 
 BUILTIN = ('synthetic', 'synthetic_lookup')      # generated here, so prepared on first use
@@ -92,8 +94,8 @@ def data_identity(meta):
 
 
 def check_checkpoint_data(cfg, meta, ckpt):
-    """The data is the one the checkpoint was trained on (what data_identity recorded); else one line
-    naming the first field that differs."""
+    """The data is the one the checkpoint was trained on (what data_identity recorded); else one
+    line naming the first field that differs."""
     cmeta = ckpt.get('data_meta') or {}
     for k in ('dataset', 'tokenizer', 'vocab_size', 'source_sha256', 'train_sha256'):
         if cmeta.get(k) is not None and cmeta[k] != data_identity(meta).get(k):
@@ -105,12 +107,12 @@ def check_checkpoint_data(cfg, meta, ckpt):
 
 
 class Batches:
-    """Stateless, exactly reproducible sampler. Training windows are the non-overlapping (block_size+1)
-    slices of the token file, visited in a fresh random order each epoch (plus a random shift per
-    epoch); micro-batch j takes rows j·B .. j·B+B-1 of that endless sequence. Since a batch is a pure
-    function of (seed, j), resume needs only the iteration number, and DDP rank r at micro-step m of
-    iteration i reads j = (i·accum + m)·world + r: ranks read disjoint windows, and 1 process with
-    accumulation 2 reads the same batches as 2 processes with accumulation 1."""
+    """Stateless, exactly reproducible sampler. Training windows are the non-overlapping
+    (block_size+1) slices of the token file, visited in a fresh random order each epoch (plus a
+    random shift per epoch); micro-batch j takes rows j·B .. j·B+B-1 of that endless sequence. Since
+    a batch is a pure function of (seed, j), resume needs only the iteration number, and DDP rank r
+    at micro-step m of iteration i reads j = (i·accum + m)·world + r: ranks read disjoint windows,
+    and 1 process with accumulation 2 reads the same batches as 2 processes with accumulation 1."""
 
     def __init__(self, path, np_dtype, block_size, batch_size, seed, device):
         self.path, self.np_dtype = path, np_dtype
@@ -176,8 +178,9 @@ def open_splits(meta, block_size, batch_size, seed, device):
 
 
 def load_tokenizer(meta):
-    """(encode, decode) for the tokenizer named in a dataset's meta.json. encode(text, where) refuses
-    characters outside a char or synthetic vocabulary with a ConfigError naming `where` (e.g. '--start')."""
+    """(encode, decode) for the tokenizer named in a dataset's meta.json. encode(text, where)
+    refuses characters outside a char or synthetic vocabulary with a ConfigError naming `where`
+    (e.g. '--start')."""
     tok = meta.get('tokenizer')
     if tok == 'gpt2':
         prep.ensure_tiktoken_cache()

@@ -143,14 +143,15 @@ def parse_mix(mix):
 
 
 def lookup_table(seed):
-    """The lookup kind's fixed table: a pair of letters -> a letter, the same in every split of a corpus."""
+    """The lookup kind's fixed table: a pair of letters -> a letter, the same in every split of a
+    corpus."""
     return np.random.default_rng([seed, 7]).integers(10, 26, size=(26, 26)).tolist()
 
 
 def generate_synthetic(num_tokens, seed, mix=DEFAULTS["synthetic"]["mix"], table=None):
-    """Whole segments until >= num_tokens tokens; seed is an int or a list of ints (numpy SeedSequence);
-    table: lookup_table(...) for mixes with lookup segments. Returns (tokens, difficulty), two uint8
-    arrays of the same length."""
+    """Whole segments until >= num_tokens tokens; seed is an int or a list of ints (numpy
+    SeedSequence); table: lookup_table(...) for mixes with lookup segments. Returns (tokens,
+    difficulty), two uint8 arrays of the same length."""
     probs, rng = parse_mix(mix), np.random.default_rng(seed)
     if probs[4] > 0 and table is None:
         table = lookup_table(0)
@@ -275,7 +276,8 @@ def decode_utf8(raw, path, byte_option=False):
 
 
 def ensure_tiktoken_cache():
-    """Serve tiktoken's gpt2 files from <repo>/../shared/data/gpt2 when TIKTOKEN_CACHE_DIR is unset."""
+    """Serve tiktoken's gpt2 files from <repo>/../shared/data/gpt2 when TIKTOKEN_CACHE_DIR is
+    unset."""
     if "TIKTOKEN_CACHE_DIR" in os.environ:
         return os.environ["TIKTOKEN_CACHE_DIR"]
     src = SHARED_DATA / "gpt2"
@@ -612,7 +614,8 @@ def check_options(args, out_dir):
 @contextlib.contextmanager
 def folder_lock(out):
     """Hold an exclusive flock on out/.prepare.lock. The lock file stays: deleting it would let a
-    waiter lock the old file while a newcomer locks a new one. The kernel drops it if we are killed."""
+    waiter lock the old file while a newcomer locks a new one. The kernel drops it if we are
+    killed."""
     if fcntl is None:
         yield
         return
@@ -634,7 +637,8 @@ def pid_alive(pid):
 
 
 def remove_stale_tmp(out):
-    """Delete write_file's leftovers (<name>.tmp-<pid>) from processes that no longer exist (e.g. killed)."""
+    """Delete write_file's leftovers (<name>.tmp-<pid>) from processes that no longer exist (e.g.
+    killed)."""
     for p in out.iterdir():
         m = re.fullmatch(r".+\.tmp-(\d+)", p.name)
         if m and p.is_file() and not pid_alive(int(m[1])):
@@ -696,7 +700,8 @@ def file_sha256(path, chunk=1 << 24):
 
 def verify_checksums(folder, meta=None, chunk=1 << 24):
     """Check every file listed in meta.json (loaded with check_prepared if meta is None) against its
-    sha256: a same-size corruption or a mix of two prepares passes the size check alone. Returns meta."""
+    sha256: a same-size corruption or a mix of two prepares passes the size check alone. Returns
+    meta."""
     folder = Path(folder)
     meta = check_prepared(folder) if meta is None else meta
     cmd = prepare_command(folder, meta)

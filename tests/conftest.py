@@ -323,7 +323,8 @@ def greedy_trace(model, idx, new, **kw):
     """Greedy-decode with model.generate(idx, new, temperature=0, **kw), recording every forward it
     makes. Returns one (tokens (new,), logits (new, V), masks) per row: the logits each step's token
     is the argmax of, and per step {layer: the routing decisions of the positions that step added}
-    (step 0: the prompt, row b's first lengths[b] positions when kw has lengths; later: the new one)."""
+    (step 0: the prompt, row b's first lengths[b] positions when kw has lengths; later: the new
+    one)."""
     import torch
     lengths = kw.get('lengths')
     calls, orig = [], model.forward
@@ -351,14 +352,14 @@ def greedy_trace(model, idx, new, **kw):
 
 
 def assert_greedy_traces_agree(a, b, tol=FP32_TOL):
-    """a, b: greedy_trace rows of one prompt decoded two ways that run different kernels (KV cache vs
-    recompute, a ragged batch vs the prompt alone). Up to and including the first step whose tokens
-    differ both decoders saw the same context, so there the routing decisions are exactly equal and
-    the step logits equal within tol. The tokens are equal, except where a step's two candidates are a
-    near-tie that tol covers: logits within atol + rtol·|l| of each other can pick different argmaxes
-    only if the gap between the two picks is <= 2·(atol + rtol·max|l|) (the setup cannot exclude such
-    ties: random weights give top-2 gaps down to ~1e-4 in a few hundred steps). After such a flip the
-    contexts differ, and the rest is not compared."""
+    """a, b: greedy_trace rows of one prompt decoded two ways that run different kernels (KV cache
+    vs recompute, a ragged batch vs the prompt alone). Up to and including the first step whose
+    tokens differ both decoders saw the same context, so there the routing decisions are exactly
+    equal and the step logits equal within tol. The tokens are equal, except where a step's two
+    candidates are a near-tie that tol covers: logits within atol + rtol·|l| of each other can pick
+    different argmaxes only if the gap between the two picks is <= 2·(atol + rtol·max|l|) (the setup
+    cannot exclude such ties: random weights give top-2 gaps down to ~1e-4 in a few hundred steps).
+    After such a flip the contexts differ, and the rest is not compared."""
     import torch
     (ta, la, ma), (tb, lb, mb) = a, b
     assert ta.shape == tb.shape and la.shape == lb.shape

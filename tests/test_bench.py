@@ -34,7 +34,8 @@ TINY = [
 
 @pytest.mark.parametrize('route', list(FAMILIES))
 def test_bench_json(route):
-    """Every family in the registry: training step, prefill and decode timed, step FLOPs the accountant's."""
+    """Every family in the registry: training step, prefill and decode timed, step FLOPs the
+    accountant's."""
     args = [*TINY, f'--route={route}']
     r = run_group([sys.executable, 'bench.py', *args], 120, cwd=REPO,
                   env={**os.environ, 'OMP_NUM_THREADS': '1'})
@@ -67,10 +68,11 @@ def test_bench_bad_key_is_a_clean_error():
 
 @pytest.mark.parametrize('route', ['ffn', 'mod', 'halt', 'exit'])
 def test_bench_routed_table(route, tmp_path):
-    """--budgets: one prefill row per (budget, shape) and one decode row per (budget, batch); the FLOPs
-    ratio is the analytic one at the realised routing (recomputed here), last-position logits only;
-    TSA and the exits hold the budget by their bisected threshold (at least it, and all of it at 1.0);
-    one joint-training row per training config, its FLOPs ratio the accountant's; --out writes the JSON."""
+    """--budgets: one prefill row per (budget, shape) and one decode row per (budget, batch); the
+    FLOPs ratio is the analytic one at the realised routing (recomputed here), last-position logits
+    only; TSA and the exits hold the budget by their bisected threshold (at least it, and all of it
+    at 1.0); one joint-training row per training config, its FLOPs ratio the accountant's; --out
+    writes the JSON."""
     args = [
         '--n_layer=2',
         '--n_head=2',

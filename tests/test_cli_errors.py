@@ -1,10 +1,12 @@
-"""The scripts' command-line errors: sample.py, eval.py, bench.py and sweep.py refuse bad options, corrupt
-checkpoints and unknown prompt characters with one UserError line (exit 2) before any work; sampling never
-emits a padding id of the model's vocabulary; eval.py --json prints exactly one JSON object on stdout even
-when it prepares the synthetic corpus; sweep.py exits 1 when runs fail, after its summary.
+"""The scripts' command-line errors: sample.py, eval.py, bench.py and sweep.py refuse bad options,
+corrupt checkpoints and unknown prompt characters with one UserError line (exit 2) before any work;
+sampling never emits a padding id of the model's vocabulary; eval.py --json prints exactly one JSON
+object on stdout even when it prepares the synthetic corpus; sweep.py exits 1 when runs fail, after
+its summary.
 
-One tiny synthetic run is trained once per module (a train.py subprocess); the char-level checkpoints are
-made in-process. Everything else calls main(argv) in-process, except one subprocess test per script."""
+One tiny synthetic run is trained once per module (a train.py subprocess); the char-level
+checkpoints are made in-process. Everything else calls main(argv) in-process, except one subprocess
+test per script."""
 import json
 import os
 import shlex
@@ -62,8 +64,9 @@ def run(tmp_path_factory):
 
 
 def padded_model(vocab_size=64, real=28, block_size=16):
-    """A model whose logits favour the padded ids >= real whatever the input: ln_f returns its bias (all
-    ones), so the logit of id i is the sum of its lm_head row: n_embd for padded ids, about 0 for real ones."""
+    """A model whose logits favour the padded ids >= real whatever the input: ln_f returns its bias
+    (all ones), so the logit of id i is the sum of its lm_head row: n_embd for padded ids, about 0
+    for real ones."""
     torch.manual_seed(0)
     model = GPT(
         GPTConfig(
@@ -80,7 +83,8 @@ def padded_model(vocab_size=64, real=28, block_size=16):
 
 @pytest.fixture(scope="module")
 def char_run(tmp_path_factory):
-    """A char-level dataset of 28 characters and a checkpoint of padded_model (vocabulary 64) for it."""
+    """A char-level dataset of 28 characters and a checkpoint of padded_model (vocabulary 64) for
+    it."""
     root = tmp_path_factory.mktemp("char")
     (root / "tiny.txt").write_text(TEXT)
     meta = P.prepare(

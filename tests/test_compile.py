@@ -1,10 +1,10 @@
-"""The GPU-execution contract, checked on a CPU: the training step, the eval prefill (sparse execution
-in 'static' mode) and one cached decoding step of every family in the registry, with each of its option
-sets in conftest.EXAMPLES (its defaults without any), trace with torch.compile(fullgraph=True) without
-graph breaks and compile once per shape (new data of the same shape never recompiles); 'static'
-execution makes the decisions of 'compact' execution and of the masked-dense reference exactly, with
-values within tolerance. Compiled greedy decoding gives the tokens of eager decoding (up to a near-tie),
-from logits within tolerance."""
+"""The GPU-execution contract, checked on a CPU: the training step, the eval prefill (sparse
+execution in 'static' mode) and one cached decoding step of every family in the registry, with each
+of its option sets in conftest.EXAMPLES (its defaults without any), trace with
+torch.compile(fullgraph=True) without graph breaks and compile once per shape (new data of the same
+shape never recompiles); 'static' execution makes the decisions of 'compact' execution and of the
+masked-dense reference exactly, with values within tolerance. Compiled greedy decoding gives the
+tokens of eager decoding (up to a near-tie), from logits within tolerance."""
 from types import SimpleNamespace
 
 import pytest
@@ -87,9 +87,9 @@ def test_compiled_once_never_recompiles_on_new_data(case, training):
 @settings(**{**SETTINGS, 'max_examples': 16})
 @given(case=st.sampled_from(CASES), seed=st.integers(0, 999), T=st.integers(1, 16), B=st.integers(1, 3))
 def test_static_execution_equals_compact_and_masked_dense(case, seed, T, B):
-    """Same decisions exactly; values within ROUTED_TOL: the three run matmuls over different row sets
-    (all rows, the gathered selected rows, each row padded to the longest), which fp32 BLAS rounds
-    differently in the last bits."""
+    """Same decisions exactly; values within ROUTED_TOL: the three run matmuls over different row
+    sets (all rows, the gathered selected rows, each row padded to the longest), which fp32 BLAS
+    rounds differently in the last bits."""
     model = build(*case, seed=seed).eval()
     idx = tokens(seed, B, T)
     with torch.no_grad():
@@ -128,8 +128,8 @@ def test_split_apply_modes_route_each_token_to_its_path(mode):
 # decoding
 
 def prefilled(model, lengths, seed=0):
-    """A cache holding ragged prompts (row b: lengths[b] tokens) and the next step's inputs: each row's
-    token at its own position, as generate's ragged path feeds them."""
+    """A cache holding ragged prompts (row b: lengths[b] tokens) and the next step's inputs: each
+    row's token at its own position, as generate's ragged path feeds them."""
     n = len(lengths)
     idx = tokens(seed, n, max(lengths))
     cache = model.new_cache(n, idx.device)
@@ -163,8 +163,9 @@ def test_decode_step_compiles_once_for_every_step(case):
 
 @pytest.mark.parametrize('route', ROUTES)
 def test_static_decoding_equals_compact_decoding(route):
-    """Eager greedy decoding in both modes, a ragged batch: every step's routing decisions equal, logits
-    within ROUTED_TOL (matmuls over different row sets round differently in the last bits)."""
+    """Eager greedy decoding in both modes, a ragged batch: every step's routing decisions equal,
+    logits within ROUTED_TOL (matmuls over different row sets round differently in the last
+    bits)."""
     model = build(route, seed=4).eval()
     idx, lengths = tokens(4, 3, 7), [7, 3, 5]
     traces = {}
@@ -176,9 +177,10 @@ def test_static_decoding_equals_compact_decoding(route):
 
 
 def sampled_trace(model, idx, new, **kw):
-    """generate(idx, new, temperature=1.0, top_k=1, **kw) (greedy through the sampling path), recording
-    the logits each token was drawn from; one greedy_trace-like row (tokens, logits, masks) per prompt.
-    The compiled step returns statistics, not masks: every step's masks are {} here."""
+    """generate(idx, new, temperature=1.0, top_k=1, **kw) (greedy through the sampling path),
+    recording the logits each token was drawn from; one greedy_trace-like row (tokens, logits,
+    masks) per prompt. The compiled step returns statistics, not masks: every step's masks are {}
+    here."""
     calls, orig = [], model.sample_next
 
     def sample_next(logits, *args):
@@ -199,11 +201,12 @@ def sampled_trace(model, idx, new, **kw):
 
 def compiled_decoding_case(route, batches, backend=None, monkeypatch=None):
     """Greedy tokens (top_k=1) of generate(compile=True) are eager generate's, for each of batches
-    (generate's keyword arguments: {} equal prompts, {'lengths': ...} a ragged batch), and so are the
-    logits they are picked from, within ROUTED_TOL: the compiled step runs sparse execution 'static'
-    (every row, device-side counts) where eager runs it 'compact' (the gathered rows), matmuls of other
-    shapes, so a near-tie may pick the other token (assert_greedy_traces_agree). backend: replace the
-    default compiler (inductor) by a cheaper one. Returns how many graphs each generate compiled."""
+    (generate's keyword arguments: {} equal prompts, {'lengths': ...} a ragged batch), and so are
+    the logits they are picked from, within ROUTED_TOL: the compiled step runs sparse execution
+    'static' (every row, device-side counts) where eager runs it 'compact' (the gathered rows),
+    matmuls of other shapes, so a near-tie may pick the other token (assert_greedy_traces_agree).
+    backend: replace the default compiler (inductor) by a cheaper one. Returns how many graphs each
+    generate compiled."""
     model = build(route, seed=3).eval()
     if backend is not None:
         monkeypatch.setattr(
@@ -231,9 +234,10 @@ def compiled_decoding_case(route, batches, backend=None, monkeypatch=None):
 
 @pytest.mark.parametrize('route', ROUTES)
 def test_traced_greedy_decoding_gives_the_eager_tokens(route, monkeypatch):
-    """The captured step graph (static execution) replayed without code generation, for every family,
-    on equal prompts and on a ragged batch (rows at different positions); each decoding compiles its
-    step once (positions are a device tensor, the fed token a fresh tensor of fixed strides)."""
+    """The captured step graph (static execution) replayed without code generation, for every
+    family, on equal prompts and on a ragged batch (rows at different positions); each decoding
+    compiles its step once (positions are a device tensor, the fed token a fresh tensor of fixed
+    strides)."""
     assert compiled_decoding_case(route, [dict(), dict(lengths=[6, 2])], 'eager', monkeypatch) == [
         1,
         1,
@@ -257,9 +261,9 @@ def test_compiled_greedy_decoding_gives_the_eager_tokens(route):
 @pytest.mark.slow
 @pytest.mark.parametrize('route', INDUCTOR_ROUTES)
 def test_inductor_compiles_training_step_and_static_prefill(route):
-    """torch.compile(fullgraph=True, dynamic=False) with the default compiler: the training loss and its
-    gradients, and the static eval prefill, equal eager's (decisions exactly; values within ROUTED_TOL:
-    generated kernels fuse and reassociate sums)."""
+    """torch.compile(fullgraph=True, dynamic=False) with the default compiler: the training loss and
+    its gradients, and the static eval prefill, equal eager's (decisions exactly; values within
+    ROUTED_TOL: generated kernels fuse and reassociate sums)."""
     model = build(route)
     idx = tokens(0, B, T)
     loss_fn = train_loss(model.train())

@@ -1,5 +1,5 @@
-"""Tests for configurator.load_config: config files, typed --key=value overrides, and the errors that
-name the key (and the closest valid key) before any work is done."""
+"""Tests for configurator.load_config: config files, typed --key=value overrides, and the errors
+that name the key (and the closest valid key) before any work is done."""
 import sys
 from pathlib import Path
 

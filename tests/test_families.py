@@ -1,11 +1,12 @@
 """What every routing family in the registry (model.FAMILIES) promises: eval-mode causality, sparse
-execution equal to masked-dense execution, KV-cache decoding equal to full recomputation, forced-open =
-the dense model, gradients reaching every router, FLOPs equal to torch's FlopCounterMode, and ragged
-batched generation equal to each prompt alone. References are computed here: a dense GPT carrying the
-same backbone weights, full recomputation, torch's counter. A family is held to these with the option
-sets in conftest.EXAMPLES, or its defaults: one added to the registry is checked without editing this
-file, and so is the example family of docs/new_family.md. Each family's own tests are in its file
-(test_ffn.py, test_halt.py, test_mod.py, test_exit.py, test_ensemble.py)."""
+execution equal to masked-dense execution, KV-cache decoding equal to full recomputation,
+forced-open = the dense model, gradients reaching every router, FLOPs equal to torch's
+FlopCounterMode, and ragged batched generation equal to each prompt alone. References are computed
+here: a dense GPT carrying the same backbone weights, full recomputation, torch's counter. A family
+is held to these with the option sets in conftest.EXAMPLES, or its defaults: one added to the
+registry is checked without editing this file, and so is the example family of docs/new_family.md.
+Each family's own tests are in its file (test_ffn.py, test_halt.py, test_mod.py, test_exit.py,
+test_ensemble.py)."""
 import math
 import re
 import types
@@ -136,8 +137,8 @@ def test_sparse_execution_equals_masked_dense(case, seed, T, B, dtype):
 @given(case=st.sampled_from(ALL_CASES), seed=st.integers(0, 999), T0=st.integers(1, 10),
        new=st.integers(1, 8), B=st.integers(1, 3))
 def test_kv_cache_decoding_equals_recompute(case, seed, T0, new, B):
-    """Prefill T0 tokens into a KV cache, then feed one token at a time: every step's logits equal the
-    full causal forward's logits at that position (routing decided per token in both)."""
+    """Prefill T0 tokens into a KV cache, then feed one token at a time: every step's logits equal
+    the full causal forward's logits at that position (routing decided per token in both)."""
     if is_random(case):
         return          # random decisions are redrawn per call
     model = build(*case, seed=seed).eval()
@@ -156,8 +157,8 @@ def test_kv_cache_decoding_equals_recompute(case, seed, T0, new, B):
 @given(case=st.sampled_from(ALL_CASES), seed=st.integers(0, 999), T=st.integers(1, 20),
        train_mode=st.booleans())
 def test_forced_open_is_the_dense_model(case, seed, T, train_mode):
-    """force='full' (every gate open, every token through every block, no exits) computes exactly what a
-    dense GPT with the same backbone weights computes."""
+    """force='full' (every gate open, every token through every block, no exits) computes exactly
+    what a dense GPT with the same backbone weights computes."""
     model = build(*case, seed=seed)
     model.train(train_mode)
     idx = tokens(seed, 2, T)
@@ -170,8 +171,8 @@ def test_forced_open_is_the_dense_model(case, seed, T, train_mode):
 @pytest.mark.parametrize('case', ALL_CASES)
 def test_gradients_reach_every_router(case):
     """One training step's total loss gives every controller parameter (routers, predictors, exit
-    heads, ensemble norms and router) and every backbone parameter a non-zero gradient, except those the
-    family says its loss never reaches (Family.no_gradient: the ensemble's ln_f feeds only its
+    heads, ensemble norms and router) and every backbone parameter a non-zero gradient, except those
+    the family says its loss never reaches (Family.no_gradient: the ensemble's ln_f feeds only its
     stop-gradient teacher), which get none."""
     if is_random(case):
         pytest.skip('no router')
@@ -197,8 +198,8 @@ def test_gradients_reach_every_router(case):
        T=st.integers(2, 16), B=st.integers(1, 2), budget=st.floats(0.05, 1.0), pw=st.sampled_from([0.0, 1.0]),
        trainable=st.sampled_from(['all', 'controller']), kl=st.sampled_from([0.0, 1.0]), data=st.data())
 def test_family_flops_match_counter(case, seed, T, B, budget, pw, trainable, kl, data):
-    """Training forward, a whole training step (joint or controller-only), the masked eval forward and
-    the sparse eval forward (at the realised fractions) equal FlopCounterMode's count."""
+    """Training forward, a whole training step (joint or controller-only), the masked eval forward
+    and the sparse eval forward (at the realised fractions) equal FlopCounterMode's count."""
     route, opt = case
     model = build(
         route,
@@ -258,9 +259,9 @@ def test_family_flops_match_counter(case, seed, T, B, budget, pw, trainable, kl,
 def test_ragged_batched_generation_equals_each_prompt_alone(case, seed, lens, new):
     """Prompts of different lengths decoded together (right-padded, each row at its own positions,
     one shared KV cache) give each prompt's greedy continuation decoded alone: the same routing
-    decisions, logits within ROUTED_TOL (the batch has other B and T, masked attention and sparse gathers
-    over all rows: other matmul shapes than one prompt alone), and the same tokens unless a near-tie
-    (see conftest.assert_greedy_traces_agree)."""
+    decisions, logits within ROUTED_TOL (the batch has other B and T, masked attention and sparse
+    gathers over all rows: other matmul shapes than one prompt alone), and the same tokens unless a
+    near-tie (see conftest.assert_greedy_traces_agree)."""
     model = build(*case, seed=seed).eval()
     idx = tokens(seed, len(lens), max(lens))
     stats = {}
@@ -325,7 +326,8 @@ def test_the_example_registers_with_one_name():
 
 
 class Drawn:
-    """Stands in for Hypothesis's `data` with fixed draws, to run a property test's body on one example."""
+    """Stands in for Hypothesis's `data` with fixed draws, to run a property test's body on one
+    example."""
 
     def __init__(self, *values):
         self.values = list(values)

@@ -1,10 +1,11 @@
-"""Fault injection for train.py's checkpointing: SIGKILL in the middle of a checkpoint write, SIGTERM
-during a training step, SIGINT while a checkpoint is being written, and corrupt / truncated ckpt.pt files.
+"""Fault injection for train.py's checkpointing: SIGKILL in the middle of a checkpoint write,
+SIGTERM during a training step, SIGINT while a checkpoint is being written, and corrupt / truncated
+ckpt.pt files.
 
 Faults are injected deterministically, not by timing: train.py runs in a subprocess through a small
-wrapper script (FAULT_WRAPPER, written to tmp_path) that patches torch.save or train.lr_at and then runs
-train.main through configurator.run_cli, exactly like `python train.py`. The wrapper writes a JSON
-record of what it did (before it dies) so that every test can assert the fault really happened.
+wrapper script (FAULT_WRAPPER, written to tmp_path) that patches torch.save or train.lr_at and then
+runs train.main through configurator.run_cli, exactly like `python train.py`. The wrapper writes a
+JSON record of what it did (before it dies) so that every test can assert the fault really happened.
 
 Every comparison with the uninterrupted reference run is bitwise (torch.equal): all runs are on this
 machine, on CPU, single-threaded (OMP_NUM_THREADS=1), with the same kernels, so an exact resume must
@@ -187,8 +188,9 @@ def assert_identical(a, b, where="ckpt"):
 
 
 def assert_same_final_state(out, reference):
-    """Bitwise: every weight, every optimizer moment and step count, the scaler, the iteration and the
-    best val loss equal those of the uninterrupted run (same machine, same kernels: no tolerance)."""
+    """Bitwise: every weight, every optimizer moment and step count, the scaler, the iteration and
+    the best val loss equal those of the uninterrupted run (same machine, same kernels: no
+    tolerance)."""
     mine, ref = load_checkpoint(str(Path(out) / "ckpt.pt")), reference.ckpt()
     assert mine["iter_num"] == ref["iter_num"] == MAX_ITERS
     assert_identical(mine["model"], ref["model"], "model")
@@ -199,7 +201,8 @@ def assert_same_final_state(out, reference):
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    """A 60k-token synthetic corpus in <tmp>/data/syn (not named 'synthetic': never auto-prepared over)."""
+    """A 60k-token synthetic corpus in <tmp>/data/syn (not named 'synthetic': never auto-prepared
+    over)."""
     folder = tmp_path_factory.mktemp("data") / "syn"
     P.prepare("synthetic", out_dir=folder, num_tokens=60000)
     return folder
@@ -271,10 +274,10 @@ def test_sigterm_mid_step_then_resume_is_bit_exact(reference, data_dir, wrapper,
 # stops
 
 def test_sigint_during_checkpoint_write_completes_the_save(reference, data_dir, wrapper, tmp_path):
-    """Ctrl-C arrives when 30% of the iteration-4 checkpoint is written: the handler only sets the stop
-    flag, so the save finishes (the file is exactly the bytes torch.save produced) and is renamed into
-    place; the run then finishes step 5, saves again and exits 0; resuming ends bit-equal to the
-    uninterrupted run."""
+    """Ctrl-C arrives when 30% of the iteration-4 checkpoint is written: the handler only sets the
+    stop flag, so the save finishes (the file is exactly the bytes torch.save produced) and is
+    renamed into place; the run then finishes step 5, saves again and exits 0; resuming ends
+    bit-equal to the uninterrupted run."""
     out, rec, copy = tmp_path / "out", tmp_path / "sigint.json", tmp_path / "saved_during_sigint.pt"
     args = [*CFG, *data_args(data_dir), f"--out_dir={out}"]
     r, pid = run_py(wrapper, args, fault_env("sigint_in_save", 2, rec, frac=0.3, copy=copy))
@@ -301,8 +304,8 @@ def test_sigint_during_checkpoint_write_completes_the_save(reference, data_dir, 
 @pytest.mark.parametrize("damage", ["truncated_half", "random_bytes"])
 @pytest.mark.parametrize("use", ["resume", "init_from"])
 def test_corrupt_checkpoint_fails_cleanly(reference, data_dir, tmp_path, damage, use):
-    """resume: out_dir's own ckpt.pt; init_from: a checkpoint file to start stage 2 from, into a fresh
-    out_dir that must not even be created."""
+    """resume: out_dir's own ckpt.pt; init_from: a checkpoint file to start stage 2 from, into a
+    fresh out_dir that must not even be created."""
     reference.ckpt()
     out = tmp_path / "out"
     real = (reference.out / "ckpt.pt").read_bytes()
@@ -345,9 +348,9 @@ Kill = namedtuple("Kill", "start save iter_num frac survivor")
 
 def kill_plan(seed):
     """Where each of N_KILLS processes dies: its `save`-th checkpoint write (the one of iteration
-    iter_num) after a fraction `frac` of the file's bytes; each process resumes from the checkpoint the
-    previous one left (`start`, None: none, so it starts fresh). `survivor` is the checkpoint that must
-    be intact after the kill. A pure function of the seed."""
+    iter_num) after a fraction `frac` of the file's bytes; each process resumes from the checkpoint
+    the previous one left (`start`, None: none, so it starts fresh). `survivor` is the checkpoint
+    that must be intact after the kill. A pure function of the seed."""
     rng, start, plan = random.Random(seed), None, []
     for _ in range(N_KILLS):
         base = start or 0

@@ -49,7 +49,8 @@ SCORING_GATES = ('mlp', 'jepa')
 
 def build(seed, n_layer=2, noise=0.3, **kw):
     """A tiny routed GPT; `noise` is added to every parameter so gate scores, predictors and the
-    full/cheap difference are far from their near-zero initialisation (continuous values, no ties)."""
+    full/cheap difference are far from their near-zero initialisation (continuous values, no
+    ties)."""
     args = dict(BASE, n_layer=n_layer, route='ffn', **ZERO_AUX)
     args.update(kw)
     torch.manual_seed(seed)
@@ -72,10 +73,11 @@ def tokens(seed, B, T, vocab=V, distinct_first=False):
 
 
 def calibration_tokens(seed, prompts):
-    """A held-out (4, 24) batch to calibrate on whose rows start with tokens no prompt row starts with.
-    τ is one of its scores, and a prompt prefix equal to a calibration prefix (most often just the
-    first token: position 0's state is a function of its token id alone) scores exactly τ, leaving that
-    decision to the last bit of whichever kernels computed it (~0.6% of examples had such a tie)."""
+    """A held-out (4, 24) batch to calibrate on whose rows start with tokens no prompt row starts
+    with. τ is one of its scores, and a prompt prefix equal to a calibration prefix (most often just
+    the first token: position 0's state is a function of its token id alone) scores exactly τ,
+    leaving that decision to the last bit of whichever kernels computed it (~0.6% of examples had
+    such a tie)."""
     cal = tokens(seed, 4, 24)
     free = torch.tensor(sorted(set(range(V)) - set(prompts[:, 0].tolist())))
     cal[:, 0] = free[
@@ -127,7 +129,8 @@ def record_ln2(model, layers):
 
 @contextmanager
 def record_updates(model, layers):
-    """Record what route_ffn.routed_ffn_update returns at the given layers of `model`, while inside."""
+    """Record what route_ffn.routed_ffn_update returns at the given layers of `model`, while
+    inside."""
     out = {l: [] for l in layers}
     orig = route_ffn.routed_ffn_update
 
@@ -381,8 +384,9 @@ def test_forced_cheap_and_static_cheap_equal_hand_written_forward(seed, B, T, la
 @pytest.mark.parametrize('src_gate,gate,rule', [('mlp', 'mlp', 'threshold'), ('random', 'mlp', 'predictor'),
                                                  ('random', 'jepa', 'threshold'), ('mlp', 'jepa', 'predictor')])
 def test_routed_model_from_checkpoint_file_keeps_backbone_and_gets_fresh_gates(src_gate, gate, rule):
-    """train.build_model with init_from=<ckpt file> (stage 2: typically a random-gate backbone): backbone
-    (incl. cheap FFNs) from the file, gates fresh; forced full/cheap logits equal the source model's."""
+    """train.build_model with init_from=<ckpt file> (stage 2: typically a random-gate backbone):
+    backbone (incl. cheap FFNs) from the file, gates fresh; forced full/cheap logits equal the
+    source model's."""
     src = build(11, 2, ffn_gate=src_gate, ffn_layers='all')
     ckpt = dict(model_args=dict(src.config.__dict__), model=src.state_dict())
     fields = dict(src.config.__dict__, ffn_gate=gate, ffn_infer_rule=rule)
@@ -493,10 +497,10 @@ def test_eval_routing_is_causal(seed, B, T, budget, layout, gate, infer_rule, ga
        infer_rule=st.sampled_from(['threshold', 'predictor']), gate_grad=st.sampled_from(['ste', 'scale', 'none']),
        pos=st.sampled_from(['learned', 'rope']), layout=layouts())
 def test_eval_routing_kv_cache_decoding_equals_recompute(seed, B, T0, new, gate, infer_rule, gate_grad, pos, layout):
-    """Per-token causal decisions: one token at a time through the KV cache routes exactly as the full
-    recompute does, and predicts the same (logits within ROUTED_TOL: a cache step runs T=1 and masked
-    attention, recomputation T and is_causal, and sparse gathers of other sizes; tokens equal unless a
-    near-tie, see conftest.assert_greedy_traces_agree)."""
+    """Per-token causal decisions: one token at a time through the KV cache routes exactly as the
+    full recompute does, and predicts the same (logits within ROUTED_TOL: a cache step runs T=1 and
+    masked attention, recomputation T and is_causal, and sparse gathers of other sizes; tokens equal
+    unless a near-tie, see conftest.assert_greedy_traces_agree)."""
     n_layer, spec, ids = layout
     model = build(
         seed,
@@ -754,7 +758,8 @@ def test_mimic_weight_zero_never_runs_mimic(monkeypatch):
 
 
 def test_util_and_rank_weight_zero_compute_no_util_or_rank_term(monkeypatch):
-    """With ffn_util_weight = ffn_rank_weight = 0 no oracle pass runs even when a caller passes oracle_layers."""
+    """With ffn_util_weight = ffn_rank_weight = 0 no oracle pass runs even when a caller passes
+    oracle_layers."""
     monkeypatch.setattr(losses, 'utility_regression', boom)
     monkeypatch.setattr(losses, 'pairwise_rank', boom)
     model = build(0, 2, ffn_gate='mlp').train()
@@ -820,8 +825,8 @@ def from_full_start(start, policy):
 
 
 def labelled_pass(model, seed, B, T, l):
-    """One training forward with oracle labels at layer l: (idx, targets, loss, aux, the routed state
-    at l after attention, layer l's gate score on it)."""
+    """One training forward with oracle labels at layer l: (idx, targets, loss, aux, the routed
+    state at l after attention, layer l's gate score on it)."""
     idx, tgt = tokens(seed, B, T, distinct_first=True), tokens(seed + 1, B, T)
     calls, handles = record_ln2(model, [l])
     _, loss, aux = model(idx, tgt, oracle_layers=(l,))
@@ -839,9 +844,9 @@ def labelled_pass(model, seed, B, T, l):
        aux_grad=st.sampled_from(['own', 'leak']), data=st.data())
 def test_util_loss_regresses_routed_score_onto_reference_labels(seed, B, T, gate, policy, start, aux_grad, data):
     """End to end through forward(oracle_layers=...): the forks start from the all-full state (start
-    'full'; 'auto' with off-policy labels) or from this routed pass's own state ('routed'; 'auto' with
-    on-policy labels), and the later layers run all full (off) or by the gates (on); the regressed
-    score is this pass's gate score (whichever graph its gradient takes)."""
+    'full'; 'auto' with off-policy labels) or from this routed pass's own state ('routed'; 'auto'
+    with on-policy labels), and the later layers run all full (off) or by the gates (on); the
+    regressed score is this pass's gate score (whichever graph its gradient takes)."""
     l = data.draw(st.integers(0, 2))
     model = build(
         seed,
@@ -874,9 +879,10 @@ def test_util_loss_regresses_routed_score_onto_reference_labels(seed, B, T, gate
 
 
 def token_labels_ref(model, l, x_mid, base, tgt, later, budget):
-    """'token' labels by brute force: for every token t and action, a separate fork in which only t's
-    action at l differs from base, through the ordinary causal attention; the later layers all full, or
-    by the decisions the base fork's gates took (held for every fork; 'scale' by each fork's own score)."""
+    """'token' labels by brute force: for every token t and action, a separate fork in which only
+    t's action at l differs from base, through the ordinary causal attention; the later layers all
+    full, or by the decisions the base fork's gates took (held for every fork; 'scale' by each
+    fork's own score)."""
     blocks, T = model.transformer.h, x_mid.size(1)
 
     def run(sel, held=None):
@@ -921,8 +927,8 @@ def token_labels_ref(model, l, x_mid, base, tgt, later, budget):
        gate=st.sampled_from(SCORING_GATES), gate_grad=st.sampled_from(['ste', 'scale', 'none']),
        later=st.sampled_from(['full', 'policy']), pos=st.sampled_from(['learned', 'rope']))
 def test_token_labels_match_one_fork_per_token(seed, B, T, n_layer, data, gate, gate_grad, later, pos):
-    """The two-pass 'token' labels (the switched token sees the base stream's keys before it) equal T
-    separate forks, each switching one token, from any base decision at l (all full, as from the
+    """The two-pass 'token' labels (the switched token sees the base stream's keys before it) equal
+    T separate forks, each switching one token, from any base decision at l (all full, as from the
     all-full state, or a routed mask)."""
     l = data.draw(st.integers(0, n_layer - 1))
     model = build(
@@ -951,8 +957,8 @@ def test_token_labels_match_one_fork_per_token(seed, B, T, n_layer, data, gate, 
 @given(seed=SEEDS, B=st.integers(1, 2), T=st.integers(2, 10), gate=st.sampled_from(SCORING_GATES),
        policy=st.sampled_from(['off', 'on']), start=st.sampled_from(['auto', 'full', 'routed']), data=st.data())
 def test_util_loss_regresses_onto_token_labels_from_either_start(seed, B, T, gate, policy, start, data):
-    """End to end with the default 'token' labels: from the all-full state every other token is full at
-    l; from the routed state every other token keeps this pass's own training decision at l."""
+    """End to end with the default 'token' labels: from the all-full state every other token is full
+    at l; from the routed state every other token keeps this pass's own training decision at l."""
     l = data.draw(st.integers(0, 2))
     model = build(
         seed,
@@ -1141,7 +1147,8 @@ def test_gate_scores_are_fp32_under_bf16_autocast(gate, readout, rule):
 
 
 def test_oracle_labels_ignore_dropout():
-    """With dropout on, the two forks of a label must differ only in the action: repeated labels agree."""
+    """With dropout on, the two forks of a label must differ only in the action: repeated labels
+    agree."""
     model = build(0, 2, ffn_gate='mlp', dropout=0.5).train()
     idx = tokens(0, 2, 12)
     x_mid = torch.randn(2, 12, model.config.n_embd)
@@ -1178,8 +1185,8 @@ def test_resume_compares_the_layers_meant_not_the_spelling():
 @given(seed=st.integers(0, 999), B=st.integers(1, 3), T=st.integers(2, 12), budget=BUDGETS)
 def test_room_brackets_match_a_hand_computation(seed, B, T, budget):
     """eval.room's all-full, all-cheap and oracle losses from the blocks' submodules by hand (one
-    controlled layer, so the oracle's top-k of U_t = CE(cheap) − CE(full) is the whole decision), and
-    the model's config is the trained one afterwards."""
+    controlled layer, so the oracle's top-k of U_t = CE(cheap) − CE(full) is the whole decision),
+    and the model's config is the trained one afterwards."""
     import eval as ev
     model = build(seed, n_layer=1, ffn_gate='mlp', ffn_budget=float(budget)).eval()
     idx, tgt = tokens(seed, B, T), tokens(seed + 1, B, T)
@@ -1212,13 +1219,14 @@ def test_room_brackets_match_a_hand_computation(seed, B, T, budget):
 @settings(**SETTINGS)
 @given(seed=SEEDS, T=st.integers(4, 16), gate=st.sampled_from(SCORING_GATES), aux_grad=st.sampled_from(['own', 'leak']))
 def test_aux_loss_gradients_reach_only_their_own_gate(seed, T, gate, aux_grad):
-    """ffn_aux_grad='own': the util loss at layer 1 moves layer 1's gate only, and the JEPA loss only
-    the gates; 'leak': both also move the backbone below, and the util loss layer 0's gate, through
-    layer 1's input (the straight-through mix at layer 0). Gates at their real initialisation (only
-    the backbone is moved off its init): a gradient that must not reach a module is exactly zero;
-    one that must reaches the backbone with at least 1e-2 of its norm on layer 1's gate, and layer
-    0's gate with at least 1e-6 of it (a second-order path: through layer 1's gate input, whose
-    Jacobian is the product of two layers initialised at std 0.02; measured ~2e-4)."""
+    """ffn_aux_grad='own': the util loss at layer 1 moves layer 1's gate only, and the JEPA loss
+    only the gates; 'leak': both also move the backbone below, and the util loss layer 0's gate,
+    through layer 1's input (the straight-through mix at layer 0). Gates at their real
+    initialisation (only the backbone is moved off its init): a gradient that must not reach a
+    module is exactly zero; one that must reaches the backbone with at least 1e-2 of its norm on
+    layer 1's gate, and layer 0's gate with at least 1e-6 of it (a second-order path: through layer
+    1's gate input, whose Jacobian is the product of two layers initialised at std 0.02; measured
+    ~2e-4)."""
     model = build(seed, 2, noise=0.0, ffn_gate=gate, ffn_budget=0.5, ffn_util_weight=1.0,
                   ffn_jepa_weight=1.0, ffn_aux_grad=aux_grad).train()
     g = torch.Generator().manual_seed(seed + 7)

@@ -1,5 +1,6 @@
-"""Analytic FLOPs (flops.py) against torch's FlopCounterMode, for random routed configs: the forward,
-and a whole training step (forward, backward, oracle passes) with the backbone trainable or frozen."""
+"""Analytic FLOPs (flops.py) against torch's FlopCounterMode, for random routed configs: the
+forward, and a whole training step (forward, backward, oracle passes) with the backbone trainable or
+frozen."""
 import math
 from types import SimpleNamespace
 
@@ -128,7 +129,8 @@ def test_sparse_flops_interpolate_between_paths():
 
 
 def test_flops_cli_prints_the_breakdown(capsys):
-    """python flops.py CONFIG: one row per gate and util/rank setting, proxy = the function's value."""
+    """python flops.py CONFIG: one row per gate and util/rank setting, proxy = the function's
+    value."""
     import os
     import train
     from configurator import load_config
@@ -154,7 +156,8 @@ def test_flops_cli_prints_the_breakdown(capsys):
 @pytest.mark.parametrize('label', ['token', 'sequence'])
 def test_aux_loss_gradient_modes_and_oracle_starts_match_counter(gate, aux_grad, trainable, policy, start, label):
     """Every aux-loss gradient mode and oracle start with util, rank and JEPA on (the drawn configs
-    above reach these combinations only now and then): 'own' scores the detached gate input again."""
+    above reach these combinations only now and then): 'own' scores the detached gate input
+    again."""
     cfg = GPTConfig(
         n_layer=3,
         n_head=2,

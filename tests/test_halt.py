@@ -1,6 +1,6 @@
-"""route='halt' (TSA, arXiv 2605.05222): a closed router reproduces the dense model, gradients reach the router
-through (1 − p), the depth regulariser and TLOps follow their equations, eval (hard skipping) is causal
-and KV-cached decoding equals recomputation, and FLOPs match FlopCounterMode."""
+"""route='halt' (TSA, arXiv 2605.05222): a closed router reproduces the dense model, gradients reach
+the router through (1 − p), the depth regulariser and TLOps follow their equations, eval (hard
+skipping) is causal and KV-cached decoding equals recomputation, and FLOPs match FlopCounterMode."""
 import torch
 from hypothesis import given, settings, strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -1,13 +1,14 @@
-"""Tests of kernels.py: sort_by_mask, the PyTorch reference mlp_rows_reference, and the Triton kernels
-behind mlp_rows, each against an independent computation written here (a per-row loop over the
-selected rows through the model's own MLP module).
+"""Tests of kernels.py: sort_by_mask, the PyTorch reference mlp_rows_reference, and the Triton
+kernels behind mlp_rows, each against an independent computation written here (a per-row loop over
+the selected rows through the model's own MLP module).
 
 The Triton kernels run on CPU under Triton's interpreter. Triton (3.9, read in its source) reads
 TRITON_INTERPRET when a kernel is decorated with @triton.jit, i.e. when kernels.py is imported, not
-when it is launched; and kernels.py registers its custom op once per process. So the interpreter checks (the tests named
-test_interp_*) run in a child pytest process started by test_triton_kernels_under_interpreter with
-TRITON_INTERPRET=1 and NANODEPTH_TRITON=1 in its environment: no other test module sees either
-variable, whatever was imported first. In this process they skip."""
+when it is launched; and kernels.py registers its custom op once per process. So the interpreter
+checks (the tests named test_interp_*) run in a child pytest process started by
+test_triton_kernels_under_interpreter with TRITON_INTERPRET=1 and NANODEPTH_TRITON=1 in its
+environment: no other test module sees either variable, whatever was imported first. In this process
+they skip."""
 import os
 import sys
 from pathlib import Path
@@ -82,8 +83,8 @@ def masks(draw, max_n=70):
 
 @st.composite
 def cases(draw, max_n=70, dtypes=(torch.float32, torch.bfloat16, torch.float16)):
-    """A mask, a range of sorted positions (the full path [0, count), the cheap path [count, N) or any
-    [lo, hi)), ints or 0-dim tensors, an MLP and inputs."""
+    """A mask, a range of sorted positions (the full path [0, count), the cheap path [count, N) or
+    any [lo, hi)), ints or 0-dim tensors, an MLP and inputs."""
     mask = draw(masks(max_n))
     n = mask.numel()
     order, count = kernels.sort_by_mask(mask)
@@ -110,8 +111,8 @@ def cases(draw, max_n=70, dtypes=(torch.float32, torch.bfloat16, torch.float16))
 
 
 def check_rows(c, fn):
-    """fn(x, order, lo, hi, mlp, out) writes exactly the selected rows, equal to the per-row loop; the
-    others keep their bits; it returns out itself."""
+    """fn(x, order, lo, hi, mlp, out) writes exactly the selected rows, equal to the per-row loop;
+    the others keep their bits; it returns out itself."""
     before = c.out.clone()
     got = fn(c.x, c.order, c.lo, c.hi, c.mlp, c.out)
     assert got is c.out
@@ -184,8 +185,8 @@ def test_reference_compiles_without_graph_break(monkeypatch):
 
 
 def test_dispatch_rule(monkeypatch):
-    """Triton on CUDA GPUs of compute capability >= 8.0 (A100, H100), the reference on V100/T4 and CPU;
-    NANODEPTH_TRITON=1 / 0 forces either."""
+    """Triton on CUDA GPUs of compute capability >= 8.0 (A100, H100), the reference on V100/T4 and
+    CPU; NANODEPTH_TRITON=1 / 0 forces either."""
     monkeypatch.delenv('NANODEPTH_TRITON', raising=False)
     assert not kernels.use_triton(torch.zeros(1))
     if kernels.triton is None:
@@ -251,7 +252,8 @@ def test_interp_runs_the_interpreted_kernels():
 @settings(max_examples=24, **SETTINGS)
 @given(c=cases())
 def test_interp_kernel_writes_the_selected_rows_only(c):
-    """kernel == the per-row loop on the selected rows == the reference; the other rows keep their bits."""
+    """kernel == the per-row loop on the selected rows == the reference; the other rows keep their
+    bits."""
     with torch.no_grad(), CountLaunches() as launches:
         got, before, sel = check_rows(c, kernels.mlp_rows)
     assert launches.calls == 1
@@ -312,10 +314,10 @@ def _blocks_touching(lo, hi, n, block_m):
 @pytest.mark.parametrize('lo,hi', [(0, 0), (5, 5), (70, 70), (0, 70), (0, 16), (16, 32), (17, 33),
                                    (40, 70), (63, 64), (64, 70)])
 def test_interp_programs_outside_the_range_exit_before_loading_weights(lo, hi):
-    """Every program that passes the range check (and only then may load a weight) adds 1 to a counter.
-    With 16-row blocks over N = 70 rows, exactly the row blocks that intersect [lo, hi) may work, times
-    each kernel's column blocks; an empty range runs none and writes nothing. Without the early exit
-    every program would count."""
+    """Every program that passes the range check (and only then may load a weight) adds 1 to a
+    counter. With 16-row blocks over N = 70 rows, exactly the row blocks that intersect [lo, hi) may
+    work, times each kernel's column blocks; an empty range runs none and writes nothing. Without
+    the early exit every program would count."""
     n, C, W, block_m = 70, 24, 96, 16
     mlp = make_mlp(C, W, True, 'none', torch.float32, 0)
     order, _ = kernels.sort_by_mask(torch.rand(n) < 0.5)
@@ -414,9 +416,9 @@ def test_kernels_compile_to_cubin(capability, dtype):
 @interp
 @pytest.mark.parametrize('route', ['ffn', 'halt', 'mod', 'exit'])
 def test_interp_model_static_eval_through_the_kernels(route):
-    """Every family's static eval prefill with the interpreted kernels makes compact eval's decisions
-    exactly, with logits within ROUTED_TOL (the two modes sum the same dot products over different row
-    sets), and really calls the kernels."""
+    """Every family's static eval prefill with the interpreted kernels makes compact eval's
+    decisions exactly, with logits within ROUTED_TOL (the two modes sum the same dot products over
+    different row sets), and really calls the kernels."""
     from conftest import ROUTED_TOL, build, tokens
     model = build(route, n_layer=4).eval()
     idx = tokens(1, 3, 20)

@@ -40,7 +40,8 @@ def test_mod_training_capacity_is_exact_and_unselected_tokens_pass_unchanged(see
 
 @contextmanager
 def record_mod_blocks(model):
-    """{layer: (input, output)} of the routed blocks of `model` (route_mod.mod_block), while inside."""
+    """{layer: (input, output)} of the routed blocks of `model` (route_mod.mod_block), while
+    inside."""
     seen, orig = {}, route_mod.mod_block
 
     def wrapped(block, cfg, x, pos, cache, ctx):
@@ -86,8 +87,8 @@ def test_mod_selected_tokens_attend_among_themselves_at_real_positions(seed, T, 
 @settings(**SETTINGS)
 @given(seed=st.integers(0, 999), T=st.integers(1, 20), rule=st.sampled_from(['threshold', 'predictor']))
 def test_mod_causal_rule_and_predictor_accuracy(seed, T, rule):
-    """Eval: selected where σ(router) > 0.5 (or σ(predictor) > 0.5), computed here from the modules; the
-    reported accuracy is the agreement with top-k membership of the router scores."""
+    """Eval: selected where σ(router) > 0.5 (or σ(predictor) > 0.5), computed here from the modules;
+    the reported accuracy is the agreement with top-k membership of the router scores."""
     model = build('mod', seed=seed, mod_infer_rule=rule, mod_capacity=0.25).eval()
     idx = tokens(seed, 2, T)
     seen = {}                       # the routed block's input, as its router sees it

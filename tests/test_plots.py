@@ -1,8 +1,8 @@
-"""plots.py and eval.py's routing map: the Pareto helper and seed bands against hand computation, every
-plot written for a tiny fake study (runs faked as folders of metrics), a missing matplotlib never
-failing a sweep; the routing map's text layout and grid against the model's masks, the per-class
-fractions against an independent recomputation, and `eval.py --routing-map` end to end on a tiny
-hand-made checkpoint."""
+"""plots.py and eval.py's routing map: the Pareto helper and seed bands against hand computation,
+every plot written for a tiny fake study (runs faked as folders of metrics), a missing matplotlib
+never failing a sweep; the routing map's text layout and grid against the model's masks, the
+per-class fractions against an independent recomputation, and `eval.py --routing-map` end to end on
+a tiny hand-made checkpoint."""
 import json
 import os
 import sys
@@ -269,8 +269,9 @@ def test_eval_routing_map_cli_on_a_tiny_checkpoint(tmp_path, capsys):
 
 
 def test_frontier_plots_for_dense_sizes_and_a_routed_arm(tmp_path):
-    """Dense runs of two widths and a routed one, with train.py-style config.json files: the two plots on
-    absolute FLOPs are written, with the frontier line; without a frontier they draw the Pareto front."""
+    """Dense runs of two widths and a routed one, with train.py-style config.json files: the two
+    plots on absolute FLOPs are written, with the frontier line; without a frontier they draw the
+    Pareto front."""
     pytest.importorskip('matplotlib')
     fake_study(tmp_path, arms=(('small', 0.3, False), ('big', 0.0, False), ('routed', 0.1, True)))
     for arm, width, route in (('small', 16, 'none'), ('big', 32, 'none'), ('routed', 32, 'mod')):

@@ -1,8 +1,8 @@
-"""The routing options' names from before each family's options took its prefix (configurator.RENAMED)
-are refused, naming today's: on the command line and in config files (one line, exit 2), and in
-stored checkpoints and config.json files. No config or result file under the repository uses one, and
-no family carries an alias table. A stored config from before an option was added still reads as it
-ran (the family's stored_before)."""
+"""The routing options' names from before each family's options took its prefix
+(configurator.RENAMED) are refused, naming today's: on the command line and in config files (one
+line, exit 2), and in stored checkpoints and config.json files. No config or result file under the
+repository uses one, and no family carries an alias table. A stored config from before an option was
+added still reads as it ran (the family's stored_before)."""
 import json
 import os
 import re
@@ -95,8 +95,8 @@ def test_a_stored_config_with_an_old_name_is_refused_naming_the_new_one(monkeypa
                                                     ('ffn', 'ffn_oracle_label', 'sequence', 'token'),
                                                     ('ensemble', 'ens_distill', 'mixture', 'per_layer')])
 def test_a_stored_config_from_before_an_option_keeps_its_behaviour(route, key, before, today):
-    """An option added with a default unlike what the code did before it: a checkpoint or config.json
-    without it reads as it ran; one that has it, and a fresh config, as written."""
+    """An option added with a default unlike what the code did before it: a checkpoint or
+    config.json without it reads as it ran; one that has it, and a fresh config, as written."""
     assert getattr(GPTConfig(route=route), key) == today
     assert read_stored_config({'route': route, 'n_layer': 2})[key] == before
     assert getattr(GPTConfig.from_dict({'route': route, 'n_layer': 4}), key) == before

@@ -1,6 +1,7 @@
 """sweep.py: grid expansion, skip/resume decisions, summary statistics against hand computation, the
 mixed-code-version flag, threshold hits, and --jobs. Runs are faked as folders of metrics (no
-training); the --jobs test runs a fake train.py (a few lines of Python, no torch) as real processes."""
+training); the --jobs test runs a fake train.py (a few lines of Python, no torch) as real
+processes."""
 import json
 import math
 import os
@@ -48,8 +49,8 @@ def test_finished_requires_a_summary_at_max_iters(tmp_path):
 
 
 def test_a_record_cut_short_is_skipped(tmp_path):
-    """A run whose last metrics line was cut short (a full disk, a kill mid-write) reads as unfinished,
-    not as a JSON error, so the sweep resumes it (train.py drops the line on resume)."""
+    """A run whose last metrics line was cut short (a full disk, a kill mid-write) reads as
+    unfinished, not as a JSON error, so the sweep resumes it (train.py drops the line on resume)."""
     fake_run(tmp_path / 'a', 100, lms=[2.0])
     with open(tmp_path / 'a' / 'metrics.jsonl', 'a') as f:
         f.write('{"type": "summary", "it')
@@ -281,8 +282,8 @@ def test_sign_test_against_the_binomial_by_hand():
 
 
 def test_threshold_hits_are_censored_not_dropped():
-    """A seed that never reaches the threshold counts as reaching it at infinity: 'G3 hits at 10 ± 0'
-    must not hide that 2 of 3 seeds never got there."""
+    """A seed that never reaches the threshold counts as reaching it at infinity: 'G3 hits at 10 ±
+    0' must not hide that 2 of 3 seeds never got there."""
     seeds = [1, 2, 3, 4]
     ref = {1: 20, 2: None, 3: 30, 4: None}
     arm = {1: 10, 2: 40, 3: None, 4: None}
@@ -350,8 +351,8 @@ def test_seed_placeholders_give_each_seed_its_own_backbone(tmp_path):
 
 
 def test_room_verdict_against_the_seed_spread():
-    """The room against the spread of the reference endpoint relative to each seed's own backbone (its
-    all-full loss): independent backbones differ in level, which paired differences cancel."""
+    """The room against the spread of the reference endpoint relative to each seed's own backbone
+    (its all-full loss): independent backbones differ in level, which paired differences cancel."""
     room = {s: dict(full=f, cheap=f + r, random=f + 0.5, oracle=f + 0.5 - g, room=r, gate_room=g)
             for s, f, r, g in ((1, 1.0, 0.5, 0.11), (2, 1.2, 0.7, 0.09))}
 
@@ -443,8 +444,8 @@ def test_frontier_is_interpolated_in_log_cost_and_never_extrapolated():
 
 
 def test_matched_compute_pairs_each_seed_with_its_own_frontier():
-    """Hand computation: frontier losses 3.0 at cost 1 and 2.0 at cost 4 (+0.2·seed); an arm at cost 2
-    has the frontier at 2.5 + 0.2·seed there; one seed of a second arm lies outside the range."""
+    """Hand computation: frontier losses 3.0 at cost 1 and 2.0 at cost 4 (+0.2·seed); an arm at cost
+    2 has the frontier at 2.5 + 0.2·seed there; one seed of a second arm lies outside the range."""
     results = {}
     for s in (1, 2, 3):
         results[('small', s)] = dict(final_val_loss=3.0 + 0.2 * s, train_flops=1.0, eval_flops=10.0)
@@ -496,8 +497,9 @@ def test_matched_compute_pairs_each_seed_with_its_own_frontier():
 
 
 def test_absolute_flops_from_the_stored_config(tmp_path):
-    """A dense run is the reference point of the ratio axes; eval_flops is the eval forward per token at
-    the realised routing, so two dense sizes differ by their own FLOPs; runs without a route get none."""
+    """A dense run is the reference point of the ratio axes; eval_flops is the eval forward per
+    token at the realised routing, so two dense sizes differ by their own FLOPs; runs without a
+    route get none."""
     import torch
     import flops
     from model import GPTConfig

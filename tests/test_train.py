@@ -1,10 +1,10 @@
-"""Tests for train.py: exact resume, DDP equivalence, the data sampler, output files, signals, atomic
-checkpoints, non-finite losses, input errors, the quickstart and the LR schedule.
+"""Tests for train.py: exact resume, DDP equivalence, the data sampler, output files, signals,
+atomic checkpoints, non-finite losses, input errors, the quickstart and the LR schedule.
 
-Everything runs on CPU with a 2-layer, 32-wide model on a 60k-token synthetic corpus prepared once per
-session. Training runs are subprocesses (`python train.py ...`, OMP_NUM_THREADS=1 so runs are quick and
-bit-reproducible); the sampler, the schedule, save_checkpoint, run_info and input errors are tested
-in-process."""
+Everything runs on CPU with a 2-layer, 32-wide model on a 60k-token synthetic corpus prepared once
+per session. Training runs are subprocesses (`python train.py ...`, OMP_NUM_THREADS=1 so runs are
+quick and bit-reproducible); the sampler, the schedule, save_checkpoint, run_info and input errors
+are tested in-process."""
 import errno
 import json
 import math
@@ -73,7 +73,8 @@ def start_train(args, **kw):
 
 
 def require(cond, msg=""):
-    """A precondition: fails with RuntimeError rather than AssertionError, so it reads as a broken setup."""
+    """A precondition: fails with RuntimeError rather than AssertionError, so it reads as a broken
+    setup."""
     if not cond:
         raise RuntimeError(msg)
 
@@ -122,8 +123,8 @@ def assert_identical(a, b, where="ckpt"):
 
 
 def eval_loss_of_ckpt(out_dir, synth, split="val", eval_iters=2, block_size=32, batch_size=4, seed=1337):
-    """Mean loss of ckpt.pt's model on the eval batches train.py uses for `split`, with the data read and
-    the loss computed here (numpy + GPT forward), not by train.py's eval code."""
+    """Mean loss of ckpt.pt's model on the eval batches train.py uses for `split`, with the data
+    read and the loss computed here (numpy + GPT forward), not by train.py's eval code."""
     ck = load_ckpt(out_dir)
     model = GPT(GPTConfig.from_dict(ck["model_args"]))
     model.load_state_dict(ck["model"])
@@ -213,11 +214,12 @@ def snapshot(folder):
                                                                     (6, 4, 2, 1, "random")],
                          ids=["eval4-N6", "eval3-log4-accum2-N5", "random-gate-N6"])
 def test_resume_is_bit_exact(synth, tmp_path, n, eval_interval, log_interval, accum, gate):
-    """2N iterations in one go == N iterations, then --init_from=resume to 2N: every model and optimizer
-    tensor identical. dropout=0.1 so the restored RNG state matters; lr_decay_iters is fixed at 2N so
-    both runs follow the same schedule (with lr_decay_iters=0 it would follow max_iters). ffn_gate=random
-    draws random numbers at eval too (stage 1 of the controller-only recipe): evals must not disturb
-    the training RNG, or the resumed run's extra eval at N would change what follows."""
+    """2N iterations in one go == N iterations, then --init_from=resume to 2N: every model and
+    optimizer tensor identical. dropout=0.1 so the restored RNG state matters; lr_decay_iters is
+    fixed at 2N so both runs follow the same schedule (with lr_decay_iters=0 it would follow
+    max_iters). ffn_gate=random draws random numbers at eval too (stage 1 of the controller-only
+    recipe): evals must not disturb the training RNG, or the resumed run's extra eval at N would
+    change what follows."""
     common = [
         *TINY,
         *data_args(synth),
@@ -274,9 +276,9 @@ dist.destroy_process_group()
 
 @pytest.fixture(scope="module")
 def ddp_runs(synth, tmp_path_factory):
-    """The same 4 iterations (global batch 2 micro-batches of 4) run by 1 process with accumulation 2
-    and by torchrun with 2 processes; train.py is run through a wrapper that fakes a CPU peak FLOP/s so
-    that mfu is a number."""
+    """The same 4 iterations (global batch 2 micro-batches of 4) run by 1 process with accumulation
+    2 and by torchrun with 2 processes; train.py is run through a wrapper that fakes a CPU peak
+    FLOP/s so that mfu is a number."""
     tmp = tmp_path_factory.mktemp("ddp")
     wrapper = tmp / "train_wrapper.py"
     wrapper.write_text(WRAPPER.format(repo=str(REPO)))
@@ -308,8 +310,8 @@ def ddp_runs(synth, tmp_path_factory):
 @pytest.mark.slow
 def test_ddp_matches_single_process(ddp_runs):
     """Same final weights (float tolerance: DDP all-reduces the gradient as (g0 + g1)/2 where one
-    process sums g0/2 + g1/2, so the last bits may differ: rtol=1e-5, atol=1e-6), and only rank 0 writes
-    metrics (as many lines as the single-process run)."""
+    process sums g0/2 + g1/2, so the last bits may differ: rtol=1e-5, atol=1e-6), and only rank 0
+    writes metrics (as many lines as the single-process run)."""
     cs, cd = load_ckpt(ddp_runs.single), load_ckpt(ddp_runs.ddp)
     assert cs["iter_num"] == cd["iter_num"] == 4
     assert set(cs["model"]) == set(cd["model"])
@@ -391,8 +393,8 @@ runpy.run_path(os.path.join({repo!r}, 'train.py'), run_name='__main__')
 
 
 def start_ddp_and_wait_for_training(synth, tmp, extra):
-    """torchrun with 2 processes, each writing its pid to tmp/pid<rank>; returns (proc, out, pids) once
-    a train line is logged."""
+    """torchrun with 2 processes, each writing its pid to tmp/pid<rank>; returns (proc, out, pids)
+    once a train line is logged."""
     wrapper = tmp / "pid_wrapper.py"
     wrapper.write_text(PID_WRAPPER.format(repo=str(REPO), tmp=str(tmp)))
     out = tmp / "out"
@@ -773,7 +775,8 @@ def test_save_checkpoint_writes_and_replaces(tmp_path):
 
 @pytest.mark.parametrize("save", [failing_save, failing_zip_save])
 def test_save_checkpoint_failure_keeps_old_checkpoint(tmp_path, monkeypatch, save):
-    """A full disk: one line naming the file and the free space on its disk; the old checkpoint kept."""
+    """A full disk: one line naming the file and the free space on its disk; the old checkpoint
+    kept."""
     path = str(tmp_path / "ckpt.pt")
     train.save_checkpoint(path, {"iter_num": 1})
     before = Path(path).read_bytes()
@@ -801,8 +804,8 @@ def test_save_checkpoint_failure_leaves_no_temp_file(tmp_path, monkeypatch):
 
 
 def test_full_disk_under_the_metrics_is_one_error_naming_disk_space(synth, tmp_path, monkeypatch):
-    """ENOSPC while appending to metrics.jsonl (not a checkpoint write): a TrainError naming the disk and
-    the file, not an OSError traceback."""
+    """ENOSPC while appending to metrics.jsonl (not a checkpoint write): a TrainError naming the
+    disk and the file, not an OSError traceback."""
     out = tmp_path / "o"
     real = train.open_run_files
 
@@ -824,8 +827,8 @@ def test_full_disk_under_the_metrics_is_one_error_naming_disk_space(synth, tmp_p
 
 
 def test_resume_drops_metrics_lines_cut_short(tmp_path):
-    """A record cut short by a full disk or a kill mid-write is dropped on resume, and the kept lines
-    end in a newline, so the resumed run's records start on lines of their own."""
+    """A record cut short by a full disk or a kill mid-write is dropped on resume, and the kept
+    lines end in a newline, so the resumed run's records start on lines of their own."""
     path = tmp_path / "metrics.jsonl"
     path.write_text(
         '{"type": "train", "iter": 1}\n{"type": "eval", "iter": 2}\n{"type": "train", "it'
@@ -845,8 +848,8 @@ def test_resume_drops_metrics_lines_cut_short(tmp_path):
 
 @pytest.fixture(scope="module")
 def nan_runs(base_run, synth, tmp_path_factory):
-    """lr=1e6 runs, two at a time: from scratch; resumed from the good 6-iteration base run with no eval
-    before the blow-up; and resumed with an eval after every step."""
+    """lr=1e6 runs, two at a time: from scratch; resumed from the good 6-iteration base run with no
+    eval before the blow-up; and resumed with an eval after every step."""
     tmp = tmp_path_factory.mktemp("nan")
     runs = {}
     for name in ("resume_no_eval", "resume_eval_every_step"):
@@ -879,8 +882,8 @@ def nan_runs(base_run, synth, tmp_path_factory):
 
 
 def test_nonfinite_loss_stops_with_error_and_keeps_checkpoint(nan_runs):
-    """Resume a good run with lr=1e6: the loss blows up, train.py exits 2 naming the iteration, and the
-    checkpoint from before (no eval in between) is byte-identical and finite."""
+    """Resume a good run with lr=1e6: the loss blows up, train.py exits 2 naming the iteration, and
+    the checkpoint from before (no eval in between) is byte-identical and finite."""
     run = nan_runs["resume_no_eval"]
     r = run.result
     assert r.returncode == 2, r.stderr
@@ -902,7 +905,8 @@ def test_nonfinite_loss_from_scratch(nan_runs):
 
 
 def test_overwrite_replaces_the_old_run(base_run, synth, tmp_path):
-    """--overwrite=True: a fresh run into a used out_dir starts a new metrics.jsonl and checkpoint."""
+    """--overwrite=True: a fresh run into a used out_dir starts a new metrics.jsonl and
+    checkpoint."""
     out = copy_run(base_run, tmp_path)
     ok(
         run_train(
@@ -1068,7 +1072,8 @@ def test_max_iters_0_names_only_files_written(synth, tmp_path):
 
 
 def test_family_options_from_a_config_file_are_noted_not_refused(synth, tmp_path):
-    """A study's shared base file may set options of the family other arms use: noted, not an error."""
+    """A study's shared base file may set options of the family other arms use: noted, not an
+    error."""
     cfg = tmp_path / "base.py"
     cfg.write_text("ffn_gate = 'jepa'\nffn_budget = 0.25\n")
     r = ok(
@@ -1297,7 +1302,8 @@ def test_bad_input_cli_exit_code(case, synth, synth_other, text_data, base_run, 
 
 
 def test_cuda_index_beyond_the_machine_is_refused(monkeypatch):
-    """--device=cuda:3 on a machine with one GPU: a ConfigError before any work, not a CUDA traceback."""
+    """--device=cuda:3 on a machine with one GPU: a ConfigError before any work, not a CUDA
+    traceback."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(train.ConfigError, match=r"device=cuda:3 but this machine has 1 CUDA device \(cuda:0\.\.cuda:0\)"):
@@ -1384,7 +1390,8 @@ def test_quickstart_prepares_trains_and_samples(tmp_path):
        lr_decay_iters=st.booleans())
 def test_lr_schedule(lr, frac, warmup, span, lr_decay_iters):
     """Warmup rises strictly to learning_rate at it == warmup_iters, cosine falls to min_lr at
-    lr_decay_iters (or max_iters when it is 0), then min_lr; compared with an independent formula."""
+    lr_decay_iters (or max_iters when it is 0), then min_lr; compared with an independent
+    formula."""
     min_lr = lr * frac
     decay = warmup + span
     cfg = SimpleNamespace(
