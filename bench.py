@@ -477,17 +477,21 @@ def train_row(cfg, mcfg, base, budget, dev, autocast, dense_s):
 
 def print_routed(res):
     print(
-        f"{res['route']} routing vs dense | {res['device']} {res['dtype']} compile={res['compile']} "
-        f"sparse={res['sparse']} torch {res['torch']} threads {res['threads']} | L={res['n_layer']} d={res['n_embd']}"
+        f"{res['route']} routing vs dense | {res['device']} {res['dtype']} "
+        f"compile={res['compile']} "
+        f"sparse={res['sparse']} torch {res['torch']} threads {res['threads']} | "
+        f"L={res['n_layer']} d={res['n_embd']}"
     )
     print(
-        '| budget | BxT | realised | dense ms | routed ms | time ratio | FLOPs ratio (ideal / executed) | ideal realised |'
+        '| budget | BxT | realised | dense ms | routed ms | time ratio | FLOPs ratio (ideal / '
+        'executed) | ideal realised |'
     )
     print('|---|---|---|---|---|---|---|---|')
     for r in res['rows']:
         if r['kind'] == 'prefill':
             print(
-                f"| {r['budget']} | {r['batch']}x{r['seq']} | {r['realised_frac']:.3f} | {r['dense_ms']:.1f} | "
+                f"| {r['budget']} | {r['batch']}x{r['seq']} | {r['realised_frac']:.3f} | "
+                f"{r['dense_ms']:.1f} | "
                 f"{r['routed_ms']:.1f} | {r['time_ratio']:.3f} | {r['flops_ratio']:.3f} / "
                 f"{r['executed_flops_ratio']:.3f} | {r['ideal_realised']:.2f} |"
             )
@@ -496,22 +500,26 @@ def print_routed(res):
     for r in res['rows']:
         if r['kind'] == 'decode':
             print(
-                f"| {r['budget']} | {r['batch']} | {r['dense_tokens_per_s']:.0f} | {r['routed_tokens_per_s']:.0f} | "
+                f"| {r['budget']} | {r['batch']} | {r['dense_tokens_per_s']:.0f} | "
+                f"{r['routed_tokens_per_s']:.0f} | "
                 f"{r['time_ratio']:.3f} |"
             )
     print(
-        '| budget | joint training step: dense ms | routed ms | time ratio | FLOPs ratio | ideal realised |'
+        '| budget | joint training step: dense ms | routed ms | time ratio | FLOPs ratio | ideal '
+        'realised |'
     )
     print('|---|---|---|---|---|---|')
     for r in res['rows']:
         if r['kind'] == 'train':
             print(
-                f"| {r['budget']} | {r['dense_ms']:.1f} | {r['routed_ms']:.1f} | {r['time_ratio']:.3f} | "
+                f"| {r['budget']} | {r['dense_ms']:.1f} | {r['routed_ms']:.1f} | "
+                f"{r['time_ratio']:.3f} | "
                 f"{r['flops_ratio']:.3f} | {r['ideal_realised']:.2f} |"
             )
     t = res['train']
     print(
-        f"training step: dense joint {t['dense_joint_ms']:.1f} ms, controller-only G1 (no util/rank) "
+        f"training step: dense joint {t['dense_joint_ms']:.1f} ms, controller-only G1 (no "
+        "util/rank) "
         f"{t['g1_controller_ms']:.1f} ms, ratio {t['ratio']:.3f}"
     )
     if res['profile']:

@@ -94,7 +94,8 @@ def load_checkpoint(path, map_location='cpu'):
                               f"readable (chmod u+r {path}) or run as its owner") from None
     except Exception as e:           # truncated zip, random bytes, pickle errors, ...
         raise CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:160] if str(e) else 'corrupt'}); it is truncated or "
+                              f"{str(e).splitlines()[0][:160] if str(e) else 'corrupt'}); it is "
+                              "truncated or "
                               f"corrupt: use another checkpoint or retrain") from None
     missing = [
         k for k in ('model', 'model_args', 'config') if not isinstance(ckpt, dict) or k not in ckpt

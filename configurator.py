@@ -227,7 +227,8 @@ def load_config(defaults, argv):
                 with open(arg) as f:
                     exec(compile(f.read(), arg, 'exec'), namespace)
             except SyntaxError as e:
-                raise ConfigError(f"config file {arg}, line {e.lineno}: {e.msg}; fix the file") from None
+                raise ConfigError(f"config file {arg}, line {e.lineno}: {e.msg}; fix the "
+                                  "file") from None
             except SystemExit as e:      # exit() in a config file would end the run silently
                 line = next((fr.lineno for fr in _traceback_frames(e) if fr.filename == arg), '?')
                 raise ConfigError(f"config file {arg}, line {line}: it exits (SystemExit "
@@ -235,7 +236,8 @@ def load_config(defaults, argv):
                                   f"a config file only assigns values: remove the exit") from None
             except Exception as e:       # a runtime error while executing the file
                 line = next((fr.lineno for fr in _traceback_frames(e) if fr.filename == arg), '?')
-                raise ConfigError(f"config file {arg}, line {line}: {type(e).__name__}: {e}; fix the file") from None
+                raise ConfigError(f"config file {arg}, line {line}: {type(e).__name__}: {e}; fix "
+                                  "the file") from None
             for key, value in namespace.items():
                 if key.startswith('_') or key == '__builtins__' or callable(value) or type(value).__name__ == 'module':
                     continue

@@ -590,7 +590,8 @@ class GPT(nn.Module):
                 src = sd_hf[k].t() if k.endswith(transposed) else sd_hf[k]
                 if src.shape != sd[k].shape:
                     raise ValueError(
-                        f"from_pretrained: shape mismatch for {k}: {tuple(src.shape)} vs {tuple(sd[k].shape)}"
+                        f"from_pretrained: shape mismatch for {k}: {tuple(src.shape)} vs "
+                        f"{tuple(sd[k].shape)}"
                     )
                 sd[k].copy_(src)
         model.family.after_load(model)

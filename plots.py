@@ -365,7 +365,8 @@ def plot_full_frac(plt, runs):
     for ax in list(axes.flat)[len(bands):]:
         ax.axis('off')
     fig.suptitle(
-        'realised full-path fraction per routed layer (lines: train batches, dots: causal eval on val; '
+        'realised full-path fraction per routed layer (lines: train batches, dots: causal eval on '
+        'val; '
         'slot j = j-th entry of full_frac)',
         fontsize=9,
     )

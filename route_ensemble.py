@@ -145,7 +145,8 @@ class DepthEnsemble(Family):
 
     def report_lines(self, r):
         return [
-            f"val loss (late-layer ensemble) {r['val_loss']['loss']:.4f} | final layer alone {r['val_loss_full']:.4f}"
+            f"val loss (late-layer ensemble) {r['val_loss']['loss']:.4f} | final layer alone "
+            f"{r['val_loss_full']:.4f}"
         ]
 
     def ddp_find_unused(self, config):

@@ -168,7 +168,8 @@ class EarlyExit(Family):
     def report_lines(self, r):
         v = r['val_loss']
         lines = [
-            f"val loss with early exit {v['loss']:.4f} (TLOps saved {v['tlops_saved']:.3f}) | no exit "
+            f"val loss with early exit {v['loss']:.4f} (TLOps saved {v['tlops_saved']:.3f}) | no "
+            "exit "
             f"{r['val_loss_full']:.4f} | each exit alone: "
             + ' '.join(f"d{d}:{l:.4f}" for d, l in r['exit']['per_exit_loss'].items())
         ]
@@ -220,7 +221,8 @@ def exit_depths(config):
         return parse_layer_list(spec, 1, L - 1, 'exit_layers')
     except ValueError:
         raise ValueError(
-            f"exit_layers must be 'auto', 'every' or depths in 1..{L - 1} such as '1,3', got {spec!r}"
+            f"exit_layers must be 'auto', 'every' or depths in 1..{L - 1} such as '1,3', got "
+            f"{spec!r}"
         ) from None
 
 

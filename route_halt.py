@@ -116,7 +116,8 @@ class TokenSelectiveAttention(Family):
         lines = [f"val loss soft-gated {soft['loss']:.4f} (α {soft['alpha']:.3f}, TLOps saved "
                  f"{soft['tlops_saved']:.3f}); hard skipping where p > τ:"]
         return lines + [
-            f"  {row['mode']:>6} τ={row['tau']:.2f}: val loss {row['loss']:.4f}, α {row['alpha']:.3f}, "
+            f"  {row['mode']:>6} τ={row['tau']:.2f}: val loss {row['loss']:.4f}, α "
+            f"{row['alpha']:.3f}, "
             f"TLOps saved {row['tlops_saved']:.3f}"
             for row in r['halt']['hard']
         ]

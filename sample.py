@@ -167,7 +167,8 @@ def main(argv):
         print(decode(row.tolist()))
         print('---------------')
     print(
-        f"{len(y) * cfg['max_new_tokens'] / dt:,.0f} tokens/s ({dev}, cache={cfg['use_cache'] or lengths is not None}, "
+        f"{len(y) * cfg['max_new_tokens'] / dt:,.0f} tokens/s ({dev}, "
+        f"cache={cfg['use_cache'] or lengths is not None}, "
         f"route={model.config.route})"
     )
     if 'full_frac' in stats:

@@ -615,11 +615,13 @@ def markdown(summary):
     lines = []
     if summary['mixed_code_versions']:
         lines.append(
-            f"**Warning: these runs come from different code versions: {summary['code_versions']}**\n"
+            "**Warning: these runs come from different code versions: "
+            f"{summary['code_versions']}**\n"
         )
     if len(summary['seeds']) < 3:
         lines.append(
-            f"**{len(summary['seeds'])} seed(s): too few for the paired intervals to mean much; use 3 or more.**\n"
+            f"**{len(summary['seeds'])} seed(s): too few for the paired intervals to mean much; "
+            "use 3 or more.**\n"
         )
     room = summary.get('room')
     if room is not None:
@@ -643,23 +645,28 @@ def markdown(summary):
             cells.append(cell_text(summary['table'][arm][k]))
         lines.append(f"| {arm} | " + ' | '.join(cells) + ' |')
     lines.append(
-        f"\nmean ± std over seeds {summary['seeds']}; (wins k/n, Δ) = per-seed paired comparison with "
-        f"the reference arm `{summary['reference']}` (wins: better in k of n seeds; Δ = mean of arm − "
-        f"reference). Threshold hits: k/n runs got there, mean ± std over those that did; (w–l–t, p) "
+        f"\nmean ± std over seeds {summary['seeds']}; (wins k/n, Δ) = per-seed paired comparison "
+        "with "
+        f"the reference arm `{summary['reference']}` (wins: better in k of n seeds; Δ = mean of "
+        "arm − "
+        "reference). Threshold hits: k/n runs got there, mean ± std over those that did; (w–l–t, "
+        "p) "
         f"against the reference per seed with never = ∞, and the exact sign test's p. "
         f"Code: {', '.join(summary['code_versions'])}."
     )
     th = summary.get('threshold') or {}
     if th.get('value') is not None:
         lines.append(
-            f"threshold_hit: first logged iteration with train LM < {th['value']:.4f} ({th['source']})."
+            f"threshold_hit: first logged iteration with train LM < {th['value']:.4f} "
+            f"({th['source']})."
         )
     return '\n'.join(lines)
 
 
 def cell_text(e):
     if 'runs' in e:                  # a threshold hit: censored
-        cell = f"{e['hits']}/{e['runs']} hit" + (f", {e['mean']:.4g} ± {e['std']:.2g}" if e['mean'] is not None else '')
+        cell = f"{e['hits']}/{e['runs']} hit" + (f", {e['mean']:.4g} ± "
+                                                 f"{e['std']:.2g}" if e['mean'] is not None else '')
         vs = e.get('vs_reference')
         return cell + (
             f" ({vs['wins']}–{vs['losses']}–{vs['ties']}, p={vs['sign_p']:.2g})" if vs else ''
@@ -676,10 +683,14 @@ def frontier_markdown(fr):
     span = 'unknown' if fr['span'] is None else f"{fr['span']:.4f}"
     std = 'unknown' if fr['seed_std'] is None else f"{fr['seed_std']:.4f}"
     lines = [
-        f"**Matched compute: {fr['verdict']}.** The dense frontier ({', '.join(fr['arms'])}) spans {span} nats of "
-        f"{fr['loss']} from its smallest to its largest model, against the reference arm's seed std of {std} "
-        f"(needs ≥ {fr['factor']}×). Each arm minus the frontier at its own cost (linear in log FLOPs, per seed): "
-        f"mean [95% t-interval] (below the frontier in k of n seeds; inside its range in m of n seeds).\n",
+        f"**Matched compute: {fr['verdict']}.** The dense frontier ({', '.join(fr['arms'])}) spans "
+        f"{span} nats of "
+        f"{fr['loss']} from its smallest to its largest model, against the reference arm's seed "
+        f"std of {std} "
+        f"(needs ≥ {fr['factor']}×). Each arm minus the frontier at its own cost (linear in log "
+        "FLOPs, per seed): "
+        "mean [95% t-interval] (below the frontier in k of n seeds; inside its range in m of n "
+        "seeds).\n",
         '| arm | at equal training FLOPs | at equal eval FLOPs |',
         '|---|---|---|',
     ]
@@ -692,14 +703,17 @@ def frontier_markdown(fr):
             return f"no seed inside the frontier (inside 0/{e['runs']}{gone})"
         lo, hi = e['ci95']
         return (
-            f"{e['mean_diff']:+.4f} [{lo:+.4f}, {hi:+.4f}] (below {e['wins']}/{e['n']}; inside {e['inside']}/{e['runs']}{gone})"
+            f"{e['mean_diff']:+.4f} [{lo:+.4f}, {hi:+.4f}] (below {e['wins']}/{e['n']}; inside "
+            f"{e['inside']}/{e['runs']}{gone})"
             if e['n'] > 1
-            else f"{e['mean_diff']:+.4f} (below {e['wins']}/1; inside {e['inside']}/{e['runs']}{gone})"
+            else f"{e['mean_diff']:+.4f} (below {e['wins']}/1; inside "
+                 f"{e['inside']}/{e['runs']}{gone})"
         )
 
     for arm in fr['axes']['train_flops']:
         lines.append(
-            f"| {arm} | {cell(fr['axes']['train_flops'][arm])} | {cell(fr['axes']['eval_flops'][arm])} |"
+            f"| {arm} | {cell(fr['axes']['train_flops'][arm])} | "
+            f"{cell(fr['axes']['eval_flops'][arm])} |"
         )
     return '\n'.join(lines) + '\n'
 
@@ -709,8 +723,10 @@ def room_markdown(room):
                      if v['mean'] is not None and not k.endswith('full_frac'))
     spread = 'unknown' if room['seed_std'] is None else f"{room['seed_std']:.4f}"
     head = (
-        f"**Room: {room['verdict']}.** {room['key']} = {room['size']:.4f} against the reference arm's seed "
-        f"std of {room['seed_std_metric']} = {spread}, {room['seed_std_basis']} (needs ≥ {room['factor']}×; "
+        f"**Room: {room['verdict']}.** {room['key']} = {room['size']:.4f} against the reference "
+        "arm's seed "
+        f"std of {room['seed_std_metric']} = {spread}, {room['seed_std_basis']} (needs ≥ "
+        f"{room['factor']}×; "
         f"raw std {room['seed_std_raw'] or 0:.4f})"
         if room['size'] is not None
         else f"**Room: {room['verdict']}** ({room['key']} not measured)"
@@ -730,7 +746,8 @@ def parse_args(argv):
     """(study, options, jobs): the study file and every option checked before any run starts."""
     if not argv or not argv[0].endswith('.py'):
         raise ConfigError(
-            "usage: python sweep.py config/study_<name>.py [--jobs=N] [--summarize_only] [--dry_run] "
+            "usage: python sweep.py config/study_<name>.py [--jobs=N] [--summarize_only] "
+            "[--dry_run] "
             "[--no_plots]"
         )
     opts = {a.split('=')[0]: (a.split('=', 1)[1] if '=' in a else True) for a in argv[1:]}
@@ -832,7 +849,8 @@ def sweep(argv, children):
     if failed:            # a failed run is not a user error: exit 1, after summarising what
                           # finished
         print(
-            f"{len(failed)} of {len(grid)} runs failed; their logs: {', '.join(o + '.log' for o in failed)}",
+            f"{len(failed)} of {len(grid)} runs failed; their logs: "
+            f"{', '.join(o + '.log' for o in failed)}",
             file=sys.stderr,
         )
         return 1

@@ -145,14 +145,18 @@ def run_checked(argv):
                                        # so itself)
         if e.errno != errno.ENOSPC:
             raise
-        raise TrainError(f"no space left on the disk while writing {e.filename or 'the run files'}; free some "
-                         f"space, then continue with --init_from=resume (the last checkpoint, if any, is kept)") from None
+        raise TrainError("no space left on the disk while writing "
+                         f"{e.filename or 'the run files'}; free some "
+                         "space, then continue with --init_from=resume (the last checkpoint, if "
+                         "any, is kept)") from None
     except RuntimeError as e:          # DDP: a peer died, or hung past ddp_timeout, inside a
                                        # collective
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             raise
-        raise TrainError(f"a DDP process stopped responding ({str(e).splitlines()[0][:160]}); this process "
-                         f"stops too. The last checkpoint is kept: resume with --init_from=resume") from None
+        raise TrainError(f"a DDP process stopped responding ({str(e).splitlines()[0][:160]}); this "
+                         "process "
+                         "stops too. The last checkpoint is kept: resume with "
+                         "--init_from=resume") from None
 
 
 def train(argv):
@@ -196,7 +200,8 @@ def train_loop(run, argv):
             if run.master:
                 save_run(run)
                 print(
-                    f"stopped by signal at iteration {run.iter_num}; checkpoint saved to {run.ckpt_path}.\n"
+                    f"stopped by signal at iteration {run.iter_num}; checkpoint saved to "
+                    f"{run.ckpt_path}.\n"
                     f"resume with: python train.py {shlex.join(argv)} --init_from=resume"
                 )
             break
@@ -242,8 +247,10 @@ def setup(cfg, cfg_dict, proc, argv):
     if run.master:
         run.metrics_f = open_run_files(cfg, cfg_dict, proc, run.iter_num)
         print(
-            f"model: {model.get_num_params() / 1e6:.2f}M parameters ({count_params(params):,} trainable) | data: "
-            f"{cfg.dataset} ({meta['vocab_size']} tokens vocab, {meta['train_tokens']:,} train tokens) | "
+            f"model: {model.get_num_params() / 1e6:.2f}M parameters ({count_params(params):,} "
+            "trainable) | data: "
+            f"{cfg.dataset} ({meta['vocab_size']} tokens vocab, {meta['train_tokens']:,} train "
+            "tokens) | "
             f"device {run.dev}, {run.dt}, world {run.world}"
         )
     start_counters(run)
@@ -398,7 +405,8 @@ def trainable_parameters(model, cfg):
     if not ctrl:
         raise TrainError(
             f"trainable=controller trains only a routing controller's parameters (gates, routers, "
-            f"predictors, own exit heads, ensemble norms); this config (route={cfg.route!r} with its "
+            f"predictors, own exit heads, ensemble norms); this config (route={cfg.route!r} with "
+            "its "
             f"options) has none: use trainable=all"
         )
     ids = {id(p) for p in ctrl}
@@ -449,7 +457,8 @@ def evaluate_and_checkpoint(run):
     if not all(math.isfinite(res[s]['loss']) for s in res):
         raise TrainError(
             f"eval loss is not finite at iteration {run.iter_num} (train {res['train']['loss']}, "
-            f"val {res['val']['loss']}); stopping; {kept(run)}. Try a lower learning_rate or grad_clip."
+            f"val {res['val']['loss']}); stopping; {kept(run)}. Try a lower learning_rate or "
+            "grad_clip."
         )
     run.best_val = min(run.best_val, res['val']['loss'])
     log_eval(run, res)

@@ -32,7 +32,8 @@ def check_train_config(cfg):
         [float(t) for t in str(cfg.lm_thresholds).split(',') if t.strip()]
     except ValueError:
         raise TrainError(
-            f"lm_thresholds must be comma-separated numbers such as '2.5,2.0', got {cfg.lm_thresholds!r}"
+            "lm_thresholds must be comma-separated numbers such as '2.5,2.0', got "
+            f"{cfg.lm_thresholds!r}"
         ) from None
     if cfg.trainable not in ('all', 'controller', 'last_layers'):
         raise TrainError("trainable must be 'all', 'controller' or 'last_layers', got "
@@ -113,7 +114,8 @@ def check_family_options(cfg, argv, defaults):
             inert.append(key)
     if inert and int(os.environ.get('RANK', 0)) == 0:
         print(
-            f"note: route={cfg.route} does not read {', '.join(sorted(inert))} (set in a config file)"
+            f"note: route={cfg.route} does not read {', '.join(sorted(inert))} (set in a config "
+            "file)"
         )
 
 

@@ -90,7 +90,8 @@ def log_eval(run, res):
     """An eval's printed line and its 'eval' record, kept in the history the summary reads."""
     frac = res['val']['full_frac']
     print(
-        f"iter {run.iter_num}: train loss {res['train']['loss']:.4f}, val loss {res['val']['loss']:.4f}"
+        f"iter {run.iter_num}: train loss {res['train']['loss']:.4f}, val loss "
+        f"{res['val']['loss']:.4f}"
         + (f", val full-path fraction {np.mean(frac):.3f}" if frac else '')
     )
     rec = dict(
@@ -186,7 +187,8 @@ def log_progress(run, lr, loss_sum, norm, step):
     fs = run.flops_state
     proxy = fs['proxy_num'] / fs['dense']
     print(
-        f"iter {run.iter_num}: loss {lossf:.4f}, lm {lm:.4f}, lr {lr:.2e}, {dtime * 1000:.1f} ms/iter, "
+        f"iter {run.iter_num}: loss {lossf:.4f}, lm {lm:.4f}, lr {lr:.2e}, {dtime * 1000:.1f} "
+        "ms/iter, "
         f"{tps:,.0f} tok/s"
         + (f", mfu {mfu * 100:.1f}%" if mfu is not None else '')
         + (f", full {np.mean(frac):.3f}, flops proxy {proxy:.3f}x" if frac else '')
@@ -271,7 +273,8 @@ def finish_run(run, stopped):
     elif not stopped:
         written = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
         print(
-            f"done: {run.iter_num} iterations, best val loss {run.best_val:.4f}. Outputs in {cfg.out_dir}/ "
+            f"done: {run.iter_num} iterations, best val loss {run.best_val:.4f}. Outputs in "
+            f"{cfg.out_dir}/ "
             f"({', '.join(written)})."
             + (
                 f"\nsample with: python sample.py --out_dir={cfg.out_dir}"

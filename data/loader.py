@@ -58,7 +58,8 @@ def load_dataset_meta(cfg, master, prepare_missing=True):
     if prepare_missing and needs_preparing(cfg):
         if master:
             print(
-                f"no {cfg.dataset} corpus at {folder}: preparing it (python data/prepare.py {cfg.dataset})"
+                f"no {cfg.dataset} corpus at {folder}: preparing it (python data/prepare.py "
+                f"{cfg.dataset})"
             )
             prep.prepare(cfg.dataset, out_dir=folder)
         else:                        # DDP: rank 0 prepares (meta.json is written last); the others
@@ -101,7 +102,8 @@ def check_checkpoint_data(cfg, meta, ckpt):
         if cmeta.get(k) is not None and cmeta[k] != data_identity(meta).get(k):
             raise DataError(
                 f"data field '{k}' differs from the checkpoint's data: checkpoint has "
-                f"{cmeta[k]!r}, {meta.get('folder', cfg.dataset)} has {data_identity(meta).get(k)!r}; "
+                f"{cmeta[k]!r}, {meta.get('folder', cfg.dataset)} has "
+                f"{data_identity(meta).get(k)!r}; "
                 f"use the run's own data (--data_dir/--dataset)"
             )
 

@@ -221,7 +221,8 @@ def build_synthetic(a):
         "itos": itos,
         "source": "builtin",
         "source_sha256": h.hexdigest(),
-        "split": "90/10: train and val are separate streams of whole segments, seeds (seed,0) and (seed,1)",
+        "split": "90/10: train and val are separate streams of whole segments, seeds (seed,0) and "
+                 "(seed,1)",
         "difficulty_classes": classes,
         "difficulty_counts": {
             s: dict(zip(classes, np.bincount(d, minlength=len(classes)).tolist()))
@@ -420,7 +421,8 @@ def build_text(a, default_input=None, url=None):
         **extra,
         "source": source,
         "source_sha256": hashlib.sha256(raw).hexdigest(),
-        "split": f"{pct}/{100 - pct} by {'characters' if tokenizer == 'char' else tokenizer + ' tokens'}",
+        "split": f"{pct}/{100 - pct} by "
+                 f"{'characters' if tokenizer == 'char' else tokenizer + ' tokens'}",
     }
     return splits, {}, meta
 
@@ -778,7 +780,8 @@ def main(argv=None):
     )
     where = output_dir(meta["dataset"], a["out_dir"], a["name"])
     print(
-        f"{meta['dataset']}: {meta['tokenizer']} tokenizer, vocab {meta['vocab_size']}, {meta['dtype']}; "
+        f"{meta['dataset']}: {meta['tokenizer']} tokenizer, vocab {meta['vocab_size']}, "
+        f"{meta['dtype']}; "
         f"tokens: {counts}; written to {where}"
     )
     return 0

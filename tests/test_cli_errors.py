@@ -198,13 +198,15 @@ def test_sample_empty_start_is_refused(char_run):
 def test_sample_unknown_prompts_file_characters_name_the_line(char_run, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the\n\nlazy Dog\n")
-    with pytest.raises(UserError, match=r"prompts.txt line 3 has characters outside the vocabulary: 'D'"):
+    with pytest.raises(UserError, match=r"prompts.txt line 3 has characters outside the "
+                                        r"vocabulary: 'D'"):
         sample.main(sample_args(char_run, f"--prompts_file={prompts}"))
 
 
 def test_sample_synthetic_unknown_symbols_and_default_start(run, capsys):
     args = [f"--out_dir={run / 'out'}", "--max_new_tokens=5", "--num_samples=1", "--device=cpu"]
-    with pytest.raises(UserError, match=r"'x', 'y'.*the synthetic vocabulary has 34 symbols: 0 1 2"):
+    with pytest.raises(UserError, match=r"'x', 'y'.*the synthetic vocabulary has 34 symbols: 0 1 "
+                                        r"2"):
         sample.main([*args, "--start=A3xy"])
     # the default newline is no synthetic symbol: it starts at a segment boundary '|'
     assert sample.main(args) == 0
@@ -372,7 +374,8 @@ def test_sweep_exits_1_after_the_summary_when_runs_fail(tmp_path, monkeypatch, c
     (["--jobs=two"], None, "--jobs"),
     (["--jobs=0"], None, "--jobs"),
     ([], "base = 'cfg.py'\narms = {'A': []}\n", "seeds, out_root"),
-    ([], "base = 'cfg.py'\nout_root = 'x'\nseeds = [1]\narms = {'A': []}\nreference = 'Z'\n", "'Z'"),
+    ([], "base = 'cfg.py'\nout_root = 'x'\nseeds = [1]\narms = {'A': []}\nreference = "
+         "'Z'\n", "'Z'"),
     ([], "arms = {'A': [\n", "line"),
     ([], "arms = undefined_name\n", "NameError")])
 def test_sweep_bad_input(tmp_path, argv, text, needle):

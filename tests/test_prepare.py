@@ -246,7 +246,8 @@ def test_enwik8_small_raw_and_zip(tmp_path):
     assert metas[0]["files"] == metas[1]["files"]
 
 
-@pytest.mark.skipif(not FINEWEB.is_file(), reason="../shared/data/fineweb_sample_legal.parquet absent")
+@pytest.mark.skipif(not FINEWEB.is_file(), reason="../shared/data/fineweb_sample_legal.parquet "
+                                                  "absent")
 def test_fineweb_edu_from_parquet(tmp_path, tiktoken_cache):
     need_gpt2(tiktoken_cache)
     import pyarrow.parquet as pq
@@ -327,7 +328,8 @@ def test_text_name_sets_default_folder_and_command(tmp_path, monkeypatch):
     assert (tmp_path / "mine" / "meta.json").is_file()
     assert (
         meta["command"]
-        == f"python data/prepare.py text --input={tmp_path / 'in.txt'} --val_fraction=0.2 --name=mine"
+        == f"python data/prepare.py text --input={tmp_path / 'in.txt'} --val_fraction=0.2 "
+           "--name=mine"
     )
     assert meta["split"] == "80/20 by characters"
 
@@ -377,7 +379,8 @@ def error_cases(tmp):
         (
             ("wikipedia",),
             {},
-            "unknown dataset 'wikipedia'; valid datasets: synthetic, synthetic_lookup, shakespeare_char",
+            "unknown dataset 'wikipedia'; valid datasets: synthetic, synthetic_lookup, "
+            "shakespeare_char",
         ),
         (("text",), dict(input=str(tmp / "one.txt")), "would leave the train split empty"),
         (("text",), dict(input=str(tmp / "tiny.txt"), val_fraction=1.5), "between 0 and 1"),
@@ -412,10 +415,12 @@ def test_download_failure_says_pass_input(tmp_path, monkeypatch):
     def offline(*a, **k):
         raise OSError("network is unreachable")
     monkeypatch.setattr(P.urllib.request, "urlopen", offline)
-    with pytest.raises(P.PrepareError, match="could not download http://mattmahoney.net.*pass --input FILE"):
+    with pytest.raises(P.PrepareError, match="could not download http://mattmahoney.net.*pass "
+                                             "--input FILE"):
         P.prepare("enwik8", tmp_path / "e")
     monkeypatch.setattr(P, "SHARED_DATA", tmp_path / "no_shared")
-    with pytest.raises(P.PrepareError, match="could not download https://raw.githubusercontent.com.*--input FILE"):
+    with pytest.raises(P.PrepareError, match="could not download "
+                                             "https://raw.githubusercontent.com.*--input FILE"):
         P.prepare("shakespeare_char", tmp_path / "s")
     assert not (tmp_path / "e").exists() and not (tmp_path / "s").exists()
 
@@ -491,7 +496,8 @@ def test_check_prepared_messages(tmp_path, monkeypatch):
     with pytest.raises(P.PrepareError) as e:
         P.check_prepared(tmp_path / "elsewhere" / "shakespeare_char")
     assert (
-        f"run: python data/prepare.py shakespeare_char --out_dir={tmp_path / 'elsewhere' / 'shakespeare_char'}"
+        "run: python data/prepare.py shakespeare_char "
+        f"--out_dir={tmp_path / 'elsewhere' / 'shakespeare_char'}"
         in str(e.value)
     )
 
@@ -604,7 +610,8 @@ def test_verify_checksums_catches_same_size_corruption(tmp_path):
         assert str(e.value).startswith(f"{out / 'train.bin'} does not match its sha256")
         assert str(e.value).endswith(f"run: {meta['command']}") and "\n" not in str(e.value)
     (out / "train.bin").unlink()
-    with pytest.raises(P.PrepareError, match="cannot read .*train.bin.*run: python data/prepare.py"):
+    with pytest.raises(P.PrepareError, match="cannot read .*train.bin.*run: python "
+                                             "data/prepare.py"):
         P.verify_checksums(out, meta)
 
 
@@ -626,7 +633,8 @@ def test_max_token_id_chunks_and_empty(tmp_path, dtype):
             assert P.max_token_id(path, dtype, chunk=chunk) == 5000
     assert isinstance(P.max_token_id(path, dtype), int)
     path.write_bytes(b"\0" * (np.dtype(dtype).itemsize + 1))
-    with pytest.raises(P.PrepareError, match=f"x.bin has .* bytes, not a whole number of {dtype} ids"):
+    with pytest.raises(P.PrepareError, match=f"x.bin has .* bytes, not a whole number of {dtype} "
+                                             "ids"):
         P.max_token_id(path, dtype)
 
 

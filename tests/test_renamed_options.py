@@ -87,7 +87,8 @@ def test_a_stored_config_with_an_old_name_is_refused_naming_the_new_one(monkeypa
     cfg = train.SimpleNamespace(**{**train.DEFAULTS, **asdict(model.config)})
     with pytest.raises(ConfigError, match=want):       # resume
         train.check_against_checkpoint(cfg, {}, ckpt, train.RESUME_KEYS)
-    with pytest.raises(ConfigError, match=r"cheap_rank \(now ffn_cheap_rank\), gate \(now ffn_gate"):
+    with pytest.raises(ConfigError, match=r"cheap_rank \(now ffn_cheap_rank\), gate \(now "
+                                          r"ffn_gate"):
         read_stored_config({'route': 'ffn', 'cheap_rank': 4, 'gate': 'mlp'})
 
 

@@ -759,7 +759,8 @@ def failing_zip_save(obj, f, *args, **kwargs):
     """A full disk as torch.save's zip writer reports it: a RuntimeError that does not say why."""
     f.write(b"PK\x03\x04 partial")
     raise RuntimeError(
-        "[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file data/0: "
+        "[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file "
+        "data/0: "
         "file write failed"
     )
 
@@ -820,7 +821,8 @@ def test_full_disk_under_the_metrics_is_one_error_naming_disk_space(synth, tmp_p
         real(*args).close()
         return FullDisk()
     monkeypatch.setattr(train, "open_run_files", open_full)
-    with pytest.raises(train.TrainError, match=r"no space left on the disk while writing .*metrics\.jsonl.*init_from=resume"):
+    with pytest.raises(train.TrainError, match=r"no space left on the disk while writing "
+                                               r".*metrics\.jsonl.*init_from=resume"):
         train.main(
             [*TINY, *data_args(synth), f"--out_dir={out}", "--max_iters=2", "--eval_iters=1"]
         )
@@ -1306,7 +1308,8 @@ def test_cuda_index_beyond_the_machine_is_refused(monkeypatch):
     traceback."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(train.ConfigError, match=r"device=cuda:3 but this machine has 1 CUDA device \(cuda:0\.\.cuda:0\)"):
+    with pytest.raises(train.ConfigError, match=r"device=cuda:3 but this machine has 1 CUDA device "
+                                                r"\(cuda:0\.\.cuda:0\)"):
         train.resolve_device_dtype(SimpleNamespace(device="cuda:3", dtype="float32"))
     assert train.resolve_device_dtype(SimpleNamespace(device="cuda:0", dtype="float32"))[
         0
