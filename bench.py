@@ -203,7 +203,21 @@ def op_kind(name):
         return 'attention'
     if any(k in name for k in ('index', 'nonzero', 'gather', 'scatter', 'sort', 'masked', 'where')):
         return 'gather/scatter'
-    if any(k in name for k in ('gelu', 'layer_norm', 'add', 'mul', 'sigmoid', 'copy', 'cat', 'zeros', 'fill', 'empty')):
+    if any(
+        k in name
+        for k in (
+            'gelu',
+            'layer_norm',
+            'add',
+            'mul',
+            'sigmoid',
+            'copy',
+            'cat',
+            'zeros',
+            'fill',
+            'empty',
+        )
+    ):
         return 'elementwise/norm'
     return 'other'
 

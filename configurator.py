@@ -199,7 +199,11 @@ def declared_defaults(path):
         tree = ast.parse(f.read(), path)
     out = {}
     for node in tree.body:
-        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+        if not (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+        ):
             continue
         key = node.targets[0].id
         try:
@@ -239,7 +243,12 @@ def load_config(defaults, argv):
                 raise ConfigError(f"config file {arg}, line {line}: {type(e).__name__}: {e}; fix "
                                   "the file") from None
             for key, value in namespace.items():
-                if key.startswith('_') or key == '__builtins__' or callable(value) or type(value).__name__ == 'module':
+                if (
+                    key.startswith('_')
+                    or key == '__builtins__'
+                    or callable(value)
+                    or type(value).__name__ == 'module'
+                ):
                     continue
                 items.append((key, value, arg, None))
         else:

@@ -220,8 +220,17 @@ def save_figure(plt, fig, path):
     return path
 
 
-def routing_map_report(model, train_data, val_data, meta, eval_iters, calib_iters, autocast=nullcontext(),
-                       eval_seed=1337, n_tokens=64):
+def routing_map_report(
+    model,
+    train_data,
+    val_data,
+    meta,
+    eval_iters,
+    calib_iters,
+    autocast=nullcontext(),
+    eval_seed=1337,
+    n_tokens=64,
+):
     """The routing map of the first row of the first eval batch (its first n_tokens tokens; the
     whole row is run, which gives the same decisions since eval routing is causal), after the same
     threshold calibration report() does, and the per-difficulty-class fractions over all eval
@@ -390,7 +399,9 @@ def room(model, batches, autocast=nullcontext(), seed=0):
     return out
 
 
-def calibrated_eval_batches(model, train_data, val_data, eval_iters, calib_iters, autocast, eval_seed):
+def calibrated_eval_batches(
+    model, train_data, val_data, eval_iters, calib_iters, autocast, eval_seed
+):
     """Calibrate the causal thresholds on held-out train-split batches, then fetch the fixed
     validation batches: ([(x, y), ...], their start offsets)."""
     calib = [train_data.fetch(s)[0] for s in train_data.eval_batches(calib_iters, 3, eval_seed)]
@@ -400,7 +411,16 @@ def calibrated_eval_batches(model, train_data, val_data, eval_iters, calib_iters
     return [val_data.fetch(s) for s in starts], starts
 
 
-def report(model, train_data, val_data, meta, eval_iters, calib_iters, autocast=nullcontext(), eval_seed=1337):
+def report(
+    model,
+    train_data,
+    val_data,
+    meta,
+    eval_iters,
+    calib_iters,
+    autocast=nullcontext(),
+    eval_seed=1337,
+):
     """The end-of-run numbers: causal val loss beside the forced-full (dense) and forced-cheap
     references, realised budget, TLOps saved, MoD's causal-rule accuracy, TSA's soft vs hard and the
     exits' threshold sweep, and per-difficulty-class routing (synthetic corpus)."""

@@ -100,11 +100,31 @@ if triton is not None:
 
     @triton.jit
     def _gather_fc_gelu_kernel(
-            x_ptr, order_ptr, lo_ptr, hi_ptr, w_ptr, b_ptr, h_ptr, started_ptr,
-            N, C, W,
-            stride_xm, stride_xk, stride_wn, stride_wk, stride_hm, stride_hn,
-            HAS_BIAS: tl.constexpr, TANH: tl.constexpr, COUNT_STARTED: tl.constexpr, DOT_FP32: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        x_ptr,
+        order_ptr,
+        lo_ptr,
+        hi_ptr,
+        w_ptr,
+        b_ptr,
+        h_ptr,
+        started_ptr,
+        N,
+        C,
+        W,
+        stride_xm,
+        stride_xk,
+        stride_wn,
+        stride_wk,
+        stride_hm,
+        stride_hn,
+        HAS_BIAS: tl.constexpr,
+        TANH: tl.constexpr,
+        COUNT_STARTED: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         """H[i, n] = gelu(x[order[i]] . W_fc[n] + b_fc[n]) for sorted positions lo <= i < hi."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         lo, hi = tl.load(lo_ptr), tl.load(hi_ptr)

@@ -301,8 +301,19 @@ class GPT(nn.Module):
                      else self.transformer.wpe(torch.arange(idx.size(1), device=idx.device)))
         return self.transformer.drop(x)
 
-    def forward(self, idx, targets=None, pos=None, cache=None, last_only=None, force=None, calibrate=False,
-                sparse=True, exec_mode=None, **options):
+    def forward(
+        self,
+        idx,
+        targets=None,
+        pos=None,
+        cache=None,
+        last_only=None,
+        force=None,
+        calibrate=False,
+        sparse=True,
+        exec_mode=None,
+        **options,
+    ):
         """idx (B, T) token ids. Returns (logits, loss, aux): logits for every position when targets
         are given (or last_only=False), else for the last position only; loss is the total training
         loss (LM + the family's weighted terms); aux holds the separate terms and routing statistics
@@ -366,8 +377,18 @@ class GPT(nn.Module):
     # generation
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, lengths=None, stats=None,
-                 vocab_limit=None, compile=False):
+    def generate(
+        self,
+        idx,
+        max_new_tokens,
+        temperature=1.0,
+        top_k=None,
+        use_cache=True,
+        lengths=None,
+        stats=None,
+        vocab_limit=None,
+        compile=False,
+    ):
         """Sample max_new_tokens continuations of idx (B, T), routed as model.eval() routes. With
         use_cache, the prompt is prefilled once and each new token costs one single-position
         forward; once the sequence outgrows block_size the context is cropped as in nanoGPT, which
@@ -468,7 +489,9 @@ class GPT(nn.Module):
         cache.kpos.fill_(-1)            # empty: slots whose kpos is -1 are never read
         return cache
 
-    def generate_ragged(self, idx, lengths, max_new_tokens, temperature, top_k, record, vocab_limit=None, compile=False):
+    def generate_ragged(
+        self, idx, lengths, max_new_tokens, temperature, top_k, record, vocab_limit=None, compile=False
+    ):
         B, dev = idx.size(0), idx.device
         if len(lengths) != B or min(lengths) < 1 or max(lengths) > idx.size(1):
             raise ValueError(

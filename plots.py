@@ -248,7 +248,9 @@ def draw_band(ax, band, colour, label):
 def plot_loss_curves(plt, runs):
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     colours = arm_colours(runs)
-    for ax, (kind, key, title) in zip(axes, [('train', 'lm_loss', 'train LM loss'), ('eval', 'val_loss', 'val loss')]):
+    for ax, (kind, key, title) in zip(
+        axes, [('train', 'lm_loss', 'train LM loss'), ('eval', 'val_loss', 'val loss')]
+    ):
         for arm, dirs in runs.items():
             band = seed_band(dirs, kind, key)
             if band is not None:

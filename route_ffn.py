@@ -311,8 +311,9 @@ class FFNRouting(Family):
                 total += c['gate_fc'] + n_out * c['gate_out'] + c['gate_read']
                 if kind == 'jepa' and mode == 'train' and config.ffn_jepa_weight > 0:
                     total += 2 * c['jepa_target']
-                if config.ffn_infer_rule == 'predictor' and (mode in ('eval', 'sparse') or
-                                                         (mode == 'train' and config.ffn_predictor_weight > 0)):
+                if config.ffn_infer_rule == 'predictor' and (
+                    mode in ('eval', 'sparse') or (mode == 'train' and config.ffn_predictor_weight > 0)
+                ):
                     total += c['pred_fc'] + c['pred_out']
                 # aux losses score the detached input again
                 if mode == 'train' and config.ffn_aux_grad == 'own':

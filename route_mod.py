@@ -154,7 +154,11 @@ class MixtureOfDepths(Family):
                 else T
             )
             total += T * 2 * d * router + n * (c['attn_proj'] + c['full']) + 4 * n * n * d
-            if router and config.mod_infer_rule == 'predictor' and (mode != 'train' or config.mod_predictor_weight > 0):
+            if (
+                router
+                and config.mod_infer_rule == 'predictor'
+                and (mode != 'train' or config.mod_predictor_weight > 0)
+            ):
                 total += T * (c['pred_fc'] + c['pred_out'])
         return total
 

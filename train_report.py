@@ -317,7 +317,10 @@ def routing_summary(run):
         )
     print_routing(run.raw_model.family, out['routing'])
     dense_fwd = flops.dense_forward_flops(mcfg, cfg.block_size)
-    for key, frac_key in (('eval_flops_vs_dense', 'full_frac'), ('eval_flops_executed_vs_dense', 'exec_frac')):
+    for key, frac_key in (
+        ('eval_flops_vs_dense', 'full_frac'),
+        ('eval_flops_executed_vs_dense', 'exec_frac'),
+    ):
         frac = out['routing']['val_loss'][frac_key]
         out[key] = flops.forward_flops(mcfg, cfg.block_size, 'sparse', full_frac=frac) / dense_fwd
     return out

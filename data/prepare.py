@@ -766,8 +766,17 @@ def main(argv=None):
     p = OneLineParser(description=__doc__.split("\n")[0])
     p.add_argument("dataset", help=", ".join(BUILDERS))
     p.add_argument("--out_dir")
-    for key, kind in [("dtype", str), ("seed", int), ("num_tokens", int), ("mix", str), ("input", str),
-                      ("max_docs", int), ("val_fraction", float), ("tokenizer", str), ("name", str)]:
+    for key, kind in [
+        ("dtype", str),
+        ("seed", int),
+        ("num_tokens", int),
+        ("mix", str),
+        ("input", str),
+        ("max_docs", int),
+        ("val_fraction", float),
+        ("tokenizer", str),
+        ("name", str),
+    ]:
         p.add_argument(f"--{key}", type=kind)
     a = vars(p.parse_args(argv))
     try:

@@ -364,7 +364,9 @@ def kill_plan(seed):
 
 
 @pytest.mark.slow
-def test_sigkill_during_checkpoint_writes_then_resume_is_bit_exact(reference, data_dir, wrapper, tmp_path):
+def test_sigkill_during_checkpoint_writes_then_resume_is_bit_exact(
+    reference, data_dir, wrapper, tmp_path
+):
     plan = kill_plan(KILL_SEED)
     # not vacuous: a kill before any checkpoint exists, kills with one, a kill in a resumed process,
     # empty and partial temp files; and the last kill leaves a checkpoint, so the final run resumes

@@ -232,8 +232,9 @@ def dense_twin(routed_model, seed):
        gate=st.sampled_from(['mlp', 'jepa', 'random']), layout=layouts(),
        readout=st.sampled_from(['distance', 'linear']), block_size=st.sampled_from([24, 48]),
        gate_grad=st.sampled_from(['ste', 'scale', 'none']))
-def test_train_masks_hold_exactly_ceil_budget_T_top_scoring_tokens(seed, B, T, budget, gate, layout, readout,
-                                                                    block_size, gate_grad):
+def test_train_masks_hold_exactly_ceil_budget_T_top_scoring_tokens(
+    seed, B, T, budget, gate, layout, readout, block_size, gate_grad
+):
     n_layer, spec, ids = layout
     model = build(
         seed,
@@ -287,7 +288,9 @@ DENSE_EQ = dict(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 24), layout=la
 @settings(**SETTINGS)
 @given(**DENSE_EQ, gate=st.sampled_from(SCORING_GATES), readout=st.sampled_from(['distance', 'linear']),
        infer_rule=st.sampled_from(['threshold', 'predictor']))
-def test_budget_one_no_grad_equals_dense_bitwise(seed, B, T, layout, pos, bias, gate, readout, infer_rule):
+def test_budget_one_no_grad_equals_dense_bitwise(
+    seed, B, T, layout, pos, bias, gate, readout, infer_rule
+):
     n_layer, spec, ids = layout
     model = build(seed, n_layer, ffn_gate=gate, ffn_budget=1.0, ffn_layers=spec, pos=pos, bias=bias,
                   ffn_jepa_readout=readout, ffn_gate_grad='none', ffn_infer_rule=infer_rule)
@@ -338,8 +341,9 @@ def test_budget_one_ste_equals_dense_property(seed, B, T, layout, pos, bias, gat
 @settings(**SETTINGS)
 @given(**DENSE_EQ, gate=st.sampled_from(['mlp', 'jepa', 'random', 'static_full']),
        gate_grad=st.sampled_from(['ste', 'scale', 'none']), budget=BUDGETS, training=st.booleans())
-def test_forced_full_and_static_full_equal_dense_bitwise(seed, B, T, layout, pos, bias, gate, gate_grad, budget,
-                                                        training):
+def test_forced_full_and_static_full_equal_dense_bitwise(
+    seed, B, T, layout, pos, bias, gate, gate_grad, budget, training
+):
     n_layer, spec, ids = layout
     model = build(
         seed,
@@ -362,8 +366,9 @@ def test_forced_full_and_static_full_equal_dense_bitwise(seed, B, T, layout, pos
 @settings(**SETTINGS)
 @given(**DENSE_EQ, gate=st.sampled_from(['mlp', 'jepa', 'random', 'static_cheap']),
        gate_grad=st.sampled_from(['ste', 'scale', 'none']), training=st.booleans())
-def test_forced_cheap_and_static_cheap_equal_hand_written_forward(seed, B, T, layout, pos, bias, gate, gate_grad,
-                                                                  training):
+def test_forced_cheap_and_static_cheap_equal_hand_written_forward(
+    seed, B, T, layout, pos, bias, gate, gate_grad, training
+):
     n_layer, spec, ids = layout
     model = build(seed, n_layer, ffn_gate=gate, ffn_layers=spec, pos=pos, bias=bias,
                   ffn_gate_grad=gate_grad).train(training)
@@ -383,7 +388,9 @@ def test_forced_cheap_and_static_cheap_equal_hand_written_forward(seed, B, T, la
 
 @pytest.mark.parametrize('src_gate,gate,rule', [('mlp', 'mlp', 'threshold'), ('random', 'mlp', 'predictor'),
                                                  ('random', 'jepa', 'threshold'), ('mlp', 'jepa', 'predictor')])
-def test_routed_model_from_checkpoint_file_keeps_backbone_and_gets_fresh_gates(src_gate, gate, rule):
+def test_routed_model_from_checkpoint_file_keeps_backbone_and_gets_fresh_gates(
+    src_gate, gate, rule
+):
     """train.build_model with init_from=<ckpt file> (stage 2: typically a random-gate backbone):
     backbone (incl. cheap FFNs) from the file, gates fresh; forced full/cheap logits equal the
     source model's."""
@@ -446,7 +453,9 @@ def test_masked_update_equals_gather_scatter(seed, B, T, p, gate, gate_grad, lay
        gate=st.sampled_from(['mlp', 'jepa', 'random', 'static_full', 'static_cheap']),
        infer_rule=st.sampled_from(['threshold', 'predictor']), gate_grad=st.sampled_from(['ste', 'scale', 'none']),
        readout=st.sampled_from(['distance', 'linear']), pos=st.sampled_from(['learned', 'rope']), data=st.data())
-def test_eval_routing_is_causal(seed, B, T, budget, layout, gate, infer_rule, gate_grad, readout, pos, data):
+def test_eval_routing_is_causal(
+    seed, B, T, budget, layout, gate, infer_rule, gate_grad, readout, pos, data
+):
     n_layer, spec, ids = layout
     model = build(
         seed,
@@ -496,7 +505,9 @@ def test_eval_routing_is_causal(seed, B, T, budget, layout, gate, infer_rule, ga
        gate=st.sampled_from(['mlp', 'jepa', 'static_full', 'static_cheap']),
        infer_rule=st.sampled_from(['threshold', 'predictor']), gate_grad=st.sampled_from(['ste', 'scale', 'none']),
        pos=st.sampled_from(['learned', 'rope']), layout=layouts())
-def test_eval_routing_kv_cache_decoding_equals_recompute(seed, B, T0, new, gate, infer_rule, gate_grad, pos, layout):
+def test_eval_routing_kv_cache_decoding_equals_recompute(
+    seed, B, T0, new, gate, infer_rule, gate_grad, pos, layout
+):
     """Per-token causal decisions: one token at a time through the KV cache routes exactly as the
     full recompute does, and predicts the same (logits within ROUTED_TOL: a cache step runs T=1 and
     masked attention, recomputation T and is_causal, and sparse gathers of other sizes; tokens equal
@@ -545,7 +556,9 @@ def gate_params_on_score(block):
 @given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(2, 24), budget=BUDGETS, layout=layouts(),
        gate=st.sampled_from(SCORING_GATES), readout=st.sampled_from(['distance', 'linear']),
        gate_grad=st.sampled_from(['ste', 'scale', 'none']), infer_rule=st.sampled_from(['threshold', 'predictor']))
-def test_lm_loss_alone_reaches_the_gate(seed, B, T, budget, layout, gate, readout, gate_grad, infer_rule):
+def test_lm_loss_alone_reaches_the_gate(
+    seed, B, T, budget, layout, gate, readout, gate_grad, infer_rule
+):
     n_layer, spec, ids = layout
     model = build(
         seed,
@@ -644,7 +657,9 @@ def test_ste_forward_is_the_hard_mixture_property(seed, B, T, budget, layout, ga
 @given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 24), budget=BUDGETS, layout=layouts(),
        gate=st.sampled_from(SCORING_GATES), readout=st.sampled_from(['distance', 'linear']),
        gate_grad=st.sampled_from(['scale', 'none']))
-def test_scale_and_none_forward_is_the_hard_mixture(seed, B, T, budget, layout, gate, readout, gate_grad):
+def test_scale_and_none_forward_is_the_hard_mixture(
+    seed, B, T, budget, layout, gate, readout, gate_grad
+):
     check_hard_mixture(seed, B, T, budget, layout, gate, gate_grad, readout)
 
 
@@ -655,7 +670,9 @@ def test_scale_and_none_forward_is_the_hard_mixture(seed, B, T, budget, layout, 
 @given(seed=SEEDS, B=st.integers(1, 4), T=st.integers(1, 24), budget=BUDGETS, layout=layouts(),
        gate=st.sampled_from(SCORING_GATES), infer_rule=st.sampled_from(['threshold', 'predictor']),
        readout=st.sampled_from(['distance', 'linear']))
-def test_calibration_hits_budget_on_its_own_batch(seed, B, T, budget, layout, gate, infer_rule, readout):
+def test_calibration_hits_budget_on_its_own_batch(
+    seed, B, T, budget, layout, gate, infer_rule, readout
+):
     n_layer, spec, ids = layout
     model = build(
         seed,
@@ -842,7 +859,9 @@ def labelled_pass(model, seed, B, T, l):
 @given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(2, 24), gate=st.sampled_from(SCORING_GATES),
        policy=st.sampled_from(['off', 'on']), start=st.sampled_from(['auto', 'full', 'routed']),
        aux_grad=st.sampled_from(['own', 'leak']), data=st.data())
-def test_util_loss_regresses_routed_score_onto_reference_labels(seed, B, T, gate, policy, start, aux_grad, data):
+def test_util_loss_regresses_routed_score_onto_reference_labels(
+    seed, B, T, gate, policy, start, aux_grad, data
+):
     """End to end through forward(oracle_layers=...): the forks start from the all-full state (start
     'full'; 'auto' with off-policy labels) or from this routed pass's own state ('routed'; 'auto'
     with on-policy labels), and the later layers run all full (off) or by the gates (on); the
@@ -926,7 +945,9 @@ def token_labels_ref(model, l, x_mid, base, tgt, later, budget):
 @given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 10), n_layer=st.integers(1, 3), data=st.data(),
        gate=st.sampled_from(SCORING_GATES), gate_grad=st.sampled_from(['ste', 'scale', 'none']),
        later=st.sampled_from(['full', 'policy']), pos=st.sampled_from(['learned', 'rope']))
-def test_token_labels_match_one_fork_per_token(seed, B, T, n_layer, data, gate, gate_grad, later, pos):
+def test_token_labels_match_one_fork_per_token(
+    seed, B, T, n_layer, data, gate, gate_grad, later, pos
+):
     """The two-pass 'token' labels (the switched token sees the base stream's keys before it) equal
     T separate forks, each switching one token, from any base decision at l (all full, as from the
     all-full state, or a routed mask)."""
@@ -956,7 +977,9 @@ def test_token_labels_match_one_fork_per_token(seed, B, T, n_layer, data, gate, 
 @settings(**SETTINGS)
 @given(seed=SEEDS, B=st.integers(1, 2), T=st.integers(2, 10), gate=st.sampled_from(SCORING_GATES),
        policy=st.sampled_from(['off', 'on']), start=st.sampled_from(['auto', 'full', 'routed']), data=st.data())
-def test_util_loss_regresses_onto_token_labels_from_either_start(seed, B, T, gate, policy, start, data):
+def test_util_loss_regresses_onto_token_labels_from_either_start(
+    seed, B, T, gate, policy, start, data
+):
     """End to end with the default 'token' labels: from the all-full state every other token is full
     at l; from the routed state every other token keeps this pass's own training decision at l."""
     l = data.draw(st.integers(0, 2))

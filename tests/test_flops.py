@@ -154,7 +154,9 @@ def test_flops_cli_prints_the_breakdown(capsys):
 @pytest.mark.parametrize('trainable', ['all', 'controller'])
 @pytest.mark.parametrize('policy,start', [('off', 'auto'), ('on', 'auto'), ('off', 'routed'), ('on', 'full')])
 @pytest.mark.parametrize('label', ['token', 'sequence'])
-def test_aux_loss_gradient_modes_and_oracle_starts_match_counter(gate, aux_grad, trainable, policy, start, label):
+def test_aux_loss_gradient_modes_and_oracle_starts_match_counter(
+    gate, aux_grad, trainable, policy, start, label
+):
     """Every aux-loss gradient mode and oracle start with util, rank and JEPA on (the drawn configs
     above reach these combinations only now and then): 'own' scores the detached gate input
     again."""

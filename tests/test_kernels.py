@@ -194,8 +194,14 @@ def test_dispatch_rule(monkeypatch):
         assert not kernels.use_triton(torch.zeros(1))            # nothing to run it with
         return
     gpu = SimpleNamespace(is_cuda=True, device=torch.device('cuda', 0))
-    for capability, runs_kernel in [((7, 0), False), ((7, 5), False), ((8, 0), True), ((8, 6), True),
-                                    ((9, 0), True), ((10, 0), True)]:
+    for capability, runs_kernel in [
+        ((7, 0), False),
+        ((7, 5), False),
+        ((8, 0), True),
+        ((8, 6), True),
+        ((9, 0), True),
+        ((10, 0), True),
+    ]:
         monkeypatch.setattr(
             torch.cuda, 'get_device_capability', lambda device=None, c=capability: c
         )

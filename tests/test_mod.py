@@ -20,7 +20,9 @@ pytestmark = pytest.mark.usefixtures('one_thread')      # tiny ops: see conftest
 @settings(**SETTINGS)
 @given(seed=st.integers(0, 999), T=st.integers(1, 24), B=st.integers(1, 3), budget=st.floats(0.01, 1.0),
        layout=st.sampled_from(['auto', 'all', '0,3']))
-def test_mod_training_capacity_is_exact_and_unselected_tokens_pass_unchanged(seed, T, B, budget, layout):
+def test_mod_training_capacity_is_exact_and_unselected_tokens_pass_unchanged(
+    seed, T, B, budget, layout
+):
     """Training: exactly ceil(budget·T) tokens per row at every routed layer (of the actual T, not
     block_size); routed layers are every other one by default; a token not selected leaves the block
     with the very hidden state it entered with."""

@@ -446,7 +446,10 @@ def test_cli(tmp_path):
 # ----------------------------------------------------------------------------- idempotence, atomicity, check
 def test_idempotent(tmp_path):
     (tmp_path / "in.txt").write_text("some text to tokenize, twice\n" * 50)
-    for dataset, opts in [("synthetic", dict(num_tokens=4000)), ("text", dict(input=str(tmp_path / "in.txt")))]:
+    for dataset, opts in [
+        ("synthetic", dict(num_tokens=4000)),
+        ("text", dict(input=str(tmp_path / "in.txt"))),
+    ]:
         out = tmp_path / dataset
         m1 = P.prepare(dataset, out, **opts)
         first = folder_bytes(out)

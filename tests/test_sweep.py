@@ -19,7 +19,9 @@ import pytest
 import sweep
 
 
-def fake_run(path, max_iters, summary=None, evals=(), norms=(), sha='abc123', dirty=False, lms=(), tlops=()):
+def fake_run(
+    path, max_iters, summary=None, evals=(), norms=(), sha='abc123', dirty=False, lms=(), tlops=()
+):
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, 'config.json'), 'w') as f:
         json.dump(dict(max_iters=max_iters), f)

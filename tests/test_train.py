@@ -122,7 +122,9 @@ def assert_identical(a, b, where="ckpt"):
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
-def eval_loss_of_ckpt(out_dir, synth, split="val", eval_iters=2, block_size=32, batch_size=4, seed=1337):
+def eval_loss_of_ckpt(
+    out_dir, synth, split="val", eval_iters=2, block_size=32, batch_size=4, seed=1337
+):
     """Mean loss of ckpt.pt's model on the eval batches train.py uses for `split`, with the data
     read and the loss computed here (numpy + GPT forward), not by train.py's eval code."""
     ck = load_ckpt(out_dir)
