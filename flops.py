@@ -57,7 +57,7 @@ def peak_flops(device, dtype):
     return None
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # routed models: each family's analytic terms live in its file (Family.forward_flops,
 # backward_flops, oracle_flops); these sum them for the family of config.route
 

@@ -129,7 +129,7 @@ def is_controller_key(name):
     return any(family.is_controller_key(name) for family in FAMILIES.values())
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # attention, with positions and an optional KV cache
 
 class KVCache:
@@ -249,7 +249,7 @@ class Block(nn.Module):
         return x + self.ffn_update(x)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 class GPT(nn.Module):
     def __init__(self, config):
@@ -373,7 +373,7 @@ class GPT(nn.Module):
         if self.transformer.wpe is not None:
             self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
 
-    # ------------------------------------------------------------------------------------------------
+    # ----------------------------------------------------------------------------------------------
     # generation
 
     @torch.no_grad()
@@ -426,7 +426,8 @@ class GPT(nn.Module):
                 # nxt (set at the end of the previous step), not a view of idx: same strides every
                 # step
                 if use_cache and T <= bs and cache is not None:
-                    logits, aux = step(nxt, torch.full((B, 1), T - 1, device=idx.device), cache)  # noqa: F821
+                    step_pos = torch.full((B, 1), T - 1, device=idx.device)
+                    logits, aux = step(nxt, step_pos, cache)  # noqa: F821
                 elif use_cache and T <= bs:
                     cache = self.new_cache(B, idx.device, compile)
                     logits, _, aux = self(
@@ -537,7 +538,7 @@ class GPT(nn.Module):
             logits[logits < v[:, [-1]]] = -float('inf')
         return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
 
-    # ------------------------------------------------------------------------------------------------
+    # ----------------------------------------------------------------------------------------------
     # training helpers
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, params=None):
@@ -556,7 +557,7 @@ class GPT(nn.Module):
         fused = device_type in ('cuda', 'cpu')
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
-    # ------------------------------------------------------------------------------------------------
+    # ----------------------------------------------------------------------------------------------
 
     @classmethod
     def from_pretrained(cls, name_or_path, override_args=None):

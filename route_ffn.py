@@ -396,7 +396,7 @@ def gate_read_flops(config):
     return costs.get(config.ffn_jepa_readout, 0)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the routed FFN of one block
 
 def routed_ffn_update(block, cfg, x, ctx):

@@ -390,7 +390,7 @@ def tlops_saved(full_frac, n_layer):
     return 1 - (full_frac.sum() + (n_layer - len(full_frac))) / n_layer
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # layers and sparse execution
 
 class MLP(nn.Module):

@@ -44,7 +44,7 @@ from run_state import drop_records_after, parse_record  # noqa: F401
 from train_checks import check_out_dir  # noqa: F401
 from train_report import code_version, run_info  # noqa: F401
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # defaults (override with a config file and/or --key=value); the quickstart trains on these
 # I/O
 out_dir = 'out/quickstart'
@@ -126,7 +126,7 @@ MODEL_KEYS = BACKBONE_KEYS + (
 )
 RESUME_KEYS = MODEL_KEYS + tuple(k for f in FAMILIES.values() for k in f.resume_options)
 HERE = os.path.dirname(os.path.abspath(__file__))
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def main(argv):
@@ -257,7 +257,7 @@ def setup(cfg, cfg_dict, proc, argv):
     return run
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the config, checked before anything is read or written (train_checks.py holds the checks)
 
 def read_config(argv):
@@ -271,7 +271,7 @@ def read_config(argv):
     return cfg, cfg_dict
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the process, the inputs, the model and what it trains
 
 def setup_process(cfg):
@@ -439,7 +439,7 @@ def wrap_model(raw_model, cfg, proc):
     return model
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the loop: eval and checkpoint, one optimisation step (train_report.py logs it, counts its FLOPs)
 
 def eval_due(run):

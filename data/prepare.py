@@ -233,7 +233,7 @@ def build_synthetic(a):
     return splits, extra, meta
 
 
-# ----------------------------------------------------------------------------- inputs and tokenizers
+# ---------------------------------------------------------------------------- inputs and tokenizers
 def read_input(path):
     p = Path(path)
     if not p.is_file():

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Hypothesis profiles, chosen here on purpose rather than by Hypothesis's own CI detection.
 # Hypothesis (6.1xx+) loads a built-in 'ci' profile (derandomize=True, database=None,
 # print_blob=True, deadline=None, too_slow suppressed) by itself whenever CI is set to *any* value
@@ -61,7 +61,7 @@ HYPOTHESIS_PROFILE = (
 )
 settings.load_profile(HYPOTHESIS_PROFILE)
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # processes the tests start
 #
 # Every process a test starts goes through start() / started() / run_group() / finish(): it runs
@@ -295,7 +295,7 @@ def one_thread():
     torch.set_num_threads(old)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # comparisons across kernels
 #
 # Bitwise equality (torch.equal) is right only when both sides run the same kernels on the same
@@ -377,7 +377,7 @@ def assert_greedy_traces_agree(a, b, tol=FP32_TOL):
             f'step {s}: greedy tokens {x} vs {y}, not a near-tie (gap {gap:.3g})'
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # tiny models of the routing families: test_families.py (the promises every family keeps) and the
 # per-family files (test_mod.py, test_exit.py, test_ensemble.py) build them the same way
 

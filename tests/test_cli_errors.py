@@ -103,7 +103,7 @@ def char_run(tmp_path_factory):
     return root
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # padded ids never reach a decoder
 
 @pytest.mark.parametrize("ragged", [False, True])
@@ -169,7 +169,7 @@ def test_sample_prompts_file_decodes_only_real_ids(char_run, tmp_path, capsys):
     )
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # prompts the vocabulary cannot encode
 
 def sample_args(char_run, *extra):
@@ -214,7 +214,7 @@ def test_sample_synthetic_unknown_symbols_and_default_start(run, capsys):
     assert first[0] == "|" and len(first) == 6 and set(first) <= set(P.SYMBOLS), first
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # bad options and checkpoints: one UserError naming the field, before any work
 
 @pytest.mark.parametrize("arg,needle", [
@@ -296,7 +296,7 @@ def test_bench_refuses_decode_past_block_size(args):
         )
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # eval.py --json: stdout is exactly one JSON object
 
 def test_eval_json_stdout_is_one_object(run, capsys):
@@ -329,7 +329,7 @@ def test_eval_prepares_no_data_and_its_suggested_prepare_works(run, tmp_path, ca
     assert json.loads(capsys.readouterr().out)["val_loss"]["loss"] > 0
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # sweep.py: failed runs exit 1 after the summary; bad input is a UserError
 
 FAKE_TRAIN = textwrap.dedent("""
@@ -388,7 +388,7 @@ def test_sweep_missing_study_file(tmp_path):
         sweep.main([str(tmp_path / "missing_study.py")])
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # each script from the shell: exit 2 and one 'error: ' line on stderr
 
 @pytest.mark.parametrize("script,args,needle", [

@@ -124,7 +124,7 @@ def test_split_apply_modes_route_each_token_to_its_path(mode):
     assert torch.equal(got, torch.where(mask[..., None], 3 * x, 0.0))
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # decoding
 
 def prefilled(model, lengths, seed=0):

@@ -92,7 +92,7 @@ def test_ensemble_of_one_layer_with_copied_norm_is_the_dense_model():
         )
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the dense fine-tuning baseline (trainable='last_layers')
 
 def test_last_layers_step_flops_match_counter():

@@ -81,7 +81,7 @@ def is_random(case):
     return 'random' in (opt.get('ffn_gate'), opt.get('mod_router'))
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # what every family promises
 
 @settings(**SETTINGS)
@@ -188,7 +188,7 @@ def test_gradients_reach_every_router(case):
             assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # FLOPs against torch's counter
 
 # every family in the registry (ffn and halt included), with as many examples per case as when only
@@ -282,7 +282,7 @@ def test_every_family_but_the_dense_one_routes():
     assert [name for name, family in REGISTRY.items() if not family.routes] == ['none']
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the contract (routing.py's docstring)
 
 CORE = ('Options', 'validate', 'loss', 'is_controller_key', 'forward_flops', 'backward_flops')

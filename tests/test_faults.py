@@ -127,7 +127,7 @@ run_cli(train.main)
 '''
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # helpers and fixtures
 
 def run_py(script, args, env=None, timeout=TIMEOUT):
@@ -247,7 +247,7 @@ def wrapper(tmp_path):
     return path
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # SIGTERM during a training step: save, exit 0, and the resume is bit-exact
 # (tests/test_train.py checks that a signalled run saves and that its printed resume command runs,
 # but not that the resumed run ends bit-equal to an uninterrupted one)
@@ -269,7 +269,7 @@ def test_sigterm_mid_step_then_resume_is_bit_exact(reference, data_dir, wrapper,
     assert_same_final_state(out, reference)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # SIGINT while save_checkpoint is writing: the write completes, the file is valid, then the run
 # stops
 
@@ -298,7 +298,7 @@ def test_sigint_during_checkpoint_write_completes_the_save(reference, data_dir, 
     assert_same_final_state(out, reference)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # a truncated or foreign ckpt.pt: one clear error, exit 2, nothing touched
 
 @pytest.mark.parametrize("damage", ["truncated_half", "random_bytes"])
@@ -336,7 +336,7 @@ def test_corrupt_checkpoint_fails_cleanly(reference, data_dir, tmp_path, damage,
     assert use == "resume" or not out.exists()
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # SIGKILL in the middle of checkpoint writes, then resume: bit-equal to the uninterrupted run
 
 KILL_SEED = 14      # a fixed seed; its plan is asserted to cover the cases below before anything

@@ -44,7 +44,7 @@ ZERO_AUX = dict(
 SCORING_GATES = ('mlp', 'jepa')
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # helpers
 
 def build(seed, n_layer=2, noise=0.3, **kw):
@@ -224,7 +224,7 @@ def dense_twin(routed_model, seed):
     return dense
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 1. training decisions: exactly ceil(budget·T) full tokens per row, and they are the top-k scores
 
 @settings(**SETTINGS)
@@ -277,7 +277,7 @@ def test_train_masks_hold_exactly_ceil_budget_T_top_scoring_tokens(
     torch.testing.assert_close(aux['full_frac'], torch.full((len(ids),), k / T), rtol=0, atol=1e-6)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 2. gate forced open (or budget 1.0) == the dense model; forced shut == a hand-written cheap
 # forward
 
@@ -410,7 +410,7 @@ def test_routed_model_from_checkpoint_file_keeps_backbone_and_gets_fresh_gates(
     )
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 3. masked mixture == gather -> compute -> scatter
 
 @settings(**SETTINGS)
@@ -445,7 +445,7 @@ def test_masked_update_equals_gather_scatter(seed, B, T, p, gate, gate_grad, lay
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 4. eval mode is causal for every gate and decision rule
 
 @settings(**SETTINGS)
@@ -542,7 +542,7 @@ def test_oracle_gate_needs_targets(training):
         assert all(m.sum(1).tolist() == [4, 4] for m in aux['masks'].values())
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 5. the LM loss alone trains the gate (ste, scale); ffn_gate_grad='none' cuts it off
 
 def gate_params_on_score(block):
@@ -607,7 +607,7 @@ def test_jepa_target_projection_is_a_fixed_buffer():
     assert any(not torch.equal(a, p) for a, p in zip(gate_before, model.controller_parameters()))
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 6. straight-through: forward value is the hard mixture
 
 def check_hard_mixture(seed, B, T, budget, layout, gate, gate_grad, readout, exact=True):
@@ -663,7 +663,7 @@ def test_scale_and_none_forward_is_the_hard_mixture(
     check_hard_mixture(seed, B, T, budget, layout, gate, gate_grad, readout)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 7. calibration hits the budget
 
 @settings(**SETTINGS)
@@ -718,7 +718,7 @@ def test_calibrate_without_scores_returns_none(gate):
     assert build(0, 2, ffn_gate=gate).calibrate(tokens(0, 2, 8)) is None
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 8. a weight of 0 means the computation does not run
 
 def boom(*args, **kwargs):
@@ -788,7 +788,7 @@ def test_util_and_rank_weight_zero_compute_no_util_or_rank_term(monkeypatch):
     assert torch.equal(loss.detach(), aux['lm_loss'])
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 9. oracle labels against hand-written forks
 
 @settings(**SETTINGS)
@@ -1009,7 +1009,7 @@ def test_util_loss_regresses_onto_token_labels_from_either_start(
     torch.testing.assert_close(aux['utility_mean'], U_ref.mean(), rtol=0, atol=1e-5)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 10. utility regression and pairwise rank against brute force
 
 def rank_brute(score, U, i, j, kind, margin):
@@ -1075,7 +1075,7 @@ def test_utility_regression_equals_brute_force(seed, B, T):
     assert losses.utility_regression(U, U).item() == 0.0
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 11. controller-only training touches the controller and nothing else
 
 @pytest.mark.parametrize('gate,infer_rule', [('mlp', 'threshold'), ('jepa', 'predictor'), ('mlp', 'predictor')])
@@ -1127,7 +1127,7 @@ def test_controller_only_needs_gate_parameters(kw):
         train.trainable_parameters(model, cfg)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 12. config validation names the field
 
 @pytest.mark.parametrize('field,value', [
@@ -1154,7 +1154,7 @@ def test_valid_config_accepted(layout, budget):
     assert [i for i, b in enumerate(GPT(cfg).transformer.h) if hasattr(b, 'cheap')] == ids
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # regressions from review
 
 @pytest.mark.parametrize('gate,readout,rule', [('mlp', 'distance', 'threshold'), ('jepa', 'distance', 'threshold'),
@@ -1201,7 +1201,7 @@ def test_resume_compares_the_layers_meant_not_the_spelling():
         train.check_against_checkpoint(cfg, {}, ck, ['ffn_layers'])
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # eval.room: the brackets a study's room is measured with
 
 @settings(**SETTINGS)

@@ -38,7 +38,7 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=3e-2
        torch.float16: dict(rtol=4e-3, atol=4e-3)}
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # helpers
 
 def make_mlp(C, W, bias, gelu, dtype, seed):
@@ -134,7 +134,7 @@ def routed_ffn(full, cheap):
     return f
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # sort_by_mask and the reference (every process)
 
 @settings(max_examples=60, **SETTINGS)
@@ -214,7 +214,7 @@ def test_dispatch_rule(monkeypatch):
     assert kernels.use_triton(torch.zeros(1))
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the Triton kernels under the interpreter (the child process)
 
 def test_triton_kernels_under_interpreter():
@@ -376,7 +376,7 @@ def test_interp_compiles_without_graph_break():
         torch.testing.assert_close(compiled, f(x, mask), rtol=0, atol=0)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the kernels compile for A100 and H100 (no GPU needed: Triton's bundled ptxas)
 
 @pytest.mark.slow
@@ -416,7 +416,7 @@ def test_kernels_compile_to_cubin(capability, dtype):
             assert 'mma' in compiled.asm['ptx']
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the model's static sparse eval runs its FFNs through the kernels
 
 @interp

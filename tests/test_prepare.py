@@ -443,7 +443,7 @@ def test_cli(tmp_path):
     assert folder_bytes(tmp_path / "s") == from_cli
 
 
-# ----------------------------------------------------------------------------- idempotence, atomicity, check
+# -------------------------------------------------------------------- idempotence, atomicity, check
 def test_idempotent(tmp_path):
     (tmp_path / "in.txt").write_text("some text to tokenize, twice\n" * 50)
     for dataset, opts in [
@@ -537,7 +537,7 @@ def test_ensure_tiktoken_cache(tmp_path, monkeypatch, tiktoken_cache):
     assert P.ensure_tiktoken_cache() is None and "TIKTOKEN_CACHE_DIR" not in P.os.environ
 
 
-# ----------------------------------------------------------------------------- concurrent prepares, stale temp files
+# ------------------------------------------------------------ concurrent prepares, stale temp files
 def assert_consistent(folder):
     meta = json.loads((Path(folder) / "meta.json").read_text())
     for name, info in meta["files"].items():
@@ -598,7 +598,7 @@ def test_stale_tmp_files_of_dead_processes_are_removed(tmp_path):
     assert_consistent(out)
 
 
-# ----------------------------------------------------------------------------- checksums and token ids
+# -------------------------------------------------------------------------- checksums and token ids
 def test_verify_checksums_catches_same_size_corruption(tmp_path):
     out = tmp_path / "synthetic"
     meta = P.prepare("synthetic", out, num_tokens=3000, seed=4)

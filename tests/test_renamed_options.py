@@ -73,7 +73,7 @@ def test_train_exits_2_with_one_line_naming_the_new_name(tmp_path, where):
     assert not (tmp_path / 'out').exists()
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # stored checkpoints and config.json files
 
 def test_a_stored_config_with_an_old_name_is_refused_naming_the_new_one(monkeypatch):
@@ -119,7 +119,7 @@ def test_a_run_from_before_ffn_aux_grad_resumes_only_as_it_ran(monkeypatch):
     train.check_against_checkpoint(cfg, {}, dict(model_args=margs), train.RESUME_KEYS)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the files in the repository
 
 def old_names_in_config_file(text):

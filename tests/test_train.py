@@ -57,7 +57,7 @@ TINY = [
 NAN_ARGS = ["--learning_rate=1e6", "--grad_clip=0", "--decay_lr=False", "--warmup_iters=0"]
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # helpers and fixtures
 
 def run_py(script, args, timeout=180, env=None):
@@ -208,7 +208,7 @@ def snapshot(folder):
     return {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir())}
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 1. exact resume
 
 @pytest.mark.slow
@@ -254,7 +254,7 @@ def test_resume_is_bit_exact(synth, tmp_path, n, eval_interval, log_interval, ac
     assert f"iter {2 * n}" in r.stdout
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 2. DDP (2 CPU processes, gloo) == 1 process with the same global batch
 
 WRAPPER = """\
@@ -452,7 +452,7 @@ def test_ddp_hung_worker_times_out_with_an_error(synth, tmp_path):
     assert time.time() - t0 < 140
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 3. the sampler
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -545,7 +545,7 @@ def test_batches_seed_changes_order(tmp_path):
     assert not all(np.array_equal(a.starts(j), b.starts(j)) for j in range(4))
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 4. output files
 
 def test_outputs(base_run, synth):
@@ -631,7 +631,7 @@ def test_run_info_outside_git(tmp_path, monkeypatch):
     assert info["git_sha"] is None and info["git_dirty"] is False
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 5. Ctrl-C / SIGTERM
 
 SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM}
@@ -744,7 +744,7 @@ def test_signal_saves_and_resume_command_works(signalled_runs, name):
     ]
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 6. atomic checkpoint
 
 def failing_save(obj, f, *args, **kwargs):
@@ -847,7 +847,7 @@ def test_resume_drops_metrics_lines_cut_short(tmp_path):
     assert read_metrics(tmp_path) == [{"type": "train", "iter": 1}]
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 7. non-finite loss
 
 @pytest.fixture(scope="module")
@@ -930,7 +930,7 @@ def test_overwrite_replaces_the_old_run(base_run, synth, tmp_path):
     assert load_ckpt(out)["iter_num"] == 2
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # one writer per run folder
 
 def wait_for_train_line(proc, out, after=0, seconds=120):
@@ -1012,7 +1012,7 @@ def test_a_refused_run_leaves_no_folder_or_lock_behind(synth, tmp_path):
     assert not out.exists()
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # resume bookkeeping
 
 def test_resuming_a_finished_run_says_so_and_writes_nothing(base_run, tmp_path):
@@ -1130,7 +1130,7 @@ def test_nonfinite_eval_does_not_overwrite_checkpoint(nan_runs, synth):
     )
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 8. bad input: a clear message, exit code 2, nothing written to out_dir
 
 def bad_input_cases(synth, text_data, base_copy):
@@ -1318,7 +1318,7 @@ def test_cuda_index_beyond_the_machine_is_refused(monkeypatch):
     ] == torch.device("cuda:0")
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 9. quickstart
 
 def test_quickstart_prepares_trains_and_samples(tmp_path):
@@ -1387,7 +1387,7 @@ def test_quickstart_prepares_trains_and_samples(tmp_path):
     assert len(first) == 11 and set(first) <= symbols, first
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 10. LR schedule
 
 @settings(max_examples=100, deadline=None)
