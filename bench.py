@@ -126,7 +126,8 @@ def bench(cfg):
     torch.manual_seed(cfg['seed'])
     vocab = cfg['vocab_size']
     if not vocab:          # the dataset's vocabulary if it is prepared, else GPT-2's (padded)
-        meta_path = os.path.join(cfg['data_dir'] or os.path.join(train.HERE, 'data'), cfg['dataset'], 'meta.json')
+        data_dir = cfg['data_dir'] or os.path.join(train.HERE, 'data')
+        meta_path = os.path.join(data_dir, cfg['dataset'], 'meta.json')
         vocab = json.load(open(meta_path))['vocab_size'] if os.path.exists(meta_path) else 50304
     mcfg = train.model_config(SimpleNamespace(**cfg), vocab_size=vocab)
     model = GPT(mcfg).to(dev)

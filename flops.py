@@ -164,7 +164,8 @@ def main(argv):
     if not vocab:
         vocab = json.load(open(meta))['vocab_size'] if os.path.exists(meta) else 50304
     try:
-        base = GPTConfig(**{**{f.name: cfg[f.name] for f in fields(GPTConfig)}, 'vocab_size': vocab})
+        model_fields = {f.name: cfg[f.name] for f in fields(GPTConfig)}
+        base = GPTConfig(**{**model_fields, 'vocab_size': vocab})
     except ValueError as e:          # a bad model field: a UserError, as in train.model_config
         raise ConfigError(str(e)) from None
     T, dense = base.block_size, dense_forward_flops(base, base.block_size)

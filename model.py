@@ -491,7 +491,8 @@ class GPT(nn.Module):
         return cache
 
     def generate_ragged(
-        self, idx, lengths, max_new_tokens, temperature, top_k, record, vocab_limit=None, compile=False
+        self, idx, lengths, max_new_tokens, temperature, top_k, record, vocab_limit=None,
+        compile=False,
     ):
         B, dev = idx.size(0), idx.device
         if len(lengths) != B or min(lengths) < 1 or max(lengths) > idx.size(1):

@@ -10,8 +10,8 @@ Three switches, each an option of the family:
   the sequence at once, so CE_t also moves with the paths of t's prefix.
 - where the forks start (ffn_oracle_start): the all-full state below l (the paper), or this pass's
   routed one, where the other tokens also keep their routed action at l.
-- what runs after l (ffn_oracle_policy): every later layer full ('off', the paper), or the gates' own
-  training decisions ('on').
+- what runs after l (ffn_oracle_policy): every later layer full ('off', the paper), or the gates'
+  own training decisions ('on').
 
 The 'token' labels of all T tokens cost two suffix passes per layer (as 'sequence' labels do, except
 from the all-full state with later layers full, where those reuse the all-full pass and need one): a

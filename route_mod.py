@@ -225,7 +225,8 @@ def mod_block(block, cfg, x, pos, cache, ctx):
         else:
             mask = (block.predictor(x) if block.predictor is not None else r) > 0     # σ(·) > 0.5
             if ctx.collect:           # agreement of the causal decision with top-k (non-causal)
-                ctx.add('mod_acc', (mask == topk_mask(r, capacity(cfg.mod_capacity, T))).float().mean()
+                topk = topk_mask(r, capacity(cfg.mod_capacity, T))
+                ctx.add('mod_acc', (mask == topk).float().mean()
                         / len(layer_ids(cfg, 'mod_layers', default='every_other')))
         if not ctx.sparse:
             out = mod_masked(block, x, pos, cache, mask, r)

@@ -413,8 +413,8 @@ class MLP(nn.Module):
 #              compute, scatter. The fastest eagerly, and on a CPU.
 #   'static':  sort the tokens selected-first, keep the count as a 0-dim device tensor, and compute
 #              each path over a static-size buffer restricted to its device-side range of the order
-#              (rows_apply). No host sync, no data-dependent shape: what torch.compile(fullgraph=True)
-#              and CUDA graphs need.
+#              (rows_apply). No host sync, no data-dependent shape: what
+#              torch.compile(fullgraph=True) and CUDA graphs need.
 EXEC_MODES = ('compact', 'static')
 
 

@@ -445,7 +445,8 @@ def paired_hits(arm_hits, ref_hits, ran):
     if not d:
         return None
     wins, losses = sum(x < 0 for x in d), sum(x > 0 for x in d)   # inf - inf is nan: neither, a tie
-    return dict(n=len(d), wins=wins, losses=losses, ties=len(d) - wins - losses, sign_p=sign_test(wins, losses))
+    return dict(n=len(d), wins=wins, losses=losses, ties=len(d) - wins - losses,
+                sign_p=sign_test(wins, losses))
 
 
 def is_hit_metric(k):

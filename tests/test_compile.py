@@ -85,7 +85,8 @@ def test_compiled_once_never_recompiles_on_new_data(case, training):
 
 
 @settings(**{**SETTINGS, 'max_examples': 16})
-@given(case=st.sampled_from(CASES), seed=st.integers(0, 999), T=st.integers(1, 16), B=st.integers(1, 3))
+@given(case=st.sampled_from(CASES), seed=st.integers(0, 999), T=st.integers(1, 16),
+       B=st.integers(1, 3))
 def test_static_execution_equals_compact_and_masked_dense(case, seed, T, B):
     """Same decisions exactly; values within ROUTED_TOL: the three run matmuls over different row
     sets (all rows, the gathered selected rows, each row padded to the longest), which fp32 BLAS

@@ -187,7 +187,8 @@ def test_missing_config_file(tmp_path):
         load_config(DEFAULTS, [missing])
 
 
-@pytest.mark.parametrize("arg", ["--n_layer", "--n_layer 2", "n_layer=2", "-n_layer=2", "config/thing.txt"])
+@pytest.mark.parametrize("arg", ["--n_layer", "--n_layer 2", "n_layer=2", "-n_layer=2",
+                                 "config/thing.txt"])
 def test_malformed_arguments(arg):
     with pytest.raises(ConfigError):
         load_config(DEFAULTS, [arg])

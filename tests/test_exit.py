@@ -79,7 +79,8 @@ def test_exit_training_loss_matches_hand_computation(seed, T, head, schedule):
 
 
 @settings(**SETTINGS)
-@given(seed=st.integers(0, 999), T0=st.integers(1, 10), new=st.integers(0, 6), opt=st.integers(0, 3))
+@given(seed=st.integers(0, 999), T0=st.integers(1, 10), new=st.integers(0, 6),
+       opt=st.integers(0, 3))
 def test_exit_unreachable_threshold_is_the_full_model(seed, T0, new, opt):
     """No token can reach a threshold above 1 (confidences are <= 1): outputs equal the full model's
     exactly, in one forward and through KV-cached generation."""

@@ -152,7 +152,8 @@ def test_flops_cli_prints_the_breakdown(capsys):
 @pytest.mark.parametrize('gate', ['mlp', 'jepa'])
 @pytest.mark.parametrize('aux_grad', ['own', 'leak'])
 @pytest.mark.parametrize('trainable', ['all', 'controller'])
-@pytest.mark.parametrize('policy,start', [('off', 'auto'), ('on', 'auto'), ('off', 'routed'), ('on', 'full')])
+@pytest.mark.parametrize('policy,start',
+                         [('off', 'auto'), ('on', 'auto'), ('off', 'routed'), ('on', 'full')])
 @pytest.mark.parametrize('label', ['token', 'sequence'])
 def test_aux_loss_gradient_modes_and_oracle_starts_match_counter(
     gate, aux_grad, trainable, policy, start, label

@@ -84,8 +84,8 @@ def test_rope_depends_only_on_relative_positions():
 
 @settings(**SETTINGS)
 @given(n_layer=st.integers(1, 3), n_head=st.sampled_from([1, 2, 4]), hd=st.sampled_from([4, 8]),
-       T=st.integers(1, 24), B=st.integers(1, 3), V=st.integers(5, 70), pos=st.sampled_from(['learned', 'rope']),
-       bias=st.booleans())
+       T=st.integers(1, 24), B=st.integers(1, 3), V=st.integers(5, 70),
+       pos=st.sampled_from(['learned', 'rope']), bias=st.booleans())
 def test_analytic_flops_match_flop_counter(n_layer, n_head, hd, T, B, V, pos, bias):
     cfg = GPTConfig(block_size=24, vocab_size=V, n_layer=n_layer, n_head=n_head, n_embd=n_head * hd,
                     pos=pos, bias=bias)
