@@ -4,7 +4,8 @@
 # fine-tuning of the last 3 blocks:
 #   python train.py config/families_synthetic.py --route=none --out_dir=out/dense_synthetic
 #   python train.py config/ensemble_tune_synthetic.py
-#   python train.py config/ensemble_tune_synthetic.py --route=none --trainable=last_layers --out_dir=out/lastlayers_tune_synthetic
+#   python train.py config/ensemble_tune_synthetic.py --route=none --trainable=last_layers \
+#       --out_dir=out/lastlayers_tune_synthetic
 # Both print the trainable-parameter count at the start.
 out_dir = 'out/ensemble_tune_synthetic'
 init_from = 'out/dense_synthetic/ckpt.pt'

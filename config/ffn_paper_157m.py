@@ -4,7 +4,8 @@
 # prints; the paper does not give its shape). Stage 1 (backbone, random routing):
 #   python data/prepare.py fineweb_edu --max_docs=2000000
 #   python train.py config/ffn_paper_157m.py --ffn_gate=random --trainable=all --init_from=scratch \
-#       --ffn_util_weight=0 --ffn_rank_weight=0 --out_dir=out/ffn157m_stage1 --max_iters=50000 --learning_rate=6e-4
+#       --ffn_util_weight=0 --ffn_rank_weight=0 --out_dir=out/ffn157m_stage1 --max_iters=50000 \
+#       --learning_rate=6e-4
 # Stage 2 (this file: controller-only, G1 standard recipe; --ffn_gate=jepa for G3, util/rank 0 for
 # A3):
 #   python train.py config/ffn_paper_157m.py --seed=1

@@ -1,5 +1,5 @@
 # GPT-2 small (124M) on FineWeb-Edu, GPU-sized. With 8 GPUs: ~0.5M tokens per step.
-#   python data/prepare.py fineweb_edu --max_docs=2000000        (needs `pip install datasets` and network)
+#   python data/prepare.py fineweb_edu --max_docs=2000000  # needs `pip install datasets`, network
 #   torchrun --standalone --nproc_per_node=8 train.py config/gpt2_124m_fineweb.py
 out_dir = 'out/gpt2_124m_fineweb'
 dataset = 'fineweb_edu'

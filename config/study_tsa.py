@@ -6,7 +6,8 @@
 # at init: λ = 0 with the paper's bias −1 (α starts near 0.73) and with bias 0 (α starts near 0.5);
 # the train log's alpha shows α over training.
 # 400 iterations per run (half of config/tsa_shakespeare_cpu.py's 800); 18 runs.
-#   python data/prepare.py shakespeare_char && python sweep.py config/study_tsa.py --jobs=2   (under an hour on 2 CPU cores)
+# (under an hour on 2 CPU cores):
+#   python data/prepare.py shakespeare_char && python sweep.py config/study_tsa.py --jobs=2
 # GPU paper setting: config/study_tsa_gpu.py.
 base = 'config/tsa_shakespeare_cpu.py'
 out_root = 'out/study_tsa'
