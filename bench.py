@@ -7,25 +7,26 @@ Speed of a config: training step, prefill and KV-cached decode, as tokens/s and 
 Takes every key of train.py (model shape, batch_size, block_size, device, dtype, compile) plus
 bench_steps / bench_warmup / decode_tokens / decode_batches. Random tokens, so no data is needed.
 Reports medians over bench_steps timed repeats after bench_warmup untimed ones; with --json prints
-exactly one JSON object, which records the device, torch version and git commit (git_sha, git_dirty).
+exactly one JSON object, which records the device, torch version and git commit (git_sha,
+git_dirty).
 
 --out=results/<name>.json also writes the JSON (with the command and the date) to that file.
 
 Routed vs dense: with --budgets=1.0,0.75,0.5,0.25,0.125 the config's routed model (route=ffn or mod
 at that budget; route=halt or exit with its eval threshold bisected on the benchmark batch until the
-realised active fraction meets the budget) is timed at each budget beside the dense model of the same
-shape, in eval mode:
-prefill of each --prefill_shapes BxT (last-position logits, as generation's prefill) and KV-cached
-decode at each --decode_batches (decode alone: the prefill's time is subtracted). Per row: measured
-time ratio routed/dense, analytic forward-FLOPs ratio routed/dense at the realised routing (ideal;
-and as executed, where MoD pads each row to the longest), and their quotient flops_ratio /
-time_ratio = the share of the FLOPs-ideal speedup realised (1.0 = all of it). Routing: ffn uses its gate with the threshold
-calibrated on the benchmark batch; mod uses mod_router='random' at the capacity (an untrained router's
-σ(r) > 0.5 rule would not hold the budget; the router is one dot product per token). Also the
-joint training step of the routed model at each budget (once where training ignores the budget: TSA,
-exits) against the dense one's, with the analytic step-FLOPs ratio; the training step of
-controller-only G1 (util/rank off) against the dense joint step; and with --profile
-where the routed prefill at budget 0.5 spends its time (torch.profiler, by op kind).
+realised active fraction meets the budget) is timed at each budget beside the dense model of the
+same shape, in eval mode: prefill of each --prefill_shapes BxT (last-position logits, as
+generation's prefill) and KV-cached decode at each --decode_batches (decode alone: the prefill's
+time is subtracted). Per row: measured time ratio routed/dense, analytic forward-FLOPs ratio
+routed/dense at the realised routing (ideal; and as executed, where MoD pads each row to the
+longest), and their quotient flops_ratio / time_ratio = the share of the FLOPs-ideal speedup
+realised (1.0 = all of it). Routing: ffn uses its gate with the threshold calibrated on the
+benchmark batch; mod uses mod_router='random' at the capacity (an untrained router's σ(r) > 0.5 rule
+would not hold the budget; the router is one dot product per token). Also the joint training step of
+the routed model at each budget (once where training ignores the budget: TSA, exits) against the
+dense one's, with the analytic step-FLOPs ratio; the training step of controller-only G1 (util/rank
+off) against the dense joint step; and with --profile where the routed prefill at budget 0.5 spends
+its time (torch.profiler, by op kind).
 
     python bench.py config/bench_cpu.py --budgets=1.0,0.75,0.5,0.25,0.125 --json
 """
@@ -44,13 +45,24 @@ from configurator import ConfigError, load_config, run_cli, writable_file
 from device import autocast_context, cli_device, resolve_device_dtype
 from model import FAMILIES, GPT
 
-BENCH_DEFAULTS = dict(bench_steps=10, bench_warmup=3, decode_tokens=32, decode_batches='1,8',
-                      budgets='', prefill_shapes='8x512', sparse=True, profile=False, decode_prompt=0, out='')
+BENCH_DEFAULTS = dict(
+    bench_steps=10,
+    bench_warmup=3,
+    decode_tokens=32,
+    decode_batches='1,8',
+    budgets='',
+    prefill_shapes='8x512',
+    sparse=True,
+    profile=False,
+    decode_prompt=0,
+    out='',
+)
 BENCH_EXAMPLES = dict(budgets="'1.0,0.5'", decode_batches="'1,8'", prefill_shapes="'8x512' (BxT)")
 
 
 def numbers(cfg, key, kind):
-    """The comma-separated values of a list option such as --budgets=1.0,0.5, each parsed by kind."""
+    """The comma-separated values of a list option such as --budgets=1.0,0.5, each parsed by
+    kind."""
     try:
         return [kind(s) for s in str(cfg[key]).split(',') if s.strip()]
     except ValueError:
@@ -65,7 +77,9 @@ def shape(text):
 
 def check_bench_config(cfg):
     """The benchmark's own fields, refused before any model is built."""
-    at_least = dict(bench_steps=1, bench_warmup=0, block_size=1, batch_size=1, decode_tokens=1, decode_prompt=0)
+    at_least = dict(
+        bench_steps=1, bench_warmup=0, block_size=1, batch_size=1, decode_tokens=1, decode_prompt=0
+    )
     for key, lo in at_least.items():
         if cfg[key] < lo:
             raise ConfigError(f"{key} must be >= {lo}, got {cfg[key]}")
@@ -74,13 +88,18 @@ def check_bench_config(cfg):
     if any(not 0 < b <= 1 for b in numbers(cfg, 'budgets', float)):
         raise ConfigError(f"budgets must be full-path fractions in (0, 1], got {cfg['budgets']!r}")
     if any(min(s) < 1 for s in numbers(cfg, 'prefill_shapes', shape)):
-        raise ConfigError(f"prefill_shapes must be BxT with B, T >= 1, got {cfg['prefill_shapes']!r}")
-    # decode is timed with the KV cache: past block_size, generate would recompute the cropped window
+        raise ConfigError(
+            f"prefill_shapes must be BxT with B, T >= 1, got {cfg['prefill_shapes']!r}"
+        )
+    # decode is timed with the KV cache: past block_size, generate would recompute the cropped
+    # window
     prompt = (cfg['decode_prompt'] if cfg['budgets'] else 0) or 1
     if prompt + cfg['decode_tokens'] > cfg['block_size']:
-        raise ConfigError(f"decode_tokens={cfg['decode_tokens']} plus a {prompt}-token prompt exceeds "
-                          f"block_size={cfg['block_size']}, so decode would not be KV-cached; lower decode_tokens"
-                          + (" or decode_prompt" if prompt > 1 else ''))
+        raise ConfigError(
+            f"decode_tokens={cfg['decode_tokens']} plus a {prompt}-token prompt exceeds "
+            f"block_size={cfg['block_size']}, so decode would not be KV-cached; lower decode_tokens"
+            + (" or decode_prompt" if prompt > 1 else '')
+        )
 
 
 def timed(fn, steps, warmup, dev):
@@ -107,7 +126,8 @@ def bench(cfg):
     torch.manual_seed(cfg['seed'])
     vocab = cfg['vocab_size']
     if not vocab:          # the dataset's vocabulary if it is prepared, else GPT-2's (padded)
-        meta_path = os.path.join(cfg['data_dir'] or os.path.join(train.HERE, 'data'), cfg['dataset'], 'meta.json')
+        data_dir = cfg['data_dir'] or os.path.join(train.HERE, 'data')
+        meta_path = os.path.join(data_dir, cfg['dataset'], 'meta.json')
         vocab = json.load(open(meta_path))['vocab_size'] if os.path.exists(meta_path) else 50304
     mcfg = train.model_config(SimpleNamespace(**cfg), vocab_size=vocab)
     model = GPT(mcfg).to(dev)
@@ -136,23 +156,40 @@ def bench(cfg):
     t_prefill = timed(prefill, cfg['bench_steps'], cfg['bench_warmup'], dev)
     decode = {}
     for db in numbers(cfg, 'decode_batches', int):
-        prompt = torch.randint(0, mcfg.vocab_size, (db, max(1, T - cfg['decode_tokens'])), device=dev)
+        prompt = torch.randint(
+            0, mcfg.vocab_size, (db, max(1, T - cfg['decode_tokens'])), device=dev
+        )
 
         def gen():
             with autocast:
                 model.generate(prompt, cfg['decode_tokens'], temperature=0, use_cache=True)
         decode[db] = db * cfg['decode_tokens'] / timed(gen, max(1, cfg['bench_steps'] // 3), 1, dev)
     train_tps, prefill_tps = B * T / t_train, B * T / t_prefill
-    peak = flops.peak_flops(dev, dt)          # MFU from the FLOPs the step really runs (routed or not)
+    peak = flops.peak_flops(dev, dt)          # MFU from the FLOPs the step really runs (routed or
+                                              # not)
     step_flops = B * flops.train_step_flops(mcfg, T)['total']
     mfu = step_flops / t_train / peak if peak else None
-    return dict(route=mcfg.route, budget=FAMILIES[mcfg.route].budget(mcfg), vocab_size=mcfg.vocab_size, device=str(dev),
-                device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu', dtype=dt,
-                compile=cfg['compile'], torch=torch.__version__, **train.code_version(), threads=torch.get_num_threads(),
-                params=model.get_num_params(), batch_size=B, block_size=T,
-                train_ms_per_step=t_train * 1e3, train_tokens_per_s=train_tps, train_mfu=mfu,
-                prefill_tokens_per_s=prefill_tps, decode_tokens_per_s={str(k): v for k, v in decode.items()},
-                train_flops_per_step=step_flops)
+    return dict(
+        route=mcfg.route,
+        budget=FAMILIES[mcfg.route].budget(mcfg),
+        vocab_size=mcfg.vocab_size,
+        device=str(dev),
+        device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
+        dtype=dt,
+        compile=cfg['compile'],
+        torch=torch.__version__,
+        **train.code_version(),
+        threads=torch.get_num_threads(),
+        params=model.get_num_params(),
+        batch_size=B,
+        block_size=T,
+        train_ms_per_step=t_train * 1e3,
+        train_tokens_per_s=train_tps,
+        train_mfu=mfu,
+        prefill_tokens_per_s=prefill_tps,
+        decode_tokens_per_s={str(k): v for k, v in decode.items()},
+        train_flops_per_step=step_flops,
+    )
 
 
 def eval_model(mcfg, dev):
@@ -167,7 +204,21 @@ def op_kind(name):
         return 'attention'
     if any(k in name for k in ('index', 'nonzero', 'gather', 'scatter', 'sort', 'masked', 'where')):
         return 'gather/scatter'
-    if any(k in name for k in ('gelu', 'layer_norm', 'add', 'mul', 'sigmoid', 'copy', 'cat', 'zeros', 'fill', 'empty')):
+    if any(
+        k in name
+        for k in (
+            'gelu',
+            'layer_norm',
+            'add',
+            'mul',
+            'sigmoid',
+            'copy',
+            'cat',
+            'zeros',
+            'fill',
+            'empty',
+        )
+    ):
         return 'elementwise/norm'
     return 'other'
 
@@ -187,8 +238,9 @@ def profile_breakdown(fn):
 
 
 def bench_routed(cfg):
-    """The routed-vs-dense table (see the module docstring): at each budget the routed model, on the dense
-    model's backbone, timed beside the dense model in the same window; and the training step."""
+    """The routed-vs-dense table (see the module docstring): at each budget the routed model, on the
+    dense model's backbone, timed beside the dense model in the same window; and the training
+    step."""
     dev, dt = resolve_device_dtype(SimpleNamespace(**cfg))
     autocast = autocast_context(dev, dt)
     base, shapes = routed_base(cfg)
@@ -203,24 +255,50 @@ def bench_routed(cfg):
     for budget in numbers(cfg, 'budgets', float):
         mcfg = FAMILIES[base.route].bench_config(base, budget)
         m = routed_model(mcfg, state, xs, cfg['seed'], dev, autocast, budget)
-        if mcfg not in trained.values():     # TSA's and the exits' training does not depend on the budget
+        if mcfg not in trained.values():     # TSA's and the exits' training does not depend on the
+                                             # budget
             trained[budget] = mcfg
             rows.append(train_row(cfg, mcfg, base, budget, dev, autocast, dense_train_ms))
         r_pre, r_dec = time_model(m, cfg, xs, g, base, dev, autocast)
-        d_pre = time_model(dense, cfg, xs, g, base, dev, autocast, decode=False)[0]     # dense again, in the same window
+        # dense again, in the same window
+        d_pre = time_model(dense, cfg, xs, g, base, dev, autocast, decode=False)[0]
         rows += prefill_rows(cfg, m, base, budget, xs, r_pre, d_pre, autocast)
-        rows += [dict(kind='decode', budget=budget, batch=b, dense_tokens_per_s=d_dec[b], routed_tokens_per_s=r_dec[b],
-                      time_ratio=d_dec[b] / r_dec[b]) for b in r_dec]
+        rows += [
+            dict(
+                kind='decode',
+                budget=budget,
+                batch=b,
+                dense_tokens_per_s=d_dec[b],
+                routed_tokens_per_s=r_dec[b],
+                time_ratio=d_dec[b] / r_dec[b],
+            )
+            for b in r_dec
+        ]
         if cfg['profile'] and abs(budget - 0.5) < 1e-9:
             s, x = shapes[-1], xs[shapes[-1]]
             with autocast:
-                profile = dict(shape=f"{s[0]}x{s[1]}", routed=profile_breakdown(no_grad_forward(m, x, cfg['sparse'])),
-                               dense=profile_breakdown(no_grad_forward(dense, x, cfg['sparse'])))
-    return dict(route=base.route, device=str(dev), device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
-                dtype=dt, compile=cfg['compile'], sparse=cfg['sparse'], torch=torch.__version__, **train.code_version(),
-                threads=torch.get_num_threads(),
-                n_layer=base.n_layer, n_embd=base.n_embd, routed_layers=FAMILIES[base.route].routed_layers(base),
-                rows=rows, train=bench_controller_step(cfg, base, dev, autocast), profile=profile)
+                profile = dict(
+                    shape=f"{s[0]}x{s[1]}",
+                    routed=profile_breakdown(no_grad_forward(m, x, cfg['sparse'])),
+                    dense=profile_breakdown(no_grad_forward(dense, x, cfg['sparse'])),
+                )
+    return dict(
+        route=base.route,
+        device=str(dev),
+        device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
+        dtype=dt,
+        compile=cfg['compile'],
+        sparse=cfg['sparse'],
+        torch=torch.__version__,
+        **train.code_version(),
+        threads=torch.get_num_threads(),
+        n_layer=base.n_layer,
+        n_embd=base.n_embd,
+        routed_layers=FAMILIES[base.route].routed_layers(base),
+        rows=rows,
+        train=bench_controller_step(cfg, base, dev, autocast),
+        profile=profile,
+    )
 
 
 def routed_base(cfg):
@@ -229,18 +307,22 @@ def routed_base(cfg):
     base = train.model_config(SimpleNamespace(**cfg), vocab_size=cfg['vocab_size'] or 50304)
     if FAMILIES[base.route].bench_config(base, 1.0) is None:
         routes = tuple(r for r, f in FAMILIES.items() if f.bench_config(base, 1.0) is not None)
-        raise train.TrainError(f"--budgets times route={' or '.join(map(repr, routes))} against dense; "
-                               f"this config has route={base.route!r}")
+        raise train.TrainError(
+            f"--budgets times route={' or '.join(map(repr, routes))} against dense; "
+            f"this config has route={base.route!r}"
+        )
     shapes = numbers(cfg, 'prefill_shapes', shape)
     if any(T > base.block_size for _, T in shapes):
-        raise train.TrainError(f"prefill_shapes {cfg['prefill_shapes']} exceed block_size {base.block_size}")
+        raise train.TrainError(
+            f"prefill_shapes {cfg['prefill_shapes']} exceed block_size {base.block_size}"
+        )
     return base, shapes
 
 
 def routed_model(mcfg, state, xs, seed, dev, autocast, budget):
     """The routed model of config mcfg on the dense model's backbone (state), its causal thresholds
-    calibrated on the benchmark batches xs (ffn) or its bench_knob bisected on the first of them (halt,
-    exit), so that it holds its budget."""
+    calibrated on the benchmark batches xs (ffn) or its bench_knob bisected on the first of them
+    (halt, exit), so that it holds its budget."""
     torch.manual_seed(seed)
     m = eval_model(mcfg, dev)
     m.load_state_dict(state, strict=False)
@@ -281,9 +363,9 @@ def no_grad_forward(m, x, sparse):
 
 
 def time_model(m, cfg, xs, g, base, dev, autocast, decode=True):
-    """{shape: seconds} of m's prefill of each batch in xs (compiled with --compile) and {batch: tokens/s}
-    of its eager KV-cached decode, on prompts drawn from g. Decode alone: (prefill + 1 + N steps) minus
-    (prefill + 1), over N."""
+    """{shape: seconds} of m's prefill of each batch in xs (compiled with --compile) and {batch:
+    tokens/s} of its eager KV-cached decode, on prompts drawn from g. Decode alone: (prefill + 1 + N
+    steps) minus (prefill + 1), over N."""
     steps, warm = cfg['bench_steps'], cfg['bench_warmup']
     fwd = torch.compile(m, dynamic=False) if cfg['compile'] else m
     pre = {}
@@ -293,7 +375,8 @@ def time_model(m, cfg, xs, g, base, dev, autocast, decode=True):
             pre[s] = timed(no_grad_forward(fwd, x, cfg['sparse']), steps, warm, dev)
     dec = {}
     for b in numbers(cfg, 'decode_batches', int) if decode else ():
-        n = cfg['decode_prompt'] or max(1, base.block_size - cfg['decode_tokens'] - 1)    # prompt tokens
+        # prompt tokens
+        n = cfg['decode_prompt'] or max(1, base.block_size - cfg['decode_tokens'] - 1)
         prompt = torch.randint(0, base.vocab_size, (b, n), generator=g).to(dev)
         gen = lambda k: (lambda: m.generate(prompt, k, temperature=0))
         with autocast:
@@ -305,8 +388,8 @@ def time_model(m, cfg, xs, g, base, dev, autocast, decode=True):
 
 def prefill_rows(cfg, m, base, budget, xs, r_pre, d_pre, autocast):
     """One row per prefill shape: the realised routing, routed and dense times and their ratio, the
-    analytic FLOPs ratio at the realised routing (ideal, and as sparse execution runs it: MoD pads each
-    row to the longest), and the share of the FLOPs-ideal speedup realised."""
+    analytic FLOPs ratio at the realised routing (ideal, and as sparse execution runs it: MoD pads
+    each row to the longest), and the share of the FLOPs-ideal speedup realised."""
     rows = []
     for s, x in xs.items():
         torch.manual_seed(cfg['seed'])
@@ -315,18 +398,33 @@ def prefill_rows(cfg, m, base, budget, xs, r_pre, d_pre, autocast):
         frac = [int(v.sum()) / v.numel() for _, v in sorted(masks.items())]
         executed = m.family.executed_fracs(masks) if masks else None
         run_frac = executed.tolist() if executed is not None else frac
-        f_ratio, exec_ratio = (prefill_flops_ratio(m.config, base, s[1], f) for f in (frac, run_frac))
+        f_ratio, exec_ratio = (
+            prefill_flops_ratio(m.config, base, s[1], f) for f in (frac, run_frac)
+        )
         t_ratio = r_pre[s] / d_pre[s]
-        rows.append(dict(kind='prefill', budget=budget, batch=s[0], seq=s[1], realised_frac=sum(frac) / len(frac),
-                         layer_fracs=frac, executed_fracs=run_frac,
-                         dense_ms=d_pre[s] * 1e3, routed_ms=r_pre[s] * 1e3, time_ratio=t_ratio,
-                         flops_ratio=f_ratio, executed_flops_ratio=exec_ratio, ideal_realised=f_ratio / t_ratio))
+        rows.append(
+            dict(
+                kind='prefill',
+                budget=budget,
+                batch=s[0],
+                seq=s[1],
+                realised_frac=sum(frac) / len(frac),
+                layer_fracs=frac,
+                executed_fracs=run_frac,
+                dense_ms=d_pre[s] * 1e3,
+                routed_ms=r_pre[s] * 1e3,
+                time_ratio=t_ratio,
+                flops_ratio=f_ratio,
+                executed_flops_ratio=exec_ratio,
+                ideal_realised=f_ratio / t_ratio,
+            )
+        )
     return rows
 
 
 def prefill_flops_ratio(mcfg, base, T, full_frac):
-    """Analytic forward FLOPs of mcfg's sparse prefill at the fractions full_frac over the dense model's,
-    both computing the logits of the last position only."""
+    """Analytic forward FLOPs of mcfg's sparse prefill at the fractions full_frac over the dense
+    model's, both computing the logits of the last position only."""
     last_only = (T - 1) * 2 * base.n_embd * base.vocab_size
     dense = flops.forward_flops(replace(base, route='none'), T, 'eval') - last_only
     return (flops.forward_flops(mcfg, T, 'sparse', full_frac=full_frac) - last_only) / dense
@@ -336,8 +434,10 @@ def bench_controller_step(cfg, base, dev, autocast):
     """Training step of controller-only G1 without util/rank (frozen backbone, gates only) against a
     dense joint training step of the same backbone, at batch_size x block_size."""
     g1 = replace(base, route='ffn', ffn_gate='mlp', ffn_util_weight=0.0, ffn_rank_weight=0.0)
-    out = dict(dense_joint_ms=time_train_step(cfg, replace(base, route='none'), dev, autocast) * 1e3,
-               g1_controller_ms=time_train_step(cfg, g1, dev, autocast, controller=True) * 1e3)
+    out = dict(
+        dense_joint_ms=time_train_step(cfg, replace(base, route='none'), dev, autocast) * 1e3,
+        g1_controller_ms=time_train_step(cfg, g1, dev, autocast, controller=True) * 1e3,
+    )
     out['ratio'] = out['g1_controller_ms'] / out['dense_joint_ms']
     return out
 
@@ -370,44 +470,82 @@ def time_train_step(cfg, mcfg, dev, autocast, controller=False):
 
 
 def train_row(cfg, mcfg, base, budget, dev, autocast, dense_s):
-    """The routed model's joint training step against the dense one's (timed before the budgets), with
-    the analytic step-FLOPs ratio (training top-k at the budget; soft TSA and the exits run every token)."""
+    """The routed model's joint training step against the dense one's (timed before the budgets),
+    with the analytic step-FLOPs ratio (training top-k at the budget; soft TSA and the exits run
+    every token)."""
     routed_s, T = time_train_step(cfg, mcfg, dev, autocast), base.block_size
-    f_ratio = flops.train_step_flops(mcfg, T)['total'] / flops.train_step_flops(replace(base, route='none'), T)['total']
+    f_ratio = (
+        flops.train_step_flops(mcfg, T)['total']
+        / flops.train_step_flops(replace(base, route='none'), T)['total']
+    )
     t_ratio = routed_s / dense_s
-    return dict(kind='train', budget=budget, dense_ms=dense_s * 1e3, routed_ms=routed_s * 1e3, time_ratio=t_ratio,
-                flops_ratio=f_ratio, ideal_realised=f_ratio / t_ratio)
+    return dict(
+        kind='train',
+        budget=budget,
+        dense_ms=dense_s * 1e3,
+        routed_ms=routed_s * 1e3,
+        time_ratio=t_ratio,
+        flops_ratio=f_ratio,
+        ideal_realised=f_ratio / t_ratio,
+    )
 
 
 def print_routed(res):
-    print(f"{res['route']} routing vs dense | {res['device']} {res['dtype']} compile={res['compile']} "
-          f"sparse={res['sparse']} torch {res['torch']} threads {res['threads']} | L={res['n_layer']} d={res['n_embd']}")
-    print('| budget | BxT | realised | dense ms | routed ms | time ratio | FLOPs ratio (ideal / executed) | ideal realised |')
+    print(
+        f"{res['route']} routing vs dense | {res['device']} {res['dtype']} "
+        f"compile={res['compile']} "
+        f"sparse={res['sparse']} torch {res['torch']} threads {res['threads']} | "
+        f"L={res['n_layer']} d={res['n_embd']}"
+    )
+    print(
+        '| budget | BxT | realised | dense ms | routed ms | time ratio | FLOPs ratio (ideal / '
+        'executed) | ideal realised |'
+    )
     print('|---|---|---|---|---|---|---|---|')
     for r in res['rows']:
         if r['kind'] == 'prefill':
-            print(f"| {r['budget']} | {r['batch']}x{r['seq']} | {r['realised_frac']:.3f} | {r['dense_ms']:.1f} | "
-                  f"{r['routed_ms']:.1f} | {r['time_ratio']:.3f} | {r['flops_ratio']:.3f} / "
-                  f"{r['executed_flops_ratio']:.3f} | {r['ideal_realised']:.2f} |")
+            print(
+                f"| {r['budget']} | {r['batch']}x{r['seq']} | {r['realised_frac']:.3f} | "
+                f"{r['dense_ms']:.1f} | "
+                f"{r['routed_ms']:.1f} | {r['time_ratio']:.3f} | {r['flops_ratio']:.3f} / "
+                f"{r['executed_flops_ratio']:.3f} | {r['ideal_realised']:.2f} |"
+            )
     print('| budget | decode batch | dense tok/s | routed tok/s | time ratio |')
     print('|---|---|---|---|---|')
     for r in res['rows']:
         if r['kind'] == 'decode':
-            print(f"| {r['budget']} | {r['batch']} | {r['dense_tokens_per_s']:.0f} | {r['routed_tokens_per_s']:.0f} | "
-                  f"{r['time_ratio']:.3f} |")
-    print('| budget | joint training step: dense ms | routed ms | time ratio | FLOPs ratio | ideal realised |')
+            print(
+                f"| {r['budget']} | {r['batch']} | {r['dense_tokens_per_s']:.0f} | "
+                f"{r['routed_tokens_per_s']:.0f} | "
+                f"{r['time_ratio']:.3f} |"
+            )
+    print(
+        '| budget | joint training step: dense ms | routed ms | time ratio | FLOPs ratio | ideal '
+        'realised |'
+    )
     print('|---|---|---|---|---|---|')
     for r in res['rows']:
         if r['kind'] == 'train':
-            print(f"| {r['budget']} | {r['dense_ms']:.1f} | {r['routed_ms']:.1f} | {r['time_ratio']:.3f} | "
-                  f"{r['flops_ratio']:.3f} | {r['ideal_realised']:.2f} |")
+            print(
+                f"| {r['budget']} | {r['dense_ms']:.1f} | {r['routed_ms']:.1f} | "
+                f"{r['time_ratio']:.3f} | "
+                f"{r['flops_ratio']:.3f} | {r['ideal_realised']:.2f} |"
+            )
     t = res['train']
-    print(f"training step: dense joint {t['dense_joint_ms']:.1f} ms, controller-only G1 (no util/rank) "
-          f"{t['g1_controller_ms']:.1f} ms, ratio {t['ratio']:.3f}")
+    print(
+        f"training step: dense joint {t['dense_joint_ms']:.1f} ms, controller-only G1 (no "
+        "util/rank) "
+        f"{t['g1_controller_ms']:.1f} ms, ratio {t['ratio']:.3f}"
+    )
     if res['profile']:
         for name in ('routed', 'dense'):
-            print(f"profile of the {name} prefill {res['profile']['shape']} at budget 0.5: " + ', '.join(
-                f"{k} {v['ms']:.0f} ms ({v['share'] * 100:.0f}%)" for k, v in res['profile'][name].items()))
+            print(
+                f"profile of the {name} prefill {res['profile']['shape']} at budget 0.5: "
+                + ', '.join(
+                    f"{k} {v['ms']:.0f} ms ({v['share'] * 100:.0f}%)"
+                    for k, v in res['profile'][name].items()
+                )
+            )
 
 
 def parse_args(argv):
@@ -429,7 +567,8 @@ def parse_args(argv):
 def main(argv):
     cfg, as_json, argv = parse_args(argv)
     res = bench_routed(cfg) if cfg['budgets'] else bench(cfg)
-    if cfg['out']:                 # the raw file behind a reported figure, with the command that made it
+    if cfg['out']:                 # the raw file behind a reported figure, with the command that
+                                   # made it
         os.makedirs(os.path.dirname(os.path.abspath(cfg['out'])), exist_ok=True)
         with open(cfg['out'], 'w') as f:
             json.dump(dict(res, command='python bench.py ' + ' '.join(argv + ['--json'] * as_json),

@@ -19,8 +19,9 @@ class CheckpointError(UserError):
 
 
 def save_checkpoint(path, state):
-    """Atomic: write path.tmp-<pid> in the same folder, fsync, then rename over the old checkpoint, so
-    a crash or a full disk at any moment leaves either the old or the new file, never a partial one."""
+    """Atomic: write path.tmp-<pid> in the same folder, fsync, then rename over the old checkpoint,
+    so a crash or a full disk at any moment leaves either the old or the new file, never a partial
+    one."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, 'wb') as f:
@@ -93,9 +94,12 @@ def load_checkpoint(path, map_location='cpu'):
                               f"readable (chmod u+r {path}) or run as its owner") from None
     except Exception as e:           # truncated zip, random bytes, pickle errors, ...
         raise CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:160] if str(e) else 'corrupt'}); it is truncated or "
+                              f"{str(e).splitlines()[0][:160] if str(e) else 'corrupt'}); it is "
+                              "truncated or "
                               f"corrupt: use another checkpoint or retrain") from None
-    missing = [k for k in ('model', 'model_args', 'config') if not isinstance(ckpt, dict) or k not in ckpt]
+    missing = [
+        k for k in ('model', 'model_args', 'config') if not isinstance(ckpt, dict) or k not in ckpt
+    ]
     if missing:
         raise CheckpointError(f"{path} is not a nanodepth checkpoint (no {', '.join(missing)})")
     return ckpt
@@ -132,7 +136,8 @@ def check_init_from(init_from):
 
 
 def load_model(ckpt, device):
-    """The model a loaded checkpoint holds (built from its model_args, its weights loaded) on device."""
+    """The model a loaded checkpoint holds (built from its model_args, its weights loaded) on
+    device."""
     model = GPT(GPTConfig.from_dict(ckpt['model_args']))
     model.load_state_dict(ckpt['model'])
     return model.to(device)

@@ -3,11 +3,12 @@ Config files and typed --key=value overrides, nanoGPT-style but strict.
 
     python train.py config/shakespeare_char.py --batch_size=32 --compile=False
 
-The defaults are a dict (train.py's module-level values). Arguments are applied left to right: a path
-ending in .py is executed and every top-level name it assigns must be a known key; `--key=value` is
-parsed with ast.literal_eval (a bare word is taken as a string) and must have the default's type
-(an int is accepted for a float key; None-valued defaults accept anything). An unknown key or a wrong
-type raises ConfigError naming the key and the closest valid one, before any work is done.
+The defaults are a dict (train.py's module-level values). Arguments are applied left to right: a
+path ending in .py is executed and every top-level name it assigns must be a known key;
+`--key=value` is parsed with ast.literal_eval (a bare word is taken as a string) and must have the
+default's type (an int is accepted for a float key; None-valued defaults accept anything). An
+unknown key or a wrong type raises ConfigError naming the key and the closest valid one, before any
+work is done.
 
 An option's name from before the routing families' options took their prefix (budget, gate, ...)
 is refused with a ConfigError naming today's (RENAMED); config files and results were migrated.
@@ -26,8 +27,8 @@ import os
 
 
 class UserError(Exception):
-    """A problem with the user's input (config, command line, data or checkpoint files): every script
-    prints it as one line 'error: ...' and exits with code 2, before any work is done."""
+    """A problem with the user's input (config, command line, data or checkpoint files): every
+    script prints it as one line 'error: ...' and exits with code 2, before any work is done."""
 
 
 class ConfigError(UserError, ValueError):
@@ -35,7 +36,8 @@ class ConfigError(UserError, ValueError):
 
 
 def run_cli(main):
-    """The scripts' entry point: sys.exit(main(sys.argv[1:])), a UserError as one line and exit 2."""
+    """The scripts' entry point: sys.exit(main(sys.argv[1:])), a UserError as one line and exit
+    2."""
     import sys
     try:
         sys.exit(main(sys.argv[1:]))
@@ -197,7 +199,11 @@ def declared_defaults(path):
         tree = ast.parse(f.read(), path)
     out = {}
     for node in tree.body:
-        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+        if not (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+        ):
             continue
         key = node.targets[0].id
         try:
@@ -215,7 +221,9 @@ def load_config(defaults, argv):
     for arg in argv:
         if not arg.startswith('--'):
             if not arg.endswith('.py'):
-                raise ConfigError(f"expected a config file ending in .py or --key=value, got '{arg}'")
+                raise ConfigError(
+                    f"expected a config file ending in .py or --key=value, got '{arg}'"
+                )
             if not os.path.isfile(arg):
                 raise ConfigError(f"config file not found: {arg}")
             namespace = {}
@@ -223,7 +231,8 @@ def load_config(defaults, argv):
                 with open(arg) as f:
                     exec(compile(f.read(), arg, 'exec'), namespace)
             except SyntaxError as e:
-                raise ConfigError(f"config file {arg}, line {e.lineno}: {e.msg}; fix the file") from None
+                raise ConfigError(f"config file {arg}, line {e.lineno}: {e.msg}; fix the "
+                                  "file") from None
             except SystemExit as e:      # exit() in a config file would end the run silently
                 line = next((fr.lineno for fr in _traceback_frames(e) if fr.filename == arg), '?')
                 raise ConfigError(f"config file {arg}, line {line}: it exits (SystemExit "
@@ -231,9 +240,15 @@ def load_config(defaults, argv):
                                   f"a config file only assigns values: remove the exit") from None
             except Exception as e:       # a runtime error while executing the file
                 line = next((fr.lineno for fr in _traceback_frames(e) if fr.filename == arg), '?')
-                raise ConfigError(f"config file {arg}, line {line}: {type(e).__name__}: {e}; fix the file") from None
+                raise ConfigError(f"config file {arg}, line {line}: {type(e).__name__}: {e}; fix "
+                                  "the file") from None
             for key, value in namespace.items():
-                if key.startswith('_') or key == '__builtins__' or callable(value) or type(value).__name__ == 'module':
+                if (
+                    key.startswith('_')
+                    or key == '__builtins__'
+                    or callable(value)
+                    or type(value).__name__ == 'module'
+                ):
                     continue
                 items.append((key, value, arg, None))
         else:
@@ -246,6 +261,7 @@ def load_config(defaults, argv):
         if key not in defaults:
             raise _unknown(key, defaults, where)
         if text is not None and isinstance(defaults[key], str) and not isinstance(value, str):
-            value = text       # a str key takes the text as written: --ffn_layers=0,2,5, --out_dir=2024
+            value = text       # a str key takes the text as written: --ffn_layers=0,2,5,
+                               # --out_dir=2024
         config[key] = _check_type(key, value, defaults[key], where)
     return smoke_caps(config)

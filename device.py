@@ -12,8 +12,9 @@ from configurator import ConfigError
 
 
 def resolve_device_dtype(cfg):
-    """(torch.device, dtype name) for cfg.device ('auto', 'cpu', 'cuda', 'cuda:N') and cfg.dtype ('auto',
-    'float32', 'bfloat16', 'float16'); a ConfigError for a missing GPU or a dtype the device cannot use."""
+    """(torch.device, dtype name) for cfg.device ('auto', 'cpu', 'cuda', 'cuda:N') and cfg.dtype
+    ('auto', 'float32', 'bfloat16', 'float16'); a ConfigError for a missing GPU or a dtype the
+    device cannot use."""
     dev = cfg.device
     if dev == 'auto':
         dev = 'cuda' if torch.cuda.is_available() else 'cpu'
@@ -22,8 +23,10 @@ def resolve_device_dtype(cfg):
         raise ConfigError("device=cuda but no CUDA device is available; use --device=cpu")
     if dev.type == 'cuda' and dev.index is not None and dev.index >= torch.cuda.device_count():
         n = torch.cuda.device_count()
-        raise ConfigError(f"device={cfg.device} but this machine has {n} CUDA device{'s' if n != 1 else ''} "
-                          f"(cuda:0..cuda:{n - 1}); choose one of them")
+        raise ConfigError(
+            f"device={cfg.device} but this machine has {n} CUDA device{'s' if n != 1 else ''} "
+            f"(cuda:0..cuda:{n - 1}); choose one of them"
+        )
     dt = cfg.dtype
     if dt == 'auto':
         if dev.type != 'cuda':
@@ -34,7 +37,9 @@ def resolve_device_dtype(cfg):
     if dt not in ('float32', 'bfloat16', 'float16'):
         raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {dt!r}")
     if dt == 'float16' and dev.type != 'cuda':
-        raise ConfigError("dtype=float16 is for CUDA (with a GradScaler); on CPU use float32 or bfloat16")
+        raise ConfigError(
+            "dtype=float16 is for CUDA (with a GradScaler); on CPU use float32 or bfloat16"
+        )
     return dev, dt
 
 
@@ -54,4 +59,6 @@ def autocast_context(dev, dt):
     """The forward's precision context: none for float32, else autocast to bf16 / fp16 on dev."""
     if dt == 'float32':
         return nullcontext()
-    return torch.autocast(device_type=dev.type, dtype={'bfloat16': torch.bfloat16, 'float16': torch.float16}[dt])
+    return torch.autocast(
+        device_type=dev.type, dtype={'bfloat16': torch.bfloat16, 'float16': torch.float16}[dt]
+    )

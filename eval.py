@@ -1,8 +1,8 @@
 """
 Evaluate a checkpoint: validation loss under causal routing (what model.eval() means), next to the
 same backbone with every gate forced to the full path (dense reference) and to the cheap path; the
-realised full-path fraction per controlled layer; and, on the synthetic corpus, the full-path fraction
-per difficulty class.
+realised full-path fraction per controlled layer; and, on the synthetic corpus, the full-path
+fraction per difficulty class.
 
     python eval.py --ckpt out/quickstart/ckpt.pt --json
     python eval.py --ckpt=out/quickstart/ckpt.pt --eval_iters=50 --device=cpu
@@ -42,7 +42,13 @@ import torch
 
 from checkpoint import load_checkpoint, load_model
 from configurator import ConfigError, declared_defaults, load_config, run_cli, writable_file
-from data.loader import check_checkpoint_data, check_data, load_dataset_meta, load_tokenizer, open_splits
+from data.loader import (
+    check_checkpoint_data,
+    check_data,
+    load_dataset_meta,
+    load_tokenizer,
+    open_splits,
+)
 from device import cli_device
 from model import GPTConfig, read_stored_config
 from routing import overridden
@@ -64,7 +70,8 @@ def evaluate(model, batches, autocast=nullcontext(), force=None):
             losses.append(float(aux['lm_loss']))
             if 'full_frac' in aux:
                 fracs.append(aux['full_frac'].float().cpu())
-                run = model.family.executed_fracs(aux['masks'])     # e.g. MoD pads each row to the longest
+                # e.g. MoD pads each row to the longest
+                run = model.family.executed_fracs(aux['masks'])
                 if run is not None:
                     execs.append(run.float().cpu())
             for k in model.family.eval_stats:     # e.g. TLOps saved, MoD's causal-rule accuracy
@@ -85,7 +92,9 @@ def difficulty_fractions(model, batches, difficulty, class_names, autocast=nullc
         T = batches[0][0].size(1)
         sums, counts = {}, np.zeros(len(class_names))
         for x, y, starts in batches:
-            cls = np.stack([np.asarray(difficulty[s + 1:s + 1 + T], dtype=np.int64) for s in starts])
+            cls = np.stack(
+                [np.asarray(difficulty[s + 1 : s + 1 + T], dtype=np.int64) for s in starts]
+            )
             with autocast:
                 masks = model(x, y)[2].get('masks', {})
             for c in range(len(class_names)):
@@ -101,10 +110,10 @@ def difficulty_fractions(model, batches, difficulty, class_names, autocast=nullc
 
 @torch.no_grad()
 def routing_map(model, x, y=None, autocast=nullcontext()):
-    """Eval-mode (causal, hard) routing of one sequence x (1, T): an (L, T) float array whose row l is
-    aux['masks'][l][0] (1 = full path / active, values in [0, 1]) and NaN where layer l is not routed
-    (absent from the masks). Rows cover the model's layers and any other layer index the masks name.
-    Column t is the decision taken while processing input token x[0, t]."""
+    """Eval-mode (causal, hard) routing of one sequence x (1, T): an (L, T) float array whose row l
+    is aux['masks'][l][0] (1 = full path / active, values in [0, 1]) and NaN where layer l is not
+    routed (absent from the masks). Rows cover the model's layers and any other layer index the
+    masks name. Column t is the decision taken while processing input token x[0, t]."""
     with model.mode(training=False):
         with autocast:
             masks = model(x, y)[2].get('masks', {})
@@ -115,8 +124,8 @@ def routing_map(model, x, y=None, autocast=nullcontext()):
 
 
 def token_text(decode, ids, width=8):
-    """Each token id as printable text: spaces as '␣', newlines and other control characters escaped,
-    cut to `width` characters."""
+    """Each token id as printable text: spaces as '␣', newlines and other control characters
+    escaped, cut to `width` characters."""
     out = []
     for i in ids:
         t = decode([i]).replace(' ', '␣')
@@ -130,14 +139,17 @@ def map_cell(v):
 
 
 def routing_map_text(grid, tokens, per_line=32):
-    """The map as text, per_line tokens per block: a line of tokens, then one line per layer ('#' full
-    path (mask ≥ 0.5), '.' cheap or skipped, '-' layer not routed); cells right-aligned to the widest
-    token plus one space."""
+    """The map as text, per_line tokens per block: a line of tokens, then one line per layer ('#'
+    full path (mask ≥ 0.5), '.' cheap or skipped, '-' layer not routed); cells right-aligned to the
+    widest token plus one space."""
     w = max(len(t) for t in tokens) + 1
     blocks = []
     for a in range(0, len(tokens), per_line):
         lines = ['tok  ' + ''.join(t.rjust(w) for t in tokens[a:a + per_line])]
-        lines += [f'L{l:<4}' + ''.join(map_cell(v).rjust(w) for v in row[a:a + per_line]) for l, row in enumerate(grid)]
+        lines += [
+            f'L{l:<4}' + ''.join(map_cell(v).rjust(w) for v in row[a : a + per_line])
+            for l, row in enumerate(grid)
+        ]
         blocks.append('\n'.join(lines))
     return '\n\n'.join(blocks)
 
@@ -146,7 +158,9 @@ def class_table_text(by_class):
     """{class: {layer: fraction}} as a table: one row per class, one column per routed layer."""
     layers = sorted({l for row in by_class.values() for l in row})
     lines = ['class     ' + ''.join(f'{"L" + str(l):>7}' for l in layers)]
-    lines += [f'{name:<10}' + ''.join(f'{row[l]:7.3f}' for l in layers) for name, row in by_class.items()]
+    lines += [
+        f'{name:<10}' + ''.join(f'{row[l]:7.3f}' for l in layers) for name, row in by_class.items()
+    ]
     return '\n'.join(lines)
 
 
@@ -159,10 +173,22 @@ def draw_routing_map(path, grid, tokens, by_class=None):
         return []
     fig, ax = plt.subplots(figsize=(max(6.0, 0.28 * len(tokens) + 2), 1.2 + 0.45 * len(grid)))
     cmap = plt.get_cmap('viridis').with_extremes(bad='lightgrey')
-    im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=1, aspect='auto', interpolation='nearest')
-    ax.set_xticks(range(len(tokens)), tokens, rotation=90 if max(map(len, tokens)) > 1 else 0, fontsize=8)
+    im = ax.imshow(
+        np.ma.masked_invalid(grid),
+        cmap=cmap,
+        vmin=0,
+        vmax=1,
+        aspect='auto',
+        interpolation='nearest',
+    )
+    ax.set_xticks(
+        range(len(tokens)), tokens, rotation=90 if max(map(len, tokens)) > 1 else 0, fontsize=8
+    )
     ax.set_yticks(range(len(grid)), [f'L{l}' for l in range(len(grid))])
-    ax.set_title('path per token and layer (1 = full / active, 0 = cheap / skipped, grey = not routed)', fontsize=9)
+    ax.set_title(
+        'path per token and layer (1 = full / active, 0 = cheap / skipped, grey = not routed)',
+        fontsize=9,
+    )
     fig.colorbar(im, ax=ax, fraction=0.02)
     paths = [save_figure(plt, fig, path)]
     if by_class:
@@ -171,7 +197,15 @@ def draw_routing_map(path, grid, tokens, by_class=None):
         fig, ax = plt.subplots(figsize=(1.5 + 0.8 * len(layers), 0.8 + 0.4 * len(by_class)))
         im = ax.imshow(table, cmap='viridis', vmin=0, vmax=1, aspect='auto')
         for (i, j), v in np.ndenumerate(table):
-            ax.text(j, i, f'{v:.2f}', ha='center', va='center', color='w' if v < 0.6 else 'k', fontsize=8)
+            ax.text(
+                j,
+                i,
+                f'{v:.2f}',
+                ha='center',
+                va='center',
+                color='w' if v < 0.6 else 'k',
+                fontsize=8,
+            )
         ax.set_xticks(range(len(layers)), [f'L{l}' for l in layers])
         ax.set_yticks(range(len(by_class)), list(by_class))
         ax.set_title('full-path fraction per class of the target token', fontsize=9)
@@ -186,12 +220,24 @@ def save_figure(plt, fig, path):
     return path
 
 
-def routing_map_report(model, train_data, val_data, meta, eval_iters, calib_iters, autocast=nullcontext(),
-                       eval_seed=1337, n_tokens=64):
-    """The routing map of the first row of the first eval batch (its first n_tokens tokens; the whole
-    row is run, which gives the same decisions since eval routing is causal), after the same threshold
-    calibration report() does, and the per-difficulty-class fractions over all eval batches."""
-    batches, starts = calibrated_eval_batches(model, train_data, val_data, eval_iters, calib_iters, autocast, eval_seed)
+def routing_map_report(
+    model,
+    train_data,
+    val_data,
+    meta,
+    eval_iters,
+    calib_iters,
+    autocast=nullcontext(),
+    eval_seed=1337,
+    n_tokens=64,
+):
+    """The routing map of the first row of the first eval batch (its first n_tokens tokens; the
+    whole row is run, which gives the same decisions since eval routing is causal), after the same
+    threshold calibration report() does, and the per-difficulty-class fractions over all eval
+    batches."""
+    batches, starts = calibrated_eval_batches(
+        model, train_data, val_data, eval_iters, calib_iters, autocast, eval_seed
+    )
     x, y = batches[0]
     T = min(n_tokens, x.size(1))
     grid = routing_map(model, x[:1], y[:1], autocast)[:, :T]
@@ -199,9 +245,16 @@ def routing_map_report(model, train_data, val_data, meta, eval_iters, calib_iter
     out = dict(start=int(starts[0][0]), ids=ids, tokens=token_text(load_tokenizer(meta)[1], ids),
                map=[[None if np.isnan(v) else float(v) for v in row] for row in grid])
     if meta.get('difficulty_classes'):
-        diff = np.memmap(os.path.join(meta['folder'], 'val_difficulty.bin'), dtype=np.uint8, mode='r')
+        diff = np.memmap(
+            os.path.join(meta['folder'], 'val_difficulty.bin'), dtype=np.uint8, mode='r'
+        )
         out['full_frac_by_class'] = difficulty_fractions(
-            model, [(x, y, s) for (x, y), s in zip(batches, starts)], diff, meta['difficulty_classes'], autocast)
+            model,
+            [(x, y, s) for (x, y), s in zip(batches, starts)],
+            diff,
+            meta['difficulty_classes'],
+            autocast,
+        )
     return out
 
 
@@ -214,8 +267,10 @@ def print_routing_map(res, as_json):
     if as_json:
         print(json.dumps(res))
         return
-    print(f"routing map, eval mode, val tokens {res['start']}..{res['start'] + len(res['ids']) - 1} "
-          f"('#' full path, '.' cheap / skipped, '-' not routed):")
+    print(
+        f"routing map, eval mode, val tokens {res['start']}..{res['start'] + len(res['ids']) - 1} "
+        f"('#' full path, '.' cheap / skipped, '-' not routed):"
+    )
     print(routing_map_text(map_grid(res), res['tokens']))
     if res.get('full_frac_by_class'):
         print('\nfull-path fraction per difficulty class of the target token (eval batches):')
@@ -242,7 +297,9 @@ def parse_args(argv):
         raise ConfigError("--out names the routing map's PNG: use it with --routing-map")
     for key in ('eval_iters', 'calib_iters', 'batch_size'):
         if args[key] < 0:
-            raise ConfigError(f"{key} must be >= 1, or 0 for the checkpoint's own value; got {args[key]}")
+            raise ConfigError(
+                f"{key} must be >= 1, or 0 for the checkpoint's own value; got {args[key]}"
+            )
     if args['data_dir'] and not os.path.isdir(args['data_dir']):
         raise ConfigError(f"--data_dir={args['data_dir']} is not a folder; give the folder that "
                           "holds "
@@ -272,11 +329,18 @@ def main(argv):
         check_checkpoint_data(cfg, meta, ck)      # the data must be the run's (names the field)
         check_data(cfg, meta, ck)                 # and intact: sha256 and token ids
         model = load_model(ck, dev)
-        tr, va = open_splits(meta, cfg.block_size, args['batch_size'] or cfg.batch_size, cfg.seed, dev)
+        tr, va = open_splits(
+            meta, cfg.block_size, args['batch_size'] or cfg.batch_size, cfg.seed, dev
+        )
         torch.manual_seed(cfg.eval_seed)
-        eval_iters, calib_iters = args['eval_iters'] or cfg.eval_iters, args['calib_iters'] or cfg.calib_iters
+        eval_iters, calib_iters = (
+            args['eval_iters'] or cfg.eval_iters,
+            args['calib_iters'] or cfg.calib_iters,
+        )
         if routing:
-            res = routing_map_report(model, tr, va, meta, eval_iters, calib_iters, eval_seed=cfg.eval_seed)
+            res = routing_map_report(
+                model, tr, va, meta, eval_iters, calib_iters, eval_seed=cfg.eval_seed
+            )
             os.makedirs(os.path.dirname(os.path.abspath(args['out'])), exist_ok=True)
             res['png'] = draw_routing_map(args['out'], map_grid(res), res['tokens'],
                                           res.get('full_frac_by_class'))
@@ -298,13 +362,17 @@ def main(argv):
 
 @torch.no_grad()
 def room(model, batches, autocast=nullcontext(), seed=0):
-    """How much routing can matter on these batches, for this backbone: the val loss with every routed
-    decision forced full and forced cheap (the family's references), and under each of its room rules
-    (ffn: random and oracle routing at the budget; the oracle peeks at the targets, so it bounds what a
-    causal gate can reach). room = cheap − full; gate_room = random − oracle, what a learned gate can
-    gain over chance at the budget; oracle_recovery = the share of the room oracle routing recovers."""
+    """How much routing can matter on these batches, for this backbone: the val loss with every
+    routed decision forced full and forced cheap (the family's references), and under each of its
+    room rules (ffn: random and oracle routing at the budget; the oracle peeks at the targets, so it
+    bounds what a causal gate can reach). room = cheap − full; gate_room = random − oracle, what a
+    learned gate can gain over chance at the budget; oracle_recovery = the share of the room oracle
+    routing recovers."""
     family = model.family
-    out = {force: evaluate(model, batches, autocast, force=force)['loss'] for force in family.references}
+    out = {
+        force: evaluate(model, batches, autocast, force=force)['loss']
+        for force in family.references
+    }
     for name, overrides in family.room_rules.items():
         torch.manual_seed(seed)                     # the random rule's draws
         with overridden(model.config, **overrides):
@@ -331,7 +399,9 @@ def room(model, batches, autocast=nullcontext(), seed=0):
     return out
 
 
-def calibrated_eval_batches(model, train_data, val_data, eval_iters, calib_iters, autocast, eval_seed):
+def calibrated_eval_batches(
+    model, train_data, val_data, eval_iters, calib_iters, autocast, eval_seed
+):
     """Calibrate the causal thresholds on held-out train-split batches, then fetch the fixed
     validation batches: ([(x, y), ...], their start offsets)."""
     calib = [train_data.fetch(s)[0] for s in train_data.eval_batches(calib_iters, 3, eval_seed)]
@@ -341,20 +411,39 @@ def calibrated_eval_batches(model, train_data, val_data, eval_iters, calib_iters
     return [val_data.fetch(s) for s in starts], starts
 
 
-def report(model, train_data, val_data, meta, eval_iters, calib_iters, autocast=nullcontext(), eval_seed=1337):
+def report(
+    model,
+    train_data,
+    val_data,
+    meta,
+    eval_iters,
+    calib_iters,
+    autocast=nullcontext(),
+    eval_seed=1337,
+):
     """The end-of-run numbers: causal val loss beside the forced-full (dense) and forced-cheap
     references, realised budget, TLOps saved, MoD's causal-rule accuracy, TSA's soft vs hard and the
     exits' threshold sweep, and per-difficulty-class routing (synthetic corpus)."""
-    batches, starts = calibrated_eval_batches(model, train_data, val_data, eval_iters, calib_iters, autocast, eval_seed)
+    batches, starts = calibrated_eval_batches(
+        model, train_data, val_data, eval_iters, calib_iters, autocast, eval_seed
+    )
     family = model.family
     out = dict(val_loss=evaluate(model, batches, autocast))
     out.update(family.report(model, batches, autocast, evaluate))
-    for force in family.references:     # forced full = the dense model; forced cheap = every token skips
+    for force in family.references:     # forced full = the dense model; forced cheap = every token
+                                        # skips
         out[f'val_loss_{force}'] = evaluate(model, batches, autocast, force=force)['loss']
     if family.by_class and meta.get('difficulty_classes'):
-        diff = np.memmap(os.path.join(meta['folder'], 'val_difficulty.bin'), dtype=np.uint8, mode='r')
+        diff = np.memmap(
+            os.path.join(meta['folder'], 'val_difficulty.bin'), dtype=np.uint8, mode='r'
+        )
         out['full_frac_by_class'] = difficulty_fractions(
-            model, [(x, y, s) for (x, y), s in zip(batches, starts)], diff, meta['difficulty_classes'], autocast)
+            model,
+            [(x, y, s) for (x, y), s in zip(batches, starts)],
+            diff,
+            meta['difficulty_classes'],
+            autocast,
+        )
     return out
 
 

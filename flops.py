@@ -57,9 +57,9 @@ def peak_flops(device, dtype):
     return None
 
 
-# ----------------------------------------------------------------------------------------------------
-# routed models: each family's analytic terms live in its file (Family.forward_flops, backward_flops,
-# oracle_flops); these sum them for the family of config.route
+# --------------------------------------------------------------------------------------------------
+# routed models: each family's analytic terms live in its file (Family.forward_flops,
+# backward_flops, oracle_flops); these sum them for the family of config.route
 
 def family_of(config):
     """The routing family of config, whose hooks hold its FLOPs terms."""
@@ -131,7 +131,8 @@ def flops_per_token(config, seq_len=None, training=True):
 
 
 def estimate_mfu(config, tokens_per_s, device, dtype, seq_len=None):
-    """Model FLOPs utilisation against the peak of the device in use (None when unknown, e.g. CPU)."""
+    """Model FLOPs utilisation against the peak of the device in use (None when unknown, e.g.
+    CPU)."""
     peak = peak_flops(device, dtype)
     if peak is None:
         return None
@@ -153,7 +154,8 @@ def main(argv):
     from model import GPTConfig
     here = os.path.dirname(os.path.abspath(__file__))
     refuse_study_files(argv)
-    # train.py's config keys, read from its source: train.py imports this module, so not the other way
+    # train.py's config keys, read from its source: train.py imports this module, so not the other
+    # way
     defaults = {f.name: f.default for f in fields(GPTConfig)}
     defaults.update(declared_defaults(os.path.join(here, 'train.py')), **BENCH_DEFAULTS)
     cfg = load_config(defaults, argv)
@@ -162,7 +164,8 @@ def main(argv):
     if not vocab:
         vocab = json.load(open(meta))['vocab_size'] if os.path.exists(meta) else 50304
     try:
-        base = GPTConfig(**{**{f.name: cfg[f.name] for f in fields(GPTConfig)}, 'vocab_size': vocab})
+        model_fields = {f.name: cfg[f.name] for f in fields(GPTConfig)}
+        base = GPTConfig(**{**model_fields, 'vocab_size': vocab})
     except ValueError as e:          # a bad model field: a UserError, as in train.model_config
         raise ConfigError(str(e)) from None
     T, dense = base.block_size, dense_forward_flops(base, base.block_size)

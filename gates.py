@@ -1,11 +1,12 @@
 """
-Gates: modules that score tokens for the expensive path, and the rules that turn scores into decisions.
+Gates: modules that score tokens for the expensive path, and the rules that turn scores into
+decisions.
 
-A gate maps the hidden state h (B, T, C) at a controlled layer to a score (B, T); the higher the score
-the more the token should get the full path. Training decides by top-k per sequence at a static
-capacity (non-causal, as in the papers); model.eval() decides causally, per token, by a threshold
-calibrated on held-out data or by a predictor of top-k membership. Gates run in fp32 even under
-autocast (fp16 on V100 would otherwise round scores into ties).
+A gate maps the hidden state h (B, T, C) at a controlled layer to a score (B, T); the higher the
+score the more the token should get the full path. Training decides by top-k per sequence at a
+static capacity (non-causal, as in the papers); model.eval() decides causally, per token, by a
+threshold calibrated on held-out data or by a predictor of top-k membership. Gates run in fp32 even
+under autocast (fp16 on V100 would otherwise round scores into ties).
 
 Config values -> modules:
   ffn_gate='mlp'   G1: MLPGate, an MLP from h to a scalar utility score
@@ -28,7 +29,8 @@ GATES = ('mlp', 'jepa', 'random', 'static_full', 'static_cheap', 'oracle')
 
 def capacity(budget, T):
     """Tokens per sequence that take the full path: ceil(budget·T) of the actual length T (never of
-    block_size, so short prompts work), at least 1. The epsilon keeps 0.3·10 from rounding up to 4."""
+    block_size, so short prompts work), at least 1. The epsilon keeps 0.3·10 from rounding up to
+    4."""
     return max(1, min(T, math.ceil(budget * T - 1e-9)))
 
 
@@ -39,16 +41,17 @@ def topk_mask(score, k):
 
 
 def random_mask(B, T, fraction, causal, device):
-    """The random-routing baseline, (B, T) boolean: Bernoulli(fraction) per token when causal (eval),
-    else exactly capacity(fraction, T) tokens of each row, uniformly (training: static shapes)."""
+    """The random-routing baseline, (B, T) boolean: Bernoulli(fraction) per token when causal
+    (eval), else exactly capacity(fraction, T) tokens of each row, uniformly (training: static
+    shapes)."""
     u = torch.rand(B, T, device=device)
     return u < fraction if causal else topk_mask(u, capacity(fraction, T))
 
 
 def threshold_mask(score, tau, calibrate_to=None):
     """The causal decision, per token: score > tau. calibrate_to (a budget): first set tau, a 0-dim
-    buffer, in place to the (1 − budget) quantile of these scores, so that on this batch the fraction
-    above it is the budget."""
+    buffer, in place to the (1 − budget) quantile of these scores, so that on this batch the
+    fraction above it is the budget."""
     if calibrate_to is not None:
         flat = score.detach().flatten()
         n_cheap = flat.numel() - round(calibrate_to * flat.numel())
@@ -59,7 +62,8 @@ def threshold_mask(score, tau, calibrate_to=None):
 def straight_through(mask, score):
     """Forward value: the hard 0/1 mask. Backward: the gradient of sigmoid(score)."""
     soft = torch.sigmoid(score)
-    return mask.to(soft.dtype) + (soft - soft.detach())   # the bracket is exactly 0: (m + σ) − σ would round
+    return mask.to(soft.dtype) + (soft - soft.detach())   # the bracket is exactly 0: (m + σ) − σ
+                                                          # would round
 
 
 def fp32(module_call):
@@ -157,8 +161,9 @@ class MembershipPredictor(nn.Module):
 
 
 class HaltingRouter(nn.Module):
-    """TSA (arXiv 2605.05222): p = σ(W2·ReLU(W1·h + b1) + b2) in (0, 1) per token, hidden max(16, d/4), b2 = −1 at
-    init (so p ≈ 0.27: blocks start mostly on). p is the probability of skipping the next block."""
+    """TSA (arXiv 2605.05222): p = σ(W2·ReLU(W1·h + b1) + b2) in (0, 1) per token, hidden max(16,
+    d/4), b2 = −1 at init (so p ≈ 0.27: blocks start mostly on). p is the probability of skipping
+    the next block."""
 
     def __init__(self, n_embd):
         super().__init__()
@@ -172,9 +177,10 @@ class HaltingRouter(nn.Module):
 
 
 class ModRouter(nn.Module):
-    """Mixture-of-Depths (arXiv 2404.02258): a scalar linear router r = wᵀx on the block input, in fp32. Top-k
-    of r picks the tokens the block runs on; the selected tokens' update is scaled by σ(r), which is
-    what trains w (σ rather than the raw r: a raw logit multiplied into the residual can blow up)."""
+    """Mixture-of-Depths (arXiv 2404.02258): a scalar linear router r = wᵀx on the block input, in
+    fp32. Top-k of r picks the tokens the block runs on; the selected tokens' update is scaled by
+    σ(r), which is what trains w (σ rather than the raw r: a raw logit multiplied into the residual
+    can blow up)."""
 
     def __init__(self, n_embd):
         super().__init__()
@@ -186,8 +192,8 @@ class ModRouter(nn.Module):
 
 
 class EnsembleRouter(nn.Module):
-    """Mixture-of-Depths Ensemble (arXiv 2410.13077): G(x) = softmax(x·W_g) over the k late layers, per token.
-    W_g starts at zero, so the mixture starts uniform."""
+    """Mixture-of-Depths Ensemble (arXiv 2410.13077): G(x) = softmax(x·W_g) over the k late layers,
+    per token. W_g starts at zero, so the mixture starts uniform."""
 
     def __init__(self, n_embd, k):
         super().__init__()

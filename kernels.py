@@ -46,16 +46,18 @@ except ImportError:                     # optional: without triton every call ru
     triton = None
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32  # autotune-free; tl.dot needs every block dimension >= 16
-MIN_CAPABILITY = (8, 0)                 # Triton 3.3+ supports NVIDIA compute capability 8.0 and newer
+MIN_CAPABILITY = (8, 0)                 # Triton 3.3+ supports NVIDIA compute capability 8.0 and
+                                        # newer
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the order and the count
 
 def sort_by_mask(mask):
     """mask (N,) bool -> (order (N,) int64, count 0-dim int64), both on mask's device: the True rows
     first, then the False rows, each group in its original order; count = mask.sum(). A stable
-    partition by two prefix sums (O(N), deterministic: every destination is written once), no sync."""
+    partition by two prefix sums (O(N), deterministic: every destination is written once), no
+    sync."""
     mask = mask.reshape(-1).bool()
     m = mask.long()
     count = m.sum()
@@ -66,7 +68,7 @@ def sort_by_mask(mask):
     return order, count
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the reference
 
 def _weights(mlp):
@@ -81,8 +83,9 @@ def _in_range(order, lo, hi):
 
 
 def mlp_rows_reference(x, order, lo, hi, mlp, out):
-    """mlp_rows in pure PyTorch with static shapes: computes mlp (dropout off) on all N rows and writes
-    the rows whose sorted position is in [lo, hi) into out; the other rows keep their bits."""
+    """mlp_rows in pure PyTorch with static shapes: computes mlp (dropout off) on all N rows and
+    writes the rows whose sorted position is in [lo, hi) into out; the other rows keep their
+    bits."""
     w_fc, b_fc, w_proj, b_proj, approximate = _weights(mlp)
     y = F.linear(F.gelu(F.linear(x, w_fc, b_fc), approximate=approximate), w_proj, b_proj)
     keep = _in_range(order, lo, hi).unsqueeze(1)
@@ -90,18 +93,38 @@ def mlp_rows_reference(x, order, lo, hi, mlp, out):
     return out
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the kernels
 
 if triton is not None:
 
     @triton.jit
     def _gather_fc_gelu_kernel(
-            x_ptr, order_ptr, lo_ptr, hi_ptr, w_ptr, b_ptr, h_ptr, started_ptr,
-            N, C, W,
-            stride_xm, stride_xk, stride_wn, stride_wk, stride_hm, stride_hn,
-            HAS_BIAS: tl.constexpr, TANH: tl.constexpr, COUNT_STARTED: tl.constexpr, DOT_FP32: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        x_ptr,
+        order_ptr,
+        lo_ptr,
+        hi_ptr,
+        w_ptr,
+        b_ptr,
+        h_ptr,
+        started_ptr,
+        N,
+        C,
+        W,
+        stride_xm,
+        stride_xk,
+        stride_wn,
+        stride_wk,
+        stride_hm,
+        stride_hn,
+        HAS_BIAS: tl.constexpr,
+        TANH: tl.constexpr,
+        COUNT_STARTED: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         """H[i, n] = gelu(x[order[i]] . W_fc[n] + b_fc[n]) for sorted positions lo <= i < hi."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         lo, hi = tl.load(lo_ptr), tl.load(hi_ptr)
@@ -133,8 +156,11 @@ if triton is not None:
             h = acc * tl.sigmoid(1.5957691216057308 * (acc + 0.044715 * acc * acc * acc))
         else:           # exact GELU
             h = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
-        tl.store(h_ptr + rm64[:, None] * stride_hm + rn[None, :] * stride_hn, h.to(h_ptr.dtype.element_ty),
-                 mask=live[:, None] & (rn[None, :] < W))
+        tl.store(
+            h_ptr + rm64[:, None] * stride_hm + rn[None, :] * stride_hn,
+            h.to(h_ptr.dtype.element_ty),
+            mask=live[:, None] & (rn[None, :] < W),
+        )
 
     @triton.jit
     def _proj_scatter_kernel(
@@ -170,8 +196,11 @@ if triton is not None:
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=rn < C, other=0.0).to(tl.float32)[None, :]
         rows = tl.load(order_ptr + rm, mask=live, other=0)  # the scatter: out's rows through order
-        tl.store(out_ptr + rows[:, None] * stride_om + rn[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
-                 mask=live[:, None] & (rn[None, :] < C))
+        tl.store(
+            out_ptr + rows[:, None] * stride_om + rn[None, :] * stride_on,
+            acc.to(out_ptr.dtype.element_ty),
+            mask=live[:, None] & (rn[None, :] < C),
+        )
 
 
 def _interpreted(kernel):
@@ -190,14 +219,35 @@ def launch_mlp_rows(x, order, lo, hi, w_fc, b_fc, w_proj, b_proj, approximate, o
     started = started if count else lo                         # an unused pointer when not counting
     # fp32 inputs: TF32 tensor cores only where torch's matmuls also use them. Triton's interpreter
     # (triton 3.9) computes tl.dot of bf16 operands wrongly, so there they are upcast first: exact
-    # (a product of two bf16 values fits in fp32), the same sums as the GPU's bf16 dot with fp32 acc.
+    # (a product of two bf16 values fits in fp32), the same sums as the GPU's bf16 dot with fp32
+    # acc.
     ieee = x.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     dot_fp32 = ieee or (x.dtype == torch.bfloat16 and _interpreted(_gather_fc_gelu_kernel))
     blocks = dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     wrap(_gather_fc_gelu_kernel)[(triton.cdiv(N, block_m), triton.cdiv(W, BLOCK_N))](
-        x, order, lo, hi, w_fc, b_fc if b_fc is not None else w_fc, h, started, N, C, W,
-        x.stride(0), x.stride(1), w_fc.stride(0), w_fc.stride(1), h.stride(0), h.stride(1),
-        HAS_BIAS=b_fc is not None, TANH=approximate == 'tanh', COUNT_STARTED=count, DOT_FP32=dot_fp32, **blocks)
+        x,
+        order,
+        lo,
+        hi,
+        w_fc,
+        b_fc if b_fc is not None else w_fc,
+        h,
+        started,
+        N,
+        C,
+        W,
+        x.stride(0),
+        x.stride(1),
+        w_fc.stride(0),
+        w_fc.stride(1),
+        h.stride(0),
+        h.stride(1),
+        HAS_BIAS=b_fc is not None,
+        TANH=approximate == 'tanh',
+        COUNT_STARTED=count,
+        DOT_FP32=dot_fp32,
+        **blocks,
+    )
     wrap(_proj_scatter_kernel)[(triton.cdiv(N, block_m), triton.cdiv(C, BLOCK_N))](
         h, order, lo, hi, w_proj, b_proj if b_proj is not None else w_proj, out, started, N, C, W,
         h.stride(0), h.stride(1), w_proj.stride(0), w_proj.stride(1), out.stride(0), out.stride(1),
@@ -225,7 +275,7 @@ if triton is not None:
         torch.library.triton_op("nanodepth::mlp_rows", _mlp_rows_op, mutates_args={"out"})
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # dispatch
 
 def use_triton(x):
@@ -236,7 +286,11 @@ def use_triton(x):
     forced = os.environ.get('NANODEPTH_TRITON', '')
     if forced in ('0', '1'):
         return forced == '1'
-    return x.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(x.device) >= MIN_CAPABILITY
+    return (
+        x.is_cuda
+        and torch.version.hip is None
+        and torch.cuda.get_device_capability(x.device) >= MIN_CAPABILITY
+    )
 
 
 def _as_count(v, device):
@@ -249,15 +303,20 @@ def _as_count(v, device):
 def mlp_rows(x, order, lo, hi, mlp, out):
     """For every lo <= i < hi: out[order[i]] = mlp(x[order[i]]) (dropout off); other rows of out are
     untouched; returns out. x, out (N, C); order (N,) from sort_by_mask; lo, hi: ints or 0-dim int
-    tensors on x's device; mlp: c_fc, c_proj (nn.Linear, bias optional) and `approximate` for F.gelu."""
+    tensors on x's device; mlp: c_fc, c_proj (nn.Linear, bias optional) and `approximate` for
+    F.gelu."""
     w_fc, b_fc, w_proj, b_proj, approximate = _weights(mlp)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, w_fc, b_fc, w_proj, b_proj))
-    if needs_grad or not use_triton(x):         # the kernels have no backward: training takes the reference
+    if needs_grad or not use_triton(x):         # the kernels have no backward: training takes the
+                                                # reference
         return mlp_rows_reference(x, order, lo, hi, mlp, out)
-    if torch.is_autocast_enabled(x.device.type):   # as autocast casts F.linear's operands in the reference
+    if torch.is_autocast_enabled(x.device.type):   # as autocast casts F.linear's operands in the
+                                                   # reference
         dtype = torch.get_autocast_dtype(x.device.type)
-        x, w_fc, b_fc, w_proj, b_proj = (t if t is None else t.to(dtype) for t in (x, w_fc, b_fc, w_proj, b_proj))
+        x, w_fc, b_fc, w_proj, b_proj = (
+            t if t is None else t.to(dtype) for t in (x, w_fc, b_fc, w_proj, b_proj)
+        )
     torch.ops.nanodepth.mlp_rows(x, order, _as_count(lo, x.device), _as_count(hi, x.device),
                                  w_fc, b_fc, w_proj, b_proj, approximate, out)
     return out

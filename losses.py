@@ -11,7 +11,9 @@ import torch.nn.functional as F
 
 def per_token_ce(logits, targets):
     """CE_t = −log softmax(logits_t)[y_t], (B, T); positions with target −1 give 0."""
-    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1, reduction='none')
+    ce = F.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1, reduction='none'
+    )
     return ce.view(targets.shape)
 
 
@@ -32,8 +34,8 @@ def utility_regression(score, utility):
 
 
 def pairwise_rank(score, utility, n_pairs, kind='logistic', margin=0.1, generator=None):
-    """Pairs (i, j) drawn uniformly within each sequence (n_pairs per sequence, static shape), ordered
-    so that U_i > U_j (ties dropped). With δ = s_i − s_j:
+    """Pairs (i, j) drawn uniformly within each sequence (n_pairs per sequence, static shape),
+    ordered so that U_i > U_j (ties dropped). With δ = s_i − s_j:
         logistic: L_rank = mean log(1 + exp(−δ))
         margin:   L_rank = mean max(0, margin − δ)"""
     B, T = score.shape
@@ -54,7 +56,8 @@ def jepa_alignment(pred, target):
 
 
 def membership_bce(logit, mask):
-    """L_pred = BCE(σ(q_t), m_t): a causal predictor q of top-k membership (targets stop-gradient)."""
+    """L_pred = BCE(σ(q_t), m_t): a causal predictor q of top-k membership (targets
+    stop-gradient)."""
     return F.binary_cross_entropy_with_logits(logit.float(), mask.float().detach())
 
 

@@ -1,16 +1,17 @@
 """
-The nanodepth GPT: a pre-LN decoder-only transformer, nanoGPT-style, built so that every block can be
-routed per token.
+The nanodepth GPT: a pre-LN decoder-only transformer, nanoGPT-style, built so that every block can
+be routed per token.
 
 A `Block` exposes its two residual updates separately, `attn_update(x, pos, cache)` and
-`ffn_update(x)`, so a routing family can run them on a subset of tokens, scale them, or replace the FFN
-with a cheap one without rewriting the block. Attention takes explicit token positions `pos` (B, T):
-RoPE rotates by them and the causal mask compares them, so a gathered subset of tokens still attends in
-its real causal order at its real positions, and a KV cache can hold slots that were never written.
+`ffn_update(x)`, so a routing family can run them on a subset of tokens, scale them, or replace the
+FFN with a cheap one without rewriting the block. Attention takes explicit token positions `pos` (B,
+T): RoPE rotates by them and the causal mask compares them, so a gathered subset of tokens still
+attends in its real causal order at its real positions, and a KV cache can hold slots that were
+never written.
 
 How a forward is routed is the business of the model's routing family (`config.route`), looked up in
-FAMILIES below; each family lives in its own file (route_ffn.py, route_mod.py, ...) and implements the
-contract of routing.Family (its docstring). This file knows no family but by its name in ROUTES.
+FAMILIES below; each family lives in its own file (route_ffn.py, route_mod.py, ...) and implements
+the contract of routing.Family (its docstring). This file knows no family but by its name in ROUTES.
 
     from model import GPT, GPTConfig
     logits, loss = model(idx, targets)[:2]    # third element: dict of loss terms and routing stats
@@ -51,9 +52,11 @@ class GPTConfig(*[f.Options for f in reversed(FAMILIES.values()) if f.Options is
     bias: bool = False        # bias in Linear and LayerNorm (GPT-2 checkpoints need True)
     pos: str = 'learned'      # 'learned' absolute position embeddings, or 'rope'
     rope_base: float = 10000.0
-    gelu: str = 'none'        # GELU approximation: 'none' (exact) or 'tanh' (what GPT-2 checkpoints use)
+    gelu: str = 'none'        # GELU approximation: 'none' (exact) or 'tanh' (what GPT-2 checkpoints
+                              # use)
     route: str = 'none'       # the routing family, a key of FAMILIES ('none': the dense model)
-    layer_dropout: float = 0.0  # LayerSkip p_max: block l skipped per sequence w.p. p_max·(2^{l/(L-1)} − 1)
+    layer_dropout: float = 0.0  # LayerSkip p_max: block l skipped per sequence w.p.
+                                # p_max·(2^{l/(L-1)} − 1)
 
     def __post_init__(self):
         for key in ('block_size', 'n_layer', 'n_head', 'n_embd'):
@@ -79,9 +82,14 @@ class GPTConfig(*[f.Options for f in reversed(FAMILIES.values()) if f.Options is
             family.check_values(self)
         if not 0.0 <= self.layer_dropout < 1.0:
             raise ValueError(f"layer_dropout must be in [0, 1), got {self.layer_dropout}")
-        if self.layer_dropout > 0 and 'layer_dropout' not in FAMILIES[self.route].options:   # the blocks are routed
-            readers = ' or '.join(repr(r) for r, f in FAMILIES.items() if 'layer_dropout' in f.options)
-            raise ValueError(f"layer_dropout is LayerSkip's (route={readers}), not for route={self.route!r}")
+        # the blocks are routed
+        if self.layer_dropout > 0 and 'layer_dropout' not in FAMILIES[self.route].options:
+            readers = ' or '.join(
+                repr(r) for r, f in FAMILIES.items() if 'layer_dropout' in f.options
+            )
+            raise ValueError(
+                f"layer_dropout is LayerSkip's (route={readers}), not for route={self.route!r}"
+            )
         FAMILIES[self.route].validate(self)
 
     @classmethod
@@ -115,32 +123,34 @@ def controlled_layer_ids(config):
 
 
 def is_controller_key(name):
-    """Parameters and buffers of a routing controller rather than the backbone, of any family (each says
-    which are its own: Family.is_controller_key): a stage-2 run loads the backbone from a checkpoint and
-    starts these fresh; trainable='controller' trains these."""
+    """Parameters and buffers of a routing controller rather than the backbone, of any family (each
+    says which are its own: Family.is_controller_key): a stage-2 run loads the backbone from a
+    checkpoint and starts these fresh; trainable='controller' trains these."""
     return any(family.is_controller_key(name) for family in FAMILIES.values())
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # attention, with positions and an optional KV cache
 
 class KVCache:
-    """Per-layer K/V slots for batched decoding. Slot s of a row holds the token at absolute position s
-    (so prompts of different lengths and tokens that skip a layer just leave slots empty); `kpos` is
-    the position a slot holds, or -1 while empty. Shapes are static (max_len slots), so decoding steps
-    all look alike to torch.compile / CUDA graphs."""
+    """Per-layer K/V slots for batched decoding. Slot s of a row holds the token at absolute
+    position s (so prompts of different lengths and tokens that skip a layer just leave slots
+    empty); `kpos` is the position a slot holds, or -1 while empty. Shapes are static (max_len
+    slots), so decoding steps all look alike to torch.compile / CUDA graphs."""
 
     def __init__(self, config, batch_size, max_len, device, dtype):
         hd = config.n_embd // config.n_head
         shape = (config.n_layer, batch_size, config.n_head, max_len, hd)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.kpos = torch.full((config.n_layer, batch_size, max_len), -1, dtype=torch.long, device=device)
+        self.kpos = torch.full(
+            (config.n_layer, batch_size, max_len), -1, dtype=torch.long, device=device
+        )
         self.max_len = max_len
 
     def write(self, layer, k, v, pos, valid=None):
-        """k, v: (B, H, T, hd) for tokens at positions pos (B, T), distinct within a row; where valid
-        (B, T) is False (a token that skips this layer) the slot is marked empty. Returns this
+        """k, v: (B, H, T, hd) for tokens at positions pos (B, T), distinct within a row; where
+        valid (B, T) is False (a token that skips this layer) the slot is marked empty. Returns this
         layer's full K, V, kpos."""
         b = torch.arange(k.size(0), device=k.device)[:, None]
         self.k[layer][b, :, pos] = k.transpose(1, 2).to(self.k.dtype)
@@ -150,7 +160,8 @@ class KVCache:
 
 
 def rope_rotate(x, pos, base):
-    """Rotary embedding of x (B, H, T, hd) at absolute positions pos (B, T), half-split convention."""
+    """Rotary embedding of x (B, H, T, hd) at absolute positions pos (B, T), half-split
+    convention."""
     hd = x.size(-1)
     inv_freq = 1.0 / (base ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
     ang = pos[:, None, :, None].float() * inv_freq          # (B, 1, T, hd/2)
@@ -169,9 +180,13 @@ class CausalSelfAttention(nn.Module):
         self.rope_base = config.rope_base if config.pos == 'rope' else None
 
     def heads(self, x, pos=None):
-        """q, k, v (B, n_head, T, head size) of x (B, T, C), q and k rotated at pos with rotary positions."""
+        """q, k, v (B, n_head, T, head size) of x (B, T, C), q and k rotated at pos with rotary
+        positions."""
         B, T, C = x.size()
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
+        q, k, v = (
+            t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+            for t in self.c_attn(x).split(C, dim=2)
+        )
         if self.rope_base is not None:
             p = pos if pos is not None else torch.arange(T, device=x.device).expand(B, T)
             q, k = rope_rotate(q, p, self.rope_base), rope_rotate(k, p, self.rope_base)
@@ -179,9 +194,9 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, pos=None, cache=None, valid=None):
         """x (B, T, C). pos (B, T) absolute positions, or None for 0..T-1. With a cache, the new K/V
-        are written into it and the queries attend over every filled slot at a position <= their own.
-        valid (B, T) bool, optional: only these tokens are keys (and written to the cache); the others
-        are padding or tokens that skip this layer, whose outputs the caller drops."""
+        are written into it and the queries attend over every filled slot at a position <= their
+        own. valid (B, T) bool, optional: only these tokens are keys (and written to the cache); the
+        others are padding or tokens that skip this layer, whose outputs the caller drops."""
         B, T, C = x.size()
         q, k, v = self.heads(x, pos)
         drop = self.dropout if self.training else 0.0
@@ -196,7 +211,8 @@ class CausalSelfAttention(nn.Module):
             else:
                 kpos = pos if valid is None else torch.where(valid, pos, -1)
             mask = (kpos[:, None, None, :] >= 0) & (kpos[:, None, None, :] <= pos[:, None, :, None])
-            if valid is not None:       # dropped query rows attend anywhere: no empty row, so no NaN
+            if valid is not None:       # dropped query rows attend anywhere: no empty row, so no
+                                        # NaN
                 mask = mask | ~valid[:, None, :, None]
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
@@ -233,7 +249,7 @@ class Block(nn.Module):
         return x + self.ffn_update(x)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 class GPT(nn.Module):
     def __init__(self, config):
@@ -251,11 +267,13 @@ class GPT(nn.Module):
         self.transformer.wte.weight = self.lm_head.weight   # tied embeddings
         self.family.build(self)                             # the family's model-level modules
         self.apply(self._init_weights)
-        for name, p in self.named_parameters():             # scaled init of residual projections (GPT-2)
+        for name, p in self.named_parameters():             # scaled init of residual projections
+                                                            # (GPT-2)
             if name.endswith('c_proj.weight'):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         self.family.init_weights(self)
-        self.exec_mode = None           # sparse eval: None (by device), 'compact' or 'static' (routing.exec_mode)
+        self.exec_mode = None           # sparse eval: None (by device), 'compact' or 'static'
+                                        # (routing.exec_mode)
 
     @staticmethod
     def _init_weights(module):
@@ -274,27 +292,52 @@ class GPT(nn.Module):
 
     def embed(self, idx, pos=None):
         if idx.size(1) > self.config.block_size:
-            raise ValueError(f"sequence length {idx.size(1)} exceeds block_size {self.config.block_size}")
+            raise ValueError(
+                f"sequence length {idx.size(1)} exceeds block_size {self.config.block_size}"
+            )
         x = self.transformer.wte(idx)
         if self.transformer.wpe is not None:
             x = x + (self.transformer.wpe(pos) if pos is not None
                      else self.transformer.wpe(torch.arange(idx.size(1), device=idx.device)))
         return self.transformer.drop(x)
 
-    def forward(self, idx, targets=None, pos=None, cache=None, last_only=None, force=None, calibrate=False,
-                sparse=True, exec_mode=None, **options):
+    def forward(
+        self,
+        idx,
+        targets=None,
+        pos=None,
+        cache=None,
+        last_only=None,
+        force=None,
+        calibrate=False,
+        sparse=True,
+        exec_mode=None,
+        **options,
+    ):
         """idx (B, T) token ids. Returns (logits, loss, aux): logits for every position when targets
         are given (or last_only=False), else for the last position only; loss is the total training
         loss (LM + the family's weighted terms); aux holds the separate terms and routing statistics
         as tensors (no host sync): 'lm_loss', '<name>_loss', 'full_frac' (per routed layer), 'masks'
-        {layer: (B, T), 1 = full path / block runs}, 'tlops_saved'. force, calibrate, sparse, exec_mode
-        (None: self.exec_mode) and the family's per-step options (Family.step_options) are what this
-        forward asks of the routing family: routing.RouteCtx says what each means."""
-        ctx = RouteCtx(force=force, calibrate=calibrate, sparse=sparse, targets=targets, idx=idx, pos=pos,
-                       options=options, exec_mode=exec_mode if exec_mode is not None else self.exec_mode)
+        {layer: (B, T), 1 = full path / block runs}, 'tlops_saved'. force, calibrate, sparse,
+        exec_mode (None: self.exec_mode) and the family's per-step options (Family.step_options) are
+        what this forward asks of the routing family: routing.RouteCtx says what each means."""
+        ctx = RouteCtx(
+            force=force,
+            calibrate=calibrate,
+            sparse=sparse,
+            targets=targets,
+            idx=idx,
+            pos=pos,
+            options=options,
+            exec_mode=exec_mode if exec_mode is not None else self.exec_mode,
+        )
         self.family.begin(self, ctx)
         ctx.final = x = self.family.run_blocks(self, self.embed(idx, pos), pos, cache, ctx)
-        last = (lambda t: t[:, [-1]]) if (targets is None if last_only is None else last_only) else (lambda t: t)
+        last = (
+            (lambda t: t[:, [-1]])
+            if (targets is None if last_only is None else last_only)
+            else (lambda t: t)
+        )
         ctx.logits = logits = self.family.logits(self, x, ctx, last)
         aux, loss = dict(ctx.terms), None
         self.family.stats(self, ctx, aux)
@@ -308,11 +351,13 @@ class GPT(nn.Module):
         return logits, loss, aux
 
     def mode(self, training):
-        """Temporarily train() or eval(): every module's mode is restored afterwards (also on error)."""
+        """Temporarily train() or eval(): every module's mode is restored afterwards (also on
+        error)."""
         return training_flags(list(self.modules()), training)
 
     def controller_parameters(self):
-        """The parameters controller-only training updates: the family's controller, not the backbone."""
+        """The parameters controller-only training updates: the family's controller, not the
+        backbone."""
         return [p for n, p in self.named_parameters() if self.family.is_controller_key(n)]
 
     def calibrate(self, idx):
@@ -321,48 +366,73 @@ class GPT(nn.Module):
         return self.family.calibrate(self, idx)
 
     def crop_block_size(self, block_size):
-        """Shrink the context (e.g. GPT-2's 1024) to a smaller block_size; learned positions are cut."""
+        """Shrink the context (e.g. GPT-2's 1024) to a smaller block_size; learned positions are
+        cut."""
         assert block_size <= self.config.block_size
         self.config.block_size = block_size
         if self.transformer.wpe is not None:
             self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
 
-    # ------------------------------------------------------------------------------------------------
+    # ----------------------------------------------------------------------------------------------
     # generation
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, lengths=None, stats=None,
-                 vocab_limit=None, compile=False):
+    def generate(
+        self,
+        idx,
+        max_new_tokens,
+        temperature=1.0,
+        top_k=None,
+        use_cache=True,
+        lengths=None,
+        stats=None,
+        vocab_limit=None,
+        compile=False,
+    ):
         """Sample max_new_tokens continuations of idx (B, T), routed as model.eval() routes. With
-        use_cache, the prompt is prefilled once and each new token costs one single-position forward;
-        once the sequence outgrows block_size the context is cropped as in nanoGPT, which shifts every
-        position, so the remaining tokens are computed by full recomputation on the cropped window
-        (identical to use_cache=False by construction).
-        lengths: prompts of different lengths, right-padded in idx (B, max len), row b's prompt being
-        idx[b, :lengths[b]]: each row continues at its own positions (the cache slots the padding
-        wrote are emptied after the prefill); returns a list of 1-D tensors. Needs the cache and
-        max(lengths) + max_new_tokens <= block_size.
-        stats: a dict to fill with the mean realised full-path fraction per routed layer over every
-        forward ('full_frac') and the mean TLOps saved ('tlops_saved'), where the family has them.
-        vocab_limit: sample only ids < vocab_limit (the tokenizer's real vocabulary; the model's is
-        padded, and a padding id has no text).
-        compile: run each cached decoding step (decode_step) through torch.compile(fullgraph=True),
-        captured as a CUDA graph ('reduce-overhead') on CUDA; the prefill and sampling stay eager."""
+        use_cache, the prompt is prefilled once and each new token costs one single-position
+        forward; once the sequence outgrows block_size the context is cropped as in nanoGPT, which
+        shifts every position, so the remaining tokens are computed by full recomputation on the
+        cropped window (identical to use_cache=False by construction). lengths: prompts of different
+        lengths, right-padded in idx (B, max len), row b's prompt being idx[b, :lengths[b]]: each
+        row continues at its own positions (the cache slots the padding wrote are emptied after the
+        prefill); returns a list of 1-D tensors. Needs the cache and max(lengths) + max_new_tokens
+        <= block_size. stats: a dict to fill with the mean realised full-path fraction per routed
+        layer over every forward ('full_frac') and the mean TLOps saved ('tlops_saved'), where the
+        family has them. vocab_limit: sample only ids < vocab_limit (the tokenizer's real
+        vocabulary; the model's is padded, and a padding id has no text). compile: run each cached
+        decoding step (decode_step) through torch.compile(fullgraph=True), captured as a CUDA graph
+        ('reduce-overhead') on CUDA; the prefill and sampling stay eager."""
         bs = self.config.block_size
-        record = (lambda aux: [stats.setdefault(k, []).append(aux[k].float()) for k in ('full_frac', 'tlops_saved')
-                               if k in aux]) if stats is not None else (lambda aux: None)
+        record = (
+            (
+                lambda aux: [
+                    stats.setdefault(k, []).append(aux[k].float())
+                    for k in ('full_frac', 'tlops_saved')
+                    if k in aux
+                ]
+            )
+            if stats is not None
+            else (lambda aux: None)
+        )
         if lengths is not None:
-            idx = self.generate_ragged(idx, list(lengths), max_new_tokens, temperature, top_k, record, vocab_limit,
-                                       compile)
+            idx = self.generate_ragged(
+                idx, list(lengths), max_new_tokens, temperature, top_k, record, vocab_limit, compile
+            )
         else:
             cache, step = None, self.decode_step_fn(idx.device, compile)
             for _ in range(max_new_tokens):
                 B, T = idx.shape
-                if use_cache and T <= bs and cache is not None:     # nxt, not a view of idx: same strides every step
-                    logits, aux = step(nxt, torch.full((B, 1), T - 1, device=idx.device), cache)
+                # nxt (set at the end of the previous step), not a view of idx: same strides every
+                # step
+                if use_cache and T <= bs and cache is not None:
+                    step_pos = torch.full((B, 1), T - 1, device=idx.device)
+                    logits, aux = step(nxt, step_pos, cache)  # noqa: F821
                 elif use_cache and T <= bs:
                     cache = self.new_cache(B, idx.device, compile)
-                    logits, _, aux = self(idx, pos=torch.arange(T, device=idx.device).expand(B, T), cache=cache)
+                    logits, _, aux = self(
+                        idx, pos=torch.arange(T, device=idx.device).expand(B, T), cache=cache
+                    )
                     logits = logits[:, -1, :]
                 else:
                     logits, _, aux = self(idx[:, -bs:])
@@ -376,21 +446,24 @@ class GPT(nn.Module):
         return idx
 
     def decode_step(self, tok, pos, cache):
-        """One cached decoding step: tok (B, 1) ids at absolute positions pos (B, 1), a device tensor
-        (per row: ragged batches), attending over and writing into cache. Returns the next-token logits
-        (B, V) and the step's routing statistics. Static shapes and no host sync (sparse eval runs
-        'static' under torch.compile and on CUDA), so every step is the same graph."""
+        """One cached decoding step: tok (B, 1) ids at absolute positions pos (B, 1), a device
+        tensor (per row: ragged batches), attending over and writing into cache. Returns the
+        next-token logits (B, V) and the step's routing statistics. Static shapes and no host sync
+        (sparse eval runs 'static' under torch.compile and on CUDA), so every step is the same
+        graph."""
         logits, _, aux = self(tok, pos=pos, cache=cache)
         return logits[:, -1], {k: aux[k] for k in ('full_frac', 'tlops_saved') if k in aux}
 
     def decode_step_fn(self, device, compile):
-        """decode_step, eager or compiled. On CUDA the compiled step is captured as a CUDA graph, whose
-        outputs the next replay overwrites: they are cloned before anyone keeps them."""
+        """decode_step, eager or compiled. On CUDA the compiled step is captured as a CUDA graph,
+        whose outputs the next replay overwrites: they are cloned before anyone keeps them."""
         if not compile:
             return self.decode_step
         if device.type != 'cuda':
             return torch.compile(self.decode_step, fullgraph=True, dynamic=False)
-        graphed = torch.compile(self.decode_step, fullgraph=True, dynamic=False, mode='reduce-overhead')
+        graphed = torch.compile(
+            self.decode_step, fullgraph=True, dynamic=False, mode='reduce-overhead'
+        )
 
         def step(tok, pos, cache):
             torch.compiler.cudagraph_mark_step_begin()
@@ -401,35 +474,47 @@ class GPT(nn.Module):
     def new_cache(self, batch_size, device, compile=False):
         """An empty KV cache of block_size slots. A CUDA graph writes into the cache in place at the
         addresses it was captured with, so compiled decoding on CUDA gets one cache per batch size,
-        at static addresses, emptied and reused by every later decoding: the graph is captured once."""
+        at static addresses, emptied and reused by every later decoding: the graph is captured
+        once."""
         dtype = self.lm_head.weight.dtype
         if not (compile and device.type == 'cuda'):
             return KVCache(self.config, batch_size, self.config.block_size, device, dtype)
         caches = self.__dict__.setdefault('graph_caches', {})
         cache = caches.get((batch_size, device, dtype))
         if cache is None:
-            cache = caches[batch_size, device, dtype] = KVCache(self.config, batch_size, self.config.block_size,
-                                                                device, dtype)
+            cache = caches[batch_size, device, dtype] = KVCache(
+                self.config, batch_size, self.config.block_size, device, dtype
+            )
             for t in (cache.k, cache.v, cache.kpos):
                 torch._dynamo.mark_static_address(t)
         cache.kpos.fill_(-1)            # empty: slots whose kpos is -1 are never read
         return cache
 
-    def generate_ragged(self, idx, lengths, max_new_tokens, temperature, top_k, record, vocab_limit=None, compile=False):
+    def generate_ragged(
+        self, idx, lengths, max_new_tokens, temperature, top_k, record, vocab_limit=None,
+        compile=False,
+    ):
         B, dev = idx.size(0), idx.device
         if len(lengths) != B or min(lengths) < 1 or max(lengths) > idx.size(1):
-            raise ValueError(f"lengths {lengths} must give 1..{idx.size(1)} prompt tokens for each of {B} rows")
+            raise ValueError(
+                f"lengths {lengths} must give 1..{idx.size(1)} prompt tokens for each of {B} rows"
+            )
         if max(lengths) + max_new_tokens > self.config.block_size:
-            raise ValueError(f"the longest prompt ({max(lengths)}) plus {max_new_tokens} new tokens exceeds "
-                             f"block_size {self.config.block_size}")
+            raise ValueError(
+                f"the longest prompt ({max(lengths)}) plus {max_new_tokens} new tokens exceeds "
+                f"block_size {self.config.block_size}"
+            )
         step = self.decode_step_fn(dev, compile)
         cache = self.new_cache(B, dev, compile)
         n = torch.tensor(lengths, device=dev)
         T = idx.size(1)
-        logits, _, aux = self(idx, pos=torch.arange(T, device=dev).expand(B, T), cache=cache, last_only=False)
+        logits, _, aux = self(
+            idx, pos=torch.arange(T, device=dev).expand(B, T), cache=cache, last_only=False
+        )
         record(aux)
         slot = torch.arange(cache.max_len, device=dev)[None, :]
-        cache.kpos.masked_fill_((slot >= n[:, None]) & (slot < T), -1)  # forget what the padding wrote
+        # forget what the padding wrote
+        cache.kpos.masked_fill_((slot >= n[:, None]) & (slot < T), -1)
         logits = logits[torch.arange(B, device=dev), n - 1]
         out = torch.zeros(B, max(lengths) + max_new_tokens, dtype=idx.dtype, device=dev)
         out[:, :T] = idx
@@ -443,7 +528,8 @@ class GPT(nn.Module):
 
     @staticmethod
     def sample_next(logits, temperature, top_k, vocab_limit=None):
-        if vocab_limit is not None:       # ids are column indices, so dropping the padded columns excludes them
+        if vocab_limit is not None:       # ids are column indices, so dropping the padded columns
+                                          # excludes them
             logits = logits[:, :vocab_limit]
         if temperature == 0:
             return logits.argmax(dim=-1, keepdim=True)
@@ -453,13 +539,15 @@ class GPT(nn.Module):
             logits[logits < v[:, [-1]]] = -float('inf')
         return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
 
-    # ------------------------------------------------------------------------------------------------
+    # ----------------------------------------------------------------------------------------------
     # training helpers
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, params=None):
         """AdamW with decay on matrices only; `params` restricts training to a subset (e.g. the
         controller in controller-only training). Fused where the device supports it."""
-        params = [p for p in (params if params is not None else self.parameters()) if p.requires_grad]
+        params = [
+            p for p in (params if params is not None else self.parameters()) if p.requires_grad
+        ]
         seen, uniq = set(), []
         for p in params:                                   # tied weights appear once
             if id(p) not in seen:
@@ -470,13 +558,13 @@ class GPT(nn.Module):
         fused = device_type in ('cuda', 'cpu')
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
-    # ------------------------------------------------------------------------------------------------
+    # ----------------------------------------------------------------------------------------------
 
     @classmethod
     def from_pretrained(cls, name_or_path, override_args=None):
-        """Load HF GPT-2 weights ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', or a local directory
-        saved by transformers). Needs the `transformers` package; HF's Conv1D stores weights
-        transposed relative to nn.Linear, hence the transposes."""
+        """Load HF GPT-2 weights ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', or a local
+        directory saved by transformers). Needs the `transformers` package; HF's Conv1D stores
+        weights transposed relative to nn.Linear, hence the transposes."""
         try:
             from transformers import GPT2LMHeadModel
         except ImportError:
@@ -496,23 +584,40 @@ class GPT(nn.Module):
                 f".save_pretrained('gpt2_local')\", copy gpt2_local here and pass "
                 f"--init_from=gpt2_local") from None
         c = hf.config
-        args = dict(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, vocab_size=c.vocab_size,
-                    block_size=c.n_positions, bias=True, pos='learned', dropout=0.0,
-                    gelu='tanh' if c.activation_function in ('gelu_new', 'gelu_pytorch_tanh') else 'none')
+        args = dict(
+            n_layer=c.n_layer,
+            n_head=c.n_head,
+            n_embd=c.n_embd,
+            vocab_size=c.vocab_size,
+            block_size=c.n_positions,
+            bias=True,
+            pos='learned',
+            dropout=0.0,
+            gelu='tanh' if c.activation_function in ('gelu_new', 'gelu_pytorch_tanh') else 'none',
+        )
         args.update(override_args or {})
         model = cls(GPTConfig(**args))
         sd, sd_hf = model.state_dict(), hf.state_dict()
-        transposed = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
+        transposed = (
+            'attn.c_attn.weight',
+            'attn.c_proj.weight',
+            'mlp.c_fc.weight',
+            'mlp.c_proj.weight',
+        )
         keys = [k for k in sd_hf if not k.endswith(('.attn.masked_bias', '.attn.bias'))]
         dense = re.compile(r'(lm_head|transformer\.(wte|wpe|ln_f|h\.\d+\.(ln_1|attn|ln_2|mlp)))\.')
-        missing = {k for k in sd if dense.match(k)} - set(keys)      # the family's modules keep their init
+        # the family's modules keep their init
+        missing = {k for k in sd if dense.match(k)} - set(keys)
         if missing:
             raise ValueError(f"from_pretrained: no HF weights for {sorted(missing)}")
         with torch.no_grad():
             for k in keys:
                 src = sd_hf[k].t() if k.endswith(transposed) else sd_hf[k]
                 if src.shape != sd[k].shape:
-                    raise ValueError(f"from_pretrained: shape mismatch for {k}: {tuple(src.shape)} vs {tuple(sd[k].shape)}")
+                    raise ValueError(
+                        f"from_pretrained: shape mismatch for {k}: {tuple(src.shape)} vs "
+                        f"{tuple(sd[k].shape)}"
+                    )
                 sd[k].copy_(src)
         model.family.after_load(model)
         return model

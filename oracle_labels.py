@@ -10,8 +10,8 @@ Three switches, each an option of the family:
   the sequence at once, so CE_t also moves with the paths of t's prefix.
 - where the forks start (ffn_oracle_start): the all-full state below l (the paper), or this pass's
   routed one, where the other tokens also keep their routed action at l.
-- what runs after l (ffn_oracle_policy): every later layer full ('off', the paper), or the gates' own
-  training decisions ('on').
+- what runs after l (ffn_oracle_policy): every later layer full ('off', the paper), or the gates'
+  own training decisions ('on').
 
 The 'token' labels of all T tokens cost two suffix passes per layer (as 'sequence' labels do, except
 from the all-full state with later layers full, where those reuse the all-full pass and need one): a
@@ -33,8 +33,8 @@ from routing import Family, RouteCtx, training_flags
 
 
 def no_dropout(model):
-    """Dropout off (routing stays in training mode): the two forks of a label must differ only in the
-    action at l, not in their dropout masks. nn.Dropout layers, and attention, whose dropout
+    """Dropout off (routing stays in training mode): the two forks of a label must differ only in
+    the action at l, not in their dropout masks. nn.Dropout layers, and attention, whose dropout
     probability is a float attribute."""
     return training_flags([m for m in model.modules() if isinstance(m, nn.Dropout)
                            or isinstance(getattr(m, 'dropout', None), float)], False)
@@ -53,9 +53,9 @@ def ce_of(model, x, targets):
 
 @torch.no_grad()
 def fork_utility(model, l, x_mid, targets, pos, later, ce_full=None):
-    """'sequence' labels at controlled layer l from the state x_mid (after layer l's attention): every
-    token cheap at l minus every token full at l; the later layers all full (later='full') or following
-    the current gate policy (later='policy'). ce_full, when known, skips that fork."""
+    """'sequence' labels at controlled layer l from the state x_mid (after layer l's attention):
+    every token cheap at l minus every token full at l; the later layers all full (later='full') or
+    following the current gate policy (later='policy'). ce_full, when known, skips that fork."""
     block = model.transformer.h[l]
     ce = {'full': ce_full, 'cheap': None}
     with no_dropout(model):
@@ -64,22 +64,28 @@ def fork_utility(model, l, x_mid, targets, pos, later, ce_full=None):
             if ce[action] is None:
                 update = block.mlp(h) if action == 'full' else block.cheap(h)
                 sub = RouteCtx(force='full' if later == 'full' else None, collect=False)
-                ce[action] = ce_of(model, model.family.run_blocks(model, x_mid + update, pos, None, sub, start=l + 1),
-                                   targets)
+                ce[action] = ce_of(
+                    model,
+                    model.family.run_blocks(model, x_mid + update, pos, None, sub, start=l + 1),
+                    targets,
+                )
     return losses.oracle_utility(ce['cheap'], ce['full'])
 
 
 def switched_attention(attn, h_base, h_own, pos):
-    """Causal attention of the base stream, and of the switched one, in which token t's query sees the
-    base stream's keys and values before t and its own at t: each token as if it alone had been
-    switched. Explicit matmuls (no fused kernel takes a separate diagonal); labels run without dropout."""
+    """Causal attention of the base stream, and of the switched one, in which token t's query sees
+    the base stream's keys and values before t and its own at t: each token as if it alone had been
+    switched. Explicit matmuls (no fused kernel takes a separate diagonal); labels run without
+    dropout."""
     B, T, C = h_own.shape
     (qb, kb, vb), (qo, ko, vo) = attn.heads(h_base, pos), attn.heads(h_own, pos)
     p = pos if pos is not None else torch.arange(T, device=h_own.device).expand(B, T)
     scale = 1.0 / (C // attn.n_head) ** 0.5
     later = p[:, None, None, :] > p[:, None, :, None]                  # key after the query
     eye = torch.eye(T, dtype=torch.bool, device=h_own.device)
-    wb = torch.softmax((qb @ kb.transpose(-2, -1) * scale).masked_fill(later, float('-inf')), dim=-1)
+    wb = torch.softmax(
+        (qb @ kb.transpose(-2, -1) * scale).masked_fill(later, float('-inf')), dim=-1
+    )
     so = (qo @ kb.transpose(-2, -1) * scale).masked_fill(later | eye, float('-inf'))
     wo = torch.softmax(torch.where(eye, (qo * ko).sum(-1, keepdim=True) * scale, so), dim=-1)
     yb, yo = wb @ vb, wo.masked_fill(eye, 0.0) @ vb + wo.diagonal(dim1=-2, dim2=-1)[..., None] * vo
@@ -101,10 +107,11 @@ def held_ffn(block, cfg, h, mask, score):
 
 @torch.no_grad()
 def token_fork_utility(model, l, x_mid, base_full, targets, pos, later):
-    """'token' labels at controlled layer l from x_mid (after layer l's attention): each token t switched
-    alone from its base action at l (base_full, (B, T) bool: full where True) to the other one. The base
-    suffix runs the later layers all full or, on-policy, by the gates' top-k on the base stream; the
-    switched stream keeps those decisions, so only token t's action at l differs between its forks."""
+    """'token' labels at controlled layer l from x_mid (after layer l's attention): each token t
+    switched alone from its base action at l (base_full, (B, T) bool: full where True) to the other
+    one. The base suffix runs the later layers all full or, on-policy, by the gates' top-k on the
+    base stream; the switched stream keeps those decisions, so only token t's action at l differs
+    between its forks."""
     cfg, blocks = model.config, model.transformer.h
     with no_dropout(model):
         h = blocks[l].ln_2(x_mid)
@@ -117,18 +124,24 @@ def token_fork_utility(model, l, x_mid, base_full, targets, pos, later):
             if later == 'full' or not hasattr(block, 'cheap'):
                 xb, xo = xb + block.mlp(hb), xo + block.mlp(ho)
                 continue
-            sb, so = gate_score(block, cfg, hb), gate_score(block, cfg, ho)     # both scored, as two forwards
+            # both scored, as two forwards
+            sb, so = gate_score(block, cfg, hb), gate_score(block, cfg, ho)
             mask = topk_mask(sb, capacity(cfg.ffn_budget, hb.size(1)))
-            xb, xo = xb + held_ffn(block, cfg, hb, mask, sb), xo + held_ffn(block, cfg, ho, mask, so)
+            xb, xo = (
+                xb + held_ffn(block, cfg, hb, mask, sb),
+                xo + held_ffn(block, cfg, ho, mask, so),
+            )
         ce_base, ce_own = ce_of(model, xb, targets), ce_of(model, xo, targets)
-    return losses.oracle_utility(torch.where(base_full, ce_own, ce_base), torch.where(base_full, ce_base, ce_own))
+    return losses.oracle_utility(
+        torch.where(base_full, ce_own, ce_base), torch.where(base_full, ce_base, ce_own)
+    )
 
 
 def oracle_losses(model, ctx, layers, targets, aux):
-    """util/rank losses at the sampled controlled layers, from labels forked as the three switches say
-    (the all-full start is one no-grad all-full pass; all full after it with 'sequence' labels reuses
-    that pass's CE as the full fork's). With ffn_aux_grad='own' the losses score the gate's detached
-    input again, so their gradient trains that gate alone."""
+    """util/rank losses at the sampled controlled layers, from labels forked as the three switches
+    say (the all-full start is one no-grad all-full pass; all full after it with 'sequence' labels
+    reuses that pass's CE as the full fork's). With ffn_aux_grad='own' the losses score the gate's
+    detached input again, so their gradient trains that gate alone."""
     cfg, pos = model.config, ctx.pos
     for l in layers:
         if l not in ctx.scores:
@@ -156,8 +169,11 @@ def oracle_losses(model, ctx, layers, targets, aux):
         if cfg.ffn_util_weight > 0:
             terms['util_loss'] = losses.utility_regression(score, U)
         if cfg.ffn_rank_weight > 0:
-            terms['rank_loss'] = losses.pairwise_rank(score, U, cfg.ffn_rank_pairs, cfg.ffn_rank_kind, cfg.ffn_rank_margin)
-        for name, value in dict(terms, utility_mean=U.mean()).items():     # means over the sampled layers
+            terms['rank_loss'] = losses.pairwise_rank(
+                score, U, cfg.ffn_rank_pairs, cfg.ffn_rank_kind, cfg.ffn_rank_margin
+            )
+        # means over the sampled layers
+        for name, value in dict(terms, utility_mean=U.mean()).items():
             aux[name] = aux.get(name, 0.0) + value / len(layers)
 
 
@@ -169,21 +185,27 @@ def suffix_flops(config, l, c):
 def oracle_flops(family, config, T, c, oracle_layers):
     """The labels at the sampled layers, without gradients: from the all-full state, one all-full
     forward first (its CE too when 'sequence' labels run all full after it); then per layer both
-    actions at l and two suffixes (the switched one's attention costs what a causal one does), all full
-    or routed by the gates (masked dense), except that 'sequence' labels all full from the all-full
-    state reuse that forward's CE: the cheap action and one suffix."""
+    actions at l and two suffixes (the switched one's attention costs what a causal one does), all
+    full or routed by the gates (masked dense), except that 'sequence' labels all full from the
+    all-full state reuse that forward's CE: the cheap action and one suffix."""
     if not oracle_layers:
         return 0
     later_full, from_full = config.ffn_oracle_policy == 'off', oracle_start(config) == 'full'
     reuse = from_full and later_full and config.ffn_oracle_label == 'sequence'
-    total = (Family.forward_flops(family, config, T) / T - (0 if reuse else c['head'])) if from_full else 0
+    total = (
+        (Family.forward_flops(family, config, T) / T - (0 if reuse else c['head']))
+        if from_full
+        else 0
+    )
     if later_full:
         suffix = [suffix_flops(config, l, c) for l in range(config.n_layer)]
     else:
         ids, per_layer = family.routed_layers(config), [0] * config.n_layer
         for layer in range(config.n_layer):
             # this layer alone with a zero-width head: routed as trained, or a dense layer
-            one = replace(config, n_layer=1, vocab_size=0, ffn_layers='0' if layer in ids else 'all')
+            one = replace(
+                config, n_layer=1, vocab_size=0, ffn_layers='0' if layer in ids else 'all'
+            )
             per_layer[layer] = (family.forward_flops(one, T, mode='policy') if layer in ids else
                                 Family.forward_flops(family, one, T, mode='policy')) / T
         suffix = [sum(per_layer[l + 1:]) + c['head'] for l in range(config.n_layer)]

@@ -1,6 +1,7 @@
 """
-Plots of a study, as PNG files in OUT_ROOT/plots/, from each run's metrics.jsonl (OUT_ROOT/<arm>/seed<s>/,
-the layout sweep.py writes). sweep.py calls write_plots after its summary (--no_plots to skip); alone:
+Plots of a study, as PNG files in OUT_ROOT/plots/, from each run's metrics.jsonl
+(OUT_ROOT/<arm>/seed<s>/, the layout sweep.py writes). sweep.py calls write_plots after its summary
+(--no_plots to skip); alone:
 
     python plots.py out/study_a3
 
@@ -54,7 +55,7 @@ def pyplot():
     return plt
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # data
 
 def read_metrics(out_dir):
@@ -66,7 +67,8 @@ def read_metrics(out_dir):
         for line in f:
             try:
                 out.append(json.loads(line))
-            except ValueError:      # a record cut short (a full disk, a kill mid-write): resume drops it too
+            except ValueError:      # a record cut short (a full disk, a kill mid-write): resume
+                                    # drops it too
                 continue
     return out
 
@@ -77,7 +79,10 @@ def run_metrics(out_dir):
     summ = next((r for r in reversed(recs) if r.get('type') == 'summary'), {})
     evals = [r for r in recs if r.get('type') == 'eval']
     train = [r for r in recs if r.get('type') == 'train']
-    out = {k: summ.get(k) for k in ('avg_lm', 'best_val_lm', 'flops_proxy', 'eval_flops_vs_dense', 'wall_s')}
+    out = {
+        k: summ.get(k)
+        for k in ('avg_lm', 'best_val_lm', 'flops_proxy', 'eval_flops_vs_dense', 'wall_s')
+    }
     out.update({k: v for k, v in summ.items() if k.startswith('hit_')})
     out['final_val_loss'] = evals[-1]['val_loss'] if evals else None
     lm = train_lm_curve(recs)
@@ -91,23 +96,27 @@ def run_metrics(out_dir):
         out['causal_val_loss'] = routing['val_loss']['loss']
         frac = routing['val_loss'].get('full_frac')
         out['realised_full_frac'] = float(np.mean(frac)) if frac else None
-        out['eval_tlops_saved'] = routing['val_loss'].get('tlops_saved')   # under eval (hard) routing
+        # under eval (hard) routing
+        out['eval_tlops_saved'] = routing['val_loss'].get('tlops_saved')
     out.update(absolute_flops(out_dir, summ, out))
     try:
         with open(os.path.join(out_dir, 'run_info.json')) as f:
             info = json.load(f)
-        out['code'] = f"{(info.get('git_sha') or 'unknown')[:10]}{'+dirty' if info.get('git_dirty') else ''}"
+        out['code'] = (
+            f"{(info.get('git_sha') or 'unknown')[:10]}{'+dirty' if info.get('git_dirty') else ''}"
+        )
     except FileNotFoundError:
         out['code'] = 'unknown'
     return out
 
 
 def absolute_flops(out_dir, summ, metrics):
-    """From the run's config.json: a dense run's eval FLOPs ratio and TLOps saved (1 and 0: it is the
-    reference point of those axes), and the absolute FLOPs that put models of different sizes on one
-    axis: train_flops (the whole run, train.py's exact count) and eval_flops (one eval forward, per
-    token, at the realised routing: the summary's, or for an older summary computed from config.json
-    with the vocabulary the checkpoint was built with). Nothing for a run without a stored route."""
+    """From the run's config.json: a dense run's eval FLOPs ratio and TLOps saved (1 and 0: it is
+    the reference point of those axes), and the absolute FLOPs that put models of different sizes on
+    one axis: train_flops (the whole run, train.py's exact count) and eval_flops (one eval forward,
+    per token, at the realised routing: the summary's, or for an older summary computed from
+    config.json with the vocabulary the checkpoint was built with). Nothing for a run without a
+    stored route."""
     try:
         with open(os.path.join(out_dir, 'config.json')) as f:
             stored = json.load(f)
@@ -115,20 +124,29 @@ def absolute_flops(out_dir, summ, metrics):
         return {}
     if not summ or stored.get('route') not in FAMILIES:
         return {}
-    out = {} if FAMILIES[stored['route']].routes else dict(eval_flops_vs_dense=1.0, eval_tlops_saved=0.0)
+    out = (
+        {}
+        if FAMILIES[stored['route']].routes
+        else dict(eval_flops_vs_dense=1.0, eval_tlops_saved=0.0)
+    )
     out['train_flops'], out['eval_flops'] = summ.get('train_flops'), summ.get('eval_flops')
     ratio = out.get('eval_flops_vs_dense', metrics.get('eval_flops_vs_dense'))
-    if out['eval_flops'] is None and ratio is not None:     # a summary written before it recorded eval_flops
+    if out['eval_flops'] is None and ratio is not None:     # a summary written before it recorded
+                                                            # eval_flops
         cfg = GPTConfig.from_dict(stored)
-        vocab = cfg.vocab_size or built_vocab(out_dir)    # 0 in config.json: taken from the data when built
+        vocab = cfg.vocab_size or built_vocab(out_dir)    # 0 in config.json: taken from the data
+                                                          # when built
         if vocab:
             cfg = replace(cfg, vocab_size=vocab)
-            out['eval_flops'] = ratio * flops.dense_forward_flops(cfg, cfg.block_size) / cfg.block_size
+            out['eval_flops'] = (
+                ratio * flops.dense_forward_flops(cfg, cfg.block_size) / cfg.block_size
+            )
     return out
 
 
 def built_vocab(out_dir):
-    """The vocabulary the run's model was built with (its checkpoint's), or None without a checkpoint."""
+    """The vocabulary the run's model was built with (its checkpoint's), or None without a
+    checkpoint."""
     try:
         return load_checkpoint(os.path.join(out_dir, 'ckpt.pt'))['model_args'].get('vocab_size')
     except CheckpointError:           # none kept (e.g. results/ copies), or unreadable
@@ -142,12 +160,16 @@ def last_value(recs, key):
 
 def train_lm_curve(recs):
     """[(iter, train LM loss)] of the 'train' records."""
-    return [(r['iter'], r['lm_loss']) for r in recs if r.get('type') == 'train' and r.get('lm_loss') is not None]
+    return [
+        (r['iter'], r['lm_loss'])
+        for r in recs
+        if r.get('type') == 'train' and r.get('lm_loss') is not None
+    ]
 
 
 def find_runs(root, arms=None):
-    """{arm: {seed: out_dir}} for every root/<arm>/seed<s>/ holding a metrics.jsonl. Arms in the given
-    order, else in summary.json's order when there is one, else sorted."""
+    """{arm: {seed: out_dir}} for every root/<arm>/seed<s>/ holding a metrics.jsonl. Arms in the
+    given order, else in summary.json's order when there is one, else sorted."""
     if arms is None:
         try:
             with open(os.path.join(root, 'summary.json')) as f:
@@ -157,7 +179,9 @@ def find_runs(root, arms=None):
     runs = {}
     for arm in arms:
         folder = os.path.join(root, arm)
-        seeds = [d for d in (os.listdir(folder) if os.path.isdir(folder) else []) if d.startswith('seed')]
+        seeds = [
+            d for d in (os.listdir(folder) if os.path.isdir(folder) else []) if d.startswith('seed')
+        ]
         dirs = {int(d[4:]): os.path.join(folder, d) for d in seeds if d[4:].isdigit()
                 and os.path.exists(os.path.join(folder, d, 'metrics.jsonl'))}
         if dirs:
@@ -166,18 +190,20 @@ def find_runs(root, arms=None):
 
 
 def curve(recs, kind, key):
-    """{iter: value} over the records of type `kind` that have `key` (a number or a per-layer list)."""
+    """{iter: value} over the records of type `kind` that have `key` (a number or a per-layer
+    list)."""
     return {r['iter']: r[key] for r in recs if r.get('type') == kind and r.get(key) is not None}
 
 
 def seed_band(dirs, kind, key):
-    """(iters, mean, lo, hi) over the seeds of one arm at the iterations every seed logged; for per-layer
-    lists the last three have a layer axis. None when no seed logged key."""
+    """(iters, mean, lo, hi) over the seeds of one arm at the iterations every seed logged; for
+    per-layer lists the last three have a layer axis. None when no seed logged key."""
     curves = [c for c in (curve(read_metrics(d), kind, key) for d in dirs.values()) if c]
     iters = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
     if not iters:
         return None
-    v = np.array([[c[i] for i in iters] for c in curves], dtype=float)     # (seeds, iters[, layers])
+    # (seeds, iters[, layers])
+    v = np.array([[c[i] for i in iters] for c in curves], dtype=float)
     return np.array(iters), v.mean(0), v.min(0), v.max(0)
 
 
@@ -187,7 +213,9 @@ def arm_points(runs, xkey, ykey='final_val_loss'):
     points = {}
     for arm, dirs in runs.items():
         ms = [run_metrics(d) for d in dirs.values()]
-        pairs = [(m[xkey], m[ykey]) for m in ms if m.get(xkey) is not None and m.get(ykey) is not None]
+        pairs = [
+            (m[xkey], m[ykey]) for m in ms if m.get(xkey) is not None and m.get(ykey) is not None
+        ]
         if pairs:
             x, y = np.array(pairs, dtype=float).T
             points[arm] = (x.mean(), x.std(), y.mean(), y.std())
@@ -195,15 +223,16 @@ def arm_points(runs, xkey, ykey='final_val_loss'):
 
 
 def pareto_front(xs, ys):
-    """Indices of the points no other point dominates when both coordinates are minimised (j dominates
-    i if x_j <= x_i and y_j <= y_i, one of them strictly), in increasing x. Negate x to maximise it."""
+    """Indices of the points no other point dominates when both coordinates are minimised (j
+    dominates i if x_j <= x_i and y_j <= y_i, one of them strictly), in increasing x. Negate x to
+    maximise it."""
     pts = list(zip(xs, ys))
     front = [i for i, (x, y) in enumerate(pts)
              if not any(a <= x and b <= y and (a < x or b < y) for a, b in pts)]
     return sorted(front, key=lambda i: (xs[i], ys[i]))
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # figures: each returns a matplotlib figure, or a string saying why there is nothing to draw
 
 def arm_colours(runs):
@@ -219,7 +248,9 @@ def draw_band(ax, band, colour, label):
 def plot_loss_curves(plt, runs):
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     colours = arm_colours(runs)
-    for ax, (kind, key, title) in zip(axes, [('train', 'lm_loss', 'train LM loss'), ('eval', 'val_loss', 'val loss')]):
+    for ax, (kind, key, title) in zip(
+        axes, [('train', 'lm_loss', 'train LM loss'), ('eval', 'val_loss', 'val loss')]
+    ):
         for arm, dirs in runs.items():
             band = seed_band(dirs, kind, key)
             if band is not None:
@@ -236,13 +267,24 @@ def plot_pareto(plt, runs, key, xlabel, maximise=False, frontier=None):
     if not points:
         return f"no run records '{key}'"
     if frontier is not None:
-        return plot_frontier(plt, points, [a for a in frontier if a in points], arm_colours(runs), xlabel)
+        return plot_frontier(
+            plt, points, [a for a in frontier if a in points], arm_colours(runs), xlabel
+        )
     arms = list(points)
     xs, xsd, ys, ysd = (np.array([points[a][k] for a in arms]) for k in range(4))
     colours = arm_colours(runs)
     fig, ax = plt.subplots(figsize=(7, 5))
     for i, arm in enumerate(arms):
-        ax.errorbar(xs[i], ys[i], xerr=xsd[i], yerr=ysd[i], fmt='o', color=colours[arm], label=arm, capsize=3)
+        ax.errorbar(
+            xs[i],
+            ys[i],
+            xerr=xsd[i],
+            yerr=ysd[i],
+            fmt='o',
+            color=colours[arm],
+            label=arm,
+            capsize=3,
+        )
     front = pareto_front(-xs if maximise else xs, ys)
     ax.plot(xs[front], ys[front], 'k--', linewidth=1)
     ax.scatter(xs[front], ys[front], s=180, facecolors='none', edgecolors='k', label='Pareto front')
@@ -259,10 +301,24 @@ def plot_frontier(plt, points, sizes, colours, xlabel):
     line = sorted(points[a][::2] for a in sizes)
     ax.plot(*zip(*line), 'k-', linewidth=1, label='dense frontier (' + ', '.join(sizes) + ')')
     for arm, (x, xsd, y, ysd) in points.items():
-        ax.errorbar(x, y, xerr=xsd, yerr=ysd, fmt='s' if arm in sizes else 'o', color=colours[arm], label=arm, capsize=3)
+        ax.errorbar(
+            x,
+            y,
+            xerr=xsd,
+            yerr=ysd,
+            fmt='s' if arm in sizes else 'o',
+            color=colours[arm],
+            label=arm,
+            capsize=3,
+        )
     ax.set_xscale('log')
-    ax.set(xlabel=xlabel, ylabel='final val loss', title='val loss vs cost against the dense frontier (mean ± std over seeds)')
-    ax.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1.0))        # beside the points, not over them
+    ax.set(
+        xlabel=xlabel,
+        ylabel='final val loss',
+        title='val loss vs cost against the dense frontier (mean ± std over seeds)',
+    )
+    # beside the points, not over them
+    ax.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1.0))
     return fig
 
 
@@ -277,7 +333,11 @@ def plot_grad_norms(plt, runs):
         draw_band(ax, band, colours[arm], arm)
     if all((b[2] > 0).all() for b in bands.values()):
         ax.set_yscale('log')
-    ax.set(xlabel='iteration', ylabel='controller grad norm', title='controller gradient norm (band: min–max over seeds)')
+    ax.set(
+        xlabel='iteration',
+        ylabel='controller grad norm',
+        title='controller gradient norm (band: min–max over seeds)',
+    )
     ax.legend(fontsize=8)
     return fig
 
@@ -290,11 +350,15 @@ def plot_full_frac(plt, runs):
         return "no run records a per-layer 'full_frac' (dense runs only?)"
     ncols = min(3, len(bands))
     nrows = -(-len(bands) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.6 * nrows), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        nrows, ncols, figsize=(5 * ncols, 3.6 * nrows), squeeze=False, sharey=True
+    )
     for ax, (arm, (train_band, eval_band)) in zip(axes.flat, bands.items()):
         if train_band is not None:
             for j in range(train_band[1].shape[-1]):
-                ax.plot(train_band[0], train_band[1][:, j], color=f'C{j % 10}', label=f'layer slot {j}')
+                ax.plot(
+                    train_band[0], train_band[1][:, j], color=f'C{j % 10}', label=f'layer slot {j}'
+                )
         if eval_band is not None:
             for j in range(eval_band[1].shape[-1]):
                 ax.plot(eval_band[0], eval_band[1][:, j], 'o:', color=f'C{j % 10}', markersize=3)
@@ -302,8 +366,12 @@ def plot_full_frac(plt, runs):
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(bands):]:
         ax.axis('off')
-    fig.suptitle('realised full-path fraction per routed layer (lines: train batches, dots: causal eval on val; '
-                 'slot j = j-th entry of full_frac)', fontsize=9)
+    fig.suptitle(
+        'realised full-path fraction per routed layer (lines: train batches, dots: causal eval on '
+        'val; '
+        'slot j = j-th entry of full_frac)',
+        fontsize=9,
+    )
     fig.tight_layout()
     return fig
 
@@ -311,16 +379,32 @@ def plot_full_frac(plt, runs):
 def figures(plt, runs, frontier=None):
     """(file name, figure or reason) for every plot; frontier: the dense arms drawn as a line."""
     yield 'loss_curves.png', plot_loss_curves(plt, runs)
-    yield 'pareto_flops.png', plot_pareto(plt, runs, 'flops_proxy', 'FLOPs proxy (training, × dense)')
-    yield 'pareto_tlops.png', plot_pareto(plt, runs, 'tlops_saved', 'TLOps saved (last logged value)', maximise=True)
-    yield 'pareto_eval_flops.png', plot_pareto(plt, runs, 'eval_flops_vs_dense',
-                                               'eval forward FLOPs at the realised routing (× dense)')
-    yield 'pareto_eval_tlops.png', plot_pareto(plt, runs, 'eval_tlops_saved', 'TLOps saved under eval routing',
-                                               maximise=True)
-    yield 'frontier_eval_flops.png', plot_pareto(plt, runs, 'eval_flops', 'eval forward FLOPs per token',
-                                                 frontier=frontier)
-    yield 'frontier_train_flops.png', plot_pareto(plt, runs, 'train_flops', 'training FLOPs of the run',
-                                                  frontier=frontier)
+    yield (
+        'pareto_flops.png',
+        plot_pareto(plt, runs, 'flops_proxy', 'FLOPs proxy (training, × dense)'),
+    )
+    yield (
+        'pareto_tlops.png',
+        plot_pareto(plt, runs, 'tlops_saved', 'TLOps saved (last logged value)', maximise=True),
+    )
+    yield (
+        'pareto_eval_flops.png',
+        plot_pareto(
+            plt, runs, 'eval_flops_vs_dense', 'eval forward FLOPs at the realised routing (× dense)'
+        ),
+    )
+    yield (
+        'pareto_eval_tlops.png',
+        plot_pareto(plt, runs, 'eval_tlops_saved', 'TLOps saved under eval routing', maximise=True),
+    )
+    yield (
+        'frontier_eval_flops.png',
+        plot_pareto(plt, runs, 'eval_flops', 'eval forward FLOPs per token', frontier=frontier),
+    )
+    yield (
+        'frontier_train_flops.png',
+        plot_pareto(plt, runs, 'train_flops', 'training FLOPs of the run', frontier=frontier),
+    )
     yield 'grad_norms.png', plot_grad_norms(plt, runs)
     yield 'full_frac.png', plot_full_frac(plt, runs)
 
@@ -353,7 +437,9 @@ def write_plots(root, arms=None, out_dir=None, frontier=None):
 
 def main(argv):
     if len(argv) != 1 or not os.path.isdir(argv[0]):
-        raise ConfigError("usage: python plots.py OUT_ROOT   (a study's out_root, as written by sweep.py)")
+        raise ConfigError(
+            "usage: python plots.py OUT_ROOT   (a study's out_root, as written by sweep.py)"
+        )
     write_plots(argv[0])
     return 0
 

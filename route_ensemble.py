@@ -1,13 +1,14 @@
 """
 route='ensemble': Mixture-of-Depths Ensemble (Luo & Specia, arXiv 2410.13077).
 
-The last k layers' hidden states each pass their own norm N_j and the shared LM head; a router
-G(x) = softmax(x·W_g) (input stop-gradient) mixes their logits per token into the prediction; a KL
+The last k layers' hidden states each pass their own norm N_j and the shared LM head; a router G(x)
+= softmax(x·W_g) (input stop-gradient) mixes their logits per token into the prediction; a KL
 distillation loss with the final layer as teacher (stop-gradient) adapts the late layers: each late
-layer's own prediction (ens_distill='per_layer', the default) or the mixture's. In joint training from
-scratch the teacher (ln_f) feeds nothing else, so ens_teacher_lm_weight gives it its own LM loss. Used as
-parameter-cheap tuning on a frozen backbone (trainable='controller'). The norms start as copies of
-ln_f (after_load), so a pretrained backbone's late layers begin read out the way its final layer is.
+layer's own prediction (ens_distill='per_layer', the default) or the mixture's. In joint training
+from scratch the teacher (ln_f) feeds nothing else, so ens_teacher_lm_weight gives it its own LM
+loss. Used as parameter-cheap tuning on a frozen backbone (trainable='controller'). The norms start
+as copies of ln_f (after_load), so a pretrained backbone's late layers begin read out the way its
+final layer is.
 
 Options: EnsembleOptions below (fields of model.GPTConfig).
 """
@@ -26,15 +27,20 @@ from routing import Family, add_weighted, check_at_least, check_choices, flop_co
 class EnsembleOptions:
     """The family's fields of model.GPTConfig (a base of it), with their defaults."""
     ens_layers: int = 3               # the last k layers (the final one included) are mixed
-    ens_router_input: str = 'final'   # router reads ln_f(final hidden state) ('final') or the mean of the
-                                      # k normed states ('mean'); both stop-gradient
+    ens_router_input: str = 'final'   # router reads ln_f(final hidden state) ('final') or the mean
+                                      # of the k normed states ('mean'); both stop-gradient
     ens_mix: str = 'logprob'          # mix 'logit's, 'logprob's (a geometric mixture) or 'prob's
-    ens_kl: str = 'forward'           # KL(teacher ‖ mix) ('forward') or KL(mix ‖ teacher) ('reverse')
-    ens_kl_weight: float = 1.0        # λ of the distillation loss (teacher: the final layer, stop-gradient)
-    ens_distill: str = 'per_layer'    # distil each late layer's own prediction (the paper's reading: the
-                                      # KL adapts the late layers), mean over the k; or the 'mixture'
-    ens_teacher_lm_weight: float = 0.0  # the teacher's own LM loss (ln_f, final layer), so that in joint
-                                      # training from scratch the teacher trains; 0: only the mixture's
+    ens_kl: str = 'forward'           # KL(teacher ‖ mix) ('forward') or KL(mix ‖ teacher)
+                                      # ('reverse')
+    ens_kl_weight: float = 1.0        # λ of the distillation loss (teacher: the final layer,
+                                      # stop-gradient)
+    ens_distill: str = 'per_layer'    # distil each late layer's own prediction (the paper's
+                                      # reading: the KL adapts the late layers), mean over the k; or
+                                      # the 'mixture'
+    ens_teacher_lm_weight: float = 0.0  # the teacher's own LM loss (ln_f, final layer), so that in
+                                        # joint
+                                      # training from scratch the teacher trains; 0: only the
+                                      # mixture's
 
 
 class DepthEnsemble(Family):
@@ -48,13 +54,22 @@ class DepthEnsemble(Family):
 
     def validate(self, config):
         if not 1 <= config.ens_layers <= config.n_layer:
-            raise ValueError(f"ens_layers must be in 1..n_layer={config.n_layer}, got {config.ens_layers}")
-        check_choices(config, ens_router_input=('final', 'mean'), ens_mix=('logit', 'logprob', 'prob'),
-                      ens_kl=('forward', 'reverse'), ens_distill=('per_layer', 'mixture'))
+            raise ValueError(
+                f"ens_layers must be in 1..n_layer={config.n_layer}, got {config.ens_layers}"
+            )
+        check_choices(
+            config,
+            ens_router_input=('final', 'mean'),
+            ens_mix=('logit', 'logprob', 'prob'),
+            ens_kl=('forward', 'reverse'),
+            ens_distill=('per_layer', 'mixture'),
+        )
 
     def build(self, model):
         cfg = model.config
-        model.ens_norms = nn.ModuleList([nn.LayerNorm(cfg.n_embd, bias=cfg.bias) for _ in range(cfg.ens_layers)])
+        model.ens_norms = nn.ModuleList(
+            [nn.LayerNorm(cfg.n_embd, bias=cfg.bias) for _ in range(cfg.ens_layers)]
+        )
         model.ens_router = EnsembleRouter(cfg.n_embd, cfg.ens_layers)
 
     def init_weights(self, model):
@@ -66,14 +81,18 @@ class DepthEnsemble(Family):
             ctx.keep_hidden = set(range(L - model.config.ens_layers + 1, L + 1))
 
     def logits(self, model, x, ctx, last):
-        """Σ g·logits, Σ g·log p (renormalised by the loss's log-softmax) or log Σ g·p, accumulated one
-        layer at a time: never k vocabulary-sized tensors at once."""
+        """Σ g·logits, Σ g·log p (renormalised by the loss's log-softmax) or log Σ g·p, accumulated
+        one layer at a time: never k vocabulary-sized tensors at once."""
         if ctx.force == 'full':
             return super().logits(model, x, ctx, last)
         cfg = model.config
         states = [last(ctx.hidden[d]) for d in sorted(ctx.hidden)]
         normed = [norm(h) for norm, h in zip(model.ens_norms, states)]
-        r_in = model.transformer.ln_f(states[-1]) if cfg.ens_router_input == 'final' else torch.stack(normed).mean(0)
+        r_in = (
+            model.transformer.ln_f(states[-1])
+            if cfg.ens_router_input == 'final'
+            else torch.stack(normed).mean(0)
+        )
         g = model.ens_router(r_in.detach())                              # (B, T, k), fp32
         out = None
         per_layer = model.training and cfg.ens_distill == 'per_layer' and cfg.ens_kl_weight > 0
@@ -88,12 +107,20 @@ class DepthEnsemble(Family):
                 term = w * F.log_softmax(lg, dim=-1)
             else:
                 term = F.log_softmax(lg, dim=-1) + torch.log(w.clamp_min(1e-30))
-            out = term if out is None else (torch.logaddexp(out, term) if cfg.ens_mix == 'prob' else out + term)
+            out = (
+                term
+                if out is None
+                else (torch.logaddexp(out, term) if cfg.ens_mix == 'prob' else out + term)
+            )
         return out
 
     def loss(self, model, ctx, lm_loss, targets, aux):
         cfg = model.config
-        teach = ctx.force != 'full' and model.training and (cfg.ens_kl_weight > 0 or cfg.ens_teacher_lm_weight > 0)
+        teach = (
+            ctx.force != 'full'
+            and model.training
+            and (cfg.ens_kl_weight > 0 or cfg.ens_teacher_lm_weight > 0)
+        )
         if teach:                     # the teacher: the final layer through ln_f
             with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.ens_teacher_lm_weight > 0):
                 teacher = model.lm_head(model.transformer.ln_f(ctx.final))
@@ -102,8 +129,14 @@ class DepthEnsemble(Family):
             teacher = teacher.detach()    # the distillation never moves the teacher
         if teach and cfg.ens_kl_weight > 0:
             students = ctx.state if cfg.ens_distill == 'per_layer' else [ctx.logits]
-            aux['distill_loss'] = sum(losses.distill_kl(s, teacher, cfg.ens_kl) for s in students) / len(students)
-        return add_weighted(lm_loss, aux, dict(distill_loss=cfg.ens_kl_weight, teacher_lm_loss=cfg.ens_teacher_lm_weight))
+            aux['distill_loss'] = sum(
+                losses.distill_kl(s, teacher, cfg.ens_kl) for s in students
+            ) / len(students)
+        return add_weighted(
+            lm_loss,
+            aux,
+            dict(distill_loss=cfg.ens_kl_weight, teacher_lm_loss=cfg.ens_teacher_lm_weight),
+        )
 
     def is_controller_key(self, name):
         return name.startswith(('ens_norms.', 'ens_router.'))
@@ -111,7 +144,10 @@ class DepthEnsemble(Family):
     references = ('full',)
 
     def report_lines(self, r):
-        return [f"val loss (late-layer ensemble) {r['val_loss']['loss']:.4f} | final layer alone {r['val_loss_full']:.4f}"]
+        return [
+            f"val loss (late-layer ensemble) {r['val_loss']['loss']:.4f} | final layer alone "
+            f"{r['val_loss_full']:.4f}"
+        ]
 
     def ddp_find_unused(self, config):
         return True                     # ln_f feeds only the stop-gradient teacher
@@ -120,7 +156,8 @@ class DepthEnsemble(Family):
         # ln_f is the teacher's alone, which trains only through its own LM loss
         ln_f = ['transformer.ln_f.weight'] + (['transformer.ln_f.bias'] if config.bias else [])
         return ((ln_f if config.ens_teacher_lm_weight == 0 else [])
-                + (['ens_router.w.weight'] if config.ens_layers == 1 else []))   # softmax over one layer: 1
+                # softmax over one layer: 1
+                + (['ens_router.w.weight'] if config.ens_layers == 1 else []))
 
     @torch.no_grad()
     def after_load(self, model):
@@ -132,8 +169,11 @@ class DepthEnsemble(Family):
         teacher's head)."""
         c, L, d, k = flop_costs(config, T), config.n_layer, config.n_embd, config.ens_layers
         teacher = mode == 'train' and (config.ens_kl_weight > 0 or config.ens_teacher_lm_weight > 0)
-        return T * c['head'] + T * (L * (c['attn_proj'] + c['attn_core'] + c['full']) + (k - 1 + teacher) * c['head']
-                                    + 2 * d * k)
+        return T * c['head'] + T * (
+            L * (c['attn_proj'] + c['attn_core'] + c['full'])
+            + (k - 1 + teacher) * c['head']
+            + 2 * d * k
+        )
 
     def backward_flops(self, config, T, trainable='all', **options):
         """The router's input is detached (weight gradient only). Controller-only: the frozen head
@@ -141,7 +181,10 @@ class DepthEnsemble(Family):
         c, L, d, k = flop_costs(config, T), config.n_layer, config.n_embd, config.ens_layers
         if trainable == 'all':           # (+ the teacher's head when it has an LM loss of its own)
             heads = k + (config.ens_teacher_lm_weight > 0)
-            return 2 * T * (L * (c['attn_proj'] + c['attn_core'] + c['full']) + heads * c['head']) + T * 2 * d * k
+            return (
+                2 * T * (L * (c['attn_proj'] + c['attn_core'] + c['full']) + heads * c['head'])
+                + T * 2 * d * k
+            )
         return T * k * c['head'] + T * 2 * d * k
 
 

@@ -1,15 +1,15 @@
 """
-route='exit': early exits with deep supervision (auxiliary losses; LayerSkip, arXiv 2404.16710; CALM,
-arXiv 2207.07061).
+route='exit': early exits with deep supervision (auxiliary losses; LayerSkip, arXiv 2404.16710;
+CALM, arXiv 2207.07061).
 
-Exit heads after d blocks for d in exit_layers ('auto' {2, n/2, 3n/4}), sharing the final norm and LM
-head (LayerSkip) or with their own norm and projection. Training: L = L_n + Σ_d α_d·L_d with weights
-uniform, CALM's (∝ d), LayerSkip's (∝ Σ_{i≤l} i) or the plain mean over exits and the final layer (TSA's
-baseline); a rotational curriculum trains only the exits with d % R == step % R; LayerSkip's layer
-dropout skips whole blocks per sequence. Eval (CALM, causal per token): after block d-1 a still-running
-token whose confidence (max softmax, top-1 − top-2 margin, or hidden-state saturation) is >=
-exit_threshold exits; its state is copied upward unchanged and every higher layer still computes its
-own K/V from that copy, so later tokens attend to it as to any token.
+Exit heads after d blocks for d in exit_layers ('auto' {2, n/2, 3n/4}), sharing the final norm and
+LM head (LayerSkip) or with their own norm and projection. Training: L = L_n + Σ_d α_d·L_d with
+weights uniform, CALM's (∝ d), LayerSkip's (∝ Σ_{i≤l} i) or the plain mean over exits and the final
+layer (TSA's baseline); a rotational curriculum trains only the exits with d % R == step % R;
+LayerSkip's layer dropout skips whole blocks per sequence. Eval (CALM, causal per token): after
+block d-1 a still-running token whose confidence (max softmax, top-1 − top-2 margin, or hidden-state
+saturation) is >= exit_threshold exits; its state is copied upward unchanged and every higher layer
+still computes its own K/V from that copy, so later tokens attend to it as to any token.
 
 Options: ExitOptions below (fields of model.GPTConfig), and the model-wide layer_dropout.
 """
@@ -29,14 +29,19 @@ from routing import (Family, check_at_least, check_choices, flop_costs, overridd
 class ExitOptions:
     """The family's fields of model.GPTConfig (a base of it), with their defaults. LayerSkip's layer
     dropout is the model-wide layer_dropout: the dense model reads it too."""
-    exit_layers: str = 'auto'         # exits after d blocks: 'auto' {2, n/2, 3n/4}, 'every' (1..n-1), or '1,3'
-    exit_head: str = 'shared'         # 'shared' final norm + LM head (LayerSkip), or 'own' norm + projection
-    exit_schedule: str = 'layerskip'  # exit-loss weights: 'uniform', 'calm' (∝ d), 'layerskip' (∝ Σ_{i≤d} i),
-                                      # or 'mean' (mean CE over exits and final layer: TSA's baseline)
+    exit_layers: str = 'auto'         # exits after d blocks: 'auto' {2, n/2, 3n/4}, 'every'
+                                      # (1..n-1), or '1,3'
+    exit_head: str = 'shared'         # 'shared' final norm + LM head (LayerSkip), or 'own' norm +
+                                      # projection
+    exit_schedule: str = 'layerskip'  # exit-loss weights: 'uniform', 'calm' (∝ d), 'layerskip' (∝
+                                      # Σ_{i≤d} i), or 'mean' (mean CE over exits and final layer:
+                                      # TSA's baseline)
     exit_weight: float = 1.0          # Σ_d α_d (not used by 'mean')
-    exit_rotation: int = 0            # rotational curriculum: only exits with d % R == step % R; 0 = all
-    exit_conf: str = 'softmax'        # eval confidence: 'softmax' (max prob), 'margin' (top-1 − top-2),
-                                      # 'saturation' (cosine of the hidden state to the previous layer's)
+    exit_rotation: int = 0            # rotational curriculum: only exits with d % R == step % R; 0
+                                      # = all
+    exit_conf: str = 'softmax'        # eval confidence: 'softmax' (max prob), 'margin' (top-1 −
+                                      # top-2), 'saturation' (cosine of the hidden state to the
+                                      # previous layer's)
     exit_threshold: float = 0.9       # a token exits at the first exit whose confidence ≥ this
 
 
@@ -72,8 +77,12 @@ class EarlyExit(Family):
     def validate(self, config):
         if config.n_layer < 2:
             raise ValueError("route='exit' needs n_layer >= 2 (an exit sits below the last layer)")
-        check_choices(config, exit_head=('shared', 'own'), exit_schedule=('uniform', 'calm', 'layerskip', 'mean'),
-                      exit_conf=('softmax', 'margin', 'saturation'))
+        check_choices(
+            config,
+            exit_head=('shared', 'own'),
+            exit_schedule=('uniform', 'calm', 'layerskip', 'mean'),
+            exit_conf=('softmax', 'margin', 'saturation'),
+        )
         lowest = -1.0 if config.exit_conf == 'saturation' else 0.0    # a cosine, else probabilities
         if not config.exit_threshold >= lowest:
             raise ValueError(f"exit_threshold must be >= {lowest} for "
@@ -88,7 +97,8 @@ class EarlyExit(Family):
                             if cfg.exit_head == 'own' else None)
 
     def begin(self, model, ctx):
-        if model.training and ctx.targets is not None and ctx.force is None:    # this step's exit losses
+        # this step's exit losses
+        if model.training and ctx.targets is not None and ctx.force is None:
             exits = ctx.options.get('exits')
             ctx.keep_hidden = set(model.exit_ids if exits is None else exits)
 
@@ -104,14 +114,17 @@ class EarlyExit(Family):
         return logits
 
     def loss(self, model, ctx, lm_loss, targets, aux):
-        """L = L_n·w_n + Σ_d α_d·L_d over this step's exits (schedule 'mean': the plain mean of all)."""
+        """L = L_n·w_n + Σ_d α_d·L_d over this step's exits (schedule 'mean': the plain mean of
+        all)."""
         if not ctx.keep_hidden:
             return lm_loss
         cfg, hidden = model.config, ctx.hidden
         depths = sorted(hidden)
         w = losses.exit_loss_weights(depths, cfg.n_layer, cfg.exit_schedule, cfg.exit_weight)
         ce = [losses.lm_loss(exit_logits(model, d, hidden[d]), targets) for d in depths]
-        aux['exit_loss'] = sum(w[d] * c for d, c in zip(depths, ce)) if ce else lm_loss.new_zeros(())
+        aux['exit_loss'] = (
+            sum(w[d] * c for d, c in zip(depths, ce)) if ce else lm_loss.new_zeros(())
+        )
         if ce:
             aux['exit_ce'] = torch.stack(ce)
         return lm_loss * w[cfg.n_layer] + aux['exit_loss']
@@ -121,7 +134,8 @@ class EarlyExit(Family):
         if ctx.masks:
             aux['tlops_saved'] = tlops_saved(aux['full_frac'], model.config.n_layer)
 
-    def bench_knob(self, config):                 # a token exits where its confidence ≥ the threshold
+    def bench_knob(self, config):                 # a token exits where its confidence ≥ the
+                                                  # threshold
         return ('exit_threshold', -1.0 if config.exit_conf == 'saturation' else 0.0, 1.0 + 1e-6)
 
     def is_controller_key(self, name):
@@ -131,7 +145,11 @@ class EarlyExit(Family):
         """The exits whose losses count at training step `step`: all, or under the rotational
         curriculum (exit_rotation = R > 0) those with d % R == step % R."""
         R = model.config.exit_rotation
-        return dict(exits=tuple(model.exit_ids) if R <= 0 else tuple(d for d in model.exit_ids if d % R == step % R))
+        return dict(
+            exits=tuple(model.exit_ids)
+            if R <= 0
+            else tuple(d for d in model.exit_ids if d % R == step % R)
+        )
 
     def ddp_find_unused(self, config):
         return config.exit_head == 'own' and config.exit_rotation > 0
@@ -149,34 +167,47 @@ class EarlyExit(Family):
 
     def report_lines(self, r):
         v = r['val_loss']
-        lines = [f"val loss with early exit {v['loss']:.4f} (TLOps saved {v['tlops_saved']:.3f}) | no exit "
-                 f"{r['val_loss_full']:.4f} | each exit alone: "
-                 + ' '.join(f"d{d}:{l:.4f}" for d, l in r['exit']['per_exit_loss'].items())]
-        return lines + [f"  threshold {row['threshold']:.2f}: val loss {row['loss']:.4f}, TLOps saved "
-                        f"{row['tlops_saved']:.3f}" for row in r['exit']['thresholds']]
+        lines = [
+            f"val loss with early exit {v['loss']:.4f} (TLOps saved {v['tlops_saved']:.3f}) | no "
+            "exit "
+            f"{r['val_loss_full']:.4f} | each exit alone: "
+            + ' '.join(f"d{d}:{l:.4f}" for d, l in r['exit']['per_exit_loss'].items())
+        ]
+        return lines + [
+            f"  threshold {row['threshold']:.2f}: val loss {row['loss']:.4f}, TLOps saved "
+            f"{row['tlops_saved']:.3f}"
+            for row in r['exit']['thresholds']
+        ]
 
     def forward_flops(self, config, T, mode='train', full_frac=None, exits=None, **options):
-        """The dense body plus every exit head on every token ('eval'), the trained exits ('train', all
-        unless `exits` names them), or ('sparse', full_frac one per layer = the fraction of tokens still
-        running into block l) the FFN of block l and the head at d on the running tokens only."""
+        """The dense body plus every exit head on every token ('eval'), the trained exits ('train',
+        all unless `exits` names them), or ('sparse', full_frac one per layer = the fraction of
+        tokens still running into block l) the FFN of block l and the head at d on the running
+        tokens only."""
         c, L = flop_costs(config, T), config.n_layer
         all_exits = exit_depths(config)
         heads = all_exits if (mode != 'train' or exits is None) else exits
         total = T * c['head']
         for l in range(L):
-            f = (full_frac[l] if isinstance(full_frac, (list, tuple)) else full_frac) if mode == 'sparse' else 1.0
+            f = (
+                (full_frac[l] if isinstance(full_frac, (list, tuple)) else full_frac)
+                if mode == 'sparse'
+                else 1.0
+            )
             total += T * (c['attn_proj'] + c['attn_core'] + f * c['full'])
             if l + 1 in heads:
                 total += f * T * c['head']
         return total
 
     def backward_flops(self, config, T, trainable='all', exits=None, **options):
-        """Joint: twice the training forward. Controller-only: own exit heads only (the trainable norm
-        before each projection makes it 2x); shared heads leave nothing to train."""
+        """Joint: twice the training forward. Controller-only: own exit heads only (the trainable
+        norm before each projection makes it 2x); shared heads leave nothing to train."""
         if trainable == 'all':
             return 2 * self.forward_flops(config, T, 'train', exits=exits)
         trained = exit_depths(config) if exits is None else exits
-        return 2 * len(trained) * T * flop_costs(config, T)['head'] if config.exit_head == 'own' else 0
+        return (
+            2 * len(trained) * T * flop_costs(config, T)['head'] if config.exit_head == 'own' else 0
+        )
 
 
 def exit_depths(config):
@@ -189,16 +220,23 @@ def exit_depths(config):
     try:
         return parse_layer_list(spec, 1, L - 1, 'exit_layers')
     except ValueError:
-        raise ValueError(f"exit_layers must be 'auto', 'every' or depths in 1..{L - 1} such as '1,3', got {spec!r}") from None
+        raise ValueError(
+            f"exit_layers must be 'auto', 'every' or depths in 1..{L - 1} such as '1,3', got "
+            f"{spec!r}"
+        ) from None
 
 
 def exit_logits(model, d, x):
-    return model.exit_heads[str(d)](x) if model.exit_heads is not None else model.lm_head(model.transformer.ln_f(x))
+    return (
+        model.exit_heads[str(d)](x)
+        if model.exit_heads is not None
+        else model.lm_head(model.transformer.ln_f(x))
+    )
 
 
 def run_exits(model, x, pos, cache, ctx):
-    """CALM-style early exit (see the module docstring). Sparse: the FFN and the exit heads run on the
-    still-running tokens only (attention runs on all: their K/V are needed)."""
+    """CALM-style early exit (see the module docstring). Sparse: the FFN and the exit heads run on
+    the still-running tokens only (attention runs on all: their K/V are needed)."""
     cfg, state = model.config, ExitState()
     ctx.state = state
     done = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device)
@@ -240,7 +278,11 @@ def exit_report(model, batches, autocast, evaluate, thresholds=(0.5, 0.7, 0.8, 0
     for thr in thresholds:
         with overridden(model.config, exit_threshold=thr):
             r = evaluate(model, batches, autocast)
-        rows.append(dict(threshold=thr, loss=r['loss'], tlops_saved=r['tlops_saved'], running=r['full_frac']))
+        rows.append(
+            dict(
+                threshold=thr, loss=r['loss'], tlops_saved=r['tlops_saved'], running=r['full_frac']
+            )
+        )
     with model.mode(training=False):
         per_exit = {}
         with torch.no_grad():

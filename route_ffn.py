@@ -1,22 +1,23 @@
 """
-route='ffn': cheap-vs-full FFN routing with G1/G3 gates ("Revisiting Auxiliary Losses for Conditional
-Depth Routing", arXiv 2604.17228).
+route='ffn': cheap-vs-full FFN routing with G1/G3 gates ("Revisiting Auxiliary Losses for
+Conditional Depth Routing", arXiv 2604.17228).
 
-At each controlled layer a gate scores every token; the selected tokens take the full FFN, the rest a
-low-rank cheap FFN; attention is not routed. Training selects the top ceil(ffn_budget·T) scores of each
-sequence (static shapes, non-causal, as the paper); model.eval() decides causally per token, by a
-threshold calibrated on held-out batches or by a predictor of top-k membership. The LM loss reaches
-the gate straight-through ('ste'), MoD-style through σ(score) ('scale'), or not at all ('none').
+At each controlled layer a gate scores every token; the selected tokens take the full FFN, the rest
+a low-rank cheap FFN; attention is not routed. Training selects the top ceil(ffn_budget·T) scores of
+each sequence (static shapes, non-causal, as the paper); model.eval() decides causally per token, by
+a threshold calibrated on held-out batches or by a predictor of top-k membership. The LM loss
+reaches the gate straight-through ('ste'), MoD-style through σ(score) ('scale'), or not at all
+('none').
 
 Auxiliary losses, each a named term with its weight (0 = not computed): utility regression and
 pairwise rank supervision onto oracle utility labels U_t = CE_t(cheap at l) − CE_t(full at l)
-(oracle_labels.py: token t switched alone or the whole sequence, forks from the all-full or the routed
-state, later layers all full or following the gates), G3's JEPA alignment, the membership predictor's
-BCE, and a cheap-imitates-full term. util/rank/JEPA train only their own layer's gate unless
-ffn_aux_grad='leak'.
+(oracle_labels.py: token t switched alone or the whole sequence, forks from the all-full or the
+routed state, later layers all full or following the gates), G3's JEPA alignment, the membership
+predictor's BCE, and a cheap-imitates-full term. util/rank/JEPA train only their own layer's gate
+unless ffn_aux_grad='leak'.
 
-Options: FFNOptions below (fields of model.GPTConfig); of the training loop: ffn_oracle_layers_per_step,
-calib_iters.
+Options: FFNOptions below (fields of model.GPTConfig); of the training loop:
+ffn_oracle_layers_per_step, calib_iters.
 """
 import random
 from dataclasses import dataclass, field
@@ -24,28 +25,59 @@ from dataclasses import dataclass, field
 import torch
 
 import losses
-from gates import (GATES, JEPAGate, MembershipPredictor, MLPGate, capacity, random_mask, straight_through,
-                   threshold_mask, topk_mask)
-from oracle_labels import fork_utility, oracle_flops, oracle_losses, oracle_start, suffix_flops, token_fork_utility
-from routing import (MLP, Family, add_weighted, check_at_least, check_choices, check_fraction, flop_costs,
-                     layer_ids, option_names, split_apply)
+from gates import (
+    GATES,
+    JEPAGate,
+    MembershipPredictor,
+    MLPGate,
+    capacity,
+    random_mask,
+    straight_through,
+    threshold_mask,
+    topk_mask,
+)
+from oracle_labels import (
+    fork_utility,
+    oracle_flops,
+    oracle_losses,
+    oracle_start,
+    suffix_flops,
+    token_fork_utility,
+)
+from routing import (
+    MLP,
+    Family,
+    add_weighted,
+    check_at_least,
+    check_choices,
+    check_fraction,
+    flop_costs,
+    layer_ids,
+    split_apply,
+)
 
-STATIC = {'static_full': 'full', 'static_cheap': 'cheap'}     # the gates that send every token down one path
+STATIC = {'static_full': 'full', 'static_cheap': 'cheap'}     # the gates that send every token down
+                                                              # one path
 
 
 @dataclass
 class FFNOptions:
     """The family's fields of model.GPTConfig (a base of it), with their defaults."""
-    ffn_gate: str = 'mlp'     # 'mlp' (G1), 'jepa' (G3), 'random', 'static_full', 'static_cheap', 'oracle'
-    ffn_budget: float = 0.5   # fraction of tokens per sequence on the full path: ceil(ffn_budget·T) in training
-    ffn_layers: str = 'auto'  # routed layers: 'all', 'every_other' (1, 3, 5, ...), a list such as '0,2,5',
-                              # or 'auto' (all)
+    ffn_gate: str = 'mlp'     # 'mlp' (G1), 'jepa' (G3), 'random', 'static_full', 'static_cheap',
+                              # 'oracle'
+    ffn_budget: float = 0.5   # fraction of tokens per sequence on the full path: ceil(ffn_budget·T)
+                              # in training
+    ffn_layers: str = 'auto'  # routed layers: 'all', 'every_other' (1, 3, 5, ...), a list such as
+                              # '0,2,5', or 'auto' (all)
     ffn_cheap_rank: int = 16  # rank of the cheap low-rank FFN
     ffn_gate_hidden: int = 64         # hidden width of the gate and predictor MLPs
-    ffn_gate_grad: str = 'ste'        # how the LM loss reaches the gate: 'ste' straight-through, 'scale' MoD-style, 'none'
-    ffn_infer_rule: str = 'threshold' # causal eval decision: 'threshold' on the gate score, or 'predictor'
+    ffn_gate_grad: str = 'ste'        # how the LM loss reaches the gate: 'ste' straight-through,
+                                      # 'scale' MoD-style, 'none'
+    ffn_infer_rule: str = 'threshold' # causal eval decision: 'threshold' on the gate score, or
+                                      # 'predictor'
     ffn_jepa_latent: int = 32         # G3 latent size
-    ffn_jepa_outcome: str = 'delta'   # G3 outcome projected by the fixed target: 'delta' (FFN update) or 'hidden'
+    ffn_jepa_outcome: str = 'delta'   # G3 outcome projected by the fixed target: 'delta' (FFN
+                                      # update) or 'hidden'
     # G3's score from h and the forecasts: 'utility' (an MLP on [h, P(h,full) − P(h,cheap)]),
     # 'linear' in that difference, or 'distance' (its squared norm)
     ffn_jepa_readout: str = 'utility'
@@ -58,15 +90,20 @@ class FFNOptions:
     ffn_rank_kind: str = 'logistic'   # 'logistic' or 'margin'
     ffn_rank_margin: float = 0.1
     ffn_rank_pairs: int = 256         # pairs sampled per sequence
-    ffn_oracle_label: str = 'token'   # labels switch 'token' t alone at l (others keep their action) or the
-                                      # whole 'sequence' at once (then U_t moves with t's prefix too)
-    ffn_oracle_policy: str = 'off'    # labels: 'off' (later layers all full, the paper) or 'on' (gate policy)
-    ffn_oracle_start: str = 'auto'    # the state at l the forks start from: 'full' (all layers below full),
-                                      # 'routed' (this pass's own), 'auto' (full if policy 'off', else routed)
-    ffn_aux_grad: str = 'own'         # util/rank/JEPA gradients reach only their own layer's gate ('own': the
-                                      # gate's input detached) or also lower gates through the mixes ('leak')
+    ffn_oracle_label: str = 'token'   # labels switch 'token' t alone at l (others keep their
+                                      # action) or the whole 'sequence' at once (then U_t moves with
+                                      # t's prefix too)
+    ffn_oracle_policy: str = 'off'    # labels: 'off' (later layers all full, the paper) or 'on'
+                                      # (gate policy)
+    ffn_oracle_start: str = 'auto'    # the state at l the forks start from: 'full' (all layers
+                                      # below full), 'routed' (this pass's own), 'auto' (full if
+                                      # policy 'off', else routed)
+    ffn_aux_grad: str = 'own'         # util/rank/JEPA gradients reach only their own layer's gate
+                                      # ('own': the gate's input detached) or also lower gates
+                                      # through the mixes ('leak')
     ffn_jepa_weight: float = 1.0      # λ_JEPA (G3 only)
-    ffn_predictor_weight: float = 1.0 # BCE of the membership predictor (ffn_infer_rule='predictor' only)
+    ffn_predictor_weight: float = 1.0 # BCE of the membership predictor (ffn_infer_rule='predictor'
+                                      # only)
     ffn_mimic_weight: float = 0.0     # cheap FFN imitates the full FFN
 
 
@@ -97,26 +134,54 @@ class FFNRouting(Family):
                      'ffn_jepa_readout': 'distance', 'ffn_jepa_action_std': 0.02}
     budget_field = 'ffn_budget'
     backbone_options, layers_option = ('ffn_cheap_rank',), 'ffn_layers'
-    resume_options = ('ffn_gate', 'ffn_gate_hidden', 'ffn_infer_rule', 'ffn_jepa_latent', 'ffn_jepa_readout',
-                      'ffn_jepa_action_std', 'ffn_aux_grad', 'ffn_oracle_label',
-                      'ffn_oracle_policy', 'ffn_oracle_start')
+    resume_options = (
+        'ffn_gate',
+        'ffn_gate_hidden',
+        'ffn_infer_rule',
+        'ffn_jepa_latent',
+        'ffn_jepa_readout',
+        'ffn_jepa_action_std',
+        'ffn_aux_grad',
+        'ffn_oracle_label',
+        'ffn_oracle_policy',
+        'ffn_oracle_start',
+    )
     spelled_options = ('ffn_layers',)   # 'auto' and 'all' are the same layers
     logged_stats = ('jepa_pred_std', 'utility_mean')
 
     def check_values(self, config):
-        check_at_least(config, 1, ('ffn_cheap_rank', 'ffn_gate_hidden', 'ffn_jepa_latent', 'ffn_rank_pairs'))
-        check_at_least(config, 0, ('ffn_util_weight', 'ffn_rank_weight', 'ffn_rank_margin', 'ffn_jepa_weight',
-                                   'ffn_predictor_weight', 'ffn_mimic_weight',
-                                   'ffn_jepa_action_std'))
+        check_at_least(
+            config, 1, ('ffn_cheap_rank', 'ffn_gate_hidden', 'ffn_jepa_latent', 'ffn_rank_pairs')
+        )
+        check_at_least(
+            config,
+            0,
+            (
+                'ffn_util_weight',
+                'ffn_rank_weight',
+                'ffn_rank_margin',
+                'ffn_jepa_weight',
+                'ffn_predictor_weight',
+                'ffn_mimic_weight',
+                'ffn_jepa_action_std',
+            ),
+        )
         check_fraction(config, 'ffn_budget')
 
     def validate(self, config):
-        check_choices(config, ffn_gate=GATES, ffn_gate_grad=('ste', 'scale', 'none'),
-                      ffn_infer_rule=('threshold', 'predictor'), ffn_jepa_outcome=('delta', 'hidden'),
-                      ffn_jepa_readout=('utility', 'linear', 'distance'),
-                      ffn_rank_kind=('logistic', 'margin'),
-                      ffn_oracle_policy=('off', 'on'), ffn_oracle_label=('token', 'sequence'),
-                      ffn_oracle_start=('auto', 'full', 'routed'), ffn_aux_grad=('own', 'leak'))
+        check_choices(
+            config,
+            ffn_gate=GATES,
+            ffn_gate_grad=('ste', 'scale', 'none'),
+            ffn_infer_rule=('threshold', 'predictor'),
+            ffn_jepa_outcome=('delta', 'hidden'),
+            ffn_jepa_readout=('utility', 'linear', 'distance'),
+            ffn_rank_kind=('logistic', 'margin'),
+            ffn_oracle_policy=('off', 'on'),
+            ffn_oracle_label=('token', 'sequence'),
+            ffn_oracle_start=('auto', 'full', 'routed'),
+            ffn_aux_grad=('own', 'leak'),
+        )
         if not self.routed_layers(config):
             raise ValueError(f"ffn_layers={config.ffn_layers!r} routes no layer of a "
                              f"{config.n_layer}-layer model")
@@ -128,12 +193,25 @@ class FFNRouting(Family):
         if layer not in self.routed_layers(config):
             return
         block.cheap = MLP(config, width=config.ffn_cheap_rank)
-        block.gate = (MLPGate(config.n_embd, config.ffn_gate_hidden) if config.ffn_gate == 'mlp' else
-                      JEPAGate(config.n_embd, config.ffn_gate_hidden, config.ffn_jepa_latent, config.ffn_jepa_readout,
-                               config.ffn_jepa_action_std, seed=1000 + layer)
-                      if config.ffn_gate == 'jepa' else None)
-        block.predictor = (MembershipPredictor(config.n_embd, config.ffn_gate_hidden)
-                           if config.ffn_infer_rule == 'predictor' and block.gate is not None else None)
+        block.gate = (
+            MLPGate(config.n_embd, config.ffn_gate_hidden)
+            if config.ffn_gate == 'mlp'
+            else JEPAGate(
+                config.n_embd,
+                config.ffn_gate_hidden,
+                config.ffn_jepa_latent,
+                config.ffn_jepa_readout,
+                config.ffn_jepa_action_std,
+                seed=1000 + layer,
+            )
+            if config.ffn_gate == 'jepa'
+            else None
+        )
+        block.predictor = (
+            MembershipPredictor(config.n_embd, config.ffn_gate_hidden)
+            if config.ffn_infer_rule == 'predictor' and block.gate is not None
+            else None
+        )
         block.register_buffer('tau', torch.zeros(()))   # calibrated threshold of the causal score
 
     def begin(self, model, ctx):
@@ -148,7 +226,11 @@ class FFNRouting(Family):
     def run_blocks(self, model, x, pos, cache, ctx, start=0):
         for block in model.transformer.h[start:]:
             x = x + block.attn_update(x, pos, cache)
-            x = x + (routed_ffn_update(block, model.config, x, ctx) if hasattr(block, 'cheap') else block.ffn_update(x))
+            x = x + (
+                routed_ffn_update(block, model.config, x, ctx)
+                if hasattr(block, 'cheap')
+                else block.ffn_update(x)
+            )
         return x
 
     def loss(self, model, ctx, lm_loss, targets, aux):
@@ -156,9 +238,17 @@ class FFNRouting(Family):
         layers = tuple(ctx.options.get('oracle_layers') or ())
         if layers and (cfg.ffn_util_weight > 0 or cfg.ffn_rank_weight > 0):
             oracle_losses(model, ctx, layers, targets, aux)
-        return add_weighted(lm_loss, aux, dict(
-            util_loss=cfg.ffn_util_weight, rank_loss=cfg.ffn_rank_weight, jepa_loss=cfg.ffn_jepa_weight,
-            pred_loss=cfg.ffn_predictor_weight, mimic_loss=cfg.ffn_mimic_weight))
+        return add_weighted(
+            lm_loss,
+            aux,
+            dict(
+                util_loss=cfg.ffn_util_weight,
+                rank_loss=cfg.ffn_rank_weight,
+                jepa_loss=cfg.ffn_jepa_weight,
+                pred_loss=cfg.ffn_predictor_weight,
+                mimic_loss=cfg.ffn_mimic_weight,
+            ),
+        )
 
     def is_controller_key(self, name):
         return any(f in name for f in ('.gate.', '.predictor.')) or name.endswith('.tau')
@@ -166,22 +256,24 @@ class FFNRouting(Family):
     @torch.no_grad()
     def calibrate(self, model, idx):
         """Set every controlled layer's causal threshold so that, on idx (held-out batches), the
-        realised full-path fraction equals the budget; layers are calibrated in order, each under the
-        already-calibrated decisions of the layers below it. Returns the realised fractions."""
+        realised full-path fraction equals the budget; layers are calibrated in order, each under
+        the already-calibrated decisions of the layers below it. Returns the realised fractions."""
         if model.config.ffn_gate not in ('mlp', 'jepa'):
             return None                    # no score to threshold
         with model.mode(training=False):
             return model(idx, last_only=True, calibrate=True)[2].get('full_frac')
 
     def step_options(self, model, step, run):
-        """The controlled layers that get oracle labels this step (util/rank losses on): sampled from the
-        seed and the step alone, so every DDP rank and a resumed run draw the same."""
+        """The controlled layers that get oracle labels this step (util/rank losses on): sampled
+        from the seed and the step alone, so every DDP rank and a resumed run draw the same."""
         cfg = model.config
         if cfg.ffn_gate not in ('mlp', 'jepa') or not (cfg.ffn_util_weight > 0 or cfg.ffn_rank_weight > 0):
             return {}
         ids = self.routed_layers(cfg)
         k = min(run.ffn_oracle_layers_per_step, len(ids))
-        return dict(oracle_layers=tuple(sorted(random.Random(run.seed * 1_000_003 + step).sample(ids, k))))
+        return dict(
+            oracle_layers=tuple(sorted(random.Random(run.seed * 1_000_003 + step).sample(ids, k)))
+        )
 
     references, by_class = ('full', 'cheap'), True
     room_rules = dict(random=dict(ffn_gate='random'), oracle=dict(ffn_gate='oracle'))
@@ -197,8 +289,9 @@ class FFNRouting(Family):
 
     def forward_flops(self, config, T, mode='train', full_frac=None, **options):
         """Training and eval: both paths dense, mixed by the mask ('train' adds the JEPA targets and
-        the membership predictor's training; the oracle gate, its forks); 'sparse': the full FFN on a
-        fraction full_frac of the tokens, the cheap FFN on the rest. Oracle labels: oracle_flops."""
+        the membership predictor's training; the oracle gate, its forks); 'sparse': the full FFN on
+        a fraction full_frac of the tokens, the cheap FFN on the rest. Oracle labels:
+        oracle_flops."""
         c, ids = ffn_costs(config, T), self.routed_layers(config)
         fracs = iter(full_frac if isinstance(full_frac, (list, tuple)) else [full_frac] * len(ids))
         total = c['head']
@@ -207,7 +300,8 @@ class FFNRouting(Family):
             kind = config.ffn_gate if layer in ids else 'static_full'
             if kind in STATIC:
                 total += c[STATIC[kind]]
-            elif mode == 'sparse':          # full_frac: one per layer not routed by a static gate, or one for all
+            elif mode == 'sparse':          # full_frac: one per layer not routed by a static gate,
+                                            # or one for all
                 f = next(fracs)
                 total += f * c['full'] + (1 - f) * c['cheap']
             else:
@@ -217,26 +311,31 @@ class FFNRouting(Family):
                 total += c['gate_fc'] + n_out * c['gate_out'] + c['gate_read']
                 if kind == 'jepa' and mode == 'train' and config.ffn_jepa_weight > 0:
                     total += 2 * c['jepa_target']
-                if config.ffn_infer_rule == 'predictor' and (mode in ('eval', 'sparse') or
-                                                         (mode == 'train' and config.ffn_predictor_weight > 0)):
+                if config.ffn_infer_rule == 'predictor' and (
+                    mode in ('eval', 'sparse') or (mode == 'train' and config.ffn_predictor_weight > 0)
+                ):
                     total += c['pred_fc'] + c['pred_out']
-                if mode == 'train' and config.ffn_aux_grad == 'own':  # aux losses score the detached input again
+                # aux losses score the detached input again
+                if mode == 'train' and config.ffn_aux_grad == 'own':
                     if kind == 'jepa' and config.ffn_jepa_weight > 0:
                         total += c['gate_fc'] + 2 * c['gate_out']
                     if aux_on_score(config) and layer in options.get('oracle_layers', ()):
                         total += c['gate_fc'] + n_out * c['gate_out'] + c['gate_read']
-            elif kind == 'oracle':        # both actions again, then two all-full suffixes, per layer
+            elif kind == 'oracle':        # both actions again, then two all-full suffixes, per
+                                          # layer
                 total += c['full'] + c['cheap'] + 2 * suffix_flops(config, layer, c)
         return T * total
 
     def backward_flops(self, config, T, trainable='all', oracle_layers=(), **options):
-        """Controller-only: activation gradients only, and nothing below the first gate in the LM-loss
-        graph; the gate's input needs a gradient only once the stream does."""
+        """Controller-only: activation gradients only, and nothing below the first gate in the
+        LM-loss graph; the gate's input needs a gradient only once the stream does."""
         c, ids = ffn_costs(config, T), self.routed_layers(config)
         joint = trainable == 'all'
         leak, own = config.ffn_aux_grad == 'leak', config.ffn_aux_grad == 'own'
-        stream = joint                      # does the residual stream entering this layer need a gradient?
-        w = 2 if joint else 1               # backbone matmuls: input grad (+ weight grad when trainable)
+        stream = joint                      # does the residual stream entering this layer need a
+                                            # gradient?
+        w = 2 if joint else 1               # backbone matmuls: input grad (+ weight grad when
+                                            # trainable)
         bwd = 0
         for layer in range(config.n_layer):
             kind = config.ffn_gate if layer in ids else 'static_full'
@@ -247,13 +346,17 @@ class FFNRouting(Family):
                 continue
             oracle_here = aux_on_score(config) and layer in oracle_layers
             score_in_graph = config.ffn_gate_grad != 'none' or (leak and oracle_here)
-            preds_in_graph = score_in_graph or (leak and kind == 'jepa' and config.ffn_jepa_weight > 0)
+            preds_in_graph = score_in_graph or (
+                leak and kind == 'jepa' and config.ffn_jepa_weight > 0
+            )
             n_out = 2 if kind == 'jepa' else 1
-            if own and kind == 'jepa' and config.ffn_jepa_weight > 0:     # on the detached input: weight grads
+            # on the detached input: weight grads
+            if own and kind == 'jepa' and config.ffn_jepa_weight > 0:
                 bwd += c['gate_fc'] + 2 * 2 * c['gate_out']
             if own and oracle_here:
                 bwd += c['gate_fc'] + 2 * n_out * c['gate_out'] + 2 * c['gate_read']
-            if preds_in_graph:              # gate weights always trainable; its input needs grad only if the stream does
+            if preds_in_graph:              # gate weights always trainable; its input needs grad
+                                            # only if the stream does
                 bwd += (2 if stream else 1) * c['gate_fc'] + 2 * n_out * c['gate_out']
             if score_in_graph:
                 bwd += 2 * c['gate_read']
@@ -293,7 +396,7 @@ def gate_read_flops(config):
     return costs.get(config.ffn_jepa_readout, 0)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the routed FFN of one block
 
 def routed_ffn_update(block, cfg, x, ctx):
@@ -318,16 +421,21 @@ def routed_ffn_update(block, cfg, x, ctx):
     else:
         preds = block.gate.predict(h) if cfg.ffn_gate == 'jepa' else None
         score = block.gate.score(h, *preds) if preds is not None else block.gate(h)
-        if causal:                  # calibrating: the threshold first set to hit the budget on this batch
-            mask = threshold_mask(block.predictor(h) if block.predictor is not None else score, block.tau,
-                                  cfg.ffn_budget if ctx.calibrate else None)
+        if causal:                  # calibrating: the threshold first set to hit the budget on this
+                                    # batch
+            mask = threshold_mask(
+                block.predictor(h) if block.predictor is not None else score,
+                block.tau,
+                cfg.ffn_budget if ctx.calibrate else None,
+            )
         else:
             mask = topk_mask(score.detach(), capacity(cfg.ffn_budget, T))
     if sparse:                      # each path on its own tokens only
         update = split_apply(h, mask, block.mlp, block.cheap, mode=ctx.exec_mode)
         if score is not None and cfg.ffn_gate_grad == 'scale':
             update = update * torch.where(mask, torch.sigmoid(score), 1.0)[..., None]
-    elif score is not None and cfg.ffn_gate_grad == 'scale':       # MoD: x + σ(s)·full on the selected path
+    # MoD: x + σ(s)·full on the selected path
+    elif score is not None and cfg.ffn_gate_grad == 'scale':
         update = torch.where(mask[..., None], torch.sigmoid(score)[..., None] * full, cheap)
     elif score is not None and cfg.ffn_gate_grad == 'ste' and block.training:
         w = straight_through(mask, score)[..., None]
@@ -353,7 +461,9 @@ def collect_losses(block, cfg, ctx, x, h, full, cheap, mask, preds):
         if cfg.ffn_aux_grad == 'own':     # the alignment trains this layer's predictor only
             preds = block.gate.predict(h.detach())
         outcomes = (full, cheap) if cfg.ffn_jepa_outcome == 'delta' else (x + full, x + cheap)
-        ctx.add('jepa_loss', losses.jepa_alignment(preds, [block.gate.target_of(o) for o in outcomes]))
+        ctx.add(
+            'jepa_loss', losses.jepa_alignment(preds, [block.gate.target_of(o) for o in outcomes])
+        )
     if block.predictor is not None and cfg.ffn_predictor_weight > 0:
         ctx.add('pred_loss', losses.membership_bce(block.predictor(h), mask))
     if cfg.ffn_mimic_weight > 0:
@@ -361,7 +471,8 @@ def collect_losses(block, cfg, ctx, x, h, full, cheap, mask, preds):
 
 
 def oracle_routing_labels(model, l, x_mid, targets, pos):
-    """The oracle gate's labels: from the state its own decisions below l left, later layers all full."""
+    """The oracle gate's labels: from the state its own decisions below l left, later layers all
+    full."""
     if model.config.ffn_oracle_label == 'token':
         full = torch.ones(x_mid.shape[:2], dtype=torch.bool, device=x_mid.device)
         return token_fork_utility(model, l, x_mid, full, targets, pos, later='full')

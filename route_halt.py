@@ -2,13 +2,14 @@
 route='halt': Token-Selective Attention ("Adaptive Computation Depth via Learned Token Routing in
 Transformers", arXiv 2605.05222).
 
-Block 0 is a stem that always runs. A router after each block l = 0..L−2 gives p_l = r_l(h) in (0, 1),
-the probability of skipping block l+1, which then adds (1 − p_l)·Δattn and (1 − p_l)·Δffn. The LM
-gradient reaches the router through that product; a depth regulariser λ·mean(1 − p) (the mean active
-fraction α) pushes towards skipping. Eval (hard, causal per token): a token skips both updates where
-p_l > halt_tau; kept tokens add (1 − p_l)·Δ as in training ('scaled') or the whole Δ ('binary'). A
-skipped token's K/V are still computed, so later tokens attend to it as in training; sparse eval runs
-the FFN on the kept tokens only. force='full' keeps every update whole (the dense model).
+Block 0 is a stem that always runs. A router after each block l = 0..L−2 gives p_l = r_l(h) in (0,
+1), the probability of skipping block l+1, which then adds (1 − p_l)·Δattn and (1 − p_l)·Δffn. The
+LM gradient reaches the router through that product; a depth regulariser λ·mean(1 − p) (the mean
+active fraction α) pushes towards skipping. Eval (hard, causal per token): a token skips both
+updates where p_l > halt_tau; kept tokens add (1 − p_l)·Δ as in training ('scaled') or the whole Δ
+('binary'). A skipped token's K/V are still computed, so later tokens attend to it as in training;
+sparse eval runs the FFN on the kept tokens only. force='full' keeps every update whole (the dense
+model).
 
 Options: HaltOptions below (fields of model.GPTConfig).
 """
@@ -29,8 +30,10 @@ class HaltOptions:
     halt_lambda: float = 0.001        # depth regulariser λ on the mean active fraction
     halt_tau: float = 0.5             # eval: a token skips block l+1 where p_l > halt_tau
     halt_soft_eval: bool = False      # eval with the soft (1 − p) scaling instead of hard skipping
-    halt_hard: str = 'scaled'         # hard eval: kept tokens add (1 − p)·Δ as in training, or 'binary': Δ
-    halt_router_bias: float = -1.0    # the routers' output bias at init (the paper's −1: p ≈ 0.27, α ≈ 0.73)
+    halt_hard: str = 'scaled'         # hard eval: kept tokens add (1 − p)·Δ as in training, or
+                                      # 'binary': Δ
+    halt_router_bias: float = -1.0    # the routers' output bias at init (the paper's −1: p ≈ 0.27,
+                                      # α ≈ 0.73)
 
 
 class TokenSelectiveAttention(Family):
@@ -43,7 +46,9 @@ class TokenSelectiveAttention(Family):
 
     def validate(self, config):
         if config.n_layer < 2:
-            raise ValueError("route='halt' needs n_layer >= 2 (block 0 is the stem that always runs)")
+            raise ValueError(
+                "route='halt' needs n_layer >= 2 (block 0 is the stem that always runs)"
+            )
         if not 0.0 <= config.halt_tau <= 1.0:
             raise ValueError(f"halt_tau must be in [0, 1], got {config.halt_tau}")
         if config.halt_hard not in ('scaled', 'binary'):
@@ -51,7 +56,9 @@ class TokenSelectiveAttention(Family):
 
     def build(self, model):
         # router l (after block l, l = 0..L-2) gates block l+1
-        model.halt = nn.ModuleList([HaltingRouter(model.config.n_embd) for _ in range(model.config.n_layer - 1)])
+        model.halt = nn.ModuleList(
+            [HaltingRouter(model.config.n_embd) for _ in range(model.config.n_layer - 1)]
+        )
 
     def init_weights(self, model):
         for router in model.halt:       # b2 (after the generic init): at −1 blocks start mostly on
@@ -66,14 +73,17 @@ class TokenSelectiveAttention(Family):
                 keep = active = torch.ones_like(p)
             elif model.training or cfg.halt_soft_eval:
                 keep = active = 1 - p
-            else:                       # skip where p > τ; kept tokens as trained ('scaled') or whole
+            else:                       # skip where p > τ; kept tokens as trained ('scaled') or
+                                        # whole
                 active = (p <= cfg.halt_tau).to(p.dtype)
                 keep = active * (1 - p) if cfg.halt_hard == 'scaled' else active
             block = blocks[l + 1]
             x = x + keep[..., None] * block.attn_update(x, pos, cache)
             if not model.training and ctx.sparse and ctx.force != 'full' and not cfg.halt_soft_eval:
                 # the FFN on kept tokens only
-                x = x + keep[..., None] * split_apply(block.ln_2(x), active > 0, block.mlp, mode=ctx.exec_mode)
+                x = x + keep[..., None] * split_apply(
+                    block.ln_2(x), active > 0, block.mlp, mode=ctx.exec_mode
+                )
             else:
                 x = x + keep[..., None] * block.ffn_update(x)
             if ctx.collect:             # α's per-token share: 1 − p (soft) or not-skipped (hard)
@@ -105,12 +115,16 @@ class TokenSelectiveAttention(Family):
         soft = r['halt']['soft']
         lines = [f"val loss soft-gated {soft['loss']:.4f} (α {soft['alpha']:.3f}, TLOps saved "
                  f"{soft['tlops_saved']:.3f}); hard skipping where p > τ:"]
-        return lines + [f"  {row['mode']:>6} τ={row['tau']:.2f}: val loss {row['loss']:.4f}, α {row['alpha']:.3f}, "
-                        f"TLOps saved {row['tlops_saved']:.3f}" for row in r['halt']['hard']]
+        return lines + [
+            f"  {row['mode']:>6} τ={row['tau']:.2f}: val loss {row['loss']:.4f}, α "
+            f"{row['alpha']:.3f}, "
+            f"TLOps saved {row['tlops_saved']:.3f}"
+            for row in r['halt']['hard']
+        ]
 
     def forward_flops(self, config, T, mode='train', full_frac=None, **options):
-        """Every block's attention; the router before blocks 1..L−1; sparse eval runs block l's FFN on
-        the kept fraction full_frac (a float, or one per gated block) of the tokens only."""
+        """Every block's attention; the router before blocks 1..L−1; sparse eval runs block l's FFN
+        on the kept fraction full_frac (a float, or one per gated block) of the tokens only."""
         c, L = flop_costs(config, T), config.n_layer
         router = halt_router_flops(config)
         total = c['head']
@@ -126,14 +140,16 @@ class TokenSelectiveAttention(Family):
         return T * total
 
     def backward_flops(self, config, T, trainable='all', **options):
-        """x + keep·Δattn(x), then + keep·Δffn(·): the routers are trainable, so from router 0 on the
-        stream needs a gradient even on a frozen backbone."""
+        """x + keep·Δattn(x), then + keep·Δffn(·): the routers are trainable, so from router 0 on
+        the stream needs a gradient even on a frozen backbone."""
         c, L = flop_costs(config, T), config.n_layer
         hidden = max(16, config.n_embd // 4)
         fc, out = 2 * config.n_embd * hidden, 2 * hidden        # the router's two layers
         joint = trainable == 'all'
-        w = 2 if joint else 1           # backbone matmuls: input grad (+ weight grad when trainable)
-        stream = joint                  # does the residual stream entering this layer need a gradient?
+        w = 2 if joint else 1           # backbone matmuls: input grad (+ weight grad when
+                                        # trainable)
+        stream = joint                  # does the residual stream entering this layer need a
+                                        # gradient?
         bwd = 0
         for layer in range(L):
             if layer > 0:
@@ -160,8 +176,9 @@ def halt_router_flops(config):
 def halt_report(model, batches, autocast, evaluate, taus=(0.3, 0.5, 0.7, 0.9)):
     """TSA: validation loss with the soft (1 − p) scaling the model was trained with, and with hard
     skipping (skip block l+1 where p_l > τ) at several τ — the comparison the paper never showed.
-    Kept tokens add (1 − p)·Δ as in training ('scaled') or the whole Δ ('binary'). α is the mean active
-    fraction (soft: mean 1 − p; hard: the fraction not skipped), TLOps saved 1 − (1 + (L−1)α)/L."""
+    Kept tokens add (1 − p)·Δ as in training ('scaled') or the whole Δ ('binary'). α is the mean
+    active fraction (soft: mean 1 − p; hard: the fraction not skipped), TLOps saved 1 − (1 +
+    (L−1)α)/L."""
     L = model.config.n_layer
 
     def row(soft, **hard):          # hard: tau and mode of hard skipping
@@ -170,7 +187,11 @@ def halt_report(model, batches, autocast, evaluate, taus=(0.3, 0.5, 0.7, 0.9)):
             r = evaluate(model, batches, autocast)
         alpha = float(np.mean(r['full_frac']))
         return dict(loss=r['loss'], alpha=alpha, tlops_saved=1 - (1 + (L - 1) * alpha) / L, **hard)
-    return dict(soft=row(True), hard=[row(False, tau=tau, mode=mode) for mode in ('scaled', 'binary') for tau in taus])
+
+    return dict(
+        soft=row(True),
+        hard=[row(False, tau=tau, mode=mode) for mode in ('scaled', 'binary') for tau in taus],
+    )
 
 
 FAMILY = TokenSelectiveAttention()

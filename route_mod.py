@@ -1,12 +1,12 @@
 """
 route='mod': Mixture-of-Depths (Raposo et al., arXiv 2404.02258): top-k block routing.
 
-A routed block has a scalar linear router r = wᵀx. The selected tokens get x + σ(r)·f(x̃), f the whole
-block run on the selected tokens only, attending among themselves at their real positions (RoPE and
-the causal mask see real positions); the others pass unchanged and write no K/V at that block.
-Training: top-k of r at capacity ceil(budget·T) of the actual length T (static shapes), gathered in
-original order. Eval (causal): selected where σ(r) > 0.5 (the router trained with BCE on top-k
-membership) or where a stop-gradient membership predictor says so. σ(r) rather than the raw r
+A routed block has a scalar linear router r = wᵀx. The selected tokens get x + σ(r)·f(x̃), f the
+whole block run on the selected tokens only, attending among themselves at their real positions
+(RoPE and the causal mask see real positions); the others pass unchanged and write no K/V at that
+block. Training: top-k of r at capacity ceil(budget·T) of the actual length T (static shapes),
+gathered in original order. Eval (causal): selected where σ(r) > 0.5 (the router trained with BCE on
+top-k membership) or where a stop-gradient membership predictor says so. σ(r) rather than the raw r
 multiplies the update: a raw logit multiplied into the residual can blow up.
 
 Options: ModOptions below (fields of model.GPTConfig).
@@ -17,28 +17,45 @@ import torch
 
 import losses
 from gates import MembershipPredictor, ModRouter, capacity, random_mask, topk_mask
-from routing import (Family, add_weighted, check_at_least, check_fraction, exec_mode, flop_costs, gather_rows, layer_ids,
-                     split_apply, tlops_saved)
+from routing import (
+    Family,
+    add_weighted,
+    check_at_least,
+    check_fraction,
+    exec_mode,
+    flop_costs,
+    gather_rows,
+    layer_ids,
+    split_apply,
+    tlops_saved,
+)
 
 
 @dataclass
 class ModOptions:
     """The family's fields of model.GPTConfig (a base of it), with their defaults."""
     mod_router: str = 'learned'       # 'learned' (a linear router per routed block) or 'random'
-    mod_capacity: float = 0.5         # fraction of tokens per sequence that run a routed block: ceil(c·T)
-                                      # in training (0.125 in the paper)
-    mod_layers: str = 'auto'          # routed blocks, as ffn_layers; 'auto' = every_other, as in the paper
-    mod_infer_rule: str = 'threshold' # causal eval: 'threshold' (router trained with BCE on top-k membership,
-                                      # route iff σ(r) > 0.5) or 'predictor' (a stop-gradient MLP)
-    mod_predictor_weight: float = 1.0 # BCE of the membership predictor (mod_infer_rule='predictor' only)
+    mod_capacity: float = 0.5         # fraction of tokens per sequence that run a routed block:
+                                      # ceil(c·T) in training (0.125 in the paper)
+    mod_layers: str = 'auto'          # routed blocks, as ffn_layers; 'auto' = every_other, as in
+                                      # the paper
+    mod_infer_rule: str = 'threshold' # causal eval: 'threshold' (router trained with BCE on top-k
+                                      # membership, route iff σ(r) > 0.5) or 'predictor' (a
+                                      # stop-gradient MLP)
+    mod_predictor_weight: float = 1.0 # BCE of the membership predictor (mod_infer_rule='predictor'
+                                      # only)
     mod_predictor_hidden: int = 64    # hidden width of the predictor
-    mod_bce_weight: float = 1.0       # BCE of the router on top-k membership (mod_infer_rule='threshold')
+    mod_bce_weight: float = 1.0       # BCE of the router on top-k membership
+                                      # (mod_infer_rule='threshold')
 
 
 class MixtureOfDepths(Family):
     Options = ModOptions
     budget_field = 'mod_capacity'
-    layers_option, resume_options = 'mod_layers', ('mod_router', 'mod_infer_rule', 'mod_predictor_hidden')
+    layers_option, resume_options = (
+        'mod_layers',
+        ('mod_router', 'mod_infer_rule', 'mod_predictor_hidden'),
+    )
     spelled_options = ('mod_layers',)   # 'auto' and 'every_other' are the same layers
     logged_stats = ('tlops_saved',)
     eval_stats = ('tlops_saved', 'mod_acc')     # mod_acc: the causal rule's agreement with top-k
@@ -50,10 +67,14 @@ class MixtureOfDepths(Family):
 
     def validate(self, config):
         if config.mod_router not in ('learned', 'random'):
-            raise ValueError(f"mod_router must be 'learned' (a linear router per routed block) or 'random', "
-                             f"got {config.mod_router!r}")
+            raise ValueError(
+                f"mod_router must be 'learned' (a linear router per routed block) or 'random', "
+                f"got {config.mod_router!r}"
+            )
         if config.mod_infer_rule not in ('threshold', 'predictor'):
-            raise ValueError(f"mod_infer_rule must be 'threshold' or 'predictor', got {config.mod_infer_rule!r}")
+            raise ValueError(
+                f"mod_infer_rule must be 'threshold' or 'predictor', got {config.mod_infer_rule!r}"
+            )
         if not self.routed_layers(config):
             raise ValueError(f"mod_layers={config.mod_layers!r} routes no layer of a "
                              f"{config.n_layer}-layer model")
@@ -65,17 +86,26 @@ class MixtureOfDepths(Family):
         if layer not in self.routed_layers(config):
             return
         block.router = ModRouter(config.n_embd) if config.mod_router == 'learned' else None
-        block.predictor = (MembershipPredictor(config.n_embd, config.mod_predictor_hidden)
-                           if config.mod_infer_rule == 'predictor' and block.router is not None else None)
+        block.predictor = (
+            MembershipPredictor(config.n_embd, config.mod_predictor_hidden)
+            if config.mod_infer_rule == 'predictor' and block.router is not None
+            else None
+        )
 
     def run_blocks(self, model, x, pos, cache, ctx, start=0):
         for block in model.transformer.h[start:]:
-            x = mod_block(block, model.config, x, pos, cache, ctx) if hasattr(block, 'router') else block(x, pos, cache)
+            x = (
+                mod_block(block, model.config, x, pos, cache, ctx)
+                if hasattr(block, 'router')
+                else block(x, pos, cache)
+            )
         return x
 
     def loss(self, model, ctx, lm_loss, targets, aux):
         cfg = model.config
-        return add_weighted(lm_loss, aux, dict(pred_loss=cfg.mod_predictor_weight, router_loss=cfg.mod_bce_weight))
+        return add_weighted(
+            lm_loss, aux, dict(pred_loss=cfg.mod_predictor_weight, router_loss=cfg.mod_bce_weight)
+        )
 
     def stats(self, model, ctx, aux):
         super().stats(model, ctx, aux)
@@ -89,7 +119,8 @@ class MixtureOfDepths(Family):
 
     def executed_fracs(self, masks):
         """Compact sparse execution pads every row to the longest: the fraction it really runs (in
-        float64, so that it equals count / T exactly as a Python float and rounds to the same float32)."""
+        float64, so that it equals count / T exactly as a Python float and rounds to the same
+        float32)."""
         return torch.stack([m.sum(1).max().double() / m.size(1) for _, m in sorted(masks.items())])
 
     def option_meaning(self, config, key):
@@ -104,9 +135,9 @@ class MixtureOfDepths(Family):
 
     def forward_flops(self, config, T, mode='train', full_frac=None, **options):
         """A routed layer costs its router on every token, then the whole block on n tokens with
-        attention among them (4·n²·d): n = ceil(budget·T) in training, T masked-dense ('eval'), and in
-        'sparse' n = full_frac·T per routed layer, where full_frac is the padded row length over T
-        (sparse execution pads every row to the longest)."""
+        attention among them (4·n²·d): n = ceil(budget·T) in training, T masked-dense ('eval'), and
+        in 'sparse' n = full_frac·T per routed layer, where full_frac is the padded row length over
+        T (sparse execution pads every row to the longest)."""
         c, L, d = mod_costs(config, T), config.n_layer, config.n_embd
         ids, router = self.routed_layers(config), config.mod_router == 'learned'
         total = T * c['head']
@@ -115,15 +146,25 @@ class MixtureOfDepths(Family):
                 total += T * (c['attn_proj'] + c['attn_core'] + c['full'])
                 continue
             f = full_frac[ids.index(l)] if isinstance(full_frac, (list, tuple)) else full_frac
-            n = capacity(config.mod_capacity, T) if mode in ('train', 'policy') else f * T if mode == 'sparse' else T
+            n = (
+                capacity(config.mod_capacity, T)
+                if mode in ('train', 'policy')
+                else f * T
+                if mode == 'sparse'
+                else T
+            )
             total += T * 2 * d * router + n * (c['attn_proj'] + c['full']) + 4 * n * n * d
-            if router and config.mod_infer_rule == 'predictor' and (mode != 'train' or config.mod_predictor_weight > 0):
+            if (
+                router
+                and config.mod_infer_rule == 'predictor'
+                and (mode != 'train' or config.mod_predictor_weight > 0)
+            ):
                 total += T * (c['pred_fc'] + c['pred_out'])
         return total
 
     def backward_flops(self, config, T, trainable='all', **options):
-        """Controller-only: the router's weight gradient, and the blocks' input gradients from the first
-        router up (σ(r) multiplies the update from there on)."""
+        """Controller-only: the router's weight gradient, and the blocks' input gradients from the
+        first router up (σ(r) multiplies the update from there on)."""
         c, L, d = mod_costs(config, T), config.n_layer, config.n_embd
         joint = trainable == 'all'
         w = 2 if joint else 1
@@ -160,13 +201,19 @@ def mod_block(block, cfg, x, pos, cache, ctx):
     r = block.router(x) if block.router is not None else None
     if block.training:
         k = capacity(cfg.mod_capacity, T)
-        sel = (r.detach() if r is not None else torch.rand(B, T, device=x.device)).topk(k, dim=-1).indices
-        sel = sel.sort(dim=-1).values               # causal order among the selected = original order
+        sel = (
+            (r.detach() if r is not None else torch.rand(B, T, device=x.device))
+            .topk(k, dim=-1)
+            .indices
+        )
+        sel = sel.sort(dim=-1).values               # causal order among the selected = original
+                                                    # order
         mask = torch.zeros(B, T, dtype=torch.bool, device=x.device).scatter(1, sel, True)
         xs = gather_rows(x, sel)
         f = block.delta(xs, gather_rows(pos, sel))
         w = torch.sigmoid(r.gather(1, sel))[..., None] if r is not None else 1.0
-        out = x.scatter(1, sel[..., None].expand_as(xs), (xs + w * f).to(x.dtype))   # replace, not add
+        # replace, not add
+        out = x.scatter(1, sel[..., None].expand_as(xs), (xs + w * f).to(x.dtype))
         if ctx.collect and r is not None:
             if block.predictor is not None and cfg.mod_predictor_weight > 0:
                 ctx.add('pred_loss', losses.membership_bce(block.predictor(x), mask))
@@ -178,7 +225,8 @@ def mod_block(block, cfg, x, pos, cache, ctx):
         else:
             mask = (block.predictor(x) if block.predictor is not None else r) > 0     # σ(·) > 0.5
             if ctx.collect:           # agreement of the causal decision with top-k (non-causal)
-                ctx.add('mod_acc', (mask == topk_mask(r, capacity(cfg.mod_capacity, T))).float().mean()
+                topk = topk_mask(r, capacity(cfg.mod_capacity, T))
+                ctx.add('mod_acc', (mask == topk).float().mean()
                         / len(layer_ids(cfg, 'mod_layers', default='every_other')))
         if not ctx.sparse:
             out = mod_masked(block, x, pos, cache, mask, r)
@@ -196,7 +244,9 @@ def mod_block(block, cfg, x, pos, cache, ctx):
 def mod_masked(block, x, pos, cache, mask, r):
     """The reference: the block on every token, keys restricted to the selected, result masked."""
     w = torch.sigmoid(r)[..., None] if r is not None else 1.0
-    return x + torch.where(mask[..., None], w * block.delta(x, pos, cache, valid=mask), 0.0).to(x.dtype)
+    return x + torch.where(mask[..., None], w * block.delta(x, pos, cache, valid=mask), 0.0).to(
+        x.dtype
+    )
 
 
 def mod_static(block, x, pos, cache, mask, r):
@@ -212,14 +262,17 @@ def mod_static(block, x, pos, cache, mask, r):
 def mod_sparse(block, x, pos, cache, mask, r):
     """Each row's selected tokens gathered first in original order, padded to the longest row."""
     counts = mask.sum(1)
-    kmax = int(counts.max())                    # host sync: causal decisions make the count data-dependent
+    kmax = int(counts.max())                    # host sync: causal decisions make the count
+                                                # data-dependent
     if kmax == 0:
         return x
     order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices[:, :kmax]
     valid = torch.arange(kmax, device=x.device) < counts[:, None]
     xs = gather_rows(x, order)
     w = torch.sigmoid(r.gather(1, order))[..., None] if r is not None else 1.0
-    new = torch.where(valid[..., None], xs + w * block.delta(xs, gather_rows(pos, order), cache, valid), xs)
+    new = torch.where(
+        valid[..., None], xs + w * block.delta(xs, gather_rows(pos, order), cache, valid), xs
+    )
     return x.scatter(1, order[..., None].expand_as(xs), new.to(x.dtype))
 
 

@@ -73,7 +73,8 @@ class RouteCtx:
     sparse: bool = True
     exec_mode: str = None
     targets: torch.Tensor = None
-    idx: torch.Tensor = None                         # the input ids and positions (oracle forks rerun them)
+    idx: torch.Tensor = None                         # the input ids and positions (oracle forks
+                                                     # rerun them)
     pos: torch.Tensor = None
     options: dict = field(default_factory=dict)
     keep_hidden: set = field(default_factory=set)    # depths whose state after d blocks is kept
@@ -81,7 +82,8 @@ class RouteCtx:
     scores: dict = field(default_factory=dict)       # layer -> gate score (B, T)
     masks: dict = field(default_factory=dict)        # layer -> (B, T), 1 = full path / block runs
     terms: dict = field(default_factory=dict)        # named loss terms and statistics
-    final: torch.Tensor = None                       # the final hidden state and the logits, once known
+    final: torch.Tensor = None                       # the final hidden state and the logits, once
+                                                     # known
     logits: torch.Tensor = None
     state: object = None                             # the family's own (see above)
 
@@ -205,8 +207,8 @@ class Family:
         return False
 
     def no_gradient(self, config):
-        """Names of the parameters the training loss does not reach by design; every other one gets a
-        gradient (tests/test_families.py)."""
+        """Names of the parameters the training loss does not reach by design; every other one gets
+        a gradient (tests/test_families.py)."""
         return ()
 
     def calibrate(self, model, idx):
@@ -278,7 +280,8 @@ class Family:
         return routed_report_lines(r) if self.budget_field else []
 
     def executed_fracs(self, masks):
-        """Fraction of tokens sparse execution runs per routed layer, when it differs from the mean."""
+        """Fraction of tokens sparse execution runs per routed layer, when it differs from the
+        mean."""
         return None
 
     def cannot_generate(self, config):
@@ -298,8 +301,8 @@ def option_names(options):
 
 
 def check_at_least(config, low, keys):
-    """Refuse any field in keys below low: every config is checked, whatever its route, so that a bad
-    value is caught where it is given, not when a run switches to the family that reads it."""
+    """Refuse any field in keys below low: every config is checked, whatever its route, so that a
+    bad value is caught where it is given, not when a run switches to the family that reads it."""
     for key in keys:
         if getattr(config, key) < low:
             raise ValueError(f"{key} must be >= {low}, got {getattr(config, key)}")
@@ -329,8 +332,8 @@ def routed_report_lines(r):
 
 
 def flop_costs(config, T):
-    """Forward FLOPs per token of the pieces every family is built from (attention core at length T):
-    a block's attention projections and core, the full FFN, the LM head."""
+    """Forward FLOPs per token of the pieces every family is built from (attention core at length
+    T): a block's attention projections and core, the full FFN, the LM head."""
     d = config.n_embd
     return dict(attn_proj=2 * d * 3 * d + 2 * d * d, attn_core=4 * T * d, full=2 * 2 * d * 4 * d,
                 head=2 * d * config.vocab_size)
@@ -338,8 +341,9 @@ def flop_costs(config, T):
 
 @contextmanager
 def training_flags(modules, training):
-    """Set each module's own `training` flag (not its children's) for the duration, then restore each
-    flag as it was, also on error: model.mode (train/eval) and the oracle's dropout-free forks."""
+    """Set each module's own `training` flag (not its children's) for the duration, then restore
+    each flag as it was, also on error: model.mode (train/eval) and the oracle's dropout-free
+    forks."""
     saved = [(m, m.training) for m in modules]
     for m, _ in saved:
         m.training = training
@@ -352,8 +356,9 @@ def training_flags(modules, training):
 
 @contextmanager
 def overridden(config, **fields):
-    """config's fields set for the duration, then restored, also on error (the model reads its config
-    at every forward): eval sweeps (TSA's τ and hard mode, the exits' threshold, eval.room's rules)."""
+    """config's fields set for the duration, then restored, also on error (the model reads its
+    config at every forward): eval sweeps (TSA's τ and hard mode, the exits' threshold, eval.room's
+    rules)."""
     saved = {k: getattr(config, k) for k in fields}
     for k, v in fields.items():
         setattr(config, k, v)
@@ -380,11 +385,12 @@ def add_weighted(loss, aux, weights):
 
 
 def tlops_saved(full_frac, n_layer):
-    """Token-layer operations skipped: 1 − (Σ_l fraction run at routed layer l + layers not routed) / L."""
+    """Token-layer operations skipped: 1 − (Σ_l fraction run at routed layer l + layers not routed)
+    / L."""
     return 1 - (full_frac.sum() + (n_layer - len(full_frac))) / n_layer
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # layers and sparse execution
 
 class MLP(nn.Module):
@@ -407,8 +413,8 @@ class MLP(nn.Module):
 #              compute, scatter. The fastest eagerly, and on a CPU.
 #   'static':  sort the tokens selected-first, keep the count as a 0-dim device tensor, and compute
 #              each path over a static-size buffer restricted to its device-side range of the order
-#              (rows_apply). No host sync, no data-dependent shape: what torch.compile(fullgraph=True)
-#              and CUDA graphs need.
+#              (rows_apply). No host sync, no data-dependent shape: what
+#              torch.compile(fullgraph=True) and CUDA graphs need.
 EXEC_MODES = ('compact', 'static')
 
 
@@ -423,16 +429,19 @@ def exec_mode(x, mode=None):
 
 
 def rows_apply(x_flat, order, lo, hi, fn, out=None):
-    """out[order[i]] = fn(x_flat[order[i]]) for lo <= i < hi; every other row of out untouched. lo, hi:
-    Python ints or 0-dim device tensors. fn maps rows to rows; out=None starts from zeros of fn's
-    output. Returns out (written in place when given).
-    An MLP goes to kernels.mlp_rows: on a GPU, Triton programs beyond the range exit before loading
-    its weights. Any other fn (an exit head) runs the reference: fn on all N rows, those in range
-    written (static shapes, no host sync)."""
-    if isinstance(fn, MLP) and not (fn.training and fn.dropout.p > 0):      # mlp_rows runs dropout-free
+    """out[order[i]] = fn(x_flat[order[i]]) for lo <= i < hi; every other row of out untouched. lo,
+    hi: Python ints or 0-dim device tensors. fn maps rows to rows; out=None starts from zeros of
+    fn's output. Returns out (written in place when given). An MLP goes to kernels.mlp_rows: on a
+    GPU, Triton programs beyond the range exit before loading its weights. Any other fn (an exit
+    head) runs the reference: fn on all N rows, those in range written (static shapes, no host
+    sync)."""
+    # mlp_rows runs dropout-free
+    if isinstance(fn, MLP) and not (fn.training and fn.dropout.p > 0):
         if out is None:         # the dtype fn's output would have (autocast's where it is on)
             dev = x_flat.device.type
-            dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_flat.dtype
+            dtype = (
+                torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_flat.dtype
+            )
             out = x_flat.new_zeros(x_flat.shape[0], fn.c_proj.out_features, dtype=dtype)
         return mlp_rows(x_flat, order, lo, hi, fn, out)
     y = fn(x_flat.index_select(0, order))
@@ -443,10 +452,11 @@ def rows_apply(x_flat, order, lo, hi, fn, out=None):
 
 
 def split_apply(x, mask, fn_true, fn_false=None, mode=None):
-    """Sparse execution: fn_true on the tokens of x (B, T, C) where mask (B, T), fn_false (or zeros) on
-    the rest, scattered back into (B, T, C). mode (exec_mode): 'compact' gathers exactly each path's
-    tokens into one batch (the count of selected tokens is a host sync, causal decisions make it
-    data-dependent); 'static' runs each path over its device-side range of the selected-first order."""
+    """Sparse execution: fn_true on the tokens of x (B, T, C) where mask (B, T), fn_false (or zeros)
+    on the rest, scattered back into (B, T, C). mode (exec_mode): 'compact' gathers exactly each
+    path's tokens into one batch (the count of selected tokens is a host sync, causal decisions make
+    it data-dependent); 'static' runs each path over its device-side range of the selected-first
+    order."""
     flat, m = x.reshape(-1, x.size(-1)), mask.reshape(-1)
     if exec_mode(x, mode) == 'static':
         order, n = sort_by_mask(m)
@@ -465,7 +475,9 @@ def split_apply(x, mask, fn_true, fn_false=None, mode=None):
 
 def gather_rows(x, idx):
     """x (B, T, ...) at per-row indices idx (B, k) -> (B, k, ...)."""
-    return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(*idx.shape, *x.shape[2:]))
+    return x.gather(
+        1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(*idx.shape, *x.shape[2:])
+    )
 
 
 def layer_ids(config, field, default):
@@ -479,7 +491,9 @@ def layer_ids(config, field, default):
     if spec == 'every_other':
         return list(range(1, L, 2))        # may be empty for L = 1: validate refuses that
     if any(c not in '0123456789, ' for c in spec):
-        raise ValueError(f"{field} must be 'auto', 'all', 'every_other' or e.g. '0,2,5', got {spec!r}")
+        raise ValueError(
+            f"{field} must be 'auto', 'all', 'every_other' or e.g. '0,2,5', got {spec!r}"
+        )
     return parse_layer_list(spec, 0, L - 1, field)
 
 

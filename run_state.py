@@ -74,7 +74,7 @@ def hold_out_dir(cfg, proc):
     return lock
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # where a run starts: its inputs, whether a resume has anything left to do, what it picks up
 # and the records it redoes
 
@@ -84,14 +84,17 @@ def open_inputs(cfg, master):
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
     check_out_dir(cfg)
     meta = load_dataset_meta(cfg, master)
-    if master:                  # temp files of a writer that was killed mid-save (the checkpoint is intact)
+    if master:                  # temp files of a writer that was killed mid-save (the checkpoint is
+                                # intact)
         for tmp in remove_stale_temps(ckpt_path):
             print(f"removed {tmp}, left by a checkpoint write that was killed")
     ckpt = None
     if cfg.init_from == 'resume':
         if not os.path.exists(ckpt_path):
-            raise TrainError(f"init_from=resume but there is no checkpoint at {ckpt_path}; start the run afresh "
-                             f"(with --overwrite=True if {cfg.out_dir} holds its other files)")
+            raise TrainError(
+                f"init_from=resume but there is no checkpoint at {ckpt_path}; start the run afresh "
+                f"(with --overwrite=True if {cfg.out_dir} holds its other files)"
+            )
         ckpt = load_checkpoint(ckpt_path)
         if finished_already(cfg, ckpt):            # nothing more to check: setup says so and stops
             return meta, ckpt
@@ -118,18 +121,28 @@ def finished_already(cfg, ckpt):
 
 
 def start_progress(cfg, ckpt, optimizer, scaler, master):
-    """What a checkpoint carries across a resume: iteration, best val loss, cumulative training FLOPs
-    (exact: autograd's count, and the paper's proxy; per sequence), the log history for the summary,
-    the optimizer and scaler, and (rank 0, whose RNG draws matter) the RNG streams."""
+    """What a checkpoint carries across a resume: iteration, best val loss, cumulative training
+    FLOPs (exact: autograd's count, and the paper's proxy; per sequence), the log history for the
+    summary, the optimizer and scaler, and (rank 0, whose RNG draws matter) the RNG streams."""
     if ckpt is None or cfg.init_from != 'resume':
-        return dict(resumed=False, iter_num=0, best_val=float('inf'), history=dict(train=[], eval=[]),
-                    flops_state=dict(exact=0.0, proxy_num=0.0, dense=0.0, wall_s=0.0))
+        return dict(
+            resumed=False,
+            iter_num=0,
+            best_val=float('inf'),
+            history=dict(train=[], eval=[]),
+            flops_state=dict(exact=0.0, proxy_num=0.0, dense=0.0, wall_s=0.0),
+        )
     optimizer.load_state_dict(ckpt['optimizer'])
     scaler.load_state_dict(ckpt['scaler'])
     if master and ckpt.get('rng') is not None:
         set_rng_state(ckpt['rng'])
-    return dict(resumed=True, iter_num=ckpt['iter_num'], best_val=ckpt['best_val_loss'], history=ckpt['history'],
-                flops_state=ckpt['flops_state'])
+    return dict(
+        resumed=True,
+        iter_num=ckpt['iter_num'],
+        best_val=ckpt['best_val_loss'],
+        history=ckpt['history'],
+        flops_state=ckpt['flops_state'],
+    )
 
 
 def drop_records_after(path, iter_num):
@@ -155,27 +168,42 @@ def parse_record(line):
     return r if isinstance(r, dict) else None
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # a checkpoint of the run
 
 def checkpoint_state(run):
     """Everything an exact resume needs (start_progress reads it back)."""
     cfg = run.cfg
     return dict(
-        model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(), scaler=run.scaler.state_dict(),
-        model_args=asdict(run.raw_model.config), iter_num=run.iter_num, best_val_loss=run.best_val,
-        config=run.cfg_dict, history=run.history, flops_state=run.flops_state,
-        rng=rng_state(), sampler=dict(kind='epoch-permutation', seed=cfg.seed, next_iter=run.iter_num,
-                                      micro_batches_per_iter=cfg.gradient_accumulation_steps),
-        data_meta=data_identity(run.meta))
+        model=run.raw_model.state_dict(),
+        optimizer=run.optimizer.state_dict(),
+        scaler=run.scaler.state_dict(),
+        model_args=asdict(run.raw_model.config),
+        iter_num=run.iter_num,
+        best_val_loss=run.best_val,
+        config=run.cfg_dict,
+        history=run.history,
+        flops_state=run.flops_state,
+        rng=rng_state(),
+        sampler=dict(
+            kind='epoch-permutation',
+            seed=cfg.seed,
+            next_iter=run.iter_num,
+            micro_batches_per_iter=cfg.gradient_accumulation_steps,
+        ),
+        data_meta=data_identity(run.meta),
+    )
 
 
 def kept(run):
-    return (f"the last good checkpoint {run.ckpt_path} is left untouched" if os.path.exists(run.ckpt_path)
-            else "no checkpoint was saved yet")
+    return (
+        f"the last good checkpoint {run.ckpt_path} is left untouched"
+        if os.path.exists(run.ckpt_path)
+        else "no checkpoint was saved yet"
+    )
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # random streams
 
 def seed_rngs(seed):
@@ -199,18 +227,19 @@ def set_rng_state(s):
 
 @contextmanager
 def eval_rng(dev, seed):
-    """Evals draw random numbers (ffn_gate='random' decides per token at eval): fork the RNG and seed it,
-    so evaluating never changes training and every eval is repeatable."""
+    """Evals draw random numbers (ffn_gate='random' decides per token at eval): fork the RNG and
+    seed it, so evaluating never changes training and every eval is repeatable."""
     with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []):
         torch.manual_seed(seed)
         yield
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # stopping on a signal
 
 class StopFlag:
-    """First Ctrl-C / SIGTERM: finish the step, checkpoint, exit 0. A second Ctrl-C aborts at once."""
+    """First Ctrl-C / SIGTERM: finish the step, checkpoint, exit 0. A second Ctrl-C aborts at
+    once."""
 
     def __init__(self):
         self.signum = None
@@ -224,8 +253,8 @@ class StopFlag:
 
 
 def stop_requested(run, stop, logged):
-    """A signal stops a lone process after this step; DDP processes agree at a log step (a collective),
-    so that all of them stop at the same iteration."""
+    """A signal stops a lone process after this step; DDP processes agree at a log step (a
+    collective), so that all of them stop at the same iteration."""
     if not run.ddp:
         return stop.signum is not None
     if not logged:

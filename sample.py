@@ -26,8 +26,19 @@ from data.loader import check_checkpoint_data, load_tokenizer
 from device import cli_device
 from model import FAMILIES, read_stored_config
 
-DEFAULTS = dict(out_dir='out/quickstart', start='\n', num_samples=3, max_new_tokens=200, temperature=0.8,
-                top_k=200, seed=1337, device='auto', use_cache=True, data_dir='', prompts_file='')
+DEFAULTS = dict(
+    out_dir='out/quickstart',
+    start='\n',
+    num_samples=3,
+    max_new_tokens=200,
+    temperature=0.8,
+    top_k=200,
+    seed=1337,
+    device='auto',
+    use_cache=True,
+    data_dir='',
+    prompts_file='',
+)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -39,14 +50,17 @@ def encode_prompt(encode, text, where):
 
 
 def prompt_batch(cfg, encode, meta, block_size, dev):
-    """The prompts as token ids (B, T) and their lengths: --prompts_file's lines right-padded to the longest
-    (lengths: each one's), or --num_samples copies of --start (lengths None)."""
+    """The prompts as token ids (B, T) and their lengths: --prompts_file's lines right-padded to the
+    longest (lengths: each one's), or --num_samples copies of --start (lengths None)."""
     if not cfg['prompts_file']:
         start = cfg['start']
         if start == DEFAULTS['start'] and meta.get('tokenizer') == 'synthetic':
-            start = '|'                # no newline symbol there; '|' ends a segment, so a fresh one follows
+            start = '|'                # no newline symbol there; '|' ends a segment, so a fresh one
+                                       # follows
         ids = encode_prompt(encode, start, '--start')
-        return torch.tensor(ids, dtype=torch.long, device=dev)[None].repeat(cfg['num_samples'], 1), None
+        return torch.tensor(ids, dtype=torch.long, device=dev)[None].repeat(
+            cfg['num_samples'], 1
+        ), None
     prompts = [encode_prompt(encode, line, f"{cfg['prompts_file']} line {n}")
                for n, line in enumerate(cfg['prompts'].split('\n'), 1) if line.strip()]
     if not prompts:
@@ -55,7 +69,9 @@ def prompt_batch(cfg, encode, meta, block_size, dev):
     if max(lengths) + cfg['max_new_tokens'] > block_size:
         raise ConfigError(f"the longest prompt ({max(lengths)} tokens) plus max_new_tokens exceeds "
                           f"block_size {block_size}")
-    return torch.tensor([p + [0] * (max(lengths) - len(p)) for p in prompts], dtype=torch.long, device=dev), lengths
+    return torch.tensor(
+        [p + [0] * (max(lengths) - len(p)) for p in prompts], dtype=torch.long, device=dev
+    ), lengths
 
 
 def check_config(argv):
@@ -63,7 +79,10 @@ def check_config(argv):
     cfg = load_config(DEFAULTS, argv)
     for key, lo in (('num_samples', 1), ('max_new_tokens', 1), ('top_k', 0)):
         if cfg[key] < lo:
-            raise ConfigError(f"{key} must be >= {lo}, got {cfg[key]}" + (' (0: no top-k)' if key == 'top_k' else ''))
+            raise ConfigError(
+                f"{key} must be >= {lo}, got {cfg[key]}"
+                + (' (0: no top-k)' if key == 'top_k' else '')
+            )
     if not cfg['temperature'] >= 0:            # also refuses NaN
         raise ConfigError(f"temperature must be >= 0 (0: greedy), got {cfg['temperature']}")
     if cfg['seed'] < 0:
@@ -115,7 +134,9 @@ def main(argv):
     refusal = family.cannot_generate(stored) if family is not None else None
     if refusal:
         raise ConfigError(refusal)
-    folder = os.path.join(cfg['data_dir'] or tcfg.get('data_dir') or os.path.join(HERE, 'data'), tcfg['dataset'])
+    folder = os.path.join(
+        cfg['data_dir'] or tcfg.get('data_dir') or os.path.join(HERE, 'data'), tcfg['dataset']
+    )
     try:                                        # its meta.json holds the tokenizer to decode with
         meta = prep.check_prepared(folder)
     except prep.PrepareError as e:
@@ -129,18 +150,33 @@ def main(argv):
     torch.manual_seed(cfg['seed'])
     stats = {}
     t0 = time.time()
-    # the model's vocabulary is padded (e.g. GPT-2's 50257 to 50304): a padding id has no text to decode
-    y = model.generate(x, cfg['max_new_tokens'], temperature=cfg['temperature'], top_k=cfg['top_k'] or None,
-                       use_cache=cfg['use_cache'], lengths=lengths, stats=stats, vocab_limit=meta['vocab_size'])
+    # the model's vocabulary is padded (e.g. GPT-2's 50257 to 50304): a padding id has no text to
+    # decode
+    y = model.generate(
+        x,
+        cfg['max_new_tokens'],
+        temperature=cfg['temperature'],
+        top_k=cfg['top_k'] or None,
+        use_cache=cfg['use_cache'],
+        lengths=lengths,
+        stats=stats,
+        vocab_limit=meta['vocab_size'],
+    )
     dt = time.time() - t0
     for row in y:
         print(decode(row.tolist()))
         print('---------------')
-    print(f"{len(y) * cfg['max_new_tokens'] / dt:,.0f} tokens/s ({dev}, cache={cfg['use_cache'] or lengths is not None}, "
-          f"route={model.config.route})")
+    print(
+        f"{len(y) * cfg['max_new_tokens'] / dt:,.0f} tokens/s ({dev}, "
+        f"cache={cfg['use_cache'] or lengths is not None}, "
+        f"route={model.config.route})"
+    )
     if 'full_frac' in stats:
-        print("realised full-path fraction per routed layer (mean over forwards): " + ' '.join(f"{f:.3f}" for f in stats['full_frac'])
-              + (f" | TLOps saved {stats['tlops_saved']:.3f}" if 'tlops_saved' in stats else ''))
+        print(
+            "realised full-path fraction per routed layer (mean over forwards): "
+            + ' '.join(f"{f:.3f}" for f in stats['full_frac'])
+            + (f" | TLOps saved {stats['tlops_saved']:.3f}" if 'tlops_saved' in stats else '')
+        )
     return 0
 
 

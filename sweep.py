@@ -25,11 +25,11 @@ and the mean difference with a 95% t-interval. Runs made by different code versi
 tree, from run_info.json) are flagged in the summary.
 
 Threshold-hit iteration: the first logged iteration whose train LM loss (the 'lm_loss' of 'train'
-records) is below a threshold: the study file's `threshold` if it sets one, else 1.05 × the reference
-arm's final train LM loss (the last logged value, mean over its seeds). 1.05 makes "reached 5% of
-where the reference ends" a question every arm can answer early, which is what the metric is for
-(speed of optimisation, not endpoint). The value used and where it came from are in the summary.
-Runs that never get there are counted as such (see Room below), never dropped.
+records) is below a threshold: the study file's `threshold` if it sets one, else 1.05 × the
+reference arm's final train LM loss (the last logged value, mean over its seeds). 1.05 makes
+"reached 5% of where the reference ends" a question every arm can answer early, which is what the
+metric is for (speed of optimisation, not endpoint). The value used and where it came from are in
+the summary. Runs that never get there are counted as such (see Room below), never dropped.
 
 Room: a study file may name room_ckpt, the backbone its arms start from ('{seed}' in it, in a
 'before' run or in an override is replaced by the run's seed, so each seed can train its own
@@ -40,11 +40,11 @@ summary says "no room" and that the arm differences are not evidence. Threshold 
 not dropped: k/n runs hit, the mean over those that did, and a per-seed comparison with never = ∞
 (wins–losses–ties and the exact sign test's p).
 
-Matched compute: a study file may name `frontier`, dense arms of several sizes. Each other arm is then
-compared, per seed, with that seed's frontier interpolated (linear in log FLOPs, never extrapolated) at
-the arm's own training FLOPs (the whole run) and its own eval FLOPs per token: the paired difference,
-its t-interval, and in how many seeds the arm sits below the frontier. Its room is how far the frontier
-spans in loss against the reference arm's seed std.
+Matched compute: a study file may name `frontier`, dense arms of several sizes. Each other arm is
+then compared, per seed, with that seed's frontier interpolated (linear in log FLOPs, never
+extrapolated) at the arm's own training FLOPs (the whole run) and its own eval FLOPs per token: the
+paired difference, its t-interval, and in how many seeds the arm sits below the frontier. Its room
+is how far the frontier spans in loss against the reference arm's seed std.
 
 Afterwards the plots of plots.py go to out_root/plots/ (skipped, with a note, without matplotlib).
 Exit code 1 when a run failed (after the summary of those that finished; the failed runs' logs are
@@ -85,17 +85,26 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(HERE, 'train.py')
 # two-sided 95% quantiles of Student's t for df = 1..10 (df > 10 uses the normal 1.96 as a bound)
 T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]
-ROOM_FACTOR = 10           # arm differences count where the room is >= 10 × the reference arm's seed std
+ROOM_FACTOR = 10           # arm differences count where the room is >= 10 × the reference arm's
+                           # seed std
 THRESHOLD_FACTOR = 1.05     # default threshold: 1.05 × the reference arm's final train LM loss
 STOP_GRACE_S = 120          # after a signal, a run gets this long to checkpoint before it is killed
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}     # 128 + the signal, as a shell reports
 # metric -> (where it comes from, lower is better?), in the summary's column order
 METRICS = {
-    'avg_lm': ('summary', True), 'best_val_lm': ('summary', True), 'final_val_loss': ('eval', True),
-    'causal_val_loss': ('routing', True), 'realised_full_frac': ('routing', None),
-    'threshold_hit': ('train', True), 'ctrl_grad_norm': ('train', True), 'flops_proxy': ('summary', True),
-    'tlops_saved': ('any', False), 'eval_tlops_saved': ('routing', False),
-    'eval_flops_vs_dense': ('summary', True), 'eval_flops': ('summary', True), 'train_flops': ('summary', True),
+    'avg_lm': ('summary', True),
+    'best_val_lm': ('summary', True),
+    'final_val_loss': ('eval', True),
+    'causal_val_loss': ('routing', True),
+    'realised_full_frac': ('routing', None),
+    'threshold_hit': ('train', True),
+    'ctrl_grad_norm': ('train', True),
+    'flops_proxy': ('summary', True),
+    'tlops_saved': ('any', False),
+    'eval_tlops_saved': ('routing', False),
+    'eval_flops_vs_dense': ('summary', True),
+    'eval_flops': ('summary', True),
+    'train_flops': ('summary', True),
     'wall_s': ('summary', True),
     'jepa_pred_std': ('train', None),
 }
@@ -116,8 +125,10 @@ def load_study(path):
     if missing:
         raise ConfigError(f"study {path} must define {', '.join(missing)}")
     if not isinstance(ns['arms'], dict) or not ns['arms'] or not ns['seeds']:
-        raise ConfigError(f"study {path}: arms must be a non-empty dict {{name: [overrides]}} and seeds a "
-                          f"non-empty list")
+        raise ConfigError(
+            f"study {path}: arms must be a non-empty dict {{name: [overrides]}} and seeds a "
+            f"non-empty list"
+        )
     if not isinstance(ns['out_root'], str) or not ns['out_root']:
         raise ConfigError(f"study {path}: out_root must name a folder, e.g. out_root = "
                           "'out/study_x'")
@@ -128,15 +139,20 @@ def load_study(path):
     ns.setdefault('before', [])
     ns.setdefault('reference', next(iter(ns['arms'])))
     if ns['reference'] not in ns['arms']:
-        raise ConfigError(f"study {path}: reference arm {ns['reference']!r} is not one of {list(ns['arms'])}")
+        raise ConfigError(
+            f"study {path}: reference arm {ns['reference']!r} is not one of {list(ns['arms'])}"
+        )
     stray = [a for a in ns.get('frontier') or [] if a not in ns['arms']]
     if stray:
-        raise ConfigError(f"study {path}: frontier arm(s) {stray} are not among the arms {list(ns['arms'])}")
+        raise ConfigError(
+            f"study {path}: frontier arm(s) {stray} are not among the arms {list(ns['arms'])}"
+        )
     return ns
 
 
 def with_seed(argv, seed):
-    """A run's arguments with '{seed}' replaced: per-seed paths, e.g. each seed's own stage-1 backbone."""
+    """A run's arguments with '{seed}' replaced: per-seed paths, e.g. each seed's own stage-1
+    backbone."""
     return [a.replace('{seed}', str(seed)) for a in argv]
 
 
@@ -148,7 +164,12 @@ def before_runs(study, path):
         if not any(a.startswith('--out_dir=') for a in argv):
             raise ConfigError(f"study {path}: every 'before' run must give --out_dir=")
         if any('{seed}' in a for a in argv):
-            stages.append([(with_seed(argv, s) + [f'--seed={s}'], f'before_seed{s}.log') for s in study['seeds']])
+            stages.append(
+                [
+                    (with_seed(argv, s) + [f'--seed={s}'], f'before_seed{s}.log')
+                    for s in study['seeds']
+                ]
+            )
         else:
             stages.append([(list(argv), 'before.log')])
     return stages
@@ -169,7 +190,10 @@ def run_before(stages, root, jobs, children):
             return 1
         failed = [(out, code, log) for (out, code), (_, log) in zip(codes, stage) if code]
         for out, code, log in failed:
-            print(f"error: 'before' run failed (exit {code}): {out}; see {root}/{log}", file=sys.stderr)
+            print(
+                f"error: 'before' run failed (exit {code}): {out}; see {root}/{log}",
+                file=sys.stderr,
+            )
         if failed:
             return 1
     return 0
@@ -178,21 +202,39 @@ def run_before(stages, root, jobs, children):
 def measure_room(study, root):
     """eval.py --room on each seed's backbone (the study's room_ckpt, '{seed}' replaced), cached in
     out_root/room/seed<s>.json with the checkpoint's mtime (a retrained backbone is measured again);
-    {seed: report} ({} when no seed could be measured), or None when the study names no room_ckpt."""
+    {seed: report} ({} when no seed could be measured), or None when the study names no
+    room_ckpt."""
     if not study.get('room_ckpt'):
         return None
     os.makedirs(os.path.join(root, 'room'), exist_ok=True)
     out = {}
     for s in study['seeds']:
-        path, ckpt = os.path.join(root, 'room', f'seed{s}.json'), with_seed([study['room_ckpt']], s)[0]
+        path, ckpt = (
+            os.path.join(root, 'room', f'seed{s}.json'),
+            with_seed([study['room_ckpt']], s)[0],
+        )
         if not os.path.exists(ckpt):
             continue
         cached = json.load(open(path)) if os.path.exists(path) else {}
         if cached.get('ckpt_mtime') != os.path.getmtime(ckpt):
-            res = subprocess.run([sys.executable, os.path.join(HERE, 'eval.py'), f'--ckpt={ckpt}', '--room', '--json',
-                                  *study.get('room_args', [])], capture_output=True, text=True, cwd=HERE)
+            res = subprocess.run(
+                [
+                    sys.executable,
+                    os.path.join(HERE, 'eval.py'),
+                    f'--ckpt={ckpt}',
+                    '--room',
+                    '--json',
+                    *study.get('room_args', []),
+                ],
+                capture_output=True,
+                text=True,
+                cwd=HERE,
+            )
             if res.returncode:
-                print(f"room: eval.py --room failed on {ckpt}: {res.stderr.strip()[-300:]}", file=sys.stderr)
+                print(
+                    f"room: eval.py --room failed on {ckpt}: {res.stderr.strip()[-300:]}",
+                    file=sys.stderr,
+                )
                 continue
             cached = dict(json.loads(res.stdout), ckpt_mtime=os.path.getmtime(ckpt))
             with open(path, 'w') as f:
@@ -339,15 +381,19 @@ def check_configs(runs, made_later):
 
 
 def lm_threshold(study, results):
-    """(threshold, where it came from): the study's `threshold`, else THRESHOLD_FACTOR × the mean over
-    seeds of the reference arm's final train LM loss; (None, why) when neither is available."""
+    """(threshold, where it came from): the study's `threshold`, else THRESHOLD_FACTOR × the mean
+    over seeds of the reference arm's final train LM loss; (None, why) when neither is available."""
     if study.get('threshold') is not None:
         return float(study['threshold']), 'study file'
-    finals = [m.get('final_train_lm') for (arm, _), m in results.items() if arm == study['reference']]
+    finals = [
+        m.get('final_train_lm') for (arm, _), m in results.items() if arm == study['reference']
+    ]
     finals = [v for v in finals if v is not None]
     if not finals:
         return None, 'no train LM loss logged by the reference arm'
-    return THRESHOLD_FACTOR * float(np.mean(finals)), f"{THRESHOLD_FACTOR} × reference arm's final train LM"
+    return THRESHOLD_FACTOR * float(
+        np.mean(finals)
+    ), f"{THRESHOLD_FACTOR} × reference arm's final train LM"
 
 
 def threshold_hit(out_dir, threshold):
@@ -368,13 +414,18 @@ def paired(arm_vals, ref_vals, lower_better):
     if not d:
         return None
     n, m = len(d), float(np.mean(d))
-    half = (T95[n - 2] if n - 2 < len(T95) else 1.96) * float(np.std(d, ddof=1)) / math.sqrt(n) if n > 1 else float('nan')
+    half = (
+        (T95[n - 2] if n - 2 < len(T95) else 1.96) * float(np.std(d, ddof=1)) / math.sqrt(n)
+        if n > 1
+        else float('nan')
+    )
     wins = sum(x < 0 for x in d) if lower_better else sum(x > 0 for x in d)
     return dict(n=n, wins=wins, mean_diff=m, ci95=[m - half, m + half])
 
 
 def sign_test(wins, losses):
-    """Two-sided exact sign test over the untied pairs: P(a split at least this uneven | no difference)."""
+    """Two-sided exact sign test over the untied pairs: P(a split at least this uneven | no
+    difference)."""
     n = wins + losses
     if n == 0:
         return 1.0
@@ -382,15 +433,20 @@ def sign_test(wins, losses):
 
 
 def paired_hits(arm_hits, ref_hits, ran):
-    """Threshold hits compared per seed with a run that never got there counted as hitting at infinity
-    (never dropped): wins (the arm got there first), losses, ties (same iteration, or neither got
-    there), and the sign test's p over the untied seeds."""
+    """Threshold hits compared per seed with a run that never got there counted as hitting at
+    infinity (never dropped): wins (the arm got there first), losses, ties (same iteration, or
+    neither got there), and the sign test's p over the untied seeds."""
     inf = float('inf')
-    d = [(inf if a is None else a) - (inf if r is None else r) for a, r, ok in zip(arm_hits, ref_hits, ran) if ok]
+    d = [
+        (inf if a is None else a) - (inf if r is None else r)
+        for a, r, ok in zip(arm_hits, ref_hits, ran)
+        if ok
+    ]
     if not d:
         return None
     wins, losses = sum(x < 0 for x in d), sum(x > 0 for x in d)   # inf - inf is nan: neither, a tie
-    return dict(n=len(d), wins=wins, losses=losses, ties=len(d) - wins - losses, sign_p=sign_test(wins, losses))
+    return dict(n=len(d), wins=wins, losses=losses, ties=len(d) - wins - losses,
+                sign_p=sign_test(wins, losses))
 
 
 def is_hit_metric(k):
@@ -410,8 +466,11 @@ def summarize(study, results, threshold=(None, None), room=None):
             lower = METRICS.get(k, (None, True))[1]
             ref_vals = [results.get((ref, s), {}).get(k) for s in seeds]
             if is_hit_metric(k):   # censored: a run that never hit is a result, not a missing value
-                ran = [k in results.get((arm, s), {}) for s in seeds]     # a run that measured this hit
-                entry.update(hits=sum(v is not None for v, ok in zip(vals, ran) if ok), runs=sum(ran))
+                # a run that measured this hit
+                ran = [k in results.get((arm, s), {}) for s in seeds]
+                entry.update(
+                    hits=sum(v is not None for v, ok in zip(vals, ran) if ok), runs=sum(ran)
+                )
                 if arm != ref:
                     both = [a and k in results.get((ref, s), {}) for a, s in zip(ran, seeds)]
                     entry['vs_reference'] = paired_hits(vals, ref_vals, both)
@@ -419,16 +478,23 @@ def summarize(study, results, threshold=(None, None), room=None):
                 entry['vs_reference'] = paired(vals, ref_vals, lower)
             table[arm][k] = entry
     codes = sorted({r.get('code', 'unknown') for r in results.values()})
-    return dict(study=study['__file__'] if '__file__' in study else None, reference=ref, seeds=seeds,
-                code_versions=codes, mixed_code_versions=len(codes) > 1,
-                threshold=dict(value=threshold[0], source=threshold[1]), table=table,
-                room=None if room is None else room_verdict(study, room, table[ref]),
-                frontier=matched_compute(study, results, table[ref]))
+    return dict(
+        study=study['__file__'] if '__file__' in study else None,
+        reference=ref,
+        seeds=seeds,
+        code_versions=codes,
+        mixed_code_versions=len(codes) > 1,
+        threshold=dict(value=threshold[0], source=threshold[1]),
+        table=table,
+        room=None if room is None else room_verdict(study, room, table[ref]),
+        frontier=matched_compute(study, results, table[ref]),
+    )
 
 
 def frontier_at(points, x):
-    """The dense frontier's loss at cost x: linear in log(cost) between the two frontier points either
-    side of x (points: (cost, loss) of each dense size); None outside their range (never extrapolated)."""
+    """The dense frontier's loss at cost x: linear in log(cost) between the two frontier points
+    either side of x (points: (cost, loss) of each dense size); None outside their range (never
+    extrapolated)."""
     pts = sorted(p for p in points if p[0] > 0)         # a cost of 0 has no logarithm
     if len(pts) < 2 or not pts[0][0] <= x <= pts[-1][0]:
         return None
@@ -439,10 +505,11 @@ def frontier_at(points, x):
 
 def matched_compute(study, results, ref_row, loss='final_val_loss'):
     """Each arm against the dense frontier (the study's `frontier`: dense arms of several sizes) at
-    equal cost, per seed against that seed's own frontier: on the training FLOPs of the whole run and on
-    the eval forward's FLOPs per token. Paired like the reference comparison (wins = below the frontier);
-    a seed whose cost lies outside the frontier's range has no difference. Room: how far the frontier
-    spans in loss (smallest minus largest model, mean over seeds) against the reference arm's seed std."""
+    equal cost, per seed against that seed's own frontier: on the training FLOPs of the whole run
+    and on the eval forward's FLOPs per token. Paired like the reference comparison (wins = below
+    the frontier); a seed whose cost lies outside the frontier's range has no difference. Room: how
+    far the frontier spans in loss (smallest minus largest model, mean over seeds) against the
+    reference arm's seed std."""
     sizes, seeds = study.get('frontier') or [], study['seeds']
     if len(sizes) < 2:
         return None
@@ -458,60 +525,119 @@ def matched_compute(study, results, ref_row, loss='final_val_loss'):
             at, own, missing = [], [], 0
             for s in seeds:
                 p, pts = point(arm, s, axis), [q for q in (point(f, s, axis) for f in sizes) if q]
-                missing += p is None or len(pts) < 2        # not measured: not the same as outside the range
+                missing += p is None or len(pts) < 2        # not measured: not the same as outside
+                                                            # the range
                 own.append(p and p[1])
                 at.append(frontier_at(pts, p[0]) if p else None)
-            rows[arm] = dict(paired(own, at, True) or {}, inside=sum(v is not None for v in at), missing=missing,
-                             runs=len(seeds))
+            rows[arm] = dict(
+                paired(own, at, True) or {},
+                inside=sum(v is not None for v in at),
+                missing=missing,
+                runs=len(seeds),
+            )
         axes[axis] = rows
     spans = []
-    for s in seeds:                 # smallest minus largest model, by whichever cost the runs record
-        pts = max([sorted(q for q in (point(f, s, axis) for f in sizes) if q) for axis in ('eval_flops', 'train_flops')], key=len)
+    for s in seeds:                 # smallest minus largest model, by whichever cost the runs
+                                    # record
+        pts = max(
+            [
+                sorted(q for q in (point(f, s, axis) for f in sizes) if q)
+                for axis in ('eval_flops', 'train_flops')
+            ],
+            key=len,
+        )
         spans.append(pts[0][1] - pts[-1][1] if len(pts) > 1 else None)
     span, std = mean_std(spans)[0], ref_row[loss]['std']
     enough = None if span is None or not std else span >= ROOM_FACTOR * std
-    return dict(arms=sizes, loss=loss, axes=axes, span=span, span_per_seed=spans, seed_std=std, factor=ROOM_FACTOR,
-                verdict={True: 'room', False: 'no room', None: 'unknown'}[enough])
+    return dict(
+        arms=sizes,
+        loss=loss,
+        axes=axes,
+        span=span,
+        span_per_seed=spans,
+        seed_std=std,
+        factor=ROOM_FACTOR,
+        verdict={True: 'room', False: 'no room', None: 'unknown'}[enough],
+    )
 
 
 def room_verdict(study, room, ref_row):
     """The study's room (eval.room of each seed's backbone, mean ± std over seeds) against the seed
     spread of the reference arm's endpoint: arm differences are evidence only where the room is at
-    least ROOM_FACTOR × that std. Where each seed has its own backbone, backbones differ in level and a
-    paired arm difference cancels that level, so the spread used is that of the endpoint relative to its
-    own backbone's all-full loss (the raw spread is reported beside it)."""
-    seeds = study.get('seeds') or sorted(room)          # per_seed lists in the study's seed order, None where missing
+    least ROOM_FACTOR × that std. Where each seed has its own backbone, backbones differ in level
+    and a paired arm difference cancels that level, so the spread used is that of the endpoint
+    relative to its own backbone's all-full loss (the raw spread is reported beside it)."""
+    seeds = study.get('seeds') or sorted(room)          # per_seed lists in the study's seed order,
+                                                        # None where missing
     measured = [s for s in seeds if s in room]
-    keys = sorted({k for r in room.values() for k, v in r.items() if isinstance(v, (int, float)) and k != 'ckpt_mtime'})
+    keys = sorted(
+        {
+            k
+            for r in room.values()
+            for k, v in r.items()
+            if isinstance(v, (int, float)) and k != 'ckpt_mtime'
+        }
+    )
     out = {k: dict(zip(('mean', 'std'), mean_std([room[s].get(k) for s in measured])),
                    per_seed=[room.get(s, {}).get(k) for s in seeds]) for k in keys}
     key = study.get('room_key') or ('gate_room' if 'gate_room' in out else 'room')
-    metric = next((m for m in ('causal_val_loss', 'final_val_loss') if ref_row[m]['mean'] is not None), None)
+    metric = next(
+        (m for m in ('causal_val_loss', 'final_val_loss') if ref_row[m]['mean'] is not None), None
+    )
     size, spread, raw, basis = (out.get(key) or {}).get('mean'), None, None, None
     if metric:
         ends = dict(zip(seeds, ref_row[metric]['per_seed']))
         raw = ref_row[metric]['std']
-        rel = [ends[s] - room[s]['full'] for s in measured if ends.get(s) is not None and room[s].get('full') is not None]
-        spread, basis = (mean_std(rel)[1], "relative to each backbone's all-full loss") if len(rel) > 1 else (raw, 'raw')
+        rel = [
+            ends[s] - room[s]['full']
+            for s in measured
+            if ends.get(s) is not None and room[s].get('full') is not None
+        ]
+        spread, basis = (
+            (mean_std(rel)[1], "relative to each backbone's all-full loss")
+            if len(rel) > 1
+            else (raw, 'raw')
+        )
     enough = None if size is None or not spread else size >= ROOM_FACTOR * spread
-    return dict(values=out, key=key, size=size, seed_std_metric=metric, seed_std=spread, seed_std_basis=basis,
-                seed_std_raw=raw, factor=ROOM_FACTOR, verdict={True: 'room', False: 'no room', None: 'unknown'}[enough])
+    return dict(
+        values=out,
+        key=key,
+        size=size,
+        seed_std_metric=metric,
+        seed_std=spread,
+        seed_std_basis=basis,
+        seed_std_raw=raw,
+        factor=ROOM_FACTOR,
+        verdict={True: 'room', False: 'no room', None: 'unknown'}[enough],
+    )
 
 
 def markdown(summary):
     lines = []
     if summary['mixed_code_versions']:
-        lines.append(f"**Warning: these runs come from different code versions: {summary['code_versions']}**\n")
+        lines.append(
+            "**Warning: these runs come from different code versions: "
+            f"{summary['code_versions']}**\n"
+        )
     if len(summary['seeds']) < 3:
-        lines.append(f"**{len(summary['seeds'])} seed(s): too few for the paired intervals to mean much; use 3 or more.**\n")
+        lines.append(
+            f"**{len(summary['seeds'])} seed(s): too few for the paired intervals to mean much; "
+            "use 3 or more.**\n"
+        )
     room = summary.get('room')
     if room is not None:
         lines.append(room_markdown(room))
     if summary.get('frontier'):
         lines.append(frontier_markdown(summary['frontier']))
     arms = list(summary['table'])
-    keys = [k for k in summary['table'][arms[0]]
-            if any(summary['table'][a][k]['mean'] is not None or summary['table'][a][k].get('runs') for a in arms)]
+    keys = [
+        k
+        for k in summary['table'][arms[0]]
+        if any(
+            summary['table'][a][k]['mean'] is not None or summary['table'][a][k].get('runs')
+            for a in arms
+        )
+    ]
     lines.append('| arm | ' + ' | '.join(keys) + ' |')
     lines.append('|---' * (len(keys) + 1) + '|')
     for arm in arms:
@@ -519,36 +645,57 @@ def markdown(summary):
         for k in keys:
             cells.append(cell_text(summary['table'][arm][k]))
         lines.append(f"| {arm} | " + ' | '.join(cells) + ' |')
-    lines.append(f"\nmean ± std over seeds {summary['seeds']}; (wins k/n, Δ) = per-seed paired comparison with "
-                 f"the reference arm `{summary['reference']}` (wins: better in k of n seeds; Δ = mean of arm − "
-                 f"reference). Threshold hits: k/n runs got there, mean ± std over those that did; (w–l–t, p) "
-                 f"against the reference per seed with never = ∞, and the exact sign test's p. "
-                 f"Code: {', '.join(summary['code_versions'])}.")
+    lines.append(
+        f"\nmean ± std over seeds {summary['seeds']}; (wins k/n, Δ) = per-seed paired comparison "
+        "with "
+        f"the reference arm `{summary['reference']}` (wins: better in k of n seeds; Δ = mean of "
+        "arm − "
+        "reference). Threshold hits: k/n runs got there, mean ± std over those that did; (w–l–t, "
+        "p) "
+        f"against the reference per seed with never = ∞, and the exact sign test's p. "
+        f"Code: {', '.join(summary['code_versions'])}."
+    )
     th = summary.get('threshold') or {}
     if th.get('value') is not None:
-        lines.append(f"threshold_hit: first logged iteration with train LM < {th['value']:.4f} ({th['source']}).")
+        lines.append(
+            f"threshold_hit: first logged iteration with train LM < {th['value']:.4f} "
+            f"({th['source']})."
+        )
     return '\n'.join(lines)
 
 
 def cell_text(e):
     if 'runs' in e:                  # a threshold hit: censored
-        cell = f"{e['hits']}/{e['runs']} hit" + (f", {e['mean']:.4g} ± {e['std']:.2g}" if e['mean'] is not None else '')
+        cell = f"{e['hits']}/{e['runs']} hit" + (f", {e['mean']:.4g} ± "
+                                                 f"{e['std']:.2g}" if e['mean'] is not None else '')
         vs = e.get('vs_reference')
-        return cell + (f" ({vs['wins']}–{vs['losses']}–{vs['ties']}, p={vs['sign_p']:.2g})" if vs else '')
+        return cell + (
+            f" ({vs['wins']}–{vs['losses']}–{vs['ties']}, p={vs['sign_p']:.2g})" if vs else ''
+        )
     if e['mean'] is None:
         return '—'
     vs = e.get('vs_reference')
-    return f"{e['mean']:.4g} ± {e['std']:.2g}" + (f" (wins {vs['wins']}/{vs['n']}, Δ {vs['mean_diff']:+.3g})" if vs else '')
+    return f"{e['mean']:.4g} ± {e['std']:.2g}" + (
+        f" (wins {vs['wins']}/{vs['n']}, Δ {vs['mean_diff']:+.3g})" if vs else ''
+    )
 
 
 def frontier_markdown(fr):
     span = 'unknown' if fr['span'] is None else f"{fr['span']:.4f}"
     std = 'unknown' if fr['seed_std'] is None else f"{fr['seed_std']:.4f}"
-    lines = [f"**Matched compute: {fr['verdict']}.** The dense frontier ({', '.join(fr['arms'])}) spans {span} nats of "
-             f"{fr['loss']} from its smallest to its largest model, against the reference arm's seed std of {std} "
-             f"(needs ≥ {fr['factor']}×). Each arm minus the frontier at its own cost (linear in log FLOPs, per seed): "
-             f"mean [95% t-interval] (below the frontier in k of n seeds; inside its range in m of n seeds).\n",
-             '| arm | at equal training FLOPs | at equal eval FLOPs |', '|---|---|---|']
+    lines = [
+        f"**Matched compute: {fr['verdict']}.** The dense frontier ({', '.join(fr['arms'])}) spans "
+        f"{span} nats of "
+        f"{fr['loss']} from its smallest to its largest model, against the reference arm's seed "
+        f"std of {std} "
+        f"(needs ≥ {fr['factor']}×). Each arm minus the frontier at its own cost (linear in log "
+        "FLOPs, per seed): "
+        "mean [95% t-interval] (below the frontier in k of n seeds; inside its range in m of n "
+        "seeds).\n",
+        '| arm | at equal training FLOPs | at equal eval FLOPs |',
+        '|---|---|---|',
+    ]
+
     def cell(e):
         gone = f"; not measured {e['missing']}/{e['runs']}" if e['missing'] else ''
         if e['missing'] == e['runs']:
@@ -556,10 +703,19 @@ def frontier_markdown(fr):
         if not e.get('n'):
             return f"no seed inside the frontier (inside 0/{e['runs']}{gone})"
         lo, hi = e['ci95']
-        return (f"{e['mean_diff']:+.4f} [{lo:+.4f}, {hi:+.4f}] (below {e['wins']}/{e['n']}; inside {e['inside']}/{e['runs']}{gone})"
-                if e['n'] > 1 else f"{e['mean_diff']:+.4f} (below {e['wins']}/1; inside {e['inside']}/{e['runs']}{gone})")
+        return (
+            f"{e['mean_diff']:+.4f} [{lo:+.4f}, {hi:+.4f}] (below {e['wins']}/{e['n']}; inside "
+            f"{e['inside']}/{e['runs']}{gone})"
+            if e['n'] > 1
+            else f"{e['mean_diff']:+.4f} (below {e['wins']}/1; inside "
+                 f"{e['inside']}/{e['runs']}{gone})"
+        )
+
     for arm in fr['axes']['train_flops']:
-        lines.append(f"| {arm} | {cell(fr['axes']['train_flops'][arm])} | {cell(fr['axes']['eval_flops'][arm])} |")
+        lines.append(
+            f"| {arm} | {cell(fr['axes']['train_flops'][arm])} | "
+            f"{cell(fr['axes']['eval_flops'][arm])} |"
+        )
     return '\n'.join(lines) + '\n'
 
 
@@ -567,11 +723,20 @@ def room_markdown(room):
     vals = ', '.join(f"{k} {v['mean']:.4f} ± {v['std']:.4f}" for k, v in room['values'].items()
                      if v['mean'] is not None and not k.endswith('full_frac'))
     spread = 'unknown' if room['seed_std'] is None else f"{room['seed_std']:.4f}"
-    head = (f"**Room: {room['verdict']}.** {room['key']} = {room['size']:.4f} against the reference arm's seed "
-            f"std of {room['seed_std_metric']} = {spread}, {room['seed_std_basis']} (needs ≥ {room['factor']}×; "
-            f"raw std {room['seed_std_raw'] or 0:.4f})" if room['size'] is not None
-            else f"**Room: {room['verdict']}** ({room['key']} not measured)")
-    tail = '' if room['verdict'] == 'room' else '; the arm differences below are not evidence either way'
+    head = (
+        f"**Room: {room['verdict']}.** {room['key']} = {room['size']:.4f} against the reference "
+        "arm's seed "
+        f"std of {room['seed_std_metric']} = {spread}, {room['seed_std_basis']} (needs ≥ "
+        f"{room['factor']}×; "
+        f"raw std {room['seed_std_raw'] or 0:.4f})"
+        if room['size'] is not None
+        else f"**Room: {room['verdict']}** ({room['key']} not measured)"
+    )
+    tail = (
+        ''
+        if room['verdict'] == 'room'
+        else '; the arm differences below are not evidence either way'
+    )
     return f"{head}{tail}. Backbones (eval.py --room, per seed): {vals}.\n"
 
 
@@ -581,13 +746,18 @@ FLAGS = ('--summarize_only', '--dry_run', '--no_plots')
 def parse_args(argv):
     """(study, options, jobs): the study file and every option checked before any run starts."""
     if not argv or not argv[0].endswith('.py'):
-        raise ConfigError("usage: python sweep.py config/study_<name>.py [--jobs=N] [--summarize_only] [--dry_run] "
-                          "[--no_plots]")
+        raise ConfigError(
+            "usage: python sweep.py config/study_<name>.py [--jobs=N] [--summarize_only] "
+            "[--dry_run] "
+            "[--no_plots]"
+        )
     opts = {a.split('=')[0]: (a.split('=', 1)[1] if '=' in a else True) for a in argv[1:]}
     unknown = set(opts) - {'--jobs', *FLAGS}
     if unknown:
-        raise ConfigError(f"unknown option(s) {', '.join(sorted(unknown))}; the options are --jobs=N, "
-                          f"--summarize_only, --dry_run and --no_plots")
+        raise ConfigError(
+            f"unknown option(s) {', '.join(sorted(unknown))}; the options are --jobs=N, "
+            f"--summarize_only, --dry_run and --no_plots"
+        )
     for flag in FLAGS:
         if opts.get(flag, True) is not True:
             raise ConfigError(f"{flag} takes no value, got {flag}={opts[flag]}; give {flag} alone")
@@ -618,7 +788,12 @@ def sweep(argv, children):
         for argv_, _ in (run for stage in before for run in stage):
             print('before:', 'python train.py', ' '.join(argv_))
         for arm, s, a in grid:
-            print(f"{arm} seed {s}:", 'python train.py', ' '.join(a), f'--out_dir={root}/{arm}/seed{s}')
+            print(
+                f"{arm} seed {s}:",
+                'python train.py',
+                ' '.join(a),
+                f'--out_dir={root}/{arm}/seed{s}',
+            )
         return 0
     failed = []
     if not opts.get('--summarize_only'):
@@ -627,7 +802,7 @@ def sweep(argv, children):
         check_configs([(f"'before' run {' '.join(a)}", a) for stage in before for a, _ in stage]
                       + [(f"arm {arm!r} seed {s}", [*a, f'--out_dir={root}/{arm}/seed{s}'])
                          for arm, s, a in grid], made_later)
-    lock = lock_folder(root, 'out_root')   # one sweep per folder, held until this returns
+    _lock = lock_folder(root, 'out_root')   # one sweep per folder, held until this returns
     if not opts.get('--summarize_only'):
         if children.signum is None and run_before(before, root, int(jobs), children):
             if children.signum is None:
@@ -653,9 +828,14 @@ def sweep(argv, children):
             print(f"stopped by {name}; the runs in flight saved a checkpoint and nothing new was "
                   f"started; resume with: python sweep.py {shlex.join(argv)}", file=sys.stderr)
             return EXIT_CODES[children.signum]
-    results = {(arm, s): run_metrics(f'{root}/{arm}/seed{s}') for arm, s, _ in grid if finished(f'{root}/{arm}/seed{s}')}
+    results = {
+        (arm, s): run_metrics(f'{root}/{arm}/seed{s}')
+        for arm, s, _ in grid
+        if finished(f'{root}/{arm}/seed{s}')
+    }
     threshold = lm_threshold(study, results)
-    for (arm, s), m in results.items():      # no threshold, no hit column (not a column of never-hits)
+    for (arm, s), m in results.items():      # no threshold, no hit column (not a column of
+                                             # never-hits)
         if threshold[0] is not None:
             m['threshold_hit'] = threshold_hit(f'{root}/{arm}/seed{s}', threshold[0])
     summary = summarize(study, results, threshold, room=measure_room(study, root))
@@ -667,9 +847,13 @@ def sweep(argv, children):
     print(md)
     if not opts.get('--no_plots'):
         write_plots(root, arms=list(study['arms']), frontier=study.get('frontier'))
-    if failed:            # a failed run is not a user error: exit 1, after summarising what finished
-        print(f"{len(failed)} of {len(grid)} runs failed; their logs: {', '.join(o + '.log' for o in failed)}",
-              file=sys.stderr)
+    if failed:            # a failed run is not a user error: exit 1, after summarising what
+                          # finished
+        print(
+            f"{len(failed)} of {len(grid)} runs failed; their logs: "
+            f"{', '.join(o + '.log' for o in failed)}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

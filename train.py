@@ -7,9 +7,10 @@ Train a nanodepth model.
 
 Writes into out_dir: metrics.jsonl (one JSON object per log line and per eval), config.json (the
 resolved config), run_info.json (code version, torch, device), ckpt.pt (written atomically: model,
-optimizer, scaler, RNG states, iteration, best val loss, config, sampler state). `--init_from=resume`
-continues exactly where ckpt.pt left off (a finished run says so and writes nothing). Ctrl-C /
-SIGTERM finishes the current step, saves, exits 0. One run at a time per out_dir (runlock.py).
+optimizer, scaler, RNG states, iteration, best val loss, config, sampler state).
+`--init_from=resume` continues exactly where ckpt.pt left off (a finished run says so and writes
+nothing). Ctrl-C / SIGTERM finishes the current step, saves, exits 0. One run at a time per out_dir
+(runlock.py).
 
 The file reads as a run: the config defaults, main, setup, the loop, one optimisation step. The
 checks live in train_checks.py, what carries a run across processes, signals and resumes in
@@ -43,7 +44,7 @@ from run_state import drop_records_after, parse_record  # noqa: F401
 from train_checks import check_out_dir  # noqa: F401
 from train_report import code_version, run_info  # noqa: F401
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # defaults (override with a config file and/or --key=value); the quickstart trains on these
 # I/O
 out_dir = 'out/quickstart'
@@ -51,22 +52,30 @@ eval_interval = 100
 log_interval = 10
 eval_iters = 20
 eval_only = False
-init_from = 'scratch'        # 'scratch', 'resume', a checkpoint file (e.g. out/stage1/ckpt.pt: weights only,
-                             # fresh optimizer; for stage 2 of controller-only training), or GPT-2: 'gpt2', ...
+init_from = 'scratch'        # 'scratch', 'resume', a checkpoint file (e.g. out/stage1/ckpt.pt:
+                             # weights only, fresh optimizer; for stage 2 of controller-only
+                             # training), or GPT-2: 'gpt2', ...
 # data
 dataset = 'synthetic'        # a folder data/<dataset> written by data/prepare.py
 data_dir = ''                # where dataset folders live; '' means data/ beside this file
 batch_size = 16              # sequences per micro-batch per process
 gradient_accumulation_steps = 1   # micro-batches per optimizer step, summed over all DDP processes
-# model and routing: every field of model.GPTConfig is a config key with GPTConfig's default (there: the
-# shape, block_size 128, and every family's options); the two below are the only ones train.py changes
-route = 'ffn'                # GPTConfig's default is the dense model; the quickstart trains G1-routed FFNs
-vocab_size = 0               # 0: from the data's meta.json (rounded up to a multiple of 64 above 1024)
-trainable = 'all'            # 'all' (joint), 'controller' (backbone frozen: gates, routers, predictors,
-                             # exit heads, ensemble norms) or 'last_layers' (the last ens_layers blocks + ln_f)
-ffn_oracle_layers_per_step = 1   # controlled layers given oracle utility labels per step (util/rank losses)
-calib_iters = 4              # train-split batches that calibrate the causal thresholds before each eval
-lm_thresholds = ''           # e.g. '2.5,2.0': report the first iteration the train LM falls below each
+# model and routing: every field of model.GPTConfig is a config key with GPTConfig's default (there:
+# the shape, block_size 128, and every family's options); the two below are the only ones train.py
+# changes
+route = 'ffn'                # GPTConfig's default is the dense model; the quickstart trains
+                             # G1-routed FFNs
+vocab_size = 0               # 0: from the data's meta.json (rounded up to a multiple of 64 above
+                             # 1024)
+trainable = 'all'            # 'all' (joint), 'controller' (backbone frozen: gates, routers,
+                             # predictors, exit heads, ensemble norms) or 'last_layers' (the last
+                             # ens_layers blocks + ln_f)
+ffn_oracle_layers_per_step = 1   # controlled layers given oracle utility labels per step (util/rank
+                                 # losses)
+calib_iters = 4              # train-split batches that calibrate the causal thresholds before each
+                             # eval
+lm_thresholds = ''           # e.g. '2.5,2.0': report the first iteration the train LM falls below
+                             # each
 avg_lm_until = 0.5           # avg LM = mean logged train LM over the first avg_lm_until of the run
 # AdamW and schedule
 learning_rate = 2e-3
@@ -84,22 +93,40 @@ device = 'auto'              # 'auto', 'cpu', 'cuda', 'cuda:1', ...
 dtype = 'auto'               # 'auto', 'float32', 'bfloat16', 'float16' (float16 uses a GradScaler)
 compile = False              # torch.compile(dynamic=False)
 seed = 1337
-eval_seed = 1337             # eval/calibration batches: fixed, so every run of a study sees the same ones
+eval_seed = 1337             # eval/calibration batches: fixed, so every run of a study sees the
+                             # same ones
 max_fp16_skips = 50          # stop if this many consecutive fp16 steps overflow
-ddp_timeout = 900            # seconds a DDP process waits for a silent peer before stopping with an error
+ddp_timeout = 900            # seconds a DDP process waits for a silent peer before stopping with an
+                             # error
 overwrite = False            # a fresh run may replace the run already in out_dir (else it refuses)
-verify_data = True           # before training: the data files' sha256 against meta.json, token ids against the vocabulary
-DEFAULTS = declared_defaults(__file__)     # the literals above: flops.py and eval.py read the same keys
+verify_data = True           # before training: the data files' sha256 against meta.json, token ids
+                             # against the vocabulary
+DEFAULTS = declared_defaults(__file__)     # the literals above: flops.py and eval.py read the same
+                                           # keys
 for _f in fields(GPTConfig):
     DEFAULTS.setdefault(_f.name, _f.default)
-# fields a run shares with its checkpoint: the backbone's shape (stage 2 too), the routed layers (a resume),
-# and how the controllers are built and what their losses train (a resume); each family names its own
-BACKBONE_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'pos', 'vocab_size', 'gelu', 'rope_base',
-                 *(k for f in FAMILIES.values() for k in f.backbone_options))
-MODEL_KEYS = BACKBONE_KEYS + ('route', *(f.layers_option for f in FAMILIES.values() if f.layers_option))
+# fields a run shares with its checkpoint: the backbone's shape (stage 2 too), the routed layers (a
+# resume), and how the controllers are built and what their losses train (a resume); each family
+# names its own
+BACKBONE_KEYS = (
+    'n_layer',
+    'n_head',
+    'n_embd',
+    'block_size',
+    'bias',
+    'pos',
+    'vocab_size',
+    'gelu',
+    'rope_base',
+    *(k for f in FAMILIES.values() for k in f.backbone_options),
+)
+MODEL_KEYS = BACKBONE_KEYS + (
+    'route',
+    *(f.layers_option for f in FAMILIES.values() if f.layers_option),
+)
 RESUME_KEYS = MODEL_KEYS + tuple(k for f in FAMILIES.values() for k in f.resume_options)
 HERE = os.path.dirname(os.path.abspath(__file__))
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def main(argv):
@@ -111,18 +138,25 @@ def main(argv):
 def run_checked(argv):
     try:
         return train(argv)
-    except (ConfigError, DataError) as e:   # the config, device and data checks shared with the other scripts
+    except (ConfigError, DataError) as e:   # the config, device and data checks shared with the
+                                            # other scripts
         raise TrainError(str(e)) from None
-    except OSError as e:               # a full disk under the run's logs (a checkpoint write says so itself)
+    except OSError as e:               # a full disk under the run's logs (a checkpoint write says
+                                       # so itself)
         if e.errno != errno.ENOSPC:
             raise
-        raise TrainError(f"no space left on the disk while writing {e.filename or 'the run files'}; free some "
-                         f"space, then continue with --init_from=resume (the last checkpoint, if any, is kept)") from None
-    except RuntimeError as e:          # DDP: a peer died, or hung past ddp_timeout, inside a collective
+        raise TrainError("no space left on the disk while writing "
+                         f"{e.filename or 'the run files'}; free some "
+                         "space, then continue with --init_from=resume (the last checkpoint, if "
+                         "any, is kept)") from None
+    except RuntimeError as e:          # DDP: a peer died, or hung past ddp_timeout, inside a
+                                       # collective
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             raise
-        raise TrainError(f"a DDP process stopped responding ({str(e).splitlines()[0][:160]}); this process "
-                         f"stops too. The last checkpoint is kept: resume with --init_from=resume") from None
+        raise TrainError(f"a DDP process stopped responding ({str(e).splitlines()[0][:160]}); this "
+                         "process "
+                         "stops too. The last checkpoint is kept: resume with "
+                         "--init_from=resume") from None
 
 
 def train(argv):
@@ -147,7 +181,8 @@ def train(argv):
 
 
 def train_loop(run, argv):
-    stop = StopFlag()                 # from here, a first Ctrl-C / SIGTERM ends the run with a checkpoint
+    stop = StopFlag()                 # from here, a first Ctrl-C / SIGTERM ends the run with a
+                                      # checkpoint
     stopped = False                   # by a signal to this process or, under DDP, to any process
     while True:
         if eval_due(run):
@@ -164,8 +199,11 @@ def train_loop(run, argv):
             stopped = True
             if run.master:
                 save_run(run)
-                print(f"stopped by signal at iteration {run.iter_num}; checkpoint saved to {run.ckpt_path}.\n"
-                      f"resume with: python train.py {shlex.join(argv)} --init_from=resume")
+                print(
+                    f"stopped by signal at iteration {run.iter_num}; checkpoint saved to "
+                    f"{run.ckpt_path}.\n"
+                    f"resume with: python train.py {shlex.join(argv)} --init_from=resume"
+                )
             break
     if run.master:
         finish_run(run, stopped)
@@ -176,7 +214,8 @@ def setup(cfg, cfg_dict, proc, argv):
     device, dtype), the model (raw, and wrapped for the steps), optimizer, data, fixed eval batches,
     the iteration and totals to start from; rank 0 also opens the run files. None for a resumed run
     that is already finished (it says so, and writes nothing)."""
-    meta, ckpt = open_inputs(cfg, proc.master)     # the data's meta.json, the checkpoint to start from
+    meta, ckpt = open_inputs(cfg, proc.master)     # the data's meta.json, the checkpoint to start
+                                                   # from
     if finished_already(cfg, ckpt):
         if proc.master:
             print(f"the run in {cfg.out_dir} is already finished (iteration {ckpt['iter_num']}, "
@@ -185,12 +224,14 @@ def setup(cfg, cfg_dict, proc, argv):
         return None
     seed_rngs(cfg.seed + proc.rank)
     model = build_model(cfg, meta, ckpt).to(proc.dev)
-    cfg_dict.update({k: getattr(cfg, k) for k in MODEL_KEYS})    # what was built (GPT-2 init sets the shape)
+    # what was built (GPT-2 init sets the shape)
+    cfg_dict.update({k: getattr(cfg, k) for k in MODEL_KEYS})
     train_data, val_data = open_splits(meta, cfg.block_size, cfg.batch_size, cfg.seed, proc.dev)
     scaler = torch.amp.GradScaler(proc.dev.type, enabled=(proc.dt == 'float16'))
     params = trainable_parameters(model, cfg)
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
-                                           proc.dev.type, params=params)
+    optimizer = model.configure_optimizers(
+        cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), proc.dev.type, params=params
+    )
     progress = start_progress(cfg, ckpt, optimizer, scaler, proc.master)
     del ckpt                                       # loaded: free its memory before the loop
     run = SimpleNamespace(
@@ -205,18 +246,23 @@ def setup(cfg, cfg_dict, proc, argv):
         ckpt_path=os.path.join(cfg.out_dir, 'ckpt.pt'), metrics_f=None)
     if run.master:
         run.metrics_f = open_run_files(cfg, cfg_dict, proc, run.iter_num)
-        print(f"model: {model.get_num_params() / 1e6:.2f}M parameters ({count_params(params):,} trainable) | data: "
-              f"{cfg.dataset} ({meta['vocab_size']} tokens vocab, {meta['train_tokens']:,} train tokens) | "
-              f"device {run.dev}, {run.dt}, world {run.world}")
+        print(
+            f"model: {model.get_num_params() / 1e6:.2f}M parameters ({count_params(params):,} "
+            "trainable) | data: "
+            f"{cfg.dataset} ({meta['vocab_size']} tokens vocab, {meta['train_tokens']:,} train "
+            "tokens) | "
+            f"device {run.dev}, {run.dt}, world {run.world}"
+        )
     start_counters(run)
     return run
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the config, checked before anything is read or written (train_checks.py holds the checks)
 
 def read_config(argv):
-    """Defaults, then config files and --key=value in argv: (namespace, the dict written to config.json)."""
+    """Defaults, then config files and --key=value in argv: (namespace, the dict written to
+    config.json)."""
     cfg_dict = load_config(DEFAULTS, argv)
     cfg = SimpleNamespace(**cfg_dict)
     check_train_config(cfg)
@@ -225,7 +271,7 @@ def read_config(argv):
     return cfg, cfg_dict
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the process, the inputs, the model and what it trains
 
 def setup_process(cfg):
@@ -249,7 +295,8 @@ def setup_process(cfg):
 def start_process_group(cfg, proc):
     if proc.ddp:
         from torch.distributed import init_process_group
-        from datetime import timedelta     # a silent (hung, stopped) peer ends the run instead of blocking it
+        from datetime import timedelta     # a silent (hung, stopped) peer ends the run instead of
+                                           # blocking it
         init_process_group(backend='nccl' if proc.dev.type == 'cuda' else 'gloo',
                            timeout=timedelta(seconds=cfg.ddp_timeout))
     if proc.dev.type == 'cuda':
@@ -258,15 +305,19 @@ def start_process_group(cfg, proc):
 
 
 def build_model(cfg, meta, ckpt):
-    """Model from scratch, from a checkpoint (resume: everything; a checkpoint file: the backbone, with
-    fresh gates), or from GPT-2 weights, with the checks that the data and the checkpoint agree."""
+    """Model from scratch, from a checkpoint (resume: everything; a checkpoint file: the backbone,
+    with fresh gates), or from GPT-2 weights, with the checks that the data and the checkpoint
+    agree."""
     if ckpt is not None and cfg.init_from == 'resume':
         check_against_checkpoint(cfg, meta, ckpt, RESUME_KEYS)
-        for k in ('batch_size', 'gradient_accumulation_steps', 'seed', 'trainable'):   # data order, optimizer
+        # data order, optimizer
+        for k in ('batch_size', 'gradient_accumulation_steps', 'seed', 'trainable'):
             if ckpt['config'].get(k) != getattr(cfg, k):
-                raise TrainError(f"config field '{k}' differs from the checkpoint: checkpoint has "
-                                 f"{ckpt['config'].get(k)!r}, config has {getattr(cfg, k)!r}; resume with the "
-                                 f"run's original value")
+                raise TrainError(
+                    f"config field '{k}' differs from the checkpoint: checkpoint has "
+                    f"{ckpt['config'].get(k)!r}, config has {getattr(cfg, k)!r}; resume with the "
+                    f"run's original value"
+                )
         model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
         check_state_fits(model, ckpt['model'], cfg.init_from)
         model.load_state_dict(ckpt['model'])
@@ -274,22 +325,28 @@ def build_model(cfg, meta, ckpt):
         model = backbone_from_checkpoint(cfg, meta, ckpt)
     elif cfg.init_from == 'scratch':
         data_vocab = meta['vocab_size']
-        vs = cfg.vocab_size or (data_vocab if data_vocab <= 1024 else ((data_vocab + 63) // 64) * 64)
+        vs = cfg.vocab_size or (
+            data_vocab if data_vocab <= 1024 else ((data_vocab + 63) // 64) * 64
+        )
         model = GPT(model_config(cfg, vocab_size=vs))
     else:
         model = gpt2_model(cfg, meta)
     if meta['vocab_size'] > model.config.vocab_size:
-        raise TrainError(f"field 'vocab_size' differs: data/{cfg.dataset} has {meta['vocab_size']} tokens but "
-                         f"the model's vocabulary is {model.config.vocab_size}")
+        raise TrainError(
+            f"field 'vocab_size' differs: data/{cfg.dataset} has {meta['vocab_size']} tokens but "
+            f"the model's vocabulary is {model.config.vocab_size}"
+        )
     if cfg.block_size != model.config.block_size:
-        raise TrainError(f"field 'block_size' differs: config {cfg.block_size}, model {model.config.block_size}")
+        raise TrainError(
+            f"field 'block_size' differs: config {cfg.block_size}, model {model.config.block_size}"
+        )
     return model
 
 
 def backbone_from_checkpoint(cfg, meta, ckpt):
-    """Stage 2: the checkpoint's backbone under fresh controller modules. The routing family may change
-    (e.g. a dense backbone under another family's controller) as long as every backbone weight comes
-    from the checkpoint."""
+    """Stage 2: the checkpoint's backbone under fresh controller modules. The routing family may
+    change (e.g. a dense backbone under another family's controller) as long as every backbone
+    weight comes from the checkpoint."""
     check_against_checkpoint(cfg, meta, ckpt, BACKBONE_KEYS)
     model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
     backbone = {k: v for k, v in ckpt['model'].items() if not is_controller_key(k)}
@@ -307,12 +364,17 @@ def gpt2_model(cfg, meta):
     if meta.get('tokenizer') != 'gpt2':
         raise TrainError(f"init_from={cfg.init_from} needs GPT-2 BPE data; data/{cfg.dataset} uses "
                          f"the {meta.get('tokenizer')!r} tokenizer")
-    routing = {f.name: getattr(cfg, f.name) for f in fields(GPTConfig)
-               if f.name not in ('n_layer', 'n_head', 'n_embd', 'vocab_size', 'block_size', 'bias', 'pos', 'gelu')}
+    routing = {
+        f.name: getattr(cfg, f.name)
+        for f in fields(GPTConfig)
+        if f.name
+        not in ('n_layer', 'n_head', 'n_embd', 'vocab_size', 'block_size', 'bias', 'pos', 'gelu')
+    }
     model = GPT.from_pretrained(cfg.init_from, routing)
     if cfg.block_size < model.config.block_size:
         model.crop_block_size(cfg.block_size)
-    for k in MODEL_KEYS:            # the checkpoint's shape wins: record it, so config.json and resume agree
+    for k in MODEL_KEYS:            # the checkpoint's shape wins: record it, so config.json and
+                                    # resume agree
         setattr(cfg, k, getattr(model.config, k))
     return model
 
@@ -320,12 +382,14 @@ def gpt2_model(cfg, meta):
 def trainable_parameters(model, cfg):
     """Joint training: everything. Controller-only: freeze the backbone (requires_grad=False) and
     return only the controller's parameters (model.is_controller_key). 'last_layers': only the last
-    ens_layers blocks and the final norm (plain fine-tuning of a dense model, a baseline for controllers
-    trained on a frozen backbone)."""
+    ens_layers blocks and the final norm (plain fine-tuning of a dense model, a baseline for
+    controllers trained on a frozen backbone)."""
     if cfg.trainable == 'all':
         return list(model.parameters())
     if cfg.trainable not in ('controller', 'last_layers'):
-        raise TrainError(f"trainable must be 'all', 'controller' or 'last_layers', got {cfg.trainable!r}")
+        raise TrainError(
+            f"trainable must be 'all', 'controller' or 'last_layers', got {cfg.trainable!r}"
+        )
     if cfg.trainable == 'last_layers':
         key = model.family.last_layers_option
         k = getattr(model.config, key)
@@ -333,13 +397,18 @@ def trainable_parameters(model, cfg):
             raise TrainError(f"trainable=last_layers fine-tunes the last {key} (1..n_layer) blocks "
                              f"of a dense model (route='none'); got route={model.config.route!r}, "
                              f"{key}={k}")
-        ctrl = [p for b in model.transformer.h[-k:] for p in b.parameters()] + list(model.transformer.ln_f.parameters())
+        ctrl = [p for b in model.transformer.h[-k:] for p in b.parameters()] + list(
+            model.transformer.ln_f.parameters()
+        )
     else:
         ctrl = model.controller_parameters()
     if not ctrl:
-        raise TrainError(f"trainable=controller trains only a routing controller's parameters (gates, routers, "
-                         f"predictors, own exit heads, ensemble norms); this config (route={cfg.route!r} with its "
-                         f"options) has none: use trainable=all")
+        raise TrainError(
+            f"trainable=controller trains only a routing controller's parameters (gates, routers, "
+            f"predictors, own exit heads, ensemble norms); this config (route={cfg.route!r} with "
+            "its "
+            f"options) has none: use trainable=all"
+        )
     ids = {id(p) for p in ctrl}
     for p in model.parameters():
         p.requires_grad_(id(p) in ids)
@@ -347,40 +416,50 @@ def trainable_parameters(model, cfg):
 
 
 def wrap_model(raw_model, cfg, proc):
-    """What the training steps call: the model compiled and/or DDP-wrapped (evals, checkpoints and the
-    family's hooks use the raw model)."""
+    """What the training steps call: the model compiled and/or DDP-wrapped (evals, checkpoints and
+    the family's hooks use the raw model)."""
     model = raw_model
     if cfg.compile:
         model = torch.compile(model, dynamic=False)
-        import torch._dynamo as dynamo         # (a bare `import torch._dynamo` would make torch local here)
-        limit = 'recompile_limit' if hasattr(dynamo.config, 'recompile_limit') else 'cache_size_limit'
+        import torch._dynamo as dynamo         # (a bare `import torch._dynamo` would make torch
+                                               # local here)
+        limit = (
+            'recompile_limit' if hasattr(dynamo.config, 'recompile_limit') else 'cache_size_limit'
+        )
         # one graph per set of per-step options (e.g. oracle layers): compile each
-        setattr(dynamo.config, limit, max(getattr(dynamo.config, limit), raw_model.config.n_layer + 8))
+        setattr(
+            dynamo.config, limit, max(getattr(dynamo.config, limit), raw_model.config.n_layer + 8)
+        )
     if proc.ddp:
         from torch.nn.parallel import DistributedDataParallel as DDP
-        partial = raw_model.family.ddp_find_unused(raw_model.config)   # some parameters get no gradient
+        # some parameters get no gradient
+        partial = raw_model.family.ddp_find_unused(raw_model.config)
         model = DDP(model, device_ids=[proc.local_rank] if proc.dev.type == 'cuda' else None,
                     find_unused_parameters=partial)
     return model
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the loop: eval and checkpoint, one optimisation step (train_report.py logs it, counts its FLOPs)
 
 def eval_due(run):
     cfg = run.cfg
     # by the run this one resumes (an eval-only run evaluates the checkpoint once, whatever it has)
     logged_already = run.resumed and run.iter_num == run.start_iter and not cfg.eval_only
-    return (run.iter_num % cfg.eval_interval == 0 or run.iter_num >= cfg.max_iters or cfg.eval_only) \
-        and not logged_already
+    return (
+        run.iter_num % cfg.eval_interval == 0 or run.iter_num >= cfg.max_iters or cfg.eval_only
+    ) and not logged_already
 
 
 def evaluate_and_checkpoint(run):
     """Rank 0: train and val loss on the fixed eval batches, one 'eval' record, and a checkpoint."""
     res = estimate_loss(run)
     if not all(math.isfinite(res[s]['loss']) for s in res):
-        raise TrainError(f"eval loss is not finite at iteration {run.iter_num} (train {res['train']['loss']}, "
-                         f"val {res['val']['loss']}); stopping; {kept(run)}. Try a lower learning_rate or grad_clip.")
+        raise TrainError(
+            f"eval loss is not finite at iteration {run.iter_num} (train {res['train']['loss']}, "
+            f"val {res['val']['loss']}); stopping; {kept(run)}. Try a lower learning_rate or "
+            "grad_clip."
+        )
     run.best_val = min(run.best_val, res['val']['loss'])
     log_eval(run, res)
     if not run.cfg.eval_only and run.iter_num > 0:
@@ -389,17 +468,22 @@ def evaluate_and_checkpoint(run):
 
 
 def estimate_loss(run):
-    """LM loss on fixed train/val batches in eval mode: causal routing, thresholds calibrated first on
-    separate train-split batches (never on val)."""
+    """LM loss on fixed train/val batches in eval mode: causal routing, thresholds calibrated first
+    on separate train-split batches (never on val)."""
     with eval_rng(run.dev, run.cfg.eval_seed):
         with run.autocast:
             run.raw_model.calibrate(torch.cat(run.calib))
-        return {split: evaluation.evaluate(run.raw_model, [batches.fetch(s) for s in starts], run.autocast)
-                for split, (batches, starts) in run.eval_sets.items()}
+        return {
+            split: evaluation.evaluate(
+                run.raw_model, [batches.fetch(s) for s in starts], run.autocast
+            )
+            for split, (batches, starts) in run.eval_sets.items()
+        }
 
 
 def save_run(run):
-    """Everything an exact resume needs, written atomically; never a broken model over a good checkpoint."""
+    """Everything an exact resume needs, written atomically; never a broken model over a good
+    checkpoint."""
     for p in run.raw_model.parameters():
         if not torch.isfinite(p).all():
             raise TrainError(f"non-finite weights at iteration {run.iter_num}; {kept(run)}")
@@ -420,12 +504,14 @@ def lr_at(cfg, it):
 
 def optimisation_step(run):
     """One optimizer step over accum micro-batches (DDP syncs gradients on the last), unscaled and
-    clipped. Returns its learning rate, summed loss (on the device: no sync), grad norm and FLOPs."""
+    clipped. Returns its learning rate, summed loss (on the device: no sync), grad norm and
+    FLOPs."""
     cfg = run.cfg
     lr = lr_at(cfg, run.iter_num)
     for group in run.optimizer.param_groups:
         group['lr'] = lr
-    # the family's per-step options (oracle layers, the exit curriculum): a pure function of the step
+    # the family's per-step options (oracle layers, the exit curriculum): a pure function of the
+    # step
     opts = run.raw_model.family.step_options(run.raw_model, run.iter_num, cfg)
     loss_sum = torch.zeros((), device=run.dev)
     for micro in range(run.accum):
@@ -442,7 +528,9 @@ def optimisation_step(run):
     if run.ctrl_params:                           # controller gradient norm, before clipping
         grads = [p.grad.float().norm() for p in run.ctrl_params if p.grad is not None]
         run.interval['ctrl_norm'] += torch.stack(grads).norm() if grads else 0.0
-    norm = torch.nn.utils.clip_grad_norm_(run.params, cfg.grad_clip if cfg.grad_clip > 0 else float('inf'))
+    norm = torch.nn.utils.clip_grad_norm_(
+        run.params, cfg.grad_clip if cfg.grad_clip > 0 else float('inf')
+    )
     if run.scaler.is_enabled():
         run.skipped += ~torch.isfinite(norm)      # exactly the steps the GradScaler skips
     run.scaler.step(run.optimizer)

@@ -31,16 +31,32 @@ def check_train_config(cfg):
     try:
         [float(t) for t in str(cfg.lm_thresholds).split(',') if t.strip()]
     except ValueError:
-        raise TrainError(f"lm_thresholds must be comma-separated numbers such as '2.5,2.0', got {cfg.lm_thresholds!r}") from None
+        raise TrainError(
+            "lm_thresholds must be comma-separated numbers such as '2.5,2.0', got "
+            f"{cfg.lm_thresholds!r}"
+        ) from None
     if cfg.trainable not in ('all', 'controller', 'last_layers'):
         raise TrainError("trainable must be 'all', 'controller' or 'last_layers', got "
                          f"{cfg.trainable!r}")
     if cfg.dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
         raise TrainError(f"dtype must be auto, float32, bfloat16 or float16, got {cfg.dtype!r}")
-    at_least = dict(seed=0, eval_seed=0, ffn_oracle_layers_per_step=1, eval_interval=1,
-                    log_interval=1, eval_iters=1, batch_size=1,
-                    block_size=1, gradient_accumulation_steps=1, max_iters=0, calib_iters=1, warmup_iters=0,
-                    lr_decay_iters=0, max_fp16_skips=1, ddp_timeout=1)
+    at_least = dict(
+        seed=0,
+        eval_seed=0,
+        ffn_oracle_layers_per_step=1,
+        eval_interval=1,
+        log_interval=1,
+        eval_iters=1,
+        batch_size=1,
+        block_size=1,
+        gradient_accumulation_steps=1,
+        max_iters=0,
+        calib_iters=1,
+        warmup_iters=0,
+        lr_decay_iters=0,
+        max_fp16_skips=1,
+        ddp_timeout=1,
+    )
     for key, lo in at_least.items():
         if getattr(cfg, key) < lo:
             raise TrainError(f"{key} must be >= {lo}, got {getattr(cfg, key)}")
@@ -61,8 +77,11 @@ def check_train_config(cfg):
             kind = torch.device(cfg.device).type
         except RuntimeError:           # torch.device('bogus')
             kind = None
-        if kind not in ('cpu', 'cuda'):   # e.g. 'mps': a device type torch knows but this harness does not run on
-            raise TrainError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {cfg.device!r}")
+        if kind not in ('cpu', 'cuda'):   # e.g. 'mps': a device type torch knows but this harness
+                                          # does not run on
+            raise TrainError(
+                f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {cfg.device!r}"
+            )
 
 
 def model_config(cfg, **override):
@@ -88,11 +107,16 @@ def check_family_options(cfg, argv, defaults):
             if key in mine or key in inert or getattr(cfg, key) == defaults[key]:
                 continue
             if key in given:
-                raise TrainError(f"--{key} is an option of route={name}, which route={cfg.route!r} does not "
-                                 f"read; drop it or set --route")
+                raise TrainError(
+                    f"--{key} is an option of route={name}, which route={cfg.route!r} does not "
+                    f"read; drop it or set --route"
+                )
             inert.append(key)
     if inert and int(os.environ.get('RANK', 0)) == 0:
-        print(f"note: route={cfg.route} does not read {', '.join(sorted(inert))} (set in a config file)")
+        print(
+            f"note: route={cfg.route} does not read {', '.join(sorted(inert))} (set in a config "
+            "file)"
+        )
 
 
 def check_out_dir(cfg):
@@ -105,12 +129,15 @@ def check_out_dir(cfg):
         return
     held = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
     if held:
-        raise TrainError(f"out_dir {cfg.out_dir} already holds a run ({', '.join(held)}); continue it with "
-                         f"--init_from=resume, pick another --out_dir, or replace it with --overwrite=True")
+        raise TrainError(
+            f"out_dir {cfg.out_dir} already holds a run ({', '.join(held)}); continue it with "
+            f"--init_from=resume, pick another --out_dir, or replace it with --overwrite=True"
+        )
 
 
 def check_against_checkpoint(cfg, meta, ckpt, keys):
-    """The config's fields `keys` agree with the checkpoint's model_args, and the data is its own."""
+    """The config's fields `keys` agree with the checkpoint's model_args, and the data is its
+    own."""
     margs = read_stored_config(ckpt['model_args'])      # as it ran (stored_before)
     family = FAMILIES[margs.get('route', GPTConfig.route)]
     defaults = {f.name: f.default for f in fields(GPTConfig)}
@@ -131,7 +158,11 @@ def check_state_fits(model, state, source):
     (a config field this check's key list does not name still changes the model's shape)."""
     mine = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     theirs = {k: tuple(v.shape) for k, v in state.items()}
-    diff = sorted(set(mine) ^ set(theirs)) + sorted(k for k in set(mine) & set(theirs) if mine[k] != theirs[k])
+    diff = sorted(set(mine) ^ set(theirs)) + sorted(
+        k for k in set(mine) & set(theirs) if mine[k] != theirs[k]
+    )
     if diff:
-        raise TrainError(f"checkpoint ({source}) does not fit the model this config builds: {diff[:4]} differ; "
-                         f"use the run's original model and routing options")
+        raise TrainError(
+            f"checkpoint ({source}) does not fit the model this config builds: {diff[:4]} differ; "
+            f"use the run's original model and routing options"
+        )

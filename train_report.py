@@ -30,11 +30,13 @@ def open_run_files(cfg, cfg_dict, proc, iter_num):
             json.dump(cfg_dict, f, indent=2)
         with open(os.path.join(cfg.out_dir, 'run_info.json'), 'w') as f:
             json.dump(run_info(cfg, proc.dev, proc.dt, proc.world), f, indent=2)
-    if cfg.init_from != 'resume':      # --overwrite: the old run goes only now that every check has passed
+    if cfg.init_from != 'resume':      # --overwrite: the old run goes only now that every check has
+                                       # passed
         for name in ('ckpt.pt', 'metrics.jsonl'):
             if os.path.exists(os.path.join(cfg.out_dir, name)):
                 os.remove(os.path.join(cfg.out_dir, name))
-    else:                              # records a killed run logged after its last checkpoint are redone
+    else:                              # records a killed run logged after its last checkpoint are
+                                       # redone
         drop_records_after(os.path.join(cfg.out_dir, 'metrics.jsonl'), iter_num)
     return open(os.path.join(cfg.out_dir, 'metrics.jsonl'), 'a')
 
@@ -48,14 +50,27 @@ def code_version():
             return r.stdout.strip() if r.returncode == 0 else ''   # e.g. no commits yet: not a sha
         except Exception:
             return ''
-    return dict(git_sha=git('rev-parse', 'HEAD') or None, git_dirty=bool(git('status', '--porcelain')))
+
+    return dict(
+        git_sha=git('rev-parse', 'HEAD') or None, git_dirty=bool(git('status', '--porcelain'))
+    )
 
 
 def run_info(cfg, dev, dt, world_size):
-    return dict(**code_version(), torch=torch.__version__, cuda=torch.version.cuda, python=sys.version.split()[0],
-                device=str(dev), device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
-                dtype=dt, world_size=world_size, host=socket.gethostname(), argv=sys.argv,
-                threads=torch.get_num_threads(), started=time.strftime('%Y-%m-%dT%H:%M:%S%z'))
+    return dict(
+        **code_version(),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        python=sys.version.split()[0],
+        device=str(dev),
+        device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
+        dtype=dt,
+        world_size=world_size,
+        host=socket.gethostname(),
+        argv=sys.argv,
+        threads=torch.get_num_threads(),
+        started=time.strftime('%Y-%m-%dT%H:%M:%S%z'),
+    )
 
 
 def log(run, obj):
@@ -74,24 +89,34 @@ def count_params(params):
 def log_eval(run, res):
     """An eval's printed line and its 'eval' record, kept in the history the summary reads."""
     frac = res['val']['full_frac']
-    print(f"iter {run.iter_num}: train loss {res['train']['loss']:.4f}, val loss {res['val']['loss']:.4f}"
-          + (f", val full-path fraction {np.mean(frac):.3f}" if frac else ''))
-    rec = dict(type='eval', iter=run.iter_num, train_loss=res['train']['loss'], val_loss=res['val']['loss'],
-               val_full_frac=frac)
+    print(
+        f"iter {run.iter_num}: train loss {res['train']['loss']:.4f}, val loss "
+        f"{res['val']['loss']:.4f}"
+        + (f", val full-path fraction {np.mean(frac):.3f}" if frac else '')
+    )
+    rec = dict(
+        type='eval',
+        iter=run.iter_num,
+        train_loss=res['train']['loss'],
+        val_loss=res['val']['loss'],
+        val_full_frac=frac,
+    )
     if run.cfg.eval_only:             # an evaluation of the checkpoint, not a step of its training
         rec['eval_only'] = True
     run.history['eval'].append(rec)
     log(run, rec)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # each step: its sums and FLOPs; each log step: the line, the record, the divergence check
 
 def start_counters(run):
-    """The loop's running totals and clocks; fp16 overflow steps are counted on the device (no sync)."""
+    """The loop's running totals and clocks; fp16 overflow steps are counted on the device (no
+    sync)."""
     cfg = run.cfg
     run.seqs_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size
-    run.dense_step = 3 * flops.dense_forward_flops(run.raw_model.config, cfg.block_size)   # a full-only step, per sequence
+    # a full-only step, per sequence
+    run.dense_step = 3 * flops.dense_forward_flops(run.raw_model.config, cfg.block_size)
     run.step_costs, run.interval = {}, new_interval(run.dev)
     run.skipped, run.last_skipped, run.consecutive_skips = torch.zeros((), device=run.dev), 0, 0
     run.t_last, run.it_last, run.start_iter = time.time(), run.iter_num, run.iter_num
@@ -100,12 +125,18 @@ def start_counters(run):
 
 def new_interval(dev):
     """Sums over one log interval, kept on the device until the log step reads them."""
-    return dict(lm=torch.zeros((), device=dev), frac=None, ctrl_norm=torch.zeros((), device=dev), n=0, aux={})
+    return dict(
+        lm=torch.zeros((), device=dev),
+        frac=None,
+        ctrl_norm=torch.zeros((), device=dev),
+        n=0,
+        aux={},
+    )
 
 
 def accumulate(interval, aux, accum, stats):
-    """Add one micro-batch's LM loss, auxiliary *_loss terms, the family's statistics `stats` and its
-    full-path fractions to the interval's sums."""
+    """Add one micro-batch's LM loss, auxiliary *_loss terms, the family's statistics `stats` and
+    its full-path fractions to the interval's sums."""
     interval['lm'] += aux['lm_loss'].float() / accum
     for k, v in aux.items():
         if (k.endswith('_loss') and k != 'lm_loss') or k in stats:
@@ -131,8 +162,8 @@ def count_flops(run, opts):
 
 
 def log_progress(run, lr, loss_sum, norm, step):
-    """Every log_interval steps: the interval's means (global under DDP), a stop if training diverged,
-    and (rank 0) one printed line and one 'train' record."""
+    """Every log_interval steps: the interval's means (global under DDP), a stop if training
+    diverged, and (rank 0) one printed line and one 'train' record."""
     iv = run.interval
     if run.ddp:                                # log the global mean, not rank 0's share
         both = torch.stack([loss_sum, iv['lm']])
@@ -155,13 +186,30 @@ def log_progress(run, lr, loss_sum, norm, step):
     mfu = step['total'] * run.seqs_per_iter / run.world / dtime / peak if peak else None
     fs = run.flops_state
     proxy = fs['proxy_num'] / fs['dense']
-    print(f"iter {run.iter_num}: loss {lossf:.4f}, lm {lm:.4f}, lr {lr:.2e}, {dtime * 1000:.1f} ms/iter, "
-          f"{tps:,.0f} tok/s" + (f", mfu {mfu * 100:.1f}%" if mfu is not None else '')
-          + (f", full {np.mean(frac):.3f}, flops proxy {proxy:.3f}x" if frac else ''))
-    rec = dict(type='train', iter=run.iter_num, loss=lossf, lm_loss=lm, lr=lr, ms_per_iter=dtime * 1000,
-               tokens_per_s=tps, mfu=mfu, grad_norm=float(norm), ctrl_grad_norm=ctrl_norm, full_frac=frac,
-               flops_proxy=proxy, train_flops=fs['exact'], train_flops_vs_dense=fs['exact'] / fs['dense'],
-               skipped_steps=n_skipped)
+    print(
+        f"iter {run.iter_num}: loss {lossf:.4f}, lm {lm:.4f}, lr {lr:.2e}, {dtime * 1000:.1f} "
+        "ms/iter, "
+        f"{tps:,.0f} tok/s"
+        + (f", mfu {mfu * 100:.1f}%" if mfu is not None else '')
+        + (f", full {np.mean(frac):.3f}, flops proxy {proxy:.3f}x" if frac else '')
+    )
+    rec = dict(
+        type='train',
+        iter=run.iter_num,
+        loss=lossf,
+        lm_loss=lm,
+        lr=lr,
+        ms_per_iter=dtime * 1000,
+        tokens_per_s=tps,
+        mfu=mfu,
+        grad_norm=float(norm),
+        ctrl_grad_norm=ctrl_norm,
+        full_frac=frac,
+        flops_proxy=proxy,
+        train_flops=fs['exact'],
+        train_flops_vs_dense=fs['exact'] / fs['dense'],
+        skipped_steps=n_skipped,
+    )
     rec.update(aux_means)            # auxiliary terms, averaged over the log interval
     run.history['train'].append(dict(iter=run.iter_num, lm_loss=lm))
     log(run, rec)
@@ -171,18 +219,24 @@ def check_divergence(run, lossf):
     """Stop on a loss that is no longer finite, or (fp16) on max_fp16_skips overflow steps in a row;
     returns the number of steps the GradScaler skipped so far."""
     n_skipped = int(run.skipped.item())
-    run.consecutive_skips = run.consecutive_skips + (n_skipped - run.last_skipped) if n_skipped > run.last_skipped else 0
+    run.consecutive_skips = (
+        run.consecutive_skips + (n_skipped - run.last_skipped)
+        if n_skipped > run.last_skipped
+        else 0
+    )
     run.last_skipped = n_skipped
     if not math.isfinite(lossf) and not run.scaler.is_enabled():
         raise TrainError(f"loss is {lossf} at iteration {run.iter_num}; stopping; {kept(run)}. "
                          f"Try a lower learning_rate or grad_clip.")
     if run.scaler.is_enabled() and run.consecutive_skips >= run.cfg.max_fp16_skips:
-        raise TrainError(f"{run.consecutive_skips} consecutive fp16 overflow steps by iteration {run.iter_num}; "
-                         f"stopping. Try dtype=bfloat16/float32 or a lower learning_rate.")
+        raise TrainError(
+            f"{run.consecutive_skips} consecutive fp16 overflow steps by iteration {run.iter_num}; "
+            f"stopping. Try dtype=bfloat16/float32 or a lower learning_rate."
+        )
     return n_skipped
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the end of the run
 
 def finish_run(run, stopped):
@@ -192,17 +246,23 @@ def finish_run(run, stopped):
     if not cfg.eval_only:
         run.flops_state['wall_s'] = time.time() - run.t_run
     summary = run_summary(run.history['train'], run.history['eval'], cfg, run.flops_state['wall_s'])
-    summary.update(type='summary', iter=run.iter_num, best_val_loss=run.best_val, skipped_steps=int(run.skipped.item()),
-                   trainable_params=count_params(run.params),
-                   flops_proxy=run.flops_state['proxy_num'] / max(1.0, run.flops_state['dense']),
-                   train_flops=run.flops_state['exact'])
+    summary.update(
+        type='summary',
+        iter=run.iter_num,
+        best_val_loss=run.best_val,
+        skipped_steps=int(run.skipped.item()),
+        trainable_params=count_params(run.params),
+        flops_proxy=run.flops_state['proxy_num'] / max(1.0, run.flops_state['dense']),
+        train_flops=run.flops_state['exact'],
+    )
     if cfg.eval_only:
         summary['eval_only'] = True
     if not stopped and run.raw_model.family.routes:
         summary.update(routing_summary(run))
     per_token = flops.dense_forward_flops(run.raw_model.config, cfg.block_size) / cfg.block_size
     if not run.raw_model.family.routes:
-        summary['eval_flops'] = per_token             # absolute: puts models of different sizes on one axis
+        summary['eval_flops'] = per_token             # absolute: puts models of different sizes on
+                                                      # one axis
     elif 'eval_flops_vs_dense' in summary:
         summary['eval_flops'] = summary['eval_flops_vs_dense'] * per_token
     log(run, summary)
@@ -212,13 +272,21 @@ def finish_run(run, stopped):
               f"its eval and summary are appended to {os.path.join(cfg.out_dir, 'metrics.jsonl')}")
     elif not stopped:
         written = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
-        print(f"done: {run.iter_num} iterations, best val loss {run.best_val:.4f}. Outputs in {cfg.out_dir}/ "
-              f"({', '.join(written)})."
-              + (f"\nsample with: python sample.py --out_dir={cfg.out_dir}" if 'ckpt.pt' in written else ''))
+        print(
+            f"done: {run.iter_num} iterations, best val loss {run.best_val:.4f}. Outputs in "
+            f"{cfg.out_dir}/ "
+            f"({', '.join(written)})."
+            + (
+                f"\nsample with: python sample.py --out_dir={cfg.out_dir}"
+                if 'ckpt.pt' in written
+                else ''
+            )
+        )
 
 
 def run_summary(log_lines, evals, cfg, wall_s):
-    """avg LM, best LM, threshold hits: the seed paper's optimisation metrics, from this run's logs."""
+    """avg LM, best LM, threshold hits: the seed paper's optimisation metrics, from this run's
+    logs."""
     lm = [(r['iter'], r['lm_loss']) for r in log_lines]
     early = [v for it, v in lm if it <= cfg.avg_lm_until * cfg.max_iters]
     out = dict(avg_lm=float(np.mean(early)) if early else None,
@@ -231,15 +299,28 @@ def run_summary(log_lines, evals, cfg, wall_s):
 
 def routing_summary(run):
     """The family's end-of-run report (eval.report), printed, and the eval forward's FLOPs at the
-    realised routing: ideal (mean fractions) and as executed (sparse execution may run more, e.g. MoD
-    pads every row to the longest)."""
+    realised routing: ideal (mean fractions) and as executed (sparse execution may run more, e.g.
+    MoD pads every row to the longest)."""
     cfg, mcfg = run.cfg, run.raw_model.config
     with eval_rng(run.dev, cfg.eval_seed):
-        out = dict(routing=evaluation.report(run.raw_model, run.train_data, run.val_data, run.meta, cfg.eval_iters,
-                                             cfg.calib_iters, run.autocast, cfg.eval_seed))
+        out = dict(
+            routing=evaluation.report(
+                run.raw_model,
+                run.train_data,
+                run.val_data,
+                run.meta,
+                cfg.eval_iters,
+                cfg.calib_iters,
+                run.autocast,
+                cfg.eval_seed,
+            )
+        )
     print_routing(run.raw_model.family, out['routing'])
     dense_fwd = flops.dense_forward_flops(mcfg, cfg.block_size)
-    for key, frac_key in (('eval_flops_vs_dense', 'full_frac'), ('eval_flops_executed_vs_dense', 'exec_frac')):
+    for key, frac_key in (
+        ('eval_flops_vs_dense', 'full_frac'),
+        ('eval_flops_executed_vs_dense', 'exec_frac'),
+    ):
         frac = out['routing']['val_loss'][frac_key]
         out[key] = flops.forward_flops(mcfg, cfg.block_size, 'sparse', full_frac=frac) / dense_fwd
     return out
@@ -249,4 +330,7 @@ def print_routing(family, r):
     for line in family.report_lines(r):
         print(line)
     for name, per_layer in r.get('full_frac_by_class', {}).items():
-        print(f"  full-path fraction for {name:>9} targets: " + ' '.join(f"L{l}:{v:.2f}" for l, v in per_layer.items()))
+        print(
+            f"  full-path fraction for {name:>9} targets: "
+            + ' '.join(f"L{l}:{v:.2f}" for l, v in per_layer.items())
+        )

@@ -1,9 +1,11 @@
-# Mixture-of-Depths Ensemble (Luo & Specia, arXiv 2410.13077) as a tuning method on a frozen backbone: start
-# from a trained dense checkpoint, train only the k=3 late-layer norms and the router (LM loss on the
-# mixture + λ·KL from the final layer as teacher). Compare with plain fine-tuning of the last 3 blocks:
+# Mixture-of-Depths Ensemble (Luo & Specia, arXiv 2410.13077) as a tuning method on a frozen
+# backbone: start from a trained dense checkpoint, train only the k=3 late-layer norms and the
+# router (LM loss on the mixture + λ·KL from the final layer as teacher). Compare with plain
+# fine-tuning of the last 3 blocks:
 #   python train.py config/families_synthetic.py --route=none --out_dir=out/dense_synthetic
 #   python train.py config/ensemble_tune_synthetic.py
-#   python train.py config/ensemble_tune_synthetic.py --route=none --trainable=last_layers --out_dir=out/lastlayers_tune_synthetic
+#   python train.py config/ensemble_tune_synthetic.py --route=none --trainable=last_layers \
+#       --out_dir=out/lastlayers_tune_synthetic
 # Both print the trainable-parameter count at the start.
 out_dir = 'out/ensemble_tune_synthetic'
 init_from = 'out/dense_synthetic/ckpt.pt'

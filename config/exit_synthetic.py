@@ -1,9 +1,10 @@
-# Early exits with auxiliary losses (deep supervision, LayerSkip, CALM), CPU-sized: exit heads after {2, n/2, 3n/4} blocks sharing
-# the final norm + LM head (LayerSkip), LayerSkip's depth-growing loss weights, and per-token
-# early exit at eval when the max softmax probability reaches exit_threshold (CALM; an exited token's
-# state is copied upward and later layers still compute its K/V). The end-of-run summary sweeps the
-# threshold and reports every exit head's loss alone.
-#   python train.py config/exit_synthetic.py [--exit_schedule=calm --exit_rotation=2 --layer_dropout=0.2]
+# Early exits with auxiliary losses (deep supervision, LayerSkip, CALM), CPU-sized: exit heads after
+# {2, n/2, 3n/4} blocks sharing the final norm + LM head (LayerSkip), LayerSkip's depth-growing loss
+# weights, and per-token early exit at eval when the max softmax probability reaches exit_threshold
+# (CALM; an exited token's state is copied upward and later layers still compute its K/V). The
+# end-of-run summary sweeps the threshold and reports every exit head's loss alone.
+#   python train.py config/exit_synthetic.py \
+#       [--exit_schedule=calm --exit_rotation=2 --layer_dropout=0.2]
 out_dir = 'out/exit_synthetic'
 route = 'exit'
 exit_layers = 'auto'

@@ -1,6 +1,7 @@
-# The shared CPU-sized setup of the family comparison (config/study_families.py): one model shape, one
-# corpus (the built-in synthetic one, with difficulty classes), one schedule; each family is a set of
-# overrides. Alone it trains a Mixture-of-Depths model (capacity 12.5%, every other block routed).
+# The shared CPU-sized setup of the family comparison (config/study_families.py): one model shape,
+# one corpus (the built-in synthetic one, with difficulty classes), one schedule; each family is a
+# set of overrides. Alone it trains a Mixture-of-Depths model (capacity 12.5%, every other block
+# routed).
 #   python train.py config/families_synthetic.py [--route=none|ffn|halt|mod|exit|ensemble ...]
 out_dir = 'out/families_synthetic'
 dataset = 'synthetic'

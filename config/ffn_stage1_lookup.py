@@ -1,9 +1,10 @@
-# Stage 1 of the controller-only recipe (arXiv 2604.17228) on a corpus with room: the synthetic grammar
-# plus lookup segments, whose values are a memorised 64-entry table that only a full-width FFN holds
-# (data/prepare.py synthetic_lookup). Random routing at the budget, as in config/ffn_stage1_synthetic.py;
-# a rank-2 cheap FFN, so the cheap path cannot hold the table.
+# Stage 1 of the controller-only recipe (arXiv 2604.17228) on a corpus with room: the synthetic
+# grammar plus lookup segments, whose values are a memorised 64-entry table that only a full-width
+# FFN holds (data/prepare.py synthetic_lookup). Random routing at the budget, as in
+# config/ffn_stage1_synthetic.py; a rank-2 cheap FFN, so the cheap path cannot hold the table.
 #   python train.py config/ffn_stage1_lookup.py
-#   python eval.py --ckpt out/ffn_stage1_lookup/ckpt.pt --room      # all-full, all-cheap, random, oracle
+#   python eval.py --ckpt out/ffn_stage1_lookup/ckpt.pt --room
+# (--room: all-full, all-cheap, random, oracle)
 out_dir = 'out/ffn_stage1_lookup'
 dataset = 'synthetic_lookup'
 route = 'ffn'

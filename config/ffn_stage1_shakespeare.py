@@ -1,4 +1,5 @@
-# Stage 1 on Tiny Shakespeare (char level), CPU-sized; see config/ffn_stage1_synthetic.py for why random routing.
+# Stage 1 on Tiny Shakespeare (char level), CPU-sized; see config/ffn_stage1_synthetic.py for why
+# random routing.
 #   python data/prepare.py shakespeare_char && python train.py config/ffn_stage1_shakespeare.py
 out_dir = 'out/ffn_stage1_shakespeare'
 dataset = 'shakespeare_char'

@@ -1,7 +1,7 @@
 # Stage 1 of the controller-only recipe (arXiv 2604.17228), CPU-sized: train the backbone, cheap
 # FFNs included, with RANDOM routing at the budget. Every token randomly takes the full or the cheap
-# FFN at every controlled layer, so (a) the cheap FFNs get their own LM gradient and become useful on
-# their own, and (b) the backbone learns to work under the mixed-path futures a gate will create.
+# FFN at every controlled layer, so (a) the cheap FFNs get their own LM gradient and become useful
+# on their own, and (b) the backbone learns to work under the mixed-path futures a gate will create.
 #   python train.py config/ffn_stage1_synthetic.py
 out_dir = 'out/ffn_stage1_synthetic'
 dataset = 'synthetic'

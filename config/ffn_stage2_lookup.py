@@ -1,7 +1,8 @@
-# Stage 2 on the corpus with room (config/ffn_stage1_lookup.py first): gates only, the backbone frozen.
-# The default arm is the standard recipe for G1 (util + rank from off-policy oracle labels); arms
-# override gate and weights as in config/ffn_stage2_synthetic.py:
-#   python train.py config/ffn_stage2_lookup.py [--ffn_gate=jepa] [--ffn_util_weight=0 --ffn_rank_weight=0]
+# Stage 2 on the corpus with room (config/ffn_stage1_lookup.py first): gates only, the backbone
+# frozen. The default arm is the standard recipe for G1 (util + rank from off-policy oracle labels);
+# arms override gate and weights as in config/ffn_stage2_synthetic.py:
+#   python train.py config/ffn_stage2_lookup.py [--ffn_gate=jepa] \
+#       [--ffn_util_weight=0 --ffn_rank_weight=0]
 init_from = 'out/ffn_stage1_lookup/ckpt.pt'
 out_dir = 'out/ffn_stage2_lookup'
 dataset = 'synthetic_lookup'

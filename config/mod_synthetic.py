@@ -1,8 +1,8 @@
-# Mixture-of-Depths (Raposo et al., arXiv 2404.02258), CPU-sized: a linear router per routed block (every other
-# block), capacity ceil(0.125·T) tokens per sequence in training, x + σ(r)·f(x̃) on the selected tokens,
-# attention among them at their real positions. Causal sampling by the router BCE rule (σ(r) > 0.5);
-# --mod_infer_rule=predictor uses the stop-gradient MLP predictor instead. The end-of-run summary reports
-# the causal rule's agreement with top-k on validation.
+# Mixture-of-Depths (Raposo et al., arXiv 2404.02258), CPU-sized: a linear router per routed block
+# (every other block), capacity ceil(0.125·T) tokens per sequence in training, x + σ(r)·f(x̃) on the
+# selected tokens, attention among them at their real positions. Causal sampling by the router BCE
+# rule (σ(r) > 0.5); --mod_infer_rule=predictor uses the stop-gradient MLP predictor instead. The
+# end-of-run summary reports the causal rule's agreement with top-k on validation.
 #   python train.py config/mod_synthetic.py
 out_dir = 'out/mod_synthetic'
 route = 'mod'

@@ -1,6 +1,7 @@
-# The seed paper's A3 at CPU scale (arXiv 2604.17228): G1 and G3, standard recipe (util + rank from off-policy
-# oracle labels) vs util/rank removed, 3 seeds, plus the on-policy-label arm the paper never ran.
-# Stage 1 (random-routing backbone) runs once first; every arm trains gates only on top of it.
+# The seed paper's A3 at CPU scale (arXiv 2604.17228): G1 and G3, standard recipe (util + rank from
+# off-policy oracle labels) vs util/rank removed, 3 seeds, plus the on-policy-label arm the paper
+# never ran. Stage 1 (random-routing backbone) runs once first; every arm trains gates only on top
+# of it.
 #   python sweep.py config/study_a3.py
 base = 'config/ffn_stage2_synthetic.py'
 # whole-sequence oracle labels: the setting docs/results.md reports this study under

@@ -1,5 +1,6 @@
 # study_a3_ablations on Tiny Shakespeare (char level), CPU-sized: A1, A4 and the 25% budget check.
-#   python data/prepare.py shakespeare_char && python sweep.py config/study_a3_ablations_shakespeare.py
+#   python data/prepare.py shakespeare_char && \
+#       python sweep.py config/study_a3_ablations_shakespeare.py
 base = 'config/ffn_stage2_shakespeare.py'
 out_root = 'out/study_a3_ablations_shakespeare'
 before = [['config/ffn_stage1_shakespeare.py', '--out_dir=out/ffn_stage1_shakespeare']]

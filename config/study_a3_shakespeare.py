@@ -1,4 +1,5 @@
-# study_a3 on Tiny Shakespeare (char level), CPU-sized. Needs: python data/prepare.py shakespeare_char
+# study_a3 on Tiny Shakespeare (char level), CPU-sized. Needs: python data/prepare.py
+# shakespeare_char
 #   python sweep.py config/study_a3_shakespeare.py
 base = 'config/ffn_stage2_shakespeare.py'
 out_root = 'out/study_a3_shakespeare'

@@ -1,8 +1,8 @@
-# Every routing family on one model, one corpus, one schedule, one FLOPs accountant (CPU-sized), beside
-# a dense frontier: dense models of four widths (d=64, 96, 128, 160; 0.29–1.52× the d=128 model's
-# FLOPs), so each routed arm is read against dense at equal training FLOPs and at equal eval FLOPs
-# (sweep.py interpolates each seed's frontier), not against a single dense point. The room is how far
-# the frontier spans in loss against the seed spread.
+# Every routing family on one model, one corpus, one schedule, one FLOPs accountant (CPU-sized),
+# beside a dense frontier: dense models of four widths (d=64, 96, 128, 160; 0.29–1.52× the d=128
+# model's FLOPs), so each routed arm is read against dense at equal training FLOPs and at equal eval
+# FLOPs (sweep.py interpolates each seed's frontier), not against a single dense point. The room is
+# how far the frontier spans in loss against the seed spread.
 #   python sweep.py config/study_families.py --jobs=2            (~35 min on 2 CPU cores)
 # GPU-sized variant: config/study_families_gpu.py.
 base = 'config/families_synthetic.py'

@@ -1,5 +1,6 @@
-# The family comparison at GPU scale: GPT-2-small shape on FineWeb-Edu (config/gpt2_124m_fineweb.py),
-# shortened to 2000 steps per arm, bf16 + compile. Not run in this repository yet (see README).
+# The family comparison at GPU scale: GPT-2-small shape on FineWeb-Edu
+# (config/gpt2_124m_fineweb.py), shortened to 2000 steps per arm, bf16 + compile. Not run in this
+# repository yet (see README).
 #   python data/prepare.py fineweb_edu && python sweep.py config/study_families_gpu.py
 base = 'config/gpt2_124m_fineweb.py'
 out_root = 'out/study_families_gpu'

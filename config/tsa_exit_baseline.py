@@ -1,7 +1,7 @@
 # TSA's early-exit baseline (arXiv 2605.05222) for the matched-α comparison, CPU-sized like
 # config/tsa_shakespeare_cpu.py: one exit after every block, shared norm + head, loss = mean CE over
-# every exit and the final layer. The summary's threshold sweep gives loss at each TLOps saved, to set
-# beside TSA's hard-skip rows at the same α. GPU paper setting: add the overrides of
+# every exit and the final layer. The summary's threshold sweep gives loss at each TLOps saved, to
+# set beside TSA's hard-skip rows at the same α. GPU paper setting: add the overrides of
 # config/tsa_shakespeare.py (d=256, H=8, batch 64, 5000 steps, lr 3e-4).
 #   python train.py config/tsa_exit_baseline.py
 out_dir = 'out/tsa_exit_baseline'

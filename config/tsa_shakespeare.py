@@ -1,8 +1,9 @@
-# Token-Selective Attention (TSA, arXiv 2605.05222) with the paper's Tiny-Shakespeare settings, for a GPU:
-# d=256, L=6, H=8, d_ff=1024, ctx 128, batch 64, 5000 steps, AdamW (0.9, 0.95), lr 3e-4 cosine to 0.1·lr,
-# wd 0.1, dropout 0.1, tied embeddings, residual init N(0, (0.02/sqrt(2L))^2), lambda=0.001.
-# Differences: nanodepth's shakespeare_char split is 90/10 (the paper: 80/10/10); warmup is not stated
-# (100 here). Dense baseline: --route=none. lambda sweep: --halt_lambda=0 / 0.05 / 0.5.
+# Token-Selective Attention (TSA, arXiv 2605.05222) with the paper's Tiny-Shakespeare settings, for
+# a GPU: d=256, L=6, H=8, d_ff=1024, ctx 128, batch 64, 5000 steps, AdamW (0.9, 0.95), lr 3e-4
+# cosine to 0.1·lr, wd 0.1, dropout 0.1, tied embeddings, residual init N(0, (0.02/sqrt(2L))^2),
+# lambda=0.001. Differences: nanodepth's shakespeare_char split is 90/10 (the paper: 80/10/10);
+# warmup is not stated (100 here). Dense baseline: --route=none. lambda sweep: --halt_lambda=0 /
+# 0.05 / 0.5.
 #   python data/prepare.py shakespeare_char && python train.py config/tsa_shakespeare.py
 out_dir = 'out/tsa_shakespeare'
 dataset = 'shakespeare_char'

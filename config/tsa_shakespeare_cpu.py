@@ -1,5 +1,5 @@
-# TSA on Tiny Shakespeare, CPU-sized (a few minutes on 2 cores): same recipe as config/tsa_shakespeare.py,
-# smaller and shorter. Dense baseline: --route=none.
+# TSA on Tiny Shakespeare, CPU-sized (a few minutes on 2 cores): same recipe as
+# config/tsa_shakespeare.py, smaller and shorter. Dense baseline: --route=none.
 out_dir = 'out/tsa_shakespeare_cpu'
 dataset = 'shakespeare_char'
 route = 'halt'

@@ -1,6 +1,7 @@
 """
 Reading a prepared dataset (data/<dataset>/, written by data/prepare.py): its meta.json and checks,
-the reproducible batch sampler, and the tokenizer. Shared by train.py, eval.py, sample.py and bench.py.
+the reproducible batch sampler, and the tokenizer. Shared by train.py, eval.py, sample.py and
+bench.py.
 
     from data.loader import Batches, load_dataset_meta, open_splits
 """
@@ -13,11 +14,13 @@ import torch
 from configurator import ConfigError, UserError, writable_folder
 from data import prepare as prep
 
-DATA_DIR = os.path.dirname(os.path.abspath(__file__))   # where dataset folders live unless --data_dir says
+DATA_DIR = os.path.dirname(os.path.abspath(__file__))   # where dataset folders live unless
+                                                        # --data_dir says
 
 
 class DataError(UserError):
-    """Data that is missing, incomplete, corrupt or not the run's own; the message says what to do."""
+    """Data that is missing, incomplete, corrupt or not the run's own; the message says what to
+    do."""
 
 
 BUILTIN = ('synthetic', 'synthetic_lookup')      # generated here, so prepared on first use
@@ -54,9 +57,13 @@ def load_dataset_meta(cfg, master, prepare_missing=True):
     folder = dataset_folder(cfg)
     if prepare_missing and needs_preparing(cfg):
         if master:
-            print(f"no {cfg.dataset} corpus at {folder}: preparing it (python data/prepare.py {cfg.dataset})")
+            print(
+                f"no {cfg.dataset} corpus at {folder}: preparing it (python data/prepare.py "
+                f"{cfg.dataset})"
+            )
             prep.prepare(cfg.dataset, out_dir=folder)
-        else:                        # DDP: rank 0 prepares (meta.json is written last); the others wait
+        else:                        # DDP: rank 0 prepares (meta.json is written last); the others
+                                     # wait
             deadline = time.time() + 600
             while not os.path.exists(os.path.join(folder, 'meta.json')) and time.time() < deadline:
                 time.sleep(0.5)
@@ -88,23 +95,26 @@ def data_identity(meta):
 
 
 def check_checkpoint_data(cfg, meta, ckpt):
-    """The data is the one the checkpoint was trained on (what data_identity recorded); else one line
-    naming the first field that differs."""
+    """The data is the one the checkpoint was trained on (what data_identity recorded); else one
+    line naming the first field that differs."""
     cmeta = ckpt.get('data_meta') or {}
     for k in ('dataset', 'tokenizer', 'vocab_size', 'source_sha256', 'train_sha256'):
         if cmeta.get(k) is not None and cmeta[k] != data_identity(meta).get(k):
-            raise DataError(f"data field '{k}' differs from the checkpoint's data: checkpoint has "
-                            f"{cmeta[k]!r}, {meta.get('folder', cfg.dataset)} has {data_identity(meta).get(k)!r}; "
-                            f"use the run's own data (--data_dir/--dataset)")
+            raise DataError(
+                f"data field '{k}' differs from the checkpoint's data: checkpoint has "
+                f"{cmeta[k]!r}, {meta.get('folder', cfg.dataset)} has "
+                f"{data_identity(meta).get(k)!r}; "
+                f"use the run's own data (--data_dir/--dataset)"
+            )
 
 
 class Batches:
-    """Stateless, exactly reproducible sampler. Training windows are the non-overlapping (block_size+1)
-    slices of the token file, visited in a fresh random order each epoch (plus a random shift per
-    epoch); micro-batch j takes rows j·B .. j·B+B-1 of that endless sequence. Since a batch is a pure
-    function of (seed, j), resume needs only the iteration number, and DDP rank r at micro-step m of
-    iteration i reads j = (i·accum + m)·world + r: ranks read disjoint windows, and 1 process with
-    accumulation 2 reads the same batches as 2 processes with accumulation 1."""
+    """Stateless, exactly reproducible sampler. Training windows are the non-overlapping
+    (block_size+1) slices of the token file, visited in a fresh random order each epoch (plus a
+    random shift per epoch); micro-batch j takes rows j·B .. j·B+B-1 of that endless sequence. Since
+    a batch is a pure function of (seed, j), resume needs only the iteration number, and DDP rank r
+    at micro-step m of iteration i reads j = (i·accum + m)·world + r: ranks read disjoint windows,
+    and 1 process with accumulation 2 reads the same batches as 2 processes with accumulation 1."""
 
     def __init__(self, path, np_dtype, block_size, batch_size, seed, device):
         self.path, self.np_dtype = path, np_dtype
@@ -133,9 +143,13 @@ class Batches:
     def fetch(self, starts):
         data = np.memmap(self.path, dtype=self.np_dtype, mode='r')   # re-open: avoids a memmap leak
         x = torch.from_numpy(np.stack([data[s:s + self.T].astype(np.int64) for s in starts]))
-        y = torch.from_numpy(np.stack([data[s + 1:s + 1 + self.T].astype(np.int64) for s in starts]))
+        y = torch.from_numpy(
+            np.stack([data[s + 1 : s + 1 + self.T].astype(np.int64) for s in starts])
+        )
         if self.device.type == 'cuda':
-            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(
+                self.device, non_blocking=True
+            )
         return x.to(self.device), y.to(self.device)
 
     def get(self, j):
@@ -152,13 +166,23 @@ class Batches:
 def open_splits(meta, block_size, batch_size, seed, device):
     """The samplers of a prepared dataset's train and val token files."""
     np_dtype = np.uint32 if meta.get('dtype') == 'uint32' else np.uint16
-    return tuple(Batches(os.path.join(meta['folder'], f'{split}.bin'), np_dtype, block_size, batch_size, seed, device)
-                 for split in ('train', 'val'))
+    return tuple(
+        Batches(
+            os.path.join(meta['folder'], f'{split}.bin'),
+            np_dtype,
+            block_size,
+            batch_size,
+            seed,
+            device,
+        )
+        for split in ('train', 'val')
+    )
 
 
 def load_tokenizer(meta):
-    """(encode, decode) for the tokenizer named in a dataset's meta.json. encode(text, where) refuses
-    characters outside a char or synthetic vocabulary with a ConfigError naming `where` (e.g. '--start')."""
+    """(encode, decode) for the tokenizer named in a dataset's meta.json. encode(text, where)
+    refuses characters outside a char or synthetic vocabulary with a ConfigError naming `where`
+    (e.g. '--start')."""
     tok = meta.get('tokenizer')
     if tok == 'gpt2':
         prep.ensure_tiktoken_cache()
@@ -166,10 +190,13 @@ def load_tokenizer(meta):
         enc = tiktoken.get_encoding('gpt2')
         return (lambda s, where='': enc.encode(s, allowed_special={'<|endoftext|>'})), enc.decode
     if tok == 'byte':
-        return (lambda s, where='': list(s.encode('utf-8'))), (lambda ids: bytes(ids).decode('utf-8', errors='replace'))
+        return (lambda s, where='': list(s.encode('utf-8'))), (
+            lambda ids: bytes(ids).decode('utf-8', errors='replace')
+        )
     itos = meta['chars'] if tok == 'char' else meta['itos']
     stoi = {s: i for i, s in enumerate(itos)}
-    syms = sorted(stoi, key=len, reverse=True)     # synthetic symbols may be multi-character: longest match
+    syms = sorted(stoi, key=len, reverse=True)     # synthetic symbols may be multi-character:
+                                                   # longest match
     listing = repr(''.join(itos)) if tok == 'char' else ' '.join(itos)
     has = (f"the {tok} vocabulary has {len(itos)} {'characters' if tok == 'char' else 'symbols'}: "
            f"{listing if len(listing) <= 100 else listing[:100] + '...'}")
@@ -186,7 +213,11 @@ def load_tokenizer(meta):
             i += len(m)
         if unknown:
             unknown = list(dict.fromkeys(unknown))
-            shown = ', '.join(map(repr, unknown[:5])) + (f' and {len(unknown) - 5} more' if len(unknown) > 5 else '')
-            raise ConfigError(f"{where} has characters outside the vocabulary: {shown} ({has}); use only those")
+            shown = ', '.join(map(repr, unknown[:5])) + (
+                f' and {len(unknown) - 5} more' if len(unknown) > 5 else ''
+            )
+            raise ConfigError(
+                f"{where} has characters outside the vocabulary: {shown} ({has}); use only those"
+            )
         return out
     return encode, (lambda ids: ''.join(itos[i] for i in ids))

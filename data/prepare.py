@@ -66,7 +66,8 @@ import numpy as np
 
 try:
     import fcntl
-except ImportError:  # Windows: no advisory file locks, so prepares into one folder are not serialised
+except ImportError:  # Windows: no advisory file locks, so prepares into one folder are not
+                     # serialised
     fcntl = None
 
 DATA_DIR = Path(__file__).resolve().parent
@@ -75,16 +76,27 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: the repository's modules 
     sys.path.append(str(REPO_ROOT))
 from configurator import ConfigError, writable_folder  # noqa: E402
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
-SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+SHAKESPEARE_URL = (
+    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+)
 ENWIK8_URL = "http://mattmahoney.net/dc/enwik8.zip"
 GPT2_EOT = 50256
 TIKTOKEN_FILES = {"vocab.bpe": "6d1cbeee0f20b3d9449abfede4726ed8212e3aee",
                   "encoder.json": "6c7ea1a7e38e3a7f062df639a5b80947f075ffe6"}
 COMMON_DEFAULTS = {"dtype": "auto"}
 DEFAULTS = {
-    "synthetic": {"seed": 1337, "num_tokens": 2_000_000, "mix": "copy=0.3,count=0.2,noise=0.2,add=0.3"},
-    # the same grammar with lookup segments, whose values only a memorised table predicts: the FFN's job
-    "synthetic_lookup": {"seed": 1337, "num_tokens": 2_000_000, "mix": "copy=0.2,count=0.1,noise=0.1,add=0.2,lookup=0.4"},
+    "synthetic": {
+        "seed": 1337,
+        "num_tokens": 2_000_000,
+        "mix": "copy=0.3,count=0.2,noise=0.2,add=0.3",
+    },
+    # the same grammar with lookup segments, whose values only a memorised table predicts: the FFN's
+    # job
+    "synthetic_lookup": {
+        "seed": 1337,
+        "num_tokens": 2_000_000,
+        "mix": "copy=0.2,count=0.1,noise=0.1,add=0.2,lookup=0.4",
+    },
     "shakespeare_char": {"input": None},
     "enwik8": {"input": None},
     "fineweb_edu": {"input": None, "max_docs": 100_000, "val_fraction": 0.005},
@@ -100,11 +112,12 @@ class PrepareError(Exception):
 SYMBOLS = list("0123456789abcdefghijklmnop|CNRA>+=")
 SEP, GT, PLUS, EQ = (SYMBOLS.index(c) for c in "|>+=")
 KINDS = ["copy", "count", "noise", "add", "lookup"]
-# 'L' (the lookup kind) and the 'recall' class exist only in corpora whose mix has lookup segments, so
-# the default corpus keeps its 34 tokens and 5 classes
+# 'L' (the lookup kind) and the 'recall' class exist only in corpora whose mix has lookup segments,
+# so the default corpus keeps its 34 tokens and 5 classes
 KIND_TOKENS = [SYMBOLS.index(c) for c in "CNRA"] + [len(SYMBOLS)]
 LOOKUP_SYMBOLS = SYMBOLS + ["L"]
-LOOKUP_KEYS = 8          # key letters a-h: a table of 8 x 8 = 64 pairs, small enough to memorise on a CPU
+LOOKUP_KEYS = 8          # key letters a-h: a table of 8 x 8 = 64 pairs, small enough to memorise on
+                         # a CPU
 DIFFICULTY_CLASSES = ["structure", "trivial", "noise", "hard", "header"]
 LOOKUP_CLASSES = DIFFICULTY_CLASSES + ["recall"]
 STRUCT, TRIVIAL, NOISE, HARD, HEADER, RECALL = range(6)
@@ -116,7 +129,9 @@ def parse_mix(mix):
     for item in filter(None, (s.strip() for s in str(mix).split(","))):
         key, _, value = item.partition("=")
         if key.strip() not in weights:
-            raise PrepareError(f"--mix: unknown segment kind {key.strip()!r}; kinds are {', '.join(KINDS)}")
+            raise PrepareError(
+                f"--mix: unknown segment kind {key.strip()!r}; kinds are {', '.join(KINDS)}"
+            )
         try:
             weights[key.strip()] = float(value)
         except ValueError:
@@ -128,25 +143,33 @@ def parse_mix(mix):
 
 
 def lookup_table(seed):
-    """The lookup kind's fixed table: a pair of letters -> a letter, the same in every split of a corpus."""
+    """The lookup kind's fixed table: a pair of letters -> a letter, the same in every split of a
+    corpus."""
     return np.random.default_rng([seed, 7]).integers(10, 26, size=(26, 26)).tolist()
 
 
 def generate_synthetic(num_tokens, seed, mix=DEFAULTS["synthetic"]["mix"], table=None):
-    """Whole segments until >= num_tokens tokens; seed is an int or a list of ints (numpy SeedSequence);
-    table: lookup_table(...) for mixes with lookup segments. Returns (tokens, difficulty), two uint8
-    arrays of the same length."""
+    """Whole segments until >= num_tokens tokens; seed is an int or a list of ints (numpy
+    SeedSequence); table: lookup_table(...) for mixes with lookup segments. Returns (tokens,
+    difficulty), two uint8 arrays of the same length."""
     probs, rng = parse_mix(mix), np.random.default_rng(seed)
     if probs[4] > 0 and table is None:
         table = lookup_table(0)
     toks, cls = [], []
     while len(toks) < num_tokens:
         n_seg = 16 + (num_tokens - len(toks)) // 8  # more than needed; unused draws are dropped
-        kinds, lens = rng.choice(5, size=n_seg, p=probs).tolist(), rng.integers(1, 10, size=n_seg).tolist()
+        kinds, lens = (
+            rng.choice(5, size=n_seg, p=probs).tolist(),
+            rng.integers(1, 10, size=n_seg).tolist(),
+        )
         letters, pl = rng.integers(10, 26, size=9 * n_seg).tolist(), 0
         digits, pd = rng.integers(0, 10, size=18 * n_seg).tolist(), 0
-        # drawn last and only for lookup mixes, so the other mixes' streams are what they always were
-        keys, pk = (rng.integers(10, 10 + LOOKUP_KEYS, size=18 * n_seg).tolist() if probs[4] > 0 else []), 0
+        # drawn last and only for lookup mixes, so the other mixes' streams are what they always
+        # were
+        keys, pk = (
+            (rng.integers(10, 10 + LOOKUP_KEYS, size=18 * n_seg).tolist() if probs[4] > 0 else []),
+            0,
+        )
         for kind, n in zip(kinds, lens):
             if kind == 0:    # copy
                 x, pl = letters[pl:pl + n], pl + n
@@ -188,19 +211,29 @@ def build_synthetic(a):
     itos, classes = (LOOKUP_SYMBOLS, LOOKUP_CLASSES) if lookup else (SYMBOLS, DIFFICULTY_CLASSES)
     splits, diff, h = {}, {}, hashlib.sha256()
     for i, (split, target) in enumerate([("train", n_train), ("val", n - n_train)]):
-        splits[split], diff[split] = generate_synthetic(target, [seed, i], a["mix"], table=lookup_table(seed))
+        splits[split], diff[split] = generate_synthetic(
+            target, [seed, i], a["mix"], table=lookup_table(seed)
+        )
         h.update(to_array(splits[split], len(itos), a["dtype"]).tobytes())
-    meta = {"tokenizer": "synthetic", "vocab_size": len(itos), "itos": itos, "source": "builtin",
-            "source_sha256": h.hexdigest(),
-            "split": "90/10: train and val are separate streams of whole segments, seeds (seed,0) and (seed,1)",
-            "difficulty_classes": classes,
-            "difficulty_counts": {s: dict(zip(classes, np.bincount(d, minlength=len(classes)).tolist()))
-                                  for s, d in diff.items()}}
+    meta = {
+        "tokenizer": "synthetic",
+        "vocab_size": len(itos),
+        "itos": itos,
+        "source": "builtin",
+        "source_sha256": h.hexdigest(),
+        "split": "90/10: train and val are separate streams of whole segments, seeds (seed,0) and "
+                 "(seed,1)",
+        "difficulty_classes": classes,
+        "difficulty_counts": {
+            s: dict(zip(classes, np.bincount(d, minlength=len(classes)).tolist()))
+            for s, d in diff.items()
+        },
+    }
     extra = {f"{s}_difficulty": d for s, d in diff.items()}
     return splits, extra, meta
 
 
-# ----------------------------------------------------------------------------- inputs and tokenizers
+# ---------------------------------------------------------------------------- inputs and tokenizers
 def read_input(path):
     p = Path(path)
     if not p.is_file():
@@ -220,7 +253,9 @@ def fetch(url, cache):
         with urllib.request.urlopen(url, timeout=60) as r:
             raw = r.read()
     except OSError as e:
-        raise PrepareError(f"could not download {url} ({e}); pass --input FILE with a local copy") from None
+        raise PrepareError(
+            f"could not download {url} ({e}); pass --input FILE with a local copy"
+        ) from None
     cache.parent.mkdir(parents=True, exist_ok=True)
     write_file(cache, raw)
     return raw
@@ -242,7 +277,8 @@ def decode_utf8(raw, path, byte_option=False):
 
 
 def ensure_tiktoken_cache():
-    """Serve tiktoken's gpt2 files from <repo>/../shared/data/gpt2 when TIKTOKEN_CACHE_DIR is unset."""
+    """Serve tiktoken's gpt2 files from <repo>/../shared/data/gpt2 when TIKTOKEN_CACHE_DIR is
+    unset."""
     if "TIKTOKEN_CACHE_DIR" in os.environ:
         return os.environ["TIKTOKEN_CACHE_DIR"]
     src = SHARED_DATA / "gpt2"
@@ -264,8 +300,10 @@ def gpt2_encoding():
     try:
         return tiktoken.get_encoding("gpt2")
     except Exception as e:
-        raise PrepareError(f"could not load tiktoken's gpt2 encoding ({e}); put the BPE files in "
-                           "../shared/data/gpt2 or set TIKTOKEN_CACHE_DIR (see its README.txt)") from None
+        raise PrepareError(
+            f"could not load tiktoken's gpt2 encoding ({e}); put the BPE files in "
+            "../shared/data/gpt2 or set TIKTOKEN_CACHE_DIR (see its README.txt)"
+        ) from None
 
 
 def encode_docs(docs):
@@ -289,10 +327,16 @@ def load_docs(path, max_docs):
         try:
             table = pq.read_table(io.BytesIO(raw), columns=["text"])
         except Exception as e:
-            raise PrepareError(f"{path}: cannot read a `text` column from this parquet file ({e})") from None
+            raise PrepareError(
+                f"{path}: cannot read a `text` column from this parquet file ({e})"
+            ) from None
         docs = [t for t in table.column("text").slice(0, max_docs).to_pylist() if t]
     elif suffix == ".jsonl":
-        lines = [(n, line) for n, line in enumerate(decode_utf8(raw, path).splitlines(), 1) if line.strip()]
+        lines = [
+            (n, line)
+            for n, line in enumerate(decode_utf8(raw, path).splitlines(), 1)
+            if line.strip()
+        ]
         docs = [json_text(line, f"{path} line {n}") for n, line in lines[:max_docs]]
     else:
         docs = split_txt_docs(decode_utf8(raw, path))[:max_docs]
@@ -316,10 +360,14 @@ def stream_fineweb_edu(max_docs):
     try:
         from datasets import load_dataset
     except ImportError:
-        raise PrepareError("fineweb_edu without --input needs the `datasets` package: pip install datasets, "
-                           "or pass --input with a local .parquet/.jsonl/.txt file, e.g. "
-                           "--input ../shared/data/fineweb_sample_legal.parquet") from None
-    ds = load_dataset("HuggingFaceFW/fineweb-edu", name="sample-10BT", split="train", streaming=True)
+        raise PrepareError(
+            "fineweb_edu without --input needs the `datasets` package: pip install datasets, "
+            "or pass --input with a local .parquet/.jsonl/.txt file, e.g. "
+            "--input ../shared/data/fineweb_sample_legal.parquet"
+        ) from None
+    ds = load_dataset(
+        "HuggingFaceFW/fineweb-edu", name="sample-10BT", split="train", streaming=True
+    )
     docs = [row["text"] for _, row in zip(range(max_docs), ds)]
     return "\n<|endoftext|>\n".join(docs).encode("utf-8"), docs
 
@@ -334,8 +382,10 @@ def check_fraction(f):
 def split_tokens(ids, val_fraction, what):
     n_train = int(len(ids) * (1 - check_fraction(val_fraction)))
     if n_train < 1 or n_train >= len(ids):
-        raise PrepareError(f"{what}: {len(ids)} tokens with --val_fraction {val_fraction} would leave the "
-                           f"{'train' if n_train < 1 else 'val'} split empty; use a larger input or fraction")
+        raise PrepareError(
+            f"{what}: {len(ids)} tokens with --val_fraction {val_fraction} would leave the "
+            f"{'train' if n_train < 1 else 'val'} split empty; use a larger input or fraction"
+        )
     return {"train": ids[:n_train], "val": ids[n_train:]}
 
 
@@ -365,9 +415,15 @@ def build_text(a, default_input=None, url=None):
     ids, vocab, extra = tokenize_text(raw, path or url, tokenizer, byte_option="tokenizer" in a)
     splits = split_tokens(ids, a.get("val_fraction", 0.1), source)
     pct = round(100 * (1 - float(a.get("val_fraction", 0.1))))
-    meta = {"tokenizer": tokenizer, "vocab_size": vocab, **extra, "source": source,
-            "source_sha256": hashlib.sha256(raw).hexdigest(),
-            "split": f"{pct}/{100 - pct} by {'characters' if tokenizer == 'char' else tokenizer + ' tokens'}"}
+    meta = {
+        "tokenizer": tokenizer,
+        "vocab_size": vocab,
+        **extra,
+        "source": source,
+        "source_sha256": hashlib.sha256(raw).hexdigest(),
+        "split": f"{pct}/{100 - pct} by "
+                 f"{'characters' if tokenizer == 'char' else tokenizer + ' tokens'}",
+    }
     return splits, {}, meta
 
 
@@ -384,7 +440,9 @@ def build_enwik8(a):
             with zipfile.ZipFile(io.BytesIO(raw)) as z:
                 data = z.read("enwik8" if "enwik8" in z.namelist() else z.namelist()[0])
         except (zipfile.BadZipFile, IndexError) as e:
-            raise PrepareError(f"{a['input'] or ENWIK8_URL}: not a readable enwik8 zip ({e})") from None
+            raise PrepareError(
+                f"{a['input'] or ENWIK8_URL}: not a readable enwik8 zip ({e})"
+            ) from None
         if not data:
             raise PrepareError(f"{a['input'] or ENWIK8_URL}: the enwik8 member is empty")
     n = len(data)
@@ -397,8 +455,13 @@ def build_enwik8(a):
     splits = {"train": ids[:cuts[0]], "val": ids[cuts[0]:cuts[1]], "test": ids[cuts[1]:]}
     if any(len(v) == 0 for v in splits.values()):
         raise PrepareError(f"enwik8 input of {n} bytes is too small: the val split would be empty")
-    meta = {"tokenizer": "byte", "vocab_size": 256, "source": str(Path(a["input"]).resolve())
-            if a["input"] else ENWIK8_URL, "source_sha256": hashlib.sha256(raw).hexdigest(), "split": split}
+    meta = {
+        "tokenizer": "byte",
+        "vocab_size": 256,
+        "source": str(Path(a["input"]).resolve()) if a["input"] else ENWIK8_URL,
+        "source_sha256": hashlib.sha256(raw).hexdigest(),
+        "split": split,
+    }
     return splits, {}, meta
 
 
@@ -407,19 +470,36 @@ def build_fineweb_edu(a):
     if a["input"]:
         (raw, docs), source = load_docs(a["input"], max_docs), str(Path(a["input"]).resolve())
     else:
-        (raw, docs), source = stream_fineweb_edu(max_docs), "hf://HuggingFaceFW/fineweb-edu/sample-10BT"
+        (raw, docs), source = (
+            stream_fineweb_edu(max_docs),
+            "hf://HuggingFaceFW/fineweb-edu/sample-10BT",
+        )
     n_val = max(1, int(len(docs) * frac))
     if len(docs) - n_val < 1:
-        raise PrepareError(f"{source}: {len(docs)} document(s) cannot fill both train and val; need at least 2")
+        raise PrepareError(
+            f"{source}: {len(docs)} document(s) cannot fill both train and val; need at least 2"
+        )
     splits = {"train": encode_docs(docs[:-n_val]), "val": encode_docs(docs[-n_val:])}
-    meta = {"tokenizer": "gpt2", "vocab_size": GPT2_EOT + 1, "eot_token": GPT2_EOT, "source": source,
-            "source_sha256": hashlib.sha256(raw).hexdigest(),
-            "split": f"by documents: first {len(docs) - n_val} train, last {n_val} val", "documents": len(docs)}
+    meta = {
+        "tokenizer": "gpt2",
+        "vocab_size": GPT2_EOT + 1,
+        "eot_token": GPT2_EOT,
+        "source": source,
+        "source_sha256": hashlib.sha256(raw).hexdigest(),
+        "split": f"by documents: first {len(docs) - n_val} train, last {n_val} val",
+        "documents": len(docs),
+    }
     return splits, {}, meta
 
 
-BUILDERS = {"synthetic": build_synthetic, "synthetic_lookup": build_synthetic, "shakespeare_char": build_shakespeare_char,
-            "enwik8": build_enwik8, "fineweb_edu": build_fineweb_edu, "text": build_text}
+BUILDERS = {
+    "synthetic": build_synthetic,
+    "synthetic_lookup": build_synthetic,
+    "shakespeare_char": build_shakespeare_char,
+    "enwik8": build_enwik8,
+    "fineweb_edu": build_fineweb_edu,
+    "text": build_text,
+}
 
 
 # ----------------------------------------------------------------------------- writing and checking
@@ -428,7 +508,9 @@ def to_array(ids, vocab_size, dtype="auto"):
     if dtype not in ("auto", "uint16", "uint32"):
         raise PrepareError(f"--dtype {dtype!r}: choose auto, uint16 or uint32")
     if dtype == "uint16" and vocab_size > 65535:
-        raise PrepareError(f"vocab_size {vocab_size} does not fit --dtype uint16; use uint32 or auto")
+        raise PrepareError(
+            f"vocab_size {vocab_size} does not fit --dtype uint16; use uint32 or auto"
+        )
     big = dtype == "uint32" or (dtype == "auto" and vocab_size > 65535)
     return np.asarray(ids).astype("<u4" if big else "<u2")
 
@@ -471,8 +553,10 @@ def prepare(dataset, out_dir=None, **opts):
     args = {**COMMON_DEFAULTS, **DEFAULTS[dataset]}
     unknown = sorted(k for k, v in opts.items() if k not in args and v is not None)
     if unknown:
-        raise PrepareError(f"option(s) {', '.join('--' + k for k in unknown)} do not apply to dataset {dataset}; "
-                           f"its options: {', '.join('--' + k for k in args)}")
+        raise PrepareError(
+            f"option(s) {', '.join('--' + k for k in unknown)} do not apply to dataset {dataset}; "
+            f"its options: {', '.join('--' + k for k in args)}"
+        )
     args.update({k: v for k, v in opts.items() if v is not None})
     check_options(args, out_dir)
     out = output_dir(dataset, out_dir, args.get("name"))
@@ -485,10 +569,14 @@ def prepare(dataset, out_dir=None, **opts):
     out.mkdir(parents=True, exist_ok=True)
     with folder_lock(out):  # a second prepare into out waits, then rewrites every file itself
         remove_stale_tmp(out)
-        (out / "meta.json").unlink(missing_ok=True)  # the folder is incomplete until meta.json is back
+        (out / "meta.json").unlink(missing_ok=True)  # the folder is incomplete until meta.json is
+                                                     # back
         for name, arr in arrays.items():
             write_file(out / f"{name}.bin", arr)
-            meta["files"][f"{name}.bin"] = {"bytes": arr.nbytes, "sha256": hashlib.sha256(arr).hexdigest()}
+            meta["files"][f"{name}.bin"] = {
+                "bytes": arr.nbytes,
+                "sha256": hashlib.sha256(arr).hexdigest(),
+            }
         write_file(out / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
     return meta
 
@@ -528,7 +616,8 @@ def check_options(args, out_dir):
 @contextlib.contextmanager
 def folder_lock(out):
     """Hold an exclusive flock on out/.prepare.lock. The lock file stays: deleting it would let a
-    waiter lock the old file while a newcomer locks a new one. The kernel drops it if we are killed."""
+    waiter lock the old file while a newcomer locks a new one. The kernel drops it if we are
+    killed."""
     if fcntl is None:
         yield
         return
@@ -550,7 +639,8 @@ def pid_alive(pid):
 
 
 def remove_stale_tmp(out):
-    """Delete write_file's leftovers (<name>.tmp-<pid>) from processes that no longer exist (e.g. killed)."""
+    """Delete write_file's leftovers (<name>.tmp-<pid>) from processes that no longer exist (e.g.
+    killed)."""
     for p in out.iterdir():
         m = re.fullmatch(r".+\.tmp-(\d+)", p.name)
         if m and p.is_file() and not pid_alive(int(m[1])):
@@ -566,14 +656,19 @@ def check_prepared(folder):
         files = meta["files"]
         cmd = prepare_command(folder, meta)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise PrepareError(f"{folder} is not a prepared dataset (meta.json missing or unreadable: {e}); "
-                           f"run: {cmd}") from None
+        raise PrepareError(
+            f"{folder} is not a prepared dataset (meta.json missing or unreadable: {e}); run: {cmd}"
+        ) from None
     problems = [f"{n} not listed in meta.json" for n in ("train.bin", "val.bin") if n not in files]
     for n, info in files.items():
         size = (folder / n).stat().st_size if (folder / n).is_file() else None
         expected = info.get("bytes") if isinstance(info, dict) else None
         if size is None or size != expected:
-            problems.append(f"{n} missing" if size is None else f"{n} has {size} bytes, meta.json says {expected}")
+            problems.append(
+                f"{n} missing"
+                if size is None
+                else f"{n} has {size} bytes, meta.json says {expected}"
+            )
     if problems:
         raise PrepareError(f"{folder} is incomplete ({'; '.join(problems)}); run: {cmd}")
     return meta
@@ -607,7 +702,8 @@ def file_sha256(path, chunk=1 << 24):
 
 def verify_checksums(folder, meta=None, chunk=1 << 24):
     """Check every file listed in meta.json (loaded with check_prepared if meta is None) against its
-    sha256: a same-size corruption or a mix of two prepares passes the size check alone. Returns meta."""
+    sha256: a same-size corruption or a mix of two prepares passes the size check alone. Returns
+    meta."""
     folder = Path(folder)
     meta = check_prepared(folder) if meta is None else meta
     cmd = prepare_command(folder, meta)
@@ -617,8 +713,10 @@ def verify_checksums(folder, meta=None, chunk=1 << 24):
         except OSError as e:
             raise PrepareError(f"cannot read {folder / name} ({e.strerror}); run: {cmd}") from None
         if digest != info.get("sha256"):
-            raise PrepareError(f"{folder / name} does not match its sha256 in meta.json (changed or corrupted "
-                               f"since it was prepared); run: {cmd}")
+            raise PrepareError(
+                f"{folder / name} does not match its sha256 in meta.json (changed or corrupted "
+                f"since it was prepared); run: {cmd}"
+            )
     return meta
 
 
@@ -652,7 +750,9 @@ def check_token_ids(folder, meta, vocab_size, what="meta.json's vocab_size", chu
             fix = f"the data and meta.json disagree; run: {cmd}"
         else:
             fix = f"too small for this data; use a model with vocab_size >= {meta['vocab_size']}"
-        raise PrepareError(f"{folder / name} holds token id {top} but {what} is {vocab_size}: {fix}")
+        raise PrepareError(
+            f"{folder / name} holds token id {top} but {what} is {vocab_size}: {fix}"
+        )
     return meta
 
 
@@ -666,8 +766,17 @@ def main(argv=None):
     p = OneLineParser(description=__doc__.split("\n")[0])
     p.add_argument("dataset", help=", ".join(BUILDERS))
     p.add_argument("--out_dir")
-    for key, kind in [("dtype", str), ("seed", int), ("num_tokens", int), ("mix", str), ("input", str),
-                      ("max_docs", int), ("val_fraction", float), ("tokenizer", str), ("name", str)]:
+    for key, kind in [
+        ("dtype", str),
+        ("seed", int),
+        ("num_tokens", int),
+        ("mix", str),
+        ("input", str),
+        ("max_docs", int),
+        ("val_fraction", float),
+        ("tokenizer", str),
+        ("name", str),
+    ]:
         p.add_argument(f"--{key}", type=kind)
     a = vars(p.parse_args(argv))
     try:
@@ -675,10 +784,15 @@ def main(argv=None):
     except PrepareError as e:
         print(f"prepare.py: error: {e}", file=sys.stderr)
         return 2
-    counts = ", ".join(f"{s} {meta[s + '_tokens']:,}" for s in ("train", "val", "test") if s + "_tokens" in meta)
+    counts = ", ".join(
+        f"{s} {meta[s + '_tokens']:,}" for s in ("train", "val", "test") if s + "_tokens" in meta
+    )
     where = output_dir(meta["dataset"], a["out_dir"], a["name"])
-    print(f"{meta['dataset']}: {meta['tokenizer']} tokenizer, vocab {meta['vocab_size']}, {meta['dtype']}; "
-          f"tokens: {counts}; written to {where}")
+    print(
+        f"{meta['dataset']}: {meta['tokenizer']} tokenizer, vocab {meta['vocab_size']}, "
+        f"{meta['dtype']}; "
+        f"tokens: {counts}; written to {where}"
+    )
     return 0
 
 

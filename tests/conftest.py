@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Hypothesis profiles, chosen here on purpose rather than by Hypothesis's own CI detection.
-# Hypothesis (6.1xx+) loads a built-in 'ci' profile (derandomize=True, database=None, print_blob=True,
-# deadline=None, too_slow suppressed) by itself whenever CI is set to *any* value (CI=false included)
-# or a vendor variable (GITHUB_ACTIONS, ...) is present. Derandomized runs draw the same examples on
-# every run, so a check that depends on a machine's floating-point kernels fails on that machine every
-# time and nowhere else (a bitwise comparison of sparse-eval logits fails for some seeds on some CPUs
-# only). We want that determinism in CI, stated here, the same in every Hypothesis version, and random
-# exploration elsewhere:
+# Hypothesis (6.1xx+) loads a built-in 'ci' profile (derandomize=True, database=None,
+# print_blob=True, deadline=None, too_slow suppressed) by itself whenever CI is set to *any* value
+# (CI=false included) or a vendor variable (GITHUB_ACTIONS, ...) is present. Derandomized runs draw
+# the same examples on every run, so a check that depends on a machine's floating-point kernels
+# fails on that machine every time and nowhere else (a bitwise comparison of sparse-eval logits
+# fails for some seeds on some CPUs only). We want that determinism in CI, stated here, the same in
+# every Hypothesis version, and random exploration elsewhere:
 #   ci : derandomize=True (the examples are a function of the test alone: no flakes, reproducible),
 #        print_blob=True (a failure prints its @reproduce_failure blob), deadline=None (2 shared
 #        cores: timings are noise), too_slow suppressed (a timing-based health check).
@@ -33,17 +33,35 @@ from hypothesis import HealthCheck, settings
 # Selection: CI set and not '', 'false' or '0' (any case) -> 'ci', else 'dev'. Loaded when this
 # conftest is imported, i.e. before any test module: @settings(...) is evaluated at decoration time
 # and takes its unset fields from the profile loaded then.
-# Both derive from Hypothesis's 'default' profile, not from whichever profile its CI detection already
-# loaded (a profile registered without parent inherits the loaded one: 'dev' would get database=None).
+# Both derive from Hypothesis's 'default' profile, not from whichever profile its CI detection
+# already loaded (a profile registered without parent inherits the loaded one: 'dev' would get
+# database=None).
 _BASE = settings.get_profile('default')
-settings.register_profile('ci', _BASE, derandomize=True, database=None, print_blob=True, deadline=None,
-                          max_examples=100, suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile('dev', _BASE, derandomize=False, print_blob=False, deadline=None, max_examples=100,
-                          suppress_health_check=[HealthCheck.too_slow])
-HYPOTHESIS_PROFILE = 'ci' if os.environ.get('CI', '').strip().lower() not in ('', 'false', '0') else 'dev'
+settings.register_profile(
+    'ci',
+    _BASE,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    deadline=None,
+    max_examples=100,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    'dev',
+    _BASE,
+    derandomize=False,
+    print_blob=False,
+    deadline=None,
+    max_examples=100,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+HYPOTHESIS_PROFILE = (
+    'ci' if os.environ.get('CI', '').strip().lower() not in ('', 'false', '0') else 'dev'
+)
 settings.load_profile(HYPOTHESIS_PROFILE)
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # processes the tests start
 #
 # Every process a test starts goes through start() / started() / run_group() / finish(): it runs
@@ -277,25 +295,27 @@ def one_thread():
     torch.set_num_threads(old)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # comparisons across kernels
 #
 # Bitwise equality (torch.equal) is right only when both sides run the same kernels on the same
 # shapes. Where they do not (sparse eval gathers a data-dependent number of tokens into one matmul;
 # a KV-cache step has T=1 and a masked attention where recomputation has T and is_causal; a ragged
-# batch has other B and T than a prompt alone), CPU BLAS/oneDNN may block and vectorise the same sums
-# differently, so values differ in the last bits on some machines (4e-7 seen on one). Those checks
-# compare decisions (routing masks, tokens) exactly and values within a stated tolerance.
+# batch has other B and T than a prompt alone), CPU BLAS/oneDNN may block and vectorise the same
+# sums differently, so values differ in the last bits on some machines (4e-7 seen on one). Those
+# checks compare decisions (routing masks, tokens) exactly and values within a stated tolerance.
 
-# fp32 tolerances for such checks. Reassociation error is ~1 ulp (6e-8 relative) per op and compounds
-# over layers and decoding steps; a real bug (a token routed wrongly, a future token leaking, a wrong
-# position) moves logits by >> 1e-3.
-# FP32_TOL: the dense model and TSA (backbones at init scale): differences measured <= 0.007 of FP32_TOL
-# over this machine's kernel variants (ATEN_CPU_CAPABILITY=default/avx2, MKL_CBWR=COMPATIBLE, 1-2 threads).
+# fp32 tolerances for such checks. Reassociation error is ~1 ulp (6e-8 relative) per op and
+# compounds over layers and decoding steps; a real bug (a token routed wrongly, a future token
+# leaking, a wrong position) moves logits by >> 1e-3.
+# FP32_TOL: the dense model and TSA (backbones at init scale): differences measured <= 0.007 of
+# FP32_TOL over this machine's kernel variants (ATEN_CPU_CAPABILITY=default/avx2,
+# MKL_CBWR=COMPATIBLE, 1-2 threads).
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
 # ROUTED_TOL: routed models whose every weight is noised by 0.3 (large activations, up to 4 layers):
-# differences of 4e-7 seen on another machine; measured here up to 0.12 of FP32_TOL in one forward and
-# 0.39 of it over step-by-step decoding, so 1e-4 (as test_families' KV-cache check uses) for > 25x room.
+# differences of 4e-7 seen on another machine; measured here up to 0.12 of FP32_TOL in one forward
+# and 0.39 of it over step-by-step decoding, so 1e-4 (as test_families' KV-cache check uses) for >
+# 25x room.
 ROUTED_TOL = dict(rtol=1e-4, atol=1e-4)
 
 
@@ -303,7 +323,8 @@ def greedy_trace(model, idx, new, **kw):
     """Greedy-decode with model.generate(idx, new, temperature=0, **kw), recording every forward it
     makes. Returns one (tokens (new,), logits (new, V), masks) per row: the logits each step's token
     is the argmax of, and per step {layer: the routing decisions of the positions that step added}
-    (step 0: the prompt, row b's first lengths[b] positions when kw has lengths; later: the new one)."""
+    (step 0: the prompt, row b's first lengths[b] positions when kw has lengths; later: the new
+    one)."""
     import torch
     lengths = kw.get('lengths')
     calls, orig = [], model.forward
@@ -331,14 +352,14 @@ def greedy_trace(model, idx, new, **kw):
 
 
 def assert_greedy_traces_agree(a, b, tol=FP32_TOL):
-    """a, b: greedy_trace rows of one prompt decoded two ways that run different kernels (KV cache vs
-    recompute, a ragged batch vs the prompt alone). Up to and including the first step whose tokens
-    differ both decoders saw the same context, so there the routing decisions are exactly equal and
-    the step logits equal within tol. The tokens are equal, except where a step's two candidates are a
-    near-tie that tol covers: logits within atol + rtol·|l| of each other can pick different argmaxes
-    only if the gap between the two picks is <= 2·(atol + rtol·max|l|) (the setup cannot exclude such
-    ties: random weights give top-2 gaps down to ~1e-4 in a few hundred steps). After such a flip the
-    contexts differ, and the rest is not compared."""
+    """a, b: greedy_trace rows of one prompt decoded two ways that run different kernels (KV cache
+    vs recompute, a ragged batch vs the prompt alone). Up to and including the first step whose
+    tokens differ both decoders saw the same context, so there the routing decisions are exactly
+    equal and the step logits equal within tol. The tokens are equal, except where a step's two
+    candidates are a near-tie that tol covers: logits within atol + rtol·|l| of each other can pick
+    different argmaxes only if the gap between the two picks is <= 2·(atol + rtol·max|l|) (the setup
+    cannot exclude such ties: random weights give top-2 gaps down to ~1e-4 in a few hundred steps).
+    After such a flip the contexts differ, and the rest is not compared."""
     import torch
     (ta, la, ma), (tb, lb, mb) = a, b
     assert ta.shape == tb.shape and la.shape == lb.shape
@@ -356,22 +377,36 @@ def assert_greedy_traces_agree(a, b, tol=FP32_TOL):
             f'step {s}: greedy tokens {x} vs {y}, not a near-tie (gap {gap:.3g})'
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # tiny models of the routing families: test_families.py (the promises every family keeps) and the
 # per-family files (test_mod.py, test_exit.py, test_ensemble.py) build them the same way
 
 SETTINGS = dict(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 V = 23
-BASE = dict(block_size=24, vocab_size=V, n_head=2, n_embd=16, ffn_gate_hidden=8, mod_predictor_hidden=8)
+BASE = dict(
+    block_size=24, vocab_size=V, n_head=2, n_embd=16, ffn_gate_hidden=8, mod_predictor_hidden=8
+)
 
 # the gates/options that change each family's code path; build(route, opt) takes option set `opt`,
 # and a family without an entry here is built with its defaults
 EXAMPLES = {
-    'mod': [dict(), dict(mod_infer_rule='predictor'), dict(mod_router='random'), dict(mod_layers='all', pos='rope')],
-    'exit': [dict(), dict(exit_head='own', exit_layers='every', exit_schedule='calm'), dict(exit_conf='margin', exit_threshold=0.05),
-             dict(exit_conf='saturation', exit_threshold=0.5)],
-    'ensemble': [dict(), dict(ens_mix='prob', ens_router_input='mean', ens_distill='mixture'),
-                 dict(ens_mix='logit', ens_layers=1, ens_teacher_lm_weight=0.5)],
+    'mod': [
+        dict(),
+        dict(mod_infer_rule='predictor'),
+        dict(mod_router='random'),
+        dict(mod_layers='all', pos='rope'),
+    ],
+    'exit': [
+        dict(),
+        dict(exit_head='own', exit_layers='every', exit_schedule='calm'),
+        dict(exit_conf='margin', exit_threshold=0.05),
+        dict(exit_conf='saturation', exit_threshold=0.5),
+    ],
+    'ensemble': [
+        dict(),
+        dict(ens_mix='prob', ens_router_input='mean', ens_distill='mixture'),
+        dict(ens_mix='logit', ens_layers=1, ens_teacher_lm_weight=0.5),
+    ],
     'halt': [dict(), dict(halt_hard='binary', halt_tau=0.3)],
     'ffn': [dict(ffn_gate='mlp', ffn_cheap_rank=4), dict(ffn_gate='random', ffn_cheap_rank=4)],
 }

@@ -1,10 +1,12 @@
-"""The scripts' command-line errors: sample.py, eval.py, bench.py and sweep.py refuse bad options, corrupt
-checkpoints and unknown prompt characters with one UserError line (exit 2) before any work; sampling never
-emits a padding id of the model's vocabulary; eval.py --json prints exactly one JSON object on stdout even
-when it prepares the synthetic corpus; sweep.py exits 1 when runs fail, after its summary.
+"""The scripts' command-line errors: sample.py, eval.py, bench.py and sweep.py refuse bad options,
+corrupt checkpoints and unknown prompt characters with one UserError line (exit 2) before any work;
+sampling never emits a padding id of the model's vocabulary; eval.py --json prints exactly one JSON
+object on stdout even when it prepares the synthetic corpus; sweep.py exits 1 when runs fail, after
+its summary.
 
-One tiny synthetic run is trained once per module (a train.py subprocess); the char-level checkpoints are
-made in-process. Everything else calls main(argv) in-process, except one subprocess test per script."""
+One tiny synthetic run is trained once per module (a train.py subprocess); the char-level
+checkpoints are made in-process. Everything else calls main(argv) in-process, except one subprocess
+test per script."""
 import json
 import os
 import shlex
@@ -41,18 +43,36 @@ def run_py(script, args, timeout=180):
 def run(tmp_path_factory):
     """A 2-iteration routed run on the synthetic corpus (prepared into its own data_dir)."""
     root = tmp_path_factory.mktemp("run")
-    r = run_py("train.py", ["--max_iters=2", "--eval_interval=2", "--eval_iters=1", "--batch_size=2",
-                            "--block_size=16", "--n_layer=1", "--n_embd=32", "--n_head=2", "--device=cpu",
-                            f"--out_dir={root / 'out'}", f"--data_dir={root / 'data'}"])
+    r = run_py(
+        "train.py",
+        [
+            "--max_iters=2",
+            "--eval_interval=2",
+            "--eval_iters=1",
+            "--batch_size=2",
+            "--block_size=16",
+            "--n_layer=1",
+            "--n_embd=32",
+            "--n_head=2",
+            "--device=cpu",
+            f"--out_dir={root / 'out'}",
+            f"--data_dir={root / 'data'}",
+        ],
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return root
 
 
 def padded_model(vocab_size=64, real=28, block_size=16):
-    """A model whose logits favour the padded ids >= real whatever the input: ln_f returns its bias (all
-    ones), so the logit of id i is the sum of its lm_head row: n_embd for padded ids, about 0 for real ones."""
+    """A model whose logits favour the padded ids >= real whatever the input: ln_f returns its bias
+    (all ones), so the logit of id i is the sum of its lm_head row: n_embd for padded ids, about 0
+    for real ones."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=1, n_head=2, n_embd=16, bias=True))
+    model = GPT(
+        GPTConfig(
+            vocab_size=vocab_size, block_size=block_size, n_layer=1, n_head=2, n_embd=16, bias=True
+        )
+    )
     with torch.no_grad():
         model.transformer.ln_f.weight.zero_()
         model.transformer.ln_f.bias.fill_(1.0)
@@ -63,18 +83,27 @@ def padded_model(vocab_size=64, real=28, block_size=16):
 
 @pytest.fixture(scope="module")
 def char_run(tmp_path_factory):
-    """A char-level dataset of 28 characters and a checkpoint of padded_model (vocabulary 64) for it."""
+    """A char-level dataset of 28 characters and a checkpoint of padded_model (vocabulary 64) for
+    it."""
     root = tmp_path_factory.mktemp("char")
     (root / "tiny.txt").write_text(TEXT)
-    meta = P.prepare("text", out_dir=root / "data" / "txt", input=str(root / "tiny.txt"), tokenizer="char")
+    meta = P.prepare(
+        "text", out_dir=root / "data" / "txt", input=str(root / "tiny.txt"), tokenizer="char"
+    )
     model = padded_model(real=meta["vocab_size"])
     (root / "out").mkdir()
-    torch.save(dict(model=model.state_dict(), model_args=dict(model.config.__dict__),
-                    config=dict(dataset="txt", data_dir=str(root / "data"))), root / "out" / "ckpt.pt")
+    torch.save(
+        dict(
+            model=model.state_dict(),
+            model_args=dict(model.config.__dict__),
+            config=dict(dataset="txt", data_dir=str(root / "data")),
+        ),
+        root / "out" / "ckpt.pt",
+    )
     return root
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # padded ids never reach a decoder
 
 @pytest.mark.parametrize("ragged", [False, True])
@@ -87,7 +116,9 @@ def test_generate_never_samples_padded_ids(ragged, temperature, top_k):
     free = model.generate(idx, 8, temperature=temperature, top_k=top_k, lengths=lengths)
     assert any(int(row.max()) >= limit for row in free)          # the model does favour padded ids
     torch.manual_seed(0)
-    out = model.generate(idx, 8, temperature=temperature, top_k=top_k, lengths=lengths, vocab_limit=limit)
+    out = model.generate(
+        idx, 8, temperature=temperature, top_k=top_k, lengths=lengths, vocab_limit=limit
+    )
     rows = out if ragged else list(out)
     assert [len(r) for r in rows] == ([13, 10, 12] if ragged else [13] * 3)
     assert all(int(r.max()) < limit for r in rows)
@@ -96,8 +127,19 @@ def test_generate_never_samples_padded_ids(ragged, temperature, top_k):
 @pytest.mark.parametrize("extra", [["--temperature=0"], [], ["--use_cache=False", "--top_k=3"]])
 def test_sample_decodes_only_real_ids(char_run, capsys, extra):
     chars = set(json.loads((char_run / "data" / "txt" / "meta.json").read_text())["chars"])
-    assert sample.main([f"--out_dir={char_run / 'out'}", "--start=the", "--num_samples=2", "--max_new_tokens=8",
-                        "--device=cpu", *extra]) == 0
+    assert (
+        sample.main(
+            [
+                f"--out_dir={char_run / 'out'}",
+                "--start=the",
+                "--num_samples=2",
+                "--max_new_tokens=8",
+                "--device=cpu",
+                *extra,
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()
     texts = [lines[0], lines[2]]
     assert lines[1] == lines[3] == "---------------"
@@ -107,13 +149,27 @@ def test_sample_decodes_only_real_ids(char_run, capsys, extra):
 def test_sample_prompts_file_decodes_only_real_ids(char_run, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the\n\nlazy dog\n")
-    assert sample.main([f"--out_dir={char_run / 'out'}", f"--prompts_file={prompts}", "--max_new_tokens=4",
-                        "--device=cpu"]) == 0
+    assert (
+        sample.main(
+            [
+                f"--out_dir={char_run / 'out'}",
+                f"--prompts_file={prompts}",
+                "--max_new_tokens=4",
+                "--device=cpu",
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("the") and len(lines[0]) == 7 and lines[2].startswith("lazy dog") and len(lines[2]) == 12
+    assert (
+        lines[0].startswith("the")
+        and len(lines[0]) == 7
+        and lines[2].startswith("lazy dog")
+        and len(lines[2]) == 12
+    )
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # prompts the vocabulary cannot encode
 
 def sample_args(char_run, *extra):
@@ -142,13 +198,15 @@ def test_sample_empty_start_is_refused(char_run):
 def test_sample_unknown_prompts_file_characters_name_the_line(char_run, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the\n\nlazy Dog\n")
-    with pytest.raises(UserError, match=r"prompts.txt line 3 has characters outside the vocabulary: 'D'"):
+    with pytest.raises(UserError, match=r"prompts.txt line 3 has characters outside the "
+                                        r"vocabulary: 'D'"):
         sample.main(sample_args(char_run, f"--prompts_file={prompts}"))
 
 
 def test_sample_synthetic_unknown_symbols_and_default_start(run, capsys):
     args = [f"--out_dir={run / 'out'}", "--max_new_tokens=5", "--num_samples=1", "--device=cpu"]
-    with pytest.raises(UserError, match=r"'x', 'y'.*the synthetic vocabulary has 34 symbols: 0 1 2"):
+    with pytest.raises(UserError, match=r"'x', 'y'.*the synthetic vocabulary has 34 symbols: 0 1 "
+                                        r"2"):
         sample.main([*args, "--start=A3xy"])
     # the default newline is no synthetic symbol: it starts at a segment boundary '|'
     assert sample.main(args) == 0
@@ -156,7 +214,7 @@ def test_sample_synthetic_unknown_symbols_and_default_start(run, capsys):
     assert first[0] == "|" and len(first) == 6 and set(first) <= set(P.SYMBOLS), first
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # bad options and checkpoints: one UserError naming the field, before any work
 
 @pytest.mark.parametrize("arg,needle", [
@@ -205,21 +263,40 @@ def test_corrupt_checkpoint_is_a_one_line_error(run, tmp_path, kind):
     ("--device=bogus", "device"), pytest.param("--device=cuda", "CUDA", marks=NO_CUDA)])
 def test_bench_bad_options(arg, needle):
     with pytest.raises(UserError, match=needle):
-        bench.main(["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--vocab_size=50", "--decode_tokens=4",
-                    arg])
+        bench.main(
+            [
+                "--n_layer=1",
+                "--n_head=2",
+                "--n_embd=32",
+                "--block_size=32",
+                "--vocab_size=50",
+                "--decode_tokens=4",
+                arg,
+            ]
+        )
 
 
 @pytest.mark.parametrize("args", [
-    ["--decode_tokens=32"],                                   # a 1-token prompt + 32 new tokens > 32
+    ["--decode_tokens=32"],                                   # a 1-token prompt + 32 new tokens >
+                                                              # 32
     ["--decode_tokens=40"],
     ["--route=ffn", "--budgets=0.5", "--prefill_shapes=1x16", "--decode_tokens=8", "--decode_prompt=25"]])
 def test_bench_refuses_decode_past_block_size(args):
     # past block_size generate recomputes the cropped window: that is no KV-cached decode to report
     with pytest.raises(UserError, match=r"decode_tokens=\d+ .*block_size=32"):
-        bench.main(["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--vocab_size=50", *args])
+        bench.main(
+            [
+                "--n_layer=1",
+                "--n_head=2",
+                "--n_embd=32",
+                "--block_size=32",
+                "--vocab_size=50",
+                *args,
+            ]
+        )
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # eval.py --json: stdout is exactly one JSON object
 
 def test_eval_json_stdout_is_one_object(run, capsys):
@@ -252,7 +329,7 @@ def test_eval_prepares_no_data_and_its_suggested_prepare_works(run, tmp_path, ca
     assert json.loads(capsys.readouterr().out)["val_loss"]["loss"] > 0
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # sweep.py: failed runs exit 1 after the summary; bad input is a UserError
 
 FAKE_TRAIN = textwrap.dedent("""
@@ -284,7 +361,9 @@ def test_sweep_exits_1_after_the_summary_when_runs_fail(tmp_path, monkeypatch, c
     monkeypatch.setattr(sweep, "check_configs", lambda runs, made_later: None)  # no train.py keys
     assert sweep.main([study_file(tmp_path), "--no_plots"]) == 1
     summary = json.loads((tmp_path / "study" / "summary.json").read_text())
-    assert summary["table"]["A"]["avg_lm"]["per_seed"] == [2.0] and summary["table"]["B"]["avg_lm"]["per_seed"] == [None]
+    assert summary["table"]["A"]["avg_lm"]["per_seed"] == [2.0] and summary["table"]["B"]["avg_lm"][
+        "per_seed"
+    ] == [None]
     err = capsys.readouterr().err
     log = tmp_path / "study" / "B" / "seed1.log"
     assert "1 of 2 runs failed" in err and str(log) in err and "boom" in log.read_text()
@@ -295,7 +374,8 @@ def test_sweep_exits_1_after_the_summary_when_runs_fail(tmp_path, monkeypatch, c
     (["--jobs=two"], None, "--jobs"),
     (["--jobs=0"], None, "--jobs"),
     ([], "base = 'cfg.py'\narms = {'A': []}\n", "seeds, out_root"),
-    ([], "base = 'cfg.py'\nout_root = 'x'\nseeds = [1]\narms = {'A': []}\nreference = 'Z'\n", "'Z'"),
+    ([], "base = 'cfg.py'\nout_root = 'x'\nseeds = [1]\narms = {'A': []}\nreference = "
+         "'Z'\n", "'Z'"),
     ([], "arms = {'A': [\n", "line"),
     ([], "arms = undefined_name\n", "NameError")])
 def test_sweep_bad_input(tmp_path, argv, text, needle):
@@ -308,7 +388,7 @@ def test_sweep_missing_study_file(tmp_path):
         sweep.main([str(tmp_path / "missing_study.py")])
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # each script from the shell: exit 2 and one 'error: ' line on stderr
 
 @pytest.mark.parametrize("script,args,needle", [
@@ -319,7 +399,10 @@ def test_sweep_missing_study_file(tmp_path):
     ("flops.py", ["--n_layers=3"], "n_layer"),
     ("plots.py", ["NO_SUCH_STUDY"], "OUT_ROOT")])
 def test_cli_exit_code_and_one_line(run, tmp_path, script, args, needle):
-    bad, study = corrupt(run / "out" / "ckpt.pt", tmp_path / "ckpt.pt", "random"), study_file(tmp_path)
+    bad, study = (
+        corrupt(run / "out" / "ckpt.pt", tmp_path / "ckpt.pt", "random"),
+        study_file(tmp_path),
+    )
     args = [a.replace("CORRUPT", str(bad)).replace("STUDY", study) for a in args]
     r = run_py(script, args)
     assert r.returncode == 2, r.stderr

@@ -1,10 +1,10 @@
-"""The GPU-execution contract, checked on a CPU: the training step, the eval prefill (sparse execution
-in 'static' mode) and one cached decoding step of every family in the registry, with each of its option
-sets in conftest.EXAMPLES (its defaults without any), trace with torch.compile(fullgraph=True) without
-graph breaks and compile once per shape (new data of the same shape never recompiles); 'static'
-execution makes the decisions of 'compact' execution and of the masked-dense reference exactly, with
-values within tolerance. Compiled greedy decoding gives the tokens of eager decoding (up to a near-tie),
-from logits within tolerance."""
+"""The GPU-execution contract, checked on a CPU: the training step, the eval prefill (sparse
+execution in 'static' mode) and one cached decoding step of every family in the registry, with each
+of its option sets in conftest.EXAMPLES (its defaults without any), trace with
+torch.compile(fullgraph=True) without graph breaks and compile once per shape (new data of the same
+shape never recompiles); 'static' execution makes the decisions of 'compact' execution and of the
+masked-dense reference exactly, with values within tolerance. Compiled greedy decoding gives the
+tokens of eager decoding (up to a near-tie), from logits within tolerance."""
 from types import SimpleNamespace
 
 import pytest
@@ -34,7 +34,10 @@ def eval_prefill(model):
 
 
 def break_reasons(explained):
-    return [f"{r.reason} at {r.user_stack[-1] if r.user_stack else '?'}" for r in explained.break_reasons]
+    return [
+        f"{r.reason} at {r.user_stack[-1] if r.user_stack else '?'}"
+        for r in explained.break_reasons
+    ]
 
 
 @pytest.fixture(autouse=True)
@@ -68,8 +71,12 @@ def test_compiled_once_never_recompiles_on_new_data(case, training):
     """Per-layer Python state (layer ids, the sets and dicts of the routing context, capacities) is
     constant per model, so a second batch of the same shape reuses the first compilation."""
     model = build(*case).train(training)
-    fn = torch.compile(train_loss(model) if training else eval_prefill(model), backend='eager', fullgraph=True,
-                       dynamic=False)
+    fn = torch.compile(
+        train_loss(model) if training else eval_prefill(model),
+        backend='eager',
+        fullgraph=True,
+        dynamic=False,
+    )
     with torch.set_grad_enabled(training):
         fn(tokens(0, B, T))
         with torch.compiler.set_stance('fail_on_recompile'):
@@ -78,11 +85,12 @@ def test_compiled_once_never_recompiles_on_new_data(case, training):
 
 
 @settings(**{**SETTINGS, 'max_examples': 16})
-@given(case=st.sampled_from(CASES), seed=st.integers(0, 999), T=st.integers(1, 16), B=st.integers(1, 3))
+@given(case=st.sampled_from(CASES), seed=st.integers(0, 999), T=st.integers(1, 16),
+       B=st.integers(1, 3))
 def test_static_execution_equals_compact_and_masked_dense(case, seed, T, B):
-    """Same decisions exactly; values within ROUTED_TOL: the three run matmuls over different row sets
-    (all rows, the gathered selected rows, each row padded to the longest), which fp32 BLAS rounds
-    differently in the last bits."""
+    """Same decisions exactly; values within ROUTED_TOL: the three run matmuls over different row
+    sets (all rows, the gathered selected rows, each row padded to the longest), which fp32 BLAS
+    rounds differently in the last bits."""
     model = build(*case, seed=seed).eval()
     idx = tokens(seed, B, T)
     with torch.no_grad():
@@ -117,12 +125,12 @@ def test_split_apply_modes_route_each_token_to_its_path(mode):
     assert torch.equal(got, torch.where(mask[..., None], 3 * x, 0.0))
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # decoding
 
 def prefilled(model, lengths, seed=0):
-    """A cache holding ragged prompts (row b: lengths[b] tokens) and the next step's inputs: each row's
-    token at its own position, as generate's ragged path feeds them."""
+    """A cache holding ragged prompts (row b: lengths[b] tokens) and the next step's inputs: each
+    row's token at its own position, as generate's ragged path feeds them."""
     n = len(lengths)
     idx = tokens(seed, n, max(lengths))
     cache = model.new_cache(n, idx.device)
@@ -156,8 +164,9 @@ def test_decode_step_compiles_once_for_every_step(case):
 
 @pytest.mark.parametrize('route', ROUTES)
 def test_static_decoding_equals_compact_decoding(route):
-    """Eager greedy decoding in both modes, a ragged batch: every step's routing decisions equal, logits
-    within ROUTED_TOL (matmuls over different row sets round differently in the last bits)."""
+    """Eager greedy decoding in both modes, a ragged batch: every step's routing decisions equal,
+    logits within ROUTED_TOL (matmuls over different row sets round differently in the last
+    bits)."""
     model = build(route, seed=4).eval()
     idx, lengths = tokens(4, 3, 7), [7, 3, 5]
     traces = {}
@@ -169,9 +178,10 @@ def test_static_decoding_equals_compact_decoding(route):
 
 
 def sampled_trace(model, idx, new, **kw):
-    """generate(idx, new, temperature=1.0, top_k=1, **kw) (greedy through the sampling path), recording
-    the logits each token was drawn from; one greedy_trace-like row (tokens, logits, masks) per prompt.
-    The compiled step returns statistics, not masks: every step's masks are {} here."""
+    """generate(idx, new, temperature=1.0, top_k=1, **kw) (greedy through the sampling path),
+    recording the logits each token was drawn from; one greedy_trace-like row (tokens, logits,
+    masks) per prompt. The compiled step returns statistics, not masks: every step's masks are {}
+    here."""
     calls, orig = [], model.sample_next
 
     def sample_next(logits, *args):
@@ -184,20 +194,31 @@ def sampled_trace(model, idx, new, **kw):
         del model.sample_next
     assert len(calls) == new
     lengths = kw.get('lengths') or [idx.size(1)] * idx.size(0)
-    return [(out[b][n:n + new], torch.stack([c[b] for c in calls]), [{}] * new) for b, n in enumerate(lengths)]
+    return [
+        (out[b][n : n + new], torch.stack([c[b] for c in calls]), [{}] * new)
+        for b, n in enumerate(lengths)
+    ]
 
 
 def compiled_decoding_case(route, batches, backend=None, monkeypatch=None):
     """Greedy tokens (top_k=1) of generate(compile=True) are eager generate's, for each of batches
-    (generate's keyword arguments: {} equal prompts, {'lengths': ...} a ragged batch), and so are the
-    logits they are picked from, within ROUTED_TOL: the compiled step runs sparse execution 'static'
-    (every row, device-side counts) where eager runs it 'compact' (the gathered rows), matmuls of other
-    shapes, so a near-tie may pick the other token (assert_greedy_traces_agree). backend: replace the
-    default compiler (inductor) by a cheaper one. Returns how many graphs each generate compiled."""
+    (generate's keyword arguments: {} equal prompts, {'lengths': ...} a ragged batch), and so are
+    the logits they are picked from, within ROUTED_TOL: the compiled step runs sparse execution
+    'static' (every row, device-side counts) where eager runs it 'compact' (the gathered rows),
+    matmuls of other shapes, so a near-tie may pick the other token (assert_greedy_traces_agree).
+    backend: replace the default compiler (inductor) by a cheaper one. Returns how many graphs each
+    generate compiled."""
     model = build(route, seed=3).eval()
     if backend is not None:
-        monkeypatch.setattr(model, 'decode_step_fn', lambda device, compile: torch.compile(
-            model.decode_step, backend=backend, fullgraph=True, dynamic=False) if compile else model.decode_step)
+        monkeypatch.setattr(
+            model,
+            'decode_step_fn',
+            lambda device, compile: (
+                torch.compile(model.decode_step, backend=backend, fullgraph=True, dynamic=False)
+                if compile
+                else model.decode_step
+            ),
+        )
     idx = tokens(3, 2, 6)
     graphs = []
     with torch.no_grad():
@@ -214,15 +235,20 @@ def compiled_decoding_case(route, batches, backend=None, monkeypatch=None):
 
 @pytest.mark.parametrize('route', ROUTES)
 def test_traced_greedy_decoding_gives_the_eager_tokens(route, monkeypatch):
-    """The captured step graph (static execution) replayed without code generation, for every family,
-    on equal prompts and on a ragged batch (rows at different positions); each decoding compiles its
-    step once (positions are a device tensor, the fed token a fresh tensor of fixed strides)."""
-    assert compiled_decoding_case(route, [dict(), dict(lengths=[6, 2])], 'eager', monkeypatch) == [1, 1]
+    """The captured step graph (static execution) replayed without code generation, for every
+    family, on equal prompts and on a ragged batch (rows at different positions); each decoding
+    compiles its step once (positions are a device tensor, the fed token a fresh tensor of fixed
+    strides)."""
+    assert compiled_decoding_case(route, [dict(), dict(lengths=[6, 2])], 'eager', monkeypatch) == [
+        1,
+        1,
+    ]
 
 
-# Inductor's own code generation (minutes per family on 2 cores, with a cold cache) for a few families
-# only: every family's graph is held to eager without code generation above; these check that the
-# generated kernels run it too, for the dense model, the token-level FFN routing and MoD's masked blocks.
+# Inductor's own code generation (minutes per family on 2 cores, with a cold cache) for a few
+# families only: every family's graph is held to eager without code generation above; these check
+# that the generated kernels run it too, for the dense model, the token-level FFN routing and MoD's
+# masked blocks.
 INDUCTOR_ROUTES = ('none', 'ffn', 'mod')
 
 
@@ -236,9 +262,9 @@ def test_compiled_greedy_decoding_gives_the_eager_tokens(route):
 @pytest.mark.slow
 @pytest.mark.parametrize('route', INDUCTOR_ROUTES)
 def test_inductor_compiles_training_step_and_static_prefill(route):
-    """torch.compile(fullgraph=True, dynamic=False) with the default compiler: the training loss and its
-    gradients, and the static eval prefill, equal eager's (decisions exactly; values within ROUTED_TOL:
-    generated kernels fuse and reassociate sums)."""
+    """torch.compile(fullgraph=True, dynamic=False) with the default compiler: the training loss and
+    its gradients, and the static eval prefill, equal eager's (decisions exactly; values within
+    ROUTED_TOL: generated kernels fuse and reassociate sums)."""
     model = build(route)
     idx = tokens(0, B, T)
     loss_fn = train_loss(model.train())

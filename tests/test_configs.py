@@ -9,7 +9,11 @@ from configurator import load_config
 from model import GPT
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = sorted(f for f in os.listdir(os.path.join(HERE, 'config')) if f.endswith('.py') and not f.startswith('study_'))
+CONFIGS = sorted(
+    f
+    for f in os.listdir(os.path.join(HERE, 'config'))
+    if f.endswith('.py') and not f.startswith('study_')
+)
 
 
 @pytest.mark.parametrize('name', CONFIGS)
@@ -25,7 +29,11 @@ def test_config_parses_and_builds(name):
         model = GPT(mcfg)
         assert model.get_num_params() > 0
     if cfg['trainable'] == 'controller':
-        assert (cfg['route'] == 'ffn' and cfg['ffn_gate'] in ('mlp', 'jepa')) or cfg['route'] in ('halt', 'mod', 'ensemble')
+        assert (cfg['route'] == 'ffn' and cfg['ffn_gate'] in ('mlp', 'jepa')) or cfg['route'] in (
+            'halt',
+            'mod',
+            'ensemble',
+        )
         assert cfg['init_from'].endswith('ckpt.pt')
 
 
@@ -37,6 +45,8 @@ def test_every_study_arm_parses(name):
     """Each arm's overrides on the study's base config are valid train.py keys and a valid model."""
     import sweep
     study = sweep.load_study(os.path.join(HERE, 'config', name))
-    for arm, extra in study['arms'].items():
-        cfg = load_config(train.DEFAULTS, [os.path.join(HERE, study['base']), *study['overrides'], *extra])
+    for extra in study['arms'].values():
+        cfg = load_config(
+            train.DEFAULTS, [os.path.join(HERE, study['base']), *study['overrides'], *extra]
+        )
         train.model_config(SimpleNamespace(**cfg), vocab_size=cfg['vocab_size'] or 65)

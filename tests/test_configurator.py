@@ -1,5 +1,5 @@
-"""Tests for configurator.load_config: config files, typed --key=value overrides, and the errors that
-name the key (and the closest valid key) before any work is done."""
+"""Tests for configurator.load_config: config files, typed --key=value overrides, and the errors
+that name the key (and the closest valid key) before any work is done."""
 import sys
 from pathlib import Path
 
@@ -10,9 +10,20 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from configurator import ConfigError, load_config, parse_value  # noqa: E402
 
-DEFAULTS = dict(out_dir='out/quickstart', dataset='synthetic', n_layer=4, batch_size=16, learning_rate=2e-3,
-                dropout=0.0, decay_lr=True, compile=False, ffn_layers='all', lm_thresholds='',
-                device='auto', init_from='scratch')
+DEFAULTS = dict(
+    out_dir='out/quickstart',
+    dataset='synthetic',
+    n_layer=4,
+    batch_size=16,
+    learning_rate=2e-3,
+    dropout=0.0,
+    decay_lr=True,
+    compile=False,
+    ffn_layers='all',
+    lm_thresholds='',
+    device='auto',
+    init_from='scratch',
+)
 
 
 def write(tmp_path, text, name='cfg.py'):
@@ -21,7 +32,7 @@ def write(tmp_path, text, name='cfg.py'):
     return str(p)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # values
 
 def test_no_args_returns_a_copy_of_the_defaults():
@@ -44,14 +55,17 @@ def test_no_args_returns_a_copy_of_the_defaults():
     ("--init_from=gpt2-medium", "init_from", "gpt2-medium"),
     ("--out_dir=out/run 1", "out_dir", "out/run 1"),
     ("--device=cuda:1", "device", "cuda:1"),
-    ("--dataset='quoted'", "dataset", "quoted"),                     # a quoted string loses its quotes
+    # a quoted string loses its quotes
+    ("--dataset='quoted'", "dataset", "quoted"),
     ('--dataset="dq"', "dataset", "dq"),
     ("--lm_thresholds=", "lm_thresholds", ""),
 ])
 def test_typed_overrides(arg, key, value):
     out = load_config(DEFAULTS, [arg])
     assert out[key] == value and type(out[key]) is type(value)
-    assert {k: v for k, v in out.items() if k != key} == {k: v for k, v in DEFAULTS.items() if k != key}
+    assert {k: v for k, v in out.items() if k != key} == {
+        k: v for k, v in DEFAULTS.items() if k != key
+    }
 
 
 def test_int_for_float_key_becomes_float():
@@ -61,7 +75,8 @@ def test_int_for_float_key_becomes_float():
 def test_later_arguments_override_earlier_ones(tmp_path):
     cfg = write(tmp_path, "n_layer = 8\nbatch_size = 32\n")
     out = load_config(DEFAULTS, ["--n_layer=2", cfg, "--batch_size=4"])
-    assert out["n_layer"] == 8 and out["batch_size"] == 4             # the file overrode --n_layer=2
+    # the file overrode --n_layer=2
+    assert out["n_layer"] == 8 and out["batch_size"] == 4
     out = load_config(DEFAULTS, [cfg, "--n_layer=2", "--n_layer=3"])
     assert out["n_layer"] == 3
     cfg2 = write(tmp_path, "n_layer = 5\n", "b.py")
@@ -90,7 +105,11 @@ def test_config_file_assigns_keys(tmp_path):
                           "decay_lr = False\n"
                           "dropout = 0\n")
     out = load_config(DEFAULTS, [cfg])
-    assert out["n_layer"] == 6 and out["learning_rate"] == 6e-4 and out["dataset"] == "shakespeare_char"
+    assert (
+        out["n_layer"] == 6
+        and out["learning_rate"] == 6e-4
+        and out["dataset"] == "shakespeare_char"
+    )
     assert out["decay_lr"] is False and out["dropout"] == 0.0 and type(out["dropout"]) is float
     assert "math" not in out and "helper" not in out and "_private" not in out
 
@@ -113,7 +132,7 @@ def test_repo_train_config_files_load():
     assert checked >= 2
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # errors
 
 @pytest.mark.parametrize("arg,bad,close", [
@@ -168,7 +187,8 @@ def test_missing_config_file(tmp_path):
         load_config(DEFAULTS, [missing])
 
 
-@pytest.mark.parametrize("arg", ["--n_layer", "--n_layer 2", "n_layer=2", "-n_layer=2", "config/thing.txt"])
+@pytest.mark.parametrize("arg", ["--n_layer", "--n_layer 2", "n_layer=2", "-n_layer=2",
+                                 "config/thing.txt"])
 def test_malformed_arguments(arg):
     with pytest.raises(ConfigError):
         load_config(DEFAULTS, [arg])
@@ -181,10 +201,12 @@ def test_arg_without_equals_mentions_key_value():
 
 def test_parse_value():
     assert parse_value("3") == 3 and parse_value("3.5") == 3.5 and parse_value("False") is False
-    assert parse_value("word") == "word" and parse_value("'q'") == "q" and parse_value("a b") == "a b"
+    assert (
+        parse_value("word") == "word" and parse_value("'q'") == "q" and parse_value("a b") == "a b"
+    )
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # regressions: None for a typed key, and str keys given number-like or tuple-like text
 
 @pytest.mark.parametrize("arg", ["--batch_size=None", "--learning_rate=None", "--decay_lr=None"])

@@ -21,8 +21,17 @@ pytestmark = pytest.mark.usefixtures('one_thread')      # tiny ops: see conftest
        r_in=st.sampled_from(['final', 'mean']), kl=st.sampled_from(['forward', 'reverse']), k=st.integers(1, 4),
        distill=st.sampled_from(['mixture', 'per_layer']), teacher_lm=st.sampled_from([0.0, 0.7]))
 def test_ensemble_matches_hand_computation(seed, T, mix, r_in, kl, k, distill, teacher_lm):
-    model = build('ensemble', seed=seed, ens_mix=mix, ens_router_input=r_in, ens_kl=kl, ens_layers=k,
-                  ens_kl_weight=0.3, ens_distill=distill, ens_teacher_lm_weight=teacher_lm).train()
+    model = build(
+        'ensemble',
+        seed=seed,
+        ens_mix=mix,
+        ens_router_input=r_in,
+        ens_kl=kl,
+        ens_layers=k,
+        ens_kl_weight=0.3,
+        ens_distill=distill,
+        ens_teacher_lm_weight=teacher_lm,
+    ).train()
     idx, tgt = tokens(seed, 2, T), tokens(seed + 1, 2, T)
     with torch.no_grad():
         logits, loss, _ = model(idx, tgt)
@@ -49,11 +58,18 @@ def test_ensemble_matches_hand_computation(seed, T, mix, r_in, kl, k, distill, t
             student = F.log_softmax(student_logits, -1)
             p, q = (teacher, student) if kl == 'forward' else (student, teacher)
             return (p.exp() * (p - q)).sum(-1).mean()
-        # per_layer: each late layer's own prediction distilled, mean over the k; mixture: the mixture's
+        # per_layer: each late layer's own prediction distilled, mean over the k; mixture: the
+        # mixture's
         kl_val = kl_to(want) if distill == 'mixture' else sum(kl_to(lg) for lg in per) / k
         teacher_ce = F.cross_entropy(teacher_logits.flatten(0, 1), tgt.flatten())
-        torch.testing.assert_close(loss, F.cross_entropy(want.flatten(0, 1), tgt.flatten()) + 0.3 * kl_val
-                                   + teacher_lm * teacher_ce, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            loss,
+            F.cross_entropy(want.flatten(0, 1), tgt.flatten())
+            + 0.3 * kl_val
+            + teacher_lm * teacher_ce,
+            rtol=1e-4,
+            atol=1e-5,
+        )
 
 
 def test_the_teacher_trains_only_through_its_own_lm_loss():
@@ -71,10 +87,12 @@ def test_ensemble_of_one_layer_with_copied_norm_is_the_dense_model():
     model.family.after_load(model)
     idx = tokens(5, 2, 12)
     with torch.no_grad():
-        assert torch.equal(model(idx, last_only=False)[0], dense_twin(model)(idx, last_only=False)[0])
+        assert torch.equal(
+            model(idx, last_only=False)[0], dense_twin(model)(idx, last_only=False)[0]
+        )
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the dense fine-tuning baseline (trainable='last_layers')
 
 def test_last_layers_step_flops_match_counter():
@@ -85,7 +103,10 @@ def test_last_layers_step_flops_match_counter():
     for p in [*model.transformer.h[-2:].parameters(), *model.transformer.ln_f.parameters()]:
         p.requires_grad_(True)
     idx = tokens(0, 2, 10)
-    assert counted(lambda: model(idx, idx)[1].backward()) == 2 * flops.train_step_flops(cfg, 10, 'last_layers')['total']
+    assert (
+        counted(lambda: model(idx, idx)[1].backward())
+        == 2 * flops.train_step_flops(cfg, 10, 'last_layers')['total']
+    )
 
 
 def test_last_layers_needs_a_dense_model():
@@ -96,6 +117,8 @@ def test_last_layers_needs_a_dense_model():
     dense = GPT(GPTConfig(**BASE, n_layer=4, ens_layers=2))
     cfg.route = 'none'
     params = train.trainable_parameters(dense, cfg)
-    want = {id(p) for p in [*dense.transformer.h[2:].parameters(), *dense.transformer.ln_f.parameters()]}
+    want = {
+        id(p) for p in [*dense.transformer.h[2:].parameters(), *dense.transformer.ln_f.parameters()]
+    }
     assert {id(p) for p in params} == want
     assert all(p.requires_grad == (id(p) in want) for p in dense.parameters())

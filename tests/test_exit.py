@@ -25,13 +25,21 @@ def test_exit_depths_and_loss_weights():
     w = losses.exit_loss_weights([1, 2, 3], 4, 'uniform', 0.6)
     assert w == pytest.approx({1: 0.2, 2: 0.2, 3: 0.2, 4: 1.0})
     assert losses.exit_loss_weights([1, 3], 4, 'calm') == pytest.approx({1: 0.25, 3: 0.75, 4: 1.0})
-    assert losses.exit_loss_weights([1, 2, 3], 4, 'layerskip') == pytest.approx({1: 0.0, 2: 0.25, 3: 0.75, 4: 1.0})
+    assert losses.exit_loss_weights([1, 2, 3], 4, 'layerskip') == pytest.approx(
+        {1: 0.0, 2: 0.25, 3: 0.75, 4: 1.0}
+    )
     assert losses.exit_loss_weights([1], 4, 'layerskip') == {1: 0.0, 4: 1.0}
-    assert losses.exit_loss_weights([1, 2, 3], 4, 'mean') == pytest.approx({1: .25, 2: .25, 3: .25, 4: .25})
+    assert losses.exit_loss_weights([1, 2, 3], 4, 'mean') == pytest.approx(
+        {1: 0.25, 2: 0.25, 3: 0.25, 4: 0.25}
+    )
     cfg = GPTConfig(n_layer=5, route='exit', layer_dropout=0.2)
     assert layer_dropout_prob(cfg, 0) == 0 and layer_dropout_prob(cfg, 4) == pytest.approx(0.2)
-    model = GPT(GPTConfig(n_layer=6, route='exit', exit_layers='every', exit_rotation=2, vocab_size=V))
-    assert model.family.step_options(model, 0)['exits'] == (2, 4) and model.family.step_options(model, 7)['exits'] == (1, 3, 5)
+    model = GPT(
+        GPTConfig(n_layer=6, route='exit', exit_layers='every', exit_rotation=2, vocab_size=V)
+    )
+    assert model.family.step_options(model, 0)['exits'] == (2, 4) and model.family.step_options(
+        model, 7
+    )['exits'] == (1, 3, 5)
 
 
 @settings(**SETTINGS)
@@ -39,7 +47,14 @@ def test_exit_depths_and_loss_weights():
        schedule=st.sampled_from(['uniform', 'calm', 'layerskip', 'mean']))
 def test_exit_training_loss_matches_hand_computation(seed, T, head, schedule):
     """L = w_n·CE(final) + Σ_d α_d·CE(exit d), the exits read by hand from the blocks' outputs."""
-    model = build('exit', seed=seed, exit_head=head, exit_schedule=schedule, exit_layers='every', exit_weight=0.7).train()
+    model = build(
+        'exit',
+        seed=seed,
+        exit_head=head,
+        exit_schedule=schedule,
+        exit_layers='every',
+        exit_weight=0.7,
+    ).train()
     idx, tgt = tokens(seed, 2, T), tokens(seed + 1, 2, T)
     with torch.no_grad():
         loss = model(idx, tgt)[1]
@@ -52,7 +67,9 @@ def test_exit_training_loss_matches_hand_computation(seed, T, head, schedule):
                 lg = (model.exit_heads[str(d)].proj(model.exit_heads[str(d)].ln(x)) if head == 'own'
                       else model.lm_head(model.transformer.ln_f(x)))
                 ce[d] = F.cross_entropy(lg.flatten(0, 1), tgt.flatten())
-        ce[4] = F.cross_entropy(model.lm_head(model.transformer.ln_f(x)).flatten(0, 1), tgt.flatten())
+        ce[4] = F.cross_entropy(
+            model.lm_head(model.transformer.ln_f(x)).flatten(0, 1), tgt.flatten()
+        )
     raw = {'uniform': [1, 1, 1], 'calm': [1, 2, 3], 'layerskip': [0, 1, 3], 'mean': None}[schedule]
     if raw is None:
         want = sum(ce.values()) / 4
@@ -62,7 +79,8 @@ def test_exit_training_loss_matches_hand_computation(seed, T, head, schedule):
 
 
 @settings(**SETTINGS)
-@given(seed=st.integers(0, 999), T0=st.integers(1, 10), new=st.integers(0, 6), opt=st.integers(0, 3))
+@given(seed=st.integers(0, 999), T0=st.integers(1, 10), new=st.integers(0, 6),
+       opt=st.integers(0, 3))
 def test_exit_unreachable_threshold_is_the_full_model(seed, T0, new, opt):
     """No token can reach a threshold above 1 (confidences are <= 1): outputs equal the full model's
     exactly, in one forward and through KV-cached generation."""
@@ -110,7 +128,9 @@ def test_resume_compares_exit_layers_by_the_depths_meant():
     from types import SimpleNamespace
     ck = dict(model_args=asdict(GPTConfig(**BASE, n_layer=4, route='exit')))
     spelt = ','.join(str(d) for d in exit_depths(GPTConfig(**BASE, n_layer=4, route='exit')))
-    cfg = SimpleNamespace(**asdict(GPTConfig(**BASE, n_layer=4, route='exit', exit_layers=spelt)), dataset='synthetic')
+    cfg = SimpleNamespace(
+        **asdict(GPTConfig(**BASE, n_layer=4, route='exit', exit_layers=spelt)), dataset='synthetic'
+    )
     train.check_against_checkpoint(cfg, {}, ck, ['exit_layers'])
     cfg.exit_layers = '1'
     with pytest.raises(train.TrainError, match="exit_layers"):

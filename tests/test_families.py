@@ -1,11 +1,12 @@
 """What every routing family in the registry (model.FAMILIES) promises: eval-mode causality, sparse
-execution equal to masked-dense execution, KV-cache decoding equal to full recomputation, forced-open =
-the dense model, gradients reaching every router, FLOPs equal to torch's FlopCounterMode, and ragged
-batched generation equal to each prompt alone. References are computed here: a dense GPT carrying the
-same backbone weights, full recomputation, torch's counter. A family is held to these with the option
-sets in conftest.EXAMPLES, or its defaults: one added to the registry is checked without editing this
-file, and so is the example family of docs/new_family.md. Each family's own tests are in its file
-(test_ffn.py, test_halt.py, test_mod.py, test_exit.py, test_ensemble.py)."""
+execution equal to masked-dense execution, KV-cache decoding equal to full recomputation,
+forced-open = the dense model, gradients reaching every router, FLOPs equal to torch's
+FlopCounterMode, and ragged batched generation equal to each prompt alone. References are computed
+here: a dense GPT carrying the same backbone weights, full recomputation, torch's counter. A family
+is held to these with the option sets in conftest.EXAMPLES, or its defaults: one added to the
+registry is checked without editing this file, and so is the example family of docs/new_family.md.
+Each family's own tests are in its file (test_ffn.py, test_halt.py, test_mod.py, test_exit.py,
+test_ensemble.py)."""
 import math
 import re
 import types
@@ -18,8 +19,19 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import flops
 import model as model_module
-from conftest import (EXAMPLES, ROUTED_TOL, SETTINGS, V, assert_greedy_traces_agree, build, counted, dense_twin,
-                      greedy_trace, seeded, tokens)
+from conftest import (
+    EXAMPLES,
+    ROUTED_TOL,
+    SETTINGS,
+    V,
+    assert_greedy_traces_agree,
+    build,
+    counted,
+    dense_twin,
+    greedy_trace,
+    seeded,
+    tokens,
+)
 from model import FAMILIES as REGISTRY, GPTConfig, KVCache
 from route_exit import exit_depths
 from routing import Dense
@@ -69,7 +81,7 @@ def is_random(case):
     return 'random' in (opt.get('ffn_gate'), opt.get('mod_router'))
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # what every family promises
 
 @settings(**SETTINGS)
@@ -102,10 +114,11 @@ def test_sparse_execution_equals_masked_dense(case, seed, T, B, dtype):
     with torch.no_grad(), amp:
         a_logits, _, a = seeded(lambda: model(idx, idx, sparse=True))
         b_logits, _, b = seeded(lambda: model(idx, idx, sparse=False))
-    # gathered vs full-batch matmuls round differently; routed models' noisy weights reach ~0.2e-5 under
-    # some BLAS modes, so fp32 gets ROUTED_TOL and exact decisions. bf16 rounds to ~1e-2 of the values'
-    # scale per op (one ulp of a logit of 4 is 0.03), so a router score within that of the threshold can
-    # flip: bf16 allows one flipped decision per row and layer, and compares logits only where none flipped
+    # gathered vs full-batch matmuls round differently; routed models' noisy weights reach ~0.2e-5
+    # under some BLAS modes, so fp32 gets ROUTED_TOL and exact decisions. bf16 rounds to ~1e-2 of
+    # the values' scale per op (one ulp of a logit of 4 is 0.03), so a router score within that of
+    # the threshold can flip: bf16 allows one flipped decision per row and layer, and compares
+    # logits only where none flipped
     assert a.get('masks', {}).keys() == b.get('masks', {}).keys()
     flips = {l: (a['masks'][l] != b['masks'][l]).flatten(1).sum(1) for l in a.get('masks', {})}
     if dtype == 'float32':
@@ -115,15 +128,17 @@ def test_sparse_execution_equals_masked_dense(case, seed, T, B, dtype):
         assert all(int(f.max()) <= 1 for f in flips.values()), flips
         if all(int(f.sum()) == 0 for f in flips.values()):
             scale = max(1.0, b_logits.float().abs().max().item())
-            torch.testing.assert_close(a_logits.float(), b_logits.float(), rtol=3e-2, atol=3e-2 * scale)
+            torch.testing.assert_close(
+                a_logits.float(), b_logits.float(), rtol=3e-2, atol=3e-2 * scale
+            )
 
 
 @settings(**SETTINGS)
 @given(case=st.sampled_from(ALL_CASES), seed=st.integers(0, 999), T0=st.integers(1, 10),
        new=st.integers(1, 8), B=st.integers(1, 3))
 def test_kv_cache_decoding_equals_recompute(case, seed, T0, new, B):
-    """Prefill T0 tokens into a KV cache, then feed one token at a time: every step's logits equal the
-    full causal forward's logits at that position (routing decided per token in both)."""
+    """Prefill T0 tokens into a KV cache, then feed one token at a time: every step's logits equal
+    the full causal forward's logits at that position (routing decided per token in both)."""
     if is_random(case):
         return          # random decisions are redrawn per call
     model = build(*case, seed=seed).eval()
@@ -142,8 +157,8 @@ def test_kv_cache_decoding_equals_recompute(case, seed, T0, new, B):
 @given(case=st.sampled_from(ALL_CASES), seed=st.integers(0, 999), T=st.integers(1, 20),
        train_mode=st.booleans())
 def test_forced_open_is_the_dense_model(case, seed, T, train_mode):
-    """force='full' (every gate open, every token through every block, no exits) computes exactly what a
-    dense GPT with the same backbone weights computes."""
+    """force='full' (every gate open, every token through every block, no exits) computes exactly
+    what a dense GPT with the same backbone weights computes."""
     model = build(*case, seed=seed)
     model.train(train_mode)
     idx = tokens(seed, 2, T)
@@ -156,8 +171,8 @@ def test_forced_open_is_the_dense_model(case, seed, T, train_mode):
 @pytest.mark.parametrize('case', ALL_CASES)
 def test_gradients_reach_every_router(case):
     """One training step's total loss gives every controller parameter (routers, predictors, exit
-    heads, ensemble norms and router) and every backbone parameter a non-zero gradient, except those the
-    family says its loss never reaches (Family.no_gradient: the ensemble's ln_f feeds only its
+    heads, ensemble norms and router) and every backbone parameter a non-zero gradient, except those
+    the family says its loss never reaches (Family.no_gradient: the ensemble's ln_f feeds only its
     stop-gradient teacher), which get none."""
     if is_random(case):
         pytest.skip('no router')
@@ -173,7 +188,7 @@ def test_gradients_reach_every_router(case):
             assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # FLOPs against torch's counter
 
 # every family in the registry (ffn and halt included), with as many examples per case as when only
@@ -183,11 +198,19 @@ def test_gradients_reach_every_router(case):
        T=st.integers(2, 16), B=st.integers(1, 2), budget=st.floats(0.05, 1.0), pw=st.sampled_from([0.0, 1.0]),
        trainable=st.sampled_from(['all', 'controller']), kl=st.sampled_from([0.0, 1.0]), data=st.data())
 def test_family_flops_match_counter(case, seed, T, B, budget, pw, trainable, kl, data):
-    """Training forward, a whole training step (joint or controller-only), the masked eval forward and
-    the sparse eval forward (at the realised fractions) equal FlopCounterMode's count."""
+    """Training forward, a whole training step (joint or controller-only), the masked eval forward
+    and the sparse eval forward (at the realised fractions) equal FlopCounterMode's count."""
     route, opt = case
-    model = build(route, opt, seed=seed, ffn_budget=budget, mod_capacity=budget, ffn_predictor_weight=pw,
-                  mod_predictor_weight=pw, ens_kl_weight=kl)
+    model = build(
+        route,
+        opt,
+        seed=seed,
+        ffn_budget=budget,
+        mod_capacity=budget,
+        ffn_predictor_weight=pw,
+        mod_predictor_weight=pw,
+        ens_kl_weight=kl,
+    )
     cfg = model.config
     if trainable == 'controller':
         ctrl = {id(p) for p in model.controller_parameters()}
@@ -196,7 +219,8 @@ def test_family_flops_match_counter(case, seed, T, B, budget, pw, trainable, kl,
         for p in model.parameters():
             p.requires_grad_(trainable == 'all' or id(p) in ctrl)
     exits = None
-    if 'exit_layers' in model.family.options and data.draw(st.booleans()):     # the exit families' step option
+    # the exit families' step option
+    if 'exit_layers' in model.family.options and data.draw(st.booleans()):
         exits = tuple(sorted(data.draw(st.sets(st.sampled_from(exit_depths(cfg))))))
     idx = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
     model.train()
@@ -211,13 +235,22 @@ def test_family_flops_match_counter(case, seed, T, B, budget, pw, trainable, kl,
     assert counted(step) == B * flops.train_step_flops(cfg, T, trainable, exits=exits)['total']
     model.eval()
     with torch.no_grad():
-        assert counted(lambda: seeded(lambda: model(idx, idx, sparse=False))) == B * flops.forward_flops(cfg, T, 'eval')
+        assert counted(
+            lambda: seeded(lambda: model(idx, idx, sparse=False))
+        ) == B * flops.forward_flops(cfg, T, 'eval')
         out = []
         got = counted(lambda: out.append(seeded(lambda: model(idx, idx))[2].get('masks', {})))
     masks = out[0]
-    run = model.family.executed_fracs(masks) if masks else None     # e.g. MoD pads rows to the longest
-    frac = run.tolist() if run is not None else [int(m.sum()) / m.numel() for _, m in sorted(masks.items())] or None
-    assert math.isclose(got, B * flops.forward_flops(cfg, T, 'sparse', full_frac=frac), rel_tol=1e-9)
+    # e.g. MoD pads rows to the longest
+    run = model.family.executed_fracs(masks) if masks else None
+    frac = (
+        run.tolist()
+        if run is not None
+        else [int(m.sum()) / m.numel() for _, m in sorted(masks.items())] or None
+    )
+    assert math.isclose(
+        got, B * flops.forward_flops(cfg, T, 'sparse', full_frac=frac), rel_tol=1e-9
+    )
 
 
 @settings(**SETTINGS)
@@ -226,9 +259,9 @@ def test_family_flops_match_counter(case, seed, T, B, budget, pw, trainable, kl,
 def test_ragged_batched_generation_equals_each_prompt_alone(case, seed, lens, new):
     """Prompts of different lengths decoded together (right-padded, each row at its own positions,
     one shared KV cache) give each prompt's greedy continuation decoded alone: the same routing
-    decisions, logits within ROUTED_TOL (the batch has other B and T, masked attention and sparse gathers
-    over all rows: other matmul shapes than one prompt alone), and the same tokens unless a near-tie
-    (see conftest.assert_greedy_traces_agree)."""
+    decisions, logits within ROUTED_TOL (the batch has other B and T, masked attention and sparse
+    gathers over all rows: other matmul shapes than one prompt alone), and the same tokens unless a
+    near-tie (see conftest.assert_greedy_traces_agree)."""
     model = build(*case, seed=seed).eval()
     idx = tokens(seed, len(lens), max(lens))
     stats = {}
@@ -237,7 +270,8 @@ def test_ragged_batched_generation_equals_each_prompt_alone(case, seed, lens, ne
         alone = greedy_trace(model, idx[b:b + 1, :n], new)[0]
         assert_greedy_traces_agree(together[b], alone, ROUTED_TOL)
     with torch.no_grad():
-        reported = 'full_frac' in model(idx[:1])[2]         # the family reports its realised fractions
+        reported = 'full_frac' in model(idx[:1])[2]         # the family reports its realised
+                                                            # fractions
     if reported:
         assert len(stats['full_frac']) > 0 and all(0 <= f <= 1 for f in stats['full_frac'])
 
@@ -248,7 +282,7 @@ def test_every_family_but_the_dense_one_routes():
     assert [name for name, family in REGISTRY.items() if not family.routes] == ['none']
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the contract (routing.py's docstring)
 
 CORE = ('Options', 'validate', 'loss', 'is_controller_key', 'forward_flops', 'backward_flops')
@@ -292,7 +326,8 @@ def test_the_example_registers_with_one_name():
 
 
 class Drawn:
-    """Stands in for Hypothesis's `data` with fixed draws, to run a property test's body on one example."""
+    """Stands in for Hypothesis's `data` with fixed draws, to run a property test's body on one
+    example."""
 
     def __init__(self, *values):
         self.values = list(values)
@@ -307,7 +342,9 @@ def test_the_example_is_held_to_every_promise(route):
     example of docs/new_family.md (their bodies on fixed examples), so each promise checks it."""
     case = (route, 0)
     for seed, T, B in [(0, 9, 2), (5, 3, 1)]:
-        test_eval_is_causal_for_every_family.hypothesis.inner_test(case, seed, T, B, True, Drawn(T // 2))
+        test_eval_is_causal_for_every_family.hypothesis.inner_test(
+            case, seed, T, B, True, Drawn(T // 2)
+        )
         test_sparse_execution_equals_masked_dense.hypothesis.inner_test(case, seed, T, B, 'float32')
         test_kv_cache_decoding_equals_recompute.hypothesis.inner_test(case, seed, T, 3, B)
         test_forced_open_is_the_dense_model.hypothesis.inner_test(case, seed, T, seed % 2 == 0)

@@ -1,10 +1,11 @@
-"""Fault injection for train.py's checkpointing: SIGKILL in the middle of a checkpoint write, SIGTERM
-during a training step, SIGINT while a checkpoint is being written, and corrupt / truncated ckpt.pt files.
+"""Fault injection for train.py's checkpointing: SIGKILL in the middle of a checkpoint write,
+SIGTERM during a training step, SIGINT while a checkpoint is being written, and corrupt / truncated
+ckpt.pt files.
 
 Faults are injected deterministically, not by timing: train.py runs in a subprocess through a small
-wrapper script (FAULT_WRAPPER, written to tmp_path) that patches torch.save or train.lr_at and then runs
-train.main through configurator.run_cli, exactly like `python train.py`. The wrapper writes a JSON
-record of what it did (before it dies) so that every test can assert the fault really happened.
+wrapper script (FAULT_WRAPPER, written to tmp_path) that patches torch.save or train.lr_at and then
+runs train.main through configurator.run_cli, exactly like `python train.py`. The wrapper writes a
+JSON record of what it did (before it dies) so that every test can assert the fault really happened.
 
 Every comparison with the uninterrupted reference run is bitwise (torch.equal): all runs are on this
 machine, on CPU, single-threaded (OMP_NUM_THREADS=1), with the same kernels, so an exact resume must
@@ -28,9 +29,13 @@ from checkpoint import load_checkpoint  # noqa: E402
 from conftest import finish, start, stop  # noqa: E402
 from data import prepare as P  # noqa: E402
 
-ENV = {k: v for k, v in os.environ.items()
-       if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-       and not k.startswith("FAULT_")}
+ENV = {
+    k: v
+    for k, v in os.environ.items()
+    if k
+    not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    and not k.startswith("FAULT_")
+}
 # one thread: quick on a loaded 2-core box and bit-reproducible; unbuffered, so a SIGKILLed child's
 # stdout (e.g. "removed ...") is not lost in its pipe buffer
 ENV.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONHASHSEED="0", PYTHONUNBUFFERED="1")
@@ -122,7 +127,7 @@ run_cli(train.main)
 '''
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # helpers and fixtures
 
 def run_py(script, args, env=None, timeout=TIMEOUT):
@@ -136,12 +141,16 @@ def run_train(args):
 
 
 def ok(r):
-    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+    assert r.returncode == 0, (
+        f"exit {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+    )
     return r
 
 
 def fault_env(mode, at, record, frac=0.5, copy=None):
-    env = dict(ENV, FAULT_MODE=mode, FAULT_AT=str(at), FAULT_FRAC=repr(frac), FAULT_RECORD=str(record))
+    env = dict(
+        ENV, FAULT_MODE=mode, FAULT_AT=str(at), FAULT_FRAC=repr(frac), FAULT_RECORD=str(record)
+    )
     if copy is not None:
         env["FAULT_COPY"] = str(copy)
     return env
@@ -159,9 +168,13 @@ def assert_identical(a, b, where="ckpt"):
     """Recursively: tensors torch.equal (same dtype and shape), everything else ==."""
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), f"{where}: tensors differ (max abs diff {(a.double() - b.double()).abs().max()})"
+        assert torch.equal(a, b), (
+            f"{where}: tensors differ (max abs diff {(a.double() - b.double()).abs().max()})"
+        )
     elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        assert isinstance(b, dict) and set(a) == set(b), (
+            f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        )
         for k in a:
             assert_identical(a[k], b[k], f"{where}[{k!r}]")
     elif isinstance(a, (list, tuple)):
@@ -175,8 +188,9 @@ def assert_identical(a, b, where="ckpt"):
 
 
 def assert_same_final_state(out, reference):
-    """Bitwise: every weight, every optimizer moment and step count, the scaler, the iteration and the
-    best val loss equal those of the uninterrupted run (same machine, same kernels: no tolerance)."""
+    """Bitwise: every weight, every optimizer moment and step count, the scaler, the iteration and
+    the best val loss equal those of the uninterrupted run (same machine, same kernels: no
+    tolerance)."""
     mine, ref = load_checkpoint(str(Path(out) / "ckpt.pt")), reference.ckpt()
     assert mine["iter_num"] == ref["iter_num"] == MAX_ITERS
     assert_identical(mine["model"], ref["model"], "model")
@@ -187,7 +201,8 @@ def assert_same_final_state(out, reference):
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    """A 60k-token synthetic corpus in <tmp>/data/syn (not named 'synthetic': never auto-prepared over)."""
+    """A 60k-token synthetic corpus in <tmp>/data/syn (not named 'synthetic': never auto-prepared
+    over)."""
     folder = tmp_path_factory.mktemp("data") / "syn"
     P.prepare("synthetic", out_dir=folder, num_tokens=60000)
     return folder
@@ -232,18 +247,21 @@ def wrapper(tmp_path):
     return path
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # SIGTERM during a training step: save, exit 0, and the resume is bit-exact
-# (tests/test_train.py checks that a signalled run saves and that its printed resume command runs, but
-# not that the resumed run ends bit-equal to an uninterrupted one)
+# (tests/test_train.py checks that a signalled run saves and that its printed resume command runs,
+# but not that the resumed run ends bit-equal to an uninterrupted one)
 
 def test_sigterm_mid_step_then_resume_is_bit_exact(reference, data_dir, wrapper, tmp_path):
     out, rec = tmp_path / "out", tmp_path / "sigterm.json"
     args = [*CFG, *data_args(data_dir), f"--out_dir={out}"]
-    r, pid = run_py(wrapper, args, fault_env("sigterm_at_iter", 4, rec))    # while computing step 4 -> 5
+    # while computing step 4 -> 5
+    r, pid = run_py(wrapper, args, fault_env("sigterm_at_iter", 4, rec))
     ok(r)
     assert json.loads(rec.read_text()) == {"pid": pid, "iter": 4}, "the SIGTERM was never sent"
-    assert "stopped by signal at iteration 5" in r.stdout and "done:" not in r.stdout, r.stdout[-2000:]
+    assert "stopped by signal at iteration 5" in r.stdout and "done:" not in r.stdout, r.stdout[
+        -2000:
+    ]
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 5      # 5: not an eval iteration
     assert temps(out) == []
     r2 = ok(run_train([*args, "--init_from=resume"]))
@@ -251,14 +269,15 @@ def test_sigterm_mid_step_then_resume_is_bit_exact(reference, data_dir, wrapper,
     assert_same_final_state(out, reference)
 
 
-# ----------------------------------------------------------------------------------------------------
-# SIGINT while save_checkpoint is writing: the write completes, the file is valid, then the run stops
+# --------------------------------------------------------------------------------------------------
+# SIGINT while save_checkpoint is writing: the write completes, the file is valid, then the run
+# stops
 
 def test_sigint_during_checkpoint_write_completes_the_save(reference, data_dir, wrapper, tmp_path):
-    """Ctrl-C arrives when 30% of the iteration-4 checkpoint is written: the handler only sets the stop
-    flag, so the save finishes (the file is exactly the bytes torch.save produced) and is renamed into
-    place; the run then finishes step 5, saves again and exits 0; resuming ends bit-equal to the
-    uninterrupted run."""
+    """Ctrl-C arrives when 30% of the iteration-4 checkpoint is written: the handler only sets the
+    stop flag, so the save finishes (the file is exactly the bytes torch.save produced) and is
+    renamed into place; the run then finishes step 5, saves again and exits 0; resuming ends
+    bit-equal to the uninterrupted run."""
     out, rec, copy = tmp_path / "out", tmp_path / "sigint.json", tmp_path / "saved_during_sigint.pt"
     args = [*CFG, *data_args(data_dir), f"--out_dir={out}"]
     r, pid = run_py(wrapper, args, fault_env("sigint_in_save", 2, rec, frac=0.3, copy=copy))
@@ -270,25 +289,31 @@ def test_sigint_during_checkpoint_write_completes_the_save(reference, data_dir, 
     assert copy.exists(), "the checkpoint write interrupted by SIGINT never completed"
     assert sha256(copy) == info["sha256"]                           # complete, byte for byte
     assert load_checkpoint(str(copy))["iter_num"] == 4
-    assert "stopped by signal at iteration 5" in r.stdout and "done:" not in r.stdout, r.stdout[-2000:]
+    assert "stopped by signal at iteration 5" in r.stdout and "done:" not in r.stdout, r.stdout[
+        -2000:
+    ]
     assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 5
     assert temps(out) == []
     ok(run_train([*args, "--init_from=resume"]))
     assert_same_final_state(out, reference)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # a truncated or foreign ckpt.pt: one clear error, exit 2, nothing touched
 
 @pytest.mark.parametrize("damage", ["truncated_half", "random_bytes"])
 @pytest.mark.parametrize("use", ["resume", "init_from"])
 def test_corrupt_checkpoint_fails_cleanly(reference, data_dir, tmp_path, damage, use):
-    """resume: out_dir's own ckpt.pt; init_from: a checkpoint file to start stage 2 from, into a fresh
-    out_dir that must not even be created."""
+    """resume: out_dir's own ckpt.pt; init_from: a checkpoint file to start stage 2 from, into a
+    fresh out_dir that must not even be created."""
     reference.ckpt()
     out = tmp_path / "out"
     real = (reference.out / "ckpt.pt").read_bytes()
-    bad = real[:len(real) // 2] if damage == "truncated_half" else random.Random(0).randbytes(len(real))
+    bad = (
+        real[: len(real) // 2]
+        if damage == "truncated_half"
+        else random.Random(0).randbytes(len(real))
+    )
     if use == "resume":
         out.mkdir()
         for name in ("config.json", "metrics.jsonl", "run_info.json"):
@@ -303,30 +328,35 @@ def test_corrupt_checkpoint_fails_cleanly(reference, data_dir, tmp_path, damage,
     assert r.returncode == 2, f"exit {r.returncode}\n{r.stderr[-3000:]}"
     lines = r.stderr.splitlines()
     assert len(lines) == 1, r.stderr
-    assert lines[0].startswith("error:") and str(ckpt) in lines[0] and "corrupt" in lines[0], lines[0]
+    assert lines[0].startswith("error:") and str(ckpt) in lines[0] and "corrupt" in lines[0], lines[
+        0
+    ]
     # the checkpoint and everything else untouched; init_from: no out_dir created
     assert {str(p): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
     assert use == "resume" or not out.exists()
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # SIGKILL in the middle of checkpoint writes, then resume: bit-equal to the uninterrupted run
 
-KILL_SEED = 14      # a fixed seed; its plan is asserted to cover the cases below before anything runs
+KILL_SEED = 14      # a fixed seed; its plan is asserted to cover the cases below before anything
+                    # runs
 N_KILLS = 3
-Kill = namedtuple("Kill", "start save iter_num frac survivor")   # start/survivor: ckpt iteration or None
+# start/survivor: ckpt iteration or None
+Kill = namedtuple("Kill", "start save iter_num frac survivor")
 
 
 def kill_plan(seed):
     """Where each of N_KILLS processes dies: its `save`-th checkpoint write (the one of iteration
-    iter_num) after a fraction `frac` of the file's bytes; each process resumes from the checkpoint the
-    previous one left (`start`, None: none, so it starts fresh). `survivor` is the checkpoint that must
-    be intact after the kill. A pure function of the seed."""
+    iter_num) after a fraction `frac` of the file's bytes; each process resumes from the checkpoint
+    the previous one left (`start`, None: none, so it starts fresh). `survivor` is the checkpoint
+    that must be intact after the kill. A pure function of the seed."""
     rng, start, plan = random.Random(seed), None, []
     for _ in range(N_KILLS):
         base = start or 0
         save = rng.randint(1, (MAX_ITERS - base) // EVAL_INTERVAL)
-        frac = rng.choice((0.0, 1.0, rng.random(), rng.random()))   # empty temp, complete but unrenamed, partial
+        # empty temp, complete but unrenamed, partial
+        frac = rng.choice((0.0, 1.0, rng.random(), rng.random()))
         survivor = start if save == 1 else base + EVAL_INTERVAL * (save - 1)
         plan.append(Kill(start, save, base + EVAL_INTERVAL * save, frac, survivor))
         start = survivor
@@ -334,7 +364,9 @@ def kill_plan(seed):
 
 
 @pytest.mark.slow
-def test_sigkill_during_checkpoint_writes_then_resume_is_bit_exact(reference, data_dir, wrapper, tmp_path):
+def test_sigkill_during_checkpoint_writes_then_resume_is_bit_exact(
+    reference, data_dir, wrapper, tmp_path
+):
     plan = kill_plan(KILL_SEED)
     # not vacuous: a kill before any checkpoint exists, kills with one, a kill in a resumed process,
     # empty and partial temp files; and the last kill leaves a checkpoint, so the final run resumes
@@ -348,7 +380,13 @@ def test_sigkill_during_checkpoint_writes_then_resume_is_bit_exact(reference, da
     orphan = None                        # the temp file the last killed writer left
     for n, kill in enumerate(plan):
         rec = tmp_path / f"kill{n}.json"
-        args = [*base, "--init_from=resume"] if kill.start is not None else [*base, "--overwrite=True"] if n else base
+        args = (
+            [*base, "--init_from=resume"]
+            if kill.start is not None
+            else [*base, "--overwrite=True"]
+            if n
+            else base
+        )
         r, pid = run_py(wrapper, args, fault_env("kill_in_save", kill.save, rec, frac=kill.frac))
         where = f"kill {n} {kill}:\nstdout:\n{r.stdout[-2000:]}\nstderr:\n{r.stderr[-2000:]}"
         assert r.returncode == -signal.SIGKILL, where
@@ -358,7 +396,8 @@ def test_sigkill_during_checkpoint_writes_then_resume_is_bit_exact(reference, da
         if orphan is not None:           # the previous writer's orphan went at this run's start
             assert f"removed {orphan}" in r.stdout, where
             assert not orphan.exists()
-        # the killed writer's temp file is there (with exactly the bytes it got to write), and only it
+        # the killed writer's temp file is there (with exactly the bytes it got to write), and only
+        # it
         orphan = out / f"ckpt.pt.tmp-{pid}"
         assert info["tmp"] == str(orphan) and temps(out) == [orphan.name], (temps(out), info)
         assert orphan.stat().st_size == info["cut"]
@@ -376,7 +415,9 @@ def test_sigkill_during_checkpoint_writes_then_resume_is_bit_exact(reference, da
             lines = r.stderr.splitlines()
             assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
             assert "no checkpoint" in lines[0] and str(ckpt) in lines[0], lines[0]
-            assert f"removed {orphan}" in r.stdout and not orphan.exists() and not ckpt.exists(), r.stdout
+            assert f"removed {orphan}" in r.stdout and not orphan.exists() and not ckpt.exists(), (
+                r.stdout
+            )
             orphan = None
 
     # the last resume, unpatched: it removes the last orphan and ends bit-equal to the reference

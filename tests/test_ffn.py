@@ -25,17 +25,32 @@ from routing import RouteCtx
 SETTINGS = dict(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 V = 29
-BASE = dict(block_size=24, vocab_size=V, n_head=2, n_embd=16, ffn_cheap_rank=4, ffn_gate_hidden=8, ffn_jepa_latent=6)
-ZERO_AUX = dict(ffn_util_weight=0.0, ffn_rank_weight=0.0, ffn_jepa_weight=0.0, ffn_predictor_weight=0.0, ffn_mimic_weight=0.0)
+BASE = dict(
+    block_size=24,
+    vocab_size=V,
+    n_head=2,
+    n_embd=16,
+    ffn_cheap_rank=4,
+    ffn_gate_hidden=8,
+    ffn_jepa_latent=6,
+)
+ZERO_AUX = dict(
+    ffn_util_weight=0.0,
+    ffn_rank_weight=0.0,
+    ffn_jepa_weight=0.0,
+    ffn_predictor_weight=0.0,
+    ffn_mimic_weight=0.0,
+)
 SCORING_GATES = ('mlp', 'jepa')
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # helpers
 
 def build(seed, n_layer=2, noise=0.3, **kw):
     """A tiny routed GPT; `noise` is added to every parameter so gate scores, predictors and the
-    full/cheap difference are far from their near-zero initialisation (continuous values, no ties)."""
+    full/cheap difference are far from their near-zero initialisation (continuous values, no
+    ties)."""
     args = dict(BASE, n_layer=n_layer, route='ffn', **ZERO_AUX)
     args.update(kw)
     torch.manual_seed(seed)
@@ -51,19 +66,23 @@ def build(seed, n_layer=2, noise=0.3, **kw):
 def tokens(seed, B, T, vocab=V, distinct_first=False):
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, vocab, (B, T), generator=g)
-    if distinct_first:      # rows start differently: no two tokens share a hidden state (no score ties)
+    if distinct_first:      # rows start differently: no two tokens share a hidden state (no score
+                            # ties)
         idx[:, 0] = torch.randperm(vocab, generator=g)[:B]
     return idx
 
 
 def calibration_tokens(seed, prompts):
-    """A held-out (4, 24) batch to calibrate on whose rows start with tokens no prompt row starts with.
-    τ is one of its scores, and a prompt prefix equal to a calibration prefix (most often just the
-    first token: position 0's state is a function of its token id alone) scores exactly τ, leaving that
-    decision to the last bit of whichever kernels computed it (~0.6% of examples had such a tie)."""
+    """A held-out (4, 24) batch to calibrate on whose rows start with tokens no prompt row starts
+    with. τ is one of its scores, and a prompt prefix equal to a calibration prefix (most often just
+    the first token: position 0's state is a function of its token id alone) scores exactly τ,
+    leaving that decision to the last bit of whichever kernels computed it (~0.6% of examples had
+    such a tie)."""
     cal = tokens(seed, 4, 24)
     free = torch.tensor(sorted(set(range(V)) - set(prompts[:, 0].tolist())))
-    cal[:, 0] = free[torch.randint(0, len(free), (4,), generator=torch.Generator().manual_seed(seed))]
+    cal[:, 0] = free[
+        torch.randint(0, len(free), (4,), generator=torch.Generator().manual_seed(seed))
+    ]
     return cal
 
 
@@ -99,14 +118,19 @@ def record_ln2(model, layers):
     """Forward hooks on ln_2 of the given blocks; calls[l] lists (input x, output h) per call. The
     routed pass calls ln_2 once per block, before any oracle fork."""
     calls = {l: [] for l in layers}
-    handles = [model.transformer.h[l].ln_2.register_forward_hook(
-        lambda mod, inp, out, l=l: calls[l].append((inp[0].detach(), out.detach()))) for l in layers]
+    handles = [
+        model.transformer.h[l].ln_2.register_forward_hook(
+            lambda mod, inp, out, l=l: calls[l].append((inp[0].detach(), out.detach()))
+        )
+        for l in layers
+    ]
     return calls, handles
 
 
 @contextmanager
 def record_updates(model, layers):
-    """Record what route_ffn.routed_ffn_update returns at the given layers of `model`, while inside."""
+    """Record what route_ffn.routed_ffn_update returns at the given layers of `model`, while
+    inside."""
     out = {l: [] for l in layers}
     orig = route_ffn.routed_ffn_update
 
@@ -193,11 +217,14 @@ def dense_twin(routed_model, seed):
             p.add_(0.3 * torch.randn(p.shape, generator=g))
     missing, unexpected = routed_model.load_state_dict(dense.state_dict(), strict=False)
     assert not unexpected
-    assert all(any(s in k for s in ('.cheap.', '.gate.', '.predictor.')) or k.endswith('.tau') for k in missing)
+    assert all(
+        any(s in k for s in ('.cheap.', '.gate.', '.predictor.')) or k.endswith('.tau')
+        for k in missing
+    )
     return dense
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 1. training decisions: exactly ceil(budget·T) full tokens per row, and they are the top-k scores
 
 @settings(**SETTINGS)
@@ -205,11 +232,20 @@ def dense_twin(routed_model, seed):
        gate=st.sampled_from(['mlp', 'jepa', 'random']), layout=layouts(),
        readout=st.sampled_from(['distance', 'linear']), block_size=st.sampled_from([24, 48]),
        gate_grad=st.sampled_from(['ste', 'scale', 'none']))
-def test_train_masks_hold_exactly_ceil_budget_T_top_scoring_tokens(seed, B, T, budget, gate, layout, readout,
-                                                                    block_size, gate_grad):
+def test_train_masks_hold_exactly_ceil_budget_T_top_scoring_tokens(
+    seed, B, T, budget, gate, layout, readout, block_size, gate_grad
+):
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, ffn_gate=gate, ffn_budget=float(budget), ffn_layers=spec, ffn_jepa_readout=readout,
-                  block_size=block_size, ffn_gate_grad=gate_grad).train()
+    model = build(
+        seed,
+        n_layer,
+        ffn_gate=gate,
+        ffn_budget=float(budget),
+        ffn_layers=spec,
+        ffn_jepa_readout=readout,
+        block_size=block_size,
+        ffn_gate_grad=gate_grad,
+    ).train()
     assert controlled_layer_ids(model.config) == ids
     idx = tokens(seed, B, T, distinct_first=True)
     calls, handles = record_ln2(model, ids)
@@ -219,10 +255,17 @@ def test_train_masks_hold_exactly_ceil_budget_T_top_scoring_tokens(seed, B, T, b
         hnd.remove()
     k = ceil_frac(budget, T)            # of the actual T, never of block_size
     assert sorted(aux['masks']) == ids
-    torch.manual_seed(seed)             # the random gate draws one (B, T) uniform tensor per layer, in order
+    torch.manual_seed(seed)             # the random gate draws one (B, T) uniform tensor per layer,
+                                        # in order
     with torch.no_grad():
-        scores = {l: (torch.rand(B, T) if gate == 'random' else model.transformer.h[l].gate(calls[l][0][1]))
-                  for l in ids}
+        scores = {
+            l: (
+                torch.rand(B, T)
+                if gate == 'random'
+                else model.transformer.h[l].gate(calls[l][0][1])
+            )
+            for l in ids
+        }
     for l in ids:
         mask = aux['masks'][l]
         assert mask.shape == (B, T) and mask.dtype == torch.bool
@@ -234,8 +277,9 @@ def test_train_masks_hold_exactly_ceil_budget_T_top_scoring_tokens(seed, B, T, b
     torch.testing.assert_close(aux['full_frac'], torch.full((len(ids),), k / T), rtol=0, atol=1e-6)
 
 
-# ----------------------------------------------------------------------------------------------------
-# 2. gate forced open (or budget 1.0) == the dense model; forced shut == a hand-written cheap forward
+# --------------------------------------------------------------------------------------------------
+# 2. gate forced open (or budget 1.0) == the dense model; forced shut == a hand-written cheap
+# forward
 
 DENSE_EQ = dict(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 24), layout=layouts(),
                 pos=st.sampled_from(['learned', 'rope']), bias=st.booleans())
@@ -244,7 +288,9 @@ DENSE_EQ = dict(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 24), layout=la
 @settings(**SETTINGS)
 @given(**DENSE_EQ, gate=st.sampled_from(SCORING_GATES), readout=st.sampled_from(['distance', 'linear']),
        infer_rule=st.sampled_from(['threshold', 'predictor']))
-def test_budget_one_no_grad_equals_dense_bitwise(seed, B, T, layout, pos, bias, gate, readout, infer_rule):
+def test_budget_one_no_grad_equals_dense_bitwise(
+    seed, B, T, layout, pos, bias, gate, readout, infer_rule
+):
     n_layer, spec, ids = layout
     model = build(seed, n_layer, ffn_gate=gate, ffn_budget=1.0, ffn_layers=spec, pos=pos, bias=bias,
                   ffn_jepa_readout=readout, ffn_gate_grad='none', ffn_infer_rule=infer_rule)
@@ -254,7 +300,8 @@ def test_budget_one_no_grad_equals_dense_bitwise(seed, B, T, layout, pos, bias, 
     out, _, aux = model.train()(idx, idx)
     assert all(m.all() for m in aux['masks'].values())
     assert torch.equal(out, ref)
-    model.calibrate(tokens(seed + 1, 2, T))      # budget 1.0: every token passes the causal threshold
+    model.calibrate(tokens(seed + 1, 2, T))      # budget 1.0: every token passes the causal
+                                                 # threshold
     out, _, aux = model.eval()(idx, idx)
     assert all(m.all() for m in aux['masks'].values())
     assert torch.equal(out, ref)
@@ -280,7 +327,9 @@ def check_budget_one_ste_equals_dense(seed, B, T, layout, pos, bias, gate, reado
 # tokens; fixed cases here, hypothesis below.
 @pytest.mark.parametrize('seed,gate,readout', STE_CASES)
 def test_budget_one_ste_equals_dense_bitwise(seed, gate, readout):
-    check_budget_one_ste_equals_dense(seed, 2, 16, (3, 'all', [0, 1, 2]), 'learned', False, gate, readout, True)
+    check_budget_one_ste_equals_dense(
+        seed, 2, 16, (3, 'all', [0, 1, 2]), 'learned', False, gate, readout, True
+    )
 
 
 @settings(**SETTINGS)
@@ -292,11 +341,20 @@ def test_budget_one_ste_equals_dense_property(seed, B, T, layout, pos, bias, gat
 @settings(**SETTINGS)
 @given(**DENSE_EQ, gate=st.sampled_from(['mlp', 'jepa', 'random', 'static_full']),
        gate_grad=st.sampled_from(['ste', 'scale', 'none']), budget=BUDGETS, training=st.booleans())
-def test_forced_full_and_static_full_equal_dense_bitwise(seed, B, T, layout, pos, bias, gate, gate_grad, budget,
-                                                        training):
+def test_forced_full_and_static_full_equal_dense_bitwise(
+    seed, B, T, layout, pos, bias, gate, gate_grad, budget, training
+):
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, ffn_gate=gate, ffn_budget=float(budget), ffn_layers=spec, pos=pos, bias=bias,
-                  ffn_gate_grad=gate_grad).train(training)
+    model = build(
+        seed,
+        n_layer,
+        ffn_gate=gate,
+        ffn_budget=float(budget),
+        ffn_layers=spec,
+        pos=pos,
+        bias=bias,
+        ffn_gate_grad=gate_grad,
+    ).train(training)
     dense = dense_twin(model, seed)
     idx = tokens(seed, B, T)
     ref = dense.eval()(idx, idx)[0]
@@ -308,8 +366,9 @@ def test_forced_full_and_static_full_equal_dense_bitwise(seed, B, T, layout, pos
 @settings(**SETTINGS)
 @given(**DENSE_EQ, gate=st.sampled_from(['mlp', 'jepa', 'random', 'static_cheap']),
        gate_grad=st.sampled_from(['ste', 'scale', 'none']), training=st.booleans())
-def test_forced_cheap_and_static_cheap_equal_hand_written_forward(seed, B, T, layout, pos, bias, gate, gate_grad,
-                                                                  training):
+def test_forced_cheap_and_static_cheap_equal_hand_written_forward(
+    seed, B, T, layout, pos, bias, gate, gate_grad, training
+):
     n_layer, spec, ids = layout
     model = build(seed, n_layer, ffn_gate=gate, ffn_layers=spec, pos=pos, bias=bias,
                   ffn_gate_grad=gate_grad).train(training)
@@ -329,9 +388,12 @@ def test_forced_cheap_and_static_cheap_equal_hand_written_forward(seed, B, T, la
 
 @pytest.mark.parametrize('src_gate,gate,rule', [('mlp', 'mlp', 'threshold'), ('random', 'mlp', 'predictor'),
                                                  ('random', 'jepa', 'threshold'), ('mlp', 'jepa', 'predictor')])
-def test_routed_model_from_checkpoint_file_keeps_backbone_and_gets_fresh_gates(src_gate, gate, rule):
-    """train.build_model with init_from=<ckpt file> (stage 2: typically a random-gate backbone): backbone
-    (incl. cheap FFNs) from the file, gates fresh; forced full/cheap logits equal the source model's."""
+def test_routed_model_from_checkpoint_file_keeps_backbone_and_gets_fresh_gates(
+    src_gate, gate, rule
+):
+    """train.build_model with init_from=<ckpt file> (stage 2: typically a random-gate backbone):
+    backbone (incl. cheap FFNs) from the file, gates fresh; forced full/cheap logits equal the
+    source model's."""
     src = build(11, 2, ffn_gate=src_gate, ffn_layers='all')
     ckpt = dict(model_args=dict(src.config.__dict__), model=src.state_dict())
     fields = dict(src.config.__dict__, ffn_gate=gate, ffn_infer_rule=rule)
@@ -341,10 +403,14 @@ def test_routed_model_from_checkpoint_file_keeps_backbone_and_gets_fresh_gates(s
     for force in ('full', 'cheap'):
         assert torch.equal(model(idx, idx, force=force)[0], src(idx, idx, force=force)[0])
     g_src = dict(src.named_parameters())
-    assert any(n not in g_src or not torch.equal(p, g_src[n]) for n, p in model.named_parameters() if '.gate.' in n)
+    assert any(
+        n not in g_src or not torch.equal(p, g_src[n])
+        for n, p in model.named_parameters()
+        if '.gate.' in n
+    )
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 3. masked mixture == gather -> compute -> scatter
 
 @settings(**SETTINGS)
@@ -379,7 +445,7 @@ def test_masked_update_equals_gather_scatter(seed, B, T, p, gate, gate_grad, lay
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 4. eval mode is causal for every gate and decision rule
 
 @settings(**SETTINGS)
@@ -387,10 +453,21 @@ def test_masked_update_equals_gather_scatter(seed, B, T, p, gate, gate_grad, lay
        gate=st.sampled_from(['mlp', 'jepa', 'random', 'static_full', 'static_cheap']),
        infer_rule=st.sampled_from(['threshold', 'predictor']), gate_grad=st.sampled_from(['ste', 'scale', 'none']),
        readout=st.sampled_from(['distance', 'linear']), pos=st.sampled_from(['learned', 'rope']), data=st.data())
-def test_eval_routing_is_causal(seed, B, T, budget, layout, gate, infer_rule, gate_grad, readout, pos, data):
+def test_eval_routing_is_causal(
+    seed, B, T, budget, layout, gate, infer_rule, gate_grad, readout, pos, data
+):
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, ffn_gate=gate, ffn_budget=float(budget), ffn_layers=spec, ffn_infer_rule=infer_rule,
-                  ffn_gate_grad=gate_grad, ffn_jepa_readout=readout, pos=pos)
+    model = build(
+        seed,
+        n_layer,
+        ffn_gate=gate,
+        ffn_budget=float(budget),
+        ffn_layers=spec,
+        ffn_infer_rule=infer_rule,
+        ffn_gate_grad=gate_grad,
+        ffn_jepa_readout=readout,
+        pos=pos,
+    )
     idx = tokens(seed, B, T)
     model.calibrate(calibration_tokens(seed + 1, idx))
     model.eval()
@@ -405,12 +482,14 @@ def test_eval_routing_is_causal(seed, B, T, budget, layout, gate, infer_rule, ga
     assert sorted(aux_a.get('masks', {})) == expect_masks
     for l in expect_masks:          # the decisions at positions <= t: exactly equal
         assert torch.equal(aux_a['masks'][l][:, :t + 1], aux_b['masks'][l][:, :t + 1])
-    # Sparse eval gathers the selected tokens of the whole batch into one matmul, and the future tokens
-    # change how many there are: BLAS may then block the same dot products differently (seen: 3 vs 2
-    # rows, logits off by 4e-7 on some CPUs). So values within ROUTED_TOL (see conftest) here ...
+    # Sparse eval gathers the selected tokens of the whole batch into one matmul, and the future
+    # tokens change how many there are: BLAS may then block the same dot products differently (seen:
+    # 3 vs 2 rows, logits off by 4e-7 on some CPUs). So values within ROUTED_TOL (see conftest) here
+    # ...
     torch.testing.assert_close(la[:, :t + 1], lb[:, :t + 1], **ROUTED_TOL)
     changed = (other != idx).any(0).nonzero()
-    if len(changed):                # ... a tolerance far below what changing a token does to its logits
+    if len(changed):                # ... a tolerance far below what changing a token does to its
+                                    # logits
         p = changed[0, 0].item()
         assert not torch.allclose(la[:, p], lb[:, p], **ROUTED_TOL)
     # ... and bitwise in masked-dense eval, where both passes run every op on the whole (B, T) batch
@@ -426,14 +505,23 @@ def test_eval_routing_is_causal(seed, B, T, budget, layout, gate, infer_rule, ga
        gate=st.sampled_from(['mlp', 'jepa', 'static_full', 'static_cheap']),
        infer_rule=st.sampled_from(['threshold', 'predictor']), gate_grad=st.sampled_from(['ste', 'scale', 'none']),
        pos=st.sampled_from(['learned', 'rope']), layout=layouts())
-def test_eval_routing_kv_cache_decoding_equals_recompute(seed, B, T0, new, gate, infer_rule, gate_grad, pos, layout):
-    """Per-token causal decisions: one token at a time through the KV cache routes exactly as the full
-    recompute does, and predicts the same (logits within ROUTED_TOL: a cache step runs T=1 and masked
-    attention, recomputation T and is_causal, and sparse gathers of other sizes; tokens equal unless a
-    near-tie, see conftest.assert_greedy_traces_agree)."""
+def test_eval_routing_kv_cache_decoding_equals_recompute(
+    seed, B, T0, new, gate, infer_rule, gate_grad, pos, layout
+):
+    """Per-token causal decisions: one token at a time through the KV cache routes exactly as the
+    full recompute does, and predicts the same (logits within ROUTED_TOL: a cache step runs T=1 and
+    masked attention, recomputation T and is_causal, and sparse gathers of other sizes; tokens equal
+    unless a near-tie, see conftest.assert_greedy_traces_agree)."""
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, ffn_gate=gate, ffn_layers=spec, ffn_infer_rule=infer_rule, ffn_gate_grad=gate_grad,
-                  pos=pos)
+    model = build(
+        seed,
+        n_layer,
+        ffn_gate=gate,
+        ffn_layers=spec,
+        ffn_infer_rule=infer_rule,
+        ffn_gate_grad=gate_grad,
+        pos=pos,
+    )
     idx = tokens(seed, B, T0)
     model.calibrate(calibration_tokens(seed + 1, idx))
     model.eval()
@@ -454,7 +542,7 @@ def test_oracle_gate_needs_targets(training):
         assert all(m.sum(1).tolist() == [4, 4] for m in aux['masks'].values())
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 5. the LM loss alone trains the gate (ste, scale); ffn_gate_grad='none' cuts it off
 
 def gate_params_on_score(block):
@@ -468,10 +556,20 @@ def gate_params_on_score(block):
 @given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(2, 24), budget=BUDGETS, layout=layouts(),
        gate=st.sampled_from(SCORING_GATES), readout=st.sampled_from(['distance', 'linear']),
        gate_grad=st.sampled_from(['ste', 'scale', 'none']), infer_rule=st.sampled_from(['threshold', 'predictor']))
-def test_lm_loss_alone_reaches_the_gate(seed, B, T, budget, layout, gate, readout, gate_grad, infer_rule):
+def test_lm_loss_alone_reaches_the_gate(
+    seed, B, T, budget, layout, gate, readout, gate_grad, infer_rule
+):
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, ffn_gate=gate, ffn_jepa_readout=readout, ffn_budget=float(budget), ffn_layers=spec,
-                  ffn_gate_grad=gate_grad, ffn_infer_rule=infer_rule).train()
+    model = build(
+        seed,
+        n_layer,
+        ffn_gate=gate,
+        ffn_jepa_readout=readout,
+        ffn_budget=float(budget),
+        ffn_layers=spec,
+        ffn_gate_grad=gate_grad,
+        ffn_infer_rule=infer_rule,
+    ).train()
     idx = tokens(seed, B, T)
     _, loss, aux = model(idx, idx)
     assert torch.equal(loss.detach(), aux['lm_loss'])              # no auxiliary term in the loss
@@ -489,7 +587,9 @@ def test_lm_loss_alone_reaches_the_gate(seed, B, T, budget, layout, gate, readou
 
 
 def test_jepa_target_projection_is_a_fixed_buffer():
-    model = build(4, 2, ffn_gate='jepa', ffn_jepa_weight=1.0, ffn_util_weight=1.0, ffn_rank_weight=1.0).train()
+    model = build(
+        4, 2, ffn_gate='jepa', ffn_jepa_weight=1.0, ffn_util_weight=1.0, ffn_rank_weight=1.0
+    ).train()
     names = {n for n, _ in model.named_parameters()}
     targets = {n: b.clone() for n, b in model.named_buffers() if n.endswith('gate.target')}
     assert sorted(targets) == ['transformer.h.0.gate.target', 'transformer.h.1.gate.target']
@@ -507,13 +607,20 @@ def test_jepa_target_projection_is_a_fixed_buffer():
     assert any(not torch.equal(a, p) for a, p in zip(gate_before, model.controller_parameters()))
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 6. straight-through: forward value is the hard mixture
 
 def check_hard_mixture(seed, B, T, budget, layout, gate, gate_grad, readout, exact=True):
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, ffn_gate=gate, ffn_jepa_readout=readout, ffn_budget=float(budget), ffn_layers=spec,
-                  ffn_gate_grad=gate_grad).train()
+    model = build(
+        seed,
+        n_layer,
+        ffn_gate=gate,
+        ffn_jepa_readout=readout,
+        ffn_budget=float(budget),
+        ffn_layers=spec,
+        ffn_gate_grad=gate_grad,
+    ).train()
     idx = tokens(seed, B, T)
     calls, handles = record_ln2(model, ids)
     with record_updates(model, ids) as updates:
@@ -550,21 +657,32 @@ def test_ste_forward_is_the_hard_mixture_property(seed, B, T, budget, layout, ga
 @given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 24), budget=BUDGETS, layout=layouts(),
        gate=st.sampled_from(SCORING_GATES), readout=st.sampled_from(['distance', 'linear']),
        gate_grad=st.sampled_from(['scale', 'none']))
-def test_scale_and_none_forward_is_the_hard_mixture(seed, B, T, budget, layout, gate, readout, gate_grad):
+def test_scale_and_none_forward_is_the_hard_mixture(
+    seed, B, T, budget, layout, gate, readout, gate_grad
+):
     check_hard_mixture(seed, B, T, budget, layout, gate, gate_grad, readout)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 7. calibration hits the budget
 
 @settings(**SETTINGS)
 @given(seed=SEEDS, B=st.integers(1, 4), T=st.integers(1, 24), budget=BUDGETS, layout=layouts(),
        gate=st.sampled_from(SCORING_GATES), infer_rule=st.sampled_from(['threshold', 'predictor']),
        readout=st.sampled_from(['distance', 'linear']))
-def test_calibration_hits_budget_on_its_own_batch(seed, B, T, budget, layout, gate, infer_rule, readout):
+def test_calibration_hits_budget_on_its_own_batch(
+    seed, B, T, budget, layout, gate, infer_rule, readout
+):
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, ffn_gate=gate, ffn_budget=float(budget), ffn_layers=spec, ffn_infer_rule=infer_rule,
-                  ffn_jepa_readout=readout).train()
+    model = build(
+        seed,
+        n_layer,
+        ffn_gate=gate,
+        ffn_budget=float(budget),
+        ffn_layers=spec,
+        ffn_infer_rule=infer_rule,
+        ffn_jepa_readout=readout,
+    ).train()
     x_cal = tokens(seed, B, T, distinct_first=True)
     fracs = model.calibrate(x_cal)
     assert model.training                   # calibrate restores the mode
@@ -573,16 +691,23 @@ def test_calibration_hits_budget_on_its_own_batch(seed, B, T, budget, layout, ga
     assert (frac - float(budget)).abs().max().item() <= 1 / (B * T) + 1e-6
 
 
-# Held-out batch: N = 32·24 = 768 tokens per batch. If the calibration quantile and the fresh batch's
-# fraction were both binomial, the difference would have std <= sqrt(2·0.25/768) ≈ 0.026, so ±0.1 is
-# ~4 std. derandomize=True keeps the drawn examples fixed, so the test cannot flake.
+# Held-out batch: N = 32·24 = 768 tokens per batch. If the calibration quantile and the fresh
+# batch's fraction were both binomial, the difference would have std <= sqrt(2·0.25/768) ≈ 0.026, so
+# ±0.1 is ~4 std. derandomize=True keeps the drawn examples fixed, so the test cannot flake.
 @settings(**dict(SETTINGS, derandomize=True))
 @given(seed=SEEDS, budget=st.integers(5, 95).map(lambda n: Fraction(n, 100)), layout=layouts(),
        gate=st.sampled_from(SCORING_GATES), infer_rule=st.sampled_from(['threshold', 'predictor']))
 def test_calibration_generalises_to_a_fresh_batch(seed, budget, layout, gate, infer_rule):
     n_layer, spec, ids = layout
-    model = build(seed, n_layer, ffn_gate=gate, ffn_budget=float(budget), ffn_layers=spec, ffn_infer_rule=infer_rule,
-                  vocab_size=61)
+    model = build(
+        seed,
+        n_layer,
+        ffn_gate=gate,
+        ffn_budget=float(budget),
+        ffn_layers=spec,
+        ffn_infer_rule=infer_rule,
+        vocab_size=61,
+    )
     model.calibrate(tokens(seed, 32, 24, vocab=61))
     frac = model.eval()(tokens(seed + 1, 32, 24, vocab=61))[2]['full_frac']
     assert (frac - float(budget)).abs().max().item() <= 0.1
@@ -593,7 +718,7 @@ def test_calibrate_without_scores_returns_none(gate):
     assert build(0, 2, ffn_gate=gate).calibrate(tokens(0, 2, 8)) is None
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 8. a weight of 0 means the computation does not run
 
 def boom(*args, **kwargs):
@@ -604,7 +729,8 @@ def boom(*args, **kwargs):
 def test_no_oracle_pass_without_oracle_layers(gate):
     model = build(0, 2, ffn_gate=gate, ffn_util_weight=1.0, ffn_rank_weight=1.0).train()
     idx = tokens(0, 2, 12)
-    saved = oracle_labels.fork_utility, oracle_labels.token_fork_utility    # every oracle fork goes through one
+    # every oracle fork goes through one
+    saved = oracle_labels.fork_utility, oracle_labels.token_fork_utility
     oracle_labels.fork_utility = oracle_labels.token_fork_utility = boom
     try:
         no_oracle_pass_without_oracle_layers(model, idx)
@@ -631,9 +757,13 @@ def test_jepa_weight_zero_never_projects_targets(monkeypatch):
 def test_predictor_weight_zero_never_runs_predictor_in_training(monkeypatch):
     idx = tokens(0, 2, 12)
     monkeypatch.setattr(gates.MembershipPredictor, 'forward', boom)
-    build(0, 2, ffn_gate='mlp', ffn_infer_rule='predictor', ffn_predictor_weight=0.0).train()(idx, idx)
+    build(0, 2, ffn_gate='mlp', ffn_infer_rule='predictor', ffn_predictor_weight=0.0).train()(
+        idx, idx
+    )
     with pytest.raises(AssertionError):
-        build(0, 2, ffn_gate='mlp', ffn_infer_rule='predictor', ffn_predictor_weight=1.0).train()(idx, idx)
+        build(0, 2, ffn_gate='mlp', ffn_infer_rule='predictor', ffn_predictor_weight=1.0).train()(
+            idx, idx
+        )
 
 
 def test_mimic_weight_zero_never_runs_mimic(monkeypatch):
@@ -645,7 +775,8 @@ def test_mimic_weight_zero_never_runs_mimic(monkeypatch):
 
 
 def test_util_and_rank_weight_zero_compute_no_util_or_rank_term(monkeypatch):
-    """With ffn_util_weight = ffn_rank_weight = 0 no oracle pass runs even when a caller passes oracle_layers."""
+    """With ffn_util_weight = ffn_rank_weight = 0 no oracle pass runs even when a caller passes
+    oracle_layers."""
     monkeypatch.setattr(losses, 'utility_regression', boom)
     monkeypatch.setattr(losses, 'pairwise_rank', boom)
     model = build(0, 2, ffn_gate='mlp').train()
@@ -657,7 +788,7 @@ def test_util_and_rank_weight_zero_compute_no_util_or_rank_term(monkeypatch):
     assert torch.equal(loss.detach(), aux['lm_loss'])
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 9. oracle labels against hand-written forks
 
 @settings(**SETTINGS)
@@ -711,8 +842,8 @@ def from_full_start(start, policy):
 
 
 def labelled_pass(model, seed, B, T, l):
-    """One training forward with oracle labels at layer l: (idx, targets, loss, aux, the routed state
-    at l after attention, layer l's gate score on it)."""
+    """One training forward with oracle labels at layer l: (idx, targets, loss, aux, the routed
+    state at l after attention, layer l's gate score on it)."""
     idx, tgt = tokens(seed, B, T, distinct_first=True), tokens(seed + 1, B, T)
     calls, handles = record_ln2(model, [l])
     _, loss, aux = model(idx, tgt, oracle_layers=(l,))
@@ -728,14 +859,25 @@ def labelled_pass(model, seed, B, T, l):
 @given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(2, 24), gate=st.sampled_from(SCORING_GATES),
        policy=st.sampled_from(['off', 'on']), start=st.sampled_from(['auto', 'full', 'routed']),
        aux_grad=st.sampled_from(['own', 'leak']), data=st.data())
-def test_util_loss_regresses_routed_score_onto_reference_labels(seed, B, T, gate, policy, start, aux_grad, data):
+def test_util_loss_regresses_routed_score_onto_reference_labels(
+    seed, B, T, gate, policy, start, aux_grad, data
+):
     """End to end through forward(oracle_layers=...): the forks start from the all-full state (start
-    'full'; 'auto' with off-policy labels) or from this routed pass's own state ('routed'; 'auto' with
-    on-policy labels), and the later layers run all full (off) or by the gates (on); the regressed
-    score is this pass's gate score (whichever graph its gradient takes)."""
+    'full'; 'auto' with off-policy labels) or from this routed pass's own state ('routed'; 'auto'
+    with on-policy labels), and the later layers run all full (off) or by the gates (on); the
+    regressed score is this pass's gate score (whichever graph its gradient takes)."""
     l = data.draw(st.integers(0, 2))
-    model = build(seed, 3, ffn_gate=gate, ffn_budget=0.5, ffn_util_weight=1.0, ffn_oracle_policy=policy,
-                  ffn_oracle_start=start, ffn_aux_grad=aux_grad, ffn_oracle_label='sequence').train()
+    model = build(
+        seed,
+        3,
+        ffn_gate=gate,
+        ffn_budget=0.5,
+        ffn_util_weight=1.0,
+        ffn_oracle_policy=policy,
+        ffn_oracle_start=start,
+        ffn_aux_grad=aux_grad,
+        ffn_oracle_label='sequence',
+    ).train()
     idx, tgt, loss, aux, x_routed, score = labelled_pass(model, seed, B, T, l)
     budget = Fraction(1, 2)
     with torch.no_grad():
@@ -746,19 +888,32 @@ def test_util_loss_regresses_routed_score_onto_reference_labels(seed, B, T, gate
             y = x_mid + ffn_ref(model.transformer.h[l], x_mid, action)
             ce[action] = ce_ref(logits_ref(model, suffix_ref(model, y, l + 1, later, budget)), tgt)
         U_ref = (ce['cheap'] - ce['full']).float()
-    torch.testing.assert_close(aux['util_loss'].detach(), ((score - U_ref) ** 2).mean(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        aux['util_loss'].detach(), ((score - U_ref) ** 2).mean(), rtol=1e-5, atol=1e-5
+    )
     torch.testing.assert_close(aux['utility_mean'], U_ref.mean(), rtol=0, atol=1e-5)
-    torch.testing.assert_close(loss.detach(), aux['lm_loss'] + aux['util_loss'].detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        loss.detach(), aux['lm_loss'] + aux['util_loss'].detach(), rtol=1e-6, atol=1e-6
+    )
 
 
 def token_labels_ref(model, l, x_mid, base, tgt, later, budget):
-    """'token' labels by brute force: for every token t and action, a separate fork in which only t's
-    action at l differs from base, through the ordinary causal attention; the later layers all full, or
-    by the decisions the base fork's gates took (held for every fork; 'scale' by each fork's own score)."""
+    """'token' labels by brute force: for every token t and action, a separate fork in which only
+    t's action at l differs from base, through the ordinary causal attention; the later layers all
+    full, or by the decisions the base fork's gates took (held for every fork; 'scale' by each
+    fork's own score)."""
     blocks, T = model.transformer.h, x_mid.size(1)
 
     def run(sel, held=None):
-        x, masks = x_mid + torch.where(sel[..., None], ffn_ref(blocks[l], x_mid, 'full'), ffn_ref(blocks[l], x_mid, 'cheap')), {}
+        x, masks = (
+            x_mid
+            + torch.where(
+                sel[..., None],
+                ffn_ref(blocks[l], x_mid, 'full'),
+                ffn_ref(blocks[l], x_mid, 'cheap'),
+            ),
+            {},
+        )
         for i in range(l + 1, len(blocks)):
             block = blocks[i]
             x = x + block.attn(block.ln_1(x))
@@ -768,7 +923,11 @@ def token_labels_ref(model, l, x_mid, base, tgt, later, budget):
                 continue
             score = block.gate(h)
             masks[i] = topk_ref(score, ceil_frac(budget, T)) if held is None else held[i]
-            full = torch.sigmoid(score)[..., None] * block.mlp(h) if model.config.ffn_gate_grad == 'scale' else block.mlp(h)
+            full = (
+                torch.sigmoid(score)[..., None] * block.mlp(h)
+                if model.config.ffn_gate_grad == 'scale'
+                else block.mlp(h)
+            )
             x = x + torch.where(masks[i][..., None], full, block.cheap(h))
         return ce_ref(logits_ref(model, x), tgt), masks
 
@@ -786,22 +945,31 @@ def token_labels_ref(model, l, x_mid, base, tgt, later, budget):
 @given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 10), n_layer=st.integers(1, 3), data=st.data(),
        gate=st.sampled_from(SCORING_GATES), gate_grad=st.sampled_from(['ste', 'scale', 'none']),
        later=st.sampled_from(['full', 'policy']), pos=st.sampled_from(['learned', 'rope']))
-def test_token_labels_match_one_fork_per_token(seed, B, T, n_layer, data, gate, gate_grad, later, pos):
-    """The two-pass 'token' labels (the switched token sees the base stream's keys before it) equal T
-    separate forks, each switching one token, from any base decision at l (all full, as from the
+def test_token_labels_match_one_fork_per_token(
+    seed, B, T, n_layer, data, gate, gate_grad, later, pos
+):
+    """The two-pass 'token' labels (the switched token sees the base stream's keys before it) equal
+    T separate forks, each switching one token, from any base decision at l (all full, as from the
     all-full state, or a routed mask)."""
     l = data.draw(st.integers(0, n_layer - 1))
-    model = build(seed, n_layer, ffn_gate=gate, ffn_budget=0.5, ffn_gate_grad=gate_grad, pos=pos).train()
+    model = build(
+        seed, n_layer, ffn_gate=gate, ffn_budget=0.5, ffn_gate_grad=gate_grad, pos=pos
+    ).train()
     idx, tgt = tokens(seed, B, T, distinct_first=True), tokens(seed + 1, B, T)
     g = torch.Generator().manual_seed(seed + 3)
-    base = torch.ones(B, T, dtype=torch.bool) if data.draw(st.booleans()) else torch.rand(B, T, generator=g) < 0.5
+    base = (
+        torch.ones(B, T, dtype=torch.bool)
+        if data.draw(st.booleans())
+        else torch.rand(B, T, generator=g) < 0.5
+    )
     with torch.no_grad():
         x_mid = full_mid_ref(model, idx, l)
         U_ref = token_labels_ref(model, l, x_mid, base, tgt, later, Fraction(1, 2))
     U = oracle_labels.token_fork_utility(model, l, x_mid, base, tgt, None, later)
     assert U.shape == (B, T) and not U.requires_grad
     torch.testing.assert_close(U, U_ref, rtol=0, atol=1e-5)
-    if later == 'full' and bool(base.all()):      # the first token has no prefix: both kinds of label agree there
+    if later == 'full' and bool(base.all()):      # the first token has no prefix: both kinds of
+                                                  # label agree there
         U_seq = oracle_labels.fork_utility(model, l, x_mid, tgt, None, later='full')
         torch.testing.assert_close(U[:, 0], U_seq[:, 0], rtol=0, atol=1e-5)
 
@@ -809,12 +977,21 @@ def test_token_labels_match_one_fork_per_token(seed, B, T, n_layer, data, gate, 
 @settings(**SETTINGS)
 @given(seed=SEEDS, B=st.integers(1, 2), T=st.integers(2, 10), gate=st.sampled_from(SCORING_GATES),
        policy=st.sampled_from(['off', 'on']), start=st.sampled_from(['auto', 'full', 'routed']), data=st.data())
-def test_util_loss_regresses_onto_token_labels_from_either_start(seed, B, T, gate, policy, start, data):
-    """End to end with the default 'token' labels: from the all-full state every other token is full at
-    l; from the routed state every other token keeps this pass's own training decision at l."""
+def test_util_loss_regresses_onto_token_labels_from_either_start(
+    seed, B, T, gate, policy, start, data
+):
+    """End to end with the default 'token' labels: from the all-full state every other token is full
+    at l; from the routed state every other token keeps this pass's own training decision at l."""
     l = data.draw(st.integers(0, 2))
-    model = build(seed, 3, ffn_gate=gate, ffn_budget=0.5, ffn_util_weight=1.0, ffn_oracle_policy=policy,
-                  ffn_oracle_start=start).train()
+    model = build(
+        seed,
+        3,
+        ffn_gate=gate,
+        ffn_budget=0.5,
+        ffn_util_weight=1.0,
+        ffn_oracle_policy=policy,
+        ffn_oracle_start=start,
+    ).train()
     assert model.config.ffn_oracle_label == 'token'
     idx, tgt, _, aux, x_routed, score = labelled_pass(model, seed, B, T, l)
     with torch.no_grad():
@@ -823,78 +1000,36 @@ def test_util_loss_regresses_onto_token_labels_from_either_start(seed, B, T, gat
             base = torch.ones(B, T, dtype=torch.bool)
         else:
             x_mid, base = x_routed, topk_ref(score, ceil_frac(Fraction(1, 2), T))
-        U_ref = token_labels_ref(model, l, x_mid, base, tgt, 'full' if policy == 'off' else 'policy', Fraction(1, 2))
-    torch.testing.assert_close(aux['util_loss'].detach(), ((score - U_ref) ** 2).mean(), rtol=1e-5, atol=1e-5)
+        U_ref = token_labels_ref(
+            model, l, x_mid, base, tgt, 'full' if policy == 'off' else 'policy', Fraction(1, 2)
+        )
+    torch.testing.assert_close(
+        aux['util_loss'].detach(), ((score - U_ref) ** 2).mean(), rtol=1e-5, atol=1e-5
+    )
     torch.testing.assert_close(aux['utility_mean'], U_ref.mean(), rtol=0, atol=1e-5)
 
 
-# ----------------------------------------------------------------------------------------------------
-# 10. utility regression and pairwise rank against brute force
-
-def rank_brute(score, U, i, j, kind, margin):
-    vals = []
-    for b in range(score.size(0)):
-        for p in range(i.size(1)):
-            a, c = i[b, p].item(), j[b, p].item()
-            du = U[b, a].item() - U[b, c].item()
-            if du == 0:
-                continue
-            hi, lo = (a, c) if du > 0 else (c, a)
-            d = score[b, hi].item() - score[b, lo].item()
-            vals.append(math.log1p(math.exp(-d)) if kind == 'logistic' else max(0.0, margin - d))
-    return sum(vals) / len(vals) if vals else 0.0
+# --------------------------------------------------------------------------------------------------
+# 10. utility regression and pairwise rank against brute force: tests/test_losses.py
 
 
-@settings(**dict(SETTINGS, max_examples=25))
-@given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 12), n_pairs=st.integers(1, 40),
-       kind=st.sampled_from(['logistic', 'margin']), margin=st.floats(0.0, 2.0), levels=st.integers(1, 4))
-def test_pairwise_rank_equals_brute_force(seed, B, T, n_pairs, kind, margin, levels):
-    g = torch.Generator().manual_seed(seed)
-    score = torch.randn(B, T, generator=g)
-    U = torch.randint(0, levels, (B, T), generator=g).float()       # few levels: ties get dropped
-    loss = losses.pairwise_rank(score, U, n_pairs, kind, margin, generator=torch.Generator().manual_seed(seed))
-    g2 = torch.Generator().manual_seed(seed)
-    i = torch.randint(0, T, (B, n_pairs), generator=g2)
-    j = torch.randint(0, T, (B, n_pairs), generator=g2)
-    assert loss.item() == pytest.approx(rank_brute(score, U, i, j, kind, margin), rel=1e-5, abs=1e-6)
-
-
-@settings(**SETTINGS)
-@given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(2, 16))
-def test_pairwise_rank_is_small_when_ordered_and_large_when_reversed(seed, B, T):
-    g = torch.Generator().manual_seed(seed)
-    U = torch.stack([torch.randperm(T, generator=g) for _ in range(B)]).float()   # distinct utilities
-    gen = lambda: torch.Generator().manual_seed(seed)
-    ordered = 50.0 * U                 # every untied pair has a score gap >= 50 in the right direction
-    assert losses.pairwise_rank(ordered, U, 64, 'logistic', generator=gen()).item() < 1e-6
-    assert losses.pairwise_rank(ordered, U, 64, 'margin', 0.1, generator=gen()).item() == 0.0
-    rev = losses.pairwise_rank(-ordered, U, 64, 'logistic', generator=gen()).item()
-    rev_margin = losses.pairwise_rank(-ordered, U, 64, 'margin', 0.1, generator=gen()).item()
-    g2 = gen()
-    i, j = torch.randint(0, T, (B, 64), generator=g2), torch.randint(0, T, (B, 64), generator=g2)
-    if (i != j).any():                 # some untied pair drawn: each costs >= 50 when reversed
-        assert rev >= 50.0 * 0.999 and rev_margin >= 50.0
-    else:
-        assert rev == 0.0 and rev_margin == 0.0
-
-
-@settings(**SETTINGS)
-@given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 16))
-def test_utility_regression_equals_brute_force(seed, B, T):
-    g = torch.Generator().manual_seed(seed)
-    s, U = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
-    brute = sum((s[b, t].item() - U[b, t].item()) ** 2 for b in range(B) for t in range(T)) / (B * T)
-    assert losses.utility_regression(s, U).item() == pytest.approx(brute, rel=1e-5, abs=1e-7)
-    assert losses.utility_regression(U, U).item() == 0.0
-
-
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 11. controller-only training touches the controller and nothing else
 
 @pytest.mark.parametrize('gate,infer_rule', [('mlp', 'threshold'), ('jepa', 'predictor'), ('mlp', 'predictor')])
 def test_controller_only_training_freezes_the_backbone(gate, infer_rule):
-    model = build(1, 3, ffn_gate=gate, ffn_infer_rule=infer_rule, ffn_layers='0,2', ffn_util_weight=1.0,
-                  ffn_rank_weight=1.0, ffn_jepa_weight=1.0, ffn_predictor_weight=1.0, ffn_mimic_weight=1.0).train()
+    model = build(
+        1,
+        3,
+        ffn_gate=gate,
+        ffn_infer_rule=infer_rule,
+        ffn_layers='0,2',
+        ffn_util_weight=1.0,
+        ffn_rank_weight=1.0,
+        ffn_jepa_weight=1.0,
+        ffn_predictor_weight=1.0,
+        ffn_mimic_weight=1.0,
+    ).train()
     cfg = SimpleNamespace(trainable='controller', route='ffn', ffn_gate=gate)
     params = train.trainable_parameters(model, cfg)
     opt = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), 'cpu', params=params)
@@ -923,12 +1058,14 @@ def test_controller_only_training_freezes_the_backbone(gate, infer_rule):
 @pytest.mark.parametrize('kw', [dict(ffn_gate='random'), dict(ffn_gate='static_full'), dict(route='none')])
 def test_controller_only_needs_gate_parameters(kw):
     model = build(0, 2, **kw)
-    cfg = SimpleNamespace(trainable='controller', route=model.config.route, ffn_gate=model.config.ffn_gate)
+    cfg = SimpleNamespace(
+        trainable='controller', route=model.config.route, ffn_gate=model.config.ffn_gate
+    )
     with pytest.raises(train.TrainError, match='controller'):
         train.trainable_parameters(model, cfg)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 12. config validation names the field
 
 @pytest.mark.parametrize('field,value', [
@@ -948,12 +1085,14 @@ def test_config_validation_names_the_field(field, value):
 @given(layout=layouts(), budget=BUDGETS)
 def test_valid_config_accepted(layout, budget):
     n_layer, spec, ids = layout
-    cfg = GPTConfig(**dict(BASE, n_layer=n_layer, route='ffn', ffn_layers=spec, ffn_budget=float(budget)))
+    cfg = GPTConfig(
+        **dict(BASE, n_layer=n_layer, route='ffn', ffn_layers=spec, ffn_budget=float(budget))
+    )
     assert controlled_layer_ids(cfg) == ids
     assert [i for i, b in enumerate(GPT(cfg).transformer.h) if hasattr(b, 'cheap')] == ids
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # regressions from review
 
 @pytest.mark.parametrize('gate,readout,rule', [('mlp', 'distance', 'threshold'), ('jepa', 'distance', 'threshold'),
@@ -969,7 +1108,8 @@ def test_gate_scores_are_fp32_under_bf16_autocast(gate, readout, rule):
 
 
 def test_oracle_labels_ignore_dropout():
-    """With dropout on, the two forks of a label must differ only in the action: repeated labels agree."""
+    """With dropout on, the two forks of a label must differ only in the action: repeated labels
+    agree."""
     model = build(0, 2, ffn_gate='mlp', dropout=0.5).train()
     idx = tokens(0, 2, 12)
     x_mid = torch.randn(2, 12, model.config.n_embd)
@@ -999,15 +1139,15 @@ def test_resume_compares_the_layers_meant_not_the_spelling():
         train.check_against_checkpoint(cfg, {}, ck, ['ffn_layers'])
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # eval.room: the brackets a study's room is measured with
 
 @settings(**SETTINGS)
 @given(seed=st.integers(0, 999), B=st.integers(1, 3), T=st.integers(2, 12), budget=BUDGETS)
 def test_room_brackets_match_a_hand_computation(seed, B, T, budget):
     """eval.room's all-full, all-cheap and oracle losses from the blocks' submodules by hand (one
-    controlled layer, so the oracle's top-k of U_t = CE(cheap) − CE(full) is the whole decision), and
-    the model's config is the trained one afterwards."""
+    controlled layer, so the oracle's top-k of U_t = CE(cheap) − CE(full) is the whole decision),
+    and the model's config is the trained one afterwards."""
     import eval as ev
     model = build(seed, n_layer=1, ffn_gate='mlp', ffn_budget=float(budget)).eval()
     idx, tgt = tokens(seed, B, T), tokens(seed + 1, B, T)
@@ -1016,12 +1156,22 @@ def test_room_brackets_match_a_hand_computation(seed, B, T, budget):
         x = embed_ref(model, idx)
         block = model.transformer.h[0]
         x = x + block.attn(block.ln_1(x))
-        ce = {a: ce_ref(logits_ref(model, x + ffn_ref(block, x, a)), tgt) for a in ('full', 'cheap')}
+        ce = {
+            a: ce_ref(logits_ref(model, x + ffn_ref(block, x, a)), tgt) for a in ('full', 'cheap')
+        }
         mask = topk_ref(ce['cheap'] - ce['full'], ceil_frac(budget, T))
-    assert out['full'] == pytest.approx(ce['full'].mean().item(), rel=ROUTED_TOL["rtol"], abs=ROUTED_TOL["atol"])
-    assert out['cheap'] == pytest.approx(ce['cheap'].mean().item(), rel=ROUTED_TOL["rtol"], abs=ROUTED_TOL["atol"])
+    assert out['full'] == pytest.approx(
+        ce['full'].mean().item(), rel=ROUTED_TOL["rtol"], abs=ROUTED_TOL["atol"]
+    )
+    assert out['cheap'] == pytest.approx(
+        ce['cheap'].mean().item(), rel=ROUTED_TOL["rtol"], abs=ROUTED_TOL["atol"]
+    )
     assert out['room'] == pytest.approx(out['cheap'] - out['full'])
-    assert out['oracle'] == pytest.approx(torch.where(mask, ce['full'], ce['cheap']).mean().item(), rel=ROUTED_TOL["rtol"], abs=ROUTED_TOL["atol"])
+    assert out['oracle'] == pytest.approx(
+        torch.where(mask, ce['full'], ce['cheap']).mean().item(),
+        rel=ROUTED_TOL["rtol"],
+        abs=ROUTED_TOL["atol"],
+    )
     assert out['oracle_full_frac'] == [pytest.approx(ceil_frac(budget, T) / T)]
     assert out['gate_room'] == pytest.approx(out['random'] - out['oracle'])
     assert model.config.ffn_gate == 'mlp' and not model.training
@@ -1030,13 +1180,14 @@ def test_room_brackets_match_a_hand_computation(seed, B, T, budget):
 @settings(**SETTINGS)
 @given(seed=SEEDS, T=st.integers(4, 16), gate=st.sampled_from(SCORING_GATES), aux_grad=st.sampled_from(['own', 'leak']))
 def test_aux_loss_gradients_reach_only_their_own_gate(seed, T, gate, aux_grad):
-    """ffn_aux_grad='own': the util loss at layer 1 moves layer 1's gate only, and the JEPA loss only
-    the gates; 'leak': both also move the backbone below, and the util loss layer 0's gate, through
-    layer 1's input (the straight-through mix at layer 0). Gates at their real initialisation (only
-    the backbone is moved off its init): a gradient that must not reach a module is exactly zero;
-    one that must reaches the backbone with at least 1e-2 of its norm on layer 1's gate, and layer
-    0's gate with at least 1e-6 of it (a second-order path: through layer 1's gate input, whose
-    Jacobian is the product of two layers initialised at std 0.02; measured ~2e-4)."""
+    """ffn_aux_grad='own': the util loss at layer 1 moves layer 1's gate only, and the JEPA loss
+    only the gates; 'leak': both also move the backbone below, and the util loss layer 0's gate,
+    through layer 1's input (the straight-through mix at layer 0). Gates at their real
+    initialisation (only the backbone is moved off its init): a gradient that must not reach a
+    module is exactly zero; one that must reaches the backbone with at least 1e-2 of its norm on
+    layer 1's gate, and layer 0's gate with at least 1e-6 of it (a second-order path: through layer
+    1's gate input, whose Jacobian is the product of two layers initialised at std 0.02; measured
+    ~2e-4)."""
     model = build(seed, 2, noise=0.0, ffn_gate=gate, ffn_budget=0.5, ffn_util_weight=1.0,
                   ffn_jepa_weight=1.0, ffn_aux_grad=aux_grad).train()
     g = torch.Generator().manual_seed(seed + 7)

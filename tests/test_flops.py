@@ -1,7 +1,7 @@
-"""Analytic FLOPs (flops.py) against torch's FlopCounterMode, for random routed configs: the forward,
-and a whole training step (forward, backward, oracle passes) with the backbone trainable or frozen."""
+"""Analytic FLOPs (flops.py) against torch's FlopCounterMode, for random routed configs: the
+forward, and a whole training step (forward, backward, oracle passes) with the backbone trainable or
+frozen."""
 import math
-import random
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +15,8 @@ from model import GPT, GPTConfig, controlled_layer_ids
 
 
 def counted(fn):
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:   # fused CPU SDPA is uncounted
+    # fused CPU SDPA is uncounted
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
         fn()
     return fc.get_total_flops()
 
@@ -29,24 +30,36 @@ def routed_configs(draw):
     if spec == 'every_other' and n_layer < 2:
         spec = 'all'
     if spec == 'list':
-        spec = ','.join(str(i) for i in sorted(draw(st.sets(st.integers(0, n_layer - 1), min_size=1))))
+        spec = ','.join(
+            str(i) for i in sorted(draw(st.sets(st.integers(0, n_layer - 1), min_size=1)))
+        )
     scored = gate in ('mlp', 'jepa')
-    cfg = GPTConfig(block_size=16, vocab_size=draw(st.integers(5, 40)), n_layer=n_layer, n_head=n_head,
-                    n_embd=n_head * draw(st.sampled_from([4, 8])), bias=draw(st.booleans()),
-                    route='ffn', ffn_gate=gate, ffn_budget=draw(st.floats(0.05, 1.0)), ffn_layers=spec,
-                    ffn_cheap_rank=draw(st.integers(1, 6)), ffn_gate_hidden=draw(st.integers(1, 6)),
-                    ffn_gate_grad=draw(st.sampled_from(['ste', 'scale', 'none'])),
-                    ffn_infer_rule=draw(st.sampled_from(['threshold', 'predictor'])),
-                    ffn_jepa_latent=draw(st.integers(1, 5)),
-                    ffn_jepa_readout=draw(st.sampled_from(['utility', 'distance', 'linear'])),
-                    ffn_jepa_weight=draw(st.sampled_from([0.0, 1.0])),
-                    ffn_util_weight=draw(st.sampled_from([0.0, 1.0])) if scored else 0.0,
-                    ffn_rank_weight=draw(st.sampled_from([0.0, 0.5])) if scored else 0.0,
-                    ffn_oracle_policy=draw(st.sampled_from(['off', 'on'])),
-                    ffn_oracle_start=draw(st.sampled_from(['auto', 'full', 'routed'])),
-                    ffn_oracle_label=draw(st.sampled_from(['token', 'sequence'])),
-                    ffn_aux_grad=draw(st.sampled_from(['own', 'leak'])),
-                    ffn_predictor_weight=draw(st.sampled_from([0.0, 1.0])))
+    cfg = GPTConfig(
+        block_size=16,
+        vocab_size=draw(st.integers(5, 40)),
+        n_layer=n_layer,
+        n_head=n_head,
+        n_embd=n_head * draw(st.sampled_from([4, 8])),
+        bias=draw(st.booleans()),
+        route='ffn',
+        ffn_gate=gate,
+        ffn_budget=draw(st.floats(0.05, 1.0)),
+        ffn_layers=spec,
+        ffn_cheap_rank=draw(st.integers(1, 6)),
+        ffn_gate_hidden=draw(st.integers(1, 6)),
+        ffn_gate_grad=draw(st.sampled_from(['ste', 'scale', 'none'])),
+        ffn_infer_rule=draw(st.sampled_from(['threshold', 'predictor'])),
+        ffn_jepa_latent=draw(st.integers(1, 5)),
+        ffn_jepa_readout=draw(st.sampled_from(['utility', 'distance', 'linear'])),
+        ffn_jepa_weight=draw(st.sampled_from([0.0, 1.0])),
+        ffn_util_weight=draw(st.sampled_from([0.0, 1.0])) if scored else 0.0,
+        ffn_rank_weight=draw(st.sampled_from([0.0, 0.5])) if scored else 0.0,
+        ffn_oracle_policy=draw(st.sampled_from(['off', 'on'])),
+        ffn_oracle_start=draw(st.sampled_from(['auto', 'full', 'routed'])),
+        ffn_oracle_label=draw(st.sampled_from(['token', 'sequence'])),
+        ffn_aux_grad=draw(st.sampled_from(['own', 'leak'])),
+        ffn_predictor_weight=draw(st.sampled_from([0.0, 1.0])),
+    )
     return cfg
 
 
@@ -60,11 +73,16 @@ def test_forward_flops_match_counter(cfg, T, B, seed):
         model.train()
         assert counted(lambda: model(idx, idx)) == B * flops.forward_flops(cfg, T, mode='train')
         model.eval()
-        assert counted(lambda: model(idx, idx, sparse=False)) == B * flops.forward_flops(cfg, T, mode='eval')
-        out = []                                            # sparse execution: each path on its own tokens
+        assert counted(lambda: model(idx, idx, sparse=False)) == B * flops.forward_flops(
+            cfg, T, mode='eval'
+        )
+        out = []                                            # sparse execution: each path on its own
+                                                            # tokens
         got = counted(lambda: out.append(model(idx, idx)[2].get('masks', {})))
         frac = [int(m.sum()) / m.numel() for _, m in sorted(out[0].items())] or None
-        assert math.isclose(got, B * flops.forward_flops(cfg, T, mode='sparse', full_frac=frac), rel_tol=1e-9)
+        assert math.isclose(
+            got, B * flops.forward_flops(cfg, T, mode='sparse', full_frac=frac), rel_tol=1e-9
+        )
 
 
 @settings(max_examples=40, deadline=None)
@@ -80,7 +98,9 @@ def test_train_step_flops_match_counter(cfg, T, B, seed, trainable, data):
     ids = controlled_layer_ids(cfg)
     oracle_layers = ()
     if cfg.ffn_gate in ('mlp', 'jepa') and (cfg.ffn_util_weight > 0 or cfg.ffn_rank_weight > 0):
-        oracle_layers = tuple(sorted(data.draw(st.sets(st.sampled_from(ids), min_size=1, max_size=2))))
+        oracle_layers = tuple(
+            sorted(data.draw(st.sets(st.sampled_from(ids), min_size=1, max_size=2)))
+        )
     idx = torch.randint(0, cfg.vocab_size, (B, T))
 
     def step():
@@ -98,7 +118,9 @@ def test_dense_config_costs_match_dense_formula():
 
 
 def test_sparse_flops_interpolate_between_paths():
-    cfg = GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=50, route='ffn', ffn_gate='mlp', ffn_cheap_rank=4)
+    cfg = GPTConfig(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=50, route='ffn', ffn_gate='mlp', ffn_cheap_rank=4
+    )
     lo = flops.forward_flops(cfg, 20, mode='sparse', full_frac=0.0)
     hi = flops.forward_flops(cfg, 20, mode='sparse', full_frac=1.0)
     mid = flops.forward_flops(cfg, 20, mode='sparse', full_frac=0.5)
@@ -107,16 +129,22 @@ def test_sparse_flops_interpolate_between_paths():
 
 
 def test_flops_cli_prints_the_breakdown(capsys):
-    """python flops.py CONFIG: one row per gate and util/rank setting, proxy = the function's value."""
+    """python flops.py CONFIG: one row per gate and util/rank setting, proxy = the function's
+    value."""
     import os
     import train
     from configurator import load_config
     from dataclasses import replace
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'config', 'ffn_paper_157m.py')
+
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'config', 'ffn_paper_157m.py'
+    )
     assert flops.main([path]) == 0
     rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith('| G')]
     assert len(rows) == 4
-    cfg = train.model_config(SimpleNamespace(**load_config(train.DEFAULTS, [path])), vocab_size=50304)
+    cfg = train.model_config(
+        SimpleNamespace(**load_config(train.DEFAULTS, [path])), vocab_size=50304
+    )
     off = replace(cfg, ffn_gate='mlp', ffn_util_weight=0.0, ffn_rank_weight=0.0)
     assert rows[1].split('|')[5].strip() == f"{flops.flops_proxy(off, cfg.block_size):.3f}"
 
@@ -124,15 +152,35 @@ def test_flops_cli_prints_the_breakdown(capsys):
 @pytest.mark.parametrize('gate', ['mlp', 'jepa'])
 @pytest.mark.parametrize('aux_grad', ['own', 'leak'])
 @pytest.mark.parametrize('trainable', ['all', 'controller'])
-@pytest.mark.parametrize('policy,start', [('off', 'auto'), ('on', 'auto'), ('off', 'routed'), ('on', 'full')])
+@pytest.mark.parametrize('policy,start',
+                         [('off', 'auto'), ('on', 'auto'), ('off', 'routed'), ('on', 'full')])
 @pytest.mark.parametrize('label', ['token', 'sequence'])
-def test_aux_loss_gradient_modes_and_oracle_starts_match_counter(gate, aux_grad, trainable, policy, start, label):
+def test_aux_loss_gradient_modes_and_oracle_starts_match_counter(
+    gate, aux_grad, trainable, policy, start, label
+):
     """Every aux-loss gradient mode and oracle start with util, rank and JEPA on (the drawn configs
-    above reach these combinations only now and then): 'own' scores the detached gate input again."""
-    cfg = GPTConfig(n_layer=3, n_head=2, n_embd=8, vocab_size=11, block_size=16, route='ffn', ffn_gate=gate,
-                    ffn_cheap_rank=2, ffn_gate_hidden=4, ffn_jepa_latent=3, ffn_jepa_weight=1.0, ffn_util_weight=1.0,
-                    ffn_rank_weight=0.5, ffn_layers='all', ffn_aux_grad=aux_grad, ffn_oracle_policy=policy,
-                    ffn_oracle_start=start, ffn_oracle_label=label)
+    above reach these combinations only now and then): 'own' scores the detached gate input
+    again."""
+    cfg = GPTConfig(
+        n_layer=3,
+        n_head=2,
+        n_embd=8,
+        vocab_size=11,
+        block_size=16,
+        route='ffn',
+        ffn_gate=gate,
+        ffn_cheap_rank=2,
+        ffn_gate_hidden=4,
+        ffn_jepa_latent=3,
+        ffn_jepa_weight=1.0,
+        ffn_util_weight=1.0,
+        ffn_rank_weight=0.5,
+        ffn_layers='all',
+        ffn_aux_grad=aux_grad,
+        ffn_oracle_policy=policy,
+        ffn_oracle_start=start,
+        ffn_oracle_label=label,
+    )
     torch.manual_seed(0)
     model = GPT(cfg).train()
     ctrl = {id(p) for p in model.controller_parameters()}
@@ -141,7 +189,9 @@ def test_aux_loss_gradient_modes_and_oracle_starts_match_counter(gate, aux_grad,
             p.requires_grad_(id(p) in ctrl)
     idx = torch.randint(0, 11, (2, 9))
     expect = flops.train_step_flops(cfg, 9, trainable, oracle_layers=(0, 2))
-    assert counted(lambda: model(idx, idx, oracle_layers=(0, 2))[1].backward()) == 2 * expect['total'], expect
+    assert (
+        counted(lambda: model(idx, idx, oracle_layers=(0, 2))[1].backward()) == 2 * expect['total']
+    ), expect
 
 
 def test_flops_cli_costs_every_config_file(capsys, monkeypatch):

@@ -1,6 +1,6 @@
-"""route='halt' (TSA, arXiv 2605.05222): a closed router reproduces the dense model, gradients reach the router
-through (1 − p), the depth regulariser and TLOps follow their equations, eval (hard skipping) is causal
-and KV-cached decoding equals recomputation, and FLOPs match FlopCounterMode."""
+"""route='halt' (TSA, arXiv 2605.05222): a closed router reproduces the dense model, gradients reach
+the router through (1 − p), the depth regulariser and TLOps follow their equations, eval (hard
+skipping) is causal and KV-cached decoding equals recomputation, and FLOPs match FlopCounterMode."""
 import torch
 from hypothesis import given, settings, strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -18,7 +18,8 @@ def build(seed, n_layer=3, **kw):
     torch.manual_seed(seed)
     model = GPT(GPTConfig(**BASE, n_layer=n_layer, route='halt', **kw))
     g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():                       # routers away from their init, so p varies per token
+    with torch.no_grad():                       # routers away from their init, so p varies per
+                                                # token
         for r in model.halt:
             r.fc.weight.add_(torch.randn(r.fc.weight.shape, generator=g) * 0.5)
             r.out.weight.add_(torch.randn(r.out.weight.shape, generator=g) * 0.5)
@@ -27,7 +28,9 @@ def build(seed, n_layer=3, **kw):
 
 def dense_twin(model):
     dense = GPT(GPTConfig(**BASE, n_layer=model.config.n_layer))
-    dense.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith('halt.')})
+    dense.load_state_dict(
+        {k: v for k, v in model.state_dict().items() if not k.startswith('halt.')}
+    )
     return dense
 
 
@@ -77,7 +80,9 @@ def test_closed_router_is_the_dense_model(seed, n_layer, T, pos):
     model = build(seed, n_layer, pos=pos)
     close_routers(model)
     dense = GPT(GPTConfig(**BASE, n_layer=n_layer, pos=pos))
-    dense.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith('halt.')})
+    dense.load_state_dict(
+        {k: v for k, v in model.state_dict().items() if not k.startswith('halt.')}
+    )
     idx = torch.randint(0, 29, (2, T))
     ref = dense.eval()(idx, idx)[0]
     assert torch.equal(model.train()(idx, idx)[0], ref)          # soft: (1 − 0)·Δ
@@ -117,7 +122,9 @@ def test_hard_eval_skips_where_p_exceeds_tau(seed, tau, T, mode):
         b = blocks[l + 1]
         x = x + scale[..., None] * b.attn(b.ln_1(x))
         x = x + scale[..., None] * b.mlp(b.ln_2(x))
-    torch.testing.assert_close(model(idx, idx)[0], model.lm_head(model.transformer.ln_f(x)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        model(idx, idx)[0], model.lm_head(model.transformer.ln_f(x)), rtol=1e-5, atol=1e-5
+    )
     # tau = 1 skips nothing: 'scaled' is then the soft model, 'binary' the dense model
     model.config.halt_tau = 1.0
     if mode == 'binary':
@@ -150,7 +157,8 @@ def test_eval_is_causal(seed, T, soft, data):
     other[:, t + 1:] = torch.randint(0, 29, (2, T - t - 1), generator=g)
     (a, _, aux_a), (b, _, aux_b) = model(idx, idx), model(other, other)
     assert sorted(aux_a['masks']) == sorted(aux_b['masks']) == [1, 2]
-    for l in aux_a['masks']:        # skip decisions (hard) or active fractions (soft) at <= t: exactly equal
+    for l in aux_a['masks']:        # skip decisions (hard) or active fractions (soft) at <= t:
+                                    # exactly equal
         assert torch.equal(aux_a['masks'][l][:, :t + 1], aux_b['masks'][l][:, :t + 1])
     if soft:                        # soft eval is dense: same kernels on the same (2, T) shapes
         assert torch.equal(a[:, :t + 1], b[:, :t + 1])
@@ -159,7 +167,8 @@ def test_eval_is_causal(seed, T, soft, data):
     # change how many are kept: other matmul shapes, so values within FP32_TOL (see conftest) ...
     torch.testing.assert_close(a[:, :t + 1], b[:, :t + 1], **FP32_TOL)
     changed = (other != idx).any(0).nonzero()
-    if len(changed):                # ... a tolerance far below what changing a token does to its logits
+    if len(changed):                # ... a tolerance far below what changing a token does to its
+                                    # logits
         p = changed[0, 0].item()
         assert not torch.allclose(a[:, p], b[:, p], **FP32_TOL)
     # ... and bitwise in masked-dense eval (every op on the whole batch in both passes)
@@ -172,8 +181,9 @@ def test_eval_is_causal(seed, T, soft, data):
 def test_kv_cache_decoding_equals_recompute(seed, T0, new):
     model = build(seed, 3).eval()
     idx = torch.randint(0, 29, (2, T0), generator=torch.Generator().manual_seed(seed))
-    # a cache step (T=1, masked attention, FFN gathered over the kept tokens) and recomputation run other
-    # shapes: skip decisions exactly equal, logits within FP32_TOL, tokens equal unless a near-tie
+    # a cache step (T=1, masked attention, FFN gathered over the kept tokens) and recomputation run
+    # other shapes: skip decisions exactly equal, logits within FP32_TOL, tokens equal unless a
+    # near-tie
     cached = greedy_trace(model, idx, new, use_cache=True)
     recomputed = greedy_trace(model, idx, new, use_cache=False)
     for a, b in zip(cached, recomputed):
@@ -199,4 +209,7 @@ def test_flops_match_flop_counter(seed, n_layer, T, trainable, lam):
         return fc.get_total_flops()
     with torch.no_grad():
         assert count(lambda: model(idx, idx)) == 2 * flops.forward_flops(cfg, T, mode='train')
-    assert count(lambda: model(idx, idx)[1].backward()) == 2 * flops.train_step_flops(cfg, T, trainable)['total']
+    assert (
+        count(lambda: model(idx, idx)[1].backward())
+        == 2 * flops.train_step_flops(cfg, T, trainable)['total']
+    )

@@ -1,13 +1,14 @@
-"""Tests of kernels.py: sort_by_mask, the PyTorch reference mlp_rows_reference, and the Triton kernels
-behind mlp_rows, each against an independent computation written here (a per-row loop over the
-selected rows through the model's own MLP module).
+"""Tests of kernels.py: sort_by_mask, the PyTorch reference mlp_rows_reference, and the Triton
+kernels behind mlp_rows, each against an independent computation written here (a per-row loop over
+the selected rows through the model's own MLP module).
 
 The Triton kernels run on CPU under Triton's interpreter. Triton (3.9, read in its source) reads
 TRITON_INTERPRET when a kernel is decorated with @triton.jit, i.e. when kernels.py is imported, not
-when it is launched; and kernels.py registers its custom op once per process. So the interpreter checks (the tests named
-test_interp_*) run in a child pytest process started by test_triton_kernels_under_interpreter with
-TRITON_INTERPRET=1 and NANODEPTH_TRITON=1 in its environment: no other test module sees either
-variable, whatever was imported first. In this process they skip."""
+when it is launched; and kernels.py registers its custom op once per process. So the interpreter
+checks (the tests named test_interp_*) run in a child pytest process started by
+test_triton_kernels_under_interpreter with TRITON_INTERPRET=1 and NANODEPTH_TRITON=1 in its
+environment: no other test module sees either variable, whatever was imported first. In this process
+they skip."""
 import os
 import sys
 from pathlib import Path
@@ -37,7 +38,7 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=3e-2
        torch.float16: dict(rtol=4e-3, atol=4e-3)}
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # helpers
 
 def make_mlp(C, W, bias, gelu, dtype, seed):
@@ -82,8 +83,8 @@ def masks(draw, max_n=70):
 
 @st.composite
 def cases(draw, max_n=70, dtypes=(torch.float32, torch.bfloat16, torch.float16)):
-    """A mask, a range of sorted positions (the full path [0, count), the cheap path [count, N) or any
-    [lo, hi)), ints or 0-dim tensors, an MLP and inputs."""
+    """A mask, a range of sorted positions (the full path [0, count), the cheap path [count, N) or
+    any [lo, hi)), ints or 0-dim tensors, an MLP and inputs."""
     mask = draw(masks(max_n))
     n = mask.numel()
     order, count = kernels.sort_by_mask(mask)
@@ -95,8 +96,10 @@ def cases(draw, max_n=70, dtypes=(torch.float32, torch.bfloat16, torch.float16))
     else:
         lo, hi = sorted(draw(st.lists(st.integers(0, n), min_size=2, max_size=2)))
     as_tensor = draw(st.sampled_from(['int', 'int64', 'int32']))
-    lo, hi = [int(v) if as_tensor == 'int' else torch.as_tensor(int(v), dtype=getattr(torch, as_tensor))
-              for v in (lo, hi)]
+    lo, hi = [
+        int(v) if as_tensor == 'int' else torch.as_tensor(int(v), dtype=getattr(torch, as_tensor))
+        for v in (lo, hi)
+    ]
     C, W = draw(st.integers(8, 48)), draw(st.integers(8, 96))
     dtype = draw(st.sampled_from(dtypes))
     mlp = make_mlp(C, W, draw(st.booleans()), draw(st.sampled_from(['none', 'tanh'])), dtype,
@@ -108,8 +111,8 @@ def cases(draw, max_n=70, dtypes=(torch.float32, torch.bfloat16, torch.float16))
 
 
 def check_rows(c, fn):
-    """fn(x, order, lo, hi, mlp, out) writes exactly the selected rows, equal to the per-row loop; the
-    others keep their bits; it returns out itself."""
+    """fn(x, order, lo, hi, mlp, out) writes exactly the selected rows, equal to the per-row loop;
+    the others keep their bits; it returns out itself."""
     before = c.out.clone()
     got = fn(c.x, c.order, c.lo, c.hi, c.mlp, c.out)
     assert got is c.out
@@ -131,7 +134,7 @@ def routed_ffn(full, cheap):
     return f
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # sort_by_mask and the reference (every process)
 
 @settings(max_examples=60, **SETTINGS)
@@ -155,7 +158,10 @@ def test_reference_writes_the_selected_rows_only(c):
 
 
 def test_reference_full_and_cheap_cover_every_row():
-    full, cheap = make_mlp(16, 64, True, 'tanh', torch.float32, 0), make_mlp(16, 4, False, 'none', torch.float32, 1)
+    full, cheap = (
+        make_mlp(16, 64, True, 'tanh', torch.float32, 0),
+        make_mlp(16, 4, False, 'none', torch.float32, 1),
+    )
     torch.manual_seed(0)
     x, mask = torch.randn(37, 16), torch.rand(37) < 0.4
     got = routed_ffn(full, cheap)(x, mask)
@@ -166,7 +172,10 @@ def test_reference_full_and_cheap_cover_every_row():
 
 def test_reference_compiles_without_graph_break(monkeypatch):
     monkeypatch.delenv('NANODEPTH_TRITON', raising=False)
-    full, cheap = make_mlp(16, 64, True, 'tanh', torch.float32, 0), make_mlp(16, 4, False, 'none', torch.float32, 1)
+    full, cheap = (
+        make_mlp(16, 64, True, 'tanh', torch.float32, 0),
+        make_mlp(16, 4, False, 'none', torch.float32, 1),
+    )
     f = routed_ffn(full, cheap)
     x, mask = torch.randn(20, 16), torch.rand(20) < 0.5
     torch._dynamo.reset()
@@ -176,8 +185,8 @@ def test_reference_compiles_without_graph_break(monkeypatch):
 
 
 def test_dispatch_rule(monkeypatch):
-    """Triton on CUDA GPUs of compute capability >= 8.0 (A100, H100), the reference on V100/T4 and CPU;
-    NANODEPTH_TRITON=1 / 0 forces either."""
+    """Triton on CUDA GPUs of compute capability >= 8.0 (A100, H100), the reference on V100/T4 and
+    CPU; NANODEPTH_TRITON=1 / 0 forces either."""
     monkeypatch.delenv('NANODEPTH_TRITON', raising=False)
     assert not kernels.use_triton(torch.zeros(1))
     if kernels.triton is None:
@@ -185,9 +194,17 @@ def test_dispatch_rule(monkeypatch):
         assert not kernels.use_triton(torch.zeros(1))            # nothing to run it with
         return
     gpu = SimpleNamespace(is_cuda=True, device=torch.device('cuda', 0))
-    for capability, runs_kernel in [((7, 0), False), ((7, 5), False), ((8, 0), True), ((8, 6), True),
-                                    ((9, 0), True), ((10, 0), True)]:
-        monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device=None, c=capability: c)
+    for capability, runs_kernel in [
+        ((7, 0), False),
+        ((7, 5), False),
+        ((8, 0), True),
+        ((8, 6), True),
+        ((9, 0), True),
+        ((10, 0), True),
+    ]:
+        monkeypatch.setattr(
+            torch.cuda, 'get_device_capability', lambda device=None, c=capability: c
+        )
         monkeypatch.setattr(torch.version, 'hip', None)
         assert kernels.use_triton(gpu) == runs_kernel, capability
         monkeypatch.setenv('NANODEPTH_TRITON', '0')
@@ -197,7 +214,7 @@ def test_dispatch_rule(monkeypatch):
     assert kernels.use_triton(torch.zeros(1))
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the Triton kernels under the interpreter (the child process)
 
 def test_triton_kernels_under_interpreter():
@@ -241,7 +258,8 @@ def test_interp_runs_the_interpreted_kernels():
 @settings(max_examples=24, **SETTINGS)
 @given(c=cases())
 def test_interp_kernel_writes_the_selected_rows_only(c):
-    """kernel == the per-row loop on the selected rows == the reference; the other rows keep their bits."""
+    """kernel == the per-row loop on the selected rows == the reference; the other rows keep their
+    bits."""
     with torch.no_grad(), CountLaunches() as launches:
         got, before, sel = check_rows(c, kernels.mlp_rows)
     assert launches.calls == 1
@@ -280,7 +298,10 @@ def test_interp_gradients_take_the_reference():
 
 @interp
 def test_interp_full_and_cheap_cover_every_row():
-    full, cheap = make_mlp(24, 96, True, 'none', torch.float32, 0), make_mlp(24, 8, False, 'tanh', torch.float32, 1)
+    full, cheap = (
+        make_mlp(24, 96, True, 'none', torch.float32, 0),
+        make_mlp(24, 8, False, 'tanh', torch.float32, 1),
+    )
     torch.manual_seed(0)
     x, mask = torch.randn(70, 24), torch.rand(70) < 0.3
     with torch.no_grad(), CountLaunches() as launches:
@@ -299,30 +320,47 @@ def _blocks_touching(lo, hi, n, block_m):
 @pytest.mark.parametrize('lo,hi', [(0, 0), (5, 5), (70, 70), (0, 70), (0, 16), (16, 32), (17, 33),
                                    (40, 70), (63, 64), (64, 70)])
 def test_interp_programs_outside_the_range_exit_before_loading_weights(lo, hi):
-    """Every program that passes the range check (and only then may load a weight) adds 1 to a counter.
-    With 16-row blocks over N = 70 rows, exactly the row blocks that intersect [lo, hi) may work, times
-    each kernel's column blocks; an empty range runs none and writes nothing. Without the early exit
-    every program would count."""
+    """Every program that passes the range check (and only then may load a weight) adds 1 to a
+    counter. With 16-row blocks over N = 70 rows, exactly the row blocks that intersect [lo, hi) may
+    work, times each kernel's column blocks; an empty range runs none and writes nothing. Without
+    the early exit every program would count."""
     n, C, W, block_m = 70, 24, 96, 16
     mlp = make_mlp(C, W, True, 'none', torch.float32, 0)
     order, _ = kernels.sort_by_mask(torch.rand(n) < 0.5)
     x, out = torch.randn(n, C), torch.randn(n, C)
     before = out.clone()
     started = torch.zeros(1, dtype=torch.int32)
-    kernels.launch_mlp_rows(x, order, torch.tensor(lo), torch.tensor(hi), mlp.c_fc.weight, mlp.c_fc.bias,
-                            mlp.c_proj.weight, mlp.c_proj.bias, 'none', out, block_m=block_m, started=started)
+    kernels.launch_mlp_rows(
+        x,
+        order,
+        torch.tensor(lo),
+        torch.tensor(hi),
+        mlp.c_fc.weight,
+        mlp.c_fc.bias,
+        mlp.c_proj.weight,
+        mlp.c_proj.bias,
+        'none',
+        out,
+        block_m=block_m,
+        started=started,
+    )
     col_blocks = -(-W // kernels.BLOCK_N) + -(-C // kernels.BLOCK_N)
     assert started.item() == _blocks_touching(lo, hi, n, block_m) * col_blocks
     sel = selected(order, lo, hi)
     assert torch.equal(out[~sel], before[~sel])
-    torch.testing.assert_close(out[sel], plain_rows(x, order, lo, hi, mlp, before)[sel], **TOL[torch.float32])
+    torch.testing.assert_close(
+        out[sel], plain_rows(x, order, lo, hi, mlp, before)[sel], **TOL[torch.float32]
+    )
 
 
 @interp
 def test_interp_compiles_without_graph_break():
     """sort_by_mask + mlp_rows twice (full and cheap into one buffer): one graph, no break, and the
     compiled function (the custom op inside a full graph) equals eager."""
-    full, cheap = make_mlp(16, 64, True, 'tanh', torch.float32, 0), make_mlp(16, 4, False, 'none', torch.float32, 1)
+    full, cheap = (
+        make_mlp(16, 64, True, 'tanh', torch.float32, 0),
+        make_mlp(16, 4, False, 'none', torch.float32, 1),
+    )
     f = routed_ffn(full, cheap)
     x, mask = torch.randn(20, 16), torch.rand(20) < 0.5
     torch._dynamo.reset()
@@ -338,7 +376,7 @@ def test_interp_compiles_without_graph_break():
         torch.testing.assert_close(compiled, f(x, mask), rtol=0, atol=0)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the kernels compile for A100 and H100 (no GPU needed: Triton's bundled ptxas)
 
 @pytest.mark.slow
@@ -358,8 +396,18 @@ def test_kernels_compile_to_cubin(capability, dtype):
         consts = dict(HAS_BIAS=True, TANH=True, COUNT_STARTED=False, DOT_FP32=dtype == 'fp32',
                       BLOCK_M=kernels.BLOCK_M, BLOCK_N=kernels.BLOCK_N, BLOCK_K=kernels.BLOCK_K)
         consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
-        signature = {a: ptr if a in data else '*i32' if a == 'started_ptr' else '*i64' if a.endswith('_ptr')
-                     else 'constexpr' if a in consts else 'i32' for a in kernel.arg_names}
+        signature = {
+            a: ptr
+            if a in data
+            else '*i32'
+            if a == 'started_ptr'
+            else '*i64'
+            if a.endswith('_ptr')
+            else 'constexpr'
+            if a in consts
+            else 'i32'
+            for a in kernel.arg_names
+        }
         source = ASTSource(fn=kernel, signature=signature,
                            constexprs={(kernel.arg_names.index(k),): v for k, v in consts.items()})
         compiled = triton.compile(source, target=GPUTarget('cuda', capability, 32))
@@ -368,15 +416,15 @@ def test_kernels_compile_to_cubin(capability, dtype):
             assert 'mma' in compiled.asm['ptx']
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the model's static sparse eval runs its FFNs through the kernels
 
 @interp
 @pytest.mark.parametrize('route', ['ffn', 'halt', 'mod', 'exit'])
 def test_interp_model_static_eval_through_the_kernels(route):
-    """Every family's static eval prefill with the interpreted kernels makes compact eval's decisions
-    exactly, with logits within ROUTED_TOL (the two modes sum the same dot products over different row
-    sets), and really calls the kernels."""
+    """Every family's static eval prefill with the interpreted kernels makes compact eval's
+    decisions exactly, with logits within ROUTED_TOL (the two modes sum the same dot products over
+    different row sets), and really calls the kernels."""
     from conftest import ROUTED_TOL, build, tokens
     model = build(route, n_layer=4).eval()
     idx = tokens(1, 3, 20)

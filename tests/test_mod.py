@@ -20,7 +20,9 @@ pytestmark = pytest.mark.usefixtures('one_thread')      # tiny ops: see conftest
 @settings(**SETTINGS)
 @given(seed=st.integers(0, 999), T=st.integers(1, 24), B=st.integers(1, 3), budget=st.floats(0.01, 1.0),
        layout=st.sampled_from(['auto', 'all', '0,3']))
-def test_mod_training_capacity_is_exact_and_unselected_tokens_pass_unchanged(seed, T, B, budget, layout):
+def test_mod_training_capacity_is_exact_and_unselected_tokens_pass_unchanged(
+    seed, T, B, budget, layout
+):
     """Training: exactly ceil(budget·T) tokens per row at every routed layer (of the actual T, not
     block_size); routed layers are every other one by default; a token not selected leaves the block
     with the very hidden state it entered with."""
@@ -40,7 +42,8 @@ def test_mod_training_capacity_is_exact_and_unselected_tokens_pass_unchanged(see
 
 @contextmanager
 def record_mod_blocks(model):
-    """{layer: (input, output)} of the routed blocks of `model` (route_mod.mod_block), while inside."""
+    """{layer: (input, output)} of the routed blocks of `model` (route_mod.mod_block), while
+    inside."""
     seen, orig = {}, route_mod.mod_block
 
     def wrapped(block, cfg, x, pos, cache, ctx):
@@ -75,16 +78,19 @@ def test_mod_selected_tokens_attend_among_themselves_at_real_positions(seed, T, 
             dense = dense + block.mlp(block.ln_2(dense))
             want = xs + torch.sigmoid(r[b, sel])[None, :, None] * (dense - xs)
             torch.testing.assert_close(out[b:b + 1, sel], want, rtol=1e-4, atol=1e-5)
-            if pos == 'rope' and len(set((sel - torch.arange(len(sel))).tolist())) > 1:   # not a uniform shift
+            # not a uniform shift
+            if pos == 'rope' and len(set((sel - torch.arange(len(sel))).tolist())) > 1:
                 wrong = xs + block.attn.forward(block.ln_1(xs), torch.arange(len(sel))[None])
-                assert not torch.allclose(wrong, xs + block.attn.forward(block.ln_1(xs), p), atol=1e-6)
+                assert not torch.allclose(
+                    wrong, xs + block.attn.forward(block.ln_1(xs), p), atol=1e-6
+                )
 
 
 @settings(**SETTINGS)
 @given(seed=st.integers(0, 999), T=st.integers(1, 20), rule=st.sampled_from(['threshold', 'predictor']))
 def test_mod_causal_rule_and_predictor_accuracy(seed, T, rule):
-    """Eval: selected where σ(router) > 0.5 (or σ(predictor) > 0.5), computed here from the modules; the
-    reported accuracy is the agreement with top-k membership of the router scores."""
+    """Eval: selected where σ(router) > 0.5 (or σ(predictor) > 0.5), computed here from the modules;
+    the reported accuracy is the agreement with top-k membership of the router scores."""
     model = build('mod', seed=seed, mod_infer_rule=rule, mod_capacity=0.25).eval()
     idx = tokens(seed, 2, T)
     seen = {}                       # the routed block's input, as its router sees it

@@ -27,8 +27,8 @@ def test_kv_cache_greedy_equals_full_recompute(seed, pos, B, T0, new, bias):
     # new tokens may run past block_size (24): then generate crops the context, as without a cache
     model = tiny(seed, pos=pos, bias=bias)
     idx = torch.randint(0, 37, (B, T0), generator=torch.Generator().manual_seed(seed))
-    # a cache step runs T=1 and masked attention, recomputation T and is_causal: logits within FP32_TOL,
-    # tokens equal unless a near-tie (conftest.assert_greedy_traces_agree)
+    # a cache step runs T=1 and masked attention, recomputation T and is_causal: logits within
+    # FP32_TOL, tokens equal unless a near-tie (conftest.assert_greedy_traces_agree)
     full = greedy_trace(model, idx, new, use_cache=False)
     cached = greedy_trace(model, idx, new, use_cache=True)
     for a, b in zip(cached, full):
@@ -44,8 +44,14 @@ def test_cached_logits_match_full_forward(seed, pos, T):
     cache = KVCache(model.config, 2, 24, idx.device, torch.float32)
     split = T // 2
     p = torch.arange(T).expand(2, T)
-    a = model(idx[:, :split], pos=p[:, :split], cache=cache, last_only=False)[0] if split else ref[:, :0]
-    b = torch.cat([model(idx[:, t:t + 1], pos=p[:, t:t + 1], cache=cache)[0] for t in range(split, T)], 1)
+    a = (
+        model(idx[:, :split], pos=p[:, :split], cache=cache, last_only=False)[0]
+        if split
+        else ref[:, :0]
+    )
+    b = torch.cat(
+        [model(idx[:, t : t + 1], pos=p[:, t : t + 1], cache=cache)[0] for t in range(split, T)], 1
+    )
     torch.testing.assert_close(torch.cat([a, b], 1), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -70,20 +76,23 @@ def test_rope_depends_only_on_relative_positions():
     shifted = model(idx, pos=torch.arange(7, 17).expand(2, 10), last_only=False)[0]
     torch.testing.assert_close(base, shifted, rtol=1e-4, atol=1e-4)
     learned = tiny(3, pos='learned')
-    assert not torch.allclose(learned(idx, last_only=False)[0],
-                              learned(idx, pos=torch.arange(7, 17).expand(2, 10), last_only=False)[0])
+    assert not torch.allclose(
+        learned(idx, last_only=False)[0],
+        learned(idx, pos=torch.arange(7, 17).expand(2, 10), last_only=False)[0],
+    )
 
 
 @settings(**SETTINGS)
 @given(n_layer=st.integers(1, 3), n_head=st.sampled_from([1, 2, 4]), hd=st.sampled_from([4, 8]),
-       T=st.integers(1, 24), B=st.integers(1, 3), V=st.integers(5, 70), pos=st.sampled_from(['learned', 'rope']),
-       bias=st.booleans())
+       T=st.integers(1, 24), B=st.integers(1, 3), V=st.integers(5, 70),
+       pos=st.sampled_from(['learned', 'rope']), bias=st.booleans())
 def test_analytic_flops_match_flop_counter(n_layer, n_head, hd, T, B, V, pos, bias):
     cfg = GPTConfig(block_size=24, vocab_size=V, n_layer=n_layer, n_head=n_head, n_embd=n_head * hd,
                     pos=pos, bias=bias)
     model = GPT(cfg)
     idx = torch.randint(0, V, (B, T))
-    with sdpa_kernel(SDPBackend.MATH):           # the fused CPU kernel is invisible to FlopCounterMode
+    with sdpa_kernel(SDPBackend.MATH):           # the fused CPU kernel is invisible to
+                                                 # FlopCounterMode
         with FlopCounterMode(display=False) as fc:
             with torch.no_grad():
                 model(idx, idx)
@@ -99,8 +108,12 @@ def test_analytic_flops_match_flop_counter(n_layer, n_head, hd, T, B, V, pos, bi
 def test_peak_flops_table(monkeypatch):
     assert flops.peak_flops('cpu', 'float32') is None
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
-    names = {'NVIDIA H100 80GB HBM3': ('bfloat16', 989.4e12), 'NVIDIA H100 PCIe': ('bfloat16', 756e12),
-             'Tesla V100-SXM2-32GB': ('float16', 125e12), 'NVIDIA A100-SXM4-40GB': ('bfloat16', 312e12)}
+    names = {
+        'NVIDIA H100 80GB HBM3': ('bfloat16', 989.4e12),
+        'NVIDIA H100 PCIe': ('bfloat16', 756e12),
+        'Tesla V100-SXM2-32GB': ('float16', 125e12),
+        'NVIDIA A100-SXM4-40GB': ('bfloat16', 312e12),
+    }
     for name, (dt, peak) in names.items():
         monkeypatch.setattr(torch.cuda, 'get_device_name', lambda d=None, n=name: n)
         assert flops.peak_flops('cuda', dt) == peak
@@ -118,7 +131,9 @@ def test_peak_flops_table(monkeypatch):
 def test_mfu_uses_device_peak(monkeypatch):
     model = tiny()
     monkeypatch.setattr(flops, 'peak_flops', lambda d, t: 1e12)
-    assert flops.estimate_mfu(model.config, 1000, 'cuda', 'bfloat16') == pytest.approx(flops.flops_per_token(model.config) * 1000 / 1e12)
+    assert flops.estimate_mfu(model.config, 1000, 'cuda', 'bfloat16') == pytest.approx(
+        flops.flops_per_token(model.config) * 1000 / 1e12
+    )
 
 
 def test_tied_embeddings_and_optimizer_groups():
@@ -144,7 +159,8 @@ def test_from_pretrained_matches_transformers(tmp_path):
     torch.manual_seed(0)
     hf_cfg = transformers.GPT2Config(vocab_size=61, n_positions=32, n_embd=24, n_layer=2, n_head=3,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                     initializer_range=0.3)   # large weights: an activation mismatch shows
+                                     initializer_range=0.3)   # large weights: an activation
+                                                              # mismatch shows
     hf = transformers.GPT2LMHeadModel(hf_cfg).eval()
     hf.save_pretrained(tmp_path)
     ours = GPT.from_pretrained(str(tmp_path)).eval()
@@ -152,7 +168,13 @@ def test_from_pretrained_matches_transformers(tmp_path):
     with torch.no_grad():
         ref = hf(idx).logits
     torch.testing.assert_close(ours(idx, last_only=False)[0], ref, rtol=1e-4, atol=1e-4)
-    routed = GPT.from_pretrained(str(tmp_path), dict(route='ffn', ffn_gate='mlp', ffn_cheap_rank=4)).eval()
-    torch.testing.assert_close(routed(idx, last_only=False, force='full')[0], ref, rtol=1e-4, atol=1e-4)
+    routed = GPT.from_pretrained(
+        str(tmp_path), dict(route='ffn', ffn_gate='mlp', ffn_cheap_rank=4)
+    ).eval()
+    torch.testing.assert_close(
+        routed(idx, last_only=False, force='full')[0], ref, rtol=1e-4, atol=1e-4
+    )
     ours.crop_block_size(16)
-    torch.testing.assert_close(ours(idx[:, :16], last_only=False)[0], ref[:, :16], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        ours(idx[:, :16], last_only=False)[0], ref[:, :16], rtol=1e-4, atol=1e-4
+    )

@@ -1,8 +1,8 @@
-"""plots.py and eval.py's routing map: the Pareto helper and seed bands against hand computation, every
-plot written for a tiny fake study (runs faked as folders of metrics), a missing matplotlib never
-failing a sweep; the routing map's text layout and grid against the model's masks, the per-class
-fractions against an independent recomputation, and `eval.py --routing-map` end to end on a tiny
-hand-made checkpoint."""
+"""plots.py and eval.py's routing map: the Pareto helper and seed bands against hand computation,
+every plot written for a tiny fake study (runs faked as folders of metrics), a missing matplotlib
+never failing a sweep; the routing map's text layout and grid against the model's masks, the
+per-class fractions against an independent recomputation, and `eval.py --routing-map` end to end on
+a tiny hand-made checkpoint."""
 import json
 import os
 import sys
@@ -21,7 +21,7 @@ from model import GPT, GPTConfig
 PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # plots.py
 
 def test_pareto_front_hand_example():
@@ -30,11 +30,12 @@ def test_pareto_front_hand_example():
     ys = [3.0,    2.0,    2.5,      4.0,    1.0,    1.0]
     # 2 is dominated by 1; 3 by 0 and 1; 5 by 4 (equal loss, more cost); 0, 1, 4 trade off
     assert plots.pareto_front(xs, ys) == [0, 1, 4]
-    # maximising x (TLOps saved): negate it. 2 is dominated by 1 (less saved, higher loss); the order is
-    # by increasing -x, i.e. most saved first
+    # maximising x (TLOps saved): negate it. 2 is dominated by 1 (less saved, higher loss); the
+    # order is by increasing -x, i.e. most saved first
     saved, loss = [0.1, 0.3, 0.2, 0.5], [2.0, 2.1, 2.2, 2.5]
     assert plots.pareto_front([-x for x in saved], loss) == [3, 1, 0]
-    assert plots.pareto_front([1.0, 1.0], [2.0, 2.0]) == [0, 1]          # identical points dominate neither
+    # identical points dominate neither
+    assert plots.pareto_front([1.0, 1.0], [2.0, 2.0]) == [0, 1]
 
 
 def fake_study(root, arms=(('routed', 0.0, True), ('dense', 0.3, False)), seeds=(1, 2)):
@@ -45,14 +46,27 @@ def fake_study(root, arms=(('routed', 0.0, True), ('dense', 0.3, False)), seeds=
             d.mkdir(parents=True)
             recs = []
             for it in range(10, 50, 10):
-                r = dict(type='train', iter=it, lm_loss=3 - it / 40 + shift + 0.1 * s, ctrl_grad_norm=0.1 * s * it)
+                r = dict(
+                    type='train',
+                    iter=it,
+                    lm_loss=3 - it / 40 + shift + 0.1 * s,
+                    ctrl_grad_norm=0.1 * s * it,
+                )
                 if routed:
                     r.update(full_frac=[0.5, 0.4 + 0.01 * s], tlops_saved=0.2 + 0.01 * s)
                 recs.append(r)
             for it in (0, 20, 40):
                 recs.append(dict(type='eval', iter=it, val_loss=2.5 - it / 80 + shift + 0.1 * s,
                                  val_full_frac=[0.45, 0.5] if routed else None))
-            recs.append(dict(type='summary', iter=40, avg_lm=2.5 + shift, flops_proxy=1.5 - shift + 0.01 * s, wall_s=1.0))
+            recs.append(
+                dict(
+                    type='summary',
+                    iter=40,
+                    avg_lm=2.5 + shift,
+                    flops_proxy=1.5 - shift + 0.01 * s,
+                    wall_s=1.0,
+                )
+            )
             (d / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in recs))
             (d / 'config.json').write_text(json.dumps(dict(max_iters=40)))
 
@@ -64,21 +78,31 @@ def test_seed_band_and_arm_points_match_hand_computation(tmp_path):
     iters, mean, lo, hi = plots.seed_band(runs['routed'], 'train', 'lm_loss')
     assert iters.tolist() == [10, 20, 30, 40]
     assert mean == pytest.approx([3 - it / 40 + 0.15 for it in iters])
-    assert lo == pytest.approx([3 - it / 40 + 0.1 for it in iters]) and hi == pytest.approx([3 - it / 40 + 0.2 for it in iters])
-    _, mean, _, _ = plots.seed_band(runs['routed'], 'train', 'full_frac')           # per-layer lists
+    assert lo == pytest.approx([3 - it / 40 + 0.1 for it in iters]) and hi == pytest.approx(
+        [3 - it / 40 + 0.2 for it in iters]
+    )
+    # per-layer lists
+    _, mean, _, _ = plots.seed_band(runs['routed'], 'train', 'full_frac')
     assert mean.shape == (4, 2) and mean[:, 1] == pytest.approx([0.415] * 4)
     assert plots.seed_band(runs['dense'], 'train', 'full_frac') is None
     points = plots.arm_points(runs, 'flops_proxy')
     # x: flops_proxy 1.51, 1.52; y: final val loss 2.0 + 0.1·s
     assert points['routed'] == pytest.approx((1.515, 0.005, 2.15, 0.05))
-    assert set(plots.arm_points(runs, 'tlops_saved')) == {'routed'}                 # dense never logs it
+    # dense never logs it
+    assert set(plots.arm_points(runs, 'tlops_saved')) == {'routed'}
 
 
 def test_write_plots_for_a_tiny_fake_study(tmp_path):
     pytest.importorskip('matplotlib')
     fake_study(tmp_path)
     written = plots.write_plots(str(tmp_path))
-    names = ['loss_curves.png', 'pareto_flops.png', 'pareto_tlops.png', 'grad_norms.png', 'full_frac.png']
+    names = [
+        'loss_curves.png',
+        'pareto_flops.png',
+        'pareto_tlops.png',
+        'grad_norms.png',
+        'full_frac.png',
+    ]
     assert written == [str(tmp_path / 'plots' / n) for n in names]
     for path in written:
         data = open(path, 'rb').read()
@@ -92,14 +116,17 @@ def test_sweep_plots_after_its_summary_and_no_plots_skips(tmp_path):
     study.write_text(f"base = 'cfg.py'\nout_root = {str(tmp_path / 'out')!r}\nseeds = [1, 2]\n"
                      "arms = {'routed': [], 'dense': []}\nreference = 'dense'\n")
     assert sweep.main([str(study), '--summarize_only', '--no_plots']) == 0
-    assert (tmp_path / 'out' / 'summary.json').exists() and not (tmp_path / 'out' / 'plots').exists()
+    assert (tmp_path / 'out' / 'summary.json').exists() and not (
+        tmp_path / 'out' / 'plots'
+    ).exists()
     assert sweep.main([str(study), '--summarize_only']) == 0
     assert len(os.listdir(tmp_path / 'out' / 'plots')) == 5
 
 
 def test_missing_matplotlib_skips_plots_with_one_line(tmp_path, monkeypatch, capsys):
     fake_study(tmp_path)
-    monkeypatch.setitem(sys.modules, 'matplotlib', None)          # import matplotlib now raises ImportError
+    # import matplotlib now raises ImportError
+    monkeypatch.setitem(sys.modules, 'matplotlib', None)
     assert plots.pyplot() is None
     assert plots.write_plots(str(tmp_path)) == []
     out = capsys.readouterr().out
@@ -107,14 +134,25 @@ def test_missing_matplotlib_skips_plots_with_one_line(tmp_path, monkeypatch, cap
     assert not (tmp_path / 'plots').exists()
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # routing maps (eval.py)
 
 def tiny_model(seed=0):
     """3 layers, FFN routing at layers 0 and 2 only (layer 1 is not routed), random gate."""
     torch.manual_seed(seed)
-    cfg = GPTConfig(block_size=16, vocab_size=12, n_layer=3, n_head=2, n_embd=16, route='ffn', ffn_gate='random',
-                    ffn_layers='0,2', ffn_cheap_rank=2, ffn_gate_hidden=8, ffn_budget=0.5)
+    cfg = GPTConfig(
+        block_size=16,
+        vocab_size=12,
+        n_layer=3,
+        n_head=2,
+        n_embd=16,
+        route='ffn',
+        ffn_gate='random',
+        ffn_layers='0,2',
+        ffn_cheap_rank=2,
+        ffn_gate_hidden=8,
+        ffn_budget=0.5,
+    )
     return GPT(cfg)
 
 
@@ -123,7 +161,8 @@ def test_routing_map_text_has_a_row_per_layer_and_a_column_per_token():
     x = torch.randint(0, 12, (1, 10))
     torch.manual_seed(1)
     grid = ev.routing_map(model, x)
-    torch.manual_seed(1)                                           # the random gate draws again: same draws
+    # the random gate draws again: same draws
+    torch.manual_seed(1)
     model.eval()
     masks = model(x)[2]['masks']
     assert grid.shape == (3, 10) and np.isnan(grid[1]).all()
@@ -131,7 +170,9 @@ def test_routing_map_text_has_a_row_per_layer_and_a_column_per_token():
         assert grid[layer].tolist() == masks[layer][0].float().tolist()
     itos = ['a', 'b', ' ', '\n', 'dd', 'e', 'f', 'g', 'h', 'i', 'j', 'k']
     tokens = ev.token_text(lambda ids: ''.join(itos[i] for i in ids), x[0].tolist())
-    assert all(t == {' ': '␣', '\n': '\\n'}.get(itos[i], itos[i]) for t, i in zip(tokens, x[0].tolist()))
+    assert all(
+        t == {' ': '␣', '\n': '\\n'}.get(itos[i], itos[i]) for t, i in zip(tokens, x[0].tolist())
+    )
     lines = ev.routing_map_text(grid, tokens).splitlines()
     assert len(lines) == 1 + 3 and [ln[:2] for ln in lines[1:]] == ['L0', 'L1', 'L2']
     w = max(map(len, tokens)) + 1
@@ -155,7 +196,8 @@ def test_class_fractions_equal_a_recomputation_from_the_masks():
         batches.append((torch.randint(0, 12, (3, T)), torch.randint(0, 12, (3, T)), starts))
     torch.manual_seed(5)
     got = ev.difficulty_fractions(model, batches, difficulty, classes)
-    torch.manual_seed(5)                                           # replay the same random-gate draws
+    # replay the same random-gate draws
+    torch.manual_seed(5)
     model.eval()
     full, count = {}, {}
     with torch.no_grad():
@@ -163,7 +205,8 @@ def test_class_fractions_equal_a_recomputation_from_the_masks():
             masks = model(x, y)[2]['masks']
             for b, s in enumerate(starts):
                 for t in range(T):
-                    c = classes[difficulty[s + t + 1]]        # the class of the target of position t
+                    c = classes[difficulty[s + t + 1]]        # the class of the target of position
+                                                              # t
                     count[c] = count.get(c, 0) + 1
                     for layer, m in masks.items():
                         full[c, layer] = full.get((c, layer), 0) + int(m[b, t])
@@ -171,7 +214,9 @@ def test_class_fractions_equal_a_recomputation_from_the_masks():
     for c in classes:
         for layer in (0, 2):
             assert got[c][layer] == pytest.approx(full.get((c, layer), 0) / count[c])
-    assert 'L0' in ev.class_table_text(got) and len(ev.class_table_text(got).splitlines()) == 1 + len(classes)
+    assert 'L0' in ev.class_table_text(got) and len(
+        ev.class_table_text(got).splitlines()
+    ) == 1 + len(classes)
 
 
 def test_eval_routing_map_cli_on_a_tiny_checkpoint(tmp_path, capsys):
@@ -182,15 +227,37 @@ def test_eval_routing_map_cli_on_a_tiny_checkpoint(tmp_path, capsys):
     margs = dict(model.config.__dict__, vocab_size=meta['vocab_size'], ffn_gate='mlp')
     model = GPT(GPTConfig.from_dict(margs))
     ckpt = tmp_path / 'ckpt.pt'
-    torch.save(dict(model=model.state_dict(), model_args=margs,
-                    config=dict(dataset='syn', data_dir=str(tmp_path / 'data'), block_size=16, batch_size=2,
-                                eval_iters=2, calib_iters=2)), ckpt)
-    assert ev.main(['--ckpt', str(ckpt), '--routing-map', '--json', '--out', str(tmp_path / 'map.png')]) == 0
+    torch.save(
+        dict(
+            model=model.state_dict(),
+            model_args=margs,
+            config=dict(
+                dataset='syn',
+                data_dir=str(tmp_path / 'data'),
+                block_size=16,
+                batch_size=2,
+                eval_iters=2,
+                calib_iters=2,
+            ),
+        ),
+        ckpt,
+    )
+    assert (
+        ev.main(
+            ['--ckpt', str(ckpt), '--routing-map', '--json', '--out', str(tmp_path / 'map.png')]
+        )
+        == 0
+    )
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     val = np.fromfile(data / 'val.bin', dtype=meta['dtype'])
     assert res['ids'] == val[res['start']:res['start'] + 16].tolist()
-    assert res['tokens'] == [meta['itos'][i] for i in res['ids']]            # single-character symbols
-    assert len(res['map']) == 3 and all(len(row) == 16 for row in res['map']) and set(res['map'][1]) == {None}
+    # single-character symbols
+    assert res['tokens'] == [meta['itos'][i] for i in res['ids']]
+    assert (
+        len(res['map']) == 3
+        and all(len(row) == 16 for row in res['map'])
+        and set(res['map'][1]) == {None}
+    )
     assert set(res['full_frac_by_class']) == set(meta['difficulty_classes'])
     assert ev.main(['--ckpt', str(ckpt), '--routing-map', '--out', str(tmp_path / 'map.png')]) == 0
     text = capsys.readouterr().out
@@ -202,18 +269,33 @@ def test_eval_routing_map_cli_on_a_tiny_checkpoint(tmp_path, capsys):
 
 
 def test_frontier_plots_for_dense_sizes_and_a_routed_arm(tmp_path):
-    """Dense runs of two widths and a routed one, with train.py-style config.json files: the two plots on
-    absolute FLOPs are written, with the frontier line; without a frontier they draw the Pareto front."""
+    """Dense runs of two widths and a routed one, with train.py-style config.json files: the two
+    plots on absolute FLOPs are written, with the frontier line; without a frontier they draw the
+    Pareto front."""
     pytest.importorskip('matplotlib')
     fake_study(tmp_path, arms=(('small', 0.3, False), ('big', 0.0, False), ('routed', 0.1, True)))
     for arm, width, route in (('small', 16, 'none'), ('big', 32, 'none'), ('routed', 32, 'mod')):
         for s in (1, 2):
             d = tmp_path / arm / f'seed{s}'
-            (d / 'config.json').write_text(json.dumps(dict(max_iters=40, route=route, n_layer=2, n_head=2, n_embd=width,
-                                                           block_size=16, vocab_size=20)))
+            (d / 'config.json').write_text(
+                json.dumps(
+                    dict(
+                        max_iters=40,
+                        route=route,
+                        n_layer=2,
+                        n_head=2,
+                        n_embd=width,
+                        block_size=16,
+                        vocab_size=20,
+                    )
+                )
+            )
             recs = (d / 'metrics.jsonl').read_text().splitlines()
             summ = json.loads(recs[-1])
-            summ.update(train_flops=1e9 * width * (0.6 if route == 'mod' else 1.0), eval_flops_vs_dense=0.6 if route == 'mod' else None)
+            summ.update(
+                train_flops=1e9 * width * (0.6 if route == 'mod' else 1.0),
+                eval_flops_vs_dense=0.6 if route == 'mod' else None,
+            )
             (d / 'metrics.jsonl').write_text('\n'.join(recs[:-1] + [json.dumps(summ)]) + '\n')
     runs = plots.find_runs(str(tmp_path))
     pts = plots.arm_points(runs, 'eval_flops')
@@ -222,5 +304,9 @@ def test_frontier_plots_for_dense_sizes_and_a_routed_arm(tmp_path):
     names = {os.path.basename(p) for p in written}
     assert {'frontier_eval_flops.png', 'frontier_train_flops.png'} <= names
     fig = plots.plot_pareto(plots.pyplot(), runs, 'eval_flops', 'x', frontier=['small', 'big'])
-    assert fig.axes[0].get_xscale() == 'log' and any('dense frontier' in t.get_text() for t in fig.axes[0].get_legend().get_texts())
-    assert isinstance(plots.plot_pareto(plots.pyplot(), runs, 'eval_flops', 'x', frontier=['small']), str)
+    assert fig.axes[0].get_xscale() == 'log' and any(
+        'dense frontier' in t.get_text() for t in fig.axes[0].get_legend().get_texts()
+    )
+    assert isinstance(
+        plots.plot_pareto(plots.pyplot(), runs, 'eval_flops', 'x', frontier=['small']), str
+    )

@@ -2,7 +2,6 @@
 (checked by an independent parser), errors, idempotence, atomic and serialised writes, and the
 checksum and token-id checks."""
 import hashlib
-import io
 import json
 import re
 import sys
@@ -26,7 +25,9 @@ CLASS_CHARS = "STNHhR"  # structure, trivial, noise, hard, header, recall (index
 
 
 def load(folder, name, meta):
-    return np.fromfile(Path(folder) / name, dtype=meta["dtype"] if "difficulty" not in name else np.uint8)
+    return np.fromfile(
+        Path(folder) / name, dtype=meta["dtype"] if "difficulty" not in name else np.uint8
+    )
 
 
 def folder_bytes(folder):
@@ -53,7 +54,9 @@ def expected_classes(text):
             cls = "N" * n + "S" + "T" * n
         elif kind == "N":
             assert re.fullmatch(f"[0-9]{{{n + 1}}}", body), seg
-            assert all(int(body[i]) == (int(body[0]) + i) % 10 for i in range(1, n + 1)), f"bad count: {seg}"
+            assert all(int(body[i]) == (int(body[0]) + i) % 10 for i in range(1, n + 1)), (
+                f"bad count: {seg}"
+            )
             cls = "N" + "T" * n
         elif kind == "R":
             assert re.fullmatch(f"[a-p]{{{n}}}", body), seg
@@ -66,8 +69,11 @@ def expected_classes(text):
             cls = "N" * n + "S" + "N" * n + "S" + "H" * (n + 1)
         elif kind == "L":
             assert re.fullmatch(f"([a-p]{{3}}){{{n}}}", body), seg
-            for i in range(0, 3 * n, 3):         # one value per key pair, the same wherever it occurs
-                assert LOOKUP_SEEN.setdefault(body[i:i + 2], body[i + 2]) == body[i + 2], f"two values: {seg}"
+            for i in range(0, 3 * n, 3):         # one value per key pair, the same wherever it
+                                                 # occurs
+                assert LOOKUP_SEEN.setdefault(body[i : i + 2], body[i + 2]) == body[i + 2], (
+                    f"two values: {seg}"
+                )
             cls = "NNR" * n
         else:
             raise AssertionError(f"unknown segment kind in {seg!r}")
@@ -76,7 +82,9 @@ def expected_classes(text):
 
 
 def decode_synth(tokens, diff):
-    return "".join(P.LOOKUP_SYMBOLS[t] for t in tokens.tolist()), "".join(CLASS_CHARS[c] for c in diff.tolist())
+    return "".join(P.LOOKUP_SYMBOLS[t] for t in tokens.tolist()), "".join(
+        CLASS_CHARS[c] for c in diff.tolist()
+    )
 
 
 LOOKUP_SEEN = {}     # expected_classes' record of each key pair's value (one corpus seed per test)
@@ -101,8 +109,15 @@ def test_synthetic_lookup_grammar_property(seed, n, weights):
 
 def test_lookup_corpus_end_to_end_and_the_default_corpus_unchanged(tmp_path):
     meta = P.prepare("synthetic_lookup", tmp_path / "lk", num_tokens=20_000)
-    assert meta["vocab_size"] == 35 and meta["itos"][-1] == "L" and meta["difficulty_classes"][-1] == "recall"
-    tokens, diff = load(tmp_path / "lk", "val.bin", meta), load(tmp_path / "lk", "val_difficulty.bin", meta)
+    assert (
+        meta["vocab_size"] == 35
+        and meta["itos"][-1] == "L"
+        and meta["difficulty_classes"][-1] == "recall"
+    )
+    tokens, diff = (
+        load(tmp_path / "lk", "val.bin", meta),
+        load(tmp_path / "lk", "val_difficulty.bin", meta),
+    )
     LOOKUP_SEEN.clear()
     assert decode_synth(tokens, diff)[1] == expected_classes(decode_synth(tokens, diff)[0])
     assert meta["difficulty_counts"]["val"]["recall"] > 0
@@ -135,14 +150,22 @@ def test_synthetic_end_to_end(tmp_path):
     assert meta["tokenizer"] == "synthetic" and meta["vocab_size"] == len(meta["itos"]) < 64
     assert meta["dtype"] == "uint16" and meta["source"] == "builtin"
     assert meta["difficulty_classes"][:4] == ["structure", "trivial", "noise", "hard"]
-    assert set(meta["files"]) == {"train.bin", "val.bin", "train_difficulty.bin", "val_difficulty.bin"}
+    assert set(meta["files"]) == {
+        "train.bin",
+        "val.bin",
+        "train_difficulty.bin",
+        "val_difficulty.bin",
+    }
     raw = b""
     for split in ("train", "val"):
         tokens, diff = load(out, f"{split}.bin", meta), load(out, f"{split}_difficulty.bin", meta)
         assert len(tokens) == len(diff) == meta[f"{split}_tokens"]
         counts = np.bincount(diff, minlength=len(meta["difficulty_classes"]))
         assert (counts > 0).all(), "every class is present"
-        assert dict(zip(meta["difficulty_classes"], counts.tolist())) == meta["difficulty_counts"][split]
+        assert (
+            dict(zip(meta["difficulty_classes"], counts.tolist()))
+            == meta["difficulty_counts"][split]
+        )
         text, classes = decode_synth(tokens, diff)
         assert classes == expected_classes(text)
         raw += tokens.tobytes()
@@ -160,9 +183,14 @@ def test_synthetic_determinism(tmp_path):
     c = P.prepare("synthetic", tmp_path / "c", num_tokens=5000, seed=8)
     assert folder_bytes(tmp_path / "a")["train.bin"] == folder_bytes(tmp_path / "b")["train.bin"]
     assert a["files"] == b["files"] and a["source_sha256"] == b["source_sha256"]
-    assert (tmp_path / "a" / "train.bin").read_bytes() != (tmp_path / "c" / "train.bin").read_bytes()
+    assert (tmp_path / "a" / "train.bin").read_bytes() != (
+        tmp_path / "c" / "train.bin"
+    ).read_bytes()
     assert a["source_sha256"] != c["source_sha256"]
-    train, val = (tmp_path / "a" / "train.bin").read_bytes(), (tmp_path / "a" / "val.bin").read_bytes()
+    train, val = (
+        (tmp_path / "a" / "train.bin").read_bytes(),
+        (tmp_path / "a" / "val.bin").read_bytes(),
+    )
     assert val not in train, "val is its own stream"
 
 
@@ -188,7 +216,9 @@ def test_shakespeare_char_from_shared_default(tmp_path):
     text = SHAKESPEARE.read_text()
     assert meta["source"] == str(SHAKESPEARE.resolve())
     assert meta["vocab_size"] == 65 == len(meta["chars"]) and meta["chars"] == sorted(set(text))
-    assert meta["train_tokens"] == int(len(text) * 0.9) and meta["val_tokens"] == len(text) - int(len(text) * 0.9)
+    assert meta["train_tokens"] == int(len(text) * 0.9) and meta["val_tokens"] == len(text) - int(
+        len(text) * 0.9
+    )
     assert meta["split"] == "90/10 by characters" and meta["tokenizer"] == "char"
     train = load(tmp_path / "sc", "train.bin", meta)
     assert "".join(meta["chars"][i] for i in train[:200]) == text[:200]
@@ -207,22 +237,32 @@ def test_enwik8_small_raw_and_zip(tmp_path):
         assert (meta["vocab_size"], meta["tokenizer"], meta["dtype"]) == (256, "byte", "uint16")
         assert (meta["train_tokens"], meta["val_tokens"], meta["test_tokens"]) == (1800, 100, 100)
         assert "proportional" in meta["split"]
-        got = b"".join(load(out, f"{s}.bin", meta).astype(np.uint8).tobytes() for s in ("train", "val", "test"))
+        got = b"".join(
+            load(out, f"{s}.bin", meta).astype(np.uint8).tobytes() for s in ("train", "val", "test")
+        )
         assert got == data
         assert meta["source_sha256"] == hashlib.sha256((tmp_path / name).read_bytes()).hexdigest()
         metas.append(meta)
     assert metas[0]["files"] == metas[1]["files"]
 
 
-@pytest.mark.skipif(not FINEWEB.is_file(), reason="../shared/data/fineweb_sample_legal.parquet absent")
+@pytest.mark.skipif(not FINEWEB.is_file(), reason="../shared/data/fineweb_sample_legal.parquet "
+                                                  "absent")
 def test_fineweb_edu_from_parquet(tmp_path, tiktoken_cache):
     need_gpt2(tiktoken_cache)
     import pyarrow.parquet as pq
     import tiktoken
     meta = P.prepare("fineweb_edu", tmp_path / "fw", input=str(FINEWEB), max_docs=50)
-    assert (meta["vocab_size"], meta["eot_token"], meta["dtype"], meta["documents"]) == (50257, 50256, "uint16", 50)
+    assert (meta["vocab_size"], meta["eot_token"], meta["dtype"], meta["documents"]) == (
+        50257,
+        50256,
+        "uint16",
+        50,
+    )
     train, val = load(tmp_path / "fw", "train.bin", meta), load(tmp_path / "fw", "val.bin", meta)
-    assert (train == 50256).sum() == 49 and (val == 50256).sum() == 1, "one EOT per document, 1 val doc"
+    assert (train == 50256).sum() == 49 and (val == 50256).sum() == 1, (
+        "one EOT per document, 1 val doc"
+    )
     assert train[-1] == val[-1] == 50256
     first = pq.read_table(FINEWEB, columns=["text"]).column("text")[0].as_py()
     end = int(np.argmax(train == 50256))
@@ -231,17 +271,31 @@ def test_fineweb_edu_from_parquet(tmp_path, tiktoken_cache):
 
 def test_fineweb_edu_jsonl_and_txt(tmp_path, tiktoken_cache):
     need_gpt2(tiktoken_cache)
-    docs = ["first doc\nwith two lines", "second <|endoftext|> inline stays text", "third", "fourth"]
+    docs = [
+        "first doc\nwith two lines",
+        "second <|endoftext|> inline stays text",
+        "third",
+        "fourth",
+    ]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     (tmp_path / "d.txt").write_text("".join(d + "\n<|endoftext|>\n" for d in docs))
     for name, max_docs in (("d.jsonl", 3), ("d.txt", 3)):
-        meta = P.prepare("fineweb_edu", tmp_path / name.replace(".", "_"), input=str(tmp_path / name),
-                         max_docs=max_docs)
+        meta = P.prepare(
+            "fineweb_edu",
+            tmp_path / name.replace(".", "_"),
+            input=str(tmp_path / name),
+            max_docs=max_docs,
+        )
         train = load(tmp_path / name.replace(".", "_"), "train.bin", meta)
         val = load(tmp_path / name.replace(".", "_"), "val.bin", meta)
         assert meta["documents"] == 3 and (train == 50256).sum() == 2 and (val == 50256).sum() == 1
         import tiktoken
-        texts = tiktoken.get_encoding("gpt2").decode(np.concatenate([train, val]).tolist()).split("<|endoftext|>")
+
+        texts = (
+            tiktoken.get_encoding("gpt2")
+            .decode(np.concatenate([train, val]).tolist())
+            .split("<|endoftext|>")
+        )
         sep = "\n" if name.endswith("txt") else ""
         assert texts[0] == docs[0] + sep and texts[-1] == ""
 
@@ -256,7 +310,9 @@ def test_text_each_tokenizer(tmp_path, tiktoken_cache, tokenizer):
     ids = np.concatenate([load(tmp_path / "t", f"{s}.bin", meta) for s in ("train", "val")])
     assert meta["val_tokens"] == len(ids) - int(len(ids) * 0.9) > 0
     if tokenizer == "char":
-        assert meta["vocab_size"] == len(set(text)) and "".join(meta["chars"][i] for i in ids) == text
+        assert (
+            meta["vocab_size"] == len(set(text)) and "".join(meta["chars"][i] for i in ids) == text
+        )
     elif tokenizer == "byte":
         assert meta["vocab_size"] == 256 and ids.astype(np.uint8).tobytes() == text.encode()
     else:
@@ -270,14 +326,21 @@ def test_text_name_sets_default_folder_and_command(tmp_path, monkeypatch):
     (tmp_path / "in.txt").write_text("abcdefghij" * 5)
     meta = P.prepare("text", input=str(tmp_path / "in.txt"), name="mine", val_fraction=0.2)
     assert (tmp_path / "mine" / "meta.json").is_file()
-    assert meta["command"] == f"python data/prepare.py text --input={tmp_path / 'in.txt'} --val_fraction=0.2 --name=mine"
+    assert (
+        meta["command"]
+        == f"python data/prepare.py text --input={tmp_path / 'in.txt'} --val_fraction=0.2 "
+           "--name=mine"
+    )
     assert meta["split"] == "80/20 by characters"
 
 
 # ----------------------------------------------------------------------------- dtype
 def test_dtype_choice():
     ids = np.array([0, 65535, 69999])
-    assert P.to_array(ids, 70000).dtype == np.dtype("<u4") and P.to_array(ids, 70000).tolist() == ids.tolist()
+    assert (
+        P.to_array(ids, 70000).dtype == np.dtype("<u4")
+        and P.to_array(ids, 70000).tolist() == ids.tolist()
+    )
     assert P.to_array(ids[:2], 65535).dtype == np.dtype("<u2")
     assert P.to_array(ids[:2], 100, "uint32").dtype == np.dtype("<u4")
     with pytest.raises(P.PrepareError, match="uint16"):
@@ -313,7 +376,12 @@ def error_cases(tmp):
         (("text",), dict(input=str(tmp / "bad.txt")), "not valid UTF-8 (byte offset 9)"),
         (("text",), dict(input=str(tmp / "bad.txt"), tokenizer="gpt2"), "byte offset 9"),
         (("text",), {}, "needs --input"),
-        (("wikipedia",), {}, "unknown dataset 'wikipedia'; valid datasets: synthetic, synthetic_lookup, shakespeare_char"),
+        (
+            ("wikipedia",),
+            {},
+            "unknown dataset 'wikipedia'; valid datasets: synthetic, synthetic_lookup, "
+            "shakespeare_char",
+        ),
         (("text",), dict(input=str(tmp / "one.txt")), "would leave the train split empty"),
         (("text",), dict(input=str(tmp / "tiny.txt"), val_fraction=1.5), "between 0 and 1"),
         (("text",), dict(input=str(tmp / "tiny.txt"), tokenizer="bpe"), "char, byte or gpt2"),
@@ -347,10 +415,12 @@ def test_download_failure_says_pass_input(tmp_path, monkeypatch):
     def offline(*a, **k):
         raise OSError("network is unreachable")
     monkeypatch.setattr(P.urllib.request, "urlopen", offline)
-    with pytest.raises(P.PrepareError, match="could not download http://mattmahoney.net.*pass --input FILE"):
+    with pytest.raises(P.PrepareError, match="could not download http://mattmahoney.net.*pass "
+                                             "--input FILE"):
         P.prepare("enwik8", tmp_path / "e")
     monkeypatch.setattr(P, "SHARED_DATA", tmp_path / "no_shared")
-    with pytest.raises(P.PrepareError, match="could not download https://raw.githubusercontent.com.*--input FILE"):
+    with pytest.raises(P.PrepareError, match="could not download "
+                                             "https://raw.githubusercontent.com.*--input FILE"):
         P.prepare("shakespeare_char", tmp_path / "s")
     assert not (tmp_path / "e").exists() and not (tmp_path / "s").exists()
 
@@ -373,10 +443,13 @@ def test_cli(tmp_path):
     assert folder_bytes(tmp_path / "s") == from_cli
 
 
-# ----------------------------------------------------------------------------- idempotence, atomicity, check
+# -------------------------------------------------------------------- idempotence, atomicity, check
 def test_idempotent(tmp_path):
     (tmp_path / "in.txt").write_text("some text to tokenize, twice\n" * 50)
-    for dataset, opts in [("synthetic", dict(num_tokens=4000)), ("text", dict(input=str(tmp_path / "in.txt")))]:
+    for dataset, opts in [
+        ("synthetic", dict(num_tokens=4000)),
+        ("text", dict(input=str(tmp_path / "in.txt"))),
+    ]:
         out = tmp_path / dataset
         m1 = P.prepare(dataset, out, **opts)
         first = folder_bytes(out)
@@ -425,8 +498,11 @@ def test_check_prepared_messages(tmp_path, monkeypatch):
     assert str(e.value).endswith("run: python data/prepare.py enwik8")
     with pytest.raises(P.PrepareError) as e:
         P.check_prepared(tmp_path / "elsewhere" / "shakespeare_char")
-    assert f"run: python data/prepare.py shakespeare_char --out_dir={tmp_path / 'elsewhere' / 'shakespeare_char'}" \
+    assert (
+        "run: python data/prepare.py shakespeare_char "
+        f"--out_dir={tmp_path / 'elsewhere' / 'shakespeare_char'}"
         in str(e.value)
+    )
 
     meta = P.prepare("synthetic", num_tokens=3000, seed=5)
     folder = tmp_path / "synthetic"
@@ -461,11 +537,13 @@ def test_ensure_tiktoken_cache(tmp_path, monkeypatch, tiktoken_cache):
     assert P.ensure_tiktoken_cache() is None and "TIKTOKEN_CACHE_DIR" not in P.os.environ
 
 
-# ----------------------------------------------------------------------------- concurrent prepares, stale temp files
+# ------------------------------------------------------------ concurrent prepares, stale temp files
 def assert_consistent(folder):
     meta = json.loads((Path(folder) / "meta.json").read_text())
     for name, info in meta["files"].items():
-        assert hashlib.sha256((Path(folder) / name).read_bytes()).hexdigest() == info["sha256"], name
+        assert hashlib.sha256((Path(folder) / name).read_bytes()).hexdigest() == info["sha256"], (
+            name
+        )
     return meta
 
 
@@ -520,7 +598,7 @@ def test_stale_tmp_files_of_dead_processes_are_removed(tmp_path):
     assert_consistent(out)
 
 
-# ----------------------------------------------------------------------------- checksums and token ids
+# -------------------------------------------------------------------------- checksums and token ids
 def test_verify_checksums_catches_same_size_corruption(tmp_path):
     out = tmp_path / "synthetic"
     meta = P.prepare("synthetic", out, num_tokens=3000, seed=4)
@@ -535,7 +613,8 @@ def test_verify_checksums_catches_same_size_corruption(tmp_path):
         assert str(e.value).startswith(f"{out / 'train.bin'} does not match its sha256")
         assert str(e.value).endswith(f"run: {meta['command']}") and "\n" not in str(e.value)
     (out / "train.bin").unlink()
-    with pytest.raises(P.PrepareError, match="cannot read .*train.bin.*run: python data/prepare.py"):
+    with pytest.raises(P.PrepareError, match="cannot read .*train.bin.*run: python "
+                                             "data/prepare.py"):
         P.verify_checksums(out, meta)
 
 
@@ -544,7 +623,11 @@ def test_max_token_id_chunks_and_empty(tmp_path, dtype):
     path = tmp_path / "x.bin"
     path.write_bytes(b"")
     assert P.max_token_id(path, dtype) == -1
-    ids = np.random.default_rng(0).integers(0, 1000, 100).astype("<u2" if dtype == "uint16" else "<u4")
+    ids = (
+        np.random.default_rng(0)
+        .integers(0, 1000, 100)
+        .astype("<u2" if dtype == "uint16" else "<u4")
+    )
     for where in (0, 9, 10, 11, 99):  # the maximum at and around the chunk boundaries
         arr = ids.copy()
         arr[where] = 5000
@@ -553,7 +636,8 @@ def test_max_token_id_chunks_and_empty(tmp_path, dtype):
             assert P.max_token_id(path, dtype, chunk=chunk) == 5000
     assert isinstance(P.max_token_id(path, dtype), int)
     path.write_bytes(b"\0" * (np.dtype(dtype).itemsize + 1))
-    with pytest.raises(P.PrepareError, match=f"x.bin has .* bytes, not a whole number of {dtype} ids"):
+    with pytest.raises(P.PrepareError, match=f"x.bin has .* bytes, not a whole number of {dtype} "
+                                             "ids"):
         P.max_token_id(path, dtype)
 
 
@@ -565,16 +649,20 @@ def test_check_token_ids(tmp_path):
     assert P.check_token_ids(out, meta, meta["vocab_size"], chunk=5) == meta
     with pytest.raises(P.PrepareError) as e:
         P.check_token_ids(out, meta, 10, "the model's vocabulary")
-    assert str(e.value) == (f"{out / 'train.bin'} holds token id {top} but the model's vocabulary is 10: "
-                            "too small for this data; use a model with vocab_size >= 34")
+    assert str(e.value) == (
+        f"{out / 'train.bin'} holds token id {top} but the model's vocabulary is 10: "
+        "too small for this data; use a model with vocab_size >= 34"
+    )
     ids = np.fromfile(out / "val.bin", dtype="<u2")
     ids[len(ids) // 2] = 40
     ids.tofile(out / "val.bin")  # same size: only the ids show it
     for chunk in (1, 4, 1 << 20):
         with pytest.raises(P.PrepareError) as e:
             P.check_token_ids(out, meta, 34, "meta.json's vocab_size", chunk=chunk)
-        assert str(e.value) == (f"{out / 'val.bin'} holds token id 40 but meta.json's vocab_size is 34: "
-                                f"the data and meta.json disagree; run: {meta['command']}")
+        assert str(e.value) == (
+            f"{out / 'val.bin'} holds token id 40 but meta.json's vocab_size is 34: "
+            f"the data and meta.json disagree; run: {meta['command']}"
+        )
     ids[:] = 0
     ids[-1] = 33
     ids.tofile(out / "val.bin")

@@ -1,8 +1,8 @@
-"""The routing options' names from before each family's options took its prefix (configurator.RENAMED)
-are refused, naming today's: on the command line and in config files (one line, exit 2), and in
-stored checkpoints and config.json files. No config or result file under the repository uses one, and
-no family carries an alias table. A stored config from before an option was added still reads as it
-ran (the family's stored_before)."""
+"""The routing options' names from before each family's options took its prefix
+(configurator.RENAMED) are refused, naming today's: on the command line and in config files (one
+line, exit 2), and in stored checkpoints and config.json files. No config or result file under the
+repository uses one, and no family carries an alias table. A stored config from before an option was
+added still reads as it ran (the family's stored_before)."""
 import json
 import os
 import re
@@ -48,8 +48,10 @@ def test_an_old_name_is_refused_naming_the_new_one(tmp_path, old, where):
         argv = [str(path)]
     with pytest.raises(ConfigError) as e:
         load_config(train.DEFAULTS, ['--route=mod', *argv])
-    assert str(e.value) == (f"config key '{old}' from {argv[0] if where == 'file' else repr(argv[0])}"
-                            f" was renamed: use {RENAMED[old]}")
+    assert str(e.value) == (
+        f"config key '{old}' from {argv[0] if where == 'file' else repr(argv[0])}"
+        f" was renamed: use {RENAMED[old]}"
+    )
 
 
 def test_a_script_without_todays_name_calls_an_old_one_unknown():
@@ -71,7 +73,7 @@ def test_train_exits_2_with_one_line_naming_the_new_name(tmp_path, where):
     assert not (tmp_path / 'out').exists()
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # stored checkpoints and config.json files
 
 def test_a_stored_config_with_an_old_name_is_refused_naming_the_new_one(monkeypatch):
@@ -85,7 +87,8 @@ def test_a_stored_config_with_an_old_name_is_refused_naming_the_new_one(monkeypa
     cfg = train.SimpleNamespace(**{**train.DEFAULTS, **asdict(model.config)})
     with pytest.raises(ConfigError, match=want):       # resume
         train.check_against_checkpoint(cfg, {}, ckpt, train.RESUME_KEYS)
-    with pytest.raises(ConfigError, match=r"cheap_rank \(now ffn_cheap_rank\), gate \(now ffn_gate"):
+    with pytest.raises(ConfigError, match=r"cheap_rank \(now ffn_cheap_rank\), gate \(now "
+                                          r"ffn_gate"):
         read_stored_config({'route': 'ffn', 'cheap_rank': 4, 'gate': 'mlp'})
 
 
@@ -93,8 +96,8 @@ def test_a_stored_config_with_an_old_name_is_refused_naming_the_new_one(monkeypa
                                                     ('ffn', 'ffn_oracle_label', 'sequence', 'token'),
                                                     ('ensemble', 'ens_distill', 'mixture', 'per_layer')])
 def test_a_stored_config_from_before_an_option_keeps_its_behaviour(route, key, before, today):
-    """An option added with a default unlike what the code did before it: a checkpoint or config.json
-    without it reads as it ran; one that has it, and a fresh config, as written."""
+    """An option added with a default unlike what the code did before it: a checkpoint or
+    config.json without it reads as it ran; one that has it, and a fresh config, as written."""
     assert getattr(GPTConfig(route=route), key) == today
     assert read_stored_config({'route': route, 'n_layer': 2})[key] == before
     assert getattr(GPTConfig.from_dict({'route': route, 'n_layer': 4}), key) == before
@@ -116,7 +119,7 @@ def test_a_run_from_before_ffn_aux_grad_resumes_only_as_it_ran(monkeypatch):
     train.check_against_checkpoint(cfg, {}, dict(model_args=margs), train.RESUME_KEYS)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the files in the repository
 
 def old_names_in_config_file(text):
@@ -164,9 +167,13 @@ def test_no_config_or_result_file_uses_an_old_name():
 
 
 def test_the_detectors_find_old_names():
-    assert old_names_in_config_file("budget = 0.3\n") and old_names_in_config_file("x = ['--gate=mlp']")
+    assert old_names_in_config_file("budget = 0.3\n") and old_names_in_config_file(
+        "x = ['--gate=mlp']"
+    )
     assert old_names_in_config_file("arms = {'cheap_rank': 4}")
-    assert not old_names_in_config_file("ffn_budget = 0.3\n# the budget = half\nx = '--ffn_gate=mlp'")
+    assert not old_names_in_config_file(
+        "ffn_budget = 0.3\n# the budget = half\nx = '--ffn_gate=mlp'"
+    )
     assert old_names_in_record({'route': 'ffn', 'cheap_rank': 4}, set()) == {'cheap_rank'}
     assert old_names_in_record({'overrides': ['--gate=mlp']}, set()) == {'gate'}
     assert old_names_in_record({'routing': {'budget': 0.5}}, set()) == set()

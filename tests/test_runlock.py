@@ -123,7 +123,7 @@ def test_sweep_refuses_an_out_root_another_process_holds(tmp_path, monkeypatch):
         stop(holder)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # conftest's process helpers
 
 ESCAPES = ("import signal, subprocess, sys, time\n"

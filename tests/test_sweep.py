@@ -1,6 +1,7 @@
 """sweep.py: grid expansion, skip/resume decisions, summary statistics against hand computation, the
 mixed-code-version flag, threshold hits, and --jobs. Runs are faked as folders of metrics (no
-training); the --jobs test runs a fake train.py (a few lines of Python, no torch) as real processes."""
+training); the --jobs test runs a fake train.py (a few lines of Python, no torch) as real
+processes."""
 import json
 import math
 import os
@@ -18,7 +19,9 @@ import pytest
 import sweep
 
 
-def fake_run(path, max_iters, summary=None, evals=(), norms=(), sha='abc123', dirty=False, lms=(), tlops=()):
+def fake_run(
+    path, max_iters, summary=None, evals=(), norms=(), sha='abc123', dirty=False, lms=(), tlops=()
+):
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, 'config.json'), 'w') as f:
         json.dump(dict(max_iters=max_iters), f)
@@ -28,7 +31,9 @@ def fake_run(path, max_iters, summary=None, evals=(), norms=(), sha='abc123', di
         for i, n in enumerate(norms):
             f.write(json.dumps(dict(type='train', iter=i, ctrl_grad_norm=n)) + '\n')
         for i, (lm, t) in enumerate(zip(lms, tlops or [None] * len(lms))):
-            f.write(json.dumps(dict(type='train', iter=10 * (i + 1), lm_loss=lm, tlops_saved=t)) + '\n')
+            f.write(
+                json.dumps(dict(type='train', iter=10 * (i + 1), lm_loss=lm, tlops_saved=t)) + '\n'
+            )
         for i, v in enumerate(evals):
             f.write(json.dumps(dict(type='eval', iter=i, val_loss=v)) + '\n')
         if summary is not None:
@@ -46,12 +51,14 @@ def test_finished_requires_a_summary_at_max_iters(tmp_path):
 
 
 def test_a_record_cut_short_is_skipped(tmp_path):
-    """A run whose last metrics line was cut short (a full disk, a kill mid-write) reads as unfinished,
-    not as a JSON error, so the sweep resumes it (train.py drops the line on resume)."""
+    """A run whose last metrics line was cut short (a full disk, a kill mid-write) reads as
+    unfinished, not as a JSON error, so the sweep resumes it (train.py drops the line on resume)."""
     fake_run(tmp_path / 'a', 100, lms=[2.0])
     with open(tmp_path / 'a' / 'metrics.jsonl', 'a') as f:
         f.write('{"type": "summary", "it')
-    assert sweep.read_metrics(str(tmp_path / 'a')) == [dict(type='train', iter=10, lm_loss=2.0, tlops_saved=None)]
+    assert sweep.read_metrics(str(tmp_path / 'a')) == [
+        dict(type='train', iter=10, lm_loss=2.0, tlops_saved=None)
+    ]
     assert not sweep.finished(str(tmp_path / 'a'))
 
 
@@ -93,7 +100,8 @@ def test_summary_statistics_match_hand_computation(tmp_path):
     assert a['std'] == pytest.approx(np.std(list(arm.values()), ddof=1))
     d = [arm[s] - ref[s] for s in seeds]
     vs = a['vs_reference']
-    assert vs['wins'] == 2 and vs['n'] == 3                       # lower avg LM is better in seeds 1 and 3
+    # lower avg LM is better in seeds 1 and 3
+    assert vs['wins'] == 2 and vs['n'] == 3
     half = 4.303 * np.std(d, ddof=1) / math.sqrt(3)              # t(0.975, df=2) = 4.303
     assert vs['mean_diff'] == pytest.approx(np.mean(d))
     assert vs['ci95'] == pytest.approx([np.mean(d) - half, np.mean(d) + half])
@@ -111,8 +119,21 @@ def test_mixed_code_versions_are_flagged(tmp_path):
 
 def test_run_metrics_reads_the_logs(tmp_path):
     routing = dict(val_loss=dict(loss=1.5, full_frac=[0.4, 0.6]))
-    fake_run(tmp_path, 5, summary=dict(iter=5, avg_lm=2.0, best_val_lm=1.4, flops_proxy=1.5, wall_s=3.0,
-                                       hit_2=3, routing=routing), evals=[1.8, 1.6], norms=[1.0, 3.0])
+    fake_run(
+        tmp_path,
+        5,
+        summary=dict(
+            iter=5,
+            avg_lm=2.0,
+            best_val_lm=1.4,
+            flops_proxy=1.5,
+            wall_s=3.0,
+            hit_2=3,
+            routing=routing,
+        ),
+        evals=[1.8, 1.6],
+        norms=[1.0, 3.0],
+    )
     m = sweep.run_metrics(str(tmp_path))
     assert m['final_val_loss'] == 1.6 and m['ctrl_grad_norm'] == 2.0 and m['hit_2'] == 3
     assert m['causal_val_loss'] == 1.5 and m['realised_full_frac'] == pytest.approx(0.5)
@@ -153,7 +174,12 @@ def test_run_metrics_reads_tlops_saved_and_final_train_lm(tmp_path):
 
 
 def test_threshold_hit_default_and_from_the_study(tmp_path):
-    curves = {('ref', 1): [3.0, 2.2, 2.0], ('ref', 2): [3.0, 2.3, 2.2], ('arm', 1): [2.2, 2.05, 1.9], ('arm', 2): [3.0, 3.0, 3.0]}
+    curves = {
+        ('ref', 1): [3.0, 2.2, 2.0],
+        ('ref', 2): [3.0, 2.3, 2.2],
+        ('arm', 1): [2.2, 2.05, 1.9],
+        ('arm', 2): [3.0, 3.0, 3.0],
+    }
     results = {}
     for (arm, s), lms in curves.items():
         fake_run(tmp_path / arm / f'seed{s}', 5, summary=dict(iter=5), lms=lms)
@@ -162,7 +188,8 @@ def test_threshold_hit_default_and_from_the_study(tmp_path):
     th, source = sweep.lm_threshold(study, results)
     assert th == pytest.approx(1.05 * (2.0 + 2.2) / 2) and 'reference' in source      # 2.205
     hits = {k: sweep.threshold_hit(str(tmp_path / k[0] / f'seed{k[1]}'), th) for k in curves}
-    assert hits == {('ref', 1): 20, ('ref', 2): 30, ('arm', 1): 10, ('arm', 2): None}   # iters 10, 20, 30
+    # iters 10, 20, 30
+    assert hits == {('ref', 1): 20, ('ref', 2): 30, ('arm', 1): 10, ('arm', 2): None}
     assert sweep.lm_threshold(dict(study, threshold=2.1), results) == (2.1, 'study file')
     assert sweep.threshold_hit(str(tmp_path / 'arm' / 'seed1'), 2.1) == 20
 
@@ -210,7 +237,11 @@ def test_parallel_runs_share_the_cores_instead_of_each_taking_all(tmp_path, monk
     sweep.run_one(['cfg.py'], str(tmp_path / 'a'), str(tmp_path / 'log'), jobs=2)
     sweep.run_one(['cfg.py'], str(tmp_path / 'b'), str(tmp_path / 'log'), jobs=3)
     sweep.run_one(['cfg.py'], str(tmp_path / 'c'), str(tmp_path / 'log'))
-    assert envs[0]['OMP_NUM_THREADS'] == '4' and envs[1]['OMP_NUM_THREADS'] == '2' and 'OMP_NUM_THREADS' not in envs[2]
+    assert (
+        envs[0]['OMP_NUM_THREADS'] == '4'
+        and envs[1]['OMP_NUM_THREADS'] == '2'
+        and 'OMP_NUM_THREADS' not in envs[2]
+    )
     monkeypatch.setenv('OMP_NUM_THREADS', '3')                  # the user's own setting wins
     sweep.run_one(['cfg.py'], str(tmp_path / 'd'), str(tmp_path / 'log'), jobs=2)
     assert envs[3]['OMP_NUM_THREADS'] == '3'
@@ -223,16 +254,24 @@ def test_jobs_2_runs_two_at_once_and_summarises_as_sequential(tmp_path, monkeypa
     (tmp_path / 'barrier').mkdir()
     monkeypatch.setenv('FAKE_BARRIER', str(tmp_path / 'barrier'))
     assert sweep.main([fake_study(tmp_path, 'par'), '--jobs=2', '--no_plots']) == 0
-    assert all(sweep.finished(str(tmp_path / 'par' / arm / f'seed{s}')) for arm in 'AB' for s in (1, 2))
+    assert all(
+        sweep.finished(str(tmp_path / 'par' / arm / f'seed{s}')) for arm in 'AB' for s in (1, 2)
+    )
     monkeypatch.delenv('FAKE_BARRIER')
     assert sweep.main([fake_study(tmp_path, 'seq'), '--no_plots']) == 0
     par, seq = (json.loads((tmp_path / n / 'summary.json').read_text()) for n in ('par', 'seq'))
     assert par.pop('study') != seq.pop('study') and par == seq
     a, b = par['table']['A'], par['table']['B']
-    assert a['avg_lm']['per_seed'] == pytest.approx([2.51, 2.52]) and b['avg_lm']['per_seed'] == pytest.approx([3.01, 3.02])
-    # default threshold: 1.05 × A's final train LM (1.81, 1.82) -> 1.90575; A gets there at iter 4, B never
+    assert a['avg_lm']['per_seed'] == pytest.approx([2.51, 2.52]) and b['avg_lm'][
+        'per_seed'
+    ] == pytest.approx([3.01, 3.02])
+    # default threshold: 1.05 × A's final train LM (1.81, 1.82) -> 1.90575; A gets there at iter 4,
+    # B never
     assert par['threshold']['value'] == pytest.approx(1.05 * 1.815)
-    assert a['threshold_hit']['per_seed'] == [4, 4] and b['threshold_hit']['per_seed'] == [None, None]
+    assert a['threshold_hit']['per_seed'] == [4, 4] and b['threshold_hit']['per_seed'] == [
+        None,
+        None,
+    ]
     assert not (tmp_path / 'par' / 'plots').exists()
     assert 'threshold_hit' in (tmp_path / 'par' / 'summary.md').read_text()
 
@@ -245,61 +284,111 @@ def test_sign_test_against_the_binomial_by_hand():
 
 
 def test_threshold_hits_are_censored_not_dropped():
-    """A seed that never reaches the threshold counts as reaching it at infinity: 'G3 hits at 10 ± 0'
-    must not hide that 2 of 3 seeds never got there."""
+    """A seed that never reaches the threshold counts as reaching it at infinity: 'G3 hits at 10 ±
+    0' must not hide that 2 of 3 seeds never got there."""
     seeds = [1, 2, 3, 4]
     ref = {1: 20, 2: None, 3: 30, 4: None}
     arm = {1: 10, 2: 40, 3: None, 4: None}
-    results = {(a, s): dict(threshold_hit=v[s], code='x') for a, v in (('ref', ref), ('arm', arm)) for s in seeds}
-    table = sweep.summarize(dict(arms={'ref': [], 'arm': []}, seeds=seeds, reference='ref'), results)['table']
+    results = {
+        (a, s): dict(threshold_hit=v[s], code='x')
+        for a, v in (('ref', ref), ('arm', arm))
+        for s in seeds
+    }
+    table = sweep.summarize(
+        dict(arms={'ref': [], 'arm': []}, seeds=seeds, reference='ref'), results
+    )['table']
     e = table['arm']['threshold_hit']
-    assert (e['hits'], e['runs']) == (2, 4) and e['mean'] == 25.0          # the mean is over the 2 that hit
+    # the mean is over the 2 that hit
+    assert (e['hits'], e['runs']) == (2, 4) and e['mean'] == 25.0
     assert table['ref']['threshold_hit']['hits'] == 2
     # seed 1: 10 < 20 win; seed 2: 40 < never win; seed 3: never > 30 loss; seed 4: both never, tie
     assert e['vs_reference'] == dict(n=4, wins=2, losses=1, ties=1, sign_p=1.0)
-    md = sweep.markdown(dict(table=table, seeds=seeds, reference='ref', code_versions=['x'], mixed_code_versions=False))
+    md = sweep.markdown(
+        dict(
+            table=table,
+            seeds=seeds,
+            reference='ref',
+            code_versions=['x'],
+            mixed_code_versions=False,
+        )
+    )
     assert '2/4 hit, 25 ± 21 (2–1–1, p=1)' in md
 
 
 def test_a_missing_run_is_not_a_never_hit():
-    results = {('ref', 1): dict(threshold_hit=5), ('arm', 1): dict(threshold_hit=None), ('ref', 2): dict(threshold_hit=5)}
-    e = sweep.summarize(dict(arms={'ref': [], 'arm': []}, seeds=[1, 2], reference='ref'), results)['table']['arm']['threshold_hit']
-    assert (e['hits'], e['runs']) == (0, 1) and e['vs_reference']['n'] == 1 and e['vs_reference']['losses'] == 1
+    results = {
+        ('ref', 1): dict(threshold_hit=5),
+        ('arm', 1): dict(threshold_hit=None),
+        ('ref', 2): dict(threshold_hit=5),
+    }
+    e = sweep.summarize(dict(arms={'ref': [], 'arm': []}, seeds=[1, 2], reference='ref'), results)[
+        'table'
+    ]['arm']['threshold_hit']
+    assert (
+        (e['hits'], e['runs']) == (0, 1)
+        and e['vs_reference']['n'] == 1
+        and e['vs_reference']['losses'] == 1
+    )
 
 
 def test_seed_placeholders_give_each_seed_its_own_backbone(tmp_path):
-    study = dict(seeds=[1, 2, 3], before=[['s1.py', '--out_dir=out/s1/seed{seed}'], ['data.py', '--out_dir=out/d']])
+    study = dict(
+        seeds=[1, 2, 3],
+        before=[['s1.py', '--out_dir=out/s1/seed{seed}'], ['data.py', '--out_dir=out/d']],
+    )
     stages = sweep.before_runs(study, 'study.py')
-    assert stages == [[(['s1.py', f'--out_dir=out/s1/seed{s}', f'--seed={s}'], f'before_seed{s}.log') for s in (1, 2, 3)],
-                      [(['data.py', '--out_dir=out/d'], 'before.log')]]
-    assert sweep.with_seed(['--init_from=out/s1/seed{seed}/ckpt.pt', '--x=1'], 2) == ['--init_from=out/s1/seed2/ckpt.pt', '--x=1']
+    assert stages == [
+        [
+            (['s1.py', f'--out_dir=out/s1/seed{s}', f'--seed={s}'], f'before_seed{s}.log')
+            for s in (1, 2, 3)
+        ],
+        [(['data.py', '--out_dir=out/d'], 'before.log')],
+    ]
+    assert sweep.with_seed(['--init_from=out/s1/seed{seed}/ckpt.pt', '--x=1'], 2) == [
+        '--init_from=out/s1/seed2/ckpt.pt',
+        '--x=1',
+    ]
     with pytest.raises(sweep.ConfigError, match='--out_dir'):
         sweep.before_runs(dict(seeds=[1], before=[['s1.py']]), 'study.py')
 
 
 def test_room_verdict_against_the_seed_spread():
-    """The room against the spread of the reference endpoint relative to each seed's own backbone (its
-    all-full loss): independent backbones differ in level, which paired differences cancel."""
+    """The room against the spread of the reference endpoint relative to each seed's own backbone
+    (its all-full loss): independent backbones differ in level, which paired differences cancel."""
     room = {s: dict(full=f, cheap=f + r, random=f + 0.5, oracle=f + 0.5 - g, room=r, gate_room=g)
             for s, f, r, g in ((1, 1.0, 0.5, 0.11), (2, 1.2, 0.7, 0.09))}
 
     def ref(ends):
-        return dict(causal_val_loss=dict(mean=float(np.mean(ends)), std=float(np.std(ends, ddof=1)), per_seed=ends),
-                    final_val_loss=dict(mean=None, std=None, per_seed=[None, None]))
-    v = sweep.room_verdict(dict(seeds=[1, 2]), room, ref([1.01, 1.2]))     # levels 0.13 apart, relative 0.0071
+        return dict(
+            causal_val_loss=dict(
+                mean=float(np.mean(ends)), std=float(np.std(ends, ddof=1)), per_seed=ends
+            ),
+            final_val_loss=dict(mean=None, std=None, per_seed=[None, None]),
+        )
+
+    # levels 0.13 apart, relative 0.0071
+    v = sweep.room_verdict(dict(seeds=[1, 2]), room, ref([1.01, 1.2]))
     assert v['key'] == 'gate_room' and v['size'] == pytest.approx(0.10) and v['verdict'] == 'room'
-    assert v['seed_std'] == pytest.approx(np.std([0.01, 0.0], ddof=1)) and v['seed_std_raw'] == pytest.approx(np.std([1.01, 1.2], ddof=1))
+    assert v['seed_std'] == pytest.approx(np.std([0.01, 0.0], ddof=1)) and v[
+        'seed_std_raw'
+    ] == pytest.approx(np.std([1.01, 1.2], ddof=1))
     assert v['values']['room']['mean'] == pytest.approx(0.6)
-    no = sweep.room_verdict(dict(seeds=[1, 2]), room, ref([1.0, 1.22]))        # relative 0.0141: 0.10 < 10×
+    # relative 0.0141: 0.10 < 10×
+    no = sweep.room_verdict(dict(seeds=[1, 2]), room, ref([1.0, 1.22]))
     assert no['verdict'] == 'no room'
-    assert sweep.room_verdict(dict(seeds=[1, 2], room_key='room'), room, ref([1.0, 1.22]))['verdict'] == 'room'
+    assert (
+        sweep.room_verdict(dict(seeds=[1, 2], room_key='room'), room, ref([1.0, 1.22]))['verdict']
+        == 'room'
+    )
     md = sweep.room_markdown(no)
     assert md.startswith('**Room: no room.**') and 'not evidence' in md and 'all-full' in md
 
 
 def test_too_few_seeds_are_flagged():
     results = {('ref', 1): dict(avg_lm=1.0), ('arm', 1): dict(avg_lm=0.9)}
-    summary = sweep.summarize(dict(arms={'ref': [], 'arm': []}, seeds=[1], reference='ref'), results)
+    summary = sweep.summarize(
+        dict(arms={'ref': [], 'arm': []}, seeds=[1], reference='ref'), results
+    )
     assert 'too few' in sweep.markdown(summary)
 
 
@@ -307,7 +396,9 @@ def test_no_threshold_means_no_hit_column_and_room_seeds_stay_aligned():
     """Without a threshold (or for a hit_<x> a run did not set) runs are not counted as never-hits;
     the room's per-seed lists follow the study's seeds, None where a backbone was not measured."""
     results = {(a, s): dict(avg_lm=1.0 + s / 10) for a in ('ref', 'arm') for s in (1, 2)}
-    summary = sweep.summarize(dict(arms={'ref': [], 'arm': []}, seeds=[1, 2], reference='ref'), results)
+    summary = sweep.summarize(
+        dict(arms={'ref': [], 'arm': []}, seeds=[1, 2], reference='ref'), results
+    )
     e = summary['table']['arm']['threshold_hit']
     assert (e['hits'], e['runs']) == (0, 0) and e['vs_reference'] is None
     assert 'threshold_hit' not in sweep.markdown(summary)
@@ -326,86 +417,134 @@ def test_room_is_measured_again_for_a_retrained_backbone(tmp_path, monkeypatch):
 
     def fake_run(args, **kw):
         calls.append(args)
-        return SimpleNamespace(returncode=0, stdout=json.dumps(dict(full=1.0, cheap=1.5, room=0.5)), stderr='')
+        return SimpleNamespace(
+            returncode=0, stdout=json.dumps(dict(full=1.0, cheap=1.5, room=0.5)), stderr=''
+        )
+
     monkeypatch.setattr(sweep.subprocess, 'run', fake_run)
     study = dict(room_ckpt=str(tmp_path / 'seed{seed}.pt'), seeds=[1, 2])
-    assert sweep.measure_room(study, str(tmp_path))[1]['room'] == 0.5 and len(calls) == 1    # seed 2: no backbone
+    # seed 2: no backbone
+    assert sweep.measure_room(study, str(tmp_path))[1]['room'] == 0.5 and len(calls) == 1
     sweep.measure_room(study, str(tmp_path))
     assert len(calls) == 1                                       # cached
     os.utime(ckpt, (1, 1))
     sweep.measure_room(study, str(tmp_path))
-    assert len(calls) == 2                                       # the backbone changed: measured again
+    # the backbone changed: measured again
+    assert len(calls) == 2
 
 
 def test_frontier_is_interpolated_in_log_cost_and_never_extrapolated():
     pts = [(4.0, 2.0), (1.0, 3.0), (16.0, 1.5)]           # unsorted on purpose
-    assert sweep.frontier_at(pts, 2.0) == pytest.approx(2.5)          # halfway in log between 1 and 4
+    # halfway in log between 1 and 4
+    assert sweep.frontier_at(pts, 2.0) == pytest.approx(2.5)
     assert sweep.frontier_at(pts, 8.0) == pytest.approx(1.75)         # halfway between 4 and 16
     assert sweep.frontier_at(pts, 4.0) == pytest.approx(2.0) and sweep.frontier_at(pts, 1.0) == pytest.approx(3.0)
     assert sweep.frontier_at(pts, 0.5) is None and sweep.frontier_at(pts, 17.0) is None
     assert sweep.frontier_at(pts[:1], 4.0) is None                     # one size is no frontier
-    assert sweep.frontier_at([(0.0, 3.0), (4.0, 2.0)], 2.0) is None     # a zero cost is dropped, not log(0)
+    # a zero cost is dropped, not log(0)
+    assert sweep.frontier_at([(0.0, 3.0), (4.0, 2.0)], 2.0) is None
 
 
 def test_matched_compute_pairs_each_seed_with_its_own_frontier():
-    """Hand computation: frontier losses 3.0 at cost 1 and 2.0 at cost 4 (+0.2·seed); an arm at cost 2
-    has the frontier at 2.5 + 0.2·seed there; one seed of a second arm lies outside the range."""
+    """Hand computation: frontier losses 3.0 at cost 1 and 2.0 at cost 4 (+0.2·seed); an arm at cost
+    2 has the frontier at 2.5 + 0.2·seed there; one seed of a second arm lies outside the range."""
     results = {}
     for s in (1, 2, 3):
         results[('small', s)] = dict(final_val_loss=3.0 + 0.2 * s, train_flops=1.0, eval_flops=10.0)
         results[('big', s)] = dict(final_val_loss=2.0 + 0.2 * s, train_flops=4.0, eval_flops=40.0)
-        results[('routed', s)] = dict(final_val_loss=2.5 + 0.2 * s + [-0.1, -0.2, 0.0][s - 1], train_flops=2.0,
-                                      eval_flops=20.0)
-        results[('odd', s)] = dict(final_val_loss=2.0, train_flops=[2.0, 2.0, 8.0][s - 1], eval_flops=40.0)
-    study = dict(arms={'big': [], 'small': [], 'routed': [], 'odd': []}, seeds=[1, 2, 3], reference='big',
-                 frontier=['small', 'big'])
+        results[('routed', s)] = dict(
+            final_val_loss=2.5 + 0.2 * s + [-0.1, -0.2, 0.0][s - 1],
+            train_flops=2.0,
+            eval_flops=20.0,
+        )
+        results[('odd', s)] = dict(
+            final_val_loss=2.0, train_flops=[2.0, 2.0, 8.0][s - 1], eval_flops=40.0
+        )
+    study = dict(
+        arms={'big': [], 'small': [], 'routed': [], 'odd': []},
+        seeds=[1, 2, 3],
+        reference='big',
+        frontier=['small', 'big'],
+    )
     summary = sweep.summarize(study, results)
     fr = summary['frontier']
     r = fr['axes']['train_flops']['routed']
     d = [-0.1, -0.2, 0.0]
     half = 4.303 * np.std(d, ddof=1) / math.sqrt(3)
-    assert r['mean_diff'] == pytest.approx(-0.1) and r['ci95'] == pytest.approx([-0.1 - half, -0.1 + half])
+    assert r['mean_diff'] == pytest.approx(-0.1) and r['ci95'] == pytest.approx(
+        [-0.1 - half, -0.1 + half]
+    )
     assert (r['wins'], r['n'], r['inside']) == (2, 3, 3)
     assert fr['axes']['eval_flops']['routed']['mean_diff'] == pytest.approx(-0.1)
     odd = fr['axes']['train_flops']['odd']
-    assert (odd['n'], odd['inside'], odd['missing'], odd['runs']) == (2, 2, 0, 3)   # seed 3 at cost 8: outside, counted
-    del results[('routed', 2)]                                          # a failed run: not measured, not "outside"
+    # seed 3 at cost 8: outside, counted
+    assert (odd['n'], odd['inside'], odd['missing'], odd['runs']) == (2, 2, 0, 3)
+    # a failed run: not measured, not "outside"
+    del results[('routed', 2)]
     r = sweep.summarize(study, results)['frontier']['axes']['eval_flops']['routed']
-    assert (r['n'], r['inside'], r['missing']) == (2, 2, 1) and 'not measured 1/3' in sweep.frontier_markdown(
-        sweep.summarize(study, results)['frontier'])
-    assert set(fr['axes']['train_flops']) == {'routed', 'odd'}         # frontier arms are not compared with themselves
-    assert fr['span'] == pytest.approx(1.0) and fr['seed_std'] == pytest.approx(0.2) and fr['verdict'] == 'no room'
+    assert (r['n'], r['inside'], r['missing']) == (
+        2,
+        2,
+        1,
+    ) and 'not measured 1/3' in sweep.frontier_markdown(sweep.summarize(study, results)['frontier'])
+    # frontier arms are not compared with themselves
+    assert set(fr['axes']['train_flops']) == {'routed', 'odd'}
+    assert (
+        fr['span'] == pytest.approx(1.0)
+        and fr['seed_std'] == pytest.approx(0.2)
+        and fr['verdict'] == 'no room'
+    )
     md = sweep.markdown(summary)
     assert '**Matched compute: no room.**' in md and '| odd |' in md and 'inside 2/3' in md
 
 
 def test_absolute_flops_from_the_stored_config(tmp_path):
-    """A dense run is the reference point of the ratio axes; eval_flops is the eval forward per token at
-    the realised routing, so two dense sizes differ by their own FLOPs; runs without a route get none."""
+    """A dense run is the reference point of the ratio axes; eval_flops is the eval forward per
+    token at the realised routing, so two dense sizes differ by their own FLOPs; runs without a
+    route get none."""
     import torch
     import flops
     from model import GPTConfig
     shape = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=20)
     for name, route, ratio in (('dense', 'none', None), ('routed', 'mod', 0.6)):
         cfg = dict(shape, route=route, max_iters=5)
-        summ = dict(iter=5, train_flops=123.0, **({} if ratio is None else dict(eval_flops_vs_dense=ratio)))
+        summ = dict(
+            iter=5, train_flops=123.0, **({} if ratio is None else dict(eval_flops_vs_dense=ratio))
+        )
         fake_run(tmp_path / name, 5, summary=summ, evals=[2.0])
         (tmp_path / name / 'config.json').write_text(json.dumps(cfg))
     per_token = flops.dense_forward_flops(GPTConfig(**shape), 16) / 16
-    dense, routed = sweep.run_metrics(str(tmp_path / 'dense')), sweep.run_metrics(str(tmp_path / 'routed'))
+    dense, routed = (
+        sweep.run_metrics(str(tmp_path / 'dense')),
+        sweep.run_metrics(str(tmp_path / 'routed')),
+    )
     assert dense['eval_flops_vs_dense'] == 1.0 and dense['eval_tlops_saved'] == 0.0
-    assert dense['eval_flops'] == pytest.approx(per_token) and routed['eval_flops'] == pytest.approx(0.6 * per_token)
+    assert dense['eval_flops'] == pytest.approx(per_token) and routed[
+        'eval_flops'
+    ] == pytest.approx(0.6 * per_token)
     assert dense['train_flops'] == routed['train_flops'] == 123.0
-    fake_run(tmp_path / 'bare', 5, summary=dict(iter=5), evals=[2.0])      # a config.json without a route
+    # a config.json without a route
+    fake_run(tmp_path / 'bare', 5, summary=dict(iter=5), evals=[2.0])
     assert 'eval_flops' not in sweep.run_metrics(str(tmp_path / 'bare'))
-    # a scratch run stores vocab_size 0 (taken from the data): the checkpoint's built vocabulary counts
-    (tmp_path / 'dense' / 'config.json').write_text(json.dumps(dict(shape, vocab_size=0, route='none', max_iters=5)))
-    assert sweep.run_metrics(str(tmp_path / 'dense')).get('eval_flops') is None     # no checkpoint: no guess
-    torch.save(dict(model={}, config={}, model_args=dict(shape, route='none')), tmp_path / 'dense' / 'ckpt.pt')
+    # a scratch run stores vocab_size 0 (taken from the data): the checkpoint's built vocabulary
+    # counts
+    (tmp_path / 'dense' / 'config.json').write_text(
+        json.dumps(dict(shape, vocab_size=0, route='none', max_iters=5))
+    )
+    # no checkpoint: no guess
+    assert sweep.run_metrics(str(tmp_path / 'dense')).get('eval_flops') is None
+    torch.save(
+        dict(model={}, config={}, model_args=dict(shape, route='none')),
+        tmp_path / 'dense' / 'ckpt.pt',
+    )
     assert sweep.run_metrics(str(tmp_path / 'dense'))['eval_flops'] == pytest.approx(per_token)
     # a summary that records eval_flops itself is taken as it is
-    fake_run(tmp_path / 'new', 5, summary=dict(iter=5, eval_flops=7.0, train_flops=1.0), evals=[2.0])
-    (tmp_path / 'new' / 'config.json').write_text(json.dumps(dict(shape, route='none', max_iters=5)))
+    fake_run(
+        tmp_path / 'new', 5, summary=dict(iter=5, eval_flops=7.0, train_flops=1.0), evals=[2.0]
+    )
+    (tmp_path / 'new' / 'config.json').write_text(
+        json.dumps(dict(shape, route='none', max_iters=5))
+    )
     assert sweep.run_metrics(str(tmp_path / 'new'))['eval_flops'] == 7.0
 
 

@@ -1,10 +1,10 @@
-"""Tests for train.py: exact resume, DDP equivalence, the data sampler, output files, signals, atomic
-checkpoints, non-finite losses, input errors, the quickstart and the LR schedule.
+"""Tests for train.py: exact resume, DDP equivalence, the data sampler, output files, signals,
+atomic checkpoints, non-finite losses, input errors, the quickstart and the LR schedule.
 
-Everything runs on CPU with a 2-layer, 32-wide model on a 60k-token synthetic corpus prepared once per
-session. Training runs are subprocesses (`python train.py ...`, OMP_NUM_THREADS=1 so runs are quick and
-bit-reproducible); the sampler, the schedule, save_checkpoint, run_info and input errors are tested
-in-process."""
+Everything runs on CPU with a 2-layer, 32-wide model on a 60k-token synthetic corpus prepared once
+per session. Training runs are subprocesses (`python train.py ...`, OMP_NUM_THREADS=1 so runs are
+quick and bit-reproducible); the sampler, the schedule, save_checkpoint, run_info and input errors
+are tested in-process."""
 import errno
 import json
 import math
@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,7 +22,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st, HealthCheck
+from hypothesis import given, settings, strategies as st
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -35,15 +34,29 @@ from conftest import finish, run_group, start, stop  # noqa: E402
 from data import loader, prepare as P  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
-ENV = {k: v for k, v in os.environ.items()
-       if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+ENV = {
+    k: v
+    for k, v in os.environ.items()
+    if k
+    not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+}
 ENV.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONHASHSEED="0")
-TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4", "--eval_iters=2",
-        "--log_interval=1", "--eval_interval=5", "--warmup_iters=2", "--device=cpu"]
+TINY = [
+    "--n_layer=2",
+    "--n_head=2",
+    "--n_embd=32",
+    "--block_size=32",
+    "--batch_size=4",
+    "--eval_iters=2",
+    "--log_interval=1",
+    "--eval_interval=5",
+    "--warmup_iters=2",
+    "--device=cpu",
+]
 NAN_ARGS = ["--learning_rate=1e6", "--grad_clip=0", "--decay_lr=False", "--warmup_iters=0"]
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # helpers and fixtures
 
 def run_py(script, args, timeout=180, env=None):
@@ -59,13 +72,16 @@ def start_train(args, **kw):
 
 
 def require(cond, msg=""):
-    """A precondition: fails with RuntimeError rather than AssertionError, so it reads as a broken setup."""
+    """A precondition: fails with RuntimeError rather than AssertionError, so it reads as a broken
+    setup."""
     if not cond:
         raise RuntimeError(msg)
 
 
 def ok(r):
-    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+    assert r.returncode == 0, (
+        f"exit {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+    )
     return r
 
 
@@ -86,9 +102,13 @@ def assert_identical(a, b, where="ckpt"):
     """Recursively: tensors torch.equal (same dtype and shape), everything else ==."""
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), f"{where}: tensors differ (max abs diff {(a.double() - b.double()).abs().max()})"
+        assert torch.equal(a, b), (
+            f"{where}: tensors differ (max abs diff {(a.double() - b.double()).abs().max()})"
+        )
     elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        assert isinstance(b, dict) and set(a) == set(b), (
+            f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        )
         for k in a:
             assert_identical(a[k], b[k], f"{where}[{k!r}]")
     elif isinstance(a, (list, tuple)):
@@ -101,9 +121,11 @@ def assert_identical(a, b, where="ckpt"):
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
-def eval_loss_of_ckpt(out_dir, synth, split="val", eval_iters=2, block_size=32, batch_size=4, seed=1337):
-    """Mean loss of ckpt.pt's model on the eval batches train.py uses for `split`, with the data read and
-    the loss computed here (numpy + GPT forward), not by train.py's eval code."""
+def eval_loss_of_ckpt(
+    out_dir, synth, split="val", eval_iters=2, block_size=32, batch_size=4, seed=1337
+):
+    """Mean loss of ckpt.pt's model on the eval batches train.py uses for `split`, with the data
+    read and the loss computed here (numpy + GPT forward), not by train.py's eval code."""
     ck = load_ckpt(out_dir)
     model = GPT(GPTConfig.from_dict(ck["model_args"]))
     model.load_state_dict(ck["model"])
@@ -111,14 +133,20 @@ def eval_loss_of_ckpt(out_dir, synth, split="val", eval_iters=2, block_size=32, 
     meta = json.loads((synth / "meta.json").read_text())
     path = synth / f"{split}.bin"
     data = np.fromfile(path, dtype=meta["dtype"]).astype(np.int64)
-    sampler = loader.Batches(str(path), np.dtype(meta["dtype"]).type, block_size, batch_size, seed, torch.device("cpu"))
+    sampler = loader.Batches(
+        str(path), np.dtype(meta["dtype"]).type, block_size, batch_size, seed, torch.device("cpu")
+    )
     losses = []
     with torch.no_grad():
         for starts in sampler.eval_batches(eval_iters, 1 if split == "train" else 2):
             x = torch.tensor(np.stack([data[s:s + block_size] for s in starts]))
             y = torch.tensor(np.stack([data[s + 1:s + 1 + block_size] for s in starts]))
             logits = model(x, last_only=False)[0]
-            losses.append(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).item())
+            losses.append(
+                torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.size(-1)), y.reshape(-1)
+                ).item()
+            )
     return float(np.mean(losses))
 
 
@@ -159,7 +187,12 @@ def base_run(synth, tmp_path_factory):
     """One finished tiny run (6 iterations, evals at 0, 3, 6) shared by the read-only tests; tests
     that resume from it work on a copy."""
     out = tmp_path_factory.mktemp("base") / "out"
-    args = [*TINY, *data_args(synth), f"--out_dir={out}", *[f"--{k}={v}" for k, v in BASE_OVERRIDES.items()]]
+    args = [
+        *TINY,
+        *data_args(synth),
+        f"--out_dir={out}",
+        *[f"--{k}={v}" for k, v in BASE_OVERRIDES.items()],
+    ]
     r = ok(run_train(args))
     return SimpleNamespace(out=out, args=args, result=r)
 
@@ -174,7 +207,7 @@ def snapshot(folder):
     return {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir())}
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 1. exact resume
 
 @pytest.mark.slow
@@ -182,16 +215,25 @@ def snapshot(folder):
                                                                     (6, 4, 2, 1, "random")],
                          ids=["eval4-N6", "eval3-log4-accum2-N5", "random-gate-N6"])
 def test_resume_is_bit_exact(synth, tmp_path, n, eval_interval, log_interval, accum, gate):
-    """2N iterations in one go == N iterations, then --init_from=resume to 2N: every model and optimizer
-    tensor identical. dropout=0.1 so the restored RNG state matters; lr_decay_iters is fixed at 2N so
-    both runs follow the same schedule (with lr_decay_iters=0 it would follow max_iters). ffn_gate=random
-    draws random numbers at eval too (stage 1 of the controller-only recipe): evals must not disturb
-    the training RNG, or the resumed run's extra eval at N would change what follows."""
-    common = [*TINY, *data_args(synth), "--dropout=0.1", f"--eval_interval={eval_interval}", f"--ffn_gate={gate}",
-              f"--log_interval={log_interval}", f"--gradient_accumulation_steps={accum}",
-              f"--lr_decay_iters={2 * n}"]
+    """2N iterations in one go == N iterations, then --init_from=resume to 2N: every model and
+    optimizer tensor identical. dropout=0.1 so the restored RNG state matters; lr_decay_iters is
+    fixed at 2N so both runs follow the same schedule (with lr_decay_iters=0 it would follow
+    max_iters). ffn_gate=random draws random numbers at eval too (stage 1 of the controller-only
+    recipe): evals must not disturb the training RNG, or the resumed run's extra eval at N would
+    change what follows."""
+    common = [
+        *TINY,
+        *data_args(synth),
+        "--dropout=0.1",
+        f"--eval_interval={eval_interval}",
+        f"--ffn_gate={gate}",
+        f"--log_interval={log_interval}",
+        f"--gradient_accumulation_steps={accum}",
+        f"--lr_decay_iters={2 * n}",
+    ]
     a, b = tmp_path / "a", tmp_path / "b"
-    run_a = start_train([*common, f"--max_iters={2 * n}", f"--out_dir={a}"])   # in parallel with run B
+    # in parallel with run B
+    run_a = start_train([*common, f"--max_iters={2 * n}", f"--out_dir={a}"])
     try:
         ok(run_train([*common, f"--max_iters={n}", f"--out_dir={b}"]))
         assert load_ckpt(b)["iter_num"] == n
@@ -211,7 +253,7 @@ def test_resume_is_bit_exact(synth, tmp_path, n, eval_interval, log_interval, ac
     assert f"iter {2 * n}" in r.stdout
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 2. DDP (2 CPU processes, gloo) == 1 process with the same global batch
 
 WRAPPER = """\
@@ -235,14 +277,20 @@ dist.destroy_process_group()
 
 @pytest.fixture(scope="module")
 def ddp_runs(synth, tmp_path_factory):
-    """The same 4 iterations (global batch 2 micro-batches of 4) run by 1 process with accumulation 2
-    and by torchrun with 2 processes; train.py is run through a wrapper that fakes a CPU peak FLOP/s so
-    that mfu is a number."""
+    """The same 4 iterations (global batch 2 micro-batches of 4) run by 1 process with accumulation
+    2 and by torchrun with 2 processes; train.py is run through a wrapper that fakes a CPU peak
+    FLOP/s so that mfu is a number."""
     tmp = tmp_path_factory.mktemp("ddp")
     wrapper = tmp / "train_wrapper.py"
     wrapper.write_text(WRAPPER.format(repo=str(REPO)))
-    common = [*TINY, *data_args(synth), "--gradient_accumulation_steps=2", "--max_iters=4", "--eval_interval=2",
-              "--dropout=0.0"]
+    common = [
+        *TINY,
+        *data_args(synth),
+        "--gradient_accumulation_steps=2",
+        "--max_iters=4",
+        "--eval_interval=2",
+        "--dropout=0.0",
+    ]
     single = tmp / "single"
     ok(run_py(str(wrapper), [*common, f"--out_dir={single}"]))
     ddp = tmp / "ddp"
@@ -253,7 +301,9 @@ def ddp_runs(synth, tmp_path_factory):
         smoke.write_text(GLOO_SMOKE)
         s = run_group([*torchrun, smoke], 120, cwd=tmp, env=ENV)
         if s.returncode != 0:
-            pytest.skip(f"torchrun/gloo cannot start 2 CPU processes here: {s.stderr.strip()[-500:]}")
+            pytest.skip(
+                f"torchrun/gloo cannot start 2 CPU processes here: {s.stderr.strip()[-500:]}"
+            )
         ok(r)
     return SimpleNamespace(single=single, ddp=ddp, result=r)
 
@@ -261,8 +311,8 @@ def ddp_runs(synth, tmp_path_factory):
 @pytest.mark.slow
 def test_ddp_matches_single_process(ddp_runs):
     """Same final weights (float tolerance: DDP all-reduces the gradient as (g0 + g1)/2 where one
-    process sums g0/2 + g1/2, so the last bits may differ: rtol=1e-5, atol=1e-6), and only rank 0 writes
-    metrics (as many lines as the single-process run)."""
+    process sums g0/2 + g1/2, so the last bits may differ: rtol=1e-5, atol=1e-6), and only rank 0
+    writes metrics (as many lines as the single-process run)."""
     cs, cd = load_ckpt(ddp_runs.single), load_ckpt(ddp_runs.ddp)
     assert cs["iter_num"] == cd["iter_num"] == 4
     assert set(cs["model"]) == set(cd["model"])
@@ -296,7 +346,8 @@ def mfu_per_token_rate(out_dir):
 def test_ddp_mfu_accounts_for_world_size(ddp_runs):
     single, ddp = mfu_per_token_rate(ddp_runs.single), mfu_per_token_rate(ddp_runs.ddp)
     assert single and len(single) == len(ddp)
-    for a, b in zip(single, ddp):          # same model and global batch: FLOPs per token agree to ~routing noise
+    for a, b in zip(single, ddp):          # same model and global batch: FLOPs per token agree to
+                                           # ~routing noise
         assert b == pytest.approx(a / 2, rel=0.1)
 
 
@@ -313,9 +364,18 @@ def run_single_and_ddp(tmp, args):
 def test_ddp_matches_single_process_with_oracle_losses(ddp_runs, synth, tmp_path):
     """ffn_util_weight > 0 with 2 controlled layers and 1 oracle layer per step: the utility loss is
     deterministic given the layer, so the runs should still agree to float tolerance."""
-    args = [*TINY, *data_args(synth), "--gradient_accumulation_steps=2", "--max_iters=4", "--eval_interval=100",
-            "--eval_iters=1", "--route=ffn", "--ffn_layers=all", "--ffn_util_weight=0.5",
-            "--ffn_oracle_layers_per_step=1"]
+    args = [
+        *TINY,
+        *data_args(synth),
+        "--gradient_accumulation_steps=2",
+        "--max_iters=4",
+        "--eval_interval=100",
+        "--eval_iters=1",
+        "--route=ffn",
+        "--ffn_layers=all",
+        "--ffn_util_weight=0.5",
+        "--ffn_oracle_layers_per_step=1",
+    ]
     single, ddp, r = run_single_and_ddp(tmp_path, args)
     require(r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:])
     cs, cd = load_ckpt(single), load_ckpt(ddp)
@@ -334,8 +394,8 @@ runpy.run_path(os.path.join({repo!r}, 'train.py'), run_name='__main__')
 
 
 def start_ddp_and_wait_for_training(synth, tmp, extra):
-    """torchrun with 2 processes, each writing its pid to tmp/pid<rank>; returns (proc, out, pids) once
-    a train line is logged."""
+    """torchrun with 2 processes, each writing its pid to tmp/pid<rank>; returns (proc, out, pids)
+    once a train line is logged."""
     wrapper = tmp / "pid_wrapper.py"
     wrapper.write_text(PID_WRAPPER.format(repo=str(REPO), tmp=str(tmp)))
     out = tmp / "out"
@@ -391,92 +451,11 @@ def test_ddp_hung_worker_times_out_with_an_error(synth, tmp_path):
     assert time.time() - t0 < 140
 
 
-# ----------------------------------------------------------------------------------------------------
-# 3. the sampler
-
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(block_size=st.integers(1, 24), batch_size=st.integers(1, 6), seed=st.integers(0, 2**20),
-       extra=st.integers(0, 400), wide=st.booleans())
-def test_batches_epochs_ranks_and_shift(block_size, batch_size, seed, extra, wide):
-    n = 2 * block_size + 1 + extra                   # at least one window
-    dtype = np.uint32 if wide else np.uint16
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "tok.bin")
-        data = (np.arange(n) % 60000).astype(dtype)  # token value == position: x[0] gives the start
-        data.tofile(path)
-        cpu = torch.device("cpu")
-        b = loader.Batches(path, dtype, block_size, batch_size, seed, cpu)
-        n_win = b.n_windows
-        assert n_win == (n - 1 - block_size) // block_size >= 1
-
-        # rows of 3 epochs: within an epoch, the starts are exactly {k*T + shift}, each once
-        rows_needed = 3 * n_win
-        n_batches = -(-rows_needed // batch_size)
-        starts = np.concatenate([b.starts(j) for j in range(n_batches)])
-        for e in range(3):
-            ep = starts[e * n_win:(e + 1) * n_win]
-            assert len(set(ep.tolist())) == n_win, "a window repeats within an epoch"
-            shift = int(ep[0]) % block_size
-            assert sorted(ep.tolist()) == [k * block_size + shift for k in range(n_win)]
-        assert (starts >= 0).all() and (starts + block_size + 1 <= n).all()
-
-        # stateless: a fresh sampler, queried out of order, agrees
-        b2 = loader.Batches(path, dtype, block_size, batch_size, seed, cpu)
-        for j in reversed(range(n_batches)):
-            assert np.array_equal(b2.starts(j), starts[j * batch_size:(j + 1) * batch_size])
-
-        # x/y are the file's windows, y shifted by one
-        for j in range(min(n_batches, 4)):
-            x, y = b.get(j)
-            assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (batch_size, block_size)
-            s = b.starts(j)
-            assert torch.equal(x, torch.tensor(np.stack([data[i:i + block_size] for i in s]).astype(np.int64)))
-            assert torch.equal(y[:, :-1], x[:, 1:])
-            assert torch.equal(y[:, -1], torch.tensor(data[s + block_size].astype(np.int64)))
-
-        # 2 ranks x accumulation 1 read exactly what 1 rank x accumulation 2 reads, iteration by
-        # iteration (train.py's index: j = (iter*accum + micro)*world + rank), and ranks never share a row
-        def read(world, accum, iters=3):
-            out = []
-            for it in range(iters):
-                per_iter = {}
-                for rank in range(world):
-                    for micro in range(accum):
-                        j = (it * accum + micro) * world + rank
-                        per_iter[(rank, micro)] = tuple(b.starts(j).tolist())
-                out.append(per_iter)
-            return out
-        ddp, single = read(2, 1), read(1, 2)
-        for it in range(3):
-            assert sorted(ddp[it].values()) == sorted(single[it].values())
-            assert ddp[it][(0, 0)] == single[it][(0, 0)] and ddp[it][(1, 0)] == single[it][(0, 1)]
-        js = [(it * 2 + m) * 2 + r for it in range(5) for m in range(2) for r in range(2)]   # world 2, accum 2
-        assert sorted(js) == list(range(20))          # every micro-batch index exactly once
-
-        # eval batches: fixed, in range, and different per split seed
-        ev = b.eval_batches(3, 1)
-        assert all(np.array_equal(u, v) for u, v in zip(ev, b2.eval_batches(3, 1)))
-        for s in ev:
-            assert s.shape == (batch_size,) and (s >= 0).all() and (s + block_size + 1 <= n).all()
+# --------------------------------------------------------------------------------------------------
+# 3. the sampler: tests/test_loader.py
 
 
-def test_batches_rejects_too_short_file(tmp_path):
-    path = tmp_path / "tok.bin"
-    np.arange(64, dtype=np.uint16).tofile(path)
-    with pytest.raises(loader.DataError, match="too few"):
-        loader.Batches(str(path), np.uint16, 32, 4, 0, torch.device("cpu"))
-    loader.Batches(str(path), np.uint16, 31, 4, 0, torch.device("cpu"))   # 64 - 1 - 31 = 32 -> 1 window
-
-
-def test_batches_seed_changes_order(tmp_path):
-    path = tmp_path / "tok.bin"
-    np.arange(5000, dtype=np.uint16).tofile(path)
-    a = loader.Batches(str(path), np.uint16, 16, 8, 1, torch.device("cpu"))
-    b = loader.Batches(str(path), np.uint16, 16, 8, 2, torch.device("cpu"))
-    assert not all(np.array_equal(a.starts(j), b.starts(j)) for j in range(4))
-
-
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 4. output files
 
 def test_outputs(base_run, synth):
@@ -486,7 +465,9 @@ def test_outputs(base_run, synth):
     expected = dict(train.DEFAULTS)
     for a in base_run.args:
         k, _, v = a[2:].partition("=")
-        expected[k] = type(train.DEFAULTS[k])(v) if not isinstance(train.DEFAULTS[k], bool) else v == "True"
+        expected[k] = (
+            type(train.DEFAULTS[k])(v) if not isinstance(train.DEFAULTS[k], bool) else v == "True"
+        )
     assert cfg == expected
     assert cfg["weight_decay"] == 0.05 and cfg["beta2"] == 0.99 and cfg["n_layer"] == 2
 
@@ -505,10 +486,20 @@ def test_outputs(base_run, synth):
         assert math.isfinite(m["loss"]) and 0 < m["loss"] < 10
         assert math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
         assert m["ms_per_iter"] > 0
-        assert m["tokens_per_s"] == pytest.approx(tokens_per_iter / (m["ms_per_iter"] / 1000), rel=1e-6)
+        assert m["tokens_per_s"] == pytest.approx(
+            tokens_per_iter / (m["ms_per_iter"] / 1000), rel=1e-6
+        )
         # the lr used for the step that produced iteration m["iter"]
-        assert m["lr"] == pytest.approx(expected_lr(m["iter"] - 1, cfg["learning_rate"], cfg["min_lr"],
-                                                    cfg["warmup_iters"], cfg["max_iters"]), rel=1e-12)
+        assert m["lr"] == pytest.approx(
+            expected_lr(
+                m["iter"] - 1,
+                cfg["learning_rate"],
+                cfg["min_lr"],
+                cfg["warmup_iters"],
+                cfg["max_iters"],
+            ),
+            rel=1e-12,
+        )
     for m in eval_lines:
         assert {"train_loss", "val_loss"} <= set(m)
         assert math.isfinite(m["train_loss"]) and math.isfinite(m["val_loss"])
@@ -519,8 +510,12 @@ def test_outputs(base_run, synth):
     ck = load_ckpt(out)
     assert ck["iter_num"] == 6 and ck["config"] == cfg
     assert ck["best_val_loss"] == metrics[-1]["best_val_loss"]
-    assert eval_loss_of_ckpt(out, synth, "val") == pytest.approx(eval_lines[-1]["val_loss"], rel=1e-5)
-    assert eval_loss_of_ckpt(out, synth, "train") == pytest.approx(eval_lines[-1]["train_loss"], rel=1e-5)
+    assert eval_loss_of_ckpt(out, synth, "val") == pytest.approx(
+        eval_lines[-1]["val_loss"], rel=1e-5
+    )
+    assert eval_loss_of_ckpt(out, synth, "train") == pytest.approx(
+        eval_lines[-1]["train_loss"], rel=1e-5
+    )
 
     info = json.loads((out / "run_info.json").read_text())
     assert {"git_sha", "git_dirty", "torch", "device"} <= set(info)
@@ -534,7 +529,9 @@ def test_run_info_git_sha_is_a_sha_or_none(tmp_path, monkeypatch):
     require(run_group(["git", "init", "-q", tmp_path], 60).returncode == 0, "git init failed")
     monkeypatch.setattr(train_report, "HERE", str(tmp_path))
     info = train.run_info(None, torch.device("cpu"), "float32", 1)
-    assert info["git_sha"] is None or re.fullmatch(r"[0-9a-f]{40}", info["git_sha"]), info["git_sha"]
+    assert info["git_sha"] is None or re.fullmatch(r"[0-9a-f]{40}", info["git_sha"]), info[
+        "git_sha"
+    ]
 
 
 def test_run_info_outside_git(tmp_path, monkeypatch):
@@ -544,7 +541,7 @@ def test_run_info_outside_git(tmp_path, monkeypatch):
     assert info["git_sha"] is None and info["git_dirty"] is False
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 5. Ctrl-C / SIGTERM
 
 SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM}
@@ -593,7 +590,13 @@ def signalled_runs(synth, tmp_path_factory):
     runs = {}
     for name in SIGNALS:
         out = tmp / name
-        args = [*TINY, *data_args(synth), "--max_iters=1000000", "--eval_interval=1000000", f"--out_dir={out}"]
+        args = [
+            *TINY,
+            *data_args(synth),
+            "--max_iters=1000000",
+            "--eval_interval=1000000",
+            f"--out_dir={out}",
+        ]
         runs[name] = SimpleNamespace(out=out, proc=start_train(args))
     try:
         deadline = time.time() + 90
@@ -630,7 +633,9 @@ def signalled_runs(synth, tmp_path_factory):
 @pytest.mark.parametrize("name", list(SIGNALS))
 def test_signal_saves_and_resume_command_works(signalled_runs, name):
     run = signalled_runs[name]
-    assert getattr(run, "signalled", False), f"never reached a train line: {run.result.stderr[-2000:]}"
+    assert getattr(run, "signalled", False), (
+        f"never reached a train line: {run.result.stderr[-2000:]}"
+    )
     assert run.result.returncode == 0, run.result.stderr
     assert "init_from=resume" in run.result.stdout
     assert run.ckpt is not None
@@ -642,10 +647,14 @@ def test_signal_saves_and_resume_command_works(signalled_runs, name):
     ok(run.resume)
     assert load_ckpt(run.out)["iter_num"] == k + 2
     # the interrupted run logged step k last and saved exactly that; the resumed run went on from k
-    assert [m["iter"] for m in read_metrics(run.out) if m["type"] == "train"][-3:] == [k, k + 1, k + 2]
+    assert [m["iter"] for m in read_metrics(run.out) if m["type"] == "train"][-3:] == [
+        k,
+        k + 1,
+        k + 2,
+    ]
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 6. atomic checkpoint
 
 def failing_save(obj, f, *args, **kwargs):
@@ -661,8 +670,11 @@ def failing_save(obj, f, *args, **kwargs):
 def failing_zip_save(obj, f, *args, **kwargs):
     """A full disk as torch.save's zip writer reports it: a RuntimeError that does not say why."""
     f.write(b"PK\x03\x04 partial")
-    raise RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file data/0: "
-                       "file write failed")
+    raise RuntimeError(
+        "[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file "
+        "data/0: "
+        "file write failed"
+    )
 
 
 def test_save_checkpoint_writes_and_replaces(tmp_path):
@@ -676,7 +688,8 @@ def test_save_checkpoint_writes_and_replaces(tmp_path):
 
 @pytest.mark.parametrize("save", [failing_save, failing_zip_save])
 def test_save_checkpoint_failure_keeps_old_checkpoint(tmp_path, monkeypatch, save):
-    """A full disk: one line naming the file and the free space on its disk; the old checkpoint kept."""
+    """A full disk: one line naming the file and the free space on its disk; the old checkpoint
+    kept."""
     path = str(tmp_path / "ckpt.pt")
     train.save_checkpoint(path, {"iter_num": 1})
     before = Path(path).read_bytes()
@@ -684,7 +697,11 @@ def test_save_checkpoint_failure_keeps_old_checkpoint(tmp_path, monkeypatch, sav
     with pytest.raises(train.UserError, match="could not write checkpoint") as e:
         train.save_checkpoint(path, {"iter_num": 2})
     msg = str(e.value)
-    assert path in msg and re.search(r"\d+ MiB free on its disk: free some space", msg) and "\n" not in msg, msg
+    assert (
+        path in msg
+        and re.search(r"\d+ MiB free on its disk: free some space", msg)
+        and "\n" not in msg
+    ), msg
     assert Path(path).read_bytes() == before
     monkeypatch.undo()
     assert torch.load(path, weights_only=False)["iter_num"] == 1
@@ -700,8 +717,8 @@ def test_save_checkpoint_failure_leaves_no_temp_file(tmp_path, monkeypatch):
 
 
 def test_full_disk_under_the_metrics_is_one_error_naming_disk_space(synth, tmp_path, monkeypatch):
-    """ENOSPC while appending to metrics.jsonl (not a checkpoint write): a TrainError naming the disk and
-    the file, not an OSError traceback."""
+    """ENOSPC while appending to metrics.jsonl (not a checkpoint write): a TrainError naming the
+    disk and the file, not an OSError traceback."""
     out = tmp_path / "o"
     real = train.open_run_files
 
@@ -716,31 +733,37 @@ def test_full_disk_under_the_metrics_is_one_error_naming_disk_space(synth, tmp_p
         real(*args).close()
         return FullDisk()
     monkeypatch.setattr(train, "open_run_files", open_full)
-    with pytest.raises(train.TrainError, match=r"no space left on the disk while writing .*metrics\.jsonl.*init_from=resume"):
-        train.main([*TINY, *data_args(synth), f"--out_dir={out}", "--max_iters=2", "--eval_iters=1"])
+    with pytest.raises(train.TrainError, match=r"no space left on the disk while writing "
+                                               r".*metrics\.jsonl.*init_from=resume"):
+        train.main(
+            [*TINY, *data_args(synth), f"--out_dir={out}", "--max_iters=2", "--eval_iters=1"]
+        )
 
 
 def test_resume_drops_metrics_lines_cut_short(tmp_path):
-    """A record cut short by a full disk or a kill mid-write is dropped on resume, and the kept lines
-    end in a newline, so the resumed run's records start on lines of their own."""
+    """A record cut short by a full disk or a kill mid-write is dropped on resume, and the kept
+    lines end in a newline, so the resumed run's records start on lines of their own."""
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"type": "train", "iter": 1}\n{"type": "eval", "iter": 2}\n{"type": "train", "it')
+    path.write_text(
+        '{"type": "train", "iter": 1}\n{"type": "eval", "iter": 2}\n{"type": "train", "it'
+    )
     train.drop_records_after(str(path), 5)
     assert path.read_text() == '{"type": "train", "iter": 1}\n{"type": "eval", "iter": 2}\n'
-    path.write_text('{"type": "train", "iter": 1}\n{"type": "train", "iter": 2}')     # the newline was lost
+    # the newline was lost
+    path.write_text('{"type": "train", "iter": 1}\n{"type": "train", "iter": 2}')
     train.drop_records_after(str(path), 5)
     assert path.read_text() == '{"type": "train", "iter": 1}\n{"type": "train", "iter": 2}\n'
     train.drop_records_after(str(path), 1)
     assert read_metrics(tmp_path) == [{"type": "train", "iter": 1}]
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 7. non-finite loss
 
 @pytest.fixture(scope="module")
 def nan_runs(base_run, synth, tmp_path_factory):
-    """lr=1e6 runs, two at a time: from scratch; resumed from the good 6-iteration base run with no eval
-    before the blow-up; and resumed with an eval after every step."""
+    """lr=1e6 runs, two at a time: from scratch; resumed from the good 6-iteration base run with no
+    eval before the blow-up; and resumed with an eval after every step."""
     tmp = tmp_path_factory.mktemp("nan")
     runs = {}
     for name in ("resume_no_eval", "resume_eval_every_step"):
@@ -749,9 +772,17 @@ def nan_runs(base_run, synth, tmp_path_factory):
         runs[name] = SimpleNamespace(out=out, before=(out / "ckpt.pt").read_bytes(), args=[
             *base_run.args, f"--out_dir={out}", "--init_from=resume", "--max_iters=100",
             "--eval_interval=1000" if name == "resume_no_eval" else "--eval_interval=1", *NAN_ARGS])
-    runs["scratch"] = SimpleNamespace(out=tmp / "scratch", args=[
-        *TINY, *data_args(synth), f"--out_dir={tmp / 'scratch'}", "--max_iters=100", "--eval_interval=1000",
-        *NAN_ARGS])
+    runs["scratch"] = SimpleNamespace(
+        out=tmp / "scratch",
+        args=[
+            *TINY,
+            *data_args(synth),
+            f"--out_dir={tmp / 'scratch'}",
+            "--max_iters=100",
+            "--eval_interval=1000",
+            *NAN_ARGS,
+        ],
+    )
     names = list(runs)
     for pair in (names[:2], names[2:]):
         procs = {n: start_train(runs[n].args) for n in pair}
@@ -765,8 +796,8 @@ def nan_runs(base_run, synth, tmp_path_factory):
 
 
 def test_nonfinite_loss_stops_with_error_and_keeps_checkpoint(nan_runs):
-    """Resume a good run with lr=1e6: the loss blows up, train.py exits 2 naming the iteration, and the
-    checkpoint from before (no eval in between) is byte-identical and finite."""
+    """Resume a good run with lr=1e6: the loss blows up, train.py exits 2 naming the iteration, and
+    the checkpoint from before (no eval in between) is byte-identical and finite."""
     run = nan_runs["resume_no_eval"]
     r = run.result
     assert r.returncode == 2, r.stderr
@@ -782,21 +813,34 @@ def test_nonfinite_loss_from_scratch(nan_runs):
     r = run.result
     assert r.returncode == 2 and re.search(r"error: .*iteration \d+", r.stderr), r.stderr
     assert "Traceback" not in r.stderr
-    assert not (run.out / "ckpt.pt").exists()   # no eval happened after iteration 0: nothing to save
+    assert not (run.out / "ckpt.pt").exists()   # no eval happened after iteration 0: nothing to
+                                                # save
     assert "no checkpoint was saved yet" in r.stderr and "left untouched" not in r.stderr
 
 
 def test_overwrite_replaces_the_old_run(base_run, synth, tmp_path):
-    """--overwrite=True: a fresh run into a used out_dir starts a new metrics.jsonl and checkpoint."""
+    """--overwrite=True: a fresh run into a used out_dir starts a new metrics.jsonl and
+    checkpoint."""
     out = copy_run(base_run, tmp_path)
-    ok(run_train([*TINY, *data_args(synth), f"--out_dir={out}", "--max_iters=2", "--eval_interval=2",
-                  "--overwrite=True"]))
+    ok(
+        run_train(
+            [
+                *TINY,
+                *data_args(synth),
+                f"--out_dir={out}",
+                "--max_iters=2",
+                "--eval_interval=2",
+                "--overwrite=True",
+            ]
+        )
+    )
     recs = read_metrics(out)
-    assert [r["iter"] for r in recs if r["type"] == "eval"] == [0, 2]      # none of the old run's evals
+    # none of the old run's evals
+    assert [r["iter"] for r in recs if r["type"] == "eval"] == [0, 2]
     assert load_ckpt(out)["iter_num"] == 2
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # one writer per run folder
 
 def wait_for_train_line(proc, out, after=0, seconds=120):
@@ -878,7 +922,7 @@ def test_a_refused_run_leaves_no_folder_or_lock_behind(synth, tmp_path):
     assert not out.exists()
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # resume bookkeeping
 
 def test_resuming_a_finished_run_says_so_and_writes_nothing(base_run, tmp_path):
@@ -942,11 +986,23 @@ def test_max_iters_0_names_only_files_written(synth, tmp_path):
 
 
 def test_family_options_from_a_config_file_are_noted_not_refused(synth, tmp_path):
-    """A study's shared base file may set options of the family other arms use: noted, not an error."""
+    """A study's shared base file may set options of the family other arms use: noted, not an
+    error."""
     cfg = tmp_path / "base.py"
     cfg.write_text("ffn_gate = 'jepa'\nffn_budget = 0.25\n")
-    r = ok(run_train([str(cfg), *TINY, *data_args(synth), f"--out_dir={tmp_path / 'o'}", "--route=halt",
-                      "--max_iters=1", "--eval_interval=1"]))
+    r = ok(
+        run_train(
+            [
+                str(cfg),
+                *TINY,
+                *data_args(synth),
+                f"--out_dir={tmp_path / 'o'}",
+                "--route=halt",
+                "--max_iters=1",
+                "--eval_interval=1",
+            ]
+        )
+    )
     assert "note: route=halt does not read ffn_budget, ffn_gate" in r.stdout
 
 
@@ -958,7 +1014,9 @@ def test_token_ids_beyond_the_vocabulary_are_refused(synth, tmp_path):
     meta["vocab_size"] = 20
     (data / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(train.TrainError, match="vocab"):
-        train.main([*TINY, f"--data_dir={tmp_path}", "--dataset=syn", f"--out_dir={tmp_path / 'o'}"])
+        train.main(
+            [*TINY, f"--data_dir={tmp_path}", "--dataset=syn", f"--out_dir={tmp_path / 'o'}"]
+        )
     assert not (tmp_path / "o").exists()
 
 
@@ -969,70 +1027,150 @@ def test_same_size_corrupted_data_is_refused(synth, tmp_path):
     raw[100:104] = b"\xff\xff\xff\xff"
     (data / "train.bin").write_bytes(bytes(raw))
     with pytest.raises(train.TrainError, match="train.bin"):
-        train.main([*TINY, f"--data_dir={tmp_path}", "--dataset=syn", f"--out_dir={tmp_path / 'o'}"])
+        train.main(
+            [*TINY, f"--data_dir={tmp_path}", "--dataset=syn", f"--out_dir={tmp_path / 'o'}"]
+        )
 
 
 def test_nonfinite_eval_does_not_overwrite_checkpoint(nan_runs, synth):
     run = nan_runs["resume_eval_every_step"]
     require(run.result.returncode == 2, run.result.stderr)
-    assert math.isfinite(eval_loss_of_ckpt(run.out, synth, "val")), "ckpt.pt holds a model whose val loss is not finite"
+    assert math.isfinite(eval_loss_of_ckpt(run.out, synth, "val")), (
+        "ckpt.pt holds a model whose val loss is not finite"
+    )
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 8. bad input: a clear message, exit code 2, nothing written to out_dir
 
 def bad_input_cases(synth, text_data, base_copy):
     d = data_args(synth)
     return {
-        "unknown_dataset": ([*TINY, f"--data_dir={synth.parent}", "--dataset=nope"], "python data/prepare.py"),
+        "unknown_dataset": (
+            [*TINY, f"--data_dir={synth.parent}", "--dataset=nope"],
+            "python data/prepare.py",
+        ),
         "unknown_key": ([*TINY, *d, "--n_layers=3"], "n_layer'"),
         "wrong_type": ([*TINY, *d, "--batch_size=abc"], "batch_size"),
         "float16_on_cpu": ([*TINY, *d, "--dtype=float16"], "float16"),
         "bad_init_from": ([*TINY, *d, "--init_from=nonsense"], "init_from"),
         "resume_no_ckpt": ([*TINY, *d, "--init_from=resume"], "no checkpoint"),
-        "resume_changed_model": ([*TINY, *d, "--init_from=resume", "--n_layer=3", f"--out_dir={base_copy}"],
-                                 "n_layer"),
-        "resume_other_data": ([*TINY, f"--data_dir={text_data.parent}", f"--dataset={text_data.name}",
-                               "--init_from=resume", f"--out_dir={base_copy}"], ("vocab_size", "dataset")),
-        "resume_changed_trainable": ([*TINY, *d, "--init_from=resume", "--trainable=controller",
-                                      f"--out_dir={base_copy}"], "trainable"),
+        "resume_changed_model": (
+            [*TINY, *d, "--init_from=resume", "--n_layer=3", f"--out_dir={base_copy}"],
+            "n_layer",
+        ),
+        "resume_other_data": (
+            [
+                *TINY,
+                f"--data_dir={text_data.parent}",
+                f"--dataset={text_data.name}",
+                "--init_from=resume",
+                f"--out_dir={base_copy}",
+            ],
+            ("vocab_size", "dataset"),
+        ),
+        "resume_changed_trainable": (
+            [*TINY, *d, "--init_from=resume", "--trainable=controller", f"--out_dir={base_copy}"],
+            "trainable",
+        ),
         "bad_lm_thresholds": ([*TINY, *d, "--lm_thresholds=2.5;2.0"], "lm_thresholds"),
         # a fresh run never replaces or appends to the run already in out_dir
-        "fresh_over_existing_run": ([*TINY, *d, f"--out_dir={base_copy}"], ("already holds a run", "--overwrite")),
+        "fresh_over_existing_run": (
+            [*TINY, *d, f"--out_dir={base_copy}"],
+            ("already holds a run", "--overwrite"),
+        ),
         # the same tokenizer and vocabulary, other data: recognised by its sha256
-        "resume_same_vocab_other_data": ([*TINY, f"--data_dir={synth.parent}", "--dataset=syn_other",
-                                          "--init_from=resume", f"--out_dir={base_copy}"], "sha256"),
-        "stage2_same_vocab_other_data": ([*TINY, f"--data_dir={synth.parent}", "--dataset=syn_other",
-                                          f"--init_from={base_copy / 'ckpt.pt'}"], "sha256"),
-        "resume_changed_cheap_rank": ([*TINY, *d, "--init_from=resume", "--ffn_cheap_rank=8", f"--out_dir={base_copy}"],
-                                      "ffn_cheap_rank"),
+        "resume_same_vocab_other_data": (
+            [
+                *TINY,
+                f"--data_dir={synth.parent}",
+                "--dataset=syn_other",
+                "--init_from=resume",
+                f"--out_dir={base_copy}",
+            ],
+            "sha256",
+        ),
+        "stage2_same_vocab_other_data": (
+            [
+                *TINY,
+                f"--data_dir={synth.parent}",
+                "--dataset=syn_other",
+                f"--init_from={base_copy / 'ckpt.pt'}",
+            ],
+            "sha256",
+        ),
+        "resume_changed_cheap_rank": (
+            [*TINY, *d, "--init_from=resume", "--ffn_cheap_rank=8", f"--out_dir={base_copy}"],
+            "ffn_cheap_rank",
+        ),
         # numeric fields, each refused before anything is written
         "n_head_0": ([*TINY, *d, "--n_head=0"], "n_head"),
         "block_size_0": ([*TINY, *d, "--block_size=0"], "block_size"),
         "batch_size_0": ([*TINY, *d, "--batch_size=0"], "batch_size"),
-        "accumulation_0": ([*TINY, *d, "--gradient_accumulation_steps=0"], "gradient_accumulation_steps"),
+        "accumulation_0": (
+            [*TINY, *d, "--gradient_accumulation_steps=0"],
+            "gradient_accumulation_steps",
+        ),
         "negative_lr": ([*TINY, *d, "--learning_rate=-1e-3"], "learning_rate"),
         "dropout_above_1": ([*TINY, *d, "--dropout=1.5"], "dropout"),
         "negative_max_iters": ([*TINY, *d, "--max_iters=-1"], "max_iters"),
-        # a model vocabulary below the data's 34 symbols: refused, not an embedding index error mid-run
+        # a model vocabulary below the data's 34 symbols: refused, not an embedding index error
+        # mid-run
         "vocab_below_data": ([*TINY, *d, "--vocab_size=20"], "vocab_size"),
         "bogus_device": ([*TINY, *d, "--device=bogus"], "device"),
         "mps_device": ([*TINY, *d, "--device=mps"], "device"),
         "out_dir_is_a_file": ([*TINY, *d, f"--out_dir={synth / 'meta.json'}"], "out_dir"),
-        "data_dir_is_a_file": ([*TINY, f"--data_dir={synth / 'meta.json'}", "--dataset=syn"], "data_dir"),
+        "data_dir_is_a_file": (
+            [*TINY, f"--data_dir={synth / 'meta.json'}", "--dataset=syn"],
+            "data_dir",
+        ),
         # options of another routing family, given on the command line
-        "halt_with_gate": ([*TINY, *d, "--route=halt", "--ffn_gate=jepa"], ("--ffn_gate", "route=halt")),
-        "exit_with_gate": ([*TINY, *d, "--route=exit", "--ffn_gate=jepa"], ("--ffn_gate", "route=exit")),
-        "halt_with_jepa_weight": ([*TINY, *d, "--route=halt", "--ffn_jepa_weight=5"], "--ffn_jepa_weight"),
+        "halt_with_gate": (
+            [*TINY, *d, "--route=halt", "--ffn_gate=jepa"],
+            ("--ffn_gate", "route=halt"),
+        ),
+        "exit_with_gate": (
+            [*TINY, *d, "--route=exit", "--ffn_gate=jepa"],
+            ("--ffn_gate", "route=exit"),
+        ),
+        "halt_with_jepa_weight": (
+            [*TINY, *d, "--route=halt", "--ffn_jepa_weight=5"],
+            "--ffn_jepa_weight",
+        ),
     }
 
 
-CASES = ["unknown_dataset", "unknown_key", "wrong_type", "float16_on_cpu", "bad_init_from", "resume_no_ckpt",
-         "resume_changed_model", "resume_other_data", "resume_changed_trainable", "bad_lm_thresholds",
-         "fresh_over_existing_run", "resume_same_vocab_other_data", "stage2_same_vocab_other_data",
-         "resume_changed_cheap_rank", "n_head_0", "block_size_0", "batch_size_0", "accumulation_0", "negative_lr",
-         "dropout_above_1", "negative_max_iters", "vocab_below_data", "bogus_device", "mps_device", "out_dir_is_a_file", "data_dir_is_a_file",
-         "halt_with_gate", "exit_with_gate", "halt_with_jepa_weight"]
+CASES = [
+    "unknown_dataset",
+    "unknown_key",
+    "wrong_type",
+    "float16_on_cpu",
+    "bad_init_from",
+    "resume_no_ckpt",
+    "resume_changed_model",
+    "resume_other_data",
+    "resume_changed_trainable",
+    "bad_lm_thresholds",
+    "fresh_over_existing_run",
+    "resume_same_vocab_other_data",
+    "stage2_same_vocab_other_data",
+    "resume_changed_cheap_rank",
+    "n_head_0",
+    "block_size_0",
+    "batch_size_0",
+    "accumulation_0",
+    "negative_lr",
+    "dropout_above_1",
+    "negative_max_iters",
+    "vocab_below_data",
+    "bogus_device",
+    "mps_device",
+    "out_dir_is_a_file",
+    "data_dir_is_a_file",
+    "halt_with_gate",
+    "exit_with_gate",
+    "halt_with_jepa_weight",
+]
 
 
 @pytest.fixture(scope="session")
@@ -1078,15 +1216,19 @@ def test_bad_input_cli_exit_code(case, synth, synth_other, text_data, base_run, 
 
 
 def test_cuda_index_beyond_the_machine_is_refused(monkeypatch):
-    """--device=cuda:3 on a machine with one GPU: a ConfigError before any work, not a CUDA traceback."""
+    """--device=cuda:3 on a machine with one GPU: a ConfigError before any work, not a CUDA
+    traceback."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(train.ConfigError, match=r"device=cuda:3 but this machine has 1 CUDA device \(cuda:0\.\.cuda:0\)"):
+    with pytest.raises(train.ConfigError, match=r"device=cuda:3 but this machine has 1 CUDA device "
+                                                r"\(cuda:0\.\.cuda:0\)"):
         train.resolve_device_dtype(SimpleNamespace(device="cuda:3", dtype="float32"))
-    assert train.resolve_device_dtype(SimpleNamespace(device="cuda:0", dtype="float32"))[0] == torch.device("cuda:0")
+    assert train.resolve_device_dtype(SimpleNamespace(device="cuda:0", dtype="float32"))[
+        0
+    ] == torch.device("cuda:0")
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 9. quickstart
 
 def test_quickstart_prepares_trains_and_samples(tmp_path):
@@ -1102,31 +1244,60 @@ def test_quickstart_prepares_trains_and_samples(tmp_path):
     assert abs(float(np.mean(routing["val_loss"]["full_frac"])) - routing["budget"]) <= 0.05
     assert set(routing["full_frac_by_class"]) == set(P.DIFFICULTY_CLASSES)
     assert routing["val_loss_cheap"] > 0 and routing["val_loss_full"] > 0
-    # absolute eval FLOPs per token, with the vocabulary the model was built with (config.json stores 0)
+    # absolute eval FLOPs per token, with the vocabulary the model was built with (config.json
+    # stores 0)
     built = GPTConfig.from_dict(load_ckpt(out)["model_args"])
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 0 and built.vocab_size > 0
-    assert summary["eval_flops"] == pytest.approx(summary["eval_flops_vs_dense"] * flops.dense_forward_flops(built, built.block_size) / built.block_size)
-    # eval.py in the documented form (--ckpt PATH --json) prints one JSON object; a bad key is a clean error
-    e = ok(run_py("eval.py", ["--ckpt", str(out / "ckpt.pt"), "--json", f"--data_dir={data}", "--eval_iters=1"]))
+    assert summary["eval_flops"] == pytest.approx(
+        summary["eval_flops_vs_dense"]
+        * flops.dense_forward_flops(built, built.block_size)
+        / built.block_size
+    )
+    # eval.py in the documented form (--ckpt PATH --json) prints one JSON object; a bad key is a
+    # clean error
+    e = ok(
+        run_py(
+            "eval.py",
+            ["--ckpt", str(out / "ckpt.pt"), "--json", f"--data_dir={data}", "--eval_iters=1"],
+        )
+    )
     res = json.loads(e.stdout.strip().splitlines()[-1])
     assert abs(float(np.mean(res["val_loss"]["full_frac"])) - res["budget"]) <= 0.05
     bad = run_py("eval.py", [f"--ckpt={out / 'ckpt.pt'}", "--eval_iter=1"])
     assert bad.returncode == 2 and "error:" in bad.stderr and "Traceback" not in bad.stderr
     # --room: one JSON object; its all-full loss is the summary's forced-full one (same batches)
-    rm = ok(run_py("eval.py", ["--ckpt", str(out / "ckpt.pt"), "--room", "--json", f"--data_dir={data}", "--eval_iters=1"]))
+    rm = ok(
+        run_py(
+            "eval.py",
+            [
+                "--ckpt",
+                str(out / "ckpt.pt"),
+                "--room",
+                "--json",
+                f"--data_dir={data}",
+                "--eval_iters=1",
+            ],
+        )
+    )
     assert len(rm.stdout.strip().splitlines()) == 1
     room = json.loads(rm.stdout)
     assert room["full"] == pytest.approx(routing["val_loss_full"], rel=1e-6)
     assert room["room"] == pytest.approx(room["cheap"] - room["full"]) and room["oracle_full_frac"]
     both = run_py("eval.py", [f"--ckpt={out / 'ckpt.pt'}", "--room", "--routing-map"])
     assert both.returncode == 2 and "--room" in both.stderr and "Traceback" not in both.stderr
-    s = ok(run_py("sample.py", [f"--out_dir={out}", "--num_samples=1", "--max_new_tokens=10", f"--data_dir={data}"]))
+    s = ok(
+        run_py(
+            "sample.py",
+            [f"--out_dir={out}", "--num_samples=1", "--max_new_tokens=10", f"--data_dir={data}"],
+        )
+    )
     first = s.stdout.splitlines()[0]
     symbols = set(P.SYMBOLS)
-    assert len(first) == 11 and set(first) <= symbols, first     # 1 prompt token + 10 new, all corpus symbols
+    # 1 prompt token + 10 new, all corpus symbols
+    assert len(first) == 11 and set(first) <= symbols, first
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 10. LR schedule
 
 @settings(max_examples=100, deadline=None)
@@ -1134,14 +1305,23 @@ def test_quickstart_prepares_trains_and_samples(tmp_path):
        lr_decay_iters=st.booleans())
 def test_lr_schedule(lr, frac, warmup, span, lr_decay_iters):
     """Warmup rises strictly to learning_rate at it == warmup_iters, cosine falls to min_lr at
-    lr_decay_iters (or max_iters when it is 0), then min_lr; compared with an independent formula."""
+    lr_decay_iters (or max_iters when it is 0), then min_lr; compared with an independent
+    formula."""
     min_lr = lr * frac
     decay = warmup + span
-    cfg = SimpleNamespace(learning_rate=lr, min_lr=min_lr, warmup_iters=warmup, decay_lr=True,
-                          lr_decay_iters=decay if lr_decay_iters else 0, max_iters=decay if not lr_decay_iters else 10**6)
+    cfg = SimpleNamespace(
+        learning_rate=lr,
+        min_lr=min_lr,
+        warmup_iters=warmup,
+        decay_lr=True,
+        lr_decay_iters=decay if lr_decay_iters else 0,
+        max_iters=decay if not lr_decay_iters else 10**6,
+    )
     lrs = [train.lr_at(cfg, it) for it in range(decay + 20)]
     for it, v in enumerate(lrs):
-        assert math.isclose(v, expected_lr(it, lr, min_lr, warmup, decay), rel_tol=1e-9, abs_tol=1e-15), it
+        assert math.isclose(
+            v, expected_lr(it, lr, min_lr, warmup, decay), rel_tol=1e-9, abs_tol=1e-15
+        ), it
         assert 0 <= v <= lr * (1 + 1e-12)
         if it >= warmup:
             assert min_lr * (1 - 1e-12) <= v
@@ -1149,7 +1329,9 @@ def test_lr_schedule(lr, frac, warmup, span, lr_decay_iters):
     assert all(a < b for a, b in zip(warm, warm[1:])), "warmup must increase strictly"
     assert math.isclose(lrs[warmup], lr, rel_tol=1e-12)
     decay_part = lrs[warmup:decay + 1]
-    assert all(a >= b * (1 - 1e-12) for a, b in zip(decay_part, decay_part[1:])), "cosine must not increase"
+    assert all(a >= b * (1 - 1e-12) for a, b in zip(decay_part, decay_part[1:])), (
+        "cosine must not increase"
+    )
     assert lrs[decay] == min_lr and all(v == min_lr for v in lrs[decay:])
     off = SimpleNamespace(**{**vars(cfg), "decay_lr": False})
     assert all(train.lr_at(off, it) == lr for it in (0, warmup, decay, decay + 100))
@@ -1158,7 +1340,9 @@ def test_lr_schedule(lr, frac, warmup, span, lr_decay_iters):
 @pytest.mark.parametrize("route,field,old,new", [("exit", "exit_layers", "1,2", "2,3"), ("exit", "exit_head", "own", "shared"),
                                                  ("ensemble", "ens_layers", 2, 3)])
 def test_resume_refuses_changed_exit_and_ensemble_fields(route, field, old, new):
-    shape = dict(n_layer=4, n_embd=32, n_head=2, **({'exit_head': 'own'} if field == 'exit_layers' else {}))
+    shape = dict(
+        n_layer=4, n_embd=32, n_head=2, **({'exit_head': 'own'} if field == 'exit_layers' else {})
+    )
     """Fields that change the model's parameters are compared with the checkpoint by name, and any
     other shape difference is caught by comparing the state dicts, not by load_state_dict's traceback."""
     from dataclasses import asdict

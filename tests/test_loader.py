@@ -1,0 +1,100 @@
+"""data/loader.py's sampler: every window once per epoch, stateless batches, DDP ranks that read
+what accumulation reads, fixed eval batches."""
+import os
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from data import loader
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(block_size=st.integers(1, 24), batch_size=st.integers(1, 6), seed=st.integers(0, 2**20),
+       extra=st.integers(0, 400), wide=st.booleans())
+def test_batches_epochs_ranks_and_shift(block_size, batch_size, seed, extra, wide):
+    n = 2 * block_size + 1 + extra                   # at least one window
+    dtype = np.uint32 if wide else np.uint16
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "tok.bin")
+        data = (np.arange(n) % 60000).astype(dtype)  # token value == position: x[0] gives the start
+        data.tofile(path)
+        cpu = torch.device("cpu")
+        b = loader.Batches(path, dtype, block_size, batch_size, seed, cpu)
+        n_win = b.n_windows
+        assert n_win == (n - 1 - block_size) // block_size >= 1
+
+        # rows of 3 epochs: within an epoch, the starts are exactly {k*T + shift}, each once
+        rows_needed = 3 * n_win
+        n_batches = -(-rows_needed // batch_size)
+        starts = np.concatenate([b.starts(j) for j in range(n_batches)])
+        for e in range(3):
+            ep = starts[e * n_win:(e + 1) * n_win]
+            assert len(set(ep.tolist())) == n_win, "a window repeats within an epoch"
+            shift = int(ep[0]) % block_size
+            assert sorted(ep.tolist()) == [k * block_size + shift for k in range(n_win)]
+        assert (starts >= 0).all() and (starts + block_size + 1 <= n).all()
+
+        # stateless: a fresh sampler, queried out of order, agrees
+        b2 = loader.Batches(path, dtype, block_size, batch_size, seed, cpu)
+        for j in reversed(range(n_batches)):
+            assert np.array_equal(b2.starts(j), starts[j * batch_size:(j + 1) * batch_size])
+
+        # x/y are the file's windows, y shifted by one
+        for j in range(min(n_batches, 4)):
+            x, y = b.get(j)
+            assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (
+                batch_size,
+                block_size,
+            )
+            s = b.starts(j)
+            assert torch.equal(
+                x, torch.tensor(np.stack([data[i : i + block_size] for i in s]).astype(np.int64))
+            )
+            assert torch.equal(y[:, :-1], x[:, 1:])
+            assert torch.equal(y[:, -1], torch.tensor(data[s + block_size].astype(np.int64)))
+
+        # 2 ranks x accumulation 1 read exactly what 1 rank x accumulation 2 reads, iteration by
+        # iteration (train.py's index: j = (iter*accum + micro)*world + rank), and ranks never share
+        # a row
+        def read(world, accum, iters=3):
+            out = []
+            for it in range(iters):
+                per_iter = {}
+                for rank in range(world):
+                    for micro in range(accum):
+                        j = (it * accum + micro) * world + rank
+                        per_iter[(rank, micro)] = tuple(b.starts(j).tolist())
+                out.append(per_iter)
+            return out
+        ddp, single = read(2, 1), read(1, 2)
+        for it in range(3):
+            assert sorted(ddp[it].values()) == sorted(single[it].values())
+            assert ddp[it][(0, 0)] == single[it][(0, 0)] and ddp[it][(1, 0)] == single[it][(0, 1)]
+        # world 2, accum 2
+        js = [(it * 2 + m) * 2 + r for it in range(5) for m in range(2) for r in range(2)]
+        assert sorted(js) == list(range(20))          # every micro-batch index exactly once
+
+        # eval batches: fixed, in range, and different per split seed
+        ev = b.eval_batches(3, 1)
+        assert all(np.array_equal(u, v) for u, v in zip(ev, b2.eval_batches(3, 1)))
+        for s in ev:
+            assert s.shape == (batch_size,) and (s >= 0).all() and (s + block_size + 1 <= n).all()
+
+
+def test_batches_rejects_too_short_file(tmp_path):
+    path = tmp_path / "tok.bin"
+    np.arange(64, dtype=np.uint16).tofile(path)
+    with pytest.raises(loader.DataError, match="too few"):
+        loader.Batches(str(path), np.uint16, 32, 4, 0, torch.device("cpu"))
+    # 64 - 1 - 31 = 32 -> 1 window
+    loader.Batches(str(path), np.uint16, 31, 4, 0, torch.device("cpu"))
+
+
+def test_batches_seed_changes_order(tmp_path):
+    path = tmp_path / "tok.bin"
+    np.arange(5000, dtype=np.uint16).tofile(path)
+    a = loader.Batches(str(path), np.uint16, 16, 8, 1, torch.device("cpu"))
+    b = loader.Batches(str(path), np.uint16, 16, 8, 2, torch.device("cpu"))
+    assert not all(np.array_equal(a.starts(j), b.starts(j)) for j in range(4))
