@@ -10,8 +10,9 @@ at all), must be at least REACH = 5e-3 times the largest of them, the module's m
 Below that a loss is under half a percent of the summed gradient, and under Adam, which normalises
 the summed gradient per parameter, it steers the update by under half a percent: it might as well be
 off. Healthy gates sit at 0.03-1 here (the LM loss's straight-through pull is the smallest, and on a
-rare batch of 10 tokens it has measured 0.008); the G3 that read the squared distance between two forecasts whose action embeddings
-start 0.02 apart sits at 1e-4-1e-6 (its score's gradient is proportional to the gap).
+rare batch of 10 tokens it has measured 0.008); the G3 that read the squared distance between two
+forecasts whose action embeddings start 0.02 apart sits at 1e-4-1e-6 (its score's gradient is
+proportional to the gap).
 A module with one loss (MoD's membership predictor, the exit heads) has no other signal to be
 swamped by; for it, the loss's gradient on the parameters must be at least OUTPUT_REACH = 1e-3 times
 its gradient on the module's output: the pull on the output reaches the weights (this ratio carries
