@@ -691,9 +691,12 @@ def test_calibration_hits_budget_on_its_own_batch(
     assert (frac - float(budget)).abs().max().item() <= 1 / (B * T) + 1e-6
 
 
-# Held-out batch: N = 32·24 = 768 tokens per batch. If the calibration quantile and the fresh
-# batch's fraction were both binomial, the difference would have std <= sqrt(2·0.25/768) ≈ 0.026, so
-# ±0.1 is ~4 std. derandomize=True keeps the drawn examples fixed, so the test cannot flake.
+# Held-out batch: 32 sequences of 24 tokens. Were every token's decision independent, the calibration
+# quantile and the fresh batch's fraction would differ by std <= sqrt(2·0.25/768) ≈ 0.026; but
+# scores within a sequence are correlated and the check takes the worst layer, so the measured
+# worst-layer gaps reach 0.115 in 60 random examples. ±0.2 is about 5 std of those, and a
+# calibration that misses the budget (a threshold left at 0, a wrong quantile) misses by 0.3-0.5.
+# derandomize=True keeps the drawn examples fixed for a given test source.
 @settings(**dict(SETTINGS, derandomize=True))
 @given(seed=SEEDS, budget=st.integers(5, 95).map(lambda n: Fraction(n, 100)), layout=layouts(),
        gate=st.sampled_from(SCORING_GATES), infer_rule=st.sampled_from(['threshold', 'predictor']))
@@ -710,7 +713,7 @@ def test_calibration_generalises_to_a_fresh_batch(seed, budget, layout, gate, in
     )
     model.calibrate(tokens(seed, 32, 24, vocab=61))
     frac = model.eval()(tokens(seed + 1, 32, 24, vocab=61))[2]['full_frac']
-    assert (frac - float(budget)).abs().max().item() <= 0.1
+    assert (frac - float(budget)).abs().max().item() <= 0.2
 
 
 @pytest.mark.parametrize('gate', ['random', 'static_full', 'static_cheap'])
