@@ -1,38 +1,40 @@
 """
-GPU kernels for routed FFN execution with a device-side count: no host sync, no graph break, no
-data-dependent shapes, and a row block beyond the count never loads the FFN's weights.
+Routed execution with a device-side count: a routed layer computes only the rows its decision
+selects, without a host sync, a graph break or a data-dependent shape, on the fastest kernel the
+installed PyTorch and GPU offer.
 
-    order, count = sort_by_mask(mask)          the selected rows first (stable), count = mask.sum()
-    mlp_rows(x, order, lo, hi, mlp, out)       out[order[i]] = mlp(x[order[i]]) for lo <= i < hi
-    mlp_rows_reference(...)                    the same in pure PyTorch (every row computed, the rows
-                                               in range written): what the kernels are tested against
+    order, count = sort_by_mask(mask)           the selected rows first (stable), count = mask.sum()
+    mlp_rows(x, order, lo, hi, mlp, out, path)  out[order[i]] = mlp(x[order[i]]) for lo <= i < hi
+    prefix_linear(x, count, weight, bias, path) F.linear on the rows [0, count) of a packed buffer
+    mlp_rows_reference(...)                     every row computed, the rows in range written: what
+                                                every other path is tested against
 
 A routed FFN layer runs both paths into one buffer:
 
     order, count = sort_by_mask(mask)
     out = torch.empty_like(x)
-    mlp_rows(x, order, 0, count, full_mlp, out)          # full FFN: sorted positions [0, count)
+    mlp_rows(x, order, 0, count, full_mlp, out)           # full FFN: sorted positions [0, count)
     mlp_rows(x, order, count, x.size(0), cheap_mlp, out)  # cheap FFN: the rest
 
-The Triton path is two kernels launched on a static grid over all N rows:
-  1. H[i] = gelu(x[order[i]] @ W_fc^T + b_fc)     the gather fused into the load of x
-  2. out[order[i]] = H[i] @ W_proj^T + b_proj     the scatter fused into the store
-Every program reads lo and hi from device memory and returns, before it loads any weight, when its
-block of sorted positions lies outside [lo, hi). So the count never reaches the host, the grid and the
-H buffer have static shapes, and the cheap-path tokens cost the full FFN's kernels only programs that
-exit at once (the one block that straddles the count computes rows it then masks out).
+The paths (PATHS), all equal to the reference on the rows in range:
+  - 'grouped_mm': torch's grouped GEMM (F.grouped_mm, torch._grouped_mm before 2.10) with one group
+    whose end offset is the count. On sm_90/sm_100 in bf16 it is CUTLASS reading the offset on the
+    device: rows past it are neither read nor written (they hold garbage, never used). Elsewhere
+    torch runs a loop that copies the offset to the host (a sync; on the CPU harmless, and the only
+    way the CPU computes fewer rows under torch.compile, which traces grouped_mm in bf16 only).
+  - 'triton': two kernels on a static grid over all N rows, H[i] = gelu(x[order[i]] @ W_fc^T + b)
+    with the gather fused into the load, then out[order[i]] = H[i] @ W_proj^T + b with the scatter
+    fused into the store. Every program reads lo and hi from device memory and returns before it
+    loads a weight when its block lies outside [lo, hi). Autotuned on the GPU over Ampere/Hopper
+    tiles; Triton 3.3+ targets compute capability 8.0+ only (tl.dot lowers to FMA loops below).
+  - 'compact': one host sync for the exact count, then cuBLAS (or the CPU's GEMM) on the gathered
+    rows. The fastest where a sync costs less than the rows it saves (the CPU, V100/T4), but not
+    traceable by torch.compile(fullgraph=True) nor capturable in a CUDA graph.
+  - 'reference': every row computed, the rows in range written. Static and traceable; saves nothing.
 
-Which path runs (mlp_rows):
-  - Triton when x is on a CUDA GPU of compute capability >= 8.0 (A100 8.0, H100 9.0, ...). Triton 3.3
-    and later support NVIDIA GPUs of compute capability 8.0+: the tensor-core (MMA) path for older
-    GPUs was removed and tl.dot there lowers to FMA loops (these kernels, compiled for sm70/sm75 by
-    triton 3.9, contain no MMA instruction). So V100 (7.0, fp16) and T4 (7.5) run the reference on
-    cuBLAS's tensor cores: correct, static shapes, no sync, but every row goes through both paths.
-  - Triton when NANODEPTH_TRITON=1, on any device: with TRITON_INTERPRET=1 the kernels run on CPU
-    under Triton's interpreter (how the tests check them on a machine without a GPU).
-  - the reference otherwise (CPU, MPS, ROCm, older GPUs, no triton installed), and whenever autograd
-    needs gradients through the call: the kernels are for inference (sparse eval), with no backward.
-NANODEPTH_TRITON=0 forces the reference everywhere.
+choose_path picks one from (torch version, device, compute capability, dtype, APIs present, whether
+torch.compile traces), never by trying a call and catching its error; NANODEPTH_PATH=<path> forces
+one. Gradients always take the reference: the kernels are for sparse eval, which has no backward.
 """
 import os
 
@@ -45,9 +47,15 @@ try:
 except ImportError:                     # optional: without triton every call runs the reference
     triton = None
 
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32  # autotune-free; tl.dot needs every block dimension >= 16
-MIN_CAPABILITY = (8, 0)                 # Triton 3.3+ supports NVIDIA compute capability 8.0 and
-                                        # newer
+# The tiles of the interpreter and of the tests that count programs; a GPU autotunes over
+# AUTOTUNE_TILES instead. tl.dot needs every block dimension >= 16.
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
+MIN_CAPABILITY = (8, 0)                 # Triton 3.3+ supports NVIDIA compute capability 8.0+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the mm tiles Ampere and Hopper favour (small M
+# for decode, large for prefill); the kernels read lo/hi first, so a tile past the count stays cheap.
+AUTOTUNE_TILES = [(16, 64, 64, 4, 4), (32, 64, 64, 4, 4), (64, 64, 32, 4, 4), (64, 128, 32, 4, 4),
+                  (128, 64, 32, 4, 4), (128, 128, 32, 8, 3), (128, 128, 64, 8, 3),
+                  (64, 256, 32, 8, 4)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -207,51 +215,65 @@ def _interpreted(kernel):
     return type(kernel).__name__ == 'InterpretedFunction'     # made under TRITON_INTERPRET=1
 
 
+TUNED = triton is not None and not _interpreted(_gather_fc_gelu_kernel)
+if TUNED:       # on a GPU: the same kernels, their tiles autotuned once per (N, C, W)
+    _TILES = [triton.Config(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k), num_warps=w, num_stages=s)
+              for m, n, k, w, s in AUTOTUNE_TILES]
+    _TUNED_KERNELS = {
+        kernel: triton.autotune(_TILES, key=['N', 'C', 'W'])(kernel)
+        for kernel in (_gather_fc_gelu_kernel, _proj_scatter_kernel)
+    }
+
+
+def _launch(kernel, args, rows, cols, consts, block_m, started):
+    """kernel on a grid of (row blocks over rows, column blocks over cols): autotuned on a GPU, the
+    fixed tiles (block_m rows) under the interpreter or when a test counts programs (started)."""
+    consts = dict(consts, COUNT_STARTED=started is not None)
+    if TUNED and started is None and block_m is None:
+        grid = lambda meta: (triton.cdiv(rows, meta['BLOCK_M']), triton.cdiv(cols, meta['BLOCK_N']))
+        torch.library.wrap_triton(_TUNED_KERNELS[kernel])[grid](*args, **consts)
+        return
+    block_m = block_m or BLOCK_M
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, BLOCK_N))
+    torch.library.wrap_triton(kernel)[grid](
+        *args, **consts, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+
+
+def _dot_fp32(x):
+    """fp32 inputs: TF32 tensor cores only where torch's matmuls also use them. Triton's interpreter
+    (triton 3.9) computes tl.dot of bf16 operands wrongly, so there they are upcast first: exact (a
+    product of two bf16 values fits in fp32), the same sums as the GPU's bf16 dot with fp32 acc."""
+    ieee = x.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    return ieee or (x.dtype == torch.bfloat16 and _interpreted(_gather_fc_gelu_kernel))
+
+
+def launch_proj_rows(h, order, lo, hi, w, b, out, block_m=None, started=None):
+    """The second kernel alone: out[order[i]] = h[i] @ w^T + b for sorted positions lo <= i < hi.
+    With order = arange(N) it is a linear layer on the rows [lo, hi) of a packed buffer."""
+    N, W = h.shape
+    C = w.shape[0]
+    args = (h, order, lo, hi, w, b if b is not None else w, out,
+            started if started is not None else lo,         # an unused pointer when not counting
+            N, C, W, h.stride(0), h.stride(1), w.stride(0), w.stride(1),
+            out.stride(0), out.stride(1))
+    _launch(_proj_scatter_kernel, args, N, C,
+            dict(HAS_BIAS=b is not None, DOT_FP32=_dot_fp32(h)), block_m, started)
+
+
 def launch_mlp_rows(x, order, lo, hi, w_fc, b_fc, w_proj, b_proj, approximate, out,
-                    block_m=BLOCK_M, started=None):
+                    block_m=None, started=None):
     """The two kernels. lo, hi: 0-dim int tensors on x's device. started: None, or a 1-element int32
     tensor to which every program that passed the range check adds 1 (tests count the skipping)."""
     N, C = x.shape
     W = w_fc.shape[0]
     h = torch.empty((N, W), dtype=x.dtype, device=x.device)   # static: indexed by sorted position
-    wrap = torch.library.wrap_triton
-    count = started is not None
-    started = started if count else lo                         # an unused pointer when not counting
-    # fp32 inputs: TF32 tensor cores only where torch's matmuls also use them. Triton's interpreter
-    # (triton 3.9) computes tl.dot of bf16 operands wrongly, so there they are upcast first: exact
-    # (a product of two bf16 values fits in fp32), the same sums as the GPU's bf16 dot with fp32
-    # acc.
-    ieee = x.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
-    dot_fp32 = ieee or (x.dtype == torch.bfloat16 and _interpreted(_gather_fc_gelu_kernel))
-    blocks = dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
-    wrap(_gather_fc_gelu_kernel)[(triton.cdiv(N, block_m), triton.cdiv(W, BLOCK_N))](
-        x,
-        order,
-        lo,
-        hi,
-        w_fc,
-        b_fc if b_fc is not None else w_fc,
-        h,
-        started,
-        N,
-        C,
-        W,
-        x.stride(0),
-        x.stride(1),
-        w_fc.stride(0),
-        w_fc.stride(1),
-        h.stride(0),
-        h.stride(1),
-        HAS_BIAS=b_fc is not None,
-        TANH=approximate == 'tanh',
-        COUNT_STARTED=count,
-        DOT_FP32=dot_fp32,
-        **blocks,
-    )
-    wrap(_proj_scatter_kernel)[(triton.cdiv(N, block_m), triton.cdiv(C, BLOCK_N))](
-        h, order, lo, hi, w_proj, b_proj if b_proj is not None else w_proj, out, started, N, C, W,
-        h.stride(0), h.stride(1), w_proj.stride(0), w_proj.stride(1), out.stride(0), out.stride(1),
-        HAS_BIAS=b_proj is not None, COUNT_STARTED=count, DOT_FP32=dot_fp32, **blocks)
+    args = (x, order, lo, hi, w_fc, b_fc if b_fc is not None else w_fc, h,
+            started if started is not None else lo,
+            N, C, W, x.stride(0), x.stride(1), w_fc.stride(0), w_fc.stride(1),
+            h.stride(0), h.stride(1))
+    consts = dict(HAS_BIAS=b_fc is not None, TANH=approximate == 'tanh', DOT_FP32=_dot_fp32(x))
+    _launch(_gather_fc_gelu_kernel, args, N, W, consts, block_m, started)
+    launch_proj_rows(h, order, lo, hi, w_proj, b_proj, out, block_m, started)
 
 
 def _mlp_rows_op(x: torch.Tensor, order: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
@@ -260,38 +282,118 @@ def _mlp_rows_op(x: torch.Tensor, order: torch.Tensor, lo: torch.Tensor, hi: tor
     launch_mlp_rows(x, order, lo, hi, w_fc, b_fc, w_proj, b_proj, approximate, out)
 
 
+def _proj_rows_op(h: torch.Tensor, order: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                  w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor) -> None:
+    launch_proj_rows(h, order, lo, hi, w, b, out)
+
+
 if triton is not None:
-    # A custom op, so torch.compile(fullgraph=True) traces mlp_rows as one node (no graph break).
+    # Custom ops, so torch.compile(fullgraph=True) traces each call as one node (no graph break).
     # Compiled kernels: triton_op, which lets the compiler see the kernels themselves. Interpreted
     # kernels (TRITON_INTERPRET=1 when this file is imported) are plain Python that reads the data,
     # which triton_op's tracing cannot run on fake tensors: an opaque custom_op with a stated fake.
-    if _interpreted(_gather_fc_gelu_kernel):
-        _op = torch.library.custom_op("nanodepth::mlp_rows", _mlp_rows_op, mutates_args={"out"})
-
-        @_op.register_fake
-        def _(x, order, lo, hi, w_fc, b_fc, w_proj, b_proj, approximate, out):
-            return None                 # it only writes into out
-    else:
-        torch.library.triton_op("nanodepth::mlp_rows", _mlp_rows_op, mutates_args={"out"})
+    for _name, _fn in (('mlp_rows', _mlp_rows_op), ('proj_rows', _proj_rows_op)):
+        if _interpreted(_gather_fc_gelu_kernel):
+            torch.library.custom_op(f"nanodepth::{_name}", _fn, mutates_args={"out"}).register_fake(
+                lambda *args: None)                 # it only writes into out
+        else:
+            torch.library.triton_op(f"nanodepth::{_name}", _fn, mutates_args={"out"})
 
 
 # --------------------------------------------------------------------------------------------------
-# dispatch
+# which path runs
 
-def use_triton(x):
-    """Whether mlp_rows runs the kernels for x (see the module docstring). Read on every call, so
-    NANODEPTH_TRITON can be set after import."""
-    if triton is None:
-        return False
-    forced = os.environ.get('NANODEPTH_TRITON', '')
-    if forced in ('0', '1'):
-        return forced == '1'
-    return (
-        x.is_cuda
-        and torch.version.hip is None
-        and torch.cuda.get_device_capability(x.device) >= MIN_CAPABILITY
-    )
+PATHS = ('grouped_mm', 'triton', 'compact', 'reference')
 
+
+def _version(text):
+    """'2.11.0+cu130' -> (2, 11)."""
+    major, minor = text.split('+')[0].split('.')[:2]
+    return int(major), int(minor)
+
+
+def choose_path(torch_version, device_type, capability, dtype, apis, compiling=False):
+    """The path a sparse eval layer runs: a pure function of the installed torch (its version text),
+    the device type ('cuda' for NVIDIA GPUs only), the GPU's compute capability ((9, 0); None off
+    NVIDIA), the dtype its matmuls run in, the APIs present (a set holding 'grouped_mm' and/or
+    'triton') and whether torch.compile is tracing (which excludes the compact path's sync).
+
+      NVIDIA sm_90/sm_100, bf16, torch >= 2.8    grouped_mm   CUTLASS reads the count on the device
+      NVIDIA sm_80+ with triton                  triton       tiles that stop at the device count
+      other NVIDIA (sm_7x), or no triton         compact      one sync, cuBLAS on the rows (eager)
+      the CPU, eager                             compact      one sync is cheap on the CPU
+      the CPU compiling bf16, torch >= 2.9       grouped_mm   computes [0, count) rows only
+      anything else while compiling              reference
+    """
+    version, grouped = _version(torch_version), 'grouped_mm' in apis
+    if device_type == 'cuda' and capability is not None:
+        if capability[0] in (9, 10) and dtype == torch.bfloat16 and grouped and version >= (2, 8):
+            return 'grouped_mm'
+        if capability >= MIN_CAPABILITY and 'triton' in apis:
+            return 'triton'
+    elif device_type == 'cpu' and compiling:
+        if dtype == torch.bfloat16 and grouped and version >= (2, 9):
+            return 'grouped_mm'
+    return 'reference' if compiling else 'compact'
+
+
+def installed_apis():
+    """The APIs of choose_path this process has."""
+    grouped = hasattr(F, 'grouped_mm') or hasattr(torch, '_grouped_mm')
+    return frozenset({'grouped_mm'} if grouped else set()) | (
+        {'triton'} if triton is not None else set())
+
+
+def _device_facts(device):
+    """(device type as choose_path reads it, compute capability or None)."""
+    device = torch.device(device)
+    if device.type == 'cuda' and torch.version.hip is None:
+        return 'cuda', torch.cuda.get_device_capability(device)
+    return ('rocm' if device.type == 'cuda' else device.type), None
+
+
+def matmul_dtype(x):
+    """The dtype x's matmuls run in: autocast's where it is on."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def default_path(x):
+    """choose_path for tensor x in this process; NANODEPTH_PATH=<path> forces one. Read on every
+    call, so the variable can be set after import."""
+    forced = os.environ.get('NANODEPTH_PATH', '')
+    if forced:
+        if forced not in PATHS:
+            raise ValueError(f"NANODEPTH_PATH must be one of {', '.join(PATHS)}, got {forced!r}")
+        return forced
+    kind, capability = _device_facts(x.device)
+    return choose_path(torch.__version__, kind, capability, matmul_dtype(x), installed_apis(),
+                       torch.compiler.is_compiling())
+
+
+def available_paths(device, dtype, compiling=False):
+    """Every path that runs correctly for this device and dtype (fast or not): what a benchmark can
+    force. The reference always; compact when not compiling; grouped_mm where torch has it for this
+    device (under torch.compile in bf16 only: its meta kernel refuses other dtypes); triton on
+    NVIDIA sm_80+ or under Triton's interpreter."""
+    kind, capability = _device_facts(device)
+    version, apis = _version(torch.__version__), installed_apis()
+    paths = []
+    grouped_device = (kind == 'cpu' and version >= (2, 9)) or (
+        kind == 'cuda' and (version >= (2, 9) and capability >= MIN_CAPABILITY
+                            or capability[0] in (9, 10)))
+    if 'grouped_mm' in apis and grouped_device and (dtype == torch.bfloat16 or not compiling):
+        paths.append('grouped_mm')
+    interpreted = triton is not None and _interpreted(_gather_fc_gelu_kernel)
+    if 'triton' in apis and (interpreted or kind == 'cuda' and capability >= MIN_CAPABILITY):
+        paths.append('triton')
+    if not compiling:
+        paths.append('compact')
+    return paths + ['reference']
+
+
+# --------------------------------------------------------------------------------------------------
+# the paths
 
 def _as_count(v, device):
     """A Python int or a device tensor -> a 0-dim int64 tensor on device (no host round trip)."""
@@ -300,23 +402,97 @@ def _as_count(v, device):
     return torch.full((), int(v), dtype=torch.int64, device=device)
 
 
-def mlp_rows(x, order, lo, hi, mlp, out):
+def _grouped_linear(x, n, weight):
+    """x @ weight^T on the rows [0, n) of x by one grouped GEMM group ending at n (0-dim int32 on
+    x's device); the rows past n are garbage."""
+    mm = getattr(F, 'grouped_mm', None) or torch._grouped_mm
+    return mm(x, weight.unsqueeze(0).transpose(-2, -1), offs=n.reshape(1))
+
+
+def _grouped_aligned(*tensors):
+    """grouped_mm's stride rule: every operand's row stride a multiple of 16 bytes."""
+    return all(t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
+
+
+def mlp_rows_grouped(x, order, lo, hi, w_fc, b_fc, w_proj, b_proj, approximate, out):
+    """mlp_rows by grouped GEMMs: the rows of sorted positions lo, lo+1, ... gathered to the front
+    (static N rows, wrapping past N), one group of hi - lo rows, then scattered back; the gathered
+    rows past the group are garbage and only ever discarded."""
+    N = x.size(0)
+    i = torch.arange(N, device=x.device)
+    rows = order.index_select(0, (i + lo) % max(N, 1))
+    n = (hi - lo).clamp(0, N).to(torch.int32)
+    h = _grouped_linear(x.index_select(0, rows), n, w_fc)
+    h = F.gelu(h + b_fc if b_fc is not None else h, approximate=approximate)
+    y = _grouped_linear(h.contiguous(), n, w_proj)
+    y = y + b_proj if b_proj is not None else y
+    keep = (i < n)[:, None]
+    out.index_copy_(0, rows, torch.where(keep, y.to(out.dtype), out.index_select(0, rows)))
+
+
+def mlp_rows_compact(x, order, lo, hi, w_fc, b_fc, w_proj, b_proj, approximate, out):
+    """mlp_rows on exactly the rows in range: lo and hi read on the host (a sync)."""
+    rows = order[int(lo):int(hi)]
+    h = F.gelu(F.linear(x.index_select(0, rows), w_fc, b_fc), approximate=approximate)
+    out.index_copy_(0, rows, F.linear(h, w_proj, b_proj).to(out.dtype))
+
+
+def mlp_rows(x, order, lo, hi, mlp, out, path=None):
     """For every lo <= i < hi: out[order[i]] = mlp(x[order[i]]) (dropout off); other rows of out are
     untouched; returns out. x, out (N, C); order (N,) from sort_by_mask; lo, hi: ints or 0-dim int
     tensors on x's device; mlp: c_fc, c_proj (nn.Linear, bias optional) and `approximate` for
-    F.gelu."""
+    F.gelu. path: one of PATHS, None for default_path (its 'compact' read as the reference: a
+    caller that passes no path asks for static shapes)."""
     w_fc, b_fc, w_proj, b_proj, approximate = _weights(mlp)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, w_fc, b_fc, w_proj, b_proj))
-    if needs_grad or not use_triton(x):         # the kernels have no backward: training takes the
-                                                # reference
+    if path is None:
+        path = default_path(x)
+        path = 'reference' if path == 'compact' else path
+    if needs_grad or path == 'reference':
         return mlp_rows_reference(x, order, lo, hi, mlp, out)
-    if torch.is_autocast_enabled(x.device.type):   # as autocast casts F.linear's operands in the
-                                                   # reference
-        dtype = torch.get_autocast_dtype(x.device.type)
-        x, w_fc, b_fc, w_proj, b_proj = (
-            t if t is None else t.to(dtype) for t in (x, w_fc, b_fc, w_proj, b_proj)
-        )
-    torch.ops.nanodepth.mlp_rows(x, order, _as_count(lo, x.device), _as_count(hi, x.device),
-                                 w_fc, b_fc, w_proj, b_proj, approximate, out)
+    if path == 'triton' and triton is None:
+        raise RuntimeError("path 'triton' needs triton: pip install triton")
+    dtype = matmul_dtype(x)             # as autocast casts F.linear's operands in the reference
+    x, w_fc, b_fc, w_proj, b_proj = (
+        t if t is None else t.to(dtype) for t in (x, w_fc, b_fc, w_proj, b_proj))
+    if path == 'compact':
+        mlp_rows_compact(x, order, lo, hi, w_fc, b_fc, w_proj, b_proj, approximate, out)
+    elif path == 'grouped_mm' and _grouped_aligned(x, w_fc, w_proj):
+        lo, hi = _as_count(lo, x.device), _as_count(hi, x.device)
+        mlp_rows_grouped(x, order, lo, hi, w_fc, b_fc, w_proj, b_proj, approximate, out)
+    elif path == 'grouped_mm':          # a width grouped_mm's strides cannot take
+        return mlp_rows_reference(x, order, lo, hi, mlp, out)
+    else:
+        torch.ops.nanodepth.mlp_rows(x, order, _as_count(lo, x.device), _as_count(hi, x.device),
+                                     w_fc, b_fc, w_proj, b_proj, approximate, out)
+    return out
+
+
+def prefix_linear(x, count, weight, bias=None, path=None):
+    """F.linear(x, weight, bias) on the rows [0, count) of a packed buffer x (N, C); the rows past
+    count hold unspecified values (garbage on the grouped_mm path, zeros or the product elsewhere).
+    count: an int or a 0-dim int tensor on x's device. path as for mlp_rows."""
+    if path is None:
+        path = default_path(x)
+        path = 'reference' if path == 'compact' else path
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, bias))
+    if needs_grad or path == 'reference' or (
+            path == 'grouped_mm' and not _grouped_aligned(x, weight)):
+        return F.linear(x, weight, bias)
+    dtype = matmul_dtype(x)
+    x, weight, bias = (t if t is None else t.to(dtype) for t in (x, weight, bias))
+    if path == 'compact':
+        n = int(count)
+        out = x.new_zeros(x.size(0), weight.size(0))
+        out[:n] = F.linear(x[:n], weight, bias)
+        return out
+    count = _as_count(count, x.device)
+    if path == 'grouped_mm':
+        y = _grouped_linear(x, count.clamp(0, x.size(0)).to(torch.int32), weight)
+        return y + bias if bias is not None else y
+    out = torch.empty(x.size(0), weight.size(0), dtype=x.dtype, device=x.device)
+    order = torch.arange(x.size(0), device=x.device)
+    torch.ops.nanodepth.proj_rows(x, order, torch.zeros_like(count), count, weight, bias, out)
     return out

@@ -272,8 +272,8 @@ class GPT(nn.Module):
             if name.endswith('c_proj.weight'):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         self.family.init_weights(self)
-        self.exec_mode = None           # sparse eval: None (by device), 'compact' or 'static'
-                                        # (routing.exec_mode)
+        self.exec_mode = None           # sparse eval: None (by device), 'static' or a path
+                                        # (routing.exec_path)
 
     @staticmethod
     def _init_weights(module):
@@ -449,7 +449,7 @@ class GPT(nn.Module):
         """One cached decoding step: tok (B, 1) ids at absolute positions pos (B, 1), a device
         tensor (per row: ragged batches), attending over and writing into cache. Returns the
         next-token logits (B, V) and the step's routing statistics. Static shapes and no host sync
-        (sparse eval runs 'static' under torch.compile and on CUDA), so every step is the same
+        (under torch.compile sparse eval runs a static path), so every step is the same
         graph."""
         logits, _, aux = self(tok, pos=pos, cache=cache)
         return logits[:, -1], {k: aux[k] for k in ('full_frac', 'tlops_saved') if k in aux}

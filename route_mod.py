@@ -22,7 +22,7 @@ from routing import (
     add_weighted,
     check_at_least,
     check_fraction,
-    exec_mode,
+    exec_path,
     flop_costs,
     gather_rows,
     layer_ids,
@@ -230,8 +230,8 @@ def mod_block(block, cfg, x, pos, cache, ctx):
                         / len(layer_ids(cfg, 'mod_layers', default='every_other')))
         if not ctx.sparse:
             out = mod_masked(block, x, pos, cache, mask, r)
-        elif exec_mode(x, ctx.exec_mode) == 'static':
-            out = mod_static(block, x, pos, cache, mask, r)
+        elif (path := exec_path(x, ctx.exec_mode)) != 'compact':
+            out = mod_static(block, x, pos, cache, mask, r, path)
         else:
             out = mod_sparse(block, x, pos, cache, mask, r)
     if ctx.collect:
@@ -249,13 +249,13 @@ def mod_masked(block, x, pos, cache, mask, r):
     )
 
 
-def mod_static(block, x, pos, cache, mask, r):
+def mod_static(block, x, pos, cache, mask, r, path):
     """Sparse eval at static shapes: attention over the full T with only the selected tokens as keys
     (so they attend among themselves at their real positions, as when gathered), the FFN on the
     selected rows only (rows_apply), the update added where selected; no count leaves the device."""
     w = torch.sigmoid(r)[..., None] if r is not None else 1.0
     a = block.attn_update(x, pos, cache, valid=mask)
-    f = split_apply(block.ln_2(x + a), mask, block.mlp, mode='static')
+    f = split_apply(block.ln_2(x + a), mask, block.mlp, mode=path)
     return x + torch.where(mask[..., None], w * (a + f), 0.0).to(x.dtype)
 
 

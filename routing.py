@@ -52,7 +52,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import mlp_rows, sort_by_mask
+from kernels import PATHS, default_path, matmul_dtype, mlp_rows, sort_by_mask
 
 
 @dataclass
@@ -64,7 +64,7 @@ class RouteCtx:
     sparse: (eval) run the expensive path on the selected tokens only (gather, compute, scatter), or
     masked-dense (every path on every token, mixed by the mask: the reference sparse must equal).
     options: the family's per-step options, from its step_options, which only it interprets.
-    exec_mode: how sparse eval runs, 'compact' or 'static' (see exec_mode below); None = by device.
+    exec_mode: how sparse eval runs: a path of kernels.PATHS, 'static' or None (see exec_path).
     state: what the family itself keeps during this forward, in an object of its own (route_ffn's
     FFNState, ...); None until the family sets it."""
     force: str = None
@@ -408,42 +408,40 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate)))
 
 
-# Sparse eval runs one of two ways:
-#   'compact': gather exactly the selected tokens (nonzero: a host sync and data-dependent shapes),
-#              compute, scatter. The fastest eagerly, and on a CPU.
-#   'static':  sort the tokens selected-first, keep the count as a 0-dim device tensor, and compute
-#              each path over a static-size buffer restricted to its device-side range of the order
-#              (rows_apply). No host sync, no data-dependent shape: what
-#              torch.compile(fullgraph=True) and CUDA graphs need.
-EXEC_MODES = ('compact', 'static')
+# Sparse eval runs on one of the paths of kernels.py (kernels.PATHS):
+#   'compact':   gather exactly the selected tokens (a host sync and data-dependent shapes),
+#                compute, scatter. The fastest eagerly on a CPU and on GPUs without a faster kernel.
+#   'grouped_mm', 'triton', 'reference': static. Sort the tokens selected-first, keep the count as a
+#                0-dim device tensor, and compute each path over a static-size buffer restricted to
+#                its device-side range of the order (rows_apply). No host sync, no data-dependent
+#                shape: what torch.compile(fullgraph=True) and CUDA graphs need.
+# A model's exec_mode names one of them, or 'static' (the fastest static one here), or None
+# (kernels.default_path: by torch version, device, dtype and whether torch.compile traces).
+EXEC_MODES = ('static',) + PATHS
 
 
-def exec_mode(x, mode=None):
-    """The execution mode for sparse eval on tensor x: `mode` when given, else 'static' while
-    torch.compile traces or on CUDA, 'compact' otherwise."""
-    if mode is not None:
-        if mode not in EXEC_MODES:
-            raise ValueError(f"exec_mode must be one of {EXEC_MODES} or None, got {mode!r}")
+def exec_path(x, mode=None):
+    """The path sparse eval on tensor x runs (one of kernels.PATHS) for exec_mode `mode`."""
+    if mode is not None and mode not in EXEC_MODES:
+        raise ValueError(f"exec_mode must be one of {EXEC_MODES} or None, got {mode!r}")
+    if mode not in (None, 'static'):
         return mode
-    return 'static' if torch.compiler.is_compiling() or x.is_cuda else 'compact'
+    path = default_path(x)
+    return 'reference' if mode == 'static' and path == 'compact' else path
 
 
-def rows_apply(x_flat, order, lo, hi, fn, out=None):
+def rows_apply(x_flat, order, lo, hi, fn, out=None, path=None):
     """out[order[i]] = fn(x_flat[order[i]]) for lo <= i < hi; every other row of out untouched. lo,
     hi: Python ints or 0-dim device tensors. fn maps rows to rows; out=None starts from zeros of
-    fn's output. Returns out (written in place when given). An MLP goes to kernels.mlp_rows: on a
-    GPU, Triton programs beyond the range exit before loading its weights. Any other fn (an exit
-    head) runs the reference: fn on all N rows, those in range written (static shapes, no host
-    sync)."""
+    fn's output. Returns out (written in place when given). An MLP goes to kernels.mlp_rows on
+    `path` (None: the fastest static one). Any other fn (an exit head) runs the reference: fn on
+    all N rows, those in range written (static shapes, no host sync)."""
     # mlp_rows runs dropout-free
     if isinstance(fn, MLP) and not (fn.training and fn.dropout.p > 0):
         if out is None:         # the dtype fn's output would have (autocast's where it is on)
-            dev = x_flat.device.type
-            dtype = (
-                torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_flat.dtype
-            )
-            out = x_flat.new_zeros(x_flat.shape[0], fn.c_proj.out_features, dtype=dtype)
-        return mlp_rows(x_flat, order, lo, hi, fn, out)
+            out = x_flat.new_zeros(x_flat.shape[0], fn.c_proj.out_features,
+                                   dtype=matmul_dtype(x_flat))
+        return mlp_rows(x_flat, order, lo, hi, fn, out, path)
     y = fn(x_flat.index_select(0, order))
     out = y.new_zeros(y.shape) if out is None else out
     i = torch.arange(order.numel(), device=order.device)
@@ -453,16 +451,17 @@ def rows_apply(x_flat, order, lo, hi, fn, out=None):
 
 def split_apply(x, mask, fn_true, fn_false=None, mode=None):
     """Sparse execution: fn_true on the tokens of x (B, T, C) where mask (B, T), fn_false (or zeros)
-    on the rest, scattered back into (B, T, C). mode (exec_mode): 'compact' gathers exactly each
-    path's tokens into one batch (the count of selected tokens is a host sync, causal decisions make
-    it data-dependent); 'static' runs each path over its device-side range of the selected-first
-    order."""
+    on the rest, scattered back into (B, T, C). mode (an exec_mode, see exec_path): on the compact
+    path each side's tokens are gathered exactly into one batch (the count of selected tokens is a
+    host sync, causal decisions make it data-dependent); on a static path each side runs over its
+    device-side range of the selected-first order."""
     flat, m = x.reshape(-1, x.size(-1)), mask.reshape(-1)
-    if exec_mode(x, mode) == 'static':
+    path = exec_path(x, mode)
+    if path != 'compact':
         order, n = sort_by_mask(m)
-        out = rows_apply(flat, order, 0, n, fn_true)
+        out = rows_apply(flat, order, 0, n, fn_true, path=path)
         if fn_false is not None:
-            rows_apply(flat, order, n, m.numel(), fn_false, out)
+            rows_apply(flat, order, n, m.numel(), fn_false, out, path=path)
         return out.view(*x.shape[:-1], -1)
     idx_t, idx_f = m.nonzero().squeeze(1), (~m).nonzero().squeeze(1)
     y_t = fn_true(flat.index_select(0, idx_t))

@@ -6,7 +6,7 @@ The Triton kernels run on CPU under Triton's interpreter. Triton (3.9, read in i
 TRITON_INTERPRET when a kernel is decorated with @triton.jit, i.e. when kernels.py is imported, not
 when it is launched; and kernels.py registers its custom op once per process. So the interpreter
 checks (the tests named test_interp_*) run in a child pytest process started by
-test_triton_kernels_under_interpreter with TRITON_INTERPRET=1 and NANODEPTH_TRITON=1 in its
+test_triton_kernels_under_interpreter with TRITON_INTERPRET=1 and NANODEPTH_PATH=triton in its
 environment: no other test module sees either variable, whatever was imported first. In this process
 they skip."""
 import os
@@ -82,9 +82,10 @@ def masks(draw, max_n=70):
 
 
 @st.composite
-def cases(draw, max_n=70, dtypes=(torch.float32, torch.bfloat16, torch.float16)):
+def cases(draw, max_n=70, dtypes=(torch.float32, torch.bfloat16, torch.float16), aligned=False):
     """A mask, a range of sorted positions (the full path [0, count), the cheap path [count, N) or
-    any [lo, hi)), ints or 0-dim tensors, an MLP and inputs."""
+    any [lo, hi)), ints or 0-dim tensors, an MLP and inputs. aligned: widths of multiples of 8, so
+    that grouped_mm's 16-byte stride rule holds (others fall back to the reference)."""
     mask = draw(masks(max_n))
     n = mask.numel()
     order, count = kernels.sort_by_mask(mask)
@@ -101,6 +102,8 @@ def cases(draw, max_n=70, dtypes=(torch.float32, torch.bfloat16, torch.float16))
         for v in (lo, hi)
     ]
     C, W = draw(st.integers(8, 48)), draw(st.integers(8, 96))
+    if aligned:
+        C, W = 8 * (C // 8), 8 * (W // 8)
     dtype = draw(st.sampled_from(dtypes))
     mlp = make_mlp(C, W, draw(st.booleans()), draw(st.sampled_from(['none', 'tanh'])), dtype,
                    draw(st.integers(0, 2 ** 16)))
@@ -171,7 +174,7 @@ def test_reference_full_and_cheap_cover_every_row():
 
 
 def test_reference_compiles_without_graph_break(monkeypatch):
-    monkeypatch.delenv('NANODEPTH_TRITON', raising=False)
+    monkeypatch.delenv('NANODEPTH_PATH', raising=False)
     full, cheap = (
         make_mlp(16, 64, True, 'tanh', torch.float32, 0),
         make_mlp(16, 4, False, 'none', torch.float32, 1),
@@ -184,34 +187,180 @@ def test_reference_compiles_without_graph_break(monkeypatch):
     assert explained.graph_count == 1
 
 
-def test_dispatch_rule(monkeypatch):
-    """Triton on CUDA GPUs of compute capability >= 8.0 (A100, H100), the reference on V100/T4 and
-    CPU; NANODEPTH_TRITON=1 / 0 forces either."""
-    monkeypatch.delenv('NANODEPTH_TRITON', raising=False)
-    assert not kernels.use_triton(torch.zeros(1))
-    if kernels.triton is None:
-        monkeypatch.setenv('NANODEPTH_TRITON', '1')
-        assert not kernels.use_triton(torch.zeros(1))            # nothing to run it with
-        return
-    gpu = SimpleNamespace(is_cuda=True, device=torch.device('cuda', 0))
-    for capability, runs_kernel in [
-        ((7, 0), False),
-        ((7, 5), False),
-        ((8, 0), True),
-        ((8, 6), True),
-        ((9, 0), True),
-        ((10, 0), True),
-    ]:
-        monkeypatch.setattr(
-            torch.cuda, 'get_device_capability', lambda device=None, c=capability: c
-        )
-        monkeypatch.setattr(torch.version, 'hip', None)
-        assert kernels.use_triton(gpu) == runs_kernel, capability
-        monkeypatch.setenv('NANODEPTH_TRITON', '0')
-        assert not kernels.use_triton(gpu)
-        monkeypatch.delenv('NANODEPTH_TRITON')
-    monkeypatch.setenv('NANODEPTH_TRITON', '1')
-    assert kernels.use_triton(torch.zeros(1))
+# --------------------------------------------------------------------------------------------------
+# which path runs
+
+BF, FP, HF = torch.bfloat16, torch.float32, torch.float16
+BOTH, GROUPED, TRITON = frozenset({'grouped_mm', 'triton'}), frozenset({'grouped_mm'}), \
+    frozenset({'triton'})
+# (torch version, device type, compute capability, dtype, APIs present, compiling) -> path
+PATH_TABLE = [
+    ('2.11.0+cu130', 'cuda', (9, 0), BF, BOTH, False, 'grouped_mm'),   # H100: CUTLASS
+    ('2.11.0+cu130', 'cuda', (9, 0), BF, BOTH, True, 'grouped_mm'),
+    ('2.13.0', 'cuda', (10, 0), BF, BOTH, False, 'grouped_mm'),        # B200
+    ('2.8.0', 'cuda', (9, 0), BF, BOTH, False, 'grouped_mm'),          # its first release
+    ('2.7.1', 'cuda', (9, 0), BF, TRITON, False, 'triton'),            # no grouped_mm yet
+    ('2.11.0', 'cuda', (9, 0), HF, BOTH, False, 'triton'),             # CUTLASS is bf16 only
+    ('2.11.0', 'cuda', (9, 0), FP, BOTH, True, 'triton'),
+    ('2.9.0', 'cuda', (8, 0), BF, BOTH, False, 'triton'),              # A100: grouped_mm syncs
+    ('2.12.0', 'cuda', (8, 9), BF, BOTH, True, 'triton'),              # L4
+    ('2.11.0', 'cuda', (12, 0), BF, BOTH, False, 'triton'),            # sm_120: not CUTLASS's
+    ('2.10.0', 'cuda', (8, 0), BF, GROUPED, False, 'compact'),         # no triton installed
+    ('2.10.0', 'cuda', (8, 0), BF, GROUPED, True, 'reference'),
+    ('2.11.0', 'cuda', (7, 0), HF, BOTH, False, 'compact'),            # V100: one sync, cuBLAS
+    ('2.11.0', 'cuda', (7, 5), HF, BOTH, False, 'compact'),            # T4
+    ('2.11.0', 'cuda', (7, 0), HF, BOTH, True, 'reference'),           # traced: no sync allowed
+    ('2.13.0+cpu', 'cpu', None, FP, BOTH, False, 'compact'),
+    ('2.13.0+cpu', 'cpu', None, BF, BOTH, False, 'compact'),
+    ('2.13.0+cpu', 'cpu', None, BF, BOTH, True, 'grouped_mm'),         # computes [0, count) only
+    ('2.9.0+cpu', 'cpu', None, BF, GROUPED, True, 'grouped_mm'),
+    ('2.8.0+cpu', 'cpu', None, BF, GROUPED, True, 'reference'),        # CUDA-only in 2.8
+    ('2.13.0+cpu', 'cpu', None, FP, BOTH, True, 'reference'),          # meta kernel: bf16 only
+    ('2.13.0+cpu', 'cpu', None, HF, BOTH, True, 'reference'),
+    ('2.11.0', 'rocm', None, BF, BOTH, False, 'compact'),
+    ('2.11.0', 'mps', None, HF, BOTH, True, 'reference'),
+]
+
+
+@pytest.mark.parametrize('version,device,capability,dtype,apis,compiling,expected', PATH_TABLE)
+def test_path_choice_table(version, device, capability, dtype, apis, compiling, expected):
+    assert kernels.choose_path(version, device, capability, dtype, apis, compiling) == expected
+
+
+def test_path_choice_holds_its_rules_on_every_combination():
+    """Over torch 2.9-2.13, sm_70-sm_100 and the CPU, three dtypes, with and without triton: never
+    the compact path's sync while tracing, grouped_mm on a GPU only on sm_90/100 in bf16 (its
+    CUTLASS path) and on the CPU only when tracing bf16, triton only on sm_80+."""
+    for version in ['2.9.0', '2.10.0', '2.11.0', '2.12.0', '2.13.0']:
+        for device, capability in [('cpu', None), *[('cuda', (m, n)) for m, n in
+                                                     [(7, 0), (7, 5), (8, 0), (8, 9), (9, 0),
+                                                      (10, 0)]]]:
+            for dtype in (FP, BF, HF):
+                for apis in (BOTH, GROUPED):
+                    for compiling in (False, True):
+                        path = kernels.choose_path(version, device, capability, dtype, apis,
+                                                   compiling)
+                        assert path in kernels.PATHS
+                        assert not (compiling and path == 'compact')
+                        if path == 'grouped_mm':
+                            assert dtype == BF and (capability in [(9, 0), (10, 0)]
+                                                    or device == 'cpu' and compiling)
+                        if path == 'triton':
+                            assert 'triton' in apis and capability >= (8, 0)
+                        if device == 'cuda' and capability >= (8, 0) and 'triton' in apis:
+                            assert path in ('grouped_mm', 'triton')
+
+
+def test_default_path_here_and_forced(monkeypatch):
+    monkeypatch.delenv('NANODEPTH_PATH', raising=False)
+    assert kernels.default_path(torch.zeros(1)) == 'compact'          # the CPU, eager
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        assert kernels.matmul_dtype(torch.zeros(1)) == torch.bfloat16
+    monkeypatch.setenv('NANODEPTH_PATH', 'grouped_mm')
+    assert kernels.default_path(torch.zeros(1)) == 'grouped_mm'
+    monkeypatch.setenv('NANODEPTH_PATH', 'fast')
+    with pytest.raises(ValueError, match='NANODEPTH_PATH must be one of'):
+        kernels.default_path(torch.zeros(1))
+
+
+def test_available_paths_on_this_cpu():
+    cpu = torch.device('cpu')
+    eager = kernels.available_paths(cpu, torch.float32)
+    assert eager[-2:] == ['compact', 'reference'] and 'grouped_mm' in eager
+    assert kernels.available_paths(cpu, torch.float32, compiling=True) == ['reference']
+    assert kernels.available_paths(cpu, torch.bfloat16, compiling=True) == [
+        'grouped_mm', 'reference']
+
+
+# --------------------------------------------------------------------------------------------------
+# every path equals the per-row loop (the grouped GEMM and compact paths run here; the Triton
+# kernels in the interpreter child below)
+
+class CountCalls:
+    """Counts calls of kernels.<name> while active: proof that a path really ran."""
+    def __init__(self, name):
+        self.name = name
+
+    def __enter__(self):
+        self.calls, self.orig = 0, getattr(kernels, self.name)
+
+        def counted(*args, **kw):
+            self.calls += 1
+            return self.orig(*args, **kw)
+        setattr(kernels, self.name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(kernels, self.name, self.orig)
+
+
+PATH_FUNCTION = {'grouped_mm': 'mlp_rows_grouped', 'compact': 'mlp_rows_compact',
+                 'reference': 'mlp_rows_reference'}
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(c=cases(aligned=True), path=st.sampled_from(['grouped_mm', 'compact']))
+def test_every_path_writes_the_selected_rows_only(c, path):
+    with torch.no_grad(), CountCalls(PATH_FUNCTION[path]) as ran:
+        got, before, sel = check_rows(c, lambda *a: kernels.mlp_rows(*a, path=path))
+    assert ran.calls == 1
+    reference = kernels.mlp_rows_reference(c.x, c.order, c.lo, c.hi, c.mlp, before.clone())
+    torch.testing.assert_close(got, reference, **TOL[c.x.dtype])
+
+
+@pytest.mark.parametrize('path', ['grouped_mm', 'compact', 'reference'])
+@pytest.mark.parametrize('count', [0, 1, 39, 40])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_every_path_at_the_edge_counts(path, count, dtype):
+    """Counts 0, 1, N-1 and N of N = 40 rows, full and cheap paths into one buffer, equal the dense
+    reference where(mask, full(x), cheap(x)); grouped_mm's garbage rows never leak."""
+    full = make_mlp(16, 64, True, 'tanh', dtype, 0)
+    cheap = make_mlp(16, 8, False, 'none', dtype, 1)
+    torch.manual_seed(count)
+    x = torch.randn(40, 16).to(dtype)
+    mask = torch.zeros(40, dtype=torch.bool)
+    mask[torch.randperm(40)[:count]] = True
+    order, n = kernels.sort_by_mask(mask)
+    out = torch.full((40, 16), float('nan'), dtype=dtype)
+    with torch.no_grad():
+        kernels.mlp_rows(x, order, 0, n, full, out, path=path)
+        kernels.mlp_rows(x, order, n, 40, cheap, out, path=path)
+        expected = torch.where(mask[:, None], full(x), cheap(x))
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize('path', ['grouped_mm', 'compact', 'reference'])
+@pytest.mark.parametrize('count', [0, 1, 23, 24])
+def test_prefix_linear_computes_the_packed_rows(path, count):
+    torch.manual_seed(count)
+    x, w, b = torch.randn(24, 32), torch.randn(40, 32), torch.randn(40)
+    with torch.no_grad():
+        got = kernels.prefix_linear(x, torch.tensor(count), w, b, path=path)
+    assert got.shape == (24, 40)
+    torch.testing.assert_close(got[:count], x[:count] @ w.T + b, **TOL[torch.float32])
+
+
+def test_grouped_mm_path_compiles_without_graph_break_in_bf16():
+    """The CPU's traced sparse eval in bf16: the routed layer through grouped_mm is one graph, and
+    the compiled function equals eager."""
+    full, cheap = (make_mlp(16, 64, True, 'tanh', torch.bfloat16, 0),
+                   make_mlp(16, 8, False, 'none', torch.bfloat16, 1))
+
+    def f(x, mask):
+        order, count = kernels.sort_by_mask(mask)
+        out = torch.empty_like(x)
+        kernels.mlp_rows(x, order, 0, count, full, out, path='grouped_mm')
+        kernels.mlp_rows(x, order, count, x.size(0), cheap, out, path='grouped_mm')
+        return out
+    x, mask = torch.randn(20, 16).bfloat16(), torch.rand(20) < 0.5
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(f)(x, mask)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1
+        graph = str(explained.graphs[0].graph)
+        assert 'grouped_mm' in graph and 'nonzero' not in graph
+        compiled = torch.compile(f, fullgraph=True, backend='aot_eager')(x, mask)
+        torch.testing.assert_close(compiled, f(x, mask), rtol=0, atol=0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -219,11 +368,12 @@ def test_dispatch_rule(monkeypatch):
 
 def test_triton_kernels_under_interpreter():
     """Runs this file's test_interp_* tests in a child pytest with TRITON_INTERPRET=1 and
-    NANODEPTH_TRITON=1, and fails with its output if any of them fails."""
+    NANODEPTH_PATH=triton, and fails with its output if any of them fails."""
     if IN_CHILD:
         pytest.skip('this is the child')
     pytest.importorskip('triton')
-    env = dict(os.environ, TRITON_INTERPRET='1', NANODEPTH_TRITON='1', NANODEPTH_KERNEL_CHILD='1')
+    env = dict(os.environ, TRITON_INTERPRET='1', NANODEPTH_PATH='triton',
+               NANODEPTH_KERNEL_CHILD='1')
     proc = run_group([sys.executable, '-m', 'pytest', '-q', '-rs', '-p', 'no:cacheprovider',
                       '-k', 'test_interp_', __file__], 600, cwd=Path(__file__).resolve().parents[1],
                      env=env)
@@ -233,25 +383,21 @@ def test_triton_kernels_under_interpreter():
     assert ' passed' in summary and 'skipped' not in summary, report     # every child test ran
 
 
-class CountLaunches:
-    """Counts kernels.launch_mlp_rows calls while active: proof that mlp_rows ran the kernels."""
-    def __enter__(self):
-        self.calls, self.orig = 0, kernels.launch_mlp_rows
-
-        def launch(*args, **kw):
-            self.calls += 1
-            return self.orig(*args, **kw)
-        kernels.launch_mlp_rows = launch
-        return self
-
-    def __exit__(self, *exc):
-        kernels.launch_mlp_rows = self.orig
-
-
 @interp
 def test_interp_runs_the_interpreted_kernels():
     assert kernels.triton is not None and kernels._interpreted(kernels._gather_fc_gelu_kernel)
-    assert kernels.use_triton(torch.zeros(1))
+    assert kernels.default_path(torch.zeros(1)) == 'triton' and not kernels.TUNED
+    assert 'triton' in kernels.available_paths(torch.device('cpu'), torch.float32)
+
+
+@interp
+@pytest.mark.parametrize('count', [0, 1, 23, 40, 70])
+def test_interp_prefix_linear_computes_the_packed_rows(count):
+    torch.manual_seed(count)
+    x, w, b = torch.randn(70, 32), torch.randn(40, 32), torch.randn(40)
+    with torch.no_grad():
+        got = kernels.prefix_linear(x, torch.tensor(count), w, b, path='triton')
+    torch.testing.assert_close(got[:count], x[:count] @ w.T + b, **TOL[torch.float32])
 
 
 @interp
@@ -260,7 +406,7 @@ def test_interp_runs_the_interpreted_kernels():
 def test_interp_kernel_writes_the_selected_rows_only(c):
     """kernel == the per-row loop on the selected rows == the reference; the other rows keep their
     bits."""
-    with torch.no_grad(), CountLaunches() as launches:
+    with torch.no_grad(), CountCalls('launch_mlp_rows') as launches:
         got, before, sel = check_rows(c, kernels.mlp_rows)
     assert launches.calls == 1
     reference = kernels.mlp_rows_reference(c.x, c.order, c.lo, c.hi, c.mlp, before.clone())
@@ -275,7 +421,7 @@ def test_interp_autocast_runs_the_kernels_in_its_dtype():
     torch.manual_seed(0)
     x, order = torch.randn(40, 24), torch.randperm(40)
     with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
-        with CountLaunches() as launches:
+        with CountCalls('launch_mlp_rows') as launches:
             got = kernels.mlp_rows(x, order, 5, 33, mlp, torch.zeros(40, 24))
         reference = kernels.mlp_rows_reference(x, order, 5, 33, mlp, torch.zeros(40, 24))
     assert launches.calls == 1 and got.dtype == torch.float32
@@ -289,7 +435,7 @@ def test_interp_gradients_take_the_reference():
     """The kernels have no backward: with autograd recording, mlp_rows runs the reference."""
     mlp = make_mlp(16, 32, True, 'none', torch.float32, 0)
     x, order = torch.randn(9, 16), torch.arange(9)
-    with CountLaunches() as launches:
+    with CountCalls('launch_mlp_rows') as launches:
         out = kernels.mlp_rows(x, order, 0, 4, mlp, torch.zeros(9, 16))
     assert launches.calls == 0
     out.sum().backward()
@@ -304,7 +450,7 @@ def test_interp_full_and_cheap_cover_every_row():
     )
     torch.manual_seed(0)
     x, mask = torch.randn(70, 24), torch.rand(70) < 0.3
-    with torch.no_grad(), CountLaunches() as launches:
+    with torch.no_grad(), CountCalls('launch_mlp_rows') as launches:
         got = routed_ffn(full, cheap)(x, mask)
     assert launches.calls == 2
     with torch.no_grad():
@@ -379,41 +525,65 @@ def test_interp_compiles_without_graph_break():
 # --------------------------------------------------------------------------------------------------
 # the kernels compile for A100 and H100 (no GPU needed: Triton's bundled ptxas)
 
+def compile_for_gpu(kernel, data, dtype, capability, tile):
+    """kernel compiled ahead of time for sm_<capability> (Triton's bundled ptxas; no GPU needed)
+    with tile = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    m, n, k, warps, stages = tile
+    consts = dict(HAS_BIAS=True, TANH=True, COUNT_STARTED=False, DOT_FP32=dtype == 'fp32',
+                  BLOCK_M=m, BLOCK_N=n, BLOCK_K=k)
+    consts = {key: v for key, v in consts.items() if key in kernel.arg_names}
+
+    def kind(a):
+        if a in data:
+            return '*' + dtype
+        if a.endswith('_ptr'):
+            return '*i32' if a == 'started_ptr' else '*i64'
+        return 'constexpr' if a in consts else 'i32'
+    source = ASTSource(fn=kernel, signature={a: kind(a) for a in kernel.arg_names},
+                       constexprs={(kernel.arg_names.index(key),): v for key, v in consts.items()})
+    return triton.compile(source, target=GPUTarget('cuda', capability, 32),
+                          options=dict(num_warps=warps, num_stages=stages))
+
+
+KERNEL_DATA = [('_gather_fc_gelu_kernel', ('x_ptr', 'w_ptr', 'b_ptr', 'h_ptr')),
+               ('_proj_scatter_kernel', ('h_ptr', 'w_ptr', 'b_ptr', 'out_ptr'))]
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings('ignore:TRITON_DEFAULT_FP_FUSION')
 @pytest.mark.parametrize('capability,dtype', [(80, 'bf16'), (90, 'fp16'), (90, 'fp32')])
 def test_kernels_compile_to_cubin(capability, dtype):
-    """Both kernels compile to a cubin for sm80/sm90, with tensor-core MMA instructions for 16-bit
-    inputs. Checks the compiled (not interpreted) path as far as a machine without a GPU can."""
+    """Both kernels compile to a cubin for sm80/sm90 at the fixed tiles, with tensor-core MMA
+    instructions for 16-bit inputs. Checks the compiled (not interpreted) path as far as a machine
+    without a GPU can."""
     if IN_CHILD:
         pytest.skip('compiles the non-interpreted kernels')
-    triton = pytest.importorskip('triton')
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    ptr = '*' + dtype
-    for kernel, data in [(kernels._gather_fc_gelu_kernel, ('x_ptr', 'w_ptr', 'b_ptr', 'h_ptr')),
-                         (kernels._proj_scatter_kernel, ('h_ptr', 'w_ptr', 'b_ptr', 'out_ptr'))]:
-        consts = dict(HAS_BIAS=True, TANH=True, COUNT_STARTED=False, DOT_FP32=dtype == 'fp32',
-                      BLOCK_M=kernels.BLOCK_M, BLOCK_N=kernels.BLOCK_N, BLOCK_K=kernels.BLOCK_K)
-        consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
-        signature = {
-            a: ptr
-            if a in data
-            else '*i32'
-            if a == 'started_ptr'
-            else '*i64'
-            if a.endswith('_ptr')
-            else 'constexpr'
-            if a in consts
-            else 'i32'
-            for a in kernel.arg_names
-        }
-        source = ASTSource(fn=kernel, signature=signature,
-                           constexprs={(kernel.arg_names.index(k),): v for k, v in consts.items()})
-        compiled = triton.compile(source, target=GPUTarget('cuda', capability, 32))
+    pytest.importorskip('triton')
+    tile = (kernels.BLOCK_M, kernels.BLOCK_N, kernels.BLOCK_K, 4, 3)
+    for name, data in KERNEL_DATA:
+        compiled = compile_for_gpu(getattr(kernels, name), data, dtype, capability, tile)
         assert len(compiled.asm['cubin']) > 0
         if dtype != 'fp32':
             assert 'mma' in compiled.asm['ptx']
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings('ignore:TRITON_DEFAULT_FP_FUSION')
+@pytest.mark.parametrize('capability', [80, 90])
+def test_every_autotune_tile_compiles_for_ampere_and_hopper(capability):
+    """Every tile the GPU autotunes over compiles in bf16 for sm80 and sm90 (a tile whose shared
+    memory or register needs exceed the GPU's would fail here, not in the first GPU run)."""
+    if IN_CHILD:
+        pytest.skip('compiles the non-interpreted kernels')
+    pytest.importorskip('triton')
+    for tile in kernels.AUTOTUNE_TILES:
+        for name, data in KERNEL_DATA:
+            compiled = compile_for_gpu(getattr(kernels, name), data, 'bf16', capability, tile)
+            assert 'mma' in compiled.asm['ptx'], (name, tile)
+            assert compiled.metadata.shared <= 227 * 1024, (name, tile)   # H100's per-block max
 
 
 # --------------------------------------------------------------------------------------------------
@@ -432,7 +602,7 @@ def test_interp_model_static_eval_through_the_kernels(route):
         model.calibrate(tokens(2, 4, 20))
     with torch.no_grad():
         ref, _, ref_aux = model(idx, last_only=False, exec_mode='compact')
-        with CountLaunches() as launches:
+        with CountCalls('launch_mlp_rows') as launches:
             got, _, aux = model(idx, last_only=False, exec_mode='static')
     assert launches.calls > 0
     for l in ref_aux.get('masks', {}):
