@@ -4,8 +4,9 @@ data-dependent shapes, and a row block beyond the count never loads the FFN's we
 
     order, count = sort_by_mask(mask)          the selected rows first (stable), count = mask.sum()
     mlp_rows(x, order, lo, hi, mlp, out)       out[order[i]] = mlp(x[order[i]]) for lo <= i < hi
-    mlp_rows_reference(...)                    the same in pure PyTorch (every row computed, the rows
-                                               in range written): what the kernels are tested against
+    mlp_rows_reference(...)                    the same in pure PyTorch (every row computed, the
+                                               rows in range written): what the kernels are tested
+                                               against
 
 A routed FFN layer runs both paths into one buffer:
 
@@ -18,16 +19,17 @@ The Triton path is two kernels launched on a static grid over all N rows:
   1. H[i] = gelu(x[order[i]] @ W_fc^T + b_fc)     the gather fused into the load of x
   2. out[order[i]] = H[i] @ W_proj^T + b_proj     the scatter fused into the store
 Every program reads lo and hi from device memory and returns, before it loads any weight, when its
-block of sorted positions lies outside [lo, hi). So the count never reaches the host, the grid and the
-H buffer have static shapes, and the cheap-path tokens cost the full FFN's kernels only programs that
-exit at once (the one block that straddles the count computes rows it then masks out).
+block of sorted positions lies outside [lo, hi). So the count never reaches the host, the grid and
+the H buffer have static shapes, and the cheap-path tokens cost the full FFN's kernels only programs
+that exit at once (the one block that straddles the count computes rows it then masks out).
 
 Which path runs (mlp_rows):
-  - Triton when x is on a CUDA GPU of compute capability >= 8.0 (A100 8.0, H100 9.0, ...). Triton 3.3
-    and later support NVIDIA GPUs of compute capability 8.0+: the tensor-core (MMA) path for older
-    GPUs was removed and tl.dot there lowers to FMA loops (these kernels, compiled for sm70/sm75 by
-    triton 3.9, contain no MMA instruction). So V100 (7.0, fp16) and T4 (7.5) run the reference on
-    cuBLAS's tensor cores: correct, static shapes, no sync, but every row goes through both paths.
+  - Triton when x is on a CUDA GPU of compute capability >= 8.0 (A100 8.0, H100 9.0, ...).
+    Triton 3.3 and later support NVIDIA GPUs of compute capability 8.0+: the tensor-core (MMA)
+    path for older GPUs was removed and tl.dot there lowers to FMA loops (these kernels, compiled
+    for sm70/sm75 by triton 3.9, contain no MMA instruction). So V100 (7.0, fp16) and T4 (7.5) run
+    the reference on cuBLAS's tensor cores: correct, static shapes, no sync, but every row goes
+    through both paths.
   - Triton when NANODEPTH_TRITON=1, on any device: with TRITON_INTERPRET=1 the kernels run on CPU
     under Triton's interpreter (how the tests check them on a machine without a GPU).
   - the reference otherwise (CPU, MPS, ROCm, older GPUs, no triton installed), and whenever autograd
