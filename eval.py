@@ -16,9 +16,9 @@ prepares nothing and refuses another corpus (tokenizer, vocabulary, content hash
 {"not_applicable": why} and says so on stderr.
 
 --room: how much routing can matter for this backbone on the same validation batches (room()): the
-loss with every decision forced full and forced cheap and, for the ffn family, under random and oracle
-routing at the budget; room = cheap − full, gate_room = random − oracle. Studies (sweep.py) report it
-beside their arm differences.
+loss with every decision forced full and forced cheap and, for the ffn family, under random and
+oracle routing at the budget; room = cheap − full, gate_room = random − oracle. Studies (sweep.py)
+report it beside their arm differences.
 
 --routing-map: which path each token of a validation snippet (the first row of the first eval batch,
 up to 64 tokens) took at each layer under causal eval-mode routing, printed as text ('#' full path,

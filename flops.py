@@ -73,7 +73,8 @@ def forward_flops(config, T, mode='train', full_frac=None, **options):
     mode 'eval':  causal forward, masked-dense (every path on every token: the reference).
     mode 'policy': a no-grad pass under training decisions without loss heads (on-policy oracle).
     mode 'sparse': sparse execution at the realised fractions full_frac (a float or one per routed
-                  layer), e.g. the full FFN on that fraction of the tokens and the cheap FFN on the rest.
+                  layer), e.g. the full FFN on that fraction of the tokens and the cheap FFN on
+                  the rest.
     options: the family's step options (Family.step_options). The terms: its forward_flops."""
     return family_of(config).forward_flops(config, T, mode, full_frac, **options)
 

@@ -10,13 +10,15 @@ under autocast (fp16 on V100 would otherwise round scores into ties).
 
 Config values -> modules:
   ffn_gate='mlp'   G1: MLPGate, an MLP from h to a scalar utility score
-  ffn_gate='jepa'  G3: JEPAGate, an action-conditional predictor whose latent forecasts are aligned to a
-               fixed random projection of each action's actual outcome; the score is read from them
-               (ffn_jepa_readout: by default a utility MLP on h and the forecast difference)
+  ffn_gate='jepa'  G3: JEPAGate, an action-conditional predictor whose latent forecasts are aligned
+               to a fixed random projection of each action's actual outcome; the score is read
+               from them (ffn_jepa_readout: by default a utility MLP on h and the forecast
+               difference)
   ffn_gate='random' | 'static_full' | 'static_cheap': baselines without parameters (StaticGate)
   ffn_gate='oracle': scores are the oracle utility labels themselves (see model.py); analysis only
-Other families' routers: HaltingRouter (route='halt', TSA), ModRouter (route='mod', Mixture-of-Depths),
-EnsembleRouter (route='ensemble'); MembershipPredictor is the causal stand-in for top-k in 'ffn' and 'mod'.
+Other families' routers: HaltingRouter (route='halt', TSA), ModRouter (route='mod',
+Mixture-of-Depths), EnsembleRouter (route='ensemble'); MembershipPredictor is the causal stand-in
+for top-k in 'ffn' and 'mod'.
 """
 import math
 

@@ -51,8 +51,8 @@ except ImportError:                     # optional: without triton every call ru
 # AUTOTUNE_TILES instead. tl.dot needs every block dimension >= 16.
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
 MIN_CAPABILITY = (8, 0)                 # Triton 3.3+ supports NVIDIA compute capability 8.0+
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the mm tiles Ampere and Hopper favour (small M
-# for decode, large for prefill); the kernels read lo/hi first, so a tile past the count stays cheap.
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the mm tiles Ampere and Hopper favour (small
+# M for decode, large for prefill); a program reads lo/hi first, so a tile past the count is cheap.
 AUTOTUNE_TILES = [(16, 64, 64, 4, 4), (32, 64, 64, 4, 4), (64, 64, 32, 4, 4), (64, 128, 32, 4, 4),
                   (128, 64, 32, 4, 4), (128, 128, 32, 8, 3), (128, 128, 64, 8, 3),
                   (64, 256, 32, 8, 4)]

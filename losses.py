@@ -71,12 +71,12 @@ def exit_loss_weights(depths, n_layer, schedule, scale=1.0):
     (d in depths, all < n_layer), summing to `scale`:
         uniform:   α_d ∝ 1
         calm:      α_d ∝ d                         (CALM: ω_i ∝ i)
-        layerskip: α_d ∝ e_scale·Σ_{i≤l} i = l(l+1)/2 with l = d − 1 LayerSkip's 0-based index of the
-                   block the exit follows (so an exit after the first block weighs 0, as in LayerSkip);
-                   e_scale cancels in the normalisation, so `scale` plays its part
+        layerskip: α_d ∝ e_scale·Σ_{i≤l} i = l(l+1)/2 with l = d − 1 LayerSkip's 0-based index of
+                   the block the exit follows (so an exit after the first block weighs 0, as in
+                   LayerSkip); e_scale cancels in the normalisation, so `scale` plays its part
     schedule 'mean' is TSA's early-exit baseline: L = mean over every exit and the final layer, i.e.
-    the final weight is 1/(|D|+1) rather than 1; it returns the weights of the exits and of the final
-    layer together as {d: w} with n_layer included."""
+    the final weight is 1/(|D|+1) rather than 1; it returns the weights of the exits and of the
+    final layer together as {d: w} with n_layer included."""
     depths = sorted(depths)
     if schedule == 'mean':
         return {d: 1.0 / (len(depths) + 1) for d in depths + [n_layer]}

@@ -7,24 +7,25 @@ Plots of a study, as PNG files in OUT_ROOT/plots/, from each run's metrics.jsonl
 
 - loss_curves.png   train LM loss and val loss against iteration, one colour per arm: the mean over
                     seeds, with a band from the lowest to the highest seed.
-- pareto_flops.png  final val loss against the FLOPs proxy (flops_proxy of the run summary), one point
-                    per arm with mean ± std error bars in both directions; the arms on the Pareto front
-                    (no other arm is at least as good in both) are ringed and joined.
+- pareto_flops.png  final val loss against the FLOPs proxy (flops_proxy of the run summary), one
+                    point per arm with mean ± std error bars in both directions; the arms on the
+                    Pareto front (no other arm is at least as good in both) are ringed and joined.
 - pareto_tlops.png  the same against TLOps saved (higher is better): the last 'tlops_saved' any
-                    record of the run holds (for TSA, train.py's training-time value); arms that never
-                    log it are left out, and the plot is skipped with a note when no run does.
-- pareto_eval_flops.png, pareto_eval_tlops.png  the same against the end-of-run summary's eval forward
-                    FLOPs at the realised routing (× dense) and TLOps saved under eval (hard, causal)
-                    routing; a dense run sits at 1.0 and 0.
-- frontier_eval_flops.png, frontier_train_flops.png  final val loss against absolute eval forward FLOPs per
-                    token and training FLOPs of the run (log scale), with the study's dense frontier (its
-                    `frontier` arms, dense models of several sizes) as a line; without a frontier, the
-                    Pareto front of all arms.
+                    record of the run holds (for TSA, train.py's training-time value); arms that
+                    never log it are left out, and the plot is skipped with a note when no run does.
+- pareto_eval_flops.png, pareto_eval_tlops.png  the same against the end-of-run summary's eval
+                    forward FLOPs at the realised routing (× dense) and TLOps saved under eval
+                    (hard, causal) routing; a dense run sits at 1.0 and 0.
+- frontier_eval_flops.png, frontier_train_flops.png  final val loss against absolute eval forward
+                    FLOPs per token and training FLOPs of the run (log scale), with the study's
+                    dense frontier (its `frontier` arms, dense models of several sizes) as a line;
+                    without a frontier, the Pareto front of all arms.
 - grad_norms.png    controller gradient norm (ctrl_grad_norm) against iteration, log scale, mean and
                     min–max band over seeds.
 - full_frac.png     realised full-path fraction per routed layer over training, one panel per arm
-                    (mean over seeds): on the training batches ('full_frac' of train records, lines) and
-                    under causal eval-mode routing on validation ('val_full_frac' of evals, dots).
+                    (mean over seeds): on the training batches ('full_frac' of train records, lines)
+                    and under causal eval-mode routing on validation ('val_full_frac' of evals,
+                    dots).
 
 matplotlib is optional: without it write_plots prints one line saying the plots were skipped and how
 to install it, and returns []. The data helpers (read_metrics, run_metrics, find_runs, seed_band,

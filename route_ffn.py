@@ -267,7 +267,9 @@ class FFNRouting(Family):
         """The controlled layers that get oracle labels this step (util/rank losses on): sampled
         from the seed and the step alone, so every DDP rank and a resumed run draw the same."""
         cfg = model.config
-        if cfg.ffn_gate not in ('mlp', 'jepa') or not (cfg.ffn_util_weight > 0 or cfg.ffn_rank_weight > 0):
+        if cfg.ffn_gate not in ('mlp', 'jepa') or not (
+            cfg.ffn_util_weight > 0 or cfg.ffn_rank_weight > 0
+        ):
             return {}
         ids = self.routed_layers(cfg)
         k = min(run.ffn_oracle_layers_per_step, len(ids))
@@ -280,7 +282,8 @@ class FFNRouting(Family):
 
     def cannot_generate(self, config):
         if config.ffn_gate == 'oracle':
-            return "ffn_gate='oracle' routes by the targets, so it cannot generate; sample from a model with a causal gate"
+            return ("ffn_gate='oracle' routes by the targets, so it cannot generate; "
+                    "sample from a model with a causal gate")
         return None
 
     def ddp_find_unused(self, config):
@@ -312,7 +315,8 @@ class FFNRouting(Family):
                 if kind == 'jepa' and mode == 'train' and config.ffn_jepa_weight > 0:
                     total += 2 * c['jepa_target']
                 if config.ffn_infer_rule == 'predictor' and (
-                    mode in ('eval', 'sparse') or (mode == 'train' and config.ffn_predictor_weight > 0)
+                    mode in ('eval', 'sparse')
+                    or (mode == 'train' and config.ffn_predictor_weight > 0)
                 ):
                     total += c['pred_fc'] + c['pred_out']
                 # aux losses score the detached input again
@@ -446,7 +450,11 @@ def routed_ffn_update(block, cfg, x, ctx):
         ctx.masks[l] = mask
         if score is not None:
             ctx.scores[l] = score
-            if block.training and cfg.ffn_aux_grad == 'own' and l in ctx.options.get('oracle_layers', ()):
+            if (
+                block.training
+                and cfg.ffn_aux_grad == 'own'
+                and l in ctx.options.get('oracle_layers', ())
+            ):
                 state.gate_in[l] = h.detach()
         if block.training:
             collect_losses(block, cfg, ctx, x, h, full, cheap, mask, preds)
@@ -456,7 +464,8 @@ def routed_ffn_update(block, cfg, x, ctx):
 def collect_losses(block, cfg, ctx, x, h, full, cheap, mask, preds):
     n = len(layer_ids(cfg, 'ffn_layers', default='all'))
     if preds is not None:           # collapse monitor (A1): spread of the forecasts across tokens
-        ctx.add('jepa_pred_std', torch.cat(preds, -1).detach().flatten(0, 1).std(0, correction=0).mean() / n)
+        ctx.add('jepa_pred_std',
+                torch.cat(preds, -1).detach().flatten(0, 1).std(0, correction=0).mean() / n)
     if preds is not None and cfg.ffn_jepa_weight > 0:
         if cfg.ffn_aux_grad == 'own':     # the alignment trains this layer's predictor only
             preds = block.gate.predict(h.detach())

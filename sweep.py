@@ -1,10 +1,10 @@
 """
 Run a study: a grid of arms x seeds, each arm a list of overrides on a base config, then summarise.
 
-    python sweep.py config/study_a3.py                 # run what is missing, then summarise and plot
-    python sweep.py config/study_a3.py --jobs=2        # two runs at a time
+    python sweep.py config/study_a3.py                # run what is missing, then summarise and plot
+    python sweep.py config/study_a3.py --jobs=2       # two runs at a time
     python sweep.py config/study_a3.py --summarize_only
-    python sweep.py config/study_a3.py --no_plots      # summary only (plots need matplotlib)
+    python sweep.py config/study_a3.py --no_plots     # summary only (plots need matplotlib)
 
 A study file defines: base (a config file), overrides (for every run), arms {name: [overrides]},
 seeds, out_root, reference (the arm the others are compared with), and optionally before (train.py

@@ -1,7 +1,7 @@
 """
 Train a nanodepth model.
 
-    python train.py                                   # quickstart: synthetic corpus, small model, CPU
+    python train.py                                 # quickstart: synthetic corpus, small model, CPU
     python train.py config/shakespeare_char.py --max_iters=500 --compile=False
     torchrun --standalone --nproc_per_node=2 train.py config/gpt2_124m_fineweb.py   # DDP
 
@@ -236,13 +236,15 @@ def setup(cfg, cfg_dict, proc, argv):
     del ckpt                                       # loaded: free its memory before the loop
     run = SimpleNamespace(
         **vars(proc), **progress, cfg=cfg, cfg_dict=cfg_dict, argv=argv, meta=meta, raw_model=model,
-        model=wrap_model(model, cfg, proc), params=params, ctrl_params=model.controller_parameters(),
+        model=wrap_model(model, cfg, proc), params=params,
+        ctrl_params=model.controller_parameters(),
         optimizer=optimizer, scaler=scaler, train_data=train_data, val_data=val_data,
         # fixed batches (by eval_seed) for the loss estimates, and train-split ones (never val) that
         # calibrate the causal thresholds
         eval_sets={'train': (train_data, train_data.eval_batches(cfg.eval_iters, 1, cfg.eval_seed)),
                    'val': (val_data, val_data.eval_batches(cfg.eval_iters, 2, cfg.eval_seed))},
-        calib=[train_data.fetch(s)[0] for s in train_data.eval_batches(cfg.calib_iters, 3, cfg.eval_seed)],
+        calib=[train_data.fetch(s)[0]
+               for s in train_data.eval_batches(cfg.calib_iters, 3, cfg.eval_seed)],
         ckpt_path=os.path.join(cfg.out_dir, 'ckpt.pt'), metrics_f=None)
     if run.master:
         run.metrics_f = open_run_files(cfg, cfg_dict, proc, run.iter_num)

@@ -95,8 +95,8 @@ def model_config(cfg, **override):
 
 def check_family_options(cfg, argv, defaults):
     """Refuse another family's option given on the command line with a non-default value (e.g.
-    --route=halt --ffn_gate=jepa); only note the ones a config file set, since a study's arms switch route
-    on a shared base file (they are recorded in config.json but change nothing)."""
+    --route=halt --ffn_gate=jepa); only note the ones a config file set, since a study's arms switch
+    route on a shared base file (they are recorded in config.json but change nothing)."""
     given = {a[2:].partition('=')[0] for a in argv if a.startswith('--')}
     mine = set(FAMILIES[cfg.route].options)
     if cfg.trainable == 'last_layers':      # the dense fine-tuning baseline's number of last blocks
@@ -146,7 +146,8 @@ def check_against_checkpoint(cfg, meta, ckpt, keys):
         if k == 'vocab_size' and want == 0:
             continue
         if k in family.spelled_options:    # compare what is meant ('auto' is the family's default)
-            want, have = (family.option_meaning(GPTConfig.from_dict({**margs, k: v}), k) for v in (want, have))
+            want, have = (family.option_meaning(GPTConfig.from_dict({**margs, k: v}), k)
+                          for v in (want, have))
         if have != want:
             raise TrainError(f"config field '{k}' differs from the checkpoint: checkpoint has "
                              f"{margs.get(k)!r}, config has {getattr(cfg, k)!r}")

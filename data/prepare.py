@@ -1,12 +1,18 @@
 """Prepare a dataset for nanodepth: token ids in flat binary files plus meta.json.
 
-    python data/prepare.py synthetic [--seed 1337] [--num_tokens 2000000] [--mix copy=0.3,count=0.2,noise=0.2,add=0.3]
+    python data/prepare.py synthetic [--seed 1337] [--num_tokens 2000000]
+        [--mix copy=0.3,count=0.2,noise=0.2,add=0.3]
     python data/prepare.py synthetic_lookup [--mix copy=0.2,count=0.1,noise=0.1,add=0.2,lookup=0.4]
-    python data/prepare.py shakespeare_char [--input FILE]      # default ../shared/data/tinyshakespeare.txt, else download
-    python data/prepare.py enwik8 [--input enwik8|enwik8.zip]   # else download mattmahoney.net/dc/enwik8.zip
-    python data/prepare.py fineweb_edu [--input F.parquet|F.jsonl|F.txt] [--max_docs 100000] [--val_fraction 0.005]
-    python data/prepare.py text --input FILE [--tokenizer char|byte|gpt2] [--val_fraction 0.1] [--name NAME]
-    common options: --out_dir DIR (default data/<dataset>, or data/<name>), --dtype auto|uint16|uint32
+    python data/prepare.py shakespeare_char [--input FILE]
+        # default ../shared/data/tinyshakespeare.txt, else download
+    python data/prepare.py enwik8 [--input enwik8|enwik8.zip]
+        # else download mattmahoney.net/dc/enwik8.zip
+    python data/prepare.py fineweb_edu [--input F.parquet|F.jsonl|F.txt] [--max_docs 100000]
+        [--val_fraction 0.005]
+    python data/prepare.py text --input FILE [--tokenizer char|byte|gpt2] [--val_fraction 0.1]
+        [--name NAME]
+    common options: --out_dir DIR (default data/<dataset>, or data/<name>),
+        --dtype auto|uint16|uint32
 
 Writes train.bin, val.bin (and test.bin for enwik8): raw little-endian token ids, uint16 unless
 vocab_size > 65535 (then uint32); read with np.memmap(path, dtype=meta["dtype"], mode="r").
@@ -30,10 +36,11 @@ a kind letter and a length digit L in 1..9 (both sampled: the kind from --mix, L
     count  N L s t1..tL                   s: uniform random digit; t_i = (s + i) mod 10
     noise  R L x1..xL                     x: uniform random letters
     add    A L a1..aL + b1..bL = c1..cL+1 a, b: uniform random digits; c = a + b; all three numbers
-                                          are written least-significant digit first, c has L+1 digits
-                                          (the last is the final carry, possibly 0)
-    lookup L L k1 k1' v1 .. kL kL' vL     k, k': uniform random letters a-h; v = table[k][k'], a fixed
-                                          letter table drawn from the corpus seed (lookup_table)
+                                          are written least-significant digit first, c has L+1
+                                          digits (the last is the final carry, possibly 0)
+    lookup L L k1 k1' v1 .. kL kL' vL     k, k': uniform random letters a-h; v = table[k][k'], a
+                                          fixed letter table drawn from the corpus seed
+                                          (lookup_table)
 e.g. "C3kap>kap|N478901|R2fp|A247+38=751|" (74 + 83 = 157). The lookup kind is in the mix of
 synthetic_lookup only (`python data/prepare.py synthetic_lookup`; 35 tokens with "L"), whose values
 only a memorised 64-entry table predicts: work for a full-width FFN that a low-rank one cannot do.
@@ -287,7 +294,10 @@ def ensure_tiktoken_cache():
     cache = Path.home() / ".cache" / "nanodepth" / "tiktoken"
     cache.mkdir(parents=True, exist_ok=True)
     for name, key in TIKTOKEN_FILES.items():  # file names are sha1(url) of tiktoken's download urls
-        if not (cache / key).is_file() or (cache / key).stat().st_size != (src / name).stat().st_size:
+        if (
+            not (cache / key).is_file()
+            or (cache / key).stat().st_size != (src / name).stat().st_size
+        ):
             shutil.copyfile(src / name, cache / f"{key}.tmp-{os.getpid()}")
             os.replace(cache / f"{key}.tmp-{os.getpid()}", cache / key)
     os.environ["TIKTOKEN_CACHE_DIR"] = str(cache)
