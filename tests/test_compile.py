@@ -65,6 +65,25 @@ def test_static_eval_prefill_traces_without_graph_breaks(case):
     assert e.graph_count == 1
 
 
+@pytest.mark.parametrize('route', ROUTES)
+def test_grouped_mm_eval_and_decode_trace_without_graph_breaks_in_bf16(route):
+    """The CPU's traced path under bf16 autocast (kernels.choose_path): the eval prefill and a decoding step of
+    every family on the grouped GEMM path are one graph each, with the grouped GEMM in it wherever
+    the family runs an FFN on a subset of tokens."""
+    model = build(route).eval()
+    model.exec_mode = 'grouped_mm'
+    with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
+        prefill = torch._dynamo.explain(
+            lambda idx: model(idx, last_only=False)[0])(tokens(0, B, T))
+        tok, pos, cache = prefilled(model, [6, 3])
+        decode = torch._dynamo.explain(model.decode_step)(tok, pos, cache)
+    for e in (prefill, decode):
+        assert e.graph_break_count == 0, break_reasons(e)
+        assert e.graph_count == 1
+    if route in ('ffn', 'halt', 'exit', 'mod'):
+        assert 'grouped_mm' in str(prefill.graphs[0].graph)
+
+
 @pytest.mark.parametrize('case', CASES)
 @pytest.mark.parametrize('training', [True, False])
 def test_compiled_once_never_recompiles_on_new_data(case, training):
@@ -88,14 +107,14 @@ def test_compiled_once_never_recompiles_on_new_data(case, training):
 @given(case=st.sampled_from(CASES), seed=st.integers(0, 999), T=st.integers(1, 16),
        B=st.integers(1, 3))
 def test_static_execution_equals_compact_and_masked_dense(case, seed, T, B):
-    """Same decisions exactly; values within ROUTED_TOL: the three run matmuls over different row
-    sets (all rows, the gathered selected rows, each row padded to the longest), which fp32 BLAS
-    rounds differently in the last bits."""
+    """Same decisions exactly; values within ROUTED_TOL: the paths run matmuls over different row
+    sets (all rows, the gathered selected rows, each row padded to the longest, a grouped GEMM's
+    group), which fp32 BLAS rounds differently in the last bits."""
     model = build(*case, seed=seed).eval()
     idx = tokens(seed, B, T)
     with torch.no_grad():
         ref = seeded(lambda: model(idx, idx, sparse=False))
-        for mode in ('static', 'compact'):
+        for mode in ('static', 'compact', 'grouped_mm'):
             logits, _, aux = seeded(lambda: model(idx, idx, exec_mode=mode))
             torch.testing.assert_close(logits, ref[0], **ROUTED_TOL)
             assert aux.get('masks', {}).keys() == ref[2].get('masks', {}).keys()

@@ -594,7 +594,7 @@ def test_every_autotune_tile_compiles_for_ampere_and_hopper(capability):
 def test_interp_model_static_eval_through_the_kernels(route):
     """Every family's static eval prefill with the interpreted kernels makes compact eval's
     decisions exactly, with logits within ROUTED_TOL (the two modes sum the same dot products over
-    different row sets), and really calls the kernels."""
+    different row sets), really calls the kernels, and traces with no graph break."""
     from conftest import ROUTED_TOL, build, tokens
     model = build(route, n_layer=4).eval()
     idx = tokens(1, 3, 20)
@@ -608,3 +608,8 @@ def test_interp_model_static_eval_through_the_kernels(route):
     for l in ref_aux.get('masks', {}):
         assert torch.equal(aux['masks'][l], ref_aux['masks'][l]), l
     torch.testing.assert_close(got, ref, **ROUTED_TOL)
+    torch._dynamo.reset()
+    with torch.no_grad():               # the Triton path traces as one graph too
+        e = torch._dynamo.explain(lambda i: model(i, last_only=False, exec_mode='triton')[0])(idx)
+    assert e.graph_break_count == 0 and e.graph_count == 1
+    assert 'nanodepth.mlp_rows' in str(e.graphs[0].graph)
