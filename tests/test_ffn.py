@@ -792,53 +792,8 @@ def test_util_and_rank_weight_zero_compute_no_util_or_rank_term(monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------------
-# 9. oracle labels against hand-written forks
-
-@settings(**SETTINGS)
-@given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 24), n_layer=st.integers(1, 3), data=st.data(),
-       gate=st.sampled_from(SCORING_GATES), training=st.booleans())
-def test_off_policy_label_matches_hand_written_forks(seed, B, T, n_layer, data, gate, training):
-    l = data.draw(st.integers(0, n_layer - 1))
-    model = build(seed, n_layer, ffn_gate=gate, ffn_budget=0.5).train(training)
-    idx, tgt = tokens(seed, B, T), tokens(seed + 1, B, T)
-    with torch.no_grad():
-        x_mid, block = full_mid_ref(model, idx, l), model.transformer.h[l]
-        ce = {}
-        for action in ('full', 'cheap'):
-            y = x_mid + ffn_ref(block, x_mid, action)
-            y = suffix_ref(model, y, l + 1, {})                  # every later layer full
-            ce[action] = ce_ref(logits_ref(model, y), tgt)
-        U_ref = (ce['cheap'] - ce['full']).float()
-    U = oracle_labels.fork_utility(model, l, x_mid, tgt, None, later='full')
-    assert U.shape == (B, T) and not U.requires_grad
-    torch.testing.assert_close(U, U_ref, rtol=0, atol=1e-5)
-
-
-@settings(**SETTINGS)
-@given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(2, 24), gate=st.sampled_from(SCORING_GATES),
-       gate_grad=st.sampled_from(['ste', 'scale', 'none']), budget=st.integers(10, 90).map(lambda n: Fraction(n, 100)))
-def test_on_policy_label_matches_hand_written_forks(seed, B, T, gate, gate_grad, budget):
-    model = build(seed, 3, ffn_gate=gate, ffn_budget=float(budget), ffn_gate_grad=gate_grad).train()
-    idx, tgt = tokens(seed, B, T, distinct_first=True), tokens(seed + 1, B, T)
-    l = 0
-    with torch.no_grad():
-        block = model.transformer.h[0]
-        x_mid = embed_ref(model, idx)
-        x_mid = x_mid + block.attn(block.ln_1(x_mid))
-        ce = {}
-        for action in ('full', 'cheap'):
-            y = x_mid + ffn_ref(block, x_mid, action)
-            y = suffix_ref(model, y, 1, {1: 'policy', 2: 'policy'}, budget)   # later layers: top-k
-            ce[action] = ce_ref(logits_ref(model, y), tgt)
-        U_ref = (ce['cheap'] - ce['full']).float()
-    U_on = oracle_labels.fork_utility(model, l, x_mid, tgt, None, later='policy')
-    U_off = oracle_labels.fork_utility(model, l, x_mid, tgt, None, later='full')
-    torch.testing.assert_close(U_on, U_ref, rtol=0, atol=1e-5)
-    if ceil_frac(budget, T) < T:      # later layers route some tokens cheap: a different future
-        assert not torch.allclose(U_on, U_off, rtol=0, atol=1e-4)
-    elif gate_grad != 'scale':        # every token full (and unscaled): on-policy == off-policy
-        torch.testing.assert_close(U_on, U_off, rtol=0, atol=1e-6)
-
+# 9. the util loss regressed onto oracle labels from hand-written forks (the labels themselves:
+# test_oracle_labels.py)
 
 def from_full_start(start, policy):
     return start == 'full' or (start == 'auto' and policy == 'off')
@@ -942,39 +897,6 @@ def token_labels_ref(model, l, x_mid, base, tgt, later, budget):
             sel[:, t] = action == 'full'
             ce[action][:, t] = run(sel, held)[0][:, t]
     return (ce['cheap'] - ce['full']).float()
-
-
-@settings(**SETTINGS)
-@given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 10), n_layer=st.integers(1, 3), data=st.data(),
-       gate=st.sampled_from(SCORING_GATES), gate_grad=st.sampled_from(['ste', 'scale', 'none']),
-       later=st.sampled_from(['full', 'policy']), pos=st.sampled_from(['learned', 'rope']))
-def test_token_labels_match_one_fork_per_token(
-    seed, B, T, n_layer, data, gate, gate_grad, later, pos
-):
-    """The two-pass 'token' labels (the switched token sees the base stream's keys before it) equal
-    T separate forks, each switching one token, from any base decision at l (all full, as from the
-    all-full state, or a routed mask)."""
-    l = data.draw(st.integers(0, n_layer - 1))
-    model = build(
-        seed, n_layer, ffn_gate=gate, ffn_budget=0.5, ffn_gate_grad=gate_grad, pos=pos
-    ).train()
-    idx, tgt = tokens(seed, B, T, distinct_first=True), tokens(seed + 1, B, T)
-    g = torch.Generator().manual_seed(seed + 3)
-    base = (
-        torch.ones(B, T, dtype=torch.bool)
-        if data.draw(st.booleans())
-        else torch.rand(B, T, generator=g) < 0.5
-    )
-    with torch.no_grad():
-        x_mid = full_mid_ref(model, idx, l)
-        U_ref = token_labels_ref(model, l, x_mid, base, tgt, later, Fraction(1, 2))
-    U = oracle_labels.token_fork_utility(model, l, x_mid, base, tgt, None, later)
-    assert U.shape == (B, T) and not U.requires_grad
-    torch.testing.assert_close(U, U_ref, rtol=0, atol=1e-5)
-    if later == 'full' and bool(base.all()):      # the first token has no prefix: both kinds of
-                                                  # label agree there
-        U_seq = oracle_labels.fork_utility(model, l, x_mid, tgt, None, later='full')
-        torch.testing.assert_close(U[:, 0], U_seq[:, 0], rtol=0, atol=1e-5)
 
 
 @settings(**SETTINGS)
@@ -1110,18 +1032,6 @@ def test_gate_scores_are_fp32_under_bf16_autocast(gate, readout, rule):
             assert block.predictor(h).dtype == torch.float32
 
 
-def test_oracle_labels_ignore_dropout():
-    """With dropout on, the two forks of a label must differ only in the action: repeated labels
-    agree."""
-    model = build(0, 2, ffn_gate='mlp', dropout=0.5).train()
-    idx = tokens(0, 2, 12)
-    x_mid = torch.randn(2, 12, model.config.n_embd)
-    a = oracle_labels.fork_utility(model, 1, x_mid, idx, None, later='full')
-    b = oracle_labels.fork_utility(model, 1, x_mid, idx, None, later='full')
-    assert torch.equal(a, b)
-    assert model.transformer.drop.training          # dropout is back on afterwards
-
-
 def test_jepa_pred_std_is_reported_without_alignment():
     """A1 (ffn_jepa_weight=0) is the arm that needs the collapse monitor."""
     model = build(0, 2, ffn_gate='jepa', ffn_jepa_weight=0.0).train()
@@ -1140,44 +1050,6 @@ def test_resume_compares_the_layers_meant_not_the_spelling():
     cfg.ffn_layers = 'every_other'
     with pytest.raises(train.TrainError, match="ffn_layers"):
         train.check_against_checkpoint(cfg, {}, ck, ['ffn_layers'])
-
-
-# --------------------------------------------------------------------------------------------------
-# eval.room: the brackets a study's room is measured with
-
-@settings(**SETTINGS)
-@given(seed=st.integers(0, 999), B=st.integers(1, 3), T=st.integers(2, 12), budget=BUDGETS)
-def test_room_brackets_match_a_hand_computation(seed, B, T, budget):
-    """eval.room's all-full, all-cheap and oracle losses from the blocks' submodules by hand (one
-    controlled layer, so the oracle's top-k of U_t = CE(cheap) − CE(full) is the whole decision),
-    and the model's config is the trained one afterwards."""
-    import eval as ev
-    model = build(seed, n_layer=1, ffn_gate='mlp', ffn_budget=float(budget)).eval()
-    idx, tgt = tokens(seed, B, T), tokens(seed + 1, B, T)
-    out = ev.room(model, [(idx, tgt)])
-    with torch.no_grad():
-        x = embed_ref(model, idx)
-        block = model.transformer.h[0]
-        x = x + block.attn(block.ln_1(x))
-        ce = {
-            a: ce_ref(logits_ref(model, x + ffn_ref(block, x, a)), tgt) for a in ('full', 'cheap')
-        }
-        mask = topk_ref(ce['cheap'] - ce['full'], ceil_frac(budget, T))
-    assert out['full'] == pytest.approx(
-        ce['full'].mean().item(), rel=ROUTED_TOL["rtol"], abs=ROUTED_TOL["atol"]
-    )
-    assert out['cheap'] == pytest.approx(
-        ce['cheap'].mean().item(), rel=ROUTED_TOL["rtol"], abs=ROUTED_TOL["atol"]
-    )
-    assert out['room'] == pytest.approx(out['cheap'] - out['full'])
-    assert out['oracle'] == pytest.approx(
-        torch.where(mask, ce['full'], ce['cheap']).mean().item(),
-        rel=ROUTED_TOL["rtol"],
-        abs=ROUTED_TOL["atol"],
-    )
-    assert out['oracle_full_frac'] == [pytest.approx(ceil_frac(budget, T) / T)]
-    assert out['gate_room'] == pytest.approx(out['random'] - out['oracle'])
-    assert model.config.ffn_gate == 'mlp' and not model.training
 
 
 @settings(**SETTINGS)
