@@ -54,9 +54,10 @@ def test_corrupt_checkpoint_is_a_one_line_error(run, tmp_path, kind):
 
 
 @pytest.mark.parametrize("arg,needle", [
-    ("--bench_steps=0", "bench_steps"), ("--bench_warmup=-1", "bench_warmup"), ("--block_size=0", "block_size"),
-    ("--batch_size=0", "batch_size"), ("--decode_tokens=0", "decode_tokens"),
-    ("--budgets=a,b", "budgets"), ("--decode_batches=1,x", "decode_batches"), ("--decode_batches=0", "decode_batches"),
+    ("--bench_steps=0", "bench_steps"), ("--bench_warmup=-1", "bench_warmup"),
+    ("--block_size=0", "block_size"), ("--batch_size=0", "batch_size"),
+    ("--decode_tokens=0", "decode_tokens"), ("--budgets=a,b", "budgets"),
+    ("--decode_batches=1,x", "decode_batches"), ("--decode_batches=0", "decode_batches"),
     ("--prefill_shapes=8by512", "prefill_shapes"), ("--prefill_shapes=0x16", "prefill_shapes"),
     ("--budgets=0", "budgets"), ("--budgets=1.0,1.5", "budgets"), ("--budgets=nan", "budgets"),
     ("--device=bogus", "device"), pytest.param("--device=cuda", "CUDA", marks=NO_CUDA)])
@@ -79,7 +80,8 @@ def test_bench_bad_options(arg, needle):
     ["--decode_tokens=32"],                                   # a 1-token prompt + 32 new tokens >
                                                               # 32
     ["--decode_tokens=40"],
-    ["--route=ffn", "--budgets=0.5", "--prefill_shapes=1x16", "--decode_tokens=8", "--decode_prompt=25"]])
+    ["--route=ffn", "--budgets=0.5", "--prefill_shapes=1x16", "--decode_tokens=8",
+     "--decode_prompt=25"]])
 def test_bench_refuses_decode_past_block_size(args):
     # past block_size generate recomputes the cropped window: that is no KV-cached decode to report
     with pytest.raises(UserError, match=r"decode_tokens=\d+ .*block_size=32"):

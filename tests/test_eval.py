@@ -20,7 +20,8 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine 
 
 
 @pytest.mark.parametrize("arg,needle", [
-    ("--eval_iters=-1", "eval_iters"), ("--calib_iters=-2", "calib_iters"), ("--batch_size=-4", "batch_size"),
+    ("--eval_iters=-1", "eval_iters"), ("--calib_iters=-2", "calib_iters"),
+    ("--batch_size=-4", "batch_size"),
     ("--device=bogus", "device"), pytest.param("--device=cuda", "CUDA", marks=NO_CUDA)])
 def test_eval_bad_options(tmp_path, arg, needle):
     with pytest.raises(UserError, match=needle):

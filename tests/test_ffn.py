@@ -286,7 +286,8 @@ DENSE_EQ = dict(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 24), layout=la
 
 
 @settings(**SETTINGS)
-@given(**DENSE_EQ, gate=st.sampled_from(SCORING_GATES), readout=st.sampled_from(['distance', 'linear']),
+@given(**DENSE_EQ, gate=st.sampled_from(SCORING_GATES),
+       readout=st.sampled_from(['distance', 'linear']),
        infer_rule=st.sampled_from(['threshold', 'predictor']))
 def test_budget_one_no_grad_equals_dense_bitwise(
     seed, B, T, layout, pos, bias, gate, readout, infer_rule
@@ -333,7 +334,8 @@ def test_budget_one_ste_equals_dense_bitwise(seed, gate, readout):
 
 
 @settings(**SETTINGS)
-@given(**DENSE_EQ, gate=st.sampled_from(SCORING_GATES), readout=st.sampled_from(['distance', 'linear']))
+@given(**DENSE_EQ, gate=st.sampled_from(SCORING_GATES),
+       readout=st.sampled_from(['distance', 'linear']))
 def test_budget_one_ste_equals_dense_property(seed, B, T, layout, pos, bias, gate, readout):
     check_budget_one_ste_equals_dense(seed, B, T, layout, pos, bias, gate, readout, True)
 
@@ -386,8 +388,9 @@ def test_forced_cheap_and_static_cheap_equal_hand_written_forward(
         assert not torch.equal(model(idx, idx, force='full')[0], ref)
 
 
-@pytest.mark.parametrize('src_gate,gate,rule', [('mlp', 'mlp', 'threshold'), ('random', 'mlp', 'predictor'),
-                                                 ('random', 'jepa', 'threshold'), ('mlp', 'jepa', 'predictor')])
+@pytest.mark.parametrize('src_gate,gate,rule', [
+    ('mlp', 'mlp', 'threshold'), ('random', 'mlp', 'predictor'),
+    ('random', 'jepa', 'threshold'), ('mlp', 'jepa', 'predictor')])
 def test_routed_model_from_checkpoint_file_keeps_backbone_and_gets_fresh_gates(
     src_gate, gate, rule
 ):
@@ -451,8 +454,10 @@ def test_masked_update_equals_gather_scatter(seed, B, T, p, gate, gate_grad, lay
 @settings(**SETTINGS)
 @given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(2, 24), budget=BUDGETS, layout=layouts(),
        gate=st.sampled_from(['mlp', 'jepa', 'random', 'static_full', 'static_cheap']),
-       infer_rule=st.sampled_from(['threshold', 'predictor']), gate_grad=st.sampled_from(['ste', 'scale', 'none']),
-       readout=st.sampled_from(['distance', 'linear']), pos=st.sampled_from(['learned', 'rope']), data=st.data())
+       infer_rule=st.sampled_from(['threshold', 'predictor']),
+       gate_grad=st.sampled_from(['ste', 'scale', 'none']),
+       readout=st.sampled_from(['distance', 'linear']), pos=st.sampled_from(['learned', 'rope']),
+       data=st.data())
 def test_eval_routing_is_causal(
     seed, B, T, budget, layout, gate, infer_rule, gate_grad, readout, pos, data
 ):
@@ -503,7 +508,8 @@ def test_eval_routing_is_causal(
 @settings(**SETTINGS)
 @given(seed=SEEDS, B=st.integers(1, 2), T0=st.integers(1, 10), new=st.integers(1, 8),
        gate=st.sampled_from(['mlp', 'jepa', 'static_full', 'static_cheap']),
-       infer_rule=st.sampled_from(['threshold', 'predictor']), gate_grad=st.sampled_from(['ste', 'scale', 'none']),
+       infer_rule=st.sampled_from(['threshold', 'predictor']),
+       gate_grad=st.sampled_from(['ste', 'scale', 'none']),
        pos=st.sampled_from(['learned', 'rope']), layout=layouts())
 def test_eval_routing_kv_cache_decoding_equals_recompute(
     seed, B, T0, new, gate, infer_rule, gate_grad, pos, layout
@@ -555,7 +561,8 @@ def gate_params_on_score(block):
 @settings(**SETTINGS)
 @given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(2, 24), budget=BUDGETS, layout=layouts(),
        gate=st.sampled_from(SCORING_GATES), readout=st.sampled_from(['distance', 'linear']),
-       gate_grad=st.sampled_from(['ste', 'scale', 'none']), infer_rule=st.sampled_from(['threshold', 'predictor']))
+       gate_grad=st.sampled_from(['ste', 'scale', 'none']),
+       infer_rule=st.sampled_from(['threshold', 'predictor']))
 def test_lm_loss_alone_reaches_the_gate(
     seed, B, T, budget, layout, gate, readout, gate_grad, infer_rule
 ):
@@ -691,10 +698,10 @@ def test_calibration_hits_budget_on_its_own_batch(
     assert (frac - float(budget)).abs().max().item() <= 1 / (B * T) + 1e-6
 
 
-# Held-out batch: 32 sequences of 24 tokens. Were every token's decision independent, the calibration
-# quantile and the fresh batch's fraction would differ by std <= sqrt(2·0.25/768) ≈ 0.026; but
-# scores within a sequence are correlated and the check takes the worst layer, so the measured
-# worst-layer gaps reach 0.115 in 60 random examples. ±0.2 is about 5 std of those, and a
+# Held-out batch: 32 sequences of 24 tokens. Were every token's decision independent, the
+# calibration quantile and the fresh batch's fraction would differ by std <= sqrt(2·0.25/768)
+# ≈ 0.026; but scores within a sequence are correlated and the check takes the worst layer, so the
+# measured worst-layer gaps reach 0.115 in 60 random examples. ±0.2 is about 5 std of those, and a
 # calibration that misses the budget (a threshold left at 0, a wrong quantile) misses by 0.3-0.5.
 # derandomize=True keeps the drawn examples fixed for a given test source.
 @settings(**dict(SETTINGS, derandomize=True))
@@ -901,7 +908,8 @@ def token_labels_ref(model, l, x_mid, base, tgt, later, budget):
 
 @settings(**SETTINGS)
 @given(seed=SEEDS, B=st.integers(1, 2), T=st.integers(2, 10), gate=st.sampled_from(SCORING_GATES),
-       policy=st.sampled_from(['off', 'on']), start=st.sampled_from(['auto', 'full', 'routed']), data=st.data())
+       policy=st.sampled_from(['off', 'on']), start=st.sampled_from(['auto', 'full', 'routed']),
+       data=st.data())
 def test_util_loss_regresses_onto_token_labels_from_either_start(
     seed, B, T, gate, policy, start, data
 ):
@@ -941,7 +949,8 @@ def test_util_loss_regresses_onto_token_labels_from_either_start(
 # --------------------------------------------------------------------------------------------------
 # 11. controller-only training touches the controller and nothing else
 
-@pytest.mark.parametrize('gate,infer_rule', [('mlp', 'threshold'), ('jepa', 'predictor'), ('mlp', 'predictor')])
+@pytest.mark.parametrize('gate,infer_rule', [('mlp', 'threshold'), ('jepa', 'predictor'),
+                                             ('mlp', 'predictor')])
 def test_controller_only_training_freezes_the_backbone(gate, infer_rule):
     model = build(
         1,
@@ -980,7 +989,8 @@ def test_controller_only_training_freezes_the_backbone(gate, infer_rule):
             assert any(k.startswith(f'transformer.h.{l}.predictor.') for k in changed)
 
 
-@pytest.mark.parametrize('kw', [dict(ffn_gate='random'), dict(ffn_gate='static_full'), dict(route='none')])
+@pytest.mark.parametrize('kw', [dict(ffn_gate='random'), dict(ffn_gate='static_full'),
+                                dict(route='none')])
 def test_controller_only_needs_gate_parameters(kw):
     model = build(0, 2, **kw)
     cfg = SimpleNamespace(
@@ -996,7 +1006,8 @@ def test_controller_only_needs_gate_parameters(kw):
 @pytest.mark.parametrize('field,value', [
     ('ffn_budget', 0.0), ('ffn_budget', 1.5), ('ffn_budget', -0.5), ('ffn_budget', float('nan')),
     ('ffn_gate', 'g2'), ('route', 'moe'), ('ffn_gate_grad', 'gumbel'), ('ffn_infer_rule', 'topk'),
-    ('ffn_jepa_outcome', 'x'), ('ffn_jepa_readout', 'x'), ('ffn_rank_kind', 'hinge'), ('ffn_oracle_policy', 'both'),
+    ('ffn_jepa_outcome', 'x'), ('ffn_jepa_readout', 'x'), ('ffn_rank_kind', 'hinge'),
+    ('ffn_oracle_policy', 'both'),
     ('ffn_layers', '7'), ('ffn_layers', 'x'), ('ffn_layers', '-1'),
     ('ffn_layers', '0,3'), ('ffn_layers', ''), ('ffn_layers', '1.5')])
 def test_config_validation_names_the_field(field, value):
@@ -1020,7 +1031,8 @@ def test_valid_config_accepted(layout, budget):
 # --------------------------------------------------------------------------------------------------
 # regressions from review
 
-@pytest.mark.parametrize('gate,readout,rule', [('mlp', 'distance', 'threshold'), ('jepa', 'distance', 'threshold'),
+@pytest.mark.parametrize('gate,readout,rule', [('mlp', 'distance', 'threshold'),
+                                                ('jepa', 'distance', 'threshold'),
                                                 ('jepa', 'linear', 'predictor')])
 def test_gate_scores_are_fp32_under_bf16_autocast(gate, readout, rule):
     model = build(0, 2, ffn_gate=gate, ffn_jepa_readout=readout, ffn_infer_rule=rule)
@@ -1040,7 +1052,8 @@ def test_jepa_pred_std_is_reported_without_alignment():
 
 
 @settings(**SETTINGS)
-@given(seed=SEEDS, T=st.integers(4, 16), gate=st.sampled_from(SCORING_GATES), aux_grad=st.sampled_from(['own', 'leak']))
+@given(seed=SEEDS, T=st.integers(4, 16), gate=st.sampled_from(SCORING_GATES),
+       aux_grad=st.sampled_from(['own', 'leak']))
 def test_aux_loss_gradients_reach_only_their_own_gate(seed, T, gate, aux_grad):
     """ffn_aux_grad='own': the util loss at layer 1 moves layer 1's gate only, and the JEPA loss
     only the gates; 'leak': both also move the backbone below, and the util loss layer 0's gate,

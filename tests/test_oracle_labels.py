@@ -1,6 +1,6 @@
 """Tests for oracle_labels.py: the utility labels U_t = CE(cheap) - CE(full) of a routed FFN layer
-equal hand-written forks, off-policy (later layers full) and on-policy (later layers by their gates),
-per sequence and per token (one fork per switched token), and ignore dropout.
+equal hand-written forks, off-policy (later layers full) and on-policy (later layers by their
+gates), per sequence and per token (one fork per switched token), and ignore dropout.
 
 The ffn models and the hand-written references are test_ffn.py's."""
 from fractions import Fraction
@@ -30,8 +30,8 @@ pytestmark = pytest.mark.usefixtures('one_thread')      # tiny ops: see conftest
 
 
 @settings(**SETTINGS)
-@given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 24), n_layer=st.integers(1, 3), data=st.data(),
-       gate=st.sampled_from(SCORING_GATES), training=st.booleans())
+@given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 24), n_layer=st.integers(1, 3),
+       data=st.data(), gate=st.sampled_from(SCORING_GATES), training=st.booleans())
 def test_off_policy_label_matches_hand_written_forks(seed, B, T, n_layer, data, gate, training):
     l = data.draw(st.integers(0, n_layer - 1))
     model = build(seed, n_layer, ffn_gate=gate, ffn_budget=0.5).train(training)
@@ -51,7 +51,8 @@ def test_off_policy_label_matches_hand_written_forks(seed, B, T, n_layer, data, 
 
 @settings(**SETTINGS)
 @given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(2, 24), gate=st.sampled_from(SCORING_GATES),
-       gate_grad=st.sampled_from(['ste', 'scale', 'none']), budget=st.integers(10, 90).map(lambda n: Fraction(n, 100)))
+       gate_grad=st.sampled_from(['ste', 'scale', 'none']),
+       budget=st.integers(10, 90).map(lambda n: Fraction(n, 100)))
 def test_on_policy_label_matches_hand_written_forks(seed, B, T, gate, gate_grad, budget):
     model = build(seed, 3, ffn_gate=gate, ffn_budget=float(budget), ffn_gate_grad=gate_grad).train()
     idx, tgt = tokens(seed, B, T, distinct_first=True), tokens(seed + 1, B, T)
@@ -76,8 +77,9 @@ def test_on_policy_label_matches_hand_written_forks(seed, B, T, gate, gate_grad,
 
 
 @settings(**SETTINGS)
-@given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 10), n_layer=st.integers(1, 3), data=st.data(),
-       gate=st.sampled_from(SCORING_GATES), gate_grad=st.sampled_from(['ste', 'scale', 'none']),
+@given(seed=SEEDS, B=st.integers(1, 3), T=st.integers(1, 10), n_layer=st.integers(1, 3),
+       data=st.data(), gate=st.sampled_from(SCORING_GATES),
+       gate_grad=st.sampled_from(['ste', 'scale', 'none']),
        later=st.sampled_from(['full', 'policy']), pos=st.sampled_from(['learned', 'rope']))
 def test_token_labels_match_one_fork_per_token(
     seed, B, T, n_layer, data, gate, gate_grad, later, pos

@@ -1,7 +1,7 @@
-"""Tests for train.py: exact resume, DDP equivalence, the data sampler, output files, signals, a full
-disk under the metrics, non-finite losses, input errors, the quickstart and the LR schedule. (What
-train.py's helper modules do on their own: test_checkpoint.py, test_device.py, test_run_state.py,
-test_train_report.py, test_train_checks.py.)
+"""Tests for train.py: exact resume, DDP equivalence, the data sampler, output files, signals, a
+full disk under the metrics, non-finite losses, input errors, the quickstart and the LR schedule.
+(What train.py's helper modules do on their own: test_checkpoint.py, test_device.py,
+test_run_state.py, test_train_report.py, test_train_checks.py.)
 
 Everything runs on CPU with a 2-layer, 32-wide model on a 60k-token synthetic corpus prepared once
 per session. Training runs are subprocesses (`python train.py ...`, OMP_NUM_THREADS=1 so runs are
@@ -211,8 +211,8 @@ def snapshot(folder):
 # 1. exact resume
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n,eval_interval,log_interval,accum,gate", [(6, 4, 1, 1, "mlp"), (5, 3, 4, 2, "mlp"),
-                                                                    (6, 4, 2, 1, "random")],
+@pytest.mark.parametrize("n,eval_interval,log_interval,accum,gate",
+                         [(6, 4, 1, 1, "mlp"), (5, 3, 4, 2, "mlp"), (6, 4, 2, 1, "random")],
                          ids=["eval4-N6", "eval3-log4-accum2-N5", "random-gate-N6"])
 def test_resume_is_bit_exact(synth, tmp_path, n, eval_interval, log_interval, accum, gate):
     """2N iterations in one go == N iterations, then --init_from=resume to 2N: every model and
@@ -405,7 +405,8 @@ def start_ddp_and_wait_for_training(synth, tmp, extra):
                  cwd=REPO, env=ENV)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
-        if (out / "metrics.jsonl").exists() and '"type": "train"' in (out / "metrics.jsonl").read_text():
+        metrics = out / "metrics.jsonl"
+        if metrics.exists() and '"type": "train"' in metrics.read_text():
             break
         time.sleep(0.1)
     if proc.poll() is not None:
@@ -1113,7 +1114,8 @@ def test_bad_input_in_process(case, synth, synth_other, text_data, base_run, tmp
     assert snapshot(base_copy) == before
 
 
-@pytest.mark.parametrize("case", ["unknown_key", "resume_other_data", "fresh_over_existing_run", "n_head_0"])
+@pytest.mark.parametrize("case", ["unknown_key", "resume_other_data", "fresh_over_existing_run",
+                                  "n_head_0"])
 def test_bad_input_cli_exit_code(case, synth, synth_other, text_data, base_run, tmp_path):
     args, needles, fresh, base_copy, before = bad_case(case, synth, text_data, base_run, tmp_path)
     r = run_train(args)
@@ -1196,8 +1198,8 @@ def test_quickstart_prepares_trains_and_samples(tmp_path):
 # 10. LR schedule
 
 @settings(max_examples=100, deadline=None)
-@given(lr=st.floats(1e-5, 1.0), frac=st.floats(0.0, 1.0), warmup=st.integers(0, 40), span=st.integers(1, 300),
-       lr_decay_iters=st.booleans())
+@given(lr=st.floats(1e-5, 1.0), frac=st.floats(0.0, 1.0), warmup=st.integers(0, 40),
+       span=st.integers(1, 300), lr_decay_iters=st.booleans())
 def test_lr_schedule(lr, frac, warmup, span, lr_decay_iters):
     """Warmup rises strictly to learning_rate at it == warmup_iters, cosine falls to min_lr at
     lr_decay_iters (or max_iters when it is 0), then min_lr; compared with an independent

@@ -12,15 +12,16 @@ from test_ffn import BASE
 from train_checks import TrainError, check_against_checkpoint, check_out_dir, check_state_fits
 
 
-@pytest.mark.parametrize("route,field,old,new", [("exit", "exit_layers", "1,2", "2,3"), ("exit", "exit_head", "own", "shared"),
+@pytest.mark.parametrize("route,field,old,new", [("exit", "exit_layers", "1,2", "2,3"),
+                                                 ("exit", "exit_head", "own", "shared"),
                                                  ("ensemble", "ens_layers", 2, 3)])
 def test_resume_refuses_changed_exit_and_ensemble_fields(route, field, old, new):
     shape = dict(
         n_layer=4, n_embd=32, n_head=2, **({'exit_head': 'own'} if field == 'exit_layers' else {})
     )
     """Fields that change the model's parameters are compared with the checkpoint by name, and any
-    other shape difference is caught by comparing the state dicts, not by load_state_dict's traceback."""
-    from dataclasses import asdict
+    other shape difference is caught by comparing the state dicts, not by load_state_dict's
+    traceback."""
     margs = asdict(GPTConfig(route=route, **shape, **{field: old}))
     ck = dict(model_args=margs, data_meta={}, config={})
     cfg = SimpleNamespace(**{**train.DEFAULTS, **margs, field: new})
