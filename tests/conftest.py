@@ -296,6 +296,38 @@ def one_thread():
 
 
 # --------------------------------------------------------------------------------------------------
+# a tiny trained run the script tests read (sample.py, eval.py and the command-line errors)
+
+@pytest.fixture(scope="session")
+def run(tmp_path_factory):
+    """A 2-iteration routed run on the synthetic corpus (prepared into its own data_dir), trained
+    once per pytest run. Only read: a test that damages a checkpoint copies it first."""
+    root = tmp_path_factory.mktemp("run")
+    r = run_group(
+        [
+            sys.executable,
+            "train.py",
+            "--max_iters=2",
+            "--eval_interval=2",
+            "--eval_iters=1",
+            "--batch_size=2",
+            "--block_size=16",
+            "--n_layer=1",
+            "--n_embd=32",
+            "--n_head=2",
+            "--device=cpu",
+            f"--out_dir={root / 'out'}",
+            f"--data_dir={root / 'data'}",
+        ],
+        180,
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return root
+
+
+# --------------------------------------------------------------------------------------------------
 # comparisons across kernels
 #
 # Bitwise equality (torch.equal) is right only when both sides run the same kernels on the same

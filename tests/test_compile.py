@@ -13,7 +13,6 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import ROUTED_TOL, assert_greedy_traces_agree, greedy_trace
 from model import FAMILIES as REGISTRY
-from routing import rows_apply, split_apply
 from test_families import CASES, SETTINGS, build, seeded, tokens
 
 pytestmark = pytest.mark.usefixtures('one_thread')      # tiny ops: see conftest.py
@@ -120,28 +119,6 @@ def test_static_execution_equals_compact_and_masked_dense(case, seed, T, B):
             assert aux.get('masks', {}).keys() == ref[2].get('masks', {}).keys()
             for l in aux.get('masks', {}):
                 assert torch.equal(aux['masks'][l], ref[2]['masks'][l]), (mode, l)
-
-
-def test_rows_apply_writes_exactly_the_rows_in_range():
-    x = torch.randn(7, 3)
-    order = torch.tensor([4, 0, 6, 2, 1, 5, 3])
-    out = torch.full((7, 3), -1.0)
-    lo, hi = torch.tensor(2), torch.tensor(5)            # device-side bounds: no host sync
-    rows_apply(x, order, lo, hi, lambda t: 2 * t, out)
-    written = order[2:5]
-    assert torch.equal(out[written], 2 * x[written])
-    untouched = torch.tensor([r for r in range(7) if r not in written.tolist()])
-    assert (out[untouched] == -1).all()
-
-
-@pytest.mark.parametrize('mode', ['static', 'compact'])
-def test_split_apply_modes_route_each_token_to_its_path(mode):
-    x = torch.randn(2, 5, 3)
-    mask = torch.rand(2, 5) < 0.5
-    got = split_apply(x, mask, lambda t: t + 1, lambda t: t - 1, mode=mode)
-    assert torch.equal(got, torch.where(mask[..., None], x + 1, x - 1))
-    got = split_apply(x, mask, lambda t: 3 * t, mode=mode)
-    assert torch.equal(got, torch.where(mask[..., None], 3 * x, 0.0))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -17,8 +17,9 @@ pytestmark = pytest.mark.usefixtures('one_thread')      # tiny ops: see conftest
 
 
 @settings(**SETTINGS)
-@given(seed=st.integers(0, 999), T=st.integers(1, 16), mix=st.sampled_from(['logit', 'logprob', 'prob']),
-       r_in=st.sampled_from(['final', 'mean']), kl=st.sampled_from(['forward', 'reverse']), k=st.integers(1, 4),
+@given(seed=st.integers(0, 999), T=st.integers(1, 16),
+       mix=st.sampled_from(['logit', 'logprob', 'prob']), r_in=st.sampled_from(['final', 'mean']),
+       kl=st.sampled_from(['forward', 'reverse']), k=st.integers(1, 4),
        distill=st.sampled_from(['mixture', 'per_layer']), teacher_lm=st.sampled_from([0.0, 0.7]))
 def test_ensemble_matches_hand_computation(seed, T, mix, r_in, kl, k, distill, teacher_lm):
     model = build(

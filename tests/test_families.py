@@ -195,8 +195,9 @@ def test_gradients_reach_every_router(case):
 # mod, exit and ensemble were drawn here
 @settings(max_examples=36, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=st.sampled_from(ALL_CASES), seed=st.integers(0, 99),
-       T=st.integers(2, 16), B=st.integers(1, 2), budget=st.floats(0.05, 1.0), pw=st.sampled_from([0.0, 1.0]),
-       trainable=st.sampled_from(['all', 'controller']), kl=st.sampled_from([0.0, 1.0]), data=st.data())
+       T=st.integers(2, 16), B=st.integers(1, 2), budget=st.floats(0.05, 1.0),
+       pw=st.sampled_from([0.0, 1.0]), trainable=st.sampled_from(['all', 'controller']),
+       kl=st.sampled_from([0.0, 1.0]), data=st.data())
 def test_family_flops_match_counter(case, seed, T, B, budget, pw, trainable, kl, data):
     """Training forward, a whole training step (joint or controller-only), the masked eval forward
     and the sparse eval forward (at the realised fractions) equal FlopCounterMode's count."""

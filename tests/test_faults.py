@@ -47,7 +47,8 @@ CFG = ["--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_s
 TIMEOUT = 180
 
 FAULT_WRAPPER = r'''
-"""python wrapper.py <train.py args>: train.py with one injected fault, chosen by FAULT_* variables."""
+"""python wrapper.py <train.py args>: train.py with one injected fault, chosen by FAULT_*
+variables."""
 import hashlib, io, json, os, shutil, signal, sys, time
 sys.path.insert(0, {repo!r})
 import torch
@@ -55,7 +56,8 @@ import train
 from configurator import run_cli
 
 MODE = os.environ["FAULT_MODE"]      # kill_in_save | sigint_in_save | sigterm_at_iter
-AT = int(os.environ["FAULT_AT"])     # the AT-th checkpoint write of this process (1-based) / iteration
+# the AT-th checkpoint write of this process (1-based) / iteration
+AT = int(os.environ["FAULT_AT"])
 FRAC = float(os.environ.get("FAULT_FRAC", "0.5"))   # where in the file's bytes the fault strikes
 RECORD = os.environ["FAULT_RECORD"]
 COPY = os.environ.get("FAULT_COPY")
@@ -73,7 +75,8 @@ def record(**kw):
 def faulty_save(obj, f, *args, **kwargs):
     global saves, signalled
     name = getattr(f, "name", None)
-    if not (isinstance(name, str) and ".tmp-" in name):      # only checkpoint.save_checkpoint's writes
+    # only checkpoint.save_checkpoint's writes
+    if not (isinstance(name, str) and ".tmp-" in name):
         return _torch_save(obj, f, *args, **kwargs)
     saves += 1
     if saves != AT:
@@ -85,7 +88,8 @@ def faulty_save(obj, f, *args, **kwargs):
     ckpt = name[:name.rindex(".tmp-")]
     if MODE == "kill_in_save":
         prev = hashlib.sha256(open(ckpt, "rb").read()).hexdigest() if os.path.exists(ckpt) else None
-        record(pid=os.getpid(), tmp=name, iter_num=obj["iter_num"], cut=cut, size=len(data), prev_sha256=prev)
+        record(pid=os.getpid(), tmp=name, iter_num=obj["iter_num"], cut=cut, size=len(data),
+               prev_sha256=prev)
         f.write(data[:cut])
         f.flush()
         os.fsync(f.fileno())
@@ -94,7 +98,7 @@ def faulty_save(obj, f, *args, **kwargs):
     elif MODE == "sigint_in_save":                            # Ctrl-C part-way through the write
         f.write(data[:cut])
         f.flush()
-        os.kill(os.getpid(), signal.SIGINT)                   # os.kill runs the Python handler before returning
+        os.kill(os.getpid(), signal.SIGINT)     # os.kill runs the Python handler before returning
         handler = signal.getsignal(signal.SIGINT)
         seen = getattr(getattr(handler, "__self__", None), "signum", None)
         f.write(data[cut:])
@@ -114,7 +118,7 @@ def save_checkpoint(path, state):
 
 
 def lr_at(cfg, it):
-    if MODE == "sigterm_at_iter" and it == AT:                # during the step it -> it+1, not in a write
+    if MODE == "sigterm_at_iter" and it == AT:      # during the step it -> it+1, not in a write
         record(pid=os.getpid(), iter=it)
         os.kill(os.getpid(), signal.SIGTERM)
     return _lr_at(cfg, it)

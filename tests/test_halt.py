@@ -75,7 +75,8 @@ def test_bench_bisects_tau_only_under_hard_skipping():
 
 
 @settings(**SETTINGS)
-@given(seed=st.integers(0, 999), n_layer=st.integers(2, 4), T=st.integers(1, 24), pos=st.sampled_from(['learned', 'rope']))
+@given(seed=st.integers(0, 999), n_layer=st.integers(2, 4), T=st.integers(1, 24),
+       pos=st.sampled_from(['learned', 'rope']))
 def test_closed_router_is_the_dense_model(seed, n_layer, T, pos):
     model = build(seed, n_layer, pos=pos)
     close_routers(model)
@@ -106,7 +107,8 @@ def test_soft_forward_and_regulariser_match_hand_computation(seed, n_layer, T):
 
 
 @settings(**SETTINGS)
-@given(seed=st.integers(0, 999), tau=st.floats(0.05, 0.95), T=st.integers(1, 24), mode=st.sampled_from(['scaled', 'binary']))
+@given(seed=st.integers(0, 999), tau=st.floats(0.05, 0.95), T=st.integers(1, 24),
+       mode=st.sampled_from(['scaled', 'binary']))
 def test_hard_eval_skips_where_p_exceeds_tau(seed, tau, T, mode):
     model = build(seed, 3, halt_tau=tau, halt_hard=mode).eval()
     idx = torch.randint(0, 29, (2, T))

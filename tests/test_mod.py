@@ -18,7 +18,8 @@ pytestmark = pytest.mark.usefixtures('one_thread')      # tiny ops: see conftest
 
 
 @settings(**SETTINGS)
-@given(seed=st.integers(0, 999), T=st.integers(1, 24), B=st.integers(1, 3), budget=st.floats(0.01, 1.0),
+@given(seed=st.integers(0, 999), T=st.integers(1, 24), B=st.integers(1, 3),
+       budget=st.floats(0.01, 1.0),
        layout=st.sampled_from(['auto', 'all', '0,3']))
 def test_mod_training_capacity_is_exact_and_unselected_tokens_pass_unchanged(
     seed, T, B, budget, layout
@@ -87,7 +88,8 @@ def test_mod_selected_tokens_attend_among_themselves_at_real_positions(seed, T, 
 
 
 @settings(**SETTINGS)
-@given(seed=st.integers(0, 999), T=st.integers(1, 20), rule=st.sampled_from(['threshold', 'predictor']))
+@given(seed=st.integers(0, 999), T=st.integers(1, 20),
+       rule=st.sampled_from(['threshold', 'predictor']))
 def test_mod_causal_rule_and_predictor_accuracy(seed, T, rule):
     """Eval: selected where σ(router) > 0.5 (or σ(predictor) > 0.5), computed here from the modules;
     the reported accuracy is the agreement with top-k membership of the router scores."""

@@ -92,9 +92,10 @@ def test_a_stored_config_with_an_old_name_is_refused_naming_the_new_one(monkeypa
         read_stored_config({'route': 'ffn', 'cheap_rank': 4, 'gate': 'mlp'})
 
 
-@pytest.mark.parametrize('route,key,before,today', [('ffn', 'ffn_aux_grad', 'leak', 'own'),
-                                                    ('ffn', 'ffn_oracle_label', 'sequence', 'token'),
-                                                    ('ensemble', 'ens_distill', 'mixture', 'per_layer')])
+@pytest.mark.parametrize('route,key,before,today', [
+    ('ffn', 'ffn_aux_grad', 'leak', 'own'),
+    ('ffn', 'ffn_oracle_label', 'sequence', 'token'),
+    ('ensemble', 'ens_distill', 'mixture', 'per_layer')])
 def test_a_stored_config_from_before_an_option_keeps_its_behaviour(route, key, before, today):
     """An option added with a default unlike what the code did before it: a checkpoint or
     config.json without it reads as it ran; one that has it, and a fresh config, as written."""

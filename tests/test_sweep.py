@@ -195,9 +195,9 @@ def test_threshold_hit_default_and_from_the_study(tmp_path):
 
 
 FAKE_TRAIN = textwrap.dedent("""
-    # A stand-in for train.py: writes a finished run's files from its --seed and --shift arguments. With
-    # FAKE_BARRIER set, it first waits (up to 20 s) until a second run has started: it can finish only
-    # if two runs are in flight at the same time.
+    # A stand-in for train.py: writes a finished run's files from its --seed and --shift
+    # arguments. With FAKE_BARRIER set, it first waits (up to 20 s) until a second run has started:
+    # it can finish only if two runs are in flight at the same time.
     import json, os, sys, time
     args = dict(a[2:].split('=', 1) for a in sys.argv[2:])
     out, seed, shift = args['out_dir'], int(args['seed']), float(args.get('shift', 0))
@@ -214,11 +214,13 @@ FAKE_TRAIN = textwrap.dedent("""
     json.dump(dict(git_sha='fake', git_dirty=False), open(os.path.join(out, 'run_info.json'), 'w'))
     with open(os.path.join(out, 'metrics.jsonl'), 'w') as f:
         for it in (1, 2, 3, 4):
-            f.write(json.dumps(dict(type='train', iter=it, lm_loss=3 - 0.3 * it + shift + 0.01 * seed,
+            f.write(json.dumps(dict(type='train', iter=it,
+                                    lm_loss=3 - 0.3 * it + shift + 0.01 * seed,
                                     ctrl_grad_norm=0.1 * seed)) + '\\n')
         f.write(json.dumps(dict(type='eval', iter=4, val_loss=2 + shift + 0.01 * seed)) + '\\n')
-        f.write(json.dumps(dict(type='summary', iter=4, avg_lm=2.5 + shift + 0.01 * seed, best_val_lm=2 + shift,
-                                flops_proxy=1 + shift, wall_s=1.0)) + '\\n')
+        f.write(json.dumps(dict(type='summary', iter=4, avg_lm=2.5 + shift + 0.01 * seed,
+                                best_val_lm=2 + shift, flops_proxy=1 + shift,
+                                wall_s=1.0)) + '\\n')
 """)
 
 
@@ -438,7 +440,8 @@ def test_frontier_is_interpolated_in_log_cost_and_never_extrapolated():
     # halfway in log between 1 and 4
     assert sweep.frontier_at(pts, 2.0) == pytest.approx(2.5)
     assert sweep.frontier_at(pts, 8.0) == pytest.approx(1.75)         # halfway between 4 and 16
-    assert sweep.frontier_at(pts, 4.0) == pytest.approx(2.0) and sweep.frontier_at(pts, 1.0) == pytest.approx(3.0)
+    assert sweep.frontier_at(pts, 4.0) == pytest.approx(2.0)
+    assert sweep.frontier_at(pts, 1.0) == pytest.approx(3.0)
     assert sweep.frontier_at(pts, 0.5) is None and sweep.frontier_at(pts, 17.0) is None
     assert sweep.frontier_at(pts[:1], 4.0) is None                     # one size is no frontier
     # a zero cost is dropped, not log(0)

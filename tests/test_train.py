@@ -1,10 +1,11 @@
-"""Tests for train.py: exact resume, DDP equivalence, the data sampler, output files, signals,
-atomic checkpoints, non-finite losses, input errors, the quickstart and the LR schedule.
+"""Tests for train.py: exact resume, DDP equivalence, the data sampler, output files, signals, a
+full disk under the metrics, non-finite losses, input errors, the quickstart and the LR schedule.
+(What train.py's helper modules do on their own: test_checkpoint.py, test_device.py,
+test_run_state.py, test_train_report.py, test_train_checks.py.)
 
 Everything runs on CPU with a 2-layer, 32-wide model on a 60k-token synthetic corpus prepared once
 per session. Training runs are subprocesses (`python train.py ...`, OMP_NUM_THREADS=1 so runs are
-quick and bit-reproducible); the sampler, the schedule, save_checkpoint, run_info and input errors
-are tested in-process."""
+quick and bit-reproducible); the sampler, the schedule and input errors are tested in-process."""
 import errno
 import json
 import math
@@ -29,7 +30,6 @@ sys.path.insert(0, str(REPO))
 import flops  # noqa: E402
 import runlock  # noqa: E402
 import train  # noqa: E402
-import train_report  # noqa: E402
 from conftest import finish, run_group, start, stop  # noqa: E402
 from data import loader, prepare as P  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
@@ -211,8 +211,8 @@ def snapshot(folder):
 # 1. exact resume
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n,eval_interval,log_interval,accum,gate", [(6, 4, 1, 1, "mlp"), (5, 3, 4, 2, "mlp"),
-                                                                    (6, 4, 2, 1, "random")],
+@pytest.mark.parametrize("n,eval_interval,log_interval,accum,gate",
+                         [(6, 4, 1, 1, "mlp"), (5, 3, 4, 2, "mlp"), (6, 4, 2, 1, "random")],
                          ids=["eval4-N6", "eval3-log4-accum2-N5", "random-gate-N6"])
 def test_resume_is_bit_exact(synth, tmp_path, n, eval_interval, log_interval, accum, gate):
     """2N iterations in one go == N iterations, then --init_from=resume to 2N: every model and
@@ -405,7 +405,8 @@ def start_ddp_and_wait_for_training(synth, tmp, extra):
                  cwd=REPO, env=ENV)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
-        if (out / "metrics.jsonl").exists() and '"type": "train"' in (out / "metrics.jsonl").read_text():
+        metrics = out / "metrics.jsonl"
+        if metrics.exists() and '"type": "train"' in metrics.read_text():
             break
         time.sleep(0.1)
     if proc.poll() is not None:
@@ -525,22 +526,6 @@ def test_outputs(base_run, synth):
     assert "sample.py" in base_run.result.stdout
 
 
-def test_run_info_git_sha_is_a_sha_or_none(tmp_path, monkeypatch):
-    require(run_group(["git", "init", "-q", tmp_path], 60).returncode == 0, "git init failed")
-    monkeypatch.setattr(train_report, "HERE", str(tmp_path))
-    info = train.run_info(None, torch.device("cpu"), "float32", 1)
-    assert info["git_sha"] is None or re.fullmatch(r"[0-9a-f]{40}", info["git_sha"]), info[
-        "git_sha"
-    ]
-
-
-def test_run_info_outside_git(tmp_path, monkeypatch):
-    monkeypatch.setattr(train_report, "HERE", str(tmp_path))
-    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
-    info = train.run_info(None, torch.device("cpu"), "float32", 1)
-    assert info["git_sha"] is None and info["git_dirty"] is False
-
-
 # --------------------------------------------------------------------------------------------------
 # 5. Ctrl-C / SIGTERM
 
@@ -655,66 +640,7 @@ def test_signal_saves_and_resume_command_works(signalled_runs, name):
 
 
 # --------------------------------------------------------------------------------------------------
-# 6. atomic checkpoint
-
-def failing_save(obj, f, *args, **kwargs):
-    if isinstance(f, (str, os.PathLike)):   # a partial file, then the disk fills up
-        with open(f, "wb") as fh:
-            fh.write(b"PK\x03\x04 partial")
-    else:
-        f.write(b"PK\x03\x04 partial")
-        f.flush()
-    raise OSError(28, "No space left on device")
-
-
-def failing_zip_save(obj, f, *args, **kwargs):
-    """A full disk as torch.save's zip writer reports it: a RuntimeError that does not say why."""
-    f.write(b"PK\x03\x04 partial")
-    raise RuntimeError(
-        "[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file "
-        "data/0: "
-        "file write failed"
-    )
-
-
-def test_save_checkpoint_writes_and_replaces(tmp_path):
-    path = str(tmp_path / "ckpt.pt")
-    train.save_checkpoint(path, {"iter_num": 1, "w": torch.arange(3)})
-    train.save_checkpoint(path, {"iter_num": 2, "w": torch.arange(4)})
-    ck = torch.load(path, weights_only=False)
-    assert ck["iter_num"] == 2 and torch.equal(ck["w"], torch.arange(4))
-    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
-
-
-@pytest.mark.parametrize("save", [failing_save, failing_zip_save])
-def test_save_checkpoint_failure_keeps_old_checkpoint(tmp_path, monkeypatch, save):
-    """A full disk: one line naming the file and the free space on its disk; the old checkpoint
-    kept."""
-    path = str(tmp_path / "ckpt.pt")
-    train.save_checkpoint(path, {"iter_num": 1})
-    before = Path(path).read_bytes()
-    monkeypatch.setattr(torch, "save", save)
-    with pytest.raises(train.UserError, match="could not write checkpoint") as e:
-        train.save_checkpoint(path, {"iter_num": 2})
-    msg = str(e.value)
-    assert (
-        path in msg
-        and re.search(r"\d+ MiB free on its disk: free some space", msg)
-        and "\n" not in msg
-    ), msg
-    assert Path(path).read_bytes() == before
-    monkeypatch.undo()
-    assert torch.load(path, weights_only=False)["iter_num"] == 1
-
-
-def test_save_checkpoint_failure_leaves_no_temp_file(tmp_path, monkeypatch):
-    path = str(tmp_path / "ckpt.pt")
-    train.save_checkpoint(path, {"iter_num": 1})
-    monkeypatch.setattr(torch, "save", failing_save)
-    with pytest.raises(train.UserError, match="could not write checkpoint"):
-        train.save_checkpoint(path, {"iter_num": 2})
-    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
-
+# 6. a full disk under the metrics (atomic checkpoints: test_checkpoint.py)
 
 def test_full_disk_under_the_metrics_is_one_error_naming_disk_space(synth, tmp_path, monkeypatch):
     """ENOSPC while appending to metrics.jsonl (not a checkpoint write): a TrainError naming the
@@ -738,23 +664,6 @@ def test_full_disk_under_the_metrics_is_one_error_naming_disk_space(synth, tmp_p
         train.main(
             [*TINY, *data_args(synth), f"--out_dir={out}", "--max_iters=2", "--eval_iters=1"]
         )
-
-
-def test_resume_drops_metrics_lines_cut_short(tmp_path):
-    """A record cut short by a full disk or a kill mid-write is dropped on resume, and the kept
-    lines end in a newline, so the resumed run's records start on lines of their own."""
-    path = tmp_path / "metrics.jsonl"
-    path.write_text(
-        '{"type": "train", "iter": 1}\n{"type": "eval", "iter": 2}\n{"type": "train", "it'
-    )
-    train.drop_records_after(str(path), 5)
-    assert path.read_text() == '{"type": "train", "iter": 1}\n{"type": "eval", "iter": 2}\n'
-    # the newline was lost
-    path.write_text('{"type": "train", "iter": 1}\n{"type": "train", "iter": 2}')
-    train.drop_records_after(str(path), 5)
-    assert path.read_text() == '{"type": "train", "iter": 1}\n{"type": "train", "iter": 2}\n'
-    train.drop_records_after(str(path), 1)
-    assert read_metrics(tmp_path) == [{"type": "train", "iter": 1}]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1205,7 +1114,8 @@ def test_bad_input_in_process(case, synth, synth_other, text_data, base_run, tmp
     assert snapshot(base_copy) == before
 
 
-@pytest.mark.parametrize("case", ["unknown_key", "resume_other_data", "fresh_over_existing_run", "n_head_0"])
+@pytest.mark.parametrize("case", ["unknown_key", "resume_other_data", "fresh_over_existing_run",
+                                  "n_head_0"])
 def test_bad_input_cli_exit_code(case, synth, synth_other, text_data, base_run, tmp_path):
     args, needles, fresh, base_copy, before = bad_case(case, synth, text_data, base_run, tmp_path)
     r = run_train(args)
@@ -1213,19 +1123,6 @@ def test_bad_input_cli_exit_code(case, synth, synth_other, text_data, base_run, 
     assert r.stderr.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
     assert any(n in r.stderr for n in needles), r.stderr
     assert not fresh.exists() and snapshot(base_copy) == before
-
-
-def test_cuda_index_beyond_the_machine_is_refused(monkeypatch):
-    """--device=cuda:3 on a machine with one GPU: a ConfigError before any work, not a CUDA
-    traceback."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(train.ConfigError, match=r"device=cuda:3 but this machine has 1 CUDA device "
-                                                r"\(cuda:0\.\.cuda:0\)"):
-        train.resolve_device_dtype(SimpleNamespace(device="cuda:3", dtype="float32"))
-    assert train.resolve_device_dtype(SimpleNamespace(device="cuda:0", dtype="float32"))[
-        0
-    ] == torch.device("cuda:0")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1301,8 +1198,8 @@ def test_quickstart_prepares_trains_and_samples(tmp_path):
 # 10. LR schedule
 
 @settings(max_examples=100, deadline=None)
-@given(lr=st.floats(1e-5, 1.0), frac=st.floats(0.0, 1.0), warmup=st.integers(0, 40), span=st.integers(1, 300),
-       lr_decay_iters=st.booleans())
+@given(lr=st.floats(1e-5, 1.0), frac=st.floats(0.0, 1.0), warmup=st.integers(0, 40),
+       span=st.integers(1, 300), lr_decay_iters=st.booleans())
 def test_lr_schedule(lr, frac, warmup, span, lr_decay_iters):
     """Warmup rises strictly to learning_rate at it == warmup_iters, cosine falls to min_lr at
     lr_decay_iters (or max_iters when it is 0), then min_lr; compared with an independent
@@ -1337,20 +1234,3 @@ def test_lr_schedule(lr, frac, warmup, span, lr_decay_iters):
     assert all(train.lr_at(off, it) == lr for it in (0, warmup, decay, decay + 100))
 
 
-@pytest.mark.parametrize("route,field,old,new", [("exit", "exit_layers", "1,2", "2,3"), ("exit", "exit_head", "own", "shared"),
-                                                 ("ensemble", "ens_layers", 2, 3)])
-def test_resume_refuses_changed_exit_and_ensemble_fields(route, field, old, new):
-    shape = dict(
-        n_layer=4, n_embd=32, n_head=2, **({'exit_head': 'own'} if field == 'exit_layers' else {})
-    )
-    """Fields that change the model's parameters are compared with the checkpoint by name, and any
-    other shape difference is caught by comparing the state dicts, not by load_state_dict's traceback."""
-    from dataclasses import asdict
-    margs = asdict(GPTConfig(route=route, **shape, **{field: old}))
-    ck = dict(model_args=margs, data_meta={}, config={})
-    cfg = SimpleNamespace(**{**train.DEFAULTS, **margs, field: new})
-    with pytest.raises(train.TrainError, match=field):
-        train.check_against_checkpoint(cfg, {}, ck, train.RESUME_KEYS)
-    model = GPT(GPTConfig(route=route, **shape, **{field: new}))
-    with pytest.raises(train.TrainError, match="does not fit"):
-        train.check_state_fits(model, GPT(GPTConfig.from_dict(margs)).state_dict(), "ckpt.pt")

@@ -1,0 +1,99 @@
+"""Tests for checkpoint.py: save_checkpoint writes atomically (a full disk, as an OSError or as
+torch's zip writer reports it, is one error naming the file and the free space, and keeps the old
+checkpoint and no temp file); load_checkpoint turns a foreign file into one error; stale temp files
+of dead writers are removed, a live writer's kept. (A SIGKILL mid-write: test_faults.py.)"""
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint import (CheckpointError, load_checkpoint, remove_stale_temps,
+                        save_checkpoint)
+from configurator import UserError
+
+
+def failing_save(obj, f, *args, **kwargs):
+    if isinstance(f, (str, os.PathLike)):   # a partial file, then the disk fills up
+        with open(f, "wb") as fh:
+            fh.write(b"PK\x03\x04 partial")
+    else:
+        f.write(b"PK\x03\x04 partial")
+        f.flush()
+    raise OSError(28, "No space left on device")
+
+
+def failing_zip_save(obj, f, *args, **kwargs):
+    """A full disk as torch.save's zip writer reports it: a RuntimeError that does not say why."""
+    f.write(b"PK\x03\x04 partial")
+    raise RuntimeError(
+        "[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file "
+        "data/0: "
+        "file write failed"
+    )
+
+
+def test_save_checkpoint_writes_and_replaces(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    save_checkpoint(path, {"iter_num": 1, "w": torch.arange(3)})
+    save_checkpoint(path, {"iter_num": 2, "w": torch.arange(4)})
+    ck = torch.load(path, weights_only=False)
+    assert ck["iter_num"] == 2 and torch.equal(ck["w"], torch.arange(4))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+
+
+@pytest.mark.parametrize("save", [failing_save, failing_zip_save])
+def test_save_checkpoint_failure_keeps_old_checkpoint(tmp_path, monkeypatch, save):
+    """A full disk: one line naming the file and the free space on its disk; the old checkpoint
+    kept."""
+    path = str(tmp_path / "ckpt.pt")
+    save_checkpoint(path, {"iter_num": 1})
+    before = Path(path).read_bytes()
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.raises(UserError, match="could not write checkpoint") as e:
+        save_checkpoint(path, {"iter_num": 2})
+    msg = str(e.value)
+    assert (
+        path in msg
+        and re.search(r"\d+ MiB free on its disk: free some space", msg)
+        and "\n" not in msg
+    ), msg
+    assert Path(path).read_bytes() == before
+    monkeypatch.undo()
+    assert torch.load(path, weights_only=False)["iter_num"] == 1
+
+
+def test_save_checkpoint_failure_leaves_no_temp_file(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt.pt")
+    save_checkpoint(path, {"iter_num": 1})
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(UserError, match="could not write checkpoint"):
+        save_checkpoint(path, {"iter_num": 2})
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+
+
+def test_load_checkpoint_refuses_a_missing_or_foreign_file(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    with pytest.raises(CheckpointError, match=f"no checkpoint file at {re.escape(str(path))}$"):
+        load_checkpoint(str(path))
+    torch.save({"model": {}}, path)                     # a torch file, not a run's checkpoint
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(str(path))
+    assert str(e.value) == f"{path} is not a nanodepth checkpoint (no model_args, config)"
+    torch.save({"model": {}, "model_args": {}, "config": {"seed": 3}}, path)
+    assert load_checkpoint(str(path))["config"] == {"seed": 3}
+
+
+def test_remove_stale_temps_removes_only_files_no_live_process_writes(tmp_path):
+    """A temp file of a dead writer (a pid above Linux's PID_MAX_LIMIT, 2**22, never runs) and
+    this process's own leftover go; a live process's (the parent's) stays, and so do other
+    files."""
+    path = str(tmp_path / "ckpt.pt")
+    dead, own, live = (f"{path}.tmp-{pid}" for pid in (2**22 + 1, os.getpid(), os.getppid()))
+    for f in (path, dead, own, live, str(tmp_path / "other.pt.tmp-1")):
+        Path(f).write_bytes(b"x")
+    assert sorted(remove_stale_temps(path)) == sorted([dead, own])
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["ckpt.pt", os.path.basename(live), "other.pt.tmp-1"]
+    )

@@ -1,0 +1,98 @@
+"""Tests for eval.py: bad options are one UserError naming the field; --json prints exactly one JSON
+object on stdout; a data folder without the run's corpus is refused and the command the error names
+prepares it; eval.room's brackets against a hand computation."""
+import json
+import shlex
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import eval as ev
+from configurator import UserError
+from conftest import ROUTED_TOL
+from data import prepare as P
+from test_ffn import BUDGETS, SETTINGS, build, ce_ref, ceil_frac, embed_ref, ffn_ref, logits_ref, \
+    tokens, topk_ref
+
+pytestmark = pytest.mark.usefixtures('one_thread')
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+
+
+@pytest.mark.parametrize("arg,needle", [
+    ("--eval_iters=-1", "eval_iters"), ("--calib_iters=-2", "calib_iters"),
+    ("--batch_size=-4", "batch_size"),
+    ("--device=bogus", "device"), pytest.param("--device=cuda", "CUDA", marks=NO_CUDA)])
+def test_eval_bad_options(tmp_path, arg, needle):
+    with pytest.raises(UserError, match=needle):
+        ev.main([f"--ckpt={tmp_path / 'missing.pt'}", arg])
+
+
+# --------------------------------------------------------------------------------------------------
+# eval.py --json: stdout is exactly one JSON object
+
+def test_eval_json_stdout_is_one_object(run, capsys):
+    assert ev.main(["--ckpt", str(run / "out" / "ckpt.pt"), "--json", f"--data_dir={run / 'data'}",
+                    "--eval_iters=1", "--calib_iters=1", "--device=cpu"]) == 0
+    out, err = capsys.readouterr()
+    res = json.loads(out)                                   # the whole of stdout
+    assert res["val_loss"]["loss"] > 0 and res["ckpt"] == str(run / "out" / "ckpt.pt")
+
+
+def test_eval_prepares_no_data_and_its_suggested_prepare_works(run, tmp_path, capsys):
+    """A data folder without the run's corpus is refused, nothing is written there, and the command
+    the error names prepares exactly what eval then accepts."""
+    ckpt = str(run / "out" / "ckpt.pt")
+    args = ["--ckpt", ckpt, "--json", "--eval_iters=1", "--calib_iters=1", "--device=cpu"]
+    with pytest.raises(UserError, match="is not a folder"):
+        ev.main(args + [f"--data_dir={tmp_path / 'missing'}"])
+    assert not (tmp_path / "missing").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(UserError) as e:
+        ev.main(args + [f"--data_dir={empty}"])
+    assert list(empty.iterdir()) == []                     # nothing prepared, nothing written
+    command = str(e.value).split("run: ", 1)[1]
+    words = shlex.split(command)
+    assert words[:3] == ["python", "data/prepare.py", "synthetic"], command
+    assert P.main(words[2:]) == 0                          # the suggested command, as written
+    capsys.readouterr()
+    assert ev.main(args + [f"--data_dir={empty}"]) == 0
+    assert json.loads(capsys.readouterr().out)["val_loss"]["loss"] > 0
+
+
+# --------------------------------------------------------------------------------------------------
+# eval.room: the brackets a study's room is measured with
+
+@settings(**SETTINGS)
+@given(seed=st.integers(0, 999), B=st.integers(1, 3), T=st.integers(2, 12), budget=BUDGETS)
+def test_room_brackets_match_a_hand_computation(seed, B, T, budget):
+    """eval.room's all-full, all-cheap and oracle losses from the blocks' submodules by hand (one
+    controlled layer, so the oracle's top-k of U_t = CE(cheap) − CE(full) is the whole decision),
+    and the model's config is the trained one afterwards."""
+    model = build(seed, n_layer=1, ffn_gate='mlp', ffn_budget=float(budget)).eval()
+    idx, tgt = tokens(seed, B, T), tokens(seed + 1, B, T)
+    out = ev.room(model, [(idx, tgt)])
+    with torch.no_grad():
+        x = embed_ref(model, idx)
+        block = model.transformer.h[0]
+        x = x + block.attn(block.ln_1(x))
+        ce = {
+            a: ce_ref(logits_ref(model, x + ffn_ref(block, x, a)), tgt) for a in ('full', 'cheap')
+        }
+        mask = topk_ref(ce['cheap'] - ce['full'], ceil_frac(budget, T))
+    assert out['full'] == pytest.approx(
+        ce['full'].mean().item(), rel=ROUTED_TOL["rtol"], abs=ROUTED_TOL["atol"]
+    )
+    assert out['cheap'] == pytest.approx(
+        ce['cheap'].mean().item(), rel=ROUTED_TOL["rtol"], abs=ROUTED_TOL["atol"]
+    )
+    assert out['room'] == pytest.approx(out['cheap'] - out['full'])
+    assert out['oracle'] == pytest.approx(
+        torch.where(mask, ce['full'], ce['cheap']).mean().item(),
+        rel=ROUTED_TOL["rtol"],
+        abs=ROUTED_TOL["atol"],
+    )
+    assert out['oracle_full_frac'] == [pytest.approx(ceil_frac(budget, T) / T)]
+    assert out['gate_room'] == pytest.approx(out['random'] - out['oracle'])
+    assert model.config.ffn_gate == 'mlp' and not model.training

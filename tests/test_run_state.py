@@ -1,0 +1,78 @@
+"""Tests for run_state.py: the metrics records a resume keeps (a record cut short dropped, the kept
+lines ending in a newline), a metrics line read back, the RNG streams a checkpoint saves and
+restores, and the first and second Ctrl-C. (Exact resume end to end: test_train.py.)"""
+import json
+import random
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from run_state import (StopFlag, drop_records_after, parse_record, rng_state, seed_rngs,
+                       set_rng_state)
+
+
+def read_metrics(out_dir):
+    lines = Path(out_dir, "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_resume_drops_metrics_lines_cut_short(tmp_path):
+    """A record cut short by a full disk or a kill mid-write is dropped on resume, and the kept
+    lines end in a newline, so the resumed run's records start on lines of their own."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(
+        '{"type": "train", "iter": 1}\n{"type": "eval", "iter": 2}\n{"type": "train", "it'
+    )
+    drop_records_after(str(path), 5)
+    assert path.read_text() == '{"type": "train", "iter": 1}\n{"type": "eval", "iter": 2}\n'
+    # the newline was lost
+    path.write_text('{"type": "train", "iter": 1}\n{"type": "train", "iter": 2}')
+    drop_records_after(str(path), 5)
+    assert path.read_text() == '{"type": "train", "iter": 1}\n{"type": "train", "iter": 2}\n'
+    drop_records_after(str(path), 1)
+    assert read_metrics(tmp_path) == [{"type": "train", "iter": 1}]
+
+
+def test_parse_record_reads_a_record_and_drops_anything_else():
+    assert parse_record('{"type": "eval", "iter": 4, "val_loss": 2.5}\n') == dict(
+        type="eval", iter=4, val_loss=2.5
+    )
+    for line in ('{"type": "train", "it', '', '[1, 2]', '3.5', 'null'):
+        assert parse_record(line) is None, line
+
+
+def draws():
+    return torch.rand(3).tolist(), np.random.rand(2).tolist(), random.random()
+
+
+def test_rng_state_restores_every_stream_a_run_draws_from():
+    """torch, numpy and Python's random, as a checkpoint saves them: restoring the state gives the
+    same draws again; seeding gives the same draws as the same seed before."""
+    seed_rngs(3)
+    seeded = draws()
+    saved = rng_state()
+    after = draws()
+    draws()
+    set_rng_state(saved)
+    assert draws() == after != seeded
+    seed_rngs(3)
+    assert draws() == seeded
+
+
+def test_stop_flag_records_the_first_signal_and_a_second_ctrl_c_aborts():
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop = StopFlag()
+        assert all(signal.getsignal(s) == stop._handle for s in handlers)
+        assert stop.signum is None
+        stop._handle(signal.SIGTERM, None)
+        assert stop.signum == signal.SIGTERM
+        stop._handle(signal.SIGTERM, None)        # a second SIGTERM: still a clean stop
+        with pytest.raises(KeyboardInterrupt):
+            stop._handle(signal.SIGINT, None)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)

@@ -1,0 +1,62 @@
+"""Tests for train_checks.py: a resume compares the fields that shape the model with the checkpoint
+(by what they mean, not how they are spelled) and any other shape difference by the state dicts,
+each refusal naming the field; a fresh run never writes over a run in out_dir."""
+from dataclasses import asdict
+from types import SimpleNamespace
+
+import pytest
+
+import train
+from model import GPT, GPTConfig
+from test_ffn import BASE
+from train_checks import TrainError, check_against_checkpoint, check_out_dir, check_state_fits
+
+
+@pytest.mark.parametrize("route,field,old,new", [("exit", "exit_layers", "1,2", "2,3"),
+                                                 ("exit", "exit_head", "own", "shared"),
+                                                 ("ensemble", "ens_layers", 2, 3)])
+def test_resume_refuses_changed_exit_and_ensemble_fields(route, field, old, new):
+    shape = dict(
+        n_layer=4, n_embd=32, n_head=2, **({'exit_head': 'own'} if field == 'exit_layers' else {})
+    )
+    """Fields that change the model's parameters are compared with the checkpoint by name, and any
+    other shape difference is caught by comparing the state dicts, not by load_state_dict's
+    traceback."""
+    margs = asdict(GPTConfig(route=route, **shape, **{field: old}))
+    ck = dict(model_args=margs, data_meta={}, config={})
+    cfg = SimpleNamespace(**{**train.DEFAULTS, **margs, field: new})
+    with pytest.raises(TrainError, match=field):
+        check_against_checkpoint(cfg, {}, ck, train.RESUME_KEYS)
+    model = GPT(GPTConfig(route=route, **shape, **{field: new}))
+    with pytest.raises(TrainError, match="does not fit"):
+        check_state_fits(model, GPT(GPTConfig.from_dict(margs)).state_dict(), "ckpt.pt")
+
+
+def test_resume_compares_the_layers_meant_not_the_spelling():
+    """An ffn checkpoint saved with ffn_layers='all' resumes under the default 'auto' (the same
+    layers); a different layer set is refused by name."""
+    ck = dict(model_args=asdict(GPTConfig(**BASE, n_layer=4, route='ffn', ffn_layers='all')))
+    cfg = SimpleNamespace(**asdict(GPTConfig(**BASE, n_layer=4, route='ffn')), dataset='synthetic')
+    check_against_checkpoint(cfg, {}, ck, ['ffn_layers'])
+    cfg.ffn_layers = 'every_other'
+    with pytest.raises(TrainError, match="ffn_layers"):
+        check_against_checkpoint(cfg, {}, ck, ['ffn_layers'])
+
+
+def test_a_fresh_run_never_writes_over_a_run_in_out_dir(tmp_path):
+    out = tmp_path / "run"
+    cfg = SimpleNamespace(**{**train.DEFAULTS, 'out_dir': str(out), 'dataset': 'synthetic',
+                             'data_dir': str(tmp_path / "data")})
+    check_out_dir(cfg)                                  # nothing there yet (nothing created)
+    assert not out.exists()
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")
+    (out / "ckpt.pt").write_bytes(b"")
+    with pytest.raises(TrainError) as e:
+        check_out_dir(cfg)
+    assert str(e.value) == (
+        f"out_dir {out} already holds a run (ckpt.pt, metrics.jsonl); continue it with "
+        "--init_from=resume, pick another --out_dir, or replace it with --overwrite=True"
+    )
+    check_out_dir(SimpleNamespace(**{**vars(cfg), 'init_from': 'resume'}))
+    check_out_dir(SimpleNamespace(**{**vars(cfg), 'overwrite': True}))
