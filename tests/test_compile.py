@@ -66,9 +66,9 @@ def test_static_eval_prefill_traces_without_graph_breaks(case):
 
 @pytest.mark.parametrize('route', ROUTES)
 def test_grouped_mm_eval_and_decode_trace_without_graph_breaks_in_bf16(route):
-    """The CPU's traced path under bf16 autocast (kernels.choose_path): the eval prefill and a decoding step of
-    every family on the grouped GEMM path are one graph each, with the grouped GEMM in it wherever
-    the family runs an FFN on a subset of tokens."""
+    """The CPU's traced path under bf16 autocast (kernels.choose_path): the eval prefill and a
+    decoding step of every family on the grouped GEMM path are one graph each, with the grouped
+    GEMM in it wherever the family runs an FFN on a subset of tokens."""
     model = build(route).eval()
     model.exec_mode = 'grouped_mm'
     with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
