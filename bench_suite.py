@@ -292,13 +292,13 @@ def routed_logits(m, x, seed, dtype, sparse, path=None):
     return logits.float(), aux['masks']
 
 
-def check_paths(base, dev, passes, shape, seed):
-    """Every (dtype, path) of passes against the masked-dense reference, for ffn and MoD; raises
-    PathMismatch on the first disagreement. Returns one result per (family, dtype, path)."""
+def check_paths(base, dev, passes, shape, seed, routes=ROUTES):
+    """Every (dtype, path) of passes against the masked-dense reference, for each family of routes;
+    raises PathMismatch on the first disagreement. Returns one result per (family, dtype, path)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, base.vocab_size, shape, generator=g).to(dev)
     results = []
-    for route in ROUTES:
+    for route in routes:
         torch.manual_seed(seed)
         m = eval_model(check_config(base, route), dev)
         for dtype, paths in passes:
