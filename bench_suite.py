@@ -5,9 +5,10 @@ The GPU suite: what routed execution saves in time on this machine, in one comma
     python bench.py --suite=gpu --smoke=True     # the same code paths on tiny shapes, any device
 
 Writes results/<gpu>_<date>/suite.json (with --smoke: results/<gpu>_<date>_smoke/; --out_dir=
-names another folder) and suite.md beside it, a Markdown table of the same rows, both rewritten
-after every row (a run cut short keeps what it measured). Header: commit, torch / triton / CUDA
-versions, GPU name, the exact command, the date and the path kernels.default_path picks here.
+names another folder; NANODEPTH_SMOKE=1 runs the tiny shapes too, as in every script's smoke run)
+and suite.md beside it, a Markdown table of the same rows, both rewritten after every row (a run
+cut short keeps what it measured). Header: commit, torch / triton / CUDA versions, GPU name, the
+exact command, the date and the path kernels.default_path picks here.
 
 1. Correctness first: ffn and MoD at budget 0.5 on the suite's model, sparse eval on every
    available path against the masked-dense reference (model(idx, sparse=False)). Decisions must
@@ -53,7 +54,7 @@ import kernels
 import train
 from bench import (controller_g1_config, eval_model, prefill_flops_ratio, routed_model,
                    time_train_step, timed)
-from configurator import ConfigError, writable_folder
+from configurator import SMOKE_ENV, ConfigError, writable_folder
 from device import autocast_context, cli_device
 from model import FAMILIES
 
@@ -126,6 +127,12 @@ def check_options(cfg, argv):
     if os.path.exists(os.path.join(folder, 'suite.json')) and not cfg['overwrite']:
         raise ConfigError(f"{folder} already holds suite.json; pass --out_dir=<another folder>, "
                           "or --overwrite=True to replace it")
+
+
+def smoke_plan(cfg):
+    """Tiny shapes: --smoke=True, or NANODEPTH_SMOKE=1 (configurator's smoke runs, which cap every
+    script's sizes so that a documented command runs in seconds)."""
+    return cfg['smoke'] or os.environ.get(SMOKE_ENV, '') not in ('', '0')
 
 
 def gpu_name(dev):
@@ -573,7 +580,7 @@ def decode_section(rec, base, dev, plan, seed, dense, routed):
 def run(cfg, argv):
     """bench.py --suite=gpu: returns the exit code (0; 1 on a correctness mismatch or a failed
     row)."""
-    plan = dict(PLANS['smoke' if cfg['smoke'] else 'real'])
+    plan = dict(PLANS['smoke' if smoke_plan(cfg) else 'real'])
     given = {a[2:].partition('=')[0] for a in argv if a.startswith('--')}
     for key in ('bench_steps', 'bench_warmup'):
         if key in given:
@@ -594,7 +601,7 @@ def run(cfg, argv):
     except ImportError:
         triton_version = None
     header = dict(
-        suite=cfg['suite'], smoke=cfg['smoke'], command='python bench.py ' + ' '.join(argv),
+        suite=cfg['suite'], smoke=smoke_plan(cfg), command='python bench.py ' + ' '.join(argv),
         date=time.strftime('%Y-%m-%d'), **train.code_version(), torch=torch.__version__,
         triton=triton_version, cuda=torch.version.cuda,
         gpu=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu',
