@@ -101,6 +101,8 @@ def check_options(cfg, argv):
     """Refuse, before any work, what the suite would not read: a suite name other than SUITES, a
     config file or another option beside --suite, or a suite option without --suite."""
     given = [a[2:].partition('=')[0] for a in argv if a.startswith('--')]
+    if 'suite' in given and not cfg['suite']:
+        raise ConfigError("--suite is empty; name a suite (--suite=gpu) or drop --suite")
     if not cfg['suite']:
         for key in ('smoke', 'suite_seconds'):
             if key in given:

@@ -270,6 +270,7 @@ def test_gpu_suite_mismatch_exits_1_with_one_line(tmp_path, monkeypatch, capsys)
 
 @pytest.mark.parametrize('argv, message', [
     (['--suite=cpu'], "--suite must be one of gpu"),
+    (['--suite='], "--suite is empty"),
     (['--suite=gpu', '--smoke=True', '--budgets=0.5'], "--budgets is not read by --suite=gpu"),
     (['--suite=gpu', '--n_layer=2'], "--n_layer is not read by --suite=gpu"),
     (['--suite=gpu', 'config/bench_cpu.py'], "takes no config file"),
