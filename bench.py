@@ -29,6 +29,12 @@ off) against the dense joint step; and with --profile where the routed prefill a
 its time (torch.profiler, by op kind).
 
     python bench.py config/bench_cpu.py --budgets=1.0,0.75,0.5,0.25,0.125 --json
+
+--suite=gpu runs the GPU suite (bench_suite.py): correctness of every routed path, then prefill,
+decode and training rows at the GPT-2 124M shape, written to results/<gpu>_<date>/suite.json and
+suite.md; --smoke=True runs it on tiny shapes on any device.
+
+    python bench.py --suite=gpu
 """
 import json
 import os
@@ -56,6 +62,9 @@ BENCH_DEFAULTS = dict(
     profile=False,
     decode_prompt=0,
     out='',
+    suite='',               # 'gpu': the GPU suite of bench_suite.py (its options below)
+    smoke=False,
+    suite_seconds=420,
 )
 BENCH_EXAMPLES = dict(budgets="'1.0,0.5'", decode_batches="'1,8'", prefill_shapes="'8x512' (BxT)")
 
@@ -433,13 +442,19 @@ def prefill_flops_ratio(mcfg, base, T, full_frac):
 def bench_controller_step(cfg, base, dev, autocast):
     """Training step of controller-only G1 without util/rank (frozen backbone, gates only) against a
     dense joint training step of the same backbone, at batch_size x block_size."""
-    g1 = replace(base, route='ffn', ffn_gate='mlp', ffn_util_weight=0.0, ffn_rank_weight=0.0)
+    g1 = controller_g1_config(base)
     out = dict(
         dense_joint_ms=time_train_step(cfg, replace(base, route='none'), dev, autocast) * 1e3,
         g1_controller_ms=time_train_step(cfg, g1, dev, autocast, controller=True) * 1e3,
     )
     out['ratio'] = out['g1_controller_ms'] / out['dense_joint_ms']
     return out
+
+
+def controller_g1_config(base):
+    """G1 (the MLP gate on every routed FFN) trained controller-only, without util/rank losses: the
+    FFN-routing paper's controller step."""
+    return replace(base, route='ffn', ffn_gate='mlp', ffn_util_weight=0.0, ffn_rank_weight=0.0)
 
 
 def time_train_step(cfg, mcfg, dev, autocast, controller=False):
@@ -559,6 +574,8 @@ def parse_args(argv):
     train.model_config(ns)
     check_bench_config(cfg)
     cli_device(cfg['device'], cfg['dtype'])
+    import bench_suite                  # here: it imports this file's helpers
+    bench_suite.check_options(cfg, argv)
     if cfg['out']:
         writable_file(cfg['out'], 'out', suffix='.json')
     return cfg, as_json, argv
@@ -566,6 +583,9 @@ def parse_args(argv):
 
 def main(argv):
     cfg, as_json, argv = parse_args(argv)
+    if cfg['suite']:
+        import bench_suite
+        return bench_suite.run(cfg, argv + ['--json'] * as_json)
     res = bench_routed(cfg) if cfg['budgets'] else bench(cfg)
     if cfg['out']:                 # the raw file behind a reported figure, with the command that
                                    # made it

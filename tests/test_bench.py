@@ -3,15 +3,17 @@ no MFU on CPU, and the step FLOPs the analytic accountant gives for this config.
 import json
 import math
 import os
+import re
 import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+import bench
 import flops
 import train
-from configurator import load_config
+from configurator import ConfigError, load_config
 from conftest import run_group
 from dataclasses import replace
 from model import FAMILIES, controlled_layer_ids
@@ -160,3 +162,143 @@ def test_bench_routed_table(route, tmp_path):
     assert saved['rows'] == res['rows'] and saved['command'].startswith(
         'python bench.py --n_layer=2'
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# the GPU suite (bench_suite.py), on the CPU with --smoke=True
+
+SUITE_KEYS = ('kind', 'route', 'budget', 'path', 'dtype', 'compiled', 'ms', 'dense_ms', 'speedup',
+              'ideal', 'realised', 'baseline')
+
+
+def test_gpu_suite_smoke_writes_every_row(tmp_path):
+    """The whole suite on tiny shapes: the correctness check passes on every path; every kind,
+    route, budget, shape, batch and available path has its rows, each with the schema's keys and
+    speedup = dense_ms / ms, realised = speedup / ideal; routed prefill's ideal lies in
+    (1, 1/budget] below budget 1 (<= 1 at 1.0: ffn's gate and cheap path cost FLOPs); suite.md has
+    one table line per row; the header names this commit, torch and the command."""
+    import kernels
+    out = tmp_path / 'suite'
+    r = run_group([sys.executable, 'bench.py', '--suite=gpu', '--smoke=True', f'--out_dir={out}'],
+                  180, cwd=REPO, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert r.returncode == 0, r.stderr
+    res = json.loads((out / 'suite.json').read_text())
+    rows = res['rows']
+    assert res['failed'] == [] and res['skipped'] == []
+    assert res['git_sha'] == train.code_version()['git_sha'] and res['torch'] == torch.__version__
+    assert res['gpu'] == 'cpu' and res['command'] == (
+        f'python bench.py --suite=gpu --smoke=True --out_dir={out}')
+    assert res['default_path']['float32'] == dict(eager='compact', compiled='reference')
+    paths = kernels.available_paths(torch.device('cpu'), torch.float32)
+    assert {(c['route'], c['dtype'], c['path']) for c in res['check']} == {
+        (route, dt, p) for route in ('ffn', 'mod')
+        for dt, ps in (('float32', paths), ('bfloat16', ['compact'])) for p in ps}
+    assert all(c['masks_equal'] and c['max_diff'] <= c['tolerance'] for c in res['check'])
+    for x in rows:
+        assert all(k in x for k in SUITE_KEYS), x
+        assert ('batch' in x) == (x['kind'] == 'decode') == ('tokens_per_s' in x)
+        assert ('shape' in x) == (x['kind'] != 'decode')
+        assert x['ms'] > 0 and x['speedup'] == x['dense_ms'] / x['ms']
+        assert x['realised'] == x['speedup'] / x['ideal']
+    assert {x['kind'] for x in rows} == {'prefill', 'decode', 'train'}
+    prefill = [x for x in rows if x['kind'] == 'prefill']
+    assert {(x['route'], x['budget'], x['shape'], x['dtype'], x['path']) for x in prefill} == {
+        (route, b, s, dt, p) for route in ('ffn', 'mod') for b in (1.0, 0.5, 0.25, 0.125)
+        for s in ('2x64', '4x32') for dt, ps in (('float32', paths), ('bfloat16', ['compact']))
+        for p in ps}
+    for x in prefill:
+        if x['budget'] < 1:
+            assert 1 < x['ideal'] <= 1 / x['budget'], x
+        else:
+            assert 0.8 < x['ideal'] <= 1 + 1e-12, x
+    decode = [x for x in rows if x['kind'] == 'decode']
+    assert {(x['route'], x['batch']) for x in decode} == {
+        (route, b) for route in ('none', 'ffn', 'mod') for b in (1, 8, 64)}
+    assert {x['path'] for x in decode if x['route'] != 'none'} == set(paths)
+    for x in decode:
+        assert math.isclose(x['tokens_per_s'], x['batch'] / x['ms'] * 1e3)
+        assert x['budget'] == (1.0 if x['route'] == 'none' else 0.5)
+    trains = {(x['route'], x['budget'], x['baseline']) for x in rows if x['kind'] == 'train'}
+    assert trains == {('none', 1.0, 'nanogpt'), ('ffn', 0.5, 'dense'), ('mod', 0.125, 'dense')}
+    table = [l for l in (out / 'suite.md').read_text().splitlines() if l.startswith('|')]
+    assert len(table) == 2 + len(rows) and table[0].startswith('| kind | route | budget')
+
+
+def tiny_suite_base():
+    from bench_suite import PLANS
+    cfg = SimpleNamespace(**{**train.DEFAULTS, **PLANS['smoke']['model']})
+    return replace(train.model_config(cfg), route='none')
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+@pytest.mark.parametrize('route', ['ffn', 'mod'])
+def test_gpu_suite_check_catches_a_wrong_path(route, dtype, monkeypatch):
+    """A grouped-GEMM path that leaves one selected row unwritten fails the correctness check,
+    naming path, family and difference, also within bf16's wider tolerance; the same check passes
+    on the unbroken kernels."""
+    import bench_suite
+    import kernels
+    cpu, base, passes = torch.device('cpu'), tiny_suite_base(), [(dtype, ['grouped_mm'])]
+    check = lambda: bench_suite.check_paths(base, cpu, passes, (2, 32), 0, routes=[route])
+    assert check()[0]['masks_equal']
+    right = kernels.mlp_rows_grouped
+
+    def one_row_short(x, order, lo, hi, *rest):
+        return right(x, order, lo, torch.clamp(hi - 1, min=lo), *rest)
+    monkeypatch.setattr(kernels, 'mlp_rows_grouped', one_row_short)
+    with pytest.raises(bench_suite.PathMismatch,
+                       match=rf"path 'grouped_mm', route={route}, {dtype}: logits differ .* by "
+                             r"up to"):
+        check()
+
+
+def test_gpu_suite_mismatch_exits_1_with_one_line(tmp_path, monkeypatch, capsys):
+    """A mismatch stops the suite before any row: one 'error:' line, exit code 1, the error kept in
+    suite.json."""
+    import bench_suite
+
+    def mismatch(*args):
+        raise bench_suite.PathMismatch("path 'triton', route=ffn, bfloat16: logits differ")
+    monkeypatch.setattr(bench_suite, 'check_paths', mismatch)
+    argv = ['--suite=gpu', '--smoke=True', f'--out_dir={tmp_path}']
+    assert bench.main(argv) == 1
+    err = [l for l in capsys.readouterr().err.splitlines() if l.startswith('error:')]
+    assert err == ["error: path 'triton', route=ffn, bfloat16: logits differ"]
+    res = json.loads((tmp_path / 'suite.json').read_text())
+    assert res['rows'] == [] and 'triton' in res['check_error']
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--suite=cpu'], "--suite must be one of gpu"),
+    (['--suite='], "--suite is empty"),
+    (['--suite=gpu', '--smoke=True', '--budgets=0.5'], "--budgets is not read by --suite=gpu"),
+    (['--suite=gpu', '--n_layer=2'], "--n_layer is not read by --suite=gpu"),
+    (['--suite=gpu', 'config/bench_cpu.py'], "takes no config file"),
+    (['--smoke=True'], "--smoke is an option of --suite=gpu"),
+    (['--suite=gpu', '--suite_seconds=-1'], "suite_seconds must be >= 0"),
+])
+def test_gpu_suite_bad_input_is_a_config_error(argv, message, tmp_path):
+    """Refused before any work with a ConfigError (one line, exit 2 through run_cli)."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        bench.parse_args(argv + [f'--out_dir={tmp_path}'])
+
+
+def test_gpu_suite_keeps_an_earlier_result(tmp_path):
+    """An out_dir that already holds suite.json is refused unless --overwrite=True."""
+    (tmp_path / 'suite.json').write_text('{}')
+    with pytest.raises(ConfigError, match='already holds suite.json'):
+        bench.parse_args(['--suite=gpu', f'--out_dir={tmp_path}'])
+    assert bench.parse_args(['--suite=gpu', f'--out_dir={tmp_path}', '--overwrite=True'])
+
+
+def test_gpu_suite_default_folder_and_gpu_names(monkeypatch):
+    import bench_suite
+    cfg, _, argv = bench.parse_args(['--suite=gpu', '--smoke=True', '--device=cpu'])
+    folder = bench_suite.out_folder(cfg, argv)
+    assert re.fullmatch(r'cpu_\d{4}-\d\d-\d\d_smoke', os.path.basename(folder))
+    assert os.path.dirname(folder) == os.path.join(REPO, 'results')
+    for name, short in [('NVIDIA H100 80GB HBM3', 'h100'), ('Tesla V100-SXM2-16GB', 'v100'),
+                        ('NVIDIA A100-SXM4-40GB', 'a100'), ('NVIDIA GeForce RTX 4090', 'rtx4090'),
+                        ('Tesla T4', 't4'), ('NVIDIA H200', 'h200')]:
+        monkeypatch.setattr(torch.cuda, 'get_device_name', lambda dev, n=name: n)
+        assert bench_suite.gpu_name(torch.device('cuda')) == short
