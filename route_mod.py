@@ -286,10 +286,10 @@ def mod_packed(block, x, pos, cache, mask, r, path):
     q, k = (attn.rotate(t.transpose(0, 1)[None], pos_p[None])[0].transpose(0, 1) for t in (q, k))
     y = packed_causal_attention(q, k, v, seq_id, pos_p, count, cu_seq, T)
     a = prefix_linear(y.reshape(N, C), count, attn.c_proj.weight, attn.c_proj.bias, path)
-    a = torch.where(rows, a, 0.0)           # the rows past count: garbage on some paths
     f = mlp_rows(block.ln_2(xs + a), torch.arange(N, device=x.device), 0, count, block.mlp,
                  torch.zeros(N, C, dtype=matmul_dtype(xs), device=x.device), path)
     w = torch.sigmoid(r.reshape(N).index_select(0, order))[:, None] if r is not None else 1.0
+    # the rows past count (garbage on some paths) keep their input
     new = xs + torch.where(rows, w * (a + f), 0.0).to(x.dtype)
     return flat.index_copy(0, order, new).view(B, T, C)
 
