@@ -255,9 +255,10 @@ def mod_masked(block, x, pos, cache, mask, r):
 
 
 def mod_static(block, x, pos, cache, mask, r, path):
-    """Sparse eval at static shapes: attention over the full T with only the selected tokens as keys
-    (so they attend among themselves at their real positions, as when gathered), the FFN on the
-    selected rows only (rows_apply), the update added where selected; no count leaves the device."""
+    """Sparse eval at static shapes with a KV cache (mod_packed runs without one): attention over
+    the full T with only the selected tokens as keys (so they attend among themselves at their real
+    positions, as when gathered), the FFN on the selected rows only (rows_apply), the update added
+    where selected; no count leaves the device."""
     w = torch.sigmoid(r)[..., None] if r is not None else 1.0
     a = block.attn_update(x, pos, cache, valid=mask)
     f = split_apply(block.ln_2(x + a), mask, block.mlp, mode=path)
