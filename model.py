@@ -192,6 +192,11 @@ class CausalSelfAttention(nn.Module):
             q, k = rope_rotate(q, p, self.rope_base), rope_rotate(k, p, self.rope_base)
         return q, k, v
 
+    def rotate(self, t, pos):
+        """t (B, n_head, T, head size) rotated at positions pos (B, T) with rotary positions; t
+        itself with learned ones (added to the embeddings)."""
+        return t if self.rope_base is None else rope_rotate(t, pos, self.rope_base)
+
     def forward(self, x, pos=None, cache=None, valid=None):
         """x (B, T, C). pos (B, T) absolute positions, or None for 0..T-1. With a cache, the new K/V
         are written into it and the queries attend over every filled slot at a position <= their

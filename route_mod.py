@@ -14,9 +14,12 @@ Options: ModOptions below (fields of model.GPTConfig).
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 import losses
 from gates import MembershipPredictor, ModRouter, capacity, random_mask, topk_mask
+from kernels import matmul_dtype, mlp_rows, prefix_linear, sort_by_mask
+from packed_attention import packed_causal_attention
 from routing import (
     Family,
     add_weighted,
@@ -120,7 +123,9 @@ class MixtureOfDepths(Family):
     def executed_fracs(self, masks):
         """Compact sparse execution pads every row to the longest: the fraction it really runs (in
         float64, so that it equals count / T exactly as a Python float and rounds to the same
-        float32)."""
+        float32). The static paths' packed block (mod_packed) pads nothing: its matmuls run the
+        selected rows only on 'grouped_mm' and 'triton' (every row on 'reference'), its attention
+        Σ n_b² scores with varlen_attn; this is the compact path's accounting."""
         return torch.stack([m.sum(1).max().double() / m.size(1) for _, m in sorted(masks.items())])
 
     def option_meaning(self, config, key):
@@ -231,7 +236,7 @@ def mod_block(block, cfg, x, pos, cache, ctx):
         if not ctx.sparse:
             out = mod_masked(block, x, pos, cache, mask, r)
         elif (path := exec_path(x, ctx.exec_mode)) != 'compact':
-            out = mod_static(block, x, pos, cache, mask, r, path)
+            out = mod_packed(block, x, pos, cache, mask, r, path)
         else:
             out = mod_sparse(block, x, pos, cache, mask, r)
     if ctx.collect:
@@ -250,13 +255,46 @@ def mod_masked(block, x, pos, cache, mask, r):
 
 
 def mod_static(block, x, pos, cache, mask, r, path):
-    """Sparse eval at static shapes: attention over the full T with only the selected tokens as keys
-    (so they attend among themselves at their real positions, as when gathered), the FFN on the
-    selected rows only (rows_apply), the update added where selected; no count leaves the device."""
+    """Sparse eval at static shapes with a KV cache (mod_packed runs without one): attention over
+    the full T with only the selected tokens as keys (so they attend among themselves at their real
+    positions, as when gathered), the FFN on the selected rows only (rows_apply), the update added
+    where selected; no count leaves the device."""
     w = torch.sigmoid(r)[..., None] if r is not None else 1.0
     a = block.attn_update(x, pos, cache, valid=mask)
     f = split_apply(block.ln_2(x + a), mask, block.mlp, mode=path)
     return x + torch.where(mask[..., None], w * (a + f), 0.0).to(x.dtype)
+
+
+def mod_packed(block, x, pos, cache, mask, r, path):
+    """Sparse eval at static shapes on the selected tokens only, attention included: every
+    sequence's selected tokens packed first, contiguously across the batch, in original order
+    (kernels.sort_by_mask; the count, per-sequence counts and offsets stay on the device); ln_1,
+    QKV and the output projection on the packed prefix (kernels.prefix_linear on `path`), causal
+    attention among each sequence's selected tokens at their real positions (RoPE rotates by them)
+    by packed_attention, then ln_2 and the FFN on the prefix (kernels.mlp_rows), σ(r)·update
+    added, and the rows scattered back. With a KV cache (decoding, cached prefill) it is mod_static:
+    the cache needs a write at every position, and a token that skips the block writes no K/V."""
+    if cache is not None:
+        return mod_static(block, x, pos, cache, mask, r, path)
+    B, T, C = x.shape
+    N, attn = B * T, block.attn
+    flat = x.reshape(N, C)
+    order, count = sort_by_mask(mask.flatten())
+    xs, seq_id = flat.index_select(0, order), order // T
+    pos_p = pos.reshape(N).index_select(0, order)
+    cu_seq = F.pad(mask.sum(1).cumsum(0), (1, 0))
+    rows = (torch.arange(N, device=x.device) < count)[:, None]     # the packed tokens
+    qkv = prefix_linear(block.ln_1(xs), count, attn.c_attn.weight, attn.c_attn.bias, path)
+    q, k, v = (t.reshape(N, attn.n_head, C // attn.n_head) for t in qkv.split(C, dim=1))
+    q, k = (attn.rotate(t.transpose(0, 1)[None], pos_p[None])[0].transpose(0, 1) for t in (q, k))
+    y = packed_causal_attention(q, k, v, seq_id, pos_p, count, cu_seq, T)
+    a = prefix_linear(y.reshape(N, C), count, attn.c_proj.weight, attn.c_proj.bias, path)
+    f = mlp_rows(block.ln_2(xs + a), torch.arange(N, device=x.device), 0, count, block.mlp,
+                 torch.zeros(N, C, dtype=matmul_dtype(xs), device=x.device), path)
+    w = torch.sigmoid(r.reshape(N).index_select(0, order))[:, None] if r is not None else 1.0
+    # the rows past count (garbage on some paths) keep their input
+    new = xs + torch.where(rows, w * (a + f), 0.0).to(x.dtype)
+    return flat.index_copy(0, order, new).view(B, T, C)
 
 
 def mod_sparse(block, x, pos, cache, mask, r):

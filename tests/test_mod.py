@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from conftest import SETTINGS, build, tokens
+from conftest import ROUTED_TOL, SETTINGS, build, seeded, tokens
 from model import controlled_layer_ids
 import route_mod
 from routing import RouteCtx
@@ -122,3 +122,121 @@ def test_mod_losses_bce_or_predictor():
     model = build('mod', 1, seed=1).train()
     aux = model(tokens(1, 2, 12), tokens(2, 2, 12))[2]
     assert 'pred_loss' in aux and 'router_loss' not in aux
+
+
+# --------------------------------------------------------------------------------------------------
+# sparse eval on static paths: the selected tokens packed (route_mod.mod_packed)
+
+def ragged_mask(B, T, kinds, seed):
+    """Row b: 'none', 'one', 'all' of its tokens selected, or 'random'."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for kind in kinds[:B] + ['random'] * (B - len(kinds)):
+        one = torch.arange(T) == int(torch.randint(0, T, (1,), generator=g))
+        rand = torch.rand(T, generator=g) < 0.5
+        rows.append({'none': torch.zeros(T, dtype=torch.bool), 'all': torch.ones(T, dtype=torch.bool),
+                     'one': one, 'random': rand}[kind])
+    return torch.stack(rows)
+
+
+BF16_TOL = dict(rtol=3e-2, atol=3e-2)
+
+
+@settings(**SETTINGS)
+@given(seed=st.integers(0, 999), B=st.integers(1, 3), T=st.integers(1, 16),
+       pos=st.sampled_from(['learned', 'rope']), router=st.sampled_from(['learned', 'random']),
+       kinds=st.lists(st.sampled_from(['none', 'one', 'all', 'random']), max_size=3),
+       path=st.sampled_from(['reference', 'grouped_mm', 'compact']),
+       dtype=st.sampled_from(['float32', 'bfloat16']))
+def test_mod_packed_equals_the_masked_dense_block_on_ragged_counts(
+        seed, B, T, pos, router, kinds, path, dtype):
+    """The packed block (each sequence's selected tokens packed, attention among them at their
+    real positions, every matmul on the packed prefix by `path`) equals the masked-dense reference
+    on the selected tokens for ragged per-sequence counts (none, one, all, random), positions
+    offset per row; the other tokens pass unchanged, bit for bit. fp32 within ROUTED_TOL, bf16
+    autocast within bf16's rounding."""
+    model = build('mod', seed=seed, pos=pos, mod_router=router).eval()
+    block = model.transformer.h[1]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, 16, generator=g)
+    positions = torch.randint(0, 8, (B, 1), generator=g) + torch.arange(T)
+    mask = ragged_mask(B, T, kinds, seed)
+    amp = torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype == 'bfloat16')
+    with torch.no_grad(), amp:
+        r = block.router(x) if block.router is not None else None
+        got = route_mod.mod_packed(block, x, positions, None, mask, r, path)
+        want = route_mod.mod_masked(block, x, positions, None, mask, r)
+    assert torch.equal(got[~mask], x[~mask])
+    torch.testing.assert_close(got, want, **(ROUTED_TOL if dtype == 'float32' else BF16_TOL))
+
+
+@settings(**{**SETTINGS, 'max_examples': 8})
+@given(opt=st.integers(0, 2), seed=st.integers(0, 999), T=st.integers(1, 16), B=st.integers(1, 3),
+       mode=st.sampled_from(['reference', 'grouped_mm']))
+def test_mod_static_eval_packs_and_makes_the_masked_dense_decisions(opt, seed, T, B, mode):
+    """The model's sparse eval on a static path runs the packed block (its attention is called
+    once per routed layer) and makes the masked-dense reference's decisions exactly, its logits
+    within ROUTED_TOL."""
+    model = build('mod', opt, seed=seed).eval()
+    idx = tokens(seed, B, T)
+    calls, orig = [], route_mod.packed_causal_attention
+
+    def counted(*args, **kw):
+        calls.append(args[0].shape)
+        return orig(*args, **kw)
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(route_mod, 'packed_causal_attention', counted)
+        ref = seeded(lambda: model(idx, idx, sparse=False))
+        assert calls == []
+        logits, _, aux = seeded(lambda: model(idx, idx, exec_mode=mode))
+    assert calls == [(B * T, 2, 8)] * len(controlled_layer_ids(model.config))
+    torch.testing.assert_close(logits, ref[0], **ROUTED_TOL)
+    for l in ref[2]['masks']:
+        assert torch.equal(aux['masks'][l], ref[2]['masks'][l]), l
+
+
+@pytest.mark.parametrize('mode,dtype', [('reference', 'float32'), ('grouped_mm', 'bfloat16')])
+def test_mod_packed_eval_forward_compiles_without_graph_breaks(mode, dtype):
+    """torch.compile(fullgraph=True) traces the packed eval forward in one graph (grouped_mm under
+    bf16 autocast: its meta check takes bf16 only), and the traced forward makes the eager one's
+    decisions, its logits within tolerance."""
+    model = build('mod', seed=3, pos='rope').eval()
+    idx = tokens(3, 2, 12)
+    amp = torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype == 'bfloat16')
+
+    def forward(i):
+        logits, _, aux = model(i, last_only=False, exec_mode=mode)
+        return logits, aux['masks']
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad(), amp:
+            e = torch._dynamo.explain(forward)(idx)
+            assert e.graph_break_count == 0, [str(r.reason) for r in e.break_reasons]
+            assert e.graph_count == 1
+            code = e.graphs[0].code
+            assert ('grouped_mm' in code) == (mode == 'grouped_mm')
+            traced = torch.compile(forward, backend='eager', fullgraph=True)(idx)
+            eager = forward(idx)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(traced[0], eager[0], **ROUTED_TOL)
+    for l in eager[1]:
+        assert torch.equal(traced[1][l], eager[1][l])
+
+
+def test_mod_packed_with_a_cache_keeps_the_static_path():
+    """With a KV cache the static path writes every selected token's K/V at its position and leaves
+    the skipped tokens' slots empty; the cached prefill's logits equal the uncached (packed)
+    one's."""
+    model = build('mod', seed=4, pos='rope').eval()
+    idx = tokens(4, 2, 10)
+    with torch.no_grad():
+        plain = model(idx, last_only=False, exec_mode='reference')
+        cache = model.new_cache(2, idx.device)
+        cached = model(idx, last_only=False, exec_mode='reference', cache=cache)
+    torch.testing.assert_close(cached[0], plain[0], **ROUTED_TOL)
+    for l in cached[2]['masks']:
+        mask = cached[2]['masks'][l]
+        assert torch.equal(mask, plain[2]['masks'][l])
+        assert 0 < mask.sum() < mask.numel()
+        assert torch.equal(cache.kpos[l][:, :10], torch.where(mask, torch.arange(10), -1))
