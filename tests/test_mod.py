@@ -134,8 +134,8 @@ def ragged_mask(B, T, kinds, seed):
     for kind in kinds[:B] + ['random'] * (B - len(kinds)):
         one = torch.arange(T) == int(torch.randint(0, T, (1,), generator=g))
         rand = torch.rand(T, generator=g) < 0.5
-        rows.append({'none': torch.zeros(T, dtype=torch.bool), 'all': torch.ones(T, dtype=torch.bool),
-                     'one': one, 'random': rand}[kind])
+        rows.append({'none': torch.zeros(T, dtype=torch.bool),
+                     'all': torch.ones(T, dtype=torch.bool), 'one': one, 'random': rand}[kind])
     return torch.stack(rows)
 
 
