@@ -50,6 +50,7 @@ import train
 from configurator import ConfigError, load_config, run_cli, writable_file
 from device import autocast_context, cli_device, resolve_device_dtype
 from model import FAMILIES, GPT
+from routing import exec_path
 
 BENCH_DEFAULTS = dict(
     bench_steps=10,
@@ -405,7 +406,8 @@ def prefill_rows(cfg, m, base, budget, xs, r_pre, d_pre, autocast):
         with torch.no_grad(), autocast:
             masks = m(x, sparse=cfg['sparse'])[2].get('masks', {})
         frac = [int(v.sum()) / v.numel() for _, v in sorted(masks.items())]
-        executed = m.family.executed_fracs(masks) if masks else None
+        path = exec_path(x, m.exec_mode)
+        executed = m.family.executed_fracs(masks, path) if masks else None
         run_frac = executed.tolist() if executed is not None else frac
         f_ratio, exec_ratio = (
             prefill_flops_ratio(m.config, base, s[1], f) for f in (frac, run_frac)

@@ -337,16 +337,24 @@ def check_paths(base, dev, passes, shape, seed, routes=ROUTES):
 # --------------------------------------------------------------------------------------------------
 # 2. prefill
 
-def prefill_ideal(m, base, x, seed, dtype):
-    """Dense forward FLOPs over m's as executed on x (last-position logits), at the fractions its
-    decisions realise (MoD: each row padded to the longest)."""
+def prefill_masks(m, x, seed, dtype):
+    """m's routing decisions on x, per routed layer."""
     torch.manual_seed(seed)
     with torch.no_grad(), autocast_context(x.device, dtype):
-        masks = m(x)[2]['masks']
-    executed = m.family.executed_fracs(masks)
-    fracs = (executed.tolist() if executed is not None
-             else [v.float().mean().item() for _, v in sorted(masks.items())])
-    return 1 / prefill_flops_ratio(m.config, base, x.size(1), fracs)
+        return m(x)[2]['masks']
+
+
+def prefill_ideal(m, base, T, masks, path):
+    """Dense forward FLOPs over m's as executed on `path` (last-position logits): the reference
+    computes every row (all-full fractions: nothing saved), the other paths the fractions the
+    family says they run (Family.executed_fracs: compact MoD pads each row to the longest)."""
+    if path == 'reference':
+        fracs = [1.0] * len(masks)
+    else:
+        executed = m.family.executed_fracs(masks, path)
+        fracs = (executed.tolist() if executed is not None
+                 else [v.float().mean().item() for _, v in sorted(masks.items())])
+    return 1 / prefill_flops_ratio(m.config, base, T, fracs)
 
 
 def forward_seconds(m, x, seed, dtype, path, plan, compiled):
@@ -387,8 +395,9 @@ def prefill_section(rec, base, dev, plan, seed, compile_prefill):
             dense_s = {}        # the dense forward, timed once per (shape, dtype, compiled) here
             for dtype, paths in passes:
                 for s, x in xs.items():
-                    ideal = prefill_ideal(m, base, x, seed, dtype)
+                    masks = prefill_masks(m, x, seed, dtype)
                     for path in paths:
+                        ideal = prefill_ideal(m, base, s[1], masks, path)
                         compiled = compile_prefill and path != 'compact'
                         label = f"prefill {route} b={budget} {s[0]}x{s[1]} {path} {dtype}"
 

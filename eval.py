@@ -51,7 +51,7 @@ from data.loader import (
 )
 from device import cli_device
 from model import GPTConfig, read_stored_config
-from routing import overridden
+from routing import exec_path, overridden
 from plots import SKIPPED, pyplot
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -61,7 +61,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def evaluate(model, batches, autocast=nullcontext(), force=None):
     """Mean loss over batches [(x, y), ...] in eval mode (causal, hard routing), the mean realised
     full-path fraction per controlled layer (None for a dense model), and exec_frac: the fraction
-    sparse execution runs (MoD: the longest row's, every row being padded to it; else full_frac)."""
+    sparse execution runs (compact MoD: the longest row's, each row padded to it; else full)."""
     with model.mode(training=False):
         losses, fracs, execs, extra = [], [], [], {}
         for x, y in batches:
@@ -70,8 +70,8 @@ def evaluate(model, batches, autocast=nullcontext(), force=None):
             losses.append(float(aux['lm_loss']))
             if 'full_frac' in aux:
                 fracs.append(aux['full_frac'].float().cpu())
-                # e.g. MoD pads each row to the longest
-                run = model.family.executed_fracs(aux['masks'])
+                # e.g. MoD pads each row to the longest on the compact path
+                run = model.family.executed_fracs(aux['masks'], exec_path(x, model.exec_mode))
                 if run is not None:
                     execs.append(run.float().cpu())
             for k in model.family.eval_stats:     # e.g. TLOps saved, MoD's causal-rule accuracy

@@ -120,12 +120,14 @@ class MixtureOfDepths(Family):
 
     references, by_class = ('full', 'cheap'), True
 
-    def executed_fracs(self, masks):
+    def executed_fracs(self, masks, path='compact'):
         """Compact sparse execution pads every row to the longest: the fraction it really runs (in
         float64, so that it equals count / T exactly as a Python float and rounds to the same
         float32). The static paths' packed block (mod_packed) pads nothing: its matmuls run the
-        selected rows only on 'grouped_mm' and 'triton' (every row on 'reference'), its attention
-        Σ n_b² scores with varlen_attn; this is the compact path's accounting."""
+        selected rows only on 'grouped_mm' and 'triton' (the mean fraction: None), its attention
+        Σ n_b² scores with varlen_attn (the formula's B·mean² is a lower bound of that)."""
+        if path != 'compact':
+            return None
         return torch.stack([m.sum(1).max().double() / m.size(1) for _, m in sorted(masks.items())])
 
     def option_meaning(self, config, key):

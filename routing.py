@@ -279,9 +279,9 @@ class Family:
         summary line)."""
         return routed_report_lines(r) if self.budget_field else []
 
-    def executed_fracs(self, masks):
-        """Fraction of tokens sparse execution runs per routed layer, when it differs from the
-        mean."""
+    def executed_fracs(self, masks, path='compact'):
+        """Fraction of tokens sparse execution on `path` (kernels.PATHS) runs per routed layer, when
+        it differs from the mean."""
         return None
 
     def cannot_generate(self, config):
