@@ -609,7 +609,12 @@ def test_interp_model_static_eval_through_the_kernels(route):
         assert torch.equal(aux['masks'][l], ref_aux['masks'][l]), l
     torch.testing.assert_close(got, ref, **ROUTED_TOL)
     torch._dynamo.reset()
-    with torch.no_grad():               # the Triton path traces as one graph too
-        e = torch._dynamo.explain(lambda i: model(i, last_only=False, exec_mode='triton')[0])(idx)
+    from test_compile import prefilled
+    model.exec_mode = 'triton'
+    with torch.no_grad():               # the Triton path traces as one graph: prefill, decode
+        e = torch._dynamo.explain(lambda i: model(i, last_only=False)[0])(idx)
+        tok, pos, cache = prefilled(model, [6, 3])
+        decode = torch._dynamo.explain(model.decode_step)(tok, pos, cache)
     assert e.graph_break_count == 0 and e.graph_count == 1
     assert 'nanodepth.mlp_rows' in str(e.graphs[0].graph)
+    assert decode.graph_break_count == 0 and decode.graph_count == 1
