@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import losses
+import speculative
 from configurator import RENAMED, ConfigError
 from routing import MLP, Dense, RouteCtx, training_flags
 
@@ -393,6 +394,9 @@ class GPT(nn.Module):
         stats=None,
         vocab_limit=None,
         compile=False,
+        speculate=0,
+        draft=None,
+        draft_layers=None,
     ):
         """Sample max_new_tokens continuations of idx (B, T), routed as model.eval() routes. With
         use_cache, the prompt is prefilled once and each new token costs one single-position
@@ -407,7 +411,11 @@ class GPT(nn.Module):
         family has them. vocab_limit: sample only ids < vocab_limit (the tokenizer's real
         vocabulary; the model's is padded, and a padding id has no text). compile: run each cached
         decoding step (decode_step) through torch.compile(fullgraph=True), captured as a CUDA graph
-        ('reduce-overhead') on CUDA; the prefill and sampling stay eager."""
+        ('reduce-overhead') on CUDA; the prefill and sampling stay eager. speculate=K > 0:
+        self-speculative decoding (speculative.py), K tokens at a time from the family's draft
+        `draft` (None: its default) stopping after `draft_layers` blocks where it has a depth (None:
+        its default); the same output distribution, greedy the same tokens; needs the cache and the
+        prompt plus max_new_tokens within block_size; stats also gets its acceptance figures."""
         bs = self.config.block_size
         record = (
             (
@@ -420,7 +428,14 @@ class GPT(nn.Module):
             if stats is not None
             else (lambda aux: None)
         )
-        if lengths is not None:
+        if speculate:
+            if not use_cache or compile:
+                raise ValueError("speculate needs use_cache=True and compile=False")
+            idx = speculative.generate(
+                self, idx, max_new_tokens, speculate, draft, draft_layers, temperature, top_k,
+                lengths, record, vocab_limit, stats,
+            )
+        elif lengths is not None:
             idx = self.generate_ragged(
                 idx, list(lengths), max_new_tokens, temperature, top_k, record, vocab_limit, compile
             )

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 import losses
 from gates import EnsembleRouter
-from routing import Family, add_weighted, check_at_least, check_choices, flop_costs
+from routing import (LAYERS_DRAFT, Family, add_weighted, check_at_least, check_choices,
+                     first_blocks_logits, flop_costs)
 
 
 @dataclass
@@ -148,6 +149,20 @@ class DepthEnsemble(Family):
             f"val loss (late-layer ensemble) {r['val_loss']['loss']:.4f} | final layer alone "
             f"{r['val_loss_full']:.4f}"
         ]
+
+    def drafts(self, config):
+        return dict(earliest="the earliest ensemble layer alone: the first L−k+1 blocks, its own "
+                             "norm and the LM head", layers=LAYERS_DRAFT)
+
+    def draft_depths(self, config, name):
+        return None if name == 'earliest' else super().draft_depths(config, name)
+
+    def draft_logits(self, model, name, idx, pos, cache, depth):
+        if name == 'earliest':
+            first = model.config.n_layer - model.config.ens_layers + 1
+            return first_blocks_logits(model, idx, pos, cache, first,
+                                       head=lambda x: model.lm_head(model.ens_norms[0](x)))
+        return super().draft_logits(model, name, idx, pos, cache, depth)
 
     def ddp_find_unused(self, config):
         return True                     # ln_f feeds only the stop-gradient teacher

@@ -21,8 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import losses
-from routing import (Family, check_at_least, check_choices, flop_costs, overridden,
-                     parse_layer_list, split_apply, tlops_saved)
+from routing import (LAYERS_DRAFT, Family, check_at_least, check_choices, first_blocks_logits,
+                     flop_costs, overridden, parse_layer_list, split_apply, tlops_saved)
 
 
 @dataclass
@@ -150,6 +150,23 @@ class EarlyExit(Family):
             if R <= 0
             else tuple(d for d in model.exit_ids if d % R == step % R)
         )
+
+    def drafts(self, config):
+        return dict(exit="the first E blocks and exit E's head (LayerSkip); E one of the exits",
+                    layers=LAYERS_DRAFT)
+
+    def draft_depths(self, config, name):
+        """The exit draft stops at an exit: by default the first at or above half the depth."""
+        if name != 'exit':
+            return super().draft_depths(config, name)
+        ids = exit_depths(config)
+        return ids, min([d for d in ids if d >= config.n_layer // 2] or ids[-1:])
+
+    def draft_logits(self, model, name, idx, pos, cache, depth):
+        if name != 'exit':
+            return super().draft_logits(model, name, idx, pos, cache, depth)
+        return first_blocks_logits(model, idx, pos, cache, depth,
+                                   head=lambda x: exit_logits(model, depth, x))
 
     def ddp_find_unused(self, config):
         return config.exit_head == 'own' and config.exit_rotation > 0

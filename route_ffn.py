@@ -45,12 +45,14 @@ from oracle_labels import (
     token_fork_utility,
 )
 from routing import (
+    LAYERS_DRAFT,
     MLP,
     Family,
     add_weighted,
     check_at_least,
     check_choices,
     check_fraction,
+    cheap_path_logits,
     flop_costs,
     layer_ids,
     split_apply,
@@ -285,6 +287,18 @@ class FFNRouting(Family):
             return ("ffn_gate='oracle' routes by the targets, so it cannot generate; "
                     "sample from a model with a causal gate")
         return None
+
+    def drafts(self, config):
+        return dict(cheap="every routed FFN on its cheap low-rank path (force='cheap')",
+                    layers=LAYERS_DRAFT)
+
+    def draft_depths(self, config, name):
+        return None if name == 'cheap' else super().draft_depths(config, name)
+
+    def draft_logits(self, model, name, idx, pos, cache, depth):
+        if name == 'cheap':
+            return cheap_path_logits(model, idx, pos, cache)
+        return super().draft_logits(model, name, idx, pos, cache, depth)
 
     def ddp_find_unused(self, config):
         return (config.ffn_gate in STATIC or config.ffn_gate_grad == 'none'

@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 
 from gates import HaltingRouter
-from routing import (Family, add_weighted, check_at_least, flop_costs, overridden, split_apply,
-                     tlops_saved)
+from routing import (LAYERS_DRAFT, Family, RouteCtx, add_weighted, check_at_least, flop_costs,
+                     overridden, split_apply, tlops_saved)
 
 
 @dataclass
@@ -64,10 +64,11 @@ class TokenSelectiveAttention(Family):
         for router in model.halt:       # b2 (after the generic init): at −1 blocks start mostly on
             nn.init.constant_(router.out.bias, model.config.halt_router_bias)
 
-    def run_blocks(self, model, x, pos, cache, ctx, start=0):
+    def run_blocks(self, model, x, pos, cache, ctx, start=0, depth=None):
+        """depth E (the halt draft of speculative decoding): every token halts after block E−1."""
         cfg, blocks = model.config, model.transformer.h
         x = blocks[0](x, pos, cache)
-        for l, router in enumerate(model.halt):
+        for l, router in enumerate(model.halt[:(depth or cfg.n_layer) - 1]):
             p = router(x)
             if ctx.force == 'full':
                 keep = active = torch.ones_like(p)
@@ -90,6 +91,17 @@ class TokenSelectiveAttention(Family):
                 ctx.masks[l + 1] = active.detach()
                 ctx.add('halt_active', (1 - p).mean() / len(model.halt))    # α of the soft router
         return x
+
+    def drafts(self, config):
+        return dict(halt="the first E blocks under the trained halting, then every token halted",
+                    layers=LAYERS_DRAFT)
+
+    def draft_logits(self, model, name, idx, pos, cache, depth):
+        if name != 'halt':
+            return super().draft_logits(model, name, idx, pos, cache, depth)
+        ctx = RouteCtx(collect=False)
+        x = self.run_blocks(model, model.embed(idx, pos), pos, cache, ctx, depth=depth)
+        return model.lm_head(model.transformer.ln_f(x))
 
     def loss(self, model, ctx, lm_loss, targets, aux):
         if 'halt_active' in aux:        # the depth regulariser: λ · mean active fraction

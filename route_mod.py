@@ -21,10 +21,12 @@ from gates import MembershipPredictor, ModRouter, capacity, random_mask, topk_ma
 from kernels import matmul_dtype, mlp_rows, prefix_linear, sort_by_mask
 from packed_attention import packed_causal_attention
 from routing import (
+    LAYERS_DRAFT,
     Family,
     add_weighted,
     check_at_least,
     check_fraction,
+    cheap_path_logits,
     exec_path,
     flop_costs,
     gather_rows,
@@ -136,6 +138,18 @@ class MixtureOfDepths(Family):
     def bench_config(self, config, b):
         # at random: an untrained router's σ(r) > 0.5 rule would not hold the capacity
         return replace(self.with_budget(config, b), mod_router='random')
+
+    def drafts(self, config):
+        return dict(skip="every routed block skipped (force='cheap'): the unrouted blocks alone",
+                    layers=LAYERS_DRAFT)
+
+    def draft_depths(self, config, name):
+        return None if name == 'skip' else super().draft_depths(config, name)
+
+    def draft_logits(self, model, name, idx, pos, cache, depth):
+        if name == 'skip':
+            return cheap_path_logits(model, idx, pos, cache)
+        return super().draft_logits(model, name, idx, pos, cache, depth)
 
     def ddp_find_unused(self, config):
         return config.mod_infer_rule == 'predictor' and config.mod_predictor_weight == 0

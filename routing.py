@@ -40,6 +40,9 @@ dense thing):
     reporting  routes, references, by_class, eval_stats, room_rules, report(...), report_lines(r),
                executed_fracs(masks), cannot_generate(config): what eval.py, train.py and
                sample.py show or refuse
+    decoding   drafts(config), draft_depths(config, name), draft_logits(model, name, idx, pos,
+               cache, depth): the cheap versions of the model that self-speculative decoding
+               (speculative.py) drafts with (the default: the first E blocks, ln_f, LM head)
 
 docs/new_family.md walks through a complete small family. The dense model is `Dense` below: the base
 class with LayerSkip's layer dropout, routing nothing.
@@ -287,6 +290,46 @@ class Family:
     def cannot_generate(self, config):
         """Why a model of this config cannot generate text (one line for sample.py), or None."""
         return None
+
+    # optional hooks: decoding. The drafts of self-speculative decoding (speculative.py): cheap
+    # versions of the same model whose guesses the full model verifies
+
+    def drafts(self, config):
+        """{name: what it computes} of the drafts this family offers, its default first."""
+        return dict(layers=LAYERS_DRAFT)
+
+    def draft_depths(self, config, name):
+        """(the depths E draft `name` may stop after, the default E), or None for a draft that has
+        no depth option."""
+        return list(range(1, config.n_layer + 1)), max(1, config.n_layer // 2)
+
+    def draft_logits(self, model, name, idx, pos, cache, depth):
+        """Draft `name`'s next-token logits (B, T, V) for tokens idx at positions pos (B, T), at
+        depth E = `depth` (None for a draft without one). It reads and writes `cache`, the
+        verifier's KV cache: its K/V at the positions it drafts are overwritten by the verifier, and
+        where it computes what the verifier computes (the first E blocks of the dense model) it
+        reuses the verifier's K/V of the accepted prefix instead of recomputing them."""
+        return first_blocks_logits(model, idx, pos, cache, depth)
+
+
+LAYERS_DRAFT = "the first E blocks, unrouted, then the final norm and the LM head"
+
+
+def first_blocks_logits(model, idx, pos, cache, depth, head=None):
+    """Logits of the first `depth` blocks run dense (every token, every update) through `head`
+    (default: the final norm and the LM head): the depth drafts of speculative decoding."""
+    x = model.embed(idx, pos)
+    for block in model.transformer.h[:depth]:
+        x = block(x, pos, cache)
+    return head(x) if head is not None else model.lm_head(model.transformer.ln_f(x))
+
+
+def cheap_path_logits(model, idx, pos, cache):
+    """Logits of the model with every routed decision on the cheap path (force='cheap'): the drafts
+    of the families whose routed layers have one (ffn's cheap FFN, MoD's skip)."""
+    ctx = RouteCtx(force='cheap', collect=False)
+    x = model.family.run_blocks(model, model.embed(idx, pos), pos, cache, ctx)
+    return model.lm_head(model.transformer.ln_f(x))
 
 
 class Dense(Family):

@@ -1,0 +1,231 @@
+"""
+Self-speculative decoding (LayerSkip, arXiv 2404.16710; Draft & Verify, arXiv 2309.08168): a cheap
+version of the same model, the draft, proposes K tokens one at a time; the model itself, the
+verifier, scores all K (and the token before them) in ONE cached forward, keeps the longest prefix
+it agrees with and adds one token of its own. Each family names its drafts (routing.Family.drafts:
+the first E blocks and an exit's head, every routed FFN cheap, every routed block skipped, ...).
+
+What is exact. Greedy (temperature 0): the output is token for token the plain routed decode of the
+model, because every token that is kept is the verifier's argmax given the kept prefix, and the
+verifier routes each token of its window as plain decoding routes it (every family's decisions are
+causal per token: a token's path depends on its prefix alone). Sampling: the rejection rule of
+Leviathan et al. ("Fast Inference from Transformers via Speculative Decoding", arXiv 2211.17192):
+draft token x, drawn from the draft's q, is kept with probability min(1, p(x)/q(x)), p the
+verifier's distribution (the same temperature, top_k and vocabulary limit as plain sampling);
+at the first rejection the next token is drawn from norm(max(0, p − q)), and after K kept ones from
+p. Each token then has exactly plain sampling's distribution.
+
+The KV cache. Draft and verifier share the verifier's cache: slot s of a row holds position s. Of
+a row of n tokens the cache holds the first n − 1 (the last, pending, is the verifier's latest
+pick). The draft writes slots n − 1 .. n + K − 2 as it goes; they are emptied (kpos = −1) before the
+verifier writes slots n − 1 .. n + K − 1, and once a drafted tokens are kept, the slots of the
+rejected positions, n + a onwards, are emptied in every layer. So the verifier always sees exactly
+plain decoding's cache, and the draft reads the verifier's K/V of the accepted prefix: where it
+computes what the verifier computes (the first E blocks of the dense model and of the halt draft;
+of the exit draft, for tokens that did not exit below E) it reuses them instead of recomputing.
+
+    y = model.generate(idx, 64, temperature=0, speculate=4)         # the family's default draft
+    y = model.generate(idx, 64, speculate=4, draft='layers', draft_layers=3)
+"""
+import time
+
+import torch
+import torch.nn.functional as F
+
+from routing import RouteCtx
+
+
+def resolve_draft(config, family, draft=None, depth=None):
+    """(draft name, its depth E or None) for the family of `config`: `draft` None is the family's
+    default, `depth` None the draft's default. ValueError (one line naming the drafts or depths
+    there are) otherwise."""
+    drafts = family.drafts(config)
+    name = next(iter(drafts)) if draft in (None, '') else draft
+    if name not in drafts:
+        listed = '; '.join(f"'{k}': {v}" for k, v in drafts.items())
+        raise ValueError(
+            f"draft {draft!r} is not one of route={config.route!r}'s drafts ({listed})"
+        )
+    depths = family.draft_depths(config, name)
+    if depths is None:
+        if depth not in (None, 0):
+            raise ValueError(f"draft {name!r} has no depth; leave draft_layers out (or 0)")
+        return name, None
+    allowed, default = depths
+    if depth in (None, 0):
+        return name, default
+    if depth not in allowed:
+        raise ValueError(f"draft_layers={depth} is not a depth draft {name!r} can stop at: one of "
+                         f"{allowed}")
+    return name, depth
+
+
+def next_probs(logits, temperature, top_k, vocab_limit=None):
+    """The distribution GPT.sample_next draws from, (..., V'), V' = vocab_limit or V."""
+    if vocab_limit is not None:
+        logits = logits[..., :vocab_limit]
+    logits = logits / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits = logits.masked_fill(logits < v[..., [-1]], -float('inf'))
+    return F.softmax(logits, dim=-1)
+
+
+def pick(logits, temperature, top_k, vocab_limit):
+    """(token (B,), its distribution (B, V') or None when greedy)."""
+    if temperature == 0:
+        lg = logits[..., :vocab_limit] if vocab_limit is not None else logits
+        return lg.argmax(-1), None
+    q = next_probs(logits, temperature, top_k, vocab_limit)
+    return torch.multinomial(q, 1)[:, 0], q
+
+
+def accept(draft, q, logits, temperature, top_k, vocab_limit):
+    """Leviathan et al.'s rule for a batch: draft (B, k) tokens drawn from q (B, k, V') (None:
+    greedy), the verifier's logits (B, k + 1, V). Returns (a (B,): the drafted tokens kept, t (B,):
+    the verifier's next token after them)."""
+    B, k = draft.shape
+    rows = torch.arange(B, device=draft.device)
+    if temperature == 0:
+        lg = logits[..., :vocab_limit] if vocab_limit is not None else logits
+        best = lg.argmax(-1)                                            # (B, k + 1)
+        a = (best[:, :k] == draft).int().cumprod(1).sum(1)
+        return a, best[rows, a]
+    p = next_probs(logits, temperature, top_k, vocab_limit)             # (B, k + 1, V')
+    q = p.new_zeros(B, 0, p.size(-1)) if q is None else q               # k = 0: nothing drafted
+    px = p[:, :k].gather(-1, draft[..., None])[..., 0]
+    qx = q.gather(-1, draft[..., None])[..., 0]                          # > 0: x was drawn from q
+    kept = torch.rand(B, k, device=draft.device) * qx < px               # u < p(x) / q(x)
+    a = kept.int().cumprod(1).sum(1)
+    # the residual norm(max(0, p − q)) at the first rejection; after k kept tokens q is 0: p itself
+    qa = torch.cat([q, q.new_zeros(B, 1, q.size(-1))], 1)[rows, a]
+    pa = p[rows, a]
+    resid = (pa - qa).clamp_min(0)
+    mass = resid.sum(-1, keepdim=True)
+    resid = torch.where(mass > 0, resid / mass.clamp_min(1e-30), pa)     # (p = q: never rejected)
+    return a, torch.multinomial(resid, 1)[:, 0]
+
+
+def sync(device):
+    """Wait for the device (timings of the draft/verify split)."""
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=None,
+             temperature=1.0, top_k=None, lengths=None, record=None, vocab_limit=None,
+             stats=None, trace=None):
+    """model.generate(..., speculate=K): max_new_tokens per row drafted K at a time (see the module
+    docstring). idx (B, T), or right-padded prompts of `lengths` (then a list of 1-D tensors is
+    returned, else (B, T + max_new_tokens)). record(aux): model.generate's statistics recorder,
+    called as plain decoding would call it (the prefill, then one step per generated token fed to
+    the verifier, with the routing decisions the verifier took for the tokens it kept). stats: a
+    dict that also gets the speculation's own figures ('spec_*'). trace: a dict for tests, filled
+    with 'logits' (B, max_new_tokens, V): the verifier's logits each token was picked from, 'masks'
+    {layer: (B, max_new_tokens − 1)}: its routing decision for each generated token it was fed, and
+    'prefill_masks'."""
+    cfg, family, dev = model.config, model.family, idx.device
+    K = int(speculate)
+    if K < 1:
+        raise ValueError(f"speculate must be >= 1 (0: plain decoding), got {speculate}")
+    name, depth = resolve_draft(cfg, family, draft, draft_layers)
+    B, T = idx.shape
+    uniform = lengths is None
+    lengths = [T] * B if uniform else list(lengths)
+    if len(lengths) != B or min(lengths) < 1 or max(lengths) > T:
+        raise ValueError(f"lengths {lengths} must give 1..{T} prompt tokens for each of {B} rows")
+    if max(lengths) + max_new_tokens > cfg.block_size:
+        raise ValueError(
+            f"speculative decoding needs the longest prompt ({max(lengths)}) plus {max_new_tokens} "
+            f"new tokens within block_size {cfg.block_size}; decode longer with speculate=0"
+        )
+    record = record or (lambda aux: None)
+    rows, lens = torch.arange(B, device=dev), torch.tensor(lengths, device=dev)
+    cache = model.new_cache(B, dev)
+    # the prefill, as plain decoding runs it (uniform prompts: the last position's logits only)
+    pos = torch.arange(T, device=dev).expand(B, T)
+    logits, _, aux = model(idx, pos=pos, cache=cache, last_only=None if uniform else False)
+    record(aux)
+    slot = torch.arange(cache.max_len, device=dev)[None, :]
+    if not uniform:                 # forget what the padding wrote
+        cache.kpos.masked_fill_((slot >= lens[:, None]) & (slot < T), -1)
+    logits = logits[:, -1] if uniform else logits[rows, lens - 1]
+    new = max_new_tokens
+    out = torch.zeros(B, max(lengths) + new + K + 1, dtype=idx.dtype, device=dev)
+    out[:, :T] = idx
+    first = model.sample_next(logits, temperature, top_k, vocab_limit)[:, 0]
+    out[rows, lens] = first
+    # per generated token: the verifier's routing decisions (to record) and, for tests, its logits
+    masks = {l: torch.zeros(B, new + K + 1, device=dev) for l in aux.get('masks', {})}
+    if trace is not None:
+        trace['prefill_masks'] = dict(aux.get('masks', {}))
+        picked = torch.zeros(B, new + K + 1, logits.size(-1), device=dev)
+        picked[:, 0] = logits
+    drafted = torch.zeros(K + 1, dtype=torch.long)      # per draft position: rows that drafted it
+    kept = torch.zeros(K + 1, dtype=torch.long)         # ... and kept it
+    passes, row_passes, t_draft, t_verify = 0, 0, 0.0, 0.0
+    n = lens + 1                    # tokens per row; the last one (pending) is not in the cache yet
+    while True:
+        active = (n - lens) < new
+        if not active.any():
+            break
+        # positions n − 1 .. n − 1 + k must stay below block_size (learned position embeddings)
+        k = min(K, int((cfg.block_size - n)[active].min()))
+        base = torch.where(active, n - 1, 0)         # a finished row runs along at positions 0..k
+        t0 = time.perf_counter()
+        tok = out[rows, n - 1]
+        window, q = [tok], []
+        for j in range(k):
+            lg = family.draft_logits(model, name, tok[:, None], (base + j)[:, None], cache, depth)
+            tok, qj = pick(lg[:, -1], temperature, top_k, vocab_limit)
+            window.append(tok)
+            q.append(qj)
+        sync(dev)
+        t1 = time.perf_counter()
+        cache.kpos.masked_fill_(slot >= base[:, None], -1)      # the draft's K/V: emptied
+        window = torch.stack(window, 1)                          # (B, k + 1)
+        wpos = base[:, None] + torch.arange(k + 1, device=dev)
+        logits, _, aux = model(window, pos=wpos, cache=cache, last_only=False)
+        a, t = accept(window[:, 1:], torch.stack(q, 1) if k and q[0] is not None else None,
+                      logits, temperature, top_k, vocab_limit)
+        sync(dev)
+        a = torch.where(active, a, 0)
+        t_verify += time.perf_counter() - t1
+        t_draft += t1 - t0
+        # keep window tokens 1..a and t, at positions n .. n + a; record the kept ones' decisions
+        cand = torch.cat([window[:, 1:], window[:, :1]], 1)
+        cand[rows, a] = t
+        j = torch.arange(k + 1, device=dev)[None, :]
+        keep = (j <= a[:, None]) & active[:, None]
+        kb, kj = keep.nonzero(as_tuple=True)
+        out[kb, n[kb] + kj] = cand[kb, kj]
+        gen = (n - 1 - lens)[kb] + kj                  # generated index of window token j
+        for l, m in aux.get('masks', {}).items():
+            masks[l][kb, gen] = m[kb, kj].float()
+        if trace is not None:
+            picked[kb, gen + 1] = logits[kb, kj]
+        passes, row_passes = passes + 1, row_passes + int(active.sum())
+        drafted[1:k + 1] += active.sum().cpu()
+        kept[1:k + 1] += ((j[:, 1:] <= a[:, None]) & active[:, None]).sum(0).cpu()
+        n = torch.where(active, n + a + 1, n)
+        # the rejected positions' slots, n − 1 onwards (the new pending token's too), in every layer
+        cache.kpos.masked_fill_(slot >= (n - 1)[:, None], -1)
+    # statistics as plain decoding records them: one step per generated token fed to the verifier
+    for s in range(new - 1):
+        if masks:
+            ctx, aux = RouteCtx(masks={l: m[:, s:s + 1] for l, m in masks.items()}), {}
+            family.stats(model, ctx, aux)
+            record(aux)
+    if stats is not None:
+        # tokens per verifier pass and row: the kept drafted ones + the verifier's own (1..K+1)
+        made = int((n - lens - 1).sum())
+        stats.update(spec_draft=name, spec_depth=depth, spec_passes=passes,
+                     spec_accept_rate=(kept[1:].double() / drafted[1:].clamp(min=1)).tolist(),
+                     spec_tokens_per_pass=made / max(1, row_passes),
+                     spec_draft_s=t_draft, spec_verify_s=t_verify)
+    if trace is not None:
+        trace['logits'] = picked[:, :new]
+        trace['masks'] = {l: m[:, :new - 1] for l, m in masks.items()}
+    ys = [out[b, :lengths[b] + new] for b in range(B)]
+    return torch.stack(ys) if uniform else ys
