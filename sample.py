@@ -9,6 +9,10 @@ vocabulary and content hash), and uses the KV cache unless --use_cache=False. Ro
 decode routed (as model.eval() routes, causal per token) and print the realised full-path
 fraction per routed layer.
 --prompts_file=FILE: one prompt per line, decoded together as one batch of different lengths.
+--speculate=K (0: off): self-speculative decoding (speculative.py), K tokens drafted at a time by
+the cheap version of the model --draft names (default: the family's first; a wrong name lists
+them), stopping after --draft_layers blocks where the draft has a depth (0: its default); greedy
+output is the plain decode's, sampled output has its distribution.
 --start (default a newline; on the synthetic corpus, which has none, '|', a segment boundary) and
 every prompt must encode to at least one token, with no character outside a char or synthetic
 vocabulary. Only the tokenizer's real ids are sampled, never the padding of the model's vocabulary.
@@ -25,6 +29,7 @@ from data import prepare as prep
 from data.loader import check_checkpoint_data, load_tokenizer
 from device import cli_device
 from model import FAMILIES, read_stored_config
+from speculative import resolve_draft
 
 DEFAULTS = dict(
     out_dir='out/quickstart',
@@ -38,6 +43,9 @@ DEFAULTS = dict(
     use_cache=True,
     data_dir='',
     prompts_file='',
+    speculate=0,
+    draft='',
+    draft_layers=0,
 )
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -77,7 +85,8 @@ def prompt_batch(cfg, encode, meta, block_size, dev):
 def check_config(argv):
     """The options, each checked before any work; returns them (the prompts file read as text)."""
     cfg = load_config(DEFAULTS, argv)
-    for key, lo in (('num_samples', 1), ('max_new_tokens', 1), ('top_k', 0)):
+    for key, lo in (('num_samples', 1), ('max_new_tokens', 1), ('top_k', 0), ('speculate', 0),
+                    ('draft_layers', 0)):
         if cfg[key] < lo:
             raise ConfigError(
                 f"{key} must be >= {lo}, got {cfg[key]}"
@@ -85,6 +94,11 @@ def check_config(argv):
             )
     if not cfg['temperature'] >= 0:            # also refuses NaN
         raise ConfigError(f"temperature must be >= 0 (0: greedy), got {cfg['temperature']}")
+    if not cfg['speculate'] and (cfg['draft'] or cfg['draft_layers']):
+        raise ConfigError("--draft and --draft_layers choose the draft of --speculate=K; give K >= "
+                          "1 too")
+    if cfg['speculate'] and not cfg['use_cache']:
+        raise ConfigError("--speculate needs the KV cache: leave --use_cache=False out")
     if cfg['seed'] < 0:
         raise ConfigError(f"seed must be >= 0, got {cfg['seed']}")
     if cfg['prompts_file']:
@@ -134,6 +148,12 @@ def main(argv):
     refusal = family.cannot_generate(stored) if family is not None else None
     if refusal:
         raise ConfigError(refusal)
+    draft = None
+    if cfg['speculate'] and family is not None:
+        try:
+            draft = resolve_draft(stored, family, cfg['draft'] or None, cfg['draft_layers'] or None)
+        except ValueError as e:
+            raise ConfigError(f"--draft/--draft_layers: {e}") from None
     folder = os.path.join(
         cfg['data_dir'] or tcfg.get('data_dir') or os.path.join(HERE, 'data'), tcfg['dataset']
     )
@@ -146,6 +166,9 @@ def main(argv):
     check_checkpoint_data(SimpleNamespace(dataset=tcfg['dataset']), dict(meta, folder=folder), ckpt)
     encode, decode = load_tokenizer(meta)
     x, lengths = prompt_batch(cfg, encode, meta, margs['block_size'], dev)
+    if cfg['speculate'] and x.size(1) + cfg['max_new_tokens'] > margs['block_size']:
+        raise ConfigError(f"--speculate needs the prompt ({x.size(1)} tokens) plus max_new_tokens "
+                          f"within block_size {margs['block_size']}; lower --max_new_tokens")
     model = load_model(ckpt, dev).eval()
     torch.manual_seed(cfg['seed'])
     stats = {}
@@ -161,6 +184,9 @@ def main(argv):
         lengths=lengths,
         stats=stats,
         vocab_limit=meta['vocab_size'],
+        speculate=cfg['speculate'],
+        draft=draft and draft[0],
+        draft_layers=draft and draft[1],
     )
     dt = time.time() - t0
     for row in y:
@@ -177,6 +203,12 @@ def main(argv):
             + ' '.join(f"{f:.3f}" for f in stats['full_frac'])
             + (f" | TLOps saved {stats['tlops_saved']:.3f}" if 'tlops_saved' in stats else '')
         )
+    if 'spec_accept_rate' in stats:
+        depth = f", E={stats['spec_depth']}" if stats['spec_depth'] is not None else ''
+        print(f"speculative decoding (draft {stats['spec_draft']!r}{depth}, K={cfg['speculate']}): "
+              f"{stats['spec_tokens_per_pass']:.2f} tokens per verifier pass | kept per draft "
+              f"position " + ' '.join(f"{r:.2f}" for r in stats['spec_accept_rate'])
+              + f" | draft {stats['spec_draft_s']:.2f} s, verify {stats['spec_verify_s']:.2f} s")
     return 0
 
 

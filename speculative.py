@@ -123,8 +123,8 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     the verifier, with the routing decisions the verifier took for the tokens it kept). stats: a
     dict that also gets the speculation's own figures ('spec_*'). trace: a dict for tests, filled
     with 'logits' (B, max_new_tokens, V): the verifier's logits each token was picked from, 'masks'
-    {layer: (B, max_new_tokens − 1)}: its routing decision for each generated token it was fed, and
-    'prefill_masks'."""
+    {layer: (B, max_new_tokens − 1)}: its routing decision for each generated token it was fed,
+    'prefill_masks', the final token count of each row 'n' (B,) and the KV 'cache'."""
     cfg, family, dev = model.config, model.family, idx.device
     K = int(speculate)
     if K < 1:
@@ -172,7 +172,9 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
             break
         # positions n − 1 .. n − 1 + k must stay below block_size (learned position embeddings)
         k = min(K, int((cfg.block_size - n)[active].min()))
-        base = torch.where(active, n - 1, 0)         # a finished row runs along at positions 0..k
+        # a finished row runs along (its tokens are not kept) at its own next positions where they
+        # fit, emptied again after the pass: its cache stays as it finished
+        base = torch.where(active, n - 1, (n - 1).clamp(max=cfg.block_size - 1 - k))
         t0 = time.perf_counter()
         tok = out[rows, n - 1]
         window, q = [tok], []
@@ -210,7 +212,7 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
         kept[1:k + 1] += ((j[:, 1:] <= a[:, None]) & active[:, None]).sum(0).cpu()
         n = torch.where(active, n + a + 1, n)
         # the rejected positions' slots, n − 1 onwards (the new pending token's too), in every layer
-        cache.kpos.masked_fill_(slot >= (n - 1)[:, None], -1)
+        cache.kpos.masked_fill_(slot >= torch.where(active, n - 1, base)[:, None], -1)
     # statistics as plain decoding records them: one step per generated token fed to the verifier
     for s in range(new - 1):
         if masks:
@@ -227,5 +229,6 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     if trace is not None:
         trace['logits'] = picked[:, :new]
         trace['masks'] = {l: m[:, :new - 1] for l, m in masks.items()}
+        trace.update(n=n, cache=cache)
     ys = [out[b, :lengths[b] + new] for b in range(B)]
     return torch.stack(ys) if uniform else ys

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import flops
 import model as model_module
+import speculative
 from conftest import (
     EXAMPLES,
     ROUTED_TOL,
@@ -277,6 +278,48 @@ def test_ragged_batched_generation_equals_each_prompt_alone(case, seed, lens, ne
         assert len(stats['full_frac']) > 0 and all(0 <= f <= 1 for f in stats['full_frac'])
 
 
+def speculative_trace_row(trace, out, b, n, new):
+    """Row b of speculative.generate's trace (prompt length n) as a greedy_trace row: the tokens,
+    the verifier's logits each was picked from, and per step the routing decisions of the positions
+    the step fed (step 0 the prompt, step s the generated token s − 1); decisions as floats."""
+    masks = [{l: m[b, :n].float() for l, m in trace['prefill_masks'].items()}]
+    masks += [{l: m[b, s:s + 1] for l, m in trace['masks'].items()} for s in range(new - 1)]
+    return out[b][n:n + new], trace['logits'][b], masks
+
+
+def as_float(row):
+    tokens_, logits, masks = row
+    return tokens_, logits, [{l: v.float() for l, v in m.items()} for m in masks]
+
+
+@settings(**{**SETTINGS, 'max_examples': 30})
+@given(case=st.sampled_from([c for c in ALL_CASES if not is_random(c)]), seed=st.integers(0, 999),
+       lens=st.lists(st.integers(1, 9), min_size=1, max_size=3), new=st.integers(1, 8),
+       K=st.integers(1, 5), ragged=st.booleans(), data=st.data())
+def test_greedy_speculative_decoding_equals_plain_decoding(case, seed, lens, new, K, ragged, data):
+    """Self-speculative greedy decoding (any draft of the family, any depth, K drafted tokens per
+    verifier pass, prompts of different lengths in one batch or of one length) gives each prompt's
+    plain greedy decode, KV-cached and fully recomputed: the verifier routes every token it keeps as
+    plain decoding routes it (the same decisions), its logits are within ROUTED_TOL (its window of
+    K + 1 tokens runs other matmul shapes), and the tokens are the same unless a near-tie (see
+    conftest.assert_greedy_traces_agree)."""
+    model = build(*case, seed=seed).eval()
+    drafts = model.family.drafts(model.config)
+    draft = data.draw(st.sampled_from(sorted(drafts)))
+    depths = model.family.draft_depths(model.config, draft)
+    depth = data.draw(st.sampled_from(depths[0])) if depths else None
+    lens = lens if ragged else [lens[0]] * len(lens)
+    idx = tokens(seed, len(lens), max(lens))
+    trace = {}
+    out = speculative.generate(model, idx, new, K, draft, depth, temperature=0,
+                               lengths=lens if ragged else None, trace=trace)
+    for b, n in enumerate(lens):
+        spec = speculative_trace_row(trace, out, b, n, new)
+        for use_cache in (True, False):
+            alone = as_float(greedy_trace(model, idx[b:b + 1, :n], new, use_cache=use_cache)[0])
+            assert_greedy_traces_agree(spec, alone, ROUTED_TOL)
+
+
 def test_every_family_but_the_dense_one_routes():
     """train.py reports the routing at the end of a run, and refuses trainable='last_layers' (plain
     fine-tuning of a dense model), by the family's `routes`: only route='none' is dense."""
@@ -354,6 +397,11 @@ def test_the_example_is_held_to_every_promise(route):
             flops_match(case, seed, T, B, 0.5, 1.0, trainable, 1.0, Drawn())
         ragged = test_ragged_batched_generation_equals_each_prompt_alone.hypothesis.inner_test
         ragged(case, seed, [T, 1 + T // 2], 3)
+        speculative_decoding = test_greedy_speculative_decoding_equals_plain_decoding
+        for K in (1, 3):
+            speculative_decoding.hypothesis.inner_test(
+                case, seed, [T, 1 + T // 2], 5, K, True, Drawn('layers', 1 + seed % 3)
+            )
     test_gradients_reach_every_router(case)
 
 

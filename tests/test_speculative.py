@@ -1,0 +1,244 @@
+"""Self-speculative decoding (speculative.py): the KV cache it leaves is plain decoding's (rejected
+positions rolled back in every layer), the routing statistics count the verifier's kept tokens
+only, sampling follows the rejection rule of Leviathan et al. (arXiv 2211.17192) so the output has
+plain sampling's exact distribution, and bad drafts are refused in one line. Greedy exactness for
+every family is a shared promise in test_families.py."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import sample
+import speculative
+from conftest import ROUTED_TOL, SETTINGS, build, tokens
+from configurator import UserError
+from model import GPTConfig
+from test_families import CASES, Drawn, is_random
+
+pytestmark = pytest.mark.usefixtures('one_thread')
+DETERMINISTIC = [c for c in CASES if not is_random(c)]
+
+
+def plain_cache(model, idx, new, lengths):
+    """The KV cache plain (ragged) greedy decoding leaves, and its output."""
+    made = []
+    orig = model.new_cache
+
+    def new_cache(*args, **kw):
+        made.append(orig(*args, **kw))
+        return made[-1]
+    model.new_cache = new_cache
+    try:
+        out = model.generate(idx, new, temperature=0, lengths=lengths)
+    finally:
+        del model.new_cache
+    return made[0], out
+
+
+@settings(**SETTINGS)
+@given(case=st.sampled_from(DETERMINISTIC), seed=st.integers(0, 999), K=st.integers(1, 5),
+       lens=st.lists(st.integers(1, 8), min_size=1, max_size=3), new=st.integers(1, 8),
+       data=st.data())
+def test_speculative_decoding_leaves_plain_decodings_cache(case, seed, K, lens, new, data):
+    """After speculative decoding every rejected position is rolled back in every layer: of a row
+    with n tokens the cache holds positions 0..n−2 and nothing beyond, and on the positions plain
+    decoding filled it holds what plain decoding holds (the same slots filled, in every layer, and
+    K/V within ROUTED_TOL), whatever the draft wrote there and whatever the verifier rejected."""
+    model = build(*case, seed=seed).eval()
+    draft = data.draw(st.sampled_from(sorted(model.family.drafts(model.config))))
+    idx = tokens(seed, len(lens), max(lens))
+    trace = {}
+    out = speculative.generate(model, idx, new, K, draft, temperature=0, lengths=lens, trace=trace)
+    cache, n = trace['cache'], trace['n']
+    plain, want = plain_cache(model, idx, new, lens)
+    for b, m in enumerate(lens):
+        top = int(n[b]) - 1                 # positions 0..n−2 are in the cache
+        assert top >= m + new - 1
+        assert (cache.kpos[:, b, top:] == -1).all(), f'row {b}: rejected positions left filled'
+        if not torch.equal(out[b], want[b]):
+            continue                        # a near-tie flipped a token (test_families checks it)
+        filled = slice(0, m + new - 1)
+        assert torch.equal(cache.kpos[:, b, filled], plain.kpos[:, b, filled]), f'row {b}'
+        valid = (plain.kpos[:, b, filled] >= 0)[:, :, None, None].transpose(1, 2)
+        for got, ref in ((cache.k, plain.k), (cache.v, plain.v)):
+            torch.testing.assert_close(torch.where(valid, got[:, b, :, filled], 0.0),
+                                       torch.where(valid, ref[:, b, :, filled], 0.0), **ROUTED_TOL)
+
+
+@pytest.mark.parametrize('opt', [0, 1, 3])
+def test_a_draft_writing_blocks_the_verifier_skips_leaves_no_trace(opt):
+    """MoD's verifier writes no K/V where a token skips a block, and the 'layers' draft runs every
+    block: the draft's K/V there must be emptied before verification (else later tokens attend to
+    them). The property above, on the cases that exercise it."""
+    leaves_plain = test_speculative_decoding_leaves_plain_decodings_cache.hypothesis.inner_test
+    for seed in range(4):
+        leaves_plain(('mod', opt), seed, 3, [5, 2], 8, Drawn('layers'))
+
+
+@settings(**SETTINGS)
+@given(case=st.sampled_from([c for c in DETERMINISTIC if c[0] != 'none' and c[0] != 'ensemble']),
+       seed=st.integers(0, 999), K=st.integers(1, 5), B=st.integers(1, 3), T=st.integers(1, 8),
+       new=st.integers(2, 8))
+def test_routing_statistics_count_the_kept_tokens_only(case, seed, K, B, T, new):
+    """stats= of speculative decoding report the routing of the verifier's kept tokens, each as
+    plain decoding reports its step: the realised full-path fraction per routed layer and the
+    TLOps saved equal plain decoding's (the verifier's rejected tokens, and the draft's forwards,
+    count for nothing). Equal up to float rounding of the means, where no near-tie flipped a
+    token."""
+    model = build(*case, seed=seed).eval()
+    idx = tokens(seed, B, T)
+    got, want = {}, {}
+    a = model.generate(idx, new, temperature=0, speculate=K, stats=got)
+    b = model.generate(idx, new, temperature=0, stats=want)
+    if not torch.equal(a, b):
+        return
+    assert want.keys() <= got.keys() and 'full_frac' in want
+    for key in ('full_frac', 'tlops_saved'):
+        if key in want:
+            assert got[key] == pytest.approx(want[key], abs=1e-6), key
+    assert 1 <= got['spec_tokens_per_pass'] <= K + 1
+    assert len(got['spec_accept_rate']) == K
+
+
+# --------------------------------------------------------------------------------------------------
+# sampling: the rejection rule gives plain sampling's exact distribution
+
+def exact_joint(model, prompt, steps, temperature, top_k, vocab_limit, logits_of):
+    """P(x_1..x_steps | prompt) of sampling each token from logits_of(sequence) (1, V) through
+    next_probs, by enumerating every sequence: a tensor of shape (V',) * steps."""
+    probs = torch.ones(())
+    seqs = [prompt]
+    for _ in range(steps):
+        rows = torch.cat(seqs)
+        p = speculative.next_probs(logits_of(rows), temperature, top_k, vocab_limit)   # (S, V')
+        probs = probs[..., None] * p.view(*probs.shape, -1)
+        seqs = [torch.cat([s, torch.full((1, 1), v)], 1) for s in rows.split(1) for v in
+                range(p.size(-1))]
+    return probs
+
+
+def chi2_critical(dof, z=3.719):
+    """The chi-square quantile at upper tail z's normal probability (3.719: 1e-4), Wilson-Hilferty
+    (within 1% of the exact quantile for dof >= 10)."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+@pytest.mark.parametrize('route,draft,K,temperature,top_k,vocab_limit', [
+    ('none', 'layers', 2, 1.0, None, None),
+    ('exit', 'exit', 2, 0.7, 3, None),
+    ('ffn', 'cheap', 3, 1.3, None, 4),
+])
+def test_sampled_speculative_decoding_has_plain_samplings_distribution(
+        route, draft, K, temperature, top_k, vocab_limit):
+    """On a 5-token vocabulary, N = 20000 speculative samples of the three tokens after a prompt
+    (the first from the prefill, the next two from one draft of K tokens and its verification: kept
+    drafts, the residual norm(max(0, p − q)) at a rejection, the verifier's bonus token) follow the
+    exact joint distribution of plain sampling, enumerated from the model's probabilities: Pearson's
+    chi-square over the cells of non-zero probability stays below its 1e-4 quantile, and no sample
+    falls in a cell of probability 0 (top_k, vocab_limit). Power: sampling the two tokens from the
+    draft instead would exceed that quantile by the stated margin (its expected statistic, N·Σ(q −
+    p)²/p, is more than 3x the critical value), and the draft is neither always kept nor always
+    rejected."""
+    V, N, steps = 5, 20000, 3
+    model = build(route, seed=1, n_layer=2, vocab_size=V, block_size=8, exit_layers='1',
+                  noise=0.5).eval()
+    prompt = torch.tensor([[1, 3, 0]])
+    name, depth = speculative.resolve_draft(model.config, model.family, draft)
+
+    def verifier(rows):
+        with torch.no_grad():
+            return model(rows)[0][:, -1]
+
+    def drafter(rows):                  # the draft for x_2, x_3 (x_1 comes from the prefill)
+        pos = torch.arange(rows.size(1)).expand(rows.shape)
+        with torch.no_grad():
+            own = model.family.draft_logits(model, name, rows, pos, None, depth)[:, -1]
+        return torch.where(torch.tensor(rows.size(1) > prompt.size(1)), own, verifier(rows))
+
+    p = exact_joint(model, prompt, steps, temperature, top_k, vocab_limit, verifier)
+    q = exact_joint(model, prompt, steps, temperature, top_k, vocab_limit, drafter)
+    torch.manual_seed(0)
+    stats = {}
+    out = model.generate(prompt.repeat(N, 1), steps, temperature=temperature, top_k=top_k,
+                         vocab_limit=vocab_limit, speculate=K, draft=draft, stats=stats)[:, 3:]
+    Vp = p.size(-1)
+    counts = torch.bincount((out[:, 0] * Vp + out[:, 1]) * Vp + out[:, 2], minlength=Vp ** 3)
+    expected = N * p.flatten().double()
+    live = expected > 0
+    assert counts[~live].sum() == 0
+    chi2 = float(((counts[live] - expected[live]) ** 2 / expected[live]).sum())
+    critical = chi2_critical(int(live.sum()) - 1)
+    assert chi2 < critical, (chi2, critical)
+    power = float(N * ((q.flatten().double() - p.flatten().double())[live] ** 2
+                       / p.flatten().double()[live]).sum())
+    assert power > 3 * critical, (power, critical)
+    assert 0.1 < stats['spec_accept_rate'][0] < 0.95, stats
+
+
+# --------------------------------------------------------------------------------------------------
+# drafts: every family offers some, bad ones are refused in one line
+
+@pytest.mark.parametrize('route', ['none', 'ffn', 'mod', 'halt', 'exit', 'ensemble'])
+def test_every_family_offers_its_drafts(route):
+    cfg = GPTConfig(route=route, n_layer=4)
+    family = build(route).family
+    drafts = family.drafts(cfg)
+    default = {'none': 'layers', 'ffn': 'cheap', 'mod': 'skip', 'halt': 'halt', 'exit': 'exit',
+               'ensemble': 'earliest'}[route]
+    assert next(iter(drafts)) == default and 'layers' in drafts
+    assert speculative.resolve_draft(cfg, family)[0] == default
+    with pytest.raises(ValueError, match=f"draft 'bogus' is not one of route='{route}'") as e:
+        speculative.resolve_draft(cfg, family, 'bogus')
+    assert all(f"'{name}'" in str(e.value) for name in drafts) and '\n' not in str(e.value)
+    with pytest.raises(ValueError, match='draft_layers=9'):
+        speculative.resolve_draft(cfg, family, 'layers', 9)
+
+
+def test_draft_depths():
+    exit_cfg = GPTConfig(route='exit', n_layer=8)          # exits {2, 4, 6}
+    exit_family = build('exit').family
+    assert speculative.resolve_draft(exit_cfg, exit_family) == ('exit', 4)
+    assert speculative.resolve_draft(exit_cfg, exit_family, 'exit', 6) == ('exit', 6)
+    with pytest.raises(ValueError, match=r"one of \[2, 4, 6\]"):
+        speculative.resolve_draft(exit_cfg, exit_family, 'exit', 3)
+    ffn_cfg = GPTConfig(route='ffn')
+    with pytest.raises(ValueError, match="'cheap' has no depth"):
+        speculative.resolve_draft(ffn_cfg, build('ffn').family, 'cheap', 2)
+
+
+def test_generate_refuses_speculation_without_the_cache():
+    model = build('none').eval()
+    idx = tokens(0, 1, 4)
+    with pytest.raises(ValueError, match='use_cache=True'):
+        model.generate(idx, 3, speculate=2, use_cache=False)
+    with pytest.raises(ValueError, match='within block_size 24'):
+        model.generate(idx, 21, speculate=2)
+
+
+def test_sample_speculates_and_prints_the_acceptance(run, capsys):
+    """sample.py --speculate=K gives plain greedy decoding's text and reports the draft's
+    figures."""
+    args = [f"--out_dir={run / 'out'}", "--max_new_tokens=6", "--num_samples=2", "--device=cpu",
+            "--temperature=0"]
+    assert sample.main(args) == 0
+    plain = capsys.readouterr().out.splitlines()
+    assert sample.main([*args, "--speculate=3", "--draft=layers"]) == 0
+    spec = capsys.readouterr().out.splitlines()
+    assert spec[:4] == plain[:4]
+    assert "speculative decoding (draft 'layers', E=1, K=3)" in spec[-1], spec[-1]
+
+
+@pytest.mark.parametrize('extra,needle', [
+    (["--speculate=2", "--draft=bogus"], r"--draft/--draft_layers: draft 'bogus' is not one of "
+                                         r"route='ffn''s drafts \('cheap': every routed FFN"),
+    (["--speculate=2", "--draft_layers=2"], "draft 'cheap' has no depth"),
+    (["--speculate=2", "--draft=layers", "--draft_layers=5"], "draft_layers=5 is not a depth"),
+    (["--draft=layers"], "give K >= 1 too"),
+    (["--speculate=-1"], "speculate must be >= 0"),
+    (["--speculate=2", "--use_cache=False"], "--speculate needs the KV cache"),
+    (["--speculate=2", "--max_new_tokens=30"], "within block_size 16"),
+])
+def test_sample_refuses_bad_speculation_options(run, extra, needle):
+    with pytest.raises(UserError, match=needle):
+        sample.main([f"--out_dir={run / 'out'}", "--device=cpu", *extra])
