@@ -30,6 +30,7 @@ its time (torch.profiler, by op kind).
 
     python bench.py config/bench_cpu.py --budgets=1.0,0.75,0.5,0.25,0.125 --json
 """
+import inspect
 import json
 import os
 import statistics
@@ -55,6 +56,7 @@ BENCH_DEFAULTS = dict(
     sparse=True,
     profile=False,
     decode_prompt=0,
+    decode_vs_hf=False,
     out='',
 )
 BENCH_EXAMPLES = dict(budgets="'1.0,0.5'", decode_batches="'1,8'", prefill_shapes="'8x512' (BxT)")
@@ -94,6 +96,8 @@ def check_bench_config(cfg):
     # decode is timed with the KV cache: past block_size, generate would recompute the cropped
     # window
     prompt = (cfg['decode_prompt'] if cfg['budgets'] else 0) or 1
+    if cfg['decode_vs_hf']:
+        prompt = hf_prompt_len(cfg)
     if prompt + cfg['decode_tokens'] > cfg['block_size']:
         raise ConfigError(
             f"decode_tokens={cfg['decode_tokens']} plus a {prompt}-token prompt exceeds "
@@ -160,10 +164,12 @@ def bench(cfg):
             0, mcfg.vocab_size, (db, max(1, T - cfg['decode_tokens'])), device=dev
         )
 
-        def gen():
-            with autocast:
-                model.generate(prompt, cfg['decode_tokens'], temperature=0, use_cache=True)
-        decode[db] = db * cfg['decode_tokens'] / timed(gen, max(1, cfg['bench_steps'] // 3), 1, dev)
+        gen = lambda k: (lambda: model.generate(prompt, k, temperature=0, use_cache=True))
+        steps = max(1, cfg['bench_steps'] // 3)
+        with autocast:          # decode alone: (prefill + 1 + N steps) minus (prefill + 1)
+            t = (timed(gen(1 + cfg['decode_tokens']), steps, 1, dev)
+                 - timed(gen(1), steps, 1, dev))
+        decode[db] = db * cfg['decode_tokens'] / max(t, 1e-9)
     train_tps, prefill_tps = B * T / t_train, B * T / t_prefill
     peak = flops.peak_flops(dev, dt)          # MFU from the FLOPs the step really runs (routed or
                                               # not)
@@ -548,6 +554,108 @@ def print_routed(res):
             )
 
 
+
+# --------------------------------------------------------------------------------------------------
+# dense decode beside Hugging Face transformers' GPT-2
+
+def hf_prompt_len(cfg):
+    return cfg['decode_prompt'] or 64
+
+
+def gpt2_twins(cfg, dev):
+    """Our dense model and transformers' GPT2LMHeadModel of the same shape (GPT-2's architecture:
+    biases, tanh GELU, learned positions; the config's layers, heads, width, context and
+    vocabulary), random weights, eval mode, the config's dtype."""
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        raise ConfigError("decode_vs_hf=True needs the transformers package: "
+                          "pip install transformers") from None
+    vocab = cfg['vocab_size'] or 50257
+    ours_cfg = replace(
+        train.model_config(SimpleNamespace(**cfg), vocab_size=vocab),
+        route='none', bias=True, gelu='tanh', pos='learned', dropout=0.0,
+    )
+    hf_cfg = GPT2Config(
+        n_layer=cfg['n_layer'], n_head=cfg['n_head'], n_embd=cfg['n_embd'],
+        n_positions=cfg['block_size'], vocab_size=vocab, activation_function='gelu_new',
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        bos_token_id=vocab - 1, eos_token_id=vocab - 1,     # GPT-2's, inside any vocabulary
+    )
+    dtype = getattr(torch, resolve_device_dtype(SimpleNamespace(**cfg))[1])
+    ours = GPT(ours_cfg).to(dev, dtype).eval()
+    theirs = GPT2LMHeadModel(hf_cfg).to(dev, dtype).eval()
+    return ours, theirs
+
+
+def hf_greedy(model, prompt, new_tokens):
+    """transformers' fastest eager greedy decode: the model's own KV cache, one
+    forward per token, argmax; no generate() machinery (logits processors, stopping criteria, input
+    preparation), so the comparison gives transformers its best case."""
+    # transformers 5 names the cache `cache`, older releases `past_key_values`
+    key = 'cache' if 'cache' in inspect.signature(model.forward).parameters else 'past_key_values'
+    with torch.no_grad():
+        out = model(input_ids=prompt, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(new_tokens - 1):
+            out = model(input_ids=nxt, use_cache=True, **{key: getattr(out, key)})
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    return nxt
+
+
+def bench_decode_vs_hf(cfg):
+    """Greedy KV-cached decode of our dense model (eager; and compiled with --compile=True) beside
+    transformers' GPT-2 of the same shape, one process, the contenders alternated within every
+    repeat so load changes hit both. Decode alone: per repeat, (prefill + 1 + N tokens) minus
+    (prefill + 1), N = decode_tokens, from a decode_prompt-token prompt (64 when 0); tokens/s from
+    the median over bench_steps repeats; ratio = ours / transformers'."""
+    import transformers
+    dev, dt = resolve_device_dtype(SimpleNamespace(**cfg))
+    torch.manual_seed(cfg['seed'])
+    ours, theirs = gpt2_twins(cfg, dev)
+    n, N = hf_prompt_len(cfg), cfg['decode_tokens']
+    contenders = {'ours_eager': lambda p, k: ours.generate(p, k, temperature=0)}
+    if cfg['compile']:
+        contenders['ours_compiled'] = lambda p, k: ours.generate(p, k, temperature=0, compile=True)
+    contenders['hf'] = lambda p, k: hf_greedy(theirs, p, k)
+    rows = []
+    for b in numbers(cfg, 'decode_batches', int):
+        prompt = torch.randint(0, ours.config.vocab_size, (b, n), device=dev)
+        for run in contenders.values():         # warm-up: compilation, allocator, caches
+            run(prompt, 1 + N)
+        secs = {name: [] for name in contenders}
+        for _ in range(cfg['bench_steps']):
+            for name, run in contenders.items():
+                long = timed(lambda: run(prompt, 1 + N), 1, 0, dev)
+                short = timed(lambda: run(prompt, 1), 1, 0, dev)
+                secs[name].append(long - short)
+        tps = {k: b * N / max(statistics.median(v), 1e-9) for k, v in secs.items()}
+        for name in (k for k in contenders if k != 'hf'):
+            rows.append(dict(
+                batch=b, ours=name.removeprefix('ours_'), ours_tokens_per_s=tps[name],
+                hf_tokens_per_s=tps['hf'], ratio=tps[name] / tps['hf'],
+            ))
+    return dict(
+        kind='decode_vs_hf', device=str(dev), dtype=dt, threads=torch.get_num_threads(),
+        torch=torch.__version__, transformers=transformers.__version__, **train.code_version(),
+        n_layer=cfg['n_layer'], n_head=cfg['n_head'], n_embd=cfg['n_embd'],
+        block_size=cfg['block_size'], vocab_size=ours.config.vocab_size,
+        prompt_tokens=n, decode_tokens=N, repeats=cfg['bench_steps'],
+        hf_attn_implementation=theirs.config._attn_implementation,
+        hf_loop='manual greedy loop over its KV cache (no generate())', rows=rows,
+    )
+
+
+def print_decode_vs_hf(res):
+    print(f"greedy decode, {res['n_layer']}L d{res['n_embd']} {res['dtype']} on {res['device']} "
+          f"({res['threads']} threads), {res['prompt_tokens']}-token prompt, "
+          f"{res['decode_tokens']} new tokens, decode alone")
+    print('| batch | nanodepth | nanodepth tok/s | transformers tok/s | ratio |')
+    print('|---|---|---|---|---|')
+    for r in res['rows']:
+        print(f"| {r['batch']} | {r['ours']} | {r['ours_tokens_per_s']:.1f} | "
+              f"{r['hf_tokens_per_s']:.1f} | {r['ratio']:.2f} |")
+
 def parse_args(argv):
     """(config, as_json, argv without --json): every option checked before any work, train.py's keys
     as train.py checks them, and --out a writable .json file path."""
@@ -566,7 +674,8 @@ def parse_args(argv):
 
 def main(argv):
     cfg, as_json, argv = parse_args(argv)
-    res = bench_routed(cfg) if cfg['budgets'] else bench(cfg)
+    res = (bench_decode_vs_hf(cfg) if cfg['decode_vs_hf']
+           else bench_routed(cfg) if cfg['budgets'] else bench(cfg))
     if cfg['out']:                 # the raw file behind a reported figure, with the command that
                                    # made it
         os.makedirs(os.path.dirname(os.path.abspath(cfg['out'])), exist_ok=True)
@@ -575,6 +684,8 @@ def main(argv):
                            date=time.strftime('%Y-%m-%d')), f, indent=1)
     if as_json:
         print(json.dumps(res))
+    elif cfg['decode_vs_hf']:
+        print_decode_vs_hf(res)
     elif cfg['budgets']:
         print_routed(res)
     else:
