@@ -588,47 +588,85 @@ def gpt2_twins(cfg, dev):
     return ours, theirs
 
 
-def hf_greedy(model, prompt, new_tokens):
-    """transformers' fastest eager greedy decode: the model's own KV cache, one
-    forward per token, argmax; no generate() machinery (logits processors, stopping criteria, input
-    preparation), so the comparison gives transformers its best case."""
+def our_greedy_steps(model, prompt, new_tokens, compile):
+    """generate's greedy KV-cached loop (equal prompts), one token per next(): the first next() runs
+    the prefill and picks the first token, each later one a decoding step (decode_step, compiled
+    with compile) and its argmax."""
+    B, T = prompt.shape
+    dev = prompt.device
+    step = model.decode_step_fn(dev, compile)
+    cache = model.new_cache(B, dev, compile)
+    with torch.no_grad():
+        cache.attend_to(T)
+        logits = model(prompt, pos=torch.arange(T, device=dev).expand(B, T), cache=cache)[0]
+        nxt = model.sample_next(logits[:, -1], 0, None)
+        yield
+        for i in range(new_tokens):
+            cache.attend_to(T + i + 1)
+            logits, _ = step(nxt, torch.full((B, 1), T + i, device=dev), cache)
+            nxt = model.sample_next(logits, 0, None)
+            yield
+
+
+def hf_greedy_steps(model, prompt, new_tokens):
+    """transformers' fastest eager greedy decode, one token per next() as our_greedy_steps: the
+    model's own KV cache, one forward per token, argmax; no generate() machinery (logits processors,
+    stopping criteria, input preparation), so the comparison gives transformers its best case."""
     # transformers 5 names the cache `cache`, older releases `past_key_values`
     key = 'cache' if 'cache' in inspect.signature(model.forward).parameters else 'past_key_values'
     with torch.no_grad():
         out = model(input_ids=prompt, use_cache=True)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(new_tokens - 1):
+        yield
+        for _ in range(new_tokens):
             out = model(input_ids=nxt, use_cache=True, **{key: getattr(out, key)})
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-    return nxt
+            yield
+
+
+def interleaved_decode_seconds(decoders, new_tokens, dev):
+    """{name: seconds} of new_tokens decoding steps of each decoder (a generator as
+    our_greedy_steps), timed step by step with the decoders interleaved per token, so load that
+    comes and goes hits every decoder alike; the prefill and first token (the first next()) are
+    not timed."""
+    for d in decoders.values():
+        next(d)
+    secs = dict.fromkeys(decoders, 0.0)
+    for _ in range(new_tokens):
+        for name, d in decoders.items():
+            if dev.type == 'cuda':
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            next(d)
+            if dev.type == 'cuda':
+                torch.cuda.synchronize(dev)
+            secs[name] += time.perf_counter() - t0
+    return secs
 
 
 def bench_decode_vs_hf(cfg):
     """Greedy KV-cached decode of our dense model (eager; and compiled with --compile=True) beside
-    transformers' GPT-2 of the same shape, one process, the contenders alternated within every
-    repeat so load changes hit both. Decode alone: per repeat, (prefill + 1 + N tokens) minus
-    (prefill + 1), N = decode_tokens, from a decode_prompt-token prompt (64 when 0); tokens/s from
-    the median over bench_steps repeats; ratio = ours / transformers'."""
+    transformers' GPT-2 of the same shape, in one process. Decode alone: the N = decode_tokens steps
+    after the prefill and first token of a decode_prompt-token prompt (64 when 0), each step timed,
+    the contenders interleaved token by token (load that comes and goes hits both); tokens/s from
+    the median over bench_steps repeats (after one untimed warm-up); ratio = ours / theirs."""
     import transformers
     dev, dt = resolve_device_dtype(SimpleNamespace(**cfg))
     torch.manual_seed(cfg['seed'])
     ours, theirs = gpt2_twins(cfg, dev)
     n, N = hf_prompt_len(cfg), cfg['decode_tokens']
-    contenders = {'ours_eager': lambda p, k: ours.generate(p, k, temperature=0)}
+    contenders = {'ours_eager': lambda p: our_greedy_steps(ours, p, N, False)}
     if cfg['compile']:
-        contenders['ours_compiled'] = lambda p, k: ours.generate(p, k, temperature=0, compile=True)
-    contenders['hf'] = lambda p, k: hf_greedy(theirs, p, k)
+        contenders['ours_compiled'] = lambda p: our_greedy_steps(ours, p, N, True)
+    contenders['hf'] = lambda p: hf_greedy_steps(theirs, p, N)
     rows = []
     for b in numbers(cfg, 'decode_batches', int):
         prompt = torch.randint(0, ours.config.vocab_size, (b, n), device=dev)
-        for run in contenders.values():         # warm-up: compilation, allocator, caches
-            run(prompt, 1 + N)
         secs = {name: [] for name in contenders}
-        for _ in range(cfg['bench_steps']):
-            for name, run in contenders.items():
-                long = timed(lambda: run(prompt, 1 + N), 1, 0, dev)
-                short = timed(lambda: run(prompt, 1), 1, 0, dev)
-                secs[name].append(long - short)
+        for r in range(1 + cfg['bench_steps']):          # repeat 0: warm-up (compilation, caches)
+            got = interleaved_decode_seconds({k: c(prompt) for k, c in contenders.items()}, N, dev)
+            for name, t in got.items():
+                secs[name] += [t] if r else []
         tps = {k: b * N / max(statistics.median(v), 1e-9) for k, v in secs.items()}
         for name in (k for k in contenders if k != 'hf'):
             rows.append(dict(
@@ -642,7 +680,8 @@ def bench_decode_vs_hf(cfg):
         block_size=cfg['block_size'], vocab_size=ours.config.vocab_size,
         prompt_tokens=n, decode_tokens=N, repeats=cfg['bench_steps'],
         hf_attn_implementation=theirs.config._attn_implementation,
-        hf_loop='manual greedy loop over its KV cache (no generate())', rows=rows,
+        hf_loop='manual greedy loop over its KV cache (no generate())',
+        timing='decode steps only, interleaved per token with transformers', rows=rows,
     )
 
 

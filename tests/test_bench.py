@@ -90,6 +90,21 @@ def test_bench_decode_vs_hf(tmp_path):
     assert '--decode_vs_hf=True' in saved['command']
 
 
+
+def test_bench_times_the_tokens_generate_decodes():
+    """The decoding bench_decode_vs_hf times step by step is generate's greedy decoding: the same
+    tokens."""
+    import bench
+    from model import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=96, vocab_size=13)).eval()
+    prompt = torch.randint(0, 13, (2, 60))
+    want = model.generate(prompt, 9, temperature=0)[:, 60:]
+    got, steps = [], bench.our_greedy_steps(model, prompt, 8, compile=False)
+    for _ in steps:
+        got.append(steps.gi_frame.f_locals['nxt'].clone())
+    assert torch.equal(torch.cat(got, 1), want)
+
 def test_bench_decode_vs_hf_prompt_must_fit_the_context():
     """A prompt plus the decoded tokens past block_size is refused before any model is built."""
     r = run_group([sys.executable, 'bench.py', '--decode_vs_hf=True', '--block_size=64',
