@@ -93,17 +93,23 @@ def test_bench_decode_vs_hf(tmp_path):
 
 def test_bench_times_the_tokens_generate_decodes():
     """The decoding bench_decode_vs_hf times step by step is generate's greedy decoding: the same
-    tokens."""
+    tokens, each step's logits the full forward's at its position (the steps cross a bucket)."""
     import bench
     from model import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=96, vocab_size=13)).eval()
     prompt = torch.randint(0, 13, (2, 60))
-    want = model.generate(prompt, 9, temperature=0)[:, 60:]
-    got, steps = [], bench.our_greedy_steps(model, prompt, 8, compile=False)
-    for _ in steps:
-        got.append(steps.gi_frame.f_locals['nxt'].clone())
-    assert torch.equal(torch.cat(got, 1), want)
+    want = model.generate(prompt, 9, temperature=0)
+    tokens, logits, steps = [], [], bench.our_greedy_steps(model, prompt, 8, compile=False)
+    for i, _ in enumerate(steps):
+        tokens.append(steps.gi_frame.f_locals['nxt'].clone())
+        if i:
+            logits.append(steps.gi_frame.f_locals['logits'].clone())
+    assert torch.equal(torch.cat(tokens, 1), want[:, 60:])
+    with torch.no_grad():
+        full = model(want, last_only=False)[0]
+    torch.testing.assert_close(torch.stack(logits, 1), full[:, 60:68], rtol=1e-4, atol=1e-4)
+
 
 def test_bench_decode_vs_hf_prompt_must_fit_the_context():
     """A prompt plus the decoded tokens past block_size is refused before any model is built."""
