@@ -6,7 +6,9 @@ Speed of a config: training step, prefill and KV-cached decode, as tokens/s and 
 
 Takes every key of train.py (model shape, batch_size, block_size, device, dtype, compile) plus
 bench_steps / bench_warmup / decode_tokens / decode_batches. Random tokens, so no data is needed.
-Reports medians over bench_steps timed repeats after bench_warmup untimed ones; with --json prints
+Reports medians over bench_steps timed repeats after bench_warmup untimed ones; decode is decode
+alone (generate of 1 + decode_tokens tokens minus generate of 1: the prefill is not counted), from a
+prompt of block_size - decode_tokens tokens; with --json prints
 exactly one JSON object, which records the device, torch version and git commit (git_sha,
 git_dirty).
 
@@ -29,6 +31,15 @@ off) against the dense joint step; and with --profile where the routed prefill a
 its time (torch.profiler, by op kind).
 
     python bench.py config/bench_cpu.py --budgets=1.0,0.75,0.5,0.25,0.125 --json
+
+Dense decode beside Hugging Face transformers: with --decode_vs_hf=True our dense model (GPT-2's
+architecture at the config's shape) and transformers' GPT2LMHeadModel of the same shape, random
+weights, decode greedily from a decode_prompt-token prompt (64 when 0), each with its own KV cache;
+the decode_tokens steps after the prefill are timed step by step, the two interleaved token by token
+in one process (transformers through a manual loop over its cache, its fastest eager decode). Per
+decode batch: both tokens/s and ratio = ours / theirs, eager (and compiled with --compile=True).
+
+    python bench.py config/decode_vs_hf_cpu.py --out=results/<device>_<date>/decode_vs_hf.json
 """
 import inspect
 import json
