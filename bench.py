@@ -6,7 +6,9 @@ Speed of a config: training step, prefill and KV-cached decode, as tokens/s and 
 
 Takes every key of train.py (model shape, batch_size, block_size, device, dtype, compile) plus
 bench_steps / bench_warmup / decode_tokens / decode_batches. Random tokens, so no data is needed.
-Reports medians over bench_steps timed repeats after bench_warmup untimed ones; with --json prints
+Reports medians over bench_steps timed repeats after bench_warmup untimed ones; decode is decode
+alone (generate of 1 + decode_tokens tokens minus generate of 1: the prefill is not counted), from a
+prompt of block_size - decode_tokens tokens; with --json prints
 exactly one JSON object, which records the device, torch version and git commit (git_sha,
 git_dirty).
 
@@ -35,7 +37,17 @@ decode and training rows at the GPT-2 124M shape, written to results/<gpu>_<date
 suite.md; --smoke=True runs it on tiny shapes on any device.
 
     python bench.py --suite=gpu
+
+Dense decode beside Hugging Face transformers: with --decode_vs_hf=True our dense model (GPT-2's
+architecture at the config's shape) and transformers' GPT2LMHeadModel of the same shape, random
+weights, decode greedily from a decode_prompt-token prompt (64 when 0), each with its own KV cache;
+the decode_tokens steps after the prefill are timed step by step, the two interleaved token by token
+in one process (transformers through a manual loop over its cache, its fastest eager decode). Per
+decode batch: both tokens/s and ratio = ours / theirs, eager (and compiled with --compile=True).
+
+    python bench.py config/decode_vs_hf_cpu.py --out=results/<device>_<date>/decode_vs_hf.json
 """
+import inspect
 import json
 import os
 import statistics
@@ -62,6 +74,7 @@ BENCH_DEFAULTS = dict(
     sparse=True,
     profile=False,
     decode_prompt=0,
+    decode_vs_hf=False,
     out='',
     suite='',               # 'gpu': the GPU suite of bench_suite.py (its options below)
     smoke=False,
@@ -104,6 +117,8 @@ def check_bench_config(cfg):
     # decode is timed with the KV cache: past block_size, generate would recompute the cropped
     # window
     prompt = (cfg['decode_prompt'] if cfg['budgets'] else 0) or 1
+    if cfg['decode_vs_hf']:
+        prompt = hf_prompt_len(cfg)
     if prompt + cfg['decode_tokens'] > cfg['block_size']:
         raise ConfigError(
             f"decode_tokens={cfg['decode_tokens']} plus a {prompt}-token prompt exceeds "
@@ -170,10 +185,12 @@ def bench(cfg):
             0, mcfg.vocab_size, (db, max(1, T - cfg['decode_tokens'])), device=dev
         )
 
-        def gen():
-            with autocast:
-                model.generate(prompt, cfg['decode_tokens'], temperature=0, use_cache=True)
-        decode[db] = db * cfg['decode_tokens'] / timed(gen, max(1, cfg['bench_steps'] // 3), 1, dev)
+        gen = lambda k: (lambda: model.generate(prompt, k, temperature=0, use_cache=True))
+        steps = max(1, cfg['bench_steps'] // 3)
+        with autocast:          # decode alone: (prefill + 1 + N steps) minus (prefill + 1)
+            t = (timed(gen(1 + cfg['decode_tokens']), steps, 1, dev)
+                 - timed(gen(1), steps, 1, dev))
+        decode[db] = db * cfg['decode_tokens'] / max(t, 1e-9)
     train_tps, prefill_tps = B * T / t_train, B * T / t_prefill
     peak = flops.peak_flops(dev, dt)          # MFU from the FLOPs the step really runs (routed or
                                               # not)
@@ -565,6 +582,147 @@ def print_routed(res):
             )
 
 
+
+# --------------------------------------------------------------------------------------------------
+# dense decode beside Hugging Face transformers' GPT-2
+
+def hf_prompt_len(cfg):
+    return cfg['decode_prompt'] or 64
+
+
+def gpt2_twins(cfg, dev):
+    """Our dense model and transformers' GPT2LMHeadModel of the same shape (GPT-2's architecture:
+    biases, tanh GELU, learned positions; the config's layers, heads, width, context and
+    vocabulary), random weights, eval mode, the config's dtype."""
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        raise ConfigError("decode_vs_hf=True needs the transformers package: "
+                          "pip install transformers") from None
+    vocab = cfg['vocab_size'] or 50257
+    ours_cfg = replace(
+        train.model_config(SimpleNamespace(**cfg), vocab_size=vocab),
+        route='none', bias=True, gelu='tanh', pos='learned', dropout=0.0,
+    )
+    hf_cfg = GPT2Config(
+        n_layer=cfg['n_layer'], n_head=cfg['n_head'], n_embd=cfg['n_embd'],
+        n_positions=cfg['block_size'], vocab_size=vocab, activation_function='gelu_new',
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        bos_token_id=vocab - 1, eos_token_id=vocab - 1,     # GPT-2's, inside any vocabulary
+    )
+    dtype = getattr(torch, resolve_device_dtype(SimpleNamespace(**cfg))[1])
+    ours = GPT(ours_cfg).to(dev, dtype).eval()
+    theirs = GPT2LMHeadModel(hf_cfg).to(dev, dtype).eval()
+    return ours, theirs
+
+
+def our_greedy_steps(model, prompt, new_tokens, compile):
+    """generate's greedy KV-cached loop (equal prompts), one token per next(): the first next() runs
+    the prefill and picks the first token, each later one a decoding step (decode_step, compiled
+    with compile) and its argmax."""
+    B, T = prompt.shape
+    dev = prompt.device
+    step = model.decode_step_fn(dev, compile)
+    cache = model.new_cache(B, dev, compile)
+    with torch.no_grad():
+        cache.attend_to(T)
+        logits = model(prompt, pos=torch.arange(T, device=dev).expand(B, T), cache=cache)[0]
+        nxt = model.sample_next(logits[:, -1], 0, None)
+        yield
+        for i in range(new_tokens):
+            cache.attend_to(T + i + 1)
+            logits, _ = step(nxt, torch.full((B, 1), T + i, device=dev), cache)
+            nxt = model.sample_next(logits, 0, None)
+            yield
+
+
+def hf_greedy_steps(model, prompt, new_tokens):
+    """transformers' fastest eager greedy decode, one token per next() as our_greedy_steps: the
+    model's own KV cache, one forward per token, argmax; no generate() machinery (logits processors,
+    stopping criteria, input preparation), so the comparison gives transformers its best case."""
+    # transformers 5 names the cache `cache`, older releases `past_key_values`
+    key = 'cache' if 'cache' in inspect.signature(model.forward).parameters else 'past_key_values'
+    with torch.no_grad():
+        out = model(input_ids=prompt, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        yield
+        for _ in range(new_tokens):
+            out = model(input_ids=nxt, use_cache=True, **{key: getattr(out, key)})
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            yield
+
+
+def interleaved_decode_seconds(decoders, new_tokens, dev):
+    """{name: seconds} of new_tokens decoding steps of each decoder (a generator as
+    our_greedy_steps), timed step by step with the decoders interleaved per token, so load that
+    comes and goes hits every decoder alike; the prefill and first token (the first next()) are
+    not timed."""
+    for d in decoders.values():
+        next(d)
+    secs = dict.fromkeys(decoders, 0.0)
+    for _ in range(new_tokens):
+        for name, d in decoders.items():
+            if dev.type == 'cuda':
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            next(d)
+            if dev.type == 'cuda':
+                torch.cuda.synchronize(dev)
+            secs[name] += time.perf_counter() - t0
+    return secs
+
+
+def bench_decode_vs_hf(cfg):
+    """Greedy KV-cached decode of our dense model (eager; and compiled with --compile=True) beside
+    transformers' GPT-2 of the same shape, in one process. Decode alone: the N = decode_tokens steps
+    after the prefill and first token of a decode_prompt-token prompt (64 when 0), each step timed,
+    the contenders interleaved token by token (load that comes and goes hits both); tokens/s from
+    the median over bench_steps repeats (after one untimed warm-up); ratio = ours / theirs."""
+    import transformers
+    dev, dt = resolve_device_dtype(SimpleNamespace(**cfg))
+    torch.manual_seed(cfg['seed'])
+    ours, theirs = gpt2_twins(cfg, dev)
+    n, N = hf_prompt_len(cfg), cfg['decode_tokens']
+    contenders = {'ours_eager': lambda p: our_greedy_steps(ours, p, N, False)}
+    if cfg['compile']:
+        contenders['ours_compiled'] = lambda p: our_greedy_steps(ours, p, N, True)
+    contenders['hf'] = lambda p: hf_greedy_steps(theirs, p, N)
+    rows = []
+    for b in numbers(cfg, 'decode_batches', int):
+        prompt = torch.randint(0, ours.config.vocab_size, (b, n), device=dev)
+        secs = {name: [] for name in contenders}
+        for r in range(1 + cfg['bench_steps']):          # repeat 0: warm-up (compilation, caches)
+            got = interleaved_decode_seconds({k: c(prompt) for k, c in contenders.items()}, N, dev)
+            for name, t in got.items():
+                secs[name] += [t] if r else []
+        tps = {k: b * N / max(statistics.median(v), 1e-9) for k, v in secs.items()}
+        for name in (k for k in contenders if k != 'hf'):
+            rows.append(dict(
+                batch=b, ours=name.removeprefix('ours_'), ours_tokens_per_s=tps[name],
+                hf_tokens_per_s=tps['hf'], ratio=tps[name] / tps['hf'],
+            ))
+    return dict(
+        kind='decode_vs_hf', device=str(dev), dtype=dt, threads=torch.get_num_threads(),
+        torch=torch.__version__, transformers=transformers.__version__, **train.code_version(),
+        n_layer=cfg['n_layer'], n_head=cfg['n_head'], n_embd=cfg['n_embd'],
+        block_size=cfg['block_size'], vocab_size=ours.config.vocab_size,
+        prompt_tokens=n, decode_tokens=N, repeats=cfg['bench_steps'],
+        hf_attn_implementation=theirs.config._attn_implementation,
+        hf_loop='manual greedy loop over its KV cache (no generate())',
+        timing='decode steps only, interleaved per token with transformers', rows=rows,
+    )
+
+
+def print_decode_vs_hf(res):
+    print(f"greedy decode, {res['n_layer']}L d{res['n_embd']} {res['dtype']} on {res['device']} "
+          f"({res['threads']} threads), {res['prompt_tokens']}-token prompt, "
+          f"{res['decode_tokens']} new tokens, decode alone")
+    print('| batch | nanodepth | nanodepth tok/s | transformers tok/s | ratio |')
+    print('|---|---|---|---|---|')
+    for r in res['rows']:
+        print(f"| {r['batch']} | {r['ours']} | {r['ours_tokens_per_s']:.1f} | "
+              f"{r['hf_tokens_per_s']:.1f} | {r['ratio']:.2f} |")
+
 def parse_args(argv):
     """(config, as_json, argv without --json): every option checked before any work, train.py's keys
     as train.py checks them, and --out a writable .json file path."""
@@ -588,7 +746,8 @@ def main(argv):
     if cfg['suite']:
         import bench_suite
         return bench_suite.run(cfg, argv + ['--json'] * as_json)
-    res = bench_routed(cfg) if cfg['budgets'] else bench(cfg)
+    res = (bench_decode_vs_hf(cfg) if cfg['decode_vs_hf']
+           else bench_routed(cfg) if cfg['budgets'] else bench(cfg))
     if cfg['out']:                 # the raw file behind a reported figure, with the command that
                                    # made it
         os.makedirs(os.path.dirname(os.path.abspath(cfg['out'])), exist_ok=True)
@@ -597,6 +756,8 @@ def main(argv):
                            date=time.strftime('%Y-%m-%d')), f, indent=1)
     if as_json:
         print(json.dumps(res))
+    elif cfg['decode_vs_hf']:
+        print_decode_vs_hf(res)
     elif cfg['budgets']:
         print_routed(res)
     else:

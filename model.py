@@ -137,7 +137,10 @@ class KVCache:
     """Per-layer K/V slots for batched decoding. Slot s of a row holds the token at absolute
     position s (so prompts of different lengths and tokens that skip a layer just leave slots
     empty); `kpos` is the position a slot holds, or -1 while empty. Shapes are static (max_len
-    slots), so decoding steps all look alike to torch.compile / CUDA graphs."""
+    slots), so decoding steps all look alike to torch.compile / CUDA graphs. A forward attends over
+    the first `attend_len` slots only (all of them unless attend_to says fewer hold anything)."""
+
+    MIN_ATTEND = 64             # the smallest attended length: shorter buckets save nothing
 
     def __init__(self, config, batch_size, max_len, device, dtype):
         hd = config.n_embd // config.n_head
@@ -147,17 +150,31 @@ class KVCache:
         self.kpos = torch.full(
             (config.n_layer, batch_size, max_len), -1, dtype=torch.long, device=device
         )
-        self.max_len = max_len
+        self.max_len = self.attend_len = max_len
+
+    @classmethod
+    def bucket(cls, n, max_len):
+        """The attended length for positions < n: the smallest power of two >= n, at least
+        MIN_ATTEND, at most max_len. A handful of static lengths, so a compiled step has one graph
+        per bucket and a step costs attention over about the filled slots, not all of them."""
+        return min(max_len, max(cls.MIN_ATTEND, 1 << (n - 1).bit_length()))
+
+    def attend_to(self, n):
+        """The next forwards write and read positions < n only (the caller knows n on the host:
+        no sync), so they attend over bucket(n) slots."""
+        self.attend_len = self.bucket(n, self.max_len)
 
     def write(self, layer, k, v, pos, valid=None):
         """k, v: (B, H, T, hd) for tokens at positions pos (B, T), distinct within a row; where
         valid (B, T) is False (a token that skips this layer) the slot is marked empty. Returns this
-        layer's full K, V, kpos."""
-        b = torch.arange(k.size(0), device=k.device)[:, None]
-        self.k[layer][b, :, pos] = k.transpose(1, 2).to(self.k.dtype)
-        self.v[layer][b, :, pos] = v.transpose(1, 2).to(self.v.dtype)
-        self.kpos[layer][b, pos] = pos if valid is None else torch.where(valid, pos, -1)
-        return self.k[layer], self.v[layer], self.kpos[layer]
+        layer's K, V, kpos over the attended slots."""
+        B, H, T, hd = k.shape
+        at = pos[:, None, :, None].expand(B, H, T, hd)
+        self.k[layer].scatter_(2, at, k.to(self.k.dtype))
+        self.v[layer].scatter_(2, at, v.to(self.v.dtype))
+        self.kpos[layer].scatter_(1, pos, pos if valid is None else torch.where(valid, pos, -1))
+        n = self.attend_len
+        return self.k[layer, :, :, :n], self.v[layer, :, :, :n], self.kpos[layer, :, :n]
 
 
 def rope_rotate(x, pos, base):
@@ -447,9 +464,11 @@ class GPT(nn.Module):
                 # step
                 if use_cache and T <= bs and cache is not None:
                     step_pos = torch.full((B, 1), T - 1, device=idx.device)
+                    cache.attend_to(T)
                     logits, aux = step(nxt, step_pos, cache)  # noqa: F821
                 elif use_cache and T <= bs:
                     cache = self.new_cache(B, idx.device, compile)
+                    cache.attend_to(T)
                     logits, _, aux = self(
                         idx, pos=torch.arange(T, device=idx.device).expand(B, T), cache=cache
                     )
@@ -508,6 +527,7 @@ class GPT(nn.Module):
             for t in (cache.k, cache.v, cache.kpos):
                 torch._dynamo.mark_static_address(t)
         cache.kpos.fill_(-1)            # empty: slots whose kpos is -1 are never read
+        cache.attend_len = cache.max_len
         return cache
 
     def generate_ragged(
@@ -528,6 +548,7 @@ class GPT(nn.Module):
         cache = self.new_cache(B, dev, compile)
         n = torch.tensor(lengths, device=dev)
         T = idx.size(1)
+        cache.attend_to(T)
         logits, _, aux = self(
             idx, pos=torch.arange(T, device=dev).expand(B, T), cache=cache, last_only=False
         )
@@ -542,6 +563,7 @@ class GPT(nn.Module):
             nxt = self.sample_next(logits, temperature, top_k, vocab_limit)
             out[torch.arange(B, device=dev), n + i] = nxt[:, 0]
             if i + 1 < max_new_tokens:
+                cache.attend_to(max(lengths) + i + 1)
                 logits, aux = step(nxt, (n + i)[:, None], cache)
                 record(aux)
         return [out[b, :lengths[b] + max_new_tokens] for b in range(B)]

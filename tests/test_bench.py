@@ -63,6 +63,62 @@ def test_bench_json(route):
     assert res['train_flops_per_step'] == 2 * flops.train_step_flops(mcfg, 32)['total']
 
 
+
+def test_bench_decode_vs_hf(tmp_path):
+    """--decode_vs_hf: one row per decode batch, eager (compiled rows only with --compile=True),
+    each with our tokens/s, transformers' tokens/s and ratio = ours / theirs; --out writes the
+    same JSON with the command."""
+    pytest.importorskip('transformers')
+    out = tmp_path / 'vs_hf.json'
+    args = ['--decode_vs_hf=True', '--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=64',
+            '--vocab_size=50', '--decode_prompt=8', '--decode_tokens=4', '--decode_batches=1,3',
+            '--bench_steps=2', '--device=cpu', '--dtype=float32', f'--out={out}', '--json']
+    r = run_group([sys.executable, 'bench.py', *args], 180, cwd=REPO,
+                  env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert r.returncode == 0, r.stderr
+    lines = [l for l in r.stdout.splitlines() if l.strip()]
+    assert len(lines) == 1
+    res = json.loads(lines[0])
+    assert res['kind'] == 'decode_vs_hf' and res['prompt_tokens'] == 8
+    assert (res['decode_tokens'], res['n_layer'], res['vocab_size']) == (4, 2, 50)
+    assert [(row['batch'], row['ours']) for row in res['rows']] == [(1, 'eager'), (3, 'eager')]
+    for row in res['rows']:
+        assert set(row) == {'batch', 'ours', 'ours_tokens_per_s', 'hf_tokens_per_s', 'ratio'}
+        assert row['ours_tokens_per_s'] > 0 and row['hf_tokens_per_s'] > 0
+        assert row['ratio'] == pytest.approx(row['ours_tokens_per_s'] / row['hf_tokens_per_s'],
+                                             rel=1e-12)
+    saved = json.loads(out.read_text())
+    assert saved['rows'] == res['rows'] and saved['command'].startswith('python bench.py ')
+    assert '--decode_vs_hf=True' in saved['command']
+
+
+
+def test_bench_times_the_tokens_generate_decodes():
+    """The decoding bench_decode_vs_hf times step by step is generate's greedy decoding: the same
+    tokens, each step's logits the full forward's at its position (the steps cross a bucket)."""
+    import bench
+    from model import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=96, vocab_size=13)).eval()
+    prompt = torch.randint(0, 13, (2, 60))
+    want = model.generate(prompt, 9, temperature=0)
+    tokens, logits, steps = [], [], bench.our_greedy_steps(model, prompt, 8, compile=False)
+    for i, _ in enumerate(steps):
+        tokens.append(steps.gi_frame.f_locals['nxt'].clone())
+        if i:
+            logits.append(steps.gi_frame.f_locals['logits'].clone())
+    assert torch.equal(torch.cat(tokens, 1), want[:, 60:])
+    with torch.no_grad():
+        full = model(want, last_only=False)[0]
+    torch.testing.assert_close(torch.stack(logits, 1), full[:, 60:68], rtol=1e-4, atol=1e-4)
+
+
+def test_bench_decode_vs_hf_prompt_must_fit_the_context():
+    """A prompt plus the decoded tokens past block_size is refused before any model is built."""
+    r = run_group([sys.executable, 'bench.py', '--decode_vs_hf=True', '--block_size=64',
+                   '--decode_prompt=60', '--decode_tokens=8'], 60, cwd=REPO)
+    assert r.returncode == 2 and 'decode_tokens=8' in r.stderr and 'Traceback' not in r.stderr
+
 def test_bench_bad_key_is_a_clean_error():
     r = run_group([sys.executable, 'bench.py', '--n_layers=2'], 60, cwd=REPO)
     assert r.returncode == 2 and "n_layer" in r.stderr and 'Traceback' not in r.stderr

@@ -158,6 +158,31 @@ def test_decode_step_compiles_once_for_every_step(case):
             step(tokens(5, 2, 1), pos + 2, cache)
 
 
+
+@pytest.mark.parametrize('route', ROUTES)
+def test_decode_step_compiles_once_per_attended_bucket(route):
+    """The attended length (KVCache.bucket) is static per bucket: steps within a bucket reuse its
+    graph, a new bucket compiles one more, and returning to a bucket reuses its graph."""
+    model = build(route, seed=2, block_size=160).eval()
+    tok, pos, cache = prefilled(model, [62, 40])
+    step = torch.compile(model.decode_step, backend='eager', fullgraph=True, dynamic=False)
+    torch._dynamo.utils.counters.clear()
+    with torch.no_grad():
+        cache.attend_to(63)
+        step(tok, pos, cache)
+        with torch.compiler.set_stance('fail_on_recompile'):
+            cache.attend_to(64)
+            step(tok, pos + 1, cache)
+        cache.attend_to(65)
+        step(tokens(5, 2, 1), pos + 2, cache)
+        with torch.compiler.set_stance('fail_on_recompile'):
+            cache.attend_to(128)
+            step(tok, pos + 3, cache)
+            cache.attend_to(64)
+            step(tok, pos + 1, cache)
+    assert cache.attend_len == 64
+    assert torch._dynamo.utils.counters['stats']['unique_graphs'] == 2
+
 @pytest.mark.parametrize('route', ROUTES)
 def test_static_decoding_equals_compact_decoding(route):
     """Eager greedy decoding in both modes, a ragged batch: every step's routing decisions equal,

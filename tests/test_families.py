@@ -320,6 +320,27 @@ def test_greedy_speculative_decoding_equals_plain_decoding(case, seed, lens, new
             assert_greedy_traces_agree(spec, alone, ROUTED_TOL)
 
 
+
+@pytest.mark.parametrize('case', ALL_CASES)
+def test_bucketed_decoding_equals_full_cache_decoding(case, monkeypatch):
+    """generate attends over the first KVCache.bucket(n) slots only (n: the positions filled so
+    far); every family decodes a ragged batch and an equal-prompt batch whose positions cross a
+    bucket boundary (64) into the capped last bucket (block_size 80) as it decodes over all
+    block_size slots: the same routing decisions, logits within ROUTED_TOL (attention reduces over
+    another length), the same tokens unless a near-tie."""
+    model = build(*case, seed=5, block_size=80).eval()
+    idx, lengths = tokens(5, 3, 62), [62, 3, 40]
+
+    def traces():
+        return [seeded(lambda: greedy_trace(model, idx, 12, **kw), seed=5)
+                for kw in (dict(lengths=lengths), dict())]
+    bucketed = traces()
+    monkeypatch.setattr(KVCache, 'MIN_ATTEND', 10**9)       # every forward attends over all slots
+    full = traces()
+    for rows_a, rows_b in zip(bucketed, full):
+        for a, b in zip(rows_a, rows_b):
+            assert_greedy_traces_agree(a, b, ROUTED_TOL)
+
 def test_every_family_but_the_dense_one_routes():
     """train.py reports the routing at the end of a run, and refuses trainable='last_layers' (plain
     fine-tuning of a dense model), by the family's `routes`: only route='none' is dense."""

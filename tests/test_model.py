@@ -69,6 +69,29 @@ def test_causal_future_tokens_never_change_past_logits(seed, pos, T, data):
     torch.testing.assert_close(a[:, :t + 1], b[:, :t + 1], rtol=0, atol=0)
 
 
+
+def test_decoding_attends_over_the_bucket_of_filled_slots(monkeypatch):
+    """Each forward of generate attends over the smallest power of two >= the positions filled
+    (at least 64, at most block_size) slots, not over all block_size: the lengths the cache hands
+    to attention, recorded per layer, for an equal-prompt batch and a ragged one."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=300, vocab_size=11)).eval()
+    seen, write = [], KVCache.write
+
+    def recording(self, layer, *args):
+        k, v, kpos = write(self, layer, *args)
+        if layer == 0:
+            assert k.shape[2] == v.shape[2] == kpos.shape[1]
+            seen.append(k.shape[2])
+        return k, v, kpos
+    monkeypatch.setattr(KVCache, 'write', recording)
+    model.generate(torch.zeros(2, 60, dtype=torch.long), 72, temperature=0)
+    # the prefill (60 positions), then steps filling positions < 61 ... < 131
+    assert seen == [64] + [64] * 4 + [128] * 64 + [256] * 3
+    seen.clear()
+    model.generate(torch.zeros(2, 250, dtype=torch.long), 10, temperature=0, lengths=[250, 100])
+    assert seen == [256] + [256] * 6 + [300] * 3
+
 def test_rope_depends_only_on_relative_positions():
     model = tiny(3, pos='rope')
     idx = torch.randint(0, 37, (2, 10))
