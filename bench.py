@@ -46,6 +46,13 @@ in one process (transformers through a manual loop over its cache, its fastest e
 decode batch: both tokens/s and ratio = ours / theirs, eager (and compiled with --compile=True).
 
     python bench.py config/decode_vs_hf_cpu.py --out=results/<device>_<date>/decode_vs_hf.json
+
+Self-speculative decode beside plain decode (bench_speculative.py): with --speculate=1,2,4,8 the
+model of --init_from=<run folder> (or a random one of the config's shape), per decode batch and K:
+plain and speculative tokens/s, speedup, acceptance per draft position, tokens per verifier pass,
+the draft/verify split and the speedup predicted from them; --draft/--draft_layers pick the draft.
+
+    python bench.py --init_from=out/<run> --speculate=1,2,4,8 --json
 """
 import inspect
 import json
@@ -57,6 +64,7 @@ from types import SimpleNamespace
 
 import torch
 
+import bench_speculative
 import flops
 import train
 from configurator import ConfigError, load_config, run_cli, writable_file
@@ -79,6 +87,7 @@ BENCH_DEFAULTS = dict(
     suite='',               # 'gpu': the GPU suite of bench_suite.py (its options below)
     smoke=False,
     suite_seconds=420,
+    **bench_speculative.SPECULATE_DEFAULTS,     # --speculate=1,2,4,8 [--draft=NAME]
 )
 BENCH_EXAMPLES = dict(budgets="'1.0,0.5'", decode_batches="'1,8'", prefill_shapes="'8x512' (BxT)")
 
@@ -729,13 +738,15 @@ def parse_args(argv):
     as_json = '--json' in argv
     argv = [a for a in argv if a != '--json']
     cfg = load_config({**train.DEFAULTS, **BENCH_DEFAULTS}, argv)
-    ns = SimpleNamespace(**cfg)
+    # --speculate reads --init_from as the run to time (its folder or ckpt.pt), not to train from
+    ns = SimpleNamespace(**(dict(cfg, init_from='scratch') if cfg['speculate'] else cfg))
     train.check_train_config(ns)
     train.model_config(ns)
     check_bench_config(cfg)
     cli_device(cfg['device'], cfg['dtype'])
     import bench_suite                  # here: it imports this file's helpers
     bench_suite.check_options(cfg, argv)
+    bench_speculative.check_options(cfg, argv)
     if cfg['out']:
         writable_file(cfg['out'], 'out', suffix='.json')
     return cfg, as_json, argv
@@ -747,6 +758,7 @@ def main(argv):
         import bench_suite
         return bench_suite.run(cfg, argv + ['--json'] * as_json)
     res = (bench_decode_vs_hf(cfg) if cfg['decode_vs_hf']
+           else bench_speculative.bench_speculative(cfg) if cfg['speculate']
            else bench_routed(cfg) if cfg['budgets'] else bench(cfg))
     if cfg['out']:                 # the raw file behind a reported figure, with the command that
                                    # made it
@@ -758,6 +770,8 @@ def main(argv):
         print(json.dumps(res))
     elif cfg['decode_vs_hf']:
         print_decode_vs_hf(res)
+    elif cfg['speculate']:
+        bench_speculative.print_speculative(res)
     elif cfg['budgets']:
         print_routed(res)
     else:

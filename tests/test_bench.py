@@ -361,3 +361,112 @@ def test_gpu_suite_default_folder_and_gpu_names(monkeypatch):
                         ('Tesla T4', 't4'), ('NVIDIA H200', 'h200')]:
         monkeypatch.setattr(torch.cuda, 'get_device_name', lambda dev, n=name: n)
         assert bench_suite.gpu_name(torch.device('cuda')) == short
+
+
+# --------------------------------------------------------------------------------------------------
+# --speculate: self-speculative decode timed beside plain decode
+
+SPEC_TINY = ['--n_layer=3', '--n_head=2', '--n_embd=32', '--block_size=64', '--vocab_size=50',
+             '--bench_steps=2', '--bench_warmup=0', '--decode_tokens=8', '--decode_batches=1,2',
+             '--decode_prompt=8', '--device=cpu', '--dtype=float32']
+SPEC_KEYS = {'route', 'batch', 'K', 'speedup', 'draft', 'draft_layers', 'plain_tokens_per_s',
+             'spec_tokens_per_s', 'plain_ms', 'spec_ms', 'accept_rate', 'tokens_per_pass',
+             'mean_accepted', 'passes', 'plain_ms_per_step', 'draft_ms_per_pass',
+             'verify_ms_per_pass', 'draft_share', 'alpha', 'predicted_speedup'}
+
+
+def check_spec_rows(res, route, ks, batches):
+    """One row per (batch, K), every key, speedup = plain_ms / spec_ms = the tokens/s ratio, the
+    acceptance per draft position in [0, 1] and the mean accepted length their sum."""
+    assert [(r['batch'], r['K']) for r in res['rows']] == [(b, k) for b in batches for k in ks]
+    for r in res['rows']:
+        assert set(r) == SPEC_KEYS and r['route'] == route
+        assert r['speedup'] == pytest.approx(r['plain_ms'] / r['spec_ms'], rel=1e-9)
+        assert r['speedup'] == pytest.approx(r['spec_tokens_per_s'] / r['plain_tokens_per_s'],
+                                             rel=1e-9)
+        assert r['plain_tokens_per_s'] == pytest.approx(r['batch'] * 8 / r['plain_ms'] * 1e3)
+        assert len(r['accept_rate']) == r['K'] and all(0 <= a <= 1 for a in r['accept_rate'])
+        # every pass drafts all K (the window stays below block_size): tokens per pass and row
+        # = 1 + the kept share of each position
+        assert r['tokens_per_pass'] == pytest.approx(1 + sum(r['accept_rate']))
+        assert r['mean_accepted'] == pytest.approx(sum(r['accept_rate']))
+        assert 1 <= r['tokens_per_pass'] <= r['K'] + 1 and 0 <= r['alpha'] <= 1
+        # 8 tokens after the first: at least ceil(8 / (K + 1)) verifier passes, at most 8
+        assert -(-8 // (r['K'] + 1)) <= r['passes'] <= 8
+        assert 0 < r['draft_share'] < 1 and r['predicted_speedup'] > 0
+
+
+def test_bench_speculate_json(tmp_path):
+    """--speculate=1,3 on a random exit model: the rows check_spec_rows asks for, printed as one
+    JSON object and written with the command by --out."""
+    out = tmp_path / 'spec.json'
+    args = [*SPEC_TINY, '--route=exit', '--speculate=1,3', f'--out={out}', '--json']
+    r = run_group([sys.executable, 'bench.py', *args], 180, cwd=REPO,
+                  env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert r.returncode == 0, r.stderr
+    lines = [l for l in r.stdout.splitlines() if l.strip()]
+    assert len(lines) == 1
+    res = json.loads(lines[0])
+    assert res['kind'] == 'speculative' and res['decode_tokens'] == 8
+    check_spec_rows(res, 'exit', [1, 3], [1, 2])
+    assert all(r['draft'] == 'exit' for r in res['rows'])
+    saved = json.load(open(out))
+    assert saved['rows'] == res['rows'] and '--speculate=1,3' in saved['command']
+
+
+def test_bench_speculate_init_from(tmp_path, capsys):
+    """--init_from=<run folder> times the checkpoint's model (its route and shape, not the
+    config's), with the draft --draft names."""
+    import torch
+    from dataclasses import asdict
+    from model import GPT, GPTConfig
+    mcfg = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=64, vocab_size=50, route='none')
+    torch.manual_seed(0)
+    m = GPT(mcfg)
+    torch.save(dict(model=m.state_dict(), model_args=asdict(mcfg), config={}),
+               tmp_path / 'ckpt.pt')
+    assert bench.main([*SPEC_TINY, '--route=exit', f'--init_from={tmp_path}', '--speculate=2',
+                       '--draft=layers', '--draft_layers=2', '--json']) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res['n_layer'] == 4 and res['init_from'] == str(tmp_path)
+    check_spec_rows(res, 'none', [2], [1, 2])
+    assert {(r['draft'], r['draft_layers']) for r in res['rows']} == {('layers', 2)}
+
+
+def test_bench_speculate_predicted():
+    """Leviathan et al.'s expected tokens per pass (1 - a^(K+1)) / (1 - a) at the maximum-likelihood
+    a of the kept shares, over the pass's cost in plain steps."""
+    from bench_speculative import predicted_speedup
+    # kept shares 0.5, 0.25: a = 0.75 / (0.75 + 0.75) = 0.5, 1.75 tokens per pass
+    assert predicted_speedup([0.5, 0.25], 1.0, 0.25, 0.75) == pytest.approx((0.5, 1.75))
+    assert predicted_speedup([0.5, 0.25], 2.0, 0.5, 1.5) == pytest.approx((0.5, 1.75))
+    assert predicted_speedup([0.5, 0.25], 1.0, 0.5, 0.5) == pytest.approx((0.5, 1.75))
+    assert predicted_speedup([1.0, 1.0, 1.0], 1.0, 1.0, 1.0) == pytest.approx((1.0, 2.0))
+    assert predicted_speedup([0.0], 1.0, 0.1, 0.9) == pytest.approx((0.0, 1.0))
+
+
+@pytest.mark.parametrize('argv,message', [
+    (['--speculate=0'], "speculate must be draft lengths K >= 1"),
+    (['--speculate=4,-1'], "speculate must be draft lengths K >= 1"),
+    (['--speculate=x'], "speculate must be draft lengths K >= 1"),
+    (['--speculate=2', '--draft=nope'], "draft 'nope' is not one of route='ffn''s drafts"),
+    (['--speculate=2', '--route=none', '--draft_layers=9'], "draft_layers=9 is not a depth"),
+    (['--speculate=2', '--budgets=0.5'], "--speculate times decoding alone; drop --budgets"),
+    (['--speculate=2', '--decode_vs_hf=True'], "drop --decode_vs_hf"),
+    (['--draft=layers'], "--draft chooses the draft of --speculate=K"),
+    (['--speculate=2', '--init_from=no/such/run'], "init_from=no/such/run: no checkpoint at"),
+    (['--speculate=2', '--decode_tokens=60'], "exceeds the model's block_size=64"),
+])
+def test_bench_speculate_refused(argv, message):
+    """Refused before any work with a ConfigError naming the option."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        bench.parse_args([*SPEC_TINY, *argv])
+
+
+def test_bench_speculate_refused_exits_2():
+    """From the command line: one `error:` line on stderr, exit 2, nothing on stdout."""
+    for extra in (['--speculate=0'], ['--speculate=2', '--suite=gpu']):
+        r = run_group([sys.executable, 'bench.py', *SPEC_TINY, *extra, '--json'], 60, cwd=REPO,
+                      env={**os.environ, 'OMP_NUM_THREADS': '1'})
+        assert r.returncode == 2 and r.stdout == ''
+        assert r.stderr.count('\n') == 1 and r.stderr.startswith('error: '), r.stderr

@@ -1,0 +1,215 @@
+"""
+Self-speculative decoding timed beside plain decoding (bench.py --speculate=1,2,4,8).
+
+    python bench.py --init_from=out/exit_shakespeare --speculate=1,2,4,8 --json
+    python bench.py config/bench_cpu.py --route=exit --speculate=2,4 --draft=exit --json
+
+The model is a trained run's (--init_from=<run folder> or its ckpt.pt: checkpoint.load_model), or,
+without --init_from, a random one of the config's shape (its acceptance rates mean nothing, its
+costs do). Per decode batch b (decode_batches) and K: greedy decode of decode_tokens = N tokens from
+a random decode_prompt-token prompt (64 when 0), decode alone (generate of 1 + N tokens minus
+generate of 1: the prefill and the first token are not counted), median over bench_steps // 2
+repeats after one warm-up; plain decoding (model.generate) once per batch, then each K.
+
+Per row: plain and speculative tokens/s and ms, speedup = plain_ms / spec_ms (= spec tokens/s over
+plain tokens/s), the share of rows that kept each draft position (accept_rate, position 1..K),
+tokens_per_pass (tokens per verifier pass and row, 1..K+1: the mean accepted length plus the
+verifier's own), the draft/verify split per pass, and the speedup Leviathan et al. ("Fast Inference
+from Transformers via Speculative Decoding", arXiv 2211.17192) predict from the acceptance rate and
+the measured costs:
+
+    alpha     = S / (S + 1 - r_K)     S = r_1 + .. + r_K, r_j = accept_rate[j]: the maximum-
+                                      likelihood per-token acceptance if each draft is kept with
+                                      probability alpha independently (passes kept S drafts and
+                                      stopped early in a share 1 - r_K of them)
+    predicted = (1 - alpha^(K+1)) / (1 - alpha) * plain_step / (K * draft_step + verify_pass)
+
+with plain_step = plain_ms / N, draft_step = the draft's time per pass / K and verify_pass the
+verifier's time per pass (its parallel forward and the acceptance rule), both measured by
+speculative.generate. What the prediction leaves out (the bookkeeping between passes, the shorter
+last pass) is the gap to the measured speedup.
+"""
+import os
+from types import SimpleNamespace
+
+import torch
+
+import train
+from checkpoint import load_checkpoint, load_model
+from configurator import ConfigError
+from device import autocast_context, resolve_device_dtype
+from model import FAMILIES, GPT, GPTConfig
+from speculative import resolve_draft
+
+SPECULATE_DEFAULTS = dict(
+    speculate='',           # comma-separated draft lengths K, e.g. 1,2,4,8 ('': no speculation)
+    draft='',               # the family's draft to time ('': its default)
+    draft_layers=0,         # where the draft has a depth: blocks it runs (0: its default)
+)
+
+
+def draft_lengths(cfg):
+    """The K of --speculate=1,2,4,8."""
+    try:
+        ks = [int(s) for s in str(cfg['speculate']).split(',') if s.strip()]
+    except ValueError:
+        ks = [0]
+    if not ks or min(ks) < 1:
+        raise ConfigError(f"speculate must be draft lengths K >= 1 such as '1,2,4,8', got "
+                          f"{cfg['speculate']!r}")
+    return ks
+
+
+def checkpoint_file(init_from):
+    """The ckpt.pt of --init_from (a run folder or the file itself), or None for 'scratch'."""
+    if init_from in ('', 'scratch'):
+        return None
+    path = os.path.join(init_from, 'ckpt.pt') if os.path.isdir(init_from) else init_from
+    if not os.path.isfile(path):
+        raise ConfigError(f"init_from={init_from}: no checkpoint at {path}; give a run folder "
+                          "that holds ckpt.pt (--init_from=out/<run>) or leave it out for a random "
+                          "model")
+    return path
+
+
+def prompt_tokens(cfg):
+    return cfg['decode_prompt'] or 64
+
+
+def check_options(cfg, argv):
+    """Refuse, before any work, what --speculate cannot time: K < 1, another mode beside it, a draft
+    or depth the family lacks, a model that cannot generate, or a prompt plus decode_tokens past the
+    model's block_size. Returns the model config, or None without --speculate."""
+    given = [a[2:].partition('=')[0] for a in argv if a.startswith('--')]
+    if not cfg['speculate']:
+        for key in ('draft', 'draft_layers'):
+            if key in given:
+                raise ConfigError(f"--{key} chooses the draft of --speculate=K; add "
+                                  f"--speculate=1,2,4,8 or drop --{key}")
+        return None
+    draft_lengths(cfg)
+    for key in ('budgets', 'suite', 'decode_vs_hf'):
+        if cfg[key]:
+            raise ConfigError(f"--speculate times decoding alone; drop --{key} (or --speculate)")
+    if cfg['draft_layers'] < 0:
+        raise ConfigError(f"draft_layers must be >= 0 (0: the draft's default), got "
+                          f"{cfg['draft_layers']}")
+    path = checkpoint_file(cfg['init_from'])
+    mcfg = (GPTConfig.from_dict(load_checkpoint(path)['model_args']) if path
+            else train.model_config(SimpleNamespace(**cfg), vocab_size=cfg['vocab_size'] or 50304))
+    family = FAMILIES[mcfg.route]
+    refusal = family.cannot_generate(mcfg)
+    if refusal:
+        raise ConfigError(refusal)
+    try:
+        resolve_draft(mcfg, family, cfg['draft'] or None, cfg['draft_layers'] or None)
+    except ValueError as e:
+        raise ConfigError(f"--draft/--draft_layers: {e}") from None
+    n = prompt_tokens(cfg)
+    if n + 1 + cfg['decode_tokens'] > mcfg.block_size:
+        raise ConfigError(f"a {n}-token prompt plus 1 + decode_tokens={cfg['decode_tokens']} "
+                          f"exceeds the model's block_size={mcfg.block_size}; lower decode_tokens "
+                          "or decode_prompt")
+    return mcfg
+
+
+def load_bench_model(cfg, dev):
+    """The trained model of --init_from, or a random one of the config's shape; eval mode."""
+    path = checkpoint_file(cfg['init_from'])
+    if path:
+        return load_model(load_checkpoint(path), dev).eval()
+    torch.manual_seed(cfg['seed'])
+    mcfg = train.model_config(SimpleNamespace(**cfg), vocab_size=cfg['vocab_size'] or 50304)
+    return GPT(mcfg).to(dev).eval()
+
+
+def decode_seconds(run, N, repeats, dev):
+    """Decode alone: median seconds of run(1 + N) minus those of run(1) (prefill and first token),
+    each after one untimed warm-up."""
+    from bench import timed
+    return timed(lambda: run(1 + N), repeats, 1, dev) - timed(lambda: run(1), repeats, 1, dev)
+
+
+def predicted_speedup(accept_rate, plain_step_s, draft_pass_s, verify_pass_s):
+    """(alpha, speedup) of the formula in the module docstring."""
+    K = len(accept_rate)
+    kept, stopped = sum(accept_rate), 1 - accept_rate[-1]
+    alpha = kept / (kept + stopped) if kept + stopped > 0 else 1.0
+    tokens = K + 1 if alpha >= 1 else (1 - alpha ** (K + 1)) / (1 - alpha)
+    return alpha, tokens * plain_step_s / max(draft_pass_s + verify_pass_s, 1e-12)
+
+
+def speculate_row(model, prompt, K, draft, plain_s, cfg, dev):
+    """One row: batch prompt.size(0), draft length K, against plain decoding's plain_s seconds."""
+    N, b = cfg['decode_tokens'], prompt.size(0)
+    repeats = max(1, cfg['bench_steps'] // 2)
+    stats = {}
+
+    def run(new):
+        if new > 1:                 # the figures of the last 1 + N run; generate fills them afresh
+            stats.clear()
+        model.generate(prompt, new, temperature=0, speculate=K, draft=draft[0],
+                       draft_layers=draft[1], stats=stats if new > 1 else None)
+    spec_s = decode_seconds(run, N, repeats, dev)
+    passes = max(1, stats['spec_passes'])
+    draft_pass, verify_pass = stats['spec_draft_s'] / passes, stats['spec_verify_s'] / passes
+    rates = stats['spec_accept_rate'][:K]
+    alpha, predicted = predicted_speedup(rates, plain_s / N, draft_pass, verify_pass)
+    return dict(
+        route=model.config.route, batch=b, K=K, draft=stats['spec_draft'],
+        draft_layers=stats['spec_depth'],
+        plain_tokens_per_s=b * N / max(plain_s, 1e-9), spec_tokens_per_s=b * N / max(spec_s, 1e-9),
+        plain_ms=plain_s * 1e3, spec_ms=spec_s * 1e3, speedup=plain_s / max(spec_s, 1e-12),
+        accept_rate=rates, tokens_per_pass=stats['spec_tokens_per_pass'],
+        mean_accepted=stats['spec_tokens_per_pass'] - 1, passes=stats['spec_passes'],
+        plain_ms_per_step=plain_s / N * 1e3, draft_ms_per_pass=draft_pass * 1e3,
+        verify_ms_per_pass=verify_pass * 1e3,
+        draft_share=draft_pass / max(draft_pass + verify_pass, 1e-12),
+        alpha=alpha, predicted_speedup=predicted,
+    )
+
+
+def bench_speculative(cfg):
+    """Plain and speculative greedy decode per decode batch and K (see the module docstring)."""
+    dev, dt = resolve_device_dtype(SimpleNamespace(**cfg))
+    autocast = autocast_context(dev, dt)
+    model = load_bench_model(cfg, dev)
+    draft = resolve_draft(model.config, model.family, cfg['draft'] or None,
+                          cfg['draft_layers'] or None)
+    g = torch.Generator().manual_seed(cfg['seed'])
+    n, N = prompt_tokens(cfg), cfg['decode_tokens']
+    rows = []
+    for b in (int(s) for s in str(cfg['decode_batches']).split(',') if s.strip()):
+        prompt = torch.randint(0, model.config.vocab_size, (b, n), generator=g).to(dev)
+        with autocast:
+            plain_s = decode_seconds(lambda new: model.generate(prompt, new, temperature=0), N,
+                                     max(1, cfg['bench_steps'] // 2), dev)
+            rows += [speculate_row(model, prompt, K, draft, plain_s, cfg, dev)
+                     for K in draft_lengths(cfg)]
+    return dict(
+        kind='speculative', route=model.config.route, init_from=cfg['init_from'],
+        device=str(dev),
+        device_name=torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu', dtype=dt,
+        torch=torch.__version__, **train.code_version(), threads=torch.get_num_threads(),
+        n_layer=model.config.n_layer, n_embd=model.config.n_embd,
+        block_size=model.config.block_size, vocab_size=model.config.vocab_size,
+        prompt_tokens=n, decode_tokens=N, repeats=max(1, cfg['bench_steps'] // 2),
+        timing='greedy, decode alone (generate of 1 + N tokens minus generate of 1), random prompt',
+        rows=rows,
+    )
+
+
+def print_speculative(res):
+    print(f"self-speculative decode, route={res['route']} {res['n_layer']}L d{res['n_embd']} "
+          f"{res['dtype']} on {res['device']} ({res['threads']} threads), "
+          f"{res['prompt_tokens']}-token prompt, {res['decode_tokens']} greedy tokens, "
+          "decode alone")
+    print('| batch | K | draft | plain tok/s | spec tok/s | speedup | predicted | tokens/pass '
+          '| kept per position | draft / verify ms per pass |')
+    print('|---|---|---|---|---|---|---|---|---|---|')
+    for r in res['rows']:
+        depth = f" E={r['draft_layers']}" if r['draft_layers'] is not None else ''
+        print(f"| {r['batch']} | {r['K']} | {r['draft']}{depth} | {r['plain_tokens_per_s']:.1f} | "
+              f"{r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f} | {r['predicted_speedup']:.2f} "
+              f"| {r['tokens_per_pass']:.2f} | {' '.join(f'{a:.2f}' for a in r['accept_rate'])} "
+              f"| {r['draft_ms_per_pass']:.1f} / {r['verify_ms_per_pass']:.1f} |")
