@@ -34,17 +34,23 @@ TINY = [
 ]
 
 
+def bench_json(args, timeout=180):
+    """bench.py run with args (one thread): the one JSON object it prints on stdout, once it has
+    exited 0."""
+    r = run_group([sys.executable, 'bench.py', *args], timeout, cwd=REPO,
+                  env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert r.returncode == 0, r.stderr
+    lines = [l for l in r.stdout.splitlines() if l.strip()]
+    assert len(lines) == 1, r.stdout
+    return json.loads(lines[0])
+
+
 @pytest.mark.parametrize('route', list(FAMILIES))
 def test_bench_json(route):
     """Every family in the registry: training step, prefill and decode timed, step FLOPs the
     accountant's."""
     args = [*TINY, f'--route={route}']
-    r = run_group([sys.executable, 'bench.py', *args], 120, cwd=REPO,
-                  env={**os.environ, 'OMP_NUM_THREADS': '1'})
-    assert r.returncode == 0, r.stderr
-    lines = [l for l in r.stdout.splitlines() if l.strip()]
-    assert len(lines) == 1
-    res = json.loads(lines[0])
+    res = bench_json(args, 120)
     assert res['device'] == 'cpu' and res['train_mfu'] is None and res['route'] == route
     assert res['torch'] == torch.__version__ and res['git_sha'] == train.code_version()['git_sha']
     assert res['train_tokens_per_s'] > 0 and res['prefill_tokens_per_s'] > 0
@@ -73,12 +79,7 @@ def test_bench_decode_vs_hf(tmp_path):
     args = ['--decode_vs_hf=True', '--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=64',
             '--vocab_size=50', '--decode_prompt=8', '--decode_tokens=4', '--decode_batches=1,3',
             '--bench_steps=2', '--device=cpu', '--dtype=float32', f'--out={out}', '--json']
-    r = run_group([sys.executable, 'bench.py', *args], 180, cwd=REPO,
-                  env={**os.environ, 'OMP_NUM_THREADS': '1'})
-    assert r.returncode == 0, r.stderr
-    lines = [l for l in r.stdout.splitlines() if l.strip()]
-    assert len(lines) == 1
-    res = json.loads(lines[0])
+    res = bench_json(args, 180)
     assert res['kind'] == 'decode_vs_hf' and res['prompt_tokens'] == 8
     assert (res['decode_tokens'], res['n_layer'], res['vocab_size']) == (4, 2, 50)
     assert [(row['batch'], row['ours']) for row in res['rows']] == [(1, 'eager'), (3, 'eager')]
@@ -401,12 +402,7 @@ def test_bench_speculate_json(tmp_path):
     JSON object and written with the command by --out."""
     out = tmp_path / 'spec.json'
     args = [*SPEC_TINY, '--route=exit', '--speculate=1,3', f'--out={out}', '--json']
-    r = run_group([sys.executable, 'bench.py', *args], 180, cwd=REPO,
-                  env={**os.environ, 'OMP_NUM_THREADS': '1'})
-    assert r.returncode == 0, r.stderr
-    lines = [l for l in r.stdout.splitlines() if l.strip()]
-    assert len(lines) == 1
-    res = json.loads(lines[0])
+    res = bench_json(args, 180)
     assert res['kind'] == 'speculative' and res['decode_tokens'] == 8
     check_spec_rows(res, 'exit', [1, 3], [1, 2])
     assert all(r['draft'] == 'exit' for r in res['rows'])
