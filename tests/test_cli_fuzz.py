@@ -43,7 +43,8 @@ def bad_values(default):
 # values that are legitimate for these keys (the validation step rightly accepts them)
 NEGATIVE_OK = {'halt_router_bias'}
 EMPTY_OK = {'data_dir', 'lm_thresholds', 'budgets', 'out', 'prompts_file', 'decode_batches',
-            'prefill_shapes'}
+            'prefill_shapes',
+            'draft', 'speculate'}       # '': the family's default draft; bench: no speculation
 FREE_TEXT = {'out_dir', 'data_dir', 'dataset', 'start', 'out', 'name'}   # any text is a valid name
 
 
