@@ -45,7 +45,7 @@ the decode_tokens steps after the prefill are timed step by step, the two interl
 in one process (transformers through a manual loop over its cache, its fastest eager decode). Per
 decode batch: both tokens/s and ratio = ours / theirs, eager (and compiled with --compile=True).
 
-    python bench.py config/decode_vs_hf_cpu.py --out=results/<device>_<date>/decode_vs_hf.json
+    python bench.py config/bench_decode_vs_hf_cpu.py --out=results/<device>_<date>/decode_vs_hf.json
 
 Self-speculative decode beside plain decode (bench_speculative.py): with --speculate=1,2,4,8 the
 model of --init_from=<run folder> (or a random one of the config's shape), per decode batch and K:

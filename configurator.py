@@ -142,6 +142,10 @@ def smoke_caps(config):
     changed = {k: min(config[k], cap) for k, cap in SMOKE_CAPS.items()
                if k in config and config[k] > cap}
     changed.update({k: v for k, v in SMOKE_VALUES.items() if k in config and config[k] != v})
+    if 'n_embd' in changed and 'n_head' in config and changed['n_embd'] % config['n_head']:
+        # the capped width must still split into heads: the most heads <= n_head that divide it
+        changed['n_head'] = max(h for h in range(1, config['n_head'] + 1)
+                                if changed['n_embd'] % h == 0)
     if changed:
         import sys
         print(f"note: {SMOKE_ENV} is set: a smoke run with "

@@ -262,3 +262,14 @@ def test_smoke_env_caps_the_counts_and_says_so(monkeypatch, capsys):
     assert 'NANODEPTH_SMOKE is set' in capsys.readouterr().err
     monkeypatch.setenv('NANODEPTH_SMOKE', '0')
     assert load_config(defaults, [])['max_iters'] == 600
+
+
+def test_smoke_env_keeps_the_capped_width_divisible_into_heads(monkeypatch):
+    """A width capped below a config's (GPT-2's 768 with 12 heads) still splits into heads: the
+    most heads <= n_head that divide the capped width; a width that already divides is untouched."""
+    from configurator import SMOKE_CAPS, load_config
+    monkeypatch.setenv('NANODEPTH_SMOKE', '1')
+    cfg = load_config(dict(n_embd=64, n_head=4), ['--n_embd=768', '--n_head=12'])
+    assert cfg['n_embd'] == SMOKE_CAPS['n_embd'] == 128 and cfg['n_head'] == 8
+    assert load_config(dict(n_embd=64, n_head=4), ['--n_embd=512', '--n_head=8'])['n_head'] == 8
+    assert load_config(dict(n_embd=64, n_head=6), []) == dict(n_embd=64, n_head=6)

@@ -1,7 +1,7 @@
 # Dense greedy decode beside Hugging Face transformers' GPT-2 at the GPT-2 124M shape, fp32 on the
 # CPU: 64-token prompt, 64 new tokens, batch 1 and 8, decode alone (docs/results.md).
-#   python bench.py config/decode_vs_hf_cpu.py --json
-#   python bench.py config/decode_vs_hf_cpu.py --compile=True     # adds the compiled decode step
+#   python bench.py config/bench_decode_vs_hf_cpu.py --json
+#   python bench.py config/bench_decode_vs_hf_cpu.py --compile=True   # adds the compiled step
 decode_vs_hf = True
 n_layer = 12
 n_head = 12
