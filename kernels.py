@@ -306,7 +306,7 @@ if triton is not None:
 PATHS = ('grouped_mm', 'triton', 'compact', 'reference')
 
 
-def _version(text):
+def version_tuple(text):
     """'2.11.0+cu130' -> (2, 11)."""
     major, minor = text.split('+')[0].split('.')[:2]
     return int(major), int(minor)
@@ -325,7 +325,7 @@ def choose_path(torch_version, device_type, capability, dtype, apis, compiling=F
       the CPU compiling bf16, torch >= 2.9       grouped_mm   computes [0, count) rows only
       anything else while compiling              reference
     """
-    version, grouped = _version(torch_version), 'grouped_mm' in apis
+    version, grouped = version_tuple(torch_version), 'grouped_mm' in apis
     if device_type == 'cuda' and capability is not None:
         if capability[0] in (9, 10) and dtype == torch.bfloat16 and grouped and version >= (2, 8):
             return 'grouped_mm'
@@ -344,7 +344,7 @@ def installed_apis():
         {'triton'} if triton is not None else set())
 
 
-def _device_facts(device):
+def device_facts(device):
     """(device type as choose_path reads it, compute capability or None)."""
     device = torch.device(device)
     if device.type == 'cuda' and torch.version.hip is None:
@@ -366,7 +366,7 @@ def default_path(x):
         if forced not in PATHS:
             raise ValueError(f"NANODEPTH_PATH must be one of {', '.join(PATHS)}, got {forced!r}")
         return forced
-    kind, capability = _device_facts(x.device)
+    kind, capability = device_facts(x.device)
     return choose_path(torch.__version__, kind, capability, matmul_dtype(x), installed_apis(),
                        torch.compiler.is_compiling())
 
@@ -376,8 +376,8 @@ def available_paths(device, dtype, compiling=False):
     force. The reference always; compact when not compiling; grouped_mm where torch has it for this
     device (under torch.compile in bf16 only: its meta kernel refuses other dtypes); triton on
     NVIDIA sm_80+ or under Triton's interpreter."""
-    kind, capability = _device_facts(device)
-    version, apis = _version(torch.__version__), installed_apis()
+    kind, capability = device_facts(device)
+    version, apis = version_tuple(torch.__version__), installed_apis()
     paths = []
     grouped_device = (kind == 'cpu' and version >= (2, 9)) or (
         kind == 'cuda' and (version >= (2, 9) and capability >= MIN_CAPABILITY

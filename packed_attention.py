@@ -27,6 +27,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from kernels import device_facts, version_tuple
+
 try:
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:                     # before 2.10
@@ -76,12 +78,6 @@ def varlen_call(fn, q, k, v, cu_seq, max_len, scale, style=None):
 # --------------------------------------------------------------------------------------------------
 # which backend runs
 
-def _version(text):
-    """'2.11.0+cu130' -> (2, 11)."""
-    major, minor = text.split('+')[0].split('.')[:2]
-    return int(major), int(minor)
-
-
 def choose_backend(torch_version, device_type, capability, dtype, apis):
     """The backend for a packed buffer: a pure function of the torch version text, the device type
     ('cuda' for NVIDIA only), its compute capability ((9, 0); None off NVIDIA), the dtype, and the
@@ -91,7 +87,7 @@ def choose_backend(torch_version, device_type, capability, dtype, apis):
       NVIDIA sm_80+, FlexAttention (2.5+)              flex     skips tiles across sequences
       anything else (the CPU, sm_7x, ROCm)             sdpa     per-sequence windows, masked
     """
-    version = _version(torch_version)
+    version = version_tuple(torch_version)
     if device_type != 'cuda' or capability is None or capability < VARLEN_CAPABILITY:
         return 'sdpa'
     if 'varlen' in apis and version >= (2, 10) and dtype in (torch.float16, torch.bfloat16):
@@ -109,11 +105,8 @@ def installed_apis():
 
 def default_backend(x):
     """choose_backend for tensor x (its device and dtype) in this process."""
-    device = x.device
-    nvidia = device.type == 'cuda' and torch.version.hip is None
-    capability = torch.cuda.get_device_capability(device) if nvidia else None
-    return choose_backend(torch.__version__, 'cuda' if nvidia else device.type, capability,
-                          x.dtype, installed_apis())
+    kind, capability = device_facts(x.device)
+    return choose_backend(torch.__version__, kind, capability, x.dtype, installed_apis())
 
 
 # --------------------------------------------------------------------------------------------------
