@@ -437,6 +437,18 @@ def mlp_rows_compact(x, order, lo, hi, w_fc, b_fc, w_proj, b_proj, approximate, 
     out.index_copy_(0, rows, F.linear(h, w_proj, b_proj).to(out.dtype))
 
 
+def _rows_path(x, path, tensors):
+    """The path a row function runs: the reference whenever autograd needs gradients through one
+    of tensors (the kernels have no backward); for path None, default_path, its 'compact' read as
+    the reference (a caller that passes no path asks for static shapes)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return 'reference'
+    if path is None:
+        path = default_path(x)
+        return 'reference' if path == 'compact' else path
+    return path
+
+
 def mlp_rows(x, order, lo, hi, mlp, out, path=None):
     """For every lo <= i < hi: out[order[i]] = mlp(x[order[i]]) (dropout off); other rows of out are
     untouched; returns out. x, out (N, C); order (N,) from sort_by_mask; lo, hi: ints or 0-dim int
@@ -444,12 +456,8 @@ def mlp_rows(x, order, lo, hi, mlp, out, path=None):
     F.gelu. path: one of PATHS, None for default_path (its 'compact' read as the reference: a
     caller that passes no path asks for static shapes)."""
     w_fc, b_fc, w_proj, b_proj, approximate = _weights(mlp)
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, w_fc, b_fc, w_proj, b_proj))
-    if path is None:
-        path = default_path(x)
-        path = 'reference' if path == 'compact' else path
-    if needs_grad or path == 'reference':
+    path = _rows_path(x, path, (x, w_fc, b_fc, w_proj, b_proj))
+    if path == 'reference':
         return mlp_rows_reference(x, order, lo, hi, mlp, out)
     if path == 'triton' and triton is None:
         raise RuntimeError("path 'triton' needs triton: pip install triton")
@@ -473,13 +481,8 @@ def prefix_linear(x, count, weight, bias=None, path=None):
     """F.linear(x, weight, bias) on the rows [0, count) of a packed buffer x (N, C); the rows past
     count hold unspecified values (garbage on the grouped_mm path, zeros or the product elsewhere).
     count: an int or a 0-dim int tensor on x's device. path as for mlp_rows."""
-    if path is None:
-        path = default_path(x)
-        path = 'reference' if path == 'compact' else path
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, weight, bias))
-    if needs_grad or path == 'reference' or (
-            path == 'grouped_mm' and not _grouped_aligned(x, weight)):
+    path = _rows_path(x, path, (x, weight, bias))
+    if path == 'reference' or (path == 'grouped_mm' and not _grouped_aligned(x, weight)):
         return F.linear(x, weight, bias)
     dtype = matmul_dtype(x)
     x, weight, bias = (t if t is None else t.to(dtype) for t in (x, weight, bias))
