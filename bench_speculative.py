@@ -7,9 +7,12 @@ Self-speculative decoding timed beside plain decoding (bench.py --speculate=1,2,
 The model is a trained run's (--init_from=<run folder> or its ckpt.pt: checkpoint.load_model), or,
 without --init_from, a random one of the config's shape (its acceptance rates mean nothing, its
 costs do). Per decode batch b (decode_batches) and K: greedy decode of decode_tokens = N tokens from
-a random decode_prompt-token prompt (64 when 0), decode alone (generate of 1 + N tokens minus
+b decode_prompt-token prompts (64 when 0), decode alone (generate of 1 + N tokens minus
 generate of 1: the prefill and the first token are not counted), median over bench_steps // 2
-repeats after one warm-up; plain decoding (model.generate) once per batch, then each K.
+repeats after one warm-up; plain decoding (model.generate) once per batch, then each K. The
+prompts are windows of the run's validation split where --init_from names a run whose data is
+prepared here (how often a draft is kept depends on text like the model's own), else random
+tokens; `prompt_source` says which.
 
 Per row: plain and speculative tokens/s and ms, speedup = plain_ms / spec_ms (= spec tokens/s over
 plain tokens/s), the share of rows that kept each draft position (accept_rate, position 1..K),
@@ -29,14 +32,17 @@ verifier's time per pass (its parallel forward and the acceptance rule), both me
 speculative.generate. What the prediction leaves out (the bookkeeping between passes, the shorter
 last pass) is the gap to the measured speedup.
 """
+import json
 import os
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 import train
 from checkpoint import load_checkpoint, load_model
 from configurator import ConfigError
+from data.loader import dataset_folder
 from device import autocast_context, resolve_device_dtype
 from model import FAMILIES, GPT, GPTConfig
 from speculative import resolve_draft
@@ -113,6 +119,23 @@ def check_options(cfg, argv):
     return mcfg
 
 
+def decode_prompts(run_cfg, vocab_size, b, n, g):
+    """(b x n prompts, their source): seeded windows of the val.bin of the run whose config is
+    run_cfg ({} without --init_from) when that run's data folder is here, else random tokens."""
+    if run_cfg.get('dataset'):
+        folder = dataset_folder(SimpleNamespace(dataset=run_cfg['dataset'],
+                                                data_dir=run_cfg.get('data_dir', '')))
+        val, meta = os.path.join(folder, 'val.bin'), os.path.join(folder, 'meta.json')
+        if os.path.isfile(val) and os.path.isfile(meta):
+            with open(meta) as f:
+                dtype = np.uint32 if json.load(f).get('dtype') == 'uint32' else np.uint16
+            data = np.memmap(val, dtype=dtype, mode='r')
+            starts = torch.randint(0, len(data) - n, (b,), generator=g).tolist()
+            rows = np.stack([data[s:s + n].astype(np.int64) for s in starts])
+            return torch.from_numpy(rows), f"{run_cfg['dataset']} val.bin"
+    return torch.randint(0, vocab_size, (b, n), generator=g), 'random tokens'
+
+
 def load_bench_model(cfg, dev):
     """The trained model of --init_from, or a random one of the config's shape; eval mode."""
     path = checkpoint_file(cfg['init_from'])
@@ -177,10 +200,13 @@ def bench_speculative(cfg):
     draft = resolve_draft(model.config, model.family, cfg['draft'] or None,
                           cfg['draft_layers'] or None)
     g = torch.Generator().manual_seed(cfg['seed'])
+    path = checkpoint_file(cfg['init_from'])
+    run_cfg = (load_checkpoint(path).get('config') or {}) if path else {}
     n, N = prompt_tokens(cfg), cfg['decode_tokens']
     rows = []
     for b in (int(s) for s in str(cfg['decode_batches']).split(',') if s.strip()):
-        prompt = torch.randint(0, model.config.vocab_size, (b, n), generator=g).to(dev)
+        prompt, source = decode_prompts(run_cfg, model.config.vocab_size, b, n, g)
+        prompt = prompt.to(dev)
         with autocast:
             plain_s = decode_seconds(lambda new: model.generate(prompt, new, temperature=0), N,
                                      max(1, cfg['bench_steps'] // 2), dev)
@@ -194,16 +220,16 @@ def bench_speculative(cfg):
         n_layer=model.config.n_layer, n_embd=model.config.n_embd,
         block_size=model.config.block_size, vocab_size=model.config.vocab_size,
         prompt_tokens=n, decode_tokens=N, repeats=max(1, cfg['bench_steps'] // 2),
-        timing='greedy, decode alone (generate of 1 + N tokens minus generate of 1), random prompt',
-        rows=rows,
+        timing='greedy, decode alone (generate of 1 + N tokens minus generate of 1)',
+        prompt_source=source, rows=rows,
     )
 
 
 def print_speculative(res):
     print(f"self-speculative decode, route={res['route']} {res['n_layer']}L d{res['n_embd']} "
           f"{res['dtype']} on {res['device']} ({res['threads']} threads), "
-          f"{res['prompt_tokens']}-token prompt, {res['decode_tokens']} greedy tokens, "
-          "decode alone")
+          f"{res['prompt_tokens']}-token prompts ({res['prompt_source']}), "
+          f"{res['decode_tokens']} greedy tokens, decode alone")
     print('| batch | K | draft | plain tok/s | spec tok/s | speedup | predicted | tokens/pass '
           '| kept per position | draft / verify ms per pass |')
     print('|---|---|---|---|---|---|---|---|---|---|')

@@ -425,8 +425,31 @@ def test_bench_speculate_init_from(tmp_path, capsys):
                        '--draft=layers', '--draft_layers=2', '--json']) == 0
     res = json.loads(capsys.readouterr().out)
     assert res['n_layer'] == 4 and res['init_from'] == str(tmp_path)
+    assert res['prompt_source'] == 'random tokens'         # the run names no dataset
     check_spec_rows(res, 'none', [2], [1, 2])
     assert {(r['draft'], r['draft_layers']) for r in res['rows']} == {('layers', 2)}
+
+
+def test_bench_speculate_prompts_are_windows_of_the_runs_val_split(tmp_path):
+    """A trained run's prompts are seeded windows of its own val.bin (consecutive tokens of the
+    file here); a run whose data folder is absent, or none, gets random tokens."""
+    import numpy as np
+    import torch
+    from bench_speculative import decode_prompts
+    folder = tmp_path / 'counting'
+    folder.mkdir()
+    np.arange(1000, dtype=np.uint16).tofile(folder / 'val.bin')
+    (folder / 'meta.json').write_text(json.dumps(dict(dtype='uint16')))
+    run_cfg = dict(dataset='counting', data_dir=str(tmp_path))
+    prompts, source = decode_prompts(run_cfg, 50, 3, 16, torch.Generator().manual_seed(0))
+    assert source == 'counting val.bin' and prompts.shape == (3, 16)
+    assert torch.equal(prompts - prompts[:, :1], torch.arange(16).expand(3, 16))
+    assert len(set(prompts[:, 0].tolist())) == 3 and int(prompts.max()) < 1000
+    again, _ = decode_prompts(run_cfg, 50, 3, 16, torch.Generator().manual_seed(0))
+    assert torch.equal(prompts, again)
+    for absent in (dict(run_cfg, dataset='elsewhere'), {}):
+        prompts, source = decode_prompts(absent, 50, 3, 16, torch.Generator().manual_seed(0))
+        assert source == 'random tokens' and int(prompts.max()) < 50
 
 
 def test_bench_speculate_predicted():
