@@ -67,26 +67,28 @@ import torch
 import bench_speculative
 import flops
 import train
-from configurator import ConfigError, load_config, run_cli, writable_file
+from configurator import (ConfigError, asks_help, load_config, print_help, run_cli, source_group,
+                          writable_file)
 from device import autocast_context, cli_device, resolve_device_dtype
 from model import FAMILIES, GPT
 from routing import exec_path
 
 BENCH_DEFAULTS = dict(
-    bench_steps=10,
-    bench_warmup=3,
-    decode_tokens=32,
-    decode_batches='1,8',
-    budgets='',
-    prefill_shapes='8x512',
-    sparse=True,
-    profile=False,
-    decode_prompt=0,
-    decode_vs_hf=False,
-    out='',
+    bench_steps=10,         # timed repeats (medians reported)
+    bench_warmup=3,         # untimed repeats before them
+    decode_tokens=32,       # tokens decoded per timed decode
+    decode_batches='1,8',   # batch sizes of the decode timings
+    budgets='',             # routed vs dense at these full-path fractions, e.g. 1.0,0.5 ('': off)
+    prefill_shapes='8x512', # BxT of the routed-vs-dense prefill timings (with --budgets)
+    sparse=True,            # routed eval runs sparse (else masked-dense: every path on every token)
+    profile=False,          # with --budgets: where the routed prefill at 0.5 spends its time
+    decode_prompt=0,        # prompt tokens before a timed decode (0: block_size - decode_tokens
+                            # - 1; 64 with --decode_vs_hf)
+    decode_vs_hf=False,     # dense decode beside transformers' GPT-2 (needs transformers)
+    out='',                 # also write the JSON result to this .json file
     suite='',               # 'gpu': the GPU suite of bench_suite.py (its options below)
-    smoke=False,
-    suite_seconds=420,
+    smoke=False,            # --suite on tiny shapes, on any device
+    suite_seconds=420,      # --suite: rows not started within this many seconds are skipped
     **bench_speculative.SPECULATE_DEFAULTS,     # --speculate=1,2,4,8 [--draft=NAME]
 )
 BENCH_EXAMPLES = dict(budgets="'1.0,0.5'", decode_batches="'1,8'", prefill_shapes="'8x512' (BxT)")
@@ -753,6 +755,11 @@ def parse_args(argv):
 
 
 def main(argv):
+    if asks_help(argv):
+        own = source_group('bench.py options', BENCH_DEFAULTS, (__file__, 'BENCH_DEFAULTS'),
+                           (bench_speculative.__file__, 'SPECULATE_DEFAULTS'))
+        return print_help(__doc__, 'python bench.py [CONFIG.py ...] [--key=value ...] [--json]',
+                          [own, *train.help_groups()], flags={'--json': 'print one JSON object'})
     cfg, as_json, argv = parse_args(argv)
     if cfg['suite']:
         import bench_suite

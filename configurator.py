@@ -22,6 +22,7 @@ values); tests/test_docs.py runs the docs this way.
 """
 import ast
 import difflib
+import functools
 import math
 import os
 
@@ -269,3 +270,146 @@ def load_config(defaults, argv):
                                # --out_dir=2024
         config[key] = _check_type(key, value, defaults[key], where)
     return smoke_caps(config)
+
+
+# --------------------------------------------------------------------------------------------------
+# --help: each script's options, defaults and descriptions, read from where the defaults live
+
+HELP_FLAGS = ('--help', '-h')
+
+
+def asks_help(argv):
+    return any(a in HELP_FLAGS for a in argv)
+
+
+def option_descriptions(path, within=None):
+    """{name: description} of the options declared in the Python file at path: its module-level
+    assignments (`batch_size = 16   # sequences per micro-batch`), or, with `within`, the fields of
+    the class of that name or the keywords of the module-level `within = dict(...)`. A description
+    is the comment ending the option's line(s) with the comment lines that continue it (indented
+    past the name), else, for a class's field, the comment lines just above it (elsewhere those are
+    section titles); '' where there is none."""
+    return dict(_descriptions(os.path.abspath(path), within))
+
+
+@functools.lru_cache(maxsize=None)          # a script's --help reads a file more than once
+def _descriptions(path, within):
+    import tokenize
+    with open(path) as f:
+        source = f.read()
+    lines = source.splitlines()
+    comments = {}                       # line number -> (column, text, alone on its line)
+    for tok in tokenize.generate_tokens(iter(source.splitlines(True)).__next__):
+        if tok.type == tokenize.COMMENT:
+            (row, col), text = tok.start, tok.string.lstrip('#').strip()
+            comments[row] = (col, text, not lines[row - 1][:col].strip())
+    out = {}
+    for name, node in _declarations(ast.parse(source, path), within):
+        trailing = [comments[r][1] for r in range(node.lineno, node.end_lineno + 1)
+                    if r in comments and not comments[r][2]]
+        parts, row = trailing[-1:], node.end_lineno + 1
+        while (trailing and row in comments and comments[row][2]
+               and comments[row][0] > node.col_offset):
+            parts.append(comments[row][1])         # a continuation, indented past the name
+            row += 1
+        row = node.lineno - 1
+        while (not trailing and isinstance(node, ast.AnnAssign) and row in comments
+               and comments[row][2] and comments[row][0] == node.col_offset):
+            parts.insert(0, comments[row][1])      # the block just above, at the name's indent
+            row -= 1
+        out.setdefault(name, ' '.join(p for p in parts if p))
+    return out
+
+
+def _declarations(tree, within):
+    """(name, node) of each option: module-level assignments, or those inside `within`."""
+    for node in tree.body:
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
+        names = [t.id for t in targets if isinstance(t, ast.Name)]
+        if within is None:
+            yield from ((n, node) for n in names)
+        elif isinstance(node, ast.ClassDef) and node.name == within:
+            yield from ((s.target.id, s) for s in node.body
+                        if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name))
+        elif within in names and isinstance(node.value, ast.Call):
+            yield from ((k.arg, k) for k in node.value.keywords if k.arg)
+
+
+def source_group(title, defaults, *sources):
+    """A --help group: (title, defaults, descriptions), the descriptions read from `sources`, each a
+    path or (path, within) as option_descriptions takes them."""
+    described = {}
+    for src in sources:
+        path, within = (src, None) if isinstance(src, str) else src
+        described = {**option_descriptions(path, within), **described}
+    return title, defaults, described
+
+
+def model_groups(config_class, families, shown=()):
+    """--help groups of the model's fields: the dense model's own (config_class's class body), then
+    each routing family's Options, titled by its route; keys in `shown` (a script's own, listed
+    already) are left out."""
+    import inspect
+    from dataclasses import fields
+    defaults = {f.name: f.default for f in fields(config_class)}
+    groups = []
+    for title, cls in [('model options', config_class),
+                       *[(f'route={route} options', family.Options)
+                         for route, family in families.items() if family.Options]]:
+        path = inspect.getsourcefile(cls)
+        described = option_descriptions(path, cls.__name__)
+        own = {k: defaults[k] for k in described if k in defaults and k not in shown}
+        groups.append((f'{title} ({os.path.basename(path)})', own, described))
+    return groups
+
+
+def _shown(value):
+    """A default as it would be typed after --key=."""
+    if isinstance(value, str) and value and value.strip() == value and ' ' not in value:
+        return value
+    return repr(value)
+
+
+def help_text(doc, usage, groups, flags=None):
+    """The text of --help: the script's purpose (its docstring's first paragraph), usage, its
+    examples (the docstring's indented `python ...` lines), then each group's options as
+    --key=default and the description, and the bare flags. An option with no description shows
+    UNDOCUMENTED (tests refuse it)."""
+    import textwrap
+    paragraphs = doc.strip().split('\n\n')
+    purpose = ' '.join(paragraphs[0].split())
+    examples = [line.strip() for line in doc.splitlines()
+                if line.startswith('    ') and line.split()[0] in ('python', 'torchrun')]
+    out = [textwrap.fill(purpose, 100), '', 'usage: ' + usage]
+    if examples:
+        out += ['', 'examples:', *('  ' + e for e in examples)]
+    width = 36                          # where descriptions start
+
+    def entry(left, description):
+        text = description or 'UNDOCUMENTED'
+        if len(left) > width - 4:
+            out.append('  ' + left)
+            left = ''
+        out.append(textwrap.fill(text, 100, initial_indent=f"  {left:<{width - 2}}",
+                                 subsequent_indent=' ' * width))
+    if flags:
+        out += ['', 'flags:']
+        for flag, description in flags.items():
+            entry(flag, description)
+    for title, defaults, described in groups:
+        if defaults:
+            out += ['', title + ':']
+            for key, value in defaults.items():
+                entry(f"--{key}={_shown(value)}", described.get(key, ''))
+    return '\n'.join(out)
+
+
+def print_help(*args, **kwargs):
+    """Print help_text(...) to stdout and return 0 (the scripts' exit code for --help)."""
+    import sys
+    try:
+        print(help_text(*args, **kwargs), flush=True)
+    except BrokenPipeError:             # `--help | head` closed the pipe: not an error
+        sys.stdout = open(os.devnull, 'w')
+    return 0

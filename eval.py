@@ -4,10 +4,10 @@ same backbone with every gate forced to the full path (dense reference) and to t
 realised full-path fraction per controlled layer; and, on the synthetic corpus, the full-path
 fraction per difficulty class.
 
-    python eval.py --ckpt out/quickstart/ckpt.pt --json
+    python eval.py --ckpt=out/quickstart/ckpt.pt --json
     python eval.py --ckpt=out/quickstart/ckpt.pt --eval_iters=50 --device=cpu
-    python eval.py --ckpt out/quickstart/ckpt.pt --routing-map [--out FILE.png]
-    python eval.py --ckpt out/ffn_stage1_lookup/ckpt.pt --room [--json]
+    python eval.py --ckpt=out/quickstart/ckpt.pt --routing_map [--out=FILE.png]
+    python eval.py --ckpt=out/ffn_stage1_lookup/ckpt.pt --room [--json]
 
 eval_iters / calib_iters / batch_size default to the run's own values (0 = from the checkpoint).
 The data (the checkpoint's data_dir, or --data_dir) must be the run's own, already prepared: eval.py
@@ -20,13 +20,16 @@ loss with every decision forced full and forced cheap and, for the ffn family, u
 oracle routing at the budget; room = cheap − full, gate_room = random − oracle. Studies (sweep.py)
 report it beside their arm differences.
 
---routing-map: which path each token of a validation snippet (the first row of the first eval batch,
-up to 64 tokens) took at each layer under causal eval-mode routing, printed as text ('#' full path,
-'.' cheap path or skipped, '-' layer not routed) and drawn as a PNG (tokens as columns, layers as
-rows; --out, a .png path, default routing_map.png beside the checkpoint, checked before any work;
+--routing_map: which path each token of a validation snippet (the first row of the first eval
+batch, up to 64 tokens) took at each layer under causal eval-mode routing, printed as text ('#' full
+path, '.' cheap path or skipped, '-' layer not routed) and drawn as a PNG (tokens as columns, layers
+as rows; --out, a .png path, default routing_map.png beside the checkpoint, checked before any work;
 needs matplotlib, else skipped with a note). On the synthetic corpus also the full-path fraction
 per difficulty class per layer over the eval batches (a table, and a second PNG,
 <out>_by_class.png). With --json, one JSON object instead of the text.
+
+Options are --key=value (underscores), as in every script: the spellings of before, `--ckpt PATH`
+and `--routing-map`, are refused with one line naming today's.
 
 train.py uses the functions here for its periodic evals and its end-of-run summary.
 """
@@ -41,7 +44,8 @@ import numpy as np
 import torch
 
 from checkpoint import load_checkpoint, load_model
-from configurator import ConfigError, declared_defaults, load_config, run_cli, writable_file
+from configurator import (ConfigError, asks_help, declared_defaults, load_config, print_help,
+                          run_cli, source_group, writable_file)
 from data.loader import (
     check_checkpoint_data,
     check_data,
@@ -55,6 +59,24 @@ from routing import exec_path, overridden
 from plots import SKIPPED, pyplot
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULTS = dict(
+    ckpt='',                # the checkpoint file, e.g. out/quickstart/ckpt.pt
+    eval_iters=0,           # validation batches (0: the run's own eval_iters)
+    calib_iters=0,          # train-split batches calibrating the causal thresholds (0: the run's)
+    device='auto',          # 'auto', 'cpu', 'cuda' or 'cuda:N'
+    dtype='float32',        # 'float32', 'bfloat16', 'float16' or 'auto'
+    data_dir='',            # the folder holding the run's prepared dataset ('': the run's own)
+    batch_size=0,           # sequences per batch (0: the run's own)
+    out='',                 # --routing_map's PNG ('': routing_map.png beside the checkpoint)
+)
+FLAGS = {
+    '--json': 'print one JSON object instead of the text',
+    '--routing_map': 'which path each token of a validation snippet took at each layer: text and '
+                     'a PNG (--out; needs matplotlib)',
+    '--room': 'how much routing can matter for this backbone: forced full vs cheap, and random '
+              'vs oracle routing (ffn)',
+}
+OLD_SPELLINGS = {'--routing-map': '--routing_map'}
 
 
 @torch.no_grad()
@@ -279,22 +301,29 @@ def print_routing_map(res, as_json):
         print(f"\nwrote {', '.join(res['png'])}")
 
 
+def refuse_old_spellings(argv):
+    """One syntax in every script: `--ckpt PATH` and `--routing-map` are refused, naming today's
+    spelling."""
+    for i, arg in enumerate(argv):
+        if arg in OLD_SPELLINGS:
+            raise ConfigError(f"{arg} is spelled {OLD_SPELLINGS[arg]} now")
+        if arg[2:] in DEFAULTS:              # --ckpt PATH: the value after a space
+            value = argv[i + 1] if i + 1 < len(argv) else 'VALUE'
+            raise ConfigError(f"{arg} takes its value after '=': {arg}={value}")
+
+
 def parse_args(argv):
     """The options, every one checked before any work: (args, as_json, routing, room_only)."""
-    as_json, routing, room_only = '--json' in argv, '--routing-map' in argv, '--room' in argv
+    refuse_old_spellings(argv)
+    as_json, routing, room_only = '--json' in argv, '--routing_map' in argv, '--room' in argv
     if routing and room_only:
-        raise ConfigError("--room and --routing-map are separate reports: give one of them")
-    argv = [a for a in argv if a not in ('--json', '--routing-map', '--room')]
-    for flag in ('--ckpt', '--out'):           # also accept the space-separated form: --ckpt PATH
-        if flag in argv[:-1]:
-            i = argv.index(flag)
-            argv = argv[:i] + [f'{flag}={argv[i + 1]}'] + argv[i + 2:]
-    args = load_config(dict(ckpt='', eval_iters=0, calib_iters=0, device='auto', dtype='float32',
-                            data_dir='', batch_size=0, out=''), argv)
+        raise ConfigError("--room and --routing_map are separate reports: give one of them")
+    argv = [a for a in argv if a not in FLAGS]
+    args = load_config(DEFAULTS, argv)
     if not args['ckpt']:
         raise ConfigError("--ckpt must name a checkpoint file, e.g. --ckpt=out/quickstart/ckpt.pt")
     if args['out'] and not routing:
-        raise ConfigError("--out names the routing map's PNG: use it with --routing-map")
+        raise ConfigError("--out names the routing map's PNG: use it with --routing_map")
     for key in ('eval_iters', 'calib_iters', 'batch_size'):
         if args[key] < 0:
             raise ConfigError(
@@ -315,6 +344,11 @@ def parse_args(argv):
 
 
 def main(argv):
+    if asks_help(argv):
+        return print_help(__doc__, 'python eval.py --ckpt=PATH [--key=value ...] [--json] '
+                          '[--routing_map | --room]',
+                          [source_group('eval.py options', DEFAULTS, (__file__, 'DEFAULTS'))],
+                          flags=FLAGS)
     args, as_json, routing, room_only = parse_args(argv)
     dev, _ = cli_device(args['device'], args['dtype'])
     ck = load_checkpoint(args['ckpt'])

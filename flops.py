@@ -141,7 +141,7 @@ def estimate_mfu(config, tokens_per_s, device, dtype, seq_len=None):
 
 
 def main(argv):
-    """python flops.py CONFIG [--key=value ...]: the training-FLOPs breakdown of a config.
+    """The training-FLOPs breakdown of a config (python flops.py CONFIG [--key=value ...]).
     route=ffn: for G1 and G3 with util/rank on and off, averaged over the uniformly sampled oracle
     layer; any other route: one row, the config as it is. A bench.py config's model is costed too
     (its own keys are inert here); a study file is refused with the command that costs one of its
@@ -151,8 +151,12 @@ def main(argv):
     from dataclasses import fields, replace
 
     from bench import BENCH_DEFAULTS
-    from configurator import ConfigError, declared_defaults, load_config
+    from configurator import ConfigError, asks_help, declared_defaults, load_config, print_help
     from model import GPTConfig
+    if asks_help(argv):
+        import train
+        return print_help(main.__doc__, 'python flops.py [CONFIG.py] [--key=value ...] '
+                          "(bench.py's keys are accepted and ignored)", train.help_groups())
     here = os.path.dirname(os.path.abspath(__file__))
     refuse_study_files(argv)
     # train.py's config keys, read from its source: train.py imports this module, so not the other

@@ -44,15 +44,15 @@ class GPTConfig(*[f.Options for f in reversed(FAMILIES.values()) if f.Options is
     """The dense model's fields below; each routing family's options (<route>_*) are the fields of
     its Options dataclass, declared in its own file and a base of this class. fields() lists the
     bases' first, the last base's first (so the families' in registry order), then these."""
-    block_size: int = 128
-    vocab_size: int = 64
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
+    block_size: int = 128     # context length in tokens
+    vocab_size: int = 64      # rows of the embedding and LM head
+    n_layer: int = 4          # transformer blocks
+    n_head: int = 4           # attention heads (n_embd must divide into them)
+    n_embd: int = 128         # width of the residual stream
+    dropout: float = 0.0      # dropout probability (0 for pretraining)
     bias: bool = False        # bias in Linear and LayerNorm (GPT-2 checkpoints need True)
     pos: str = 'learned'      # 'learned' absolute position embeddings, or 'rope'
-    rope_base: float = 10000.0
+    rope_base: float = 10000.0  # RoPE frequency base (pos='rope' only)
     gelu: str = 'none'        # GELU approximation: 'none' (exact) or 'tanh' (what GPT-2 checkpoints
                               # use)
     route: str = 'none'       # the routing family, a key of FAMILIES ('none': the dense model)

@@ -90,7 +90,7 @@ class FFNOptions:
     ffn_util_weight: float = 0.0      # utility regression onto oracle labels
     ffn_rank_weight: float = 0.0      # pairwise rank supervision from oracle labels
     ffn_rank_kind: str = 'logistic'   # 'logistic' or 'margin'
-    ffn_rank_margin: float = 0.1
+    ffn_rank_margin: float = 0.1      # margin of ffn_rank_kind='margin'
     ffn_rank_pairs: int = 256         # pairs sampled per sequence
     ffn_oracle_label: str = 'token'   # labels switch 'token' t alone at l (others keep their
                                       # action) or the whole 'sequence' at once (then U_t moves with

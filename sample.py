@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import torch
 
 from checkpoint import load_checkpoint, load_model
-from configurator import ConfigError, load_config, run_cli
+from configurator import ConfigError, asks_help, load_config, print_help, run_cli, source_group
 from data import prepare as prep
 from data.loader import check_checkpoint_data, load_tokenizer
 from device import cli_device
@@ -32,20 +32,20 @@ from model import FAMILIES, read_stored_config
 from speculative import resolve_draft
 
 DEFAULTS = dict(
-    out_dir='out/quickstart',
-    start='\n',
-    num_samples=3,
-    max_new_tokens=200,
-    temperature=0.8,
-    top_k=200,
-    seed=1337,
-    device='auto',
-    use_cache=True,
-    data_dir='',
-    prompts_file='',
-    speculate=0,
-    draft='',
-    draft_layers=0,
+    out_dir='out/quickstart',   # the run's folder, holding ckpt.pt
+    start='\n',                 # the prompt (on the synthetic corpus the default is '|')
+    num_samples=3,              # samples drawn from --start
+    max_new_tokens=200,         # tokens generated per sample
+    temperature=0.8,            # softmax temperature (0: greedy)
+    top_k=200,                  # sample among the k most likely tokens (0: all)
+    seed=1337,                  # the sampling RNG
+    device='auto',              # 'auto', 'cpu', 'cuda' or 'cuda:N'
+    use_cache=True,             # decode with the KV cache
+    data_dir='',                # the folder of the run's prepared dataset ('': the run's own)
+    prompts_file='',            # a text file, one prompt per line, decoded as one batch
+    speculate=0,                # self-speculative decoding, K tokens drafted at a time (0: off)
+    draft='',                   # the family's draft to speculate with ('': its first)
+    draft_layers=0,             # blocks the draft runs, where it has a depth (0: its default)
 )
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -139,6 +139,9 @@ def read_prompts_file(path):
 
 
 def main(argv):
+    if asks_help(argv):
+        return print_help(__doc__, 'python sample.py [--key=value ...]',
+                          [source_group('sample.py options', DEFAULTS, (__file__, 'DEFAULTS'))])
     cfg = check_config(argv)
     dev, _ = cli_device(cfg['device'])
     ckpt = load_checkpoint(os.path.join(cfg['out_dir'], 'ckpt.pt'))

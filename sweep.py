@@ -77,7 +77,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
-from configurator import ConfigError, UserError, run_cli, writable_folder
+from configurator import (ConfigError, UserError, asks_help, print_help, run_cli, source_group,
+                          writable_folder)
 from plots import read_metrics, run_metrics, train_lm_curve, write_plots
 from runlock import lock_folder
 
@@ -740,7 +741,14 @@ def room_markdown(room):
     return f"{head}{tail}. Backbones (eval.py --room, per seed): {vals}.\n"
 
 
-FLAGS = ('--summarize_only', '--dry_run', '--no_plots')
+OPTIONS = dict(
+    jobs=1,          # train.py processes at a time, each with cpu_count // jobs threads
+)
+FLAGS = {
+    '--summarize_only': 'summarise and plot the runs already there; start none',
+    '--dry_run': "print every run's train.py command; start none",
+    '--no_plots': 'the summary only (the plots need matplotlib)',
+}
 
 
 def parse_args(argv):
@@ -773,6 +781,10 @@ def parse_args(argv):
 
 
 def main(argv):
+    if asks_help(argv):
+        return print_help(__doc__, 'python sweep.py STUDY.py [--jobs=N] [flags]',
+                          [source_group('sweep.py options', OPTIONS, (__file__, 'OPTIONS'))],
+                          flags=FLAGS)
     children = Children()
     with stop_on_signals(children):         # from the start: a Ctrl-C at any point ends in one line
         return sweep(argv, children)

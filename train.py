@@ -28,7 +28,8 @@ import torch
 
 import eval as evaluation
 from checkpoint import save_checkpoint
-from configurator import ConfigError, declared_defaults, load_config, run_cli
+from configurator import (ConfigError, asks_help, declared_defaults, load_config, model_groups,
+                          print_help, run_cli, source_group)
 from data.loader import DataError, open_splits
 from device import autocast_context, resolve_device_dtype
 from model import FAMILIES, GPT, GPTConfig, is_controller_key
@@ -47,11 +48,11 @@ from train_report import code_version, run_info  # noqa: F401
 # --------------------------------------------------------------------------------------------------
 # defaults (override with a config file and/or --key=value); the quickstart trains on these
 # I/O
-out_dir = 'out/quickstart'
-eval_interval = 100
-log_interval = 10
-eval_iters = 20
-eval_only = False
+out_dir = 'out/quickstart'    # the run's folder: metrics.jsonl, config.json, ckpt.pt
+eval_interval = 100          # iterations between evals (and checkpoints)
+log_interval = 10            # iterations between train log lines
+eval_iters = 20              # batches per split in each eval
+eval_only = False            # evaluate once and exit (no training)
 init_from = 'scratch'        # 'scratch', 'resume', a checkpoint file (e.g. out/stage1/ckpt.pt:
                              # weights only, fresh optimizer; for stage 2 of controller-only
                              # training), or GPT-2: 'gpt2', ...
@@ -63,8 +64,8 @@ gradient_accumulation_steps = 1   # micro-batches per optimizer step, summed ove
 # model and routing: every field of model.GPTConfig is a config key with GPTConfig's default (there:
 # the shape, block_size 128, and every family's options); the two below are the only ones train.py
 # changes
-route = 'ffn'                # GPTConfig's default is the dense model; the quickstart trains
-                             # G1-routed FFNs
+route = 'ffn'                # the routing family ('none': dense, GPTConfig's default); the
+                             # quickstart trains G1-routed FFNs
 vocab_size = 0               # 0: from the data's meta.json (rounded up to a multiple of 64 above
                              # 1024)
 trainable = 'all'            # 'all' (joint), 'controller' (backbone frozen: gates, routers,
@@ -78,21 +79,21 @@ lm_thresholds = ''           # e.g. '2.5,2.0': report the first iteration the tr
                              # each
 avg_lm_until = 0.5           # avg LM = mean logged train LM over the first avg_lm_until of the run
 # AdamW and schedule
-learning_rate = 2e-3
-max_iters = 600
-weight_decay = 0.1
-beta1 = 0.9
-beta2 = 0.95
+learning_rate = 2e-3         # peak learning rate
+max_iters = 600              # optimizer steps in the run
+weight_decay = 0.1           # AdamW weight decay (matrices only)
+beta1 = 0.9                  # AdamW beta1
+beta2 = 0.95                 # AdamW beta2
 grad_clip = 1.0              # 0 disables clipping (the grad norm is still logged)
-decay_lr = True
-warmup_iters = 50
+decay_lr = True              # cosine decay to min_lr after warmup (else constant)
+warmup_iters = 50            # linear warmup steps
 lr_decay_iters = 0           # 0: max_iters
-min_lr = 2e-4
+min_lr = 2e-4                # learning rate at the end of the decay
 # system
 device = 'auto'              # 'auto', 'cpu', 'cuda', 'cuda:1', ...
 dtype = 'auto'               # 'auto', 'float32', 'bfloat16', 'float16' (float16 uses a GradScaler)
 compile = False              # torch.compile(dynamic=False)
-seed = 1337
+seed = 1337                  # model init and training batches
 eval_seed = 1337             # eval/calibration batches: fixed, so every run of a study sees the
                              # same ones
 max_fp16_skips = 50          # stop if this many consecutive fp16 steps overflow
@@ -130,9 +131,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def main(argv):
+    if asks_help(argv):
+        return print_help(__doc__, 'python train.py [CONFIG.py ...] [--key=value ...]',
+                          help_groups())
     if int(os.environ.get('RANK', -1)) == -1:
         return run_checked(argv)
     end_ddp_process(run_checked, argv)
+
+
+def help_groups():
+    """--help's groups: the globals above, then the model's and each family's fields."""
+    own = declared_defaults(__file__)
+    return [source_group('train.py options', own, __file__),
+            *model_groups(GPTConfig, FAMILIES, shown=own)]
 
 
 def run_checked(argv):

@@ -3,7 +3,7 @@
 # FFN holds (data/prepare.py synthetic_lookup). Random routing at the budget, as in
 # config/ffn_stage1_synthetic.py; a rank-2 cheap FFN, so the cheap path cannot hold the table.
 #   python train.py config/ffn_stage1_lookup.py
-#   python eval.py --ckpt out/ffn_stage1_lookup/ckpt.pt --room
+#   python eval.py --ckpt=out/ffn_stage1_lookup/ckpt.pt --room
 # (--room: all-full, all-cheap, random, oracle)
 out_dir = 'out/ffn_stage1_lookup'
 dataset = 'synthetic_lookup'

@@ -1,18 +1,18 @@
 """Prepare a dataset for nanodepth: token ids in flat binary files plus meta.json.
 
-    python data/prepare.py synthetic [--seed 1337] [--num_tokens 2000000]
-        [--mix copy=0.3,count=0.2,noise=0.2,add=0.3]
-    python data/prepare.py synthetic_lookup [--mix copy=0.2,count=0.1,noise=0.1,add=0.2,lookup=0.4]
-    python data/prepare.py shakespeare_char [--input FILE]
+    python data/prepare.py synthetic [--seed=1337] [--num_tokens=2000000]
+        [--mix=copy=0.3,count=0.2,noise=0.2,add=0.3]
+    python data/prepare.py synthetic_lookup [--mix=copy=0.2,count=0.1,noise=0.1,add=0.2,lookup=0.4]
+    python data/prepare.py shakespeare_char [--input=FILE]
         # default ../shared/data/tinyshakespeare.txt, else download
-    python data/prepare.py enwik8 [--input enwik8|enwik8.zip]
+    python data/prepare.py enwik8 [--input=enwik8|enwik8.zip]
         # else download mattmahoney.net/dc/enwik8.zip
-    python data/prepare.py fineweb_edu [--input F.parquet|F.jsonl|F.txt] [--max_docs 100000]
-        [--val_fraction 0.005]
-    python data/prepare.py text --input FILE [--tokenizer char|byte|gpt2] [--val_fraction 0.1]
-        [--name NAME]
-    common options: --out_dir DIR (default data/<dataset>, or data/<name>),
-        --dtype auto|uint16|uint32
+    python data/prepare.py fineweb_edu [--input=F.parquet|F.jsonl|F.txt] [--max_docs=100000]
+        [--val_fraction=0.005]
+    python data/prepare.py text --input=FILE [--tokenizer=char|byte|gpt2] [--val_fraction=0.1]
+        [--name=NAME]
+    common options: --out_dir=DIR (default data/<dataset>, or data/<name>),
+        --dtype=auto|uint16|uint32
 
 Writes train.bin, val.bin (and test.bin for enwik8): raw little-endian token ids, uint16 unless
 vocab_size > 65535 (then uint32); read with np.memmap(path, dtype=meta["dtype"], mode="r").
@@ -775,19 +775,22 @@ class OneLineParser(argparse.ArgumentParser):
 def main(argv=None):
     p = OneLineParser(description=__doc__.split("\n")[0])
     p.add_argument("dataset", help=", ".join(BUILDERS))
-    p.add_argument("--out_dir")
-    for key, kind in [
-        ("dtype", str),
-        ("seed", int),
-        ("num_tokens", int),
-        ("mix", str),
-        ("input", str),
-        ("max_docs", int),
-        ("val_fraction", float),
-        ("tokenizer", str),
-        ("name", str),
+    p.add_argument("--out_dir", help="where to write (default data/<dataset>, or data/<name>)")
+    for key, kind, text in [
+        ("dtype", str, "token id type: auto (uint16 unless vocab_size > 65535), uint16, uint32"),
+        ("seed", int, "the corpus's seed"),
+        ("num_tokens", int, "tokens in train + val"),
+        ("mix", str, "the segment kinds' shares"),
+        ("input", str, "the local file to read (else the default file or a download)"),
+        ("max_docs", int, "documents to read"),
+        ("val_fraction", float, "the share held out for val"),
+        ("tokenizer", str, "char, byte or gpt2"),
+        ("name", str, "the dataset's name, its folder data/<name>"),
     ]:
-        p.add_argument(f"--{key}", type=kind)
+        # where each dataset takes the option, with its default there (DEFAULTS above)
+        used = [f"{d}: {opts[key]}" if opts[key] is not None else d
+                for d, opts in DEFAULTS.items() if key in opts]
+        p.add_argument(f"--{key}", type=kind, help=text + (f" ({'; '.join(used)})" if used else ""))
     a = vars(p.parse_args(argv))
     try:
         meta = prepare(**a)

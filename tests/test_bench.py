@@ -489,3 +489,19 @@ def test_bench_speculate_refused_exits_2():
                       env={**os.environ, 'OMP_NUM_THREADS': '1'})
         assert r.returncode == 2 and r.stdout == ''
         assert r.stderr.count('\n') == 1 and r.stderr.startswith('error: '), r.stderr
+
+
+def test_bench_help_lists_its_options_then_train_and_family_ones(capsys):
+    """--help exits 0 before any work, on stdout: bench.py's own options (--speculate's from
+    bench_speculative.py too), then train.py's, the model's and each family's, each with its
+    default and comment; nothing UNDOCUMENTED; every key bench.py accepts is listed."""
+    assert bench.main(['-h', '--bench_steps=0']) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith('Speed of a config') and err == '' and 'UNDOCUMENTED' not in out
+    assert re.search(r"^  --bench_steps=10 +timed repeats", out, re.M)
+    assert re.search(r"^  --speculate='' +comma-separated draft lengths K", out, re.M)
+    assert re.search(r"^  --json +print one JSON object$", out, re.M)
+    listed = re.findall(r"^  --(\w+)=", out, re.M)
+    assert sorted(listed) == sorted({**train.DEFAULTS, **bench.BENCH_DEFAULTS})
+    assert out.index('bench.py options:') < out.index('train.py options:') \
+        < out.index('route=halt options (route_halt.py):')

@@ -130,7 +130,7 @@ def test_eval_options(workdir, ckpt):
     defaults = dict(eval_iters=0, calib_iters=0, device='auto', dtype='float32', data_dir='',
                     batch_size=0, out='', ckpt='')
     failures = []
-    for flags in ([], ['--routing-map']):
+    for flags in ([], ['--routing_map']):
         def validate(arg):
             ev.parse_args([f'--ckpt={ckpt / "out" / "ckpt.pt"}', *flags, arg])
         keys = {k: v for k, v in defaults.items() if flags or k != 'out'}

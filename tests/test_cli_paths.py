@@ -132,7 +132,7 @@ def test_eval_routing_map_out_is_checked_before_the_work(run, tmp_path, out, nee
     (tmp_path / "f").write_text("x")
     out = out.format(dir=tmp_path, file=tmp_path / "f")
     with pytest.raises(UserError, match=needle):
-        ev.main(["--ckpt", str(run / "out" / "ckpt.pt"), "--routing-map", "--out", out,
+        ev.main([f"--ckpt={run / 'out' / 'ckpt.pt'}", "--routing_map", f"--out={out}",
                  f"--data_dir={run / 'data'}", "--device=cpu"])
     assert files_under(tmp_path) == ["f"]
 
@@ -140,7 +140,7 @@ def test_eval_routing_map_out_is_checked_before_the_work(run, tmp_path, out, nee
 def test_eval_routing_map_out_in_a_new_folder_is_written_there(run, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     png = tmp_path / "maps" / "m.png"
-    assert ev.main(["--ckpt", str(run / "out" / "ckpt.pt"), "--routing-map", "--out", str(png),
+    assert ev.main([f"--ckpt={run / 'out' / 'ckpt.pt'}", "--routing_map", f"--out={png}",
                     f"--data_dir={run / 'data'}", "--device=cpu", "--eval_iters=1",
                     "--calib_iters=1"]) == 0
     assert png.is_file() and png.stat().st_size > 1000
@@ -316,7 +316,7 @@ def test_sample_and_eval_refuse_another_corpus(run, tmp_path):
         sample.main([f"--out_dir={run / 'out'}", f"--data_dir={tmp_path / 'data'}", "--device=cpu"])
     assert "\n" not in str(e.value)
     with pytest.raises(UserError, match="differs from the checkpoint's data"):
-        ev.main(["--ckpt", str(run / "out" / "ckpt.pt"), f"--data_dir={tmp_path / 'data'}",
+        ev.main([f"--ckpt={run / 'out' / 'ckpt.pt'}", f"--data_dir={tmp_path / 'data'}",
                  "--device=cpu"])
 
 
@@ -339,7 +339,7 @@ def test_room_of_a_halt_checkpoint_says_it_does_not_apply(run, tmp_path, capsys)
     torch.save(dict(model=model.state_dict(), model_args=dict(model.config.__dict__),
                     config=dict(dataset="synthetic", data_dir=str(run / "data"), block_size=16,
                                 batch_size=2, eval_iters=1, route="halt")), ck)
-    assert ev.main(["--ckpt", str(ck), "--room", "--json", "--device=cpu"]) == 0
+    assert ev.main([f"--ckpt={ck}", "--room", "--json", "--device=cpu"]) == 0
     out, err = capsys.readouterr()
     res = json.loads(out)
     assert "route=halt" in res["room"]["not_applicable"]
@@ -349,7 +349,7 @@ def test_room_of_a_halt_checkpoint_says_it_does_not_apply(run, tmp_path, capsys)
 
 
 def test_room_of_an_ffn_checkpoint_is_a_number(run, capsys):
-    assert ev.main(["--ckpt", str(run / "out" / "ckpt.pt"), "--room", "--json", "--device=cpu",
+    assert ev.main([f"--ckpt={run / 'out' / 'ckpt.pt'}", "--room", "--json", "--device=cpu",
                     "--eval_iters=1"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["room"] == pytest.approx(res["cheap"] - res["full"])

@@ -1,5 +1,6 @@
 """Tests for configurator.load_config: config files, typed --key=value overrides, and the errors
 that name the key (and the closest valid key) before any work is done."""
+import re
 import sys
 from pathlib import Path
 
@@ -273,3 +274,70 @@ def test_smoke_env_keeps_the_capped_width_divisible_into_heads(monkeypatch):
     assert cfg['n_embd'] == SMOKE_CAPS['n_embd'] == 128 and cfg['n_head'] == 8
     assert load_config(dict(n_embd=64, n_head=4), ['--n_embd=512', '--n_head=8'])['n_head'] == 8
     assert load_config(dict(n_embd=64, n_head=6), []) == dict(n_embd=64, n_head=6)
+
+
+# --------------------------------------------------------------------------------------------------
+# --help: descriptions read from the comments where the defaults are declared
+
+DECLARED = '''
+# I/O
+out_dir = 'out/x'          # the run's folder
+steps = 10                 # optimizer steps: a long comment that
+                           # goes on here
+# data
+batch_size = 16
+OTHER = dict(
+    ckpt='',               # the checkpoint file
+    n=0,
+)
+
+
+class Options:
+    budget: float = 0.5    # fraction on the full path
+    # a block above the field
+    # in two lines
+    readout: str = 'u'
+    plain: int = 1
+'''
+
+
+def test_option_descriptions_read_the_comments_where_defaults_live(tmp_path):
+    """The trailing comment with its continuation lines (not the next section's title); a class
+    field's comment block above; a dict(...)'s keywords; '' for an option with none (a section
+    title above a global is not its description)."""
+    from configurator import option_descriptions
+    path = write(tmp_path, DECLARED, 'declared.py')
+    got = option_descriptions(path)
+    assert got['out_dir'] == "the run's folder"
+    assert got['steps'] == 'optimizer steps: a long comment that goes on here'
+    assert got['batch_size'] == ''
+    assert option_descriptions(path, 'OTHER') == {'ckpt': 'the checkpoint file', 'n': ''}
+    assert option_descriptions(path, 'Options') == {
+        'budget': 'fraction on the full path', 'readout': 'a block above the field in two lines',
+        'plain': ''}
+
+
+def test_help_text_lists_defaults_descriptions_groups_and_flags_undocumented_ones(tmp_path):
+    """Each option as --key=default (a str as typed, '' and odd strings quoted) with its
+    description, under its group's title; an option without one reads UNDOCUMENTED, which the
+    scripts' tests refuse."""
+    from configurator import asks_help, help_text, source_group
+    path = write(tmp_path, DECLARED, 'declared.py')
+    text = help_text('Do a thing.\n\nMore detail.\n\n    python x.py --steps=3\n', 'python x.py',
+                     [source_group('x options', dict(out_dir='out/x', steps=10, batch_size=16),
+                                   path),
+                      source_group('other', dict(ckpt='', start='\n'), (path, 'OTHER'))],
+                     flags={'--json': 'one JSON object'})
+    lines = text.splitlines()
+    assert lines[0] == 'Do a thing.' and 'More detail.' not in text
+    assert '  python x.py --steps=3' in lines
+    assert re.search(r"^  --out_dir=out/x +the run's folder$", text, re.M)
+    assert re.search(r"^  --steps=10 +optimizer steps: a long comment that goes on here$", text,
+                     re.M)
+    assert re.search(r"^  --batch_size=16 +UNDOCUMENTED$", text, re.M)
+    assert re.search(r"^  --ckpt='' +the checkpoint file$", text, re.M)
+    assert re.search(r"^  --start='\\n' +UNDOCUMENTED$", text, re.M)
+    assert re.search(r"^  --json +one JSON object$", text, re.M)
+    assert lines.index('x options:') < lines.index('other:')
+    assert all(len(line) <= 100 for line in lines)
+    assert asks_help(['--a=1', '-h']) and asks_help(['--help']) and not asks_help(['--helper=1'])

@@ -122,3 +122,33 @@ def test_every_documented_command_runs_in_order(tmp_path):
         ran.append(f"{time.time() - start:5.1f} s  {doc}: {command}")
     print('\n'.join(['ran:', *ran, 'skipped:', *skipped, f'total {time.time() - t0:.0f} s']))
     assert len(ran) >= 12
+
+
+def test_every_optional_import_is_listed_with_its_feature():
+    """Each third-party package the code or tests import is in requirements.txt or in
+    requirements-extra.txt, the extras each with the feature that needs it (a `# comment`), and
+    the README's install section gives their `pip install` lines, matplotlib's first."""
+    listed = set()
+    for name in ('requirements.txt', 'requirements-extra.txt'):
+        for line in (REPO / name).read_text().splitlines():
+            package = re.match(r'([A-Za-z0-9_.-]+)', line)
+            if package:
+                listed.add(package.group(1).lower())
+                if name == 'requirements-extra.txt':
+                    assert '#' in line, f"{name}: say which feature needs {package.group(1)}"
+            listed.update(re.findall(r'pip install ([A-Za-z0-9_.-]+)', line))
+    sources = [REPO / name for name in subprocess.run(
+        ['git', 'ls-files', '*.py'], cwd=REPO, capture_output=True, text=True,
+        check=True).stdout.split()]
+    local = {p.stem for p in sources} | {p.name for p in REPO.iterdir() if p.is_dir()}
+    imported = set()            # `from x.y import z` and `import x.y as w, v`: x and v
+    for path in sources:
+        for source, names in re.findall(r'^[ \t]*(?:from[ \t]+(\w+)[\w.]*[ \t]+import\b'
+                                         r'|import[ \t]+([\w., \t]+))', path.read_text(), re.M):
+            imported.update([source] if source else
+                            [n.split()[0].split('.')[0] for n in names.split(',') if n.strip()])
+    third_party = imported - set(sys.stdlib_module_names) - local
+    assert third_party and not third_party - listed, sorted(third_party - listed)
+    install = REPO.joinpath('README.md').read_text().split('\n## ')[1]
+    assert install.startswith('Install') and 'pip install -r requirements-extra.txt' in install
+    assert 'pip install matplotlib' in install and 'pip install lm_eval' in install

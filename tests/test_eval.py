@@ -2,6 +2,7 @@
 object on stdout; a data folder without the run's corpus is refused and the command the error names
 prepares it; eval.room's brackets against a hand computation."""
 import json
+import re
 import shlex
 
 import pytest
@@ -28,11 +29,40 @@ def test_eval_bad_options(tmp_path, arg, needle):
         ev.main([f"--ckpt={tmp_path / 'missing.pt'}", arg])
 
 
+def test_eval_help_lists_options_flags_and_descriptions(tmp_path, capsys):
+    """--help exits 0 before any check (no checkpoint needed), on stdout: each option as
+    --key=default with its comment, the bare flags, nothing UNDOCUMENTED."""
+    assert ev.main(['--help', '--ckpt', 'missing.pt']) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith('Evaluate a checkpoint') and err == '' and 'UNDOCUMENTED' not in out
+    assert re.search(r"^  --eval_iters=0 +validation batches \(0: the run's own eval_iters\)$",
+                     out, re.M)
+    assert sorted(re.findall(r"^  --(\w+)=", out, re.M)) == sorted(ev.DEFAULTS)
+    assert re.search(r"^  --routing_map +which path each token", out, re.M)
+    assert '--routing-map' not in out and '--ckpt ' not in out
+
+
+@pytest.mark.parametrize("argv,new", [
+    (["--ckpt", "run/ckpt.pt", "--json"], "--ckpt=run/ckpt.pt"),
+    (["--ckpt=run/ckpt.pt", "--out", "m.png", "--routing_map"], "--out=m.png"),
+    (["--ckpt"], "--ckpt=VALUE"),
+    (["--ckpt=run/ckpt.pt", "--routing-map"], "--routing_map")])
+def test_eval_old_spellings_are_refused_naming_the_new_one(monkeypatch, capsys, argv, new):
+    """One syntax in every script: `--ckpt PATH` and `--routing-map` end in one line naming
+    today's spelling, exit 2, before any file is read."""
+    monkeypatch.setattr('sys.argv', ['eval.py', *argv])
+    with pytest.raises(SystemExit) as e:
+        ev.run_cli(ev.main)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith('error: ') and err.count('\n') == 1
+    assert new in err
+
+
 # --------------------------------------------------------------------------------------------------
 # eval.py --json: stdout is exactly one JSON object
 
 def test_eval_json_stdout_is_one_object(run, capsys):
-    assert ev.main(["--ckpt", str(run / "out" / "ckpt.pt"), "--json", f"--data_dir={run / 'data'}",
+    assert ev.main([f"--ckpt={run / 'out' / 'ckpt.pt'}", "--json", f"--data_dir={run / 'data'}",
                     "--eval_iters=1", "--calib_iters=1", "--device=cpu"]) == 0
     out, err = capsys.readouterr()
     res = json.loads(out)                                   # the whole of stdout
@@ -43,7 +73,7 @@ def test_eval_prepares_no_data_and_its_suggested_prepare_works(run, tmp_path, ca
     """A data folder without the run's corpus is refused, nothing is written there, and the command
     the error names prepares exactly what eval then accepts."""
     ckpt = str(run / "out" / "ckpt.pt")
-    args = ["--ckpt", ckpt, "--json", "--eval_iters=1", "--calib_iters=1", "--device=cpu"]
+    args = [f"--ckpt={ckpt}", "--json", "--eval_iters=1", "--calib_iters=1", "--device=cpu"]
     with pytest.raises(UserError, match="is not a folder"):
         ev.main(args + [f"--data_dir={tmp_path / 'missing'}"])
     assert not (tmp_path / "missing").exists()

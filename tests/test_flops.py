@@ -217,3 +217,13 @@ def test_flops_cli_costs_every_config_file(capsys, monkeypatch):
         assert len(rows) in (1, 4), (path, out)
         ratios = [float(v) for row in rows for v in row.split('|')[3:7]]
         assert all(0 <= v < 20 for v in ratios), (path, rows)
+
+
+def test_flops_help_lists_the_config_keys_it_costs(capsys):
+    """--help exits 0 before any work (a missing config file is not read), on stdout: train.py's
+    keys and every family's, each with its default and comment."""
+    assert flops.main(['--help', 'missing.py']) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith('The training-FLOPs breakdown') and err == ''
+    assert 'UNDOCUMENTED' not in out and 'route=exit options (route_exit.py):' in out
+    assert '  --trainable=all ' in out and '  --exit_threshold=0.9 ' in out

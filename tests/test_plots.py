@@ -1,7 +1,7 @@
 """plots.py and eval.py's routing map: the Pareto helper and seed bands against hand computation,
 every plot written for a tiny fake study (runs faked as folders of metrics), a missing matplotlib
 never failing a sweep; the routing map's text layout and grid against the model's masks, the
-per-class fractions against an independent recomputation, and `eval.py --routing-map` end to end on
+per-class fractions against an independent recomputation, and `eval.py --routing_map` end to end on
 a tiny hand-made checkpoint."""
 import json
 import os
@@ -244,7 +244,7 @@ def test_eval_routing_map_cli_on_a_tiny_checkpoint(tmp_path, capsys):
     )
     assert (
         ev.main(
-            ['--ckpt', str(ckpt), '--routing-map', '--json', '--out', str(tmp_path / 'map.png')]
+            [f'--ckpt={ckpt}', '--routing_map', '--json', f"--out={tmp_path / 'map.png'}"]
         )
         == 0
     )
@@ -259,7 +259,7 @@ def test_eval_routing_map_cli_on_a_tiny_checkpoint(tmp_path, capsys):
         and set(res['map'][1]) == {None}
     )
     assert set(res['full_frac_by_class']) == set(meta['difficulty_classes'])
-    assert ev.main(['--ckpt', str(ckpt), '--routing-map', '--out', str(tmp_path / 'map.png')]) == 0
+    assert ev.main([f'--ckpt={ckpt}', '--routing_map', f"--out={tmp_path / 'map.png'}"]) == 0
     text = capsys.readouterr().out
     assert sum(line.startswith(('L0', 'L1', 'L2')) for line in text.splitlines()) == 3
     assert 'structure' in text and 'hard' in text

@@ -669,3 +669,14 @@ def test_check_token_ids(tmp_path):
     P.check_token_ids(out, meta, 34)  # difficulty files (uint8 classes) are not token ids
     (out / "val.bin").write_bytes(b"")
     P.check_token_ids(out, meta, 34)
+
+
+def test_help_gives_each_option_its_description_and_per_dataset_defaults(capsys):
+    """--help exits 0, on stdout: every option described, with the datasets that take it and their
+    defaults read from DEFAULTS."""
+    with pytest.raises(SystemExit) as e:
+        P.main(['--help'])
+    out = ' '.join(capsys.readouterr().out.split())
+    assert e.value.code == 0
+    assert '--max_docs MAX_DOCS documents to read (fineweb_edu: 100000)' in out
+    assert "the share held out for val (fineweb_edu: 0.005; text: 0.1)" in out

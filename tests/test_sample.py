@@ -182,3 +182,15 @@ def test_sample_bad_options(tmp_path, arg, needle):
     # out_dir holds no checkpoint: the option must be refused before the checkpoint is looked at
     with pytest.raises(UserError, match=needle):
         sample.main([f"--out_dir={tmp_path}", arg])
+
+
+def test_sample_help_lists_options_with_defaults_and_descriptions(capsys):
+    """--help exits 0 before any check (no run needed), on stdout: every option as --key=default
+    with its comment, nothing UNDOCUMENTED."""
+    assert sample.main(['--help', '--out_dir=missing']) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith('Sample from a trained') and err == '' and 'UNDOCUMENTED' not in out
+    assert "  --temperature=0.8                 softmax temperature (0: greedy)" in out.splitlines()
+    assert "--start='\\n'" in out
+    assert [line.split('=')[0][4:] for line in out.splitlines()
+            if line.startswith('  --')] == list(sample.DEFAULTS)

@@ -589,6 +589,16 @@ def test_a_bad_option_refuses_the_study_in_one_line(tmp_path):
     assert r.stdout == '' and not (tmp_path / 'out').exists()
 
 
+def test_help_lists_the_options_and_flags_before_any_work(capsys):
+    """--help exits 0 without a study file, on stdout: --jobs with its default and comment, the
+    flags with theirs, nothing UNDOCUMENTED."""
+    assert sweep.main(['--help']) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith('Run a study') and err == '' and 'UNDOCUMENTED' not in out
+    assert '  --jobs=1                          train.py processes at a time' in out
+    assert all(f'  {flag} ' in out for flag in sweep.FLAGS)
+
+
 # A stand-in for train.py that runs until a signal: it records its pid and arguments, writes
 # ckpt.pt, and on SIGINT/SIGTERM writes 'stopped' (the signal's number) and exits 0, as train.py
 # does. FAKE_IGNORE=1: it ignores both and starts a grandchild (in its process group) that must die

@@ -1150,12 +1150,12 @@ def test_quickstart_prepares_trains_and_samples(tmp_path):
         * flops.dense_forward_flops(built, built.block_size)
         / built.block_size
     )
-    # eval.py in the documented form (--ckpt PATH --json) prints one JSON object; a bad key is a
+    # eval.py in the documented form (--ckpt=PATH --json) prints one JSON object; a bad key is a
     # clean error
     e = ok(
         run_py(
             "eval.py",
-            ["--ckpt", str(out / "ckpt.pt"), "--json", f"--data_dir={data}", "--eval_iters=1"],
+            [f"--ckpt={out / 'ckpt.pt'}", "--json", f"--data_dir={data}", "--eval_iters=1"],
         )
     )
     res = json.loads(e.stdout.strip().splitlines()[-1])
@@ -1167,8 +1167,7 @@ def test_quickstart_prepares_trains_and_samples(tmp_path):
         run_py(
             "eval.py",
             [
-                "--ckpt",
-                str(out / "ckpt.pt"),
+                f"--ckpt={out / 'ckpt.pt'}",
                 "--room",
                 "--json",
                 f"--data_dir={data}",
@@ -1180,7 +1179,7 @@ def test_quickstart_prepares_trains_and_samples(tmp_path):
     room = json.loads(rm.stdout)
     assert room["full"] == pytest.approx(routing["val_loss_full"], rel=1e-6)
     assert room["room"] == pytest.approx(room["cheap"] - room["full"]) and room["oracle_full_frac"]
-    both = run_py("eval.py", [f"--ckpt={out / 'ckpt.pt'}", "--room", "--routing-map"])
+    both = run_py("eval.py", [f"--ckpt={out / 'ckpt.pt'}", "--room", "--routing_map"])
     assert both.returncode == 2 and "--room" in both.stderr and "Traceback" not in both.stderr
     s = ok(
         run_py(
@@ -1234,3 +1233,35 @@ def test_lr_schedule(lr, frac, warmup, span, lr_decay_iters):
     assert all(train.lr_at(off, it) == lr for it in (0, warmup, decay, decay + 100))
 
 
+
+
+# --------------------------------------------------------------------------------------------------
+# --help
+
+def help_groups_of(text):
+    """{group title: its lines} of a --help text."""
+    return {block.splitlines()[0].rstrip(':'): block.splitlines()[1:]
+            for block in text.split('\n\n') if block.splitlines()[0].endswith(':')}
+
+
+def test_help_lists_every_option_with_default_and_description(tmp_path, monkeypatch, capsys):
+    """--help and -h exit 0 before any work (nothing written, whatever else is given), on stdout:
+    every config key once as --key=default with its comment, the families' options under their
+    route's group, and no option UNDOCUMENTED (a new global needs its comment)."""
+    monkeypatch.chdir(tmp_path)
+    assert train.main(['--help']) == 0
+    out, err = capsys.readouterr()
+    assert train.main(['-h', '--max_iters=oops', 'missing.py']) == 0
+    assert capsys.readouterr().out == out and err == '' and list(tmp_path.iterdir()) == []
+    assert out.startswith('Train a nanodepth model.') and 'UNDOCUMENTED' not in out
+    assert re.search(r"^  --batch_size=16 +sequences per micro-batch per process$", out, re.M)
+    listed = re.findall(r"^  --(\w+)=", out, re.M)
+    assert sorted(listed) == sorted(train.DEFAULTS)        # each key once, none missing
+    groups = help_groups_of(out)
+    assert any(re.match(r"  --ffn_budget=0\.5 +fraction of tokens", line)
+               for line in groups['route=ffn options (route_ffn.py)'])
+    assert any(line.startswith('  --mod_capacity=0.5 ')
+               for line in groups['route=mod options (route_mod.py)'])
+    assert any(line.startswith('  --n_layer=4 ') for line in groups['model options (model.py)'])
+    described = {k: d.get(k) for _, defaults, d in train.help_groups() for k in defaults}
+    assert not [k for k, d in described.items() if not d]
