@@ -175,6 +175,7 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
         # a finished row runs along (its tokens are not kept) at its own next positions where they
         # fit, emptied again after the pass: its cache stays as it finished
         base = torch.where(active, n - 1, (n - 1).clamp(max=cfg.block_size - 1 - k))
+        cache.attend_to(int(base.max()) + k + 1)      # the pass reads and writes slots below this
         t0 = time.perf_counter()
         tok = out[rows, n - 1]
         window, q = [tok], []

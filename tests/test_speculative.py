@@ -242,3 +242,23 @@ def test_sample_speculates_and_prints_the_acceptance(run, capsys):
 def test_sample_refuses_bad_speculation_options(run, extra, needle):
     with pytest.raises(UserError, match=needle):
         sample.main([f"--out_dir={run / 'out'}", "--device=cpu", *extra])
+
+
+def test_speculative_passes_attend_over_the_filled_buckets_only(monkeypatch):
+    """Each pass attends over KVCache.bucket(last position + 1) slots, as plain decoding does, not
+    over all block_size slots: with block_size 160 a decode from 50 to 100 tokens attends over 64
+    and then 128 slots, never 160; greedy tokens equal plain decoding's (same bucketed kernels)."""
+    from model import KVCache
+    model = build('exit', seed=3, block_size=160).eval()
+    idx = tokens(3, 2, 50)
+    seen = []
+    orig = KVCache.attend_to
+
+    def attend_to(self, n):
+        orig(self, n)
+        seen.append(self.attend_len)
+    monkeypatch.setattr(KVCache, 'attend_to', attend_to)
+    out = speculative.generate(model, idx, 50, 3, 'exit', temperature=0)
+    assert set(seen) == {64, 128}
+    monkeypatch.setattr(KVCache, 'attend_to', orig)
+    assert torch.equal(out, model.generate(idx, 50, temperature=0))
