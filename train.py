@@ -29,7 +29,7 @@ import torch
 import eval as evaluation
 from checkpoint import save_checkpoint
 from configurator import ConfigError, declared_defaults, load_config, run_cli
-from data.loader import DataError, open_splits
+from data.loader import VOCAB_IDENTITY, DataError, open_splits
 from device import autocast_context, resolve_device_dtype
 from model import FAMILIES, GPT, GPTConfig, is_controller_key
 from run_state import (StopFlag, checkpoint_state, end_ddp_process, eval_rng, finished_already,
@@ -369,7 +369,9 @@ def backbone_from_checkpoint(cfg, meta, ckpt):
     """Stage 2: the checkpoint's backbone under fresh controller modules. The routing family may
     change (e.g. a dense backbone under another family's controller) as long as every backbone
     weight comes from the checkpoint."""
-    check_against_checkpoint(cfg, meta, ckpt, BACKBONE_KEYS)
+    # a task written in the backbone's vocabulary (prepare.py arith --vocab_from) is new data
+    task = VOCAB_IDENTITY if meta.get('vocab_from') else None
+    check_against_checkpoint(cfg, meta, ckpt, BACKBONE_KEYS, task)
     model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
     backbone = {k: v for k, v in ckpt['model'].items() if not is_controller_key(k)}
     missing, unexpected = model.load_state_dict(backbone, strict=False)

@@ -88,13 +88,11 @@ def check_train_config(cfg):
 
 def check_lora_options(cfg):
     """LoRA's rank, alpha and dropout ranges, and targets that name projections this model has
-    (checked on a shape-only copy of the model: nothing is allocated)."""
-    if 'lora' not in cfg.trainable.split('+'):
-        return
-    if cfg.lora_rank < 1:
-        raise TrainError(f"lora_rank must be >= 1, got {cfg.lora_rank}")
-    if not cfg.lora_alpha > 0:
-        raise TrainError(f"lora_alpha must be > 0, got {cfg.lora_alpha}")
+    (checked on a shape-only copy of the model: nothing is allocated), whatever `trainable`."""
+    if not 1 <= cfg.lora_rank <= 8192:
+        raise TrainError(f"lora_rank must be in 1..8192, got {cfg.lora_rank}")
+    if not 0 < cfg.lora_alpha < float('inf'):
+        raise TrainError(f"lora_alpha must be > 0 and finite, got {cfg.lora_alpha}")
     if not 0 <= cfg.lora_dropout < 1:
         raise TrainError(f"lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
     with torch.device('meta'):
@@ -156,9 +154,9 @@ def check_out_dir(cfg):
         )
 
 
-def check_against_checkpoint(cfg, meta, ckpt, keys):
+def check_against_checkpoint(cfg, meta, ckpt, keys, data_keys=None):
     """The config's fields `keys` agree with the checkpoint's model_args, and the data is its
-    own."""
+    own (data_keys: only these fields of its identity, see check_checkpoint_data)."""
     margs = read_stored_config(ckpt['model_args'])      # as it ran (stored_before)
     family = FAMILIES[margs.get('route', GPTConfig.route)]
     defaults = {f.name: f.default for f in fields(GPTConfig)}
@@ -172,7 +170,7 @@ def check_against_checkpoint(cfg, meta, ckpt, keys):
         if have != want:
             raise TrainError(f"config field '{k}' differs from the checkpoint: checkpoint has "
                              f"{margs.get(k)!r}, config has {getattr(cfg, k)!r}")
-    check_checkpoint_data(cfg, meta, ckpt)
+    check_checkpoint_data(cfg, meta, ckpt, data_keys)
 
 
 def check_state_fits(model, state, source):
