@@ -11,6 +11,7 @@ import os
 import torch
 
 from configurator import UserError
+from lora import apply_lora, has_lora_keys, merge_lora
 from model import GPT, GPTConfig
 
 
@@ -137,7 +138,15 @@ def check_init_from(init_from):
 
 def load_model(ckpt, device):
     """The model a loaded checkpoint holds (built from its model_args, its weights loaded) on
-    device."""
+    device. A LoRA run's adapters (lora.py) are rebuilt from its config, loaded and merged into
+    the projections: the model returned is plain, its merged weights W + (alpha / r) · B A."""
     model = GPT(GPTConfig.from_dict(ckpt['model_args']))
-    model.load_state_dict(ckpt['model'])
+    if has_lora_keys(ckpt['model']):
+        c = ckpt['config']
+        apply_lora(model, c['lora_rank'], c['lora_alpha'], 0.0, c['lora_targets'])
+        model.load_state_dict(ckpt['model'])
+        merge_lora(model)
+        model.requires_grad_(True)         # as a plain checkpoint's model: nothing frozen
+    else:
+        model.load_state_dict(ckpt['model'])
     return model.to(device)

@@ -94,6 +94,18 @@ def _last_layers_step_flops(config, T):
     return dict(forward=fwd, backward=bwd, oracle=0, total=fwd + bwd)
 
 
+def _lora_backward_flops(config, T, trainable, **options):
+    """An estimate for LoRA on every block (lora.py): the frozen body and head compute input
+    gradients only (1x each matmul; 2x the attention core, whose q, k and v all carry adapted
+    inputs), plus the controller's backward under 'controller+lora'. The adapters' own matmuls,
+    rank/width of the projections', are not counted."""
+    c = flop_costs(config, T)
+    body = T * (config.n_layer * (c['attn_proj'] + 2 * c['attn_core'] + c['full']) + c['head'])
+    if trainable == 'controller+lora':
+        body += family_of(config).backward_flops(config, T, 'controller', **options)
+    return body
+
+
 def oracle_flops(config, T, **options):
     """No-grad FLOPs per sequence that a training step runs beside its forward and backward at these
     step options (the ffn family's oracle labels)."""
@@ -109,7 +121,10 @@ def train_step_flops(config, T, trainable='all', **options):
         return _last_layers_step_flops(config, T)
     family = family_of(config)
     fwd = family.forward_flops(config, T, 'train', **options)
-    bwd = family.backward_flops(config, T, trainable, **options)
+    if trainable in ('lora', 'controller+lora'):
+        bwd = _lora_backward_flops(config, T, trainable, **options)
+    else:
+        bwd = family.backward_flops(config, T, trainable, **options)
     orc = family.oracle_flops(config, T, **options)
     return dict(forward=fwd, backward=bwd, oracle=orc, total=fwd + bwd + orc)
 

@@ -30,12 +30,13 @@ import eval as evaluation
 from checkpoint import save_checkpoint
 from configurator import (ConfigError, asks_help, declared_defaults, load_config, model_groups,
                           print_help, run_cli, source_group)
-from data.loader import DataError, open_splits
+from data.loader import VOCAB_IDENTITY, DataError, open_splits
 from device import autocast_context, resolve_device_dtype
 from model import FAMILIES, GPT, GPTConfig, is_controller_key
 from run_state import (StopFlag, checkpoint_state, end_ddp_process, eval_rng, finished_already,
                        hold_out_dir, kept, open_inputs, seed_rngs, start_progress, stop_requested)
-from train_checks import (TrainError, check_against_checkpoint, check_family_options,
+from lora import apply_lora, lora_parameters
+from train_checks import (TRAINABLE, TrainError, check_against_checkpoint, check_family_options,
                           check_state_fits, check_train_config, model_config)
 from train_report import (accumulate, count_flops, count_params, finish_run, log_eval, log_progress,
                           open_run_files, start_counters)
@@ -69,8 +70,13 @@ route = 'ffn'                # the routing family ('none': dense, GPTConfig's de
 vocab_size = 0               # 0: from the data's meta.json (rounded up to a multiple of 64 above
                              # 1024)
 trainable = 'all'            # 'all' (joint), 'controller' (backbone frozen: gates, routers,
-                             # predictors, exit heads, ensemble norms) or 'last_layers' (the last
-                             # ens_layers blocks + ln_f)
+                             # predictors, exit heads, ensemble norms), 'last_layers' (the last
+                             # ens_layers blocks + ln_f), 'lora' (low-rank adapters, lora.py) or
+                             # 'controller+lora' (both, the rest frozen)
+lora_rank = 8                # LoRA: rank r of each adapter
+lora_alpha = 16.0            # LoRA: the update is scaled by lora_alpha / lora_rank
+lora_dropout = 0.0           # LoRA: dropout on the adapters' input
+lora_targets = 'attn.c_attn,attn.c_proj,mlp.c_fc,mlp.c_proj'   # LoRA: projections, by name's end
 ffn_oracle_layers_per_step = 1   # controlled layers given oracle utility labels per step (util/rank
                                  # losses)
 calib_iters = 4              # train-split batches that calibrate the causal thresholds before each
@@ -324,7 +330,8 @@ def build_model(cfg, meta, ckpt):
     if ckpt is not None and cfg.init_from == 'resume':
         check_against_checkpoint(cfg, meta, ckpt, RESUME_KEYS)
         # data order, optimizer
-        for k in ('batch_size', 'gradient_accumulation_steps', 'seed', 'trainable'):
+        lora_keys = ('lora_rank', 'lora_alpha', 'lora_targets') if 'lora' in cfg.trainable else ()
+        for k in ('batch_size', 'gradient_accumulation_steps', 'seed', 'trainable', *lora_keys):
             if ckpt['config'].get(k) != getattr(cfg, k):
                 raise TrainError(
                     f"config field '{k}' differs from the checkpoint: checkpoint has "
@@ -332,6 +339,7 @@ def build_model(cfg, meta, ckpt):
                     f"run's original value"
                 )
         model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
+        add_adapters(model, cfg)                   # a LoRA run's state holds its adapters
         check_state_fits(model, ckpt['model'], cfg.init_from)
         model.load_state_dict(ckpt['model'])
     elif ckpt is not None:
@@ -353,14 +361,28 @@ def build_model(cfg, meta, ckpt):
         raise TrainError(
             f"field 'block_size' differs: config {cfg.block_size}, model {model.config.block_size}"
         )
+    if not (ckpt is not None and cfg.init_from == 'resume'):   # (a resumed one has them already)
+        add_adapters(model, cfg)
     return model
+
+
+def add_adapters(model, cfg):
+    """LoRA adapters on the projections lora_targets names, for trainable='lora' or
+    'controller+lora' (lora.py); the base weights stay as loaded, frozen."""
+    if 'lora' in cfg.trainable.split('+'):
+        try:
+            apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
+        except ValueError as e:
+            raise TrainError(str(e)) from None
 
 
 def backbone_from_checkpoint(cfg, meta, ckpt):
     """Stage 2: the checkpoint's backbone under fresh controller modules. The routing family may
     change (e.g. a dense backbone under another family's controller) as long as every backbone
     weight comes from the checkpoint."""
-    check_against_checkpoint(cfg, meta, ckpt, BACKBONE_KEYS)
+    # a task written in the backbone's vocabulary (prepare.py arith --vocab_from) is new data
+    task = VOCAB_IDENTITY if meta.get('vocab_from') else None
+    check_against_checkpoint(cfg, meta, ckpt, BACKBONE_KEYS, task)
     model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
     backbone = {k: v for k, v in ckpt['model'].items() if not is_controller_key(k)}
     missing, unexpected = model.load_state_dict(backbone, strict=False)
@@ -396,13 +418,14 @@ def trainable_parameters(model, cfg):
     """Joint training: everything. Controller-only: freeze the backbone (requires_grad=False) and
     return only the controller's parameters (model.is_controller_key). 'last_layers': only the last
     ens_layers blocks and the final norm (plain fine-tuning of a dense model, a baseline for
-    controllers trained on a frozen backbone)."""
+    controllers trained on a frozen backbone). 'lora': the adapters only; 'controller+lora': the
+    controller and the adapters."""
     if cfg.trainable == 'all':
         return list(model.parameters())
-    if cfg.trainable not in ('controller', 'last_layers'):
-        raise TrainError(
-            f"trainable must be 'all', 'controller' or 'last_layers', got {cfg.trainable!r}"
-        )
+    if cfg.trainable not in TRAINABLE[1:]:
+        raise TrainError(f"trainable must be one of {', '.join(TRAINABLE)}; got {cfg.trainable!r}")
+    if cfg.trainable == 'lora':
+        return lora_parameters(model)
     if cfg.trainable == 'last_layers':
         key = model.family.last_layers_option
         k = getattr(model.config, key)
@@ -422,6 +445,7 @@ def trainable_parameters(model, cfg):
             "its "
             f"options) has none: use trainable=all"
         )
+    ctrl = ctrl + (lora_parameters(model) if cfg.trainable == 'controller+lora' else [])
     ids = {id(p) for p in ctrl}
     for p in model.parameters():
         p.requires_grad_(id(p) in ids)

@@ -13,9 +13,11 @@ import torch
 from checkpoint import CheckpointError, check_init_from
 from configurator import UserError, writable_folder
 from data.loader import check_checkpoint_data, check_data_folder
-from model import FAMILIES, GPTConfig, read_stored_config
+from lora import check_targets
+from model import FAMILIES, GPT, GPTConfig, read_stored_config
 
 RUN_FILES = ('ckpt.pt', 'metrics.jsonl', 'config.json', 'run_info.json')    # what a run writes
+TRAINABLE = ('all', 'controller', 'last_layers', 'lora', 'controller+lora')
 
 
 class TrainError(UserError):
@@ -35,9 +37,9 @@ def check_train_config(cfg):
             "lm_thresholds must be comma-separated numbers such as '2.5,2.0', got "
             f"{cfg.lm_thresholds!r}"
         ) from None
-    if cfg.trainable not in ('all', 'controller', 'last_layers'):
-        raise TrainError("trainable must be 'all', 'controller' or 'last_layers', got "
-                         f"{cfg.trainable!r}")
+    if cfg.trainable not in TRAINABLE:
+        raise TrainError(f"trainable must be one of {', '.join(TRAINABLE)}; got {cfg.trainable!r}")
+    check_lora_options(cfg)
     if cfg.dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
         raise TrainError(f"dtype must be auto, float32, bfloat16 or float16, got {cfg.dtype!r}")
     at_least = dict(
@@ -82,6 +84,23 @@ def check_train_config(cfg):
             raise TrainError(
                 f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {cfg.device!r}"
             )
+
+
+def check_lora_options(cfg):
+    """LoRA's rank, alpha and dropout ranges, and targets that name projections this model has
+    (checked on a shape-only copy of the model: nothing is allocated), whatever `trainable`."""
+    if not 1 <= cfg.lora_rank <= 8192:
+        raise TrainError(f"lora_rank must be in 1..8192, got {cfg.lora_rank}")
+    if not 0 < cfg.lora_alpha < float('inf'):
+        raise TrainError(f"lora_alpha must be > 0 and finite, got {cfg.lora_alpha}")
+    if not 0 <= cfg.lora_dropout < 1:
+        raise TrainError(f"lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
+    with torch.device('meta'):
+        model = GPT(model_config(cfg, vocab_size=64))
+    try:
+        check_targets(model, cfg.lora_targets)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
 
 
 def model_config(cfg, **override):
@@ -135,9 +154,9 @@ def check_out_dir(cfg):
         )
 
 
-def check_against_checkpoint(cfg, meta, ckpt, keys):
+def check_against_checkpoint(cfg, meta, ckpt, keys, data_keys=None):
     """The config's fields `keys` agree with the checkpoint's model_args, and the data is its
-    own."""
+    own (data_keys: only these fields of its identity, see check_checkpoint_data)."""
     margs = read_stored_config(ckpt['model_args'])      # as it ran (stored_before)
     family = FAMILIES[margs.get('route', GPTConfig.route)]
     defaults = {f.name: f.default for f in fields(GPTConfig)}
@@ -151,7 +170,7 @@ def check_against_checkpoint(cfg, meta, ckpt, keys):
         if have != want:
             raise TrainError(f"config field '{k}' differs from the checkpoint: checkpoint has "
                              f"{margs.get(k)!r}, config has {getattr(cfg, k)!r}")
-    check_checkpoint_data(cfg, meta, ckpt)
+    check_checkpoint_data(cfg, meta, ckpt, data_keys)
 
 
 def check_state_fits(model, state, source):

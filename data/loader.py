@@ -5,6 +5,8 @@ bench.py.
 
     from data.loader import Batches, load_dataset_meta, open_splits
 """
+import hashlib
+import json
 import os
 import time
 
@@ -91,14 +93,29 @@ def data_identity(meta):
     """What a checkpoint records of its data, to recognise it on resume, stage 2 and eval."""
     out = {k: meta.get(k) for k in ('dataset', 'tokenizer', 'vocab_size', 'source_sha256')}
     out['train_sha256'] = (meta.get('files') or {}).get('train.bin', {}).get('sha256')
+    out['vocab_sha256'] = vocab_sha256(meta)
     return out
 
 
-def check_checkpoint_data(cfg, meta, ckpt):
-    """The data is the one the checkpoint was trained on (what data_identity recorded); else one
-    line naming the first field that differs."""
+def vocab_sha256(meta):
+    """What token ids mean: the tokenizer and, for char and synthetic data, its symbol list."""
+    vocab = [meta.get('tokenizer'), meta.get('chars') or meta.get('itos')]
+    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()
+
+
+# a fine-tuning task written in a backbone's vocabulary (prepare.py arith --vocab_from) is other
+# data than the backbone's: starting from the backbone needs only the same token ids
+VOCAB_IDENTITY = ('tokenizer', 'vocab_size', 'vocab_sha256')
+
+
+def check_checkpoint_data(cfg, meta, ckpt, keys=None):
+    """The data is the one the checkpoint was trained on (what data_identity recorded; `keys`: only
+    these of its fields, e.g. VOCAB_IDENTITY); else one line naming the first field that
+    differs."""
     cmeta = ckpt.get('data_meta') or {}
-    for k in ('dataset', 'tokenizer', 'vocab_size', 'source_sha256', 'train_sha256'):
+    keys = keys or ('dataset', 'tokenizer', 'vocab_size', 'source_sha256', 'train_sha256',
+                    'vocab_sha256')
+    for k in keys:
         if cmeta.get(k) is not None and cmeta[k] != data_identity(meta).get(k):
             raise DataError(
                 f"data field '{k}' differs from the checkpoint's data: checkpoint has "
@@ -116,8 +133,8 @@ class Batches:
     at micro-step m of iteration i reads j = (i·accum + m)·world + r: ranks read disjoint windows,
     and 1 process with accumulation 2 reads the same batches as 2 processes with accumulation 1."""
 
-    def __init__(self, path, np_dtype, block_size, batch_size, seed, device):
-        self.path, self.np_dtype = path, np_dtype
+    def __init__(self, path, np_dtype, block_size, batch_size, seed, device, mask_path=None):
+        self.path, self.np_dtype, self.mask_path = path, np_dtype, mask_path
         self.T, self.B, self.seed, self.device = block_size, batch_size, seed, device
         n = len(np.memmap(path, dtype=np_dtype, mode='r'))
         self.n_windows = (n - 1 - block_size) // block_size
@@ -146,11 +163,26 @@ class Batches:
         y = torch.from_numpy(
             np.stack([data[s + 1 : s + 1 + self.T].astype(np.int64) for s in starts])
         )
+        if self.mask_path is not None:
+            y[~torch.from_numpy(self.counted(starts))] = -1          # the loss ignores target -1
         if self.device.type == 'cuda':
             return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(
                 self.device, non_blocking=True
             )
         return x.to(self.device), y.to(self.device)
+
+    def counted(self, starts):
+        """(B, T) bool: the targets a loss mask counts (a task's answer tokens, mask 1) whose
+        prompt (the mask-0 run before them) starts inside the window: a window cut through a
+        problem would otherwise ask for an answer to a prompt it cannot see."""
+        mask = np.memmap(self.mask_path, dtype=np.uint8, mode='r')
+        rows = []
+        for s in starts:
+            before = mask[s - 1] if s > 0 else 1                   # token s starts a prompt?
+            m = np.concatenate([[before], mask[s : s + 1 + self.T]]).astype(bool)
+            prompt_start = ~m[1:-1] & m[:-2]                        # x positions 0..T-1
+            rows.append(m[2:] & (np.cumsum(prompt_start) > 0))      # y: tokens s+1..s+T
+        return np.stack(rows)
 
     def get(self, j):
         return self.fetch(self.starts(j))
@@ -174,9 +206,17 @@ def open_splits(meta, block_size, batch_size, seed, device):
             batch_size,
             seed,
             device,
+            # a task's loss mask (data/prepare.py arith): the loss counts its answer tokens only
+            loss_mask_path(meta, split),
         )
         for split in ('train', 'val')
     )
+
+
+def loss_mask_path(meta, split):
+    """The split's loss mask file (uint8 per token, 1: counted as a target), where the data has
+    one."""
+    return os.path.join(meta['folder'], f'{split}_loss_mask.bin') if meta.get('loss_mask') else None
 
 
 def load_tokenizer(meta):

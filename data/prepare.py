@@ -108,6 +108,7 @@ DEFAULTS = {
     "enwik8": {"input": None},
     "fineweb_edu": {"input": None, "max_docs": 100_000, "val_fraction": 0.005},
     "text": {"input": None, "tokenizer": "char", "val_fraction": 0.1, "name": None},
+    "arith": {"seed": 1337, "digits": 3, "ops": "+-", "num_problems": 20_000, "vocab_from": None},
 }
 
 
@@ -502,6 +503,119 @@ def build_fineweb_edu(a):
     return splits, {}, meta
 
 
+# ----------------------------------------------------------------------------- arithmetic task
+ARITH_SYMBOLS = "0123456789+-*=\n"
+# where a backbone's character vocabulary lacks a symbol: the digits as a group, then each operator
+ARITH_FALLBACK = {"digits": "abcdefghij", "+": "&", "-": "~", "*": "x", "=": ":"}
+ARITH_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+def arith_pair_split(seed, a, b):
+    """'train', 'val' or 'test' for the unordered operand pair {a, b}, by a hash of (seed, pair):
+    the splits share no operand pair, whatever the operator or the order (80/10/10 of the
+    pairs)."""
+    lo, hi = min(a, b), max(a, b)
+    u = int(hashlib.sha256(f"{seed}:{lo},{hi}".encode()).hexdigest()[:8], 16) / 16**8
+    return "test" if u < 0.1 else "val" if u < 0.2 else "train"
+
+
+def arith_problems(seed, digits, ops, counts):
+    """{split: [(a, op, b, answer)]} with counts[split] problems each. Each operand has 1..digits
+    digits (the length uniform, then the value); subtraction puts the larger operand first (answers
+    are >= 0). val and test hold distinct problems; train may repeat one."""
+    rng = np.random.default_rng([seed, 11])
+    out, seen = {s: [] for s in counts}, {s: set() for s in counts}
+    need, tries = sum(counts.values()), 0
+    while sum(len(v) for v in out.values()) < need:
+        tries += 1
+        if tries > 20 * need + 1000:     # a pair space too small for the counts
+            short = ", ".join(f"{s} {len(out[s])}/{n}" for s, n in counts.items())
+            raise PrepareError(f"arith: too few distinct problems with --digits={digits} "
+                               f"({short}); use more --digits or fewer problems")
+        op = ops[int(rng.integers(len(ops)))]
+        a, b = (int(rng.integers(10 ** (n - 1) if n > 1 else 0, 10**n))
+                for n in rng.integers(1, digits + 1, size=2))
+        if op == "-" and a < b:
+            a, b = b, a
+        split = arith_pair_split(seed, a, b)
+        if len(out[split]) >= counts[split] or (split != "train" and (a, op, b) in seen[split]):
+            continue
+        seen[split].add((a, op, b))
+        out[split].append((a, op, b, ARITH_OPS[op](a, b)))
+    return out
+
+
+def arith_symbols(chars):
+    """{task symbol: the character standing for it} in a backbone's character vocabulary `chars`:
+    itself where present, else ARITH_FALLBACK's; PrepareError where neither is there."""
+    have = set(chars)
+    digits = "0123456789"
+    if not set(digits) <= have:
+        digits = ARITH_FALLBACK["digits"]
+    mapping = dict(zip("0123456789", digits))
+    for sym in "+-*=\n":
+        mapping[sym] = sym if sym in have else ARITH_FALLBACK.get(sym, sym)
+    missing = sorted({c for c in mapping.values() if c not in have})
+    if missing or len(set(mapping.values())) != len(mapping):
+        raise PrepareError(f"arith: the vocabulary of --vocab_from has no characters for "
+                           f"{', '.join(map(repr, missing)) or 'distinct symbols'}; use a "
+                           f"corpus with digits or letters a-j, '&~x:' and newlines, or leave "
+                           f"--vocab_from out for the task's own vocabulary")
+    return mapping
+
+
+def build_arith(a):
+    digits, ops, seed = int(a["digits"]), str(a["ops"]), int(a["seed"])
+    if not 1 <= digits <= 9:
+        raise PrepareError(f"--digits {digits}: must be between 1 and 9")
+    if not ops or any(o not in ARITH_OPS for o in ops) or len(set(ops)) != len(ops):
+        raise PrepareError(f"--ops {ops!r}: give some of '+-*' once each, e.g. --ops=+-")
+    n_eval = max(1, int(a["num_problems"]) // 10)
+    counts = {"train": int(a["num_problems"]), "val": n_eval, "test": n_eval}
+    problems = arith_problems(seed, digits, ops, counts)
+    backbone = None
+    if a["vocab_from"]:
+        backbone = check_prepared(a["vocab_from"])
+        if backbone.get("tokenizer") not in ("char", "gpt2"):
+            raise PrepareError(f"--vocab_from {a['vocab_from']}: its tokenizer is "
+                               f"{backbone.get('tokenizer')!r}; arith speaks char or gpt2")
+    if backbone is not None and backbone["tokenizer"] == "gpt2":
+        tokenizer, vocab, extra = "gpt2", GPT2_EOT + 1, {"eot_token": GPT2_EOT}
+        symbols = {c: c for c in ARITH_SYMBOLS}
+        encode = gpt2_encoding().encode_ordinary
+    else:
+        chars = backbone["chars"] if backbone is not None else sorted(ARITH_SYMBOLS)
+        symbols = arith_symbols(chars)
+        stoi = {c: i for i, c in enumerate(chars)}
+        tokenizer, vocab, extra = "char", len(chars), {"chars": list(chars)}
+        encode = lambda text: [stoi[c] for c in text]
+    spell = lambda text: "".join(symbols[c] for c in text)
+    splits, masks, h = {}, {}, hashlib.sha256()
+    for split, rows in problems.items():
+        ids, mask = [], []
+        for x, op, y, answer in rows:    # prompt and answer encoded apart: the mask is exact
+            prompt, reply = encode(spell(f"{x}{op}{y}=")), encode(spell(f"{answer}\n"))
+            ids += prompt + reply
+            mask += [0] * len(prompt) + [1] * len(reply)
+        splits[split] = np.array(ids, dtype=np.int64)
+        masks[f"{split}_loss_mask"] = np.array(mask, dtype=np.uint8)
+        h.update(splits[split].tobytes())
+    meta = {
+        "tokenizer": tokenizer,
+        "vocab_size": vocab,
+        **extra,
+        "source": "builtin",
+        "source_sha256": h.hexdigest(),
+        "split": "by operand pair: 80/10/10 of the unordered pairs {a, b} (a hash of seed and "
+                 "pair); val and test hold distinct problems",
+        "problems": {s: len(v) for s, v in problems.items()},
+        "symbols": symbols,
+        "vocab_from": str(Path(a["vocab_from"]).resolve()) if a["vocab_from"] else None,
+        "loss_mask": "answer",
+    }
+    return splits, masks, meta
+
+
 BUILDERS = {
     "synthetic": build_synthetic,
     "synthetic_lookup": build_synthetic,
@@ -509,6 +623,7 @@ BUILDERS = {
     "enwik8": build_enwik8,
     "fineweb_edu": build_fineweb_edu,
     "text": build_text,
+    "arith": build_arith,
 }
 
 
@@ -598,7 +713,8 @@ def check_options(args, out_dir):
     """Every option's range and the output folder, before anything is built, read or written."""
     if out_dir is not None and not str(out_dir):
         raise PrepareError("--out_dir is empty; name a folder, or leave it out for data/<dataset>")
-    ranges = {"seed": (0, 2**63 - 1), "num_tokens": (1, MAX_TOKENS), "max_docs": (1, 2**63 - 1)}
+    ranges = {"seed": (0, 2**63 - 1), "num_tokens": (1, MAX_TOKENS), "max_docs": (1, 2**63 - 1),
+              "num_problems": (1, 10**8), "digits": (1, 9)}
     for key, (lo, hi) in ranges.items():
         if key in args and not lo <= args[key] <= hi:
             raise PrepareError(f"--{key} {args[key]}: must be between {lo} and {hi:,}")
@@ -786,6 +902,10 @@ def main(argv=None):
         ("val_fraction", float, "the share held out for val"),
         ("tokenizer", str, "char, byte or gpt2"),
         ("name", str, "the dataset's name, its folder data/<name>"),
+        ("digits", int, "arith: the most digits of an operand"),
+        ("ops", str, "arith: the operators, from +, - and *"),
+        ("num_problems", int, "arith: training problems (val and test get a tenth each)"),
+        ("vocab_from", str, "arith: a prepared dataset whose vocabulary to write it in"),
     ]:
         # where each dataset takes the option, with its default there (DEFAULTS above)
         used = [f"{d}: {opts[key]}" if opts[key] is not None else d

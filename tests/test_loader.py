@@ -98,3 +98,24 @@ def test_batches_seed_changes_order(tmp_path):
     a = loader.Batches(str(path), np.uint16, 16, 8, 1, torch.device("cpu"))
     b = loader.Batches(str(path), np.uint16, 16, 8, 2, torch.device("cpu"))
     assert not all(np.array_equal(a.starts(j), b.starts(j)) for j in range(4))
+
+
+def test_a_loss_mask_counts_answers_whose_prompt_is_in_the_window(tmp_path):
+    """'12+3=15\n' problems: targets are the answer tokens (mask 1) after a prompt that starts
+    inside the window; every other target is -1, which the loss ignores."""
+    line_mask = [0] * 5 + [1] * 3                              # "12+3=" then "15\n"
+    mask = np.array(line_mask * 20, dtype=np.uint8)
+    tokens = np.arange(len(mask), dtype=np.uint16)
+    tokens.tofile(tmp_path / "tok.bin")
+    mask.tofile(tmp_path / "mask.bin")
+    b = loader.Batches(str(tmp_path / "tok.bin"), np.uint16, 12, 1, 0, torch.device("cpu"),
+                       mask_path=str(tmp_path / "mask.bin"))
+    for s in (0, 3, 5, 8, 13):
+        x, y = b.fetch([s])
+        got = [t for t in range(12) if y[0, t] != -1]
+        first = next(p for p in range(12) if mask[s + p] == 0 and (s + p == 0 or mask[s + p - 1]))
+        want = [t for t in range(12) if mask[s + 1 + t] == 1 and t >= first]
+        assert got == want and got, (s, got, want)
+        assert y[0, got].tolist() == [s + 1 + t for t in got]      # the true targets, unmoved
+    # a window cut through a prompt (s = 3: '3=' of the first problem) counts none of its answer
+    assert b.fetch([3])[1][0, :4].tolist() == [-1] * 4

@@ -680,3 +680,84 @@ def test_help_gives_each_option_its_description_and_per_dataset_defaults(capsys)
     assert e.value.code == 0
     assert '--max_docs MAX_DOCS documents to read (fineweb_edu: 100000)' in out
     assert "the share held out for val (fineweb_edu: 0.005; text: 0.1)" in out
+
+
+# --------------------------------------------------------------------------------------------------
+# arith: a task with answers, its splits disjoint in operand pairs
+
+def arith_lines(folder, split):
+    meta = json.loads((Path(folder) / "meta.json").read_text())
+    ids = load(folder, f"{split}.bin", meta)
+    mask = np.fromfile(Path(folder) / f"{split}_loss_mask.bin", dtype=np.uint8)
+    text = "".join(meta["chars"][i] for i in ids)
+    return meta, text, mask
+
+
+def pairs_of(text, symbols):
+    back = {v: k for k, v in symbols.items()}
+    out = set()
+    for line in "".join(back[c] for c in text).splitlines():
+        a, b = re.match(r"(\d+)[-+*](\d+)=", line).groups()
+        out.add(frozenset((int(a), int(b))))
+    return out
+
+
+@pytest.mark.parametrize("ops", ["+-", "*"])
+def test_arith_splits_share_no_operand_pair_and_answers_are_right(tmp_path, ops):
+    P.prepare("arith", out_dir=tmp_path / "a", num_problems=400, digits=2, ops=ops)
+    pairs = {}
+    for split in ("train", "val", "test"):
+        meta, text, _ = arith_lines(tmp_path / "a", split)
+        for line in text.splitlines():
+            a, op, b, c = re.fullmatch(r"(\d+)([-+*])(\d+)=(\d+)", line).groups()
+            assert op in ops and int(c) == {"+": int(a) + int(b), "-": int(a) - int(b),
+                                            "*": int(a) * int(b)}[op]
+        pairs[split] = pairs_of(text, meta["symbols"])
+    assert meta["problems"] == {"train": 400, "val": 40, "test": 40}
+    assert len(pairs["test"]) > 20 and len(pairs["train"]) > 200
+    assert not pairs["train"] & pairs["val"] and not pairs["train"] & pairs["test"]
+    assert not pairs["val"] & pairs["test"]
+
+
+def test_arith_is_deterministic_given_a_seed(tmp_path):
+    for name, seed in (("a", 5), ("b", 5), ("c", 6)):
+        P.prepare("arith", out_dir=tmp_path / name, num_problems=200, seed=seed)
+    a, b = folder_bytes(tmp_path / "a"), folder_bytes(tmp_path / "b")
+    meta = [json.loads(m.pop("meta.json")) for m in (a, b)]
+    assert a == b and len(a) == 7                  # 3 splits, 3 masks, the lock
+    for m in meta:
+        m.pop("command")                           # names the folder it was written to
+    assert meta[0] == meta[1]
+    train_bin = [(tmp_path / f / "train.bin").read_bytes() for f in ("a", "c")]
+    assert train_bin[0] != train_bin[1]                   # another seed, other problems
+
+
+def test_arith_mask_covers_exactly_the_answers_and_their_newline(tmp_path):
+    P.prepare("arith", out_dir=tmp_path / "a", num_problems=100)
+    for split in ("train", "val", "test"):
+        _, text, mask = arith_lines(tmp_path / "a", split)
+        want = "".join("0" * (line.index("=") + 1) + "1" * (len(line) - line.index("="))
+                       for line in text.splitlines())         # the answer digits and the newline
+        assert "".join(map(str, mask)) == want
+
+
+@pytest.mark.skipif(not SHAKESPEARE.is_file(), reason="no tinyshakespeare.txt in ../shared/data")
+def test_arith_in_the_shakespeare_vocabulary_maps_missing_symbols(tmp_path):
+    P.prepare("shakespeare_char", out_dir=tmp_path / "sc")
+    P.prepare("arith", out_dir=tmp_path / "a", num_problems=100, vocab_from=str(tmp_path / "sc"))
+    back = json.loads((tmp_path / "sc" / "meta.json").read_text())
+    meta, text, _ = arith_lines(tmp_path / "a", "train")
+    assert meta["chars"] == back["chars"] and meta["vocab_size"] == 65   # the same token ids
+    assert meta["symbols"]["7"] == "h" and meta["symbols"]["="] == ":"  # no digits, '+', '=' there
+    assert meta["symbols"]["-"] == "-" and set(text) <= set(back["chars"])
+    assert pairs_of(text, meta["symbols"])
+
+
+@pytest.mark.parametrize("opts, needle", [
+    (dict(ops="+/"), "--ops"), (dict(digits=0), "--digits"),
+    (dict(digits=1, num_problems=600), "too few distinct problems"),
+])
+def test_arith_refuses_bad_options(tmp_path, opts, needle):
+    with pytest.raises(P.PrepareError, match=needle):
+        P.prepare("arith", out_dir=tmp_path / "a", **opts)
+    assert not (tmp_path / "a" / "meta.json").exists()

@@ -1,0 +1,137 @@
+"""
+Exact-match accuracy on a prepared task with answers (python data/prepare.py arith): each problem's
+greedy answer, generated until the newline that ends an answer, compared with the true one.
+
+    python arith.py --ckpt=out/arith/ckpt.pt [--split=test] [--limit=0] [--json]
+
+prints {"accuracy", "correct", "n", "split", "ckpt"}. The data must be the run's own (the
+checkpoint's dataset and data_dir, or --data_dir), as for eval.py. A split's problems are read back
+from its token file and loss mask: a prompt is a run of mask-0 tokens, its answer the run of
+mask-1 tokens after it (the last of which is the newline), so the scorer needs no tokenizer of its
+own and works on char and GPT-2 BPE data alike.
+
+    from arith import split_problems, exact_match
+    probs = split_problems(meta, 'test')            # [(prompt ids, answer ids)]
+    exact_match(model, probs, decode)['accuracy']   # decode: data.loader.load_tokenizer(meta)[1]
+"""
+import json
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from checkpoint import load_checkpoint, load_model
+from configurator import (ConfigError, asks_help, declared_defaults, load_config, print_help,
+                          run_cli, source_group)
+from data.loader import check_checkpoint_data, load_dataset_meta, load_tokenizer
+from device import cli_device
+from model import FAMILIES, read_stored_config
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def split_problems(meta, split='test'):
+    """[(prompt ids, answer ids)] of a split of a task with a loss mask, in file order."""
+    folder = meta['folder']
+    ids = np.fromfile(os.path.join(folder, f'{split}.bin'), dtype=meta['dtype']).astype(np.int64)
+    mask = np.fromfile(os.path.join(folder, f'{split}_loss_mask.bin'), dtype=np.uint8)
+    edges = np.flatnonzero(np.diff(mask.astype(np.int8))) + 1       # where a run begins
+    runs = np.split(ids, edges)
+    first_is_prompt = mask[0] == 0
+    runs = runs if first_is_prompt else runs[1:]
+    return [(runs[i].tolist(), runs[i + 1].tolist()) for i in range(0, len(runs) - 1, 2)]
+
+
+@torch.no_grad()
+def exact_match(model, problems, decode, batch_size=64, vocab_limit=None, device='cpu'):
+    """The share of problems whose greedy answer, up to and including the first newline (each
+    answer's own last token), decodes to the true answer's text. A model generates as many tokens
+    as the longest true answer of its batch: enough to tell a longer or shorter answer apart.
+    Returns {'accuracy', 'correct', 'n'}."""
+    training = model.training
+    model.eval()
+    correct = 0
+    try:
+        for i in range(0, len(problems), batch_size):
+            batch = problems[i:i + batch_size]
+            lengths = [len(p) for p, _ in batch]
+            x = torch.zeros(len(batch), max(lengths), dtype=torch.long, device=device)
+            for row, (p, _) in enumerate(batch):
+                x[row, :len(p)] = torch.tensor(p)
+            new = max(len(a) for _, a in batch)
+            out = model.generate(x, new, temperature=0.0, lengths=lengths, vocab_limit=vocab_limit)
+            for (p, answer), seq in zip(batch, out):
+                said = seq[len(p):].tolist()
+                stop = answer[-1]
+                said = said[:said.index(stop) + 1] if stop in said else said
+                correct += decode(said) == decode(answer)
+    finally:
+        model.train(training)
+    return dict(accuracy=correct / max(1, len(problems)), correct=correct, n=len(problems))
+
+
+DEFAULTS = dict(
+    ckpt='',                # the checkpoint file, e.g. out/arith/ckpt.pt
+    split='test',           # the problems scored: 'test' or 'val'
+    limit=0,                # score the first N problems only (0: all of them)
+    batch_size=64,          # problems decoded together
+    device='auto',          # 'auto', 'cpu', 'cuda' or 'cuda:N'
+    data_dir='',            # the folder holding the run's prepared dataset ('': the run's own)
+)
+FLAGS = {'--json': 'print one JSON object instead of the text'}
+
+
+def parse_args(argv):
+    as_json = '--json' in argv
+    argv = [a for a in argv if a not in FLAGS]
+    for i, arg in enumerate(argv):             # one syntax in every script: --key=value
+        if arg[2:] in DEFAULTS:
+            value = argv[i + 1] if i + 1 < len(argv) else 'VALUE'
+            raise ConfigError(f"{arg} takes its value after '=': {arg}={value}")
+    args = load_config(DEFAULTS, argv)
+    if not args['ckpt'] or not os.path.isfile(args['ckpt']):
+        raise ConfigError(f"--ckpt={args['ckpt']} is not a checkpoint file; name one, e.g. "
+                          f"--ckpt=out/arith/ckpt.pt")
+    if args['split'] not in ('val', 'test'):
+        raise ConfigError(f"--split must be val or test, got {args['split']!r}")
+    if args['limit'] < 0 or args['batch_size'] < 1:
+        raise ConfigError("--limit must be >= 0 (0: every problem) and --batch_size >= 1")
+    cli_device(args['device'])
+    return args, as_json
+
+
+def main(argv):
+    if asks_help(argv):
+        return print_help(__doc__, 'python arith.py --ckpt=PATH [--key=value ...] [--json]',
+                          [source_group('arith.py options', DEFAULTS, (__file__, 'DEFAULTS'))],
+                          flags=FLAGS)
+    args, as_json = parse_args(argv)
+    dev, _ = cli_device(args['device'])
+    ck = load_checkpoint(args['ckpt'])
+    cfg = SimpleNamespace(**{**declared_defaults(os.path.join(HERE, 'train.py')),
+                             **read_stored_config(ck['config'])})
+    cfg.data_dir = args['data_dir'] or cfg.data_dir
+    meta = load_dataset_meta(cfg, master=True, prepare_missing=False)   # only training prepares
+    check_checkpoint_data(cfg, meta, ck)
+    if not meta.get('loss_mask') or f"{args['split']}.bin" not in meta['files']:
+        raise ConfigError(f"data/{cfg.dataset} has no {args['split']} problems with answers; "
+                          f"exact match needs a task such as python data/prepare.py arith")
+    family = FAMILIES[ck['model_args'].get('route', 'none')]
+    refusal = family.cannot_generate(SimpleNamespace(**read_stored_config(ck['model_args'])))
+    if refusal:
+        raise ConfigError(refusal)
+    problems = split_problems(meta, args['split'])
+    problems = problems[:args['limit']] if args['limit'] else problems
+    model = load_model(ck, dev)
+    res = exact_match(model, problems, load_tokenizer(meta)[1], args['batch_size'],
+                      vocab_limit=meta['vocab_size'], device=dev)
+    res.update(split=args['split'], ckpt=args['ckpt'])
+    print(json.dumps(res) if as_json else
+          f"exact match on {res['n']} {args['split']} problems: {res['accuracy']:.4f} "
+          f"({res['correct']} correct)")
+    return 0
+
+
+if __name__ == '__main__':
+    run_cli(main)

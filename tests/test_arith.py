@@ -1,0 +1,126 @@
+"""arith.py: a split's problems read back from its tokens and loss mask, the exact-match scorer
+(1 for an oracle, 0 for a wrong model), and a few training steps on the arith task whose reported
+loss is over the answer tokens only."""
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+import arith
+import eval as evaluation
+import train
+from checkpoint import load_checkpoint, load_model
+from configurator import UserError
+from data import prepare as P
+from data.loader import load_tokenizer, open_splits
+
+pytestmark = pytest.mark.usefixtures('one_thread')      # tiny ops: see conftest.py
+
+
+@pytest.fixture(scope='module')
+def task(tmp_path_factory):
+    root = tmp_path_factory.mktemp('arith')
+    meta = P.prepare('arith', out_dir=root / 'arith', num_problems=300, digits=2)
+    return root, dict(meta, folder=str(root / 'arith'))
+
+
+class Answers(nn.Module):
+    """A fake model that answers each prompt by evaluating it (or wrongly, off by one)."""
+
+    def __init__(self, meta, wrong=False):
+        super().__init__()
+        self.encode, self.decode = load_tokenizer(meta)
+        self.wrong = wrong
+
+    def generate(self, idx, max_new_tokens, temperature, lengths, vocab_limit=None):
+        out = []
+        for row, n in zip(idx, lengths):
+            prompt = self.decode(row[:n].tolist())
+            value = eval(prompt[:-1]) + self.wrong          # '12+34=' -> 46
+            said = self.encode(f"{value}\n") + self.encode("7" * max_new_tokens)   # then babble
+            out.append(torch.cat([row[:n], torch.tensor(said[:max_new_tokens])]))
+        return out
+
+
+def test_split_problems_are_the_prompts_and_answers(task):
+    _, meta = task
+    problems = arith.split_problems(meta, 'test')
+    decode = load_tokenizer(meta)[1]
+    assert len(problems) == meta['problems']['test'] == 30
+    for prompt, answer in problems:
+        p, a = decode(prompt), decode(answer)
+        assert p.endswith('=') and a.endswith('\n') and eval(p[:-1]) == int(a)
+
+
+def test_exact_match_is_one_for_an_oracle_and_zero_for_a_wrong_model(task):
+    _, meta = task
+    problems, decode = arith.split_problems(meta, 'test'), load_tokenizer(meta)[1]
+    assert arith.exact_match(Answers(meta), problems, decode, batch_size=7) == dict(
+        accuracy=1.0, correct=30, n=30)
+    assert arith.exact_match(Answers(meta, wrong=True), problems, decode)['accuracy'] == 0.0
+
+
+def test_a_few_training_steps_report_the_loss_over_answer_tokens(task, tmp_path, capsys):
+    root, meta = task
+    out = tmp_path / 'run'
+    args = ['--n_layer=2', '--n_head=2', '--n_embd=16', '--block_size=32', '--batch_size=4',
+            '--eval_iters=2', '--eval_interval=3', '--log_interval=1', '--warmup_iters=0',
+            '--device=cpu', '--route=none', '--dataset=arith', f'--data_dir={root}',
+            f'--out_dir={out}', '--max_iters=3']
+    assert train.main(args) == 0
+    records = [json.loads(line) for line in open(out / 'metrics.jsonl')]
+    logged = [r for r in records if r.get('type') == 'eval'][-1]['val_loss']
+    # the same val batches, scored by hand: only the answer targets count
+    ck = load_checkpoint(str(out / 'ckpt.pt'))
+    model = load_model(ck, 'cpu')
+    _, val = open_splits(meta, 32, 4, ck['config']['seed'], torch.device('cpu'))
+    batches = [val.fetch(s) for s in val.eval_batches(2, 2, ck['config']['eval_seed'])]
+    counted = sum(int((y != -1).sum()) for _, y in batches)
+    assert 0.2 * 2 * 4 * 32 < counted < 0.5 * 2 * 4 * 32           # answers: ~3/8 of the tokens
+    assert abs(evaluation.evaluate(model, batches)['loss'] - logged) < 1e-5
+    everything = [(x, torch.cat([x[:, 1:], y[:, -1:]], 1)) for x, y in batches]   # unmasked
+    everything = [(x, y.masked_fill(y == -1, 0)) for x, y in everything]
+    assert abs(evaluation.evaluate(model, everything)['loss'] - logged) > 1e-3
+    # and the exact-match CLI scores the checkpoint on its test problems
+    capsys.readouterr()
+    assert arith.main([f"--ckpt={out / 'ckpt.pt'}", '--device=cpu', '--limit=10', '--json']) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res['n'] == 10 and res['split'] == 'test' and 0 <= res['accuracy'] <= 1
+
+
+def test_cli_refuses_data_without_answers_and_bad_options(tmp_path):
+    with pytest.raises(UserError, match='--split must be val or test'):
+        arith.main([f'--ckpt={__file__}', '--split=train'])
+    with pytest.raises(UserError, match='is not a checkpoint file'):
+        arith.main([f'--ckpt={tmp_path / "none.pt"}'])
+    with pytest.raises(UserError, match="--ckpt takes its value after '=': --ckpt=x.pt"):
+        arith.main(['--ckpt', 'x.pt'])
+
+
+def test_help_lists_each_option_with_its_default_and_description(capsys):
+    assert arith.main(['--help']) == 0
+    out = capsys.readouterr().out
+    assert '--limit=0' in out and 'score the first N problems only' in out
+    assert '--json' in out and 'UNDOCUMENTED' not in out
+
+
+def test_a_backbone_fine_tunes_on_the_task_written_in_its_vocabulary(tmp_path):
+    """Starting from a checkpoint (stage 2) on other data is refused, except for a task prepared
+    with --vocab_from that checkpoint's data: the same token ids, new problems."""
+    corpus = tmp_path / 'corpus.txt'
+    corpus.write_text('the quick brown fox & a hog: jumps ~ over x-ray dice\n' * 60)
+    P.prepare('text', input=str(corpus), name='corpus', out_dir=tmp_path / 'data' / 'corpus')
+    P.prepare('arith', out_dir=tmp_path / 'data' / 'task', num_problems=200, digits=2,
+              vocab_from=str(tmp_path / 'data' / 'corpus'))
+    P.prepare('arith', out_dir=tmp_path / 'data' / 'own', num_problems=200, digits=2)
+    args = ['--n_layer=2', '--n_head=2', '--n_embd=16', '--block_size=32', '--batch_size=2',
+            '--eval_iters=1', '--warmup_iters=0', '--device=cpu', '--route=none',
+            f'--data_dir={tmp_path / "data"}', '--max_iters=2']
+    assert train.main([*args, '--dataset=corpus', f'--out_dir={tmp_path / "backbone"}']) == 0
+    init = f'--init_from={tmp_path / "backbone" / "ckpt.pt"}'
+    assert train.main([*args, '--dataset=task', init, '--trainable=lora',
+                       f'--out_dir={tmp_path / "tuned"}']) == 0
+    with pytest.raises(UserError, match="differs from the checkpoint's data"):
+        train.main([*args, '--dataset=own', init, f'--out_dir={tmp_path / "refused"}'])
+    assert not (tmp_path / 'refused').exists()
