@@ -14,6 +14,16 @@ git_dirty).
 
 --out=results/<name>.json also writes the JSON (with the command and the date) to that file.
 
+Repeats and noise: every timing keeps its bench_steps repeats (Timing: the median, and the spread
+(max - min) / median); decode alone is the difference long minus short taken within each repeat, so
+load that comes and goes cancels. Each routed/dense (and ours/theirs) ratio records both sides'
+spreads and is marked noisy (NOISY in the tables, with a count under them) when a side has fewer
+than MIN_REPEATS (3) repeats or spreads by more than SPREAD_LIMIT (25%) of its median: the ratio
+could then be off by about that much. --quick=True: the QUICK preset (128-token context, batch 1,
+prefill 4x128, decode batches 1 and 8 of 16 tokens, 3 repeats after 1 warm-up) for every one of
+those keys the command line does not set, so the README's CPU commands take minutes on 2 cores; a
+progress bar over budgets (and decode repeats) on a terminal, off with --quiet=True.
+
 Routed vs dense: with --budgets=1.0,0.75,0.5,0.25,0.125 the config's routed model (route=ffn or mod
 at that budget; route=halt or exit with its eval threshold bisected on the benchmark batch until the
 realised active fraction meets the budget) is timed at each budget beside the dense model of the
@@ -67,10 +77,11 @@ import torch
 import bench_speculative
 import flops
 import train
-from configurator import (ConfigError, asks_help, load_config, print_help, run_cli, source_group,
-                          writable_file)
+from configurator import (ConfigError, asks_help, load_config, print_help, run_cli, smoke_caps,
+                          source_group, writable_file)
 from device import autocast_context, cli_device, resolve_device_dtype
 from model import FAMILIES, GPT
+from progress import progress
 from routing import exec_path
 
 BENCH_DEFAULTS = dict(
@@ -89,8 +100,16 @@ BENCH_DEFAULTS = dict(
     suite='',               # 'gpu': the GPU suite of bench_suite.py (its options below)
     smoke=False,            # --suite on tiny shapes, on any device
     suite_seconds=420,      # --suite: rows not started within this many seconds are skipped
+    quick=False,            # the QUICK preset: smaller shapes, 3 repeats (minutes on 2 cores)
+    quiet=False,            # no progress bar (there is none off a terminal either)
     **bench_speculative.SPECULATE_DEFAULTS,     # --speculate=1,2,4,8 [--draft=NAME]
 )
+# --quick=True: each of these that the command line does not set itself (a config file's value is
+# replaced); the README's CPU commands finish in about 3 minutes on 2 cores with it
+QUICK = dict(bench_steps=3, bench_warmup=1, decode_tokens=16, decode_batches='1,8',
+             prefill_shapes='4x128', batch_size=1, block_size=128)
+SPREAD_LIMIT = 0.25     # a ratio is 'noisy' when either side's repeats spread by more than this
+MIN_REPEATS = 3         # ... or when a side has fewer repeats than this (no spread to judge by)
 BENCH_EXAMPLES = dict(budgets="'1.0,0.5'", decode_batches="'1,8'", prefill_shapes="'8x512' (BxT)")
 
 
@@ -138,7 +157,34 @@ def check_bench_config(cfg):
         )
 
 
+class Timing(float):
+    """The median of repeated timings in seconds (a float, so arithmetic on it works as before),
+    with the repeats behind it (times) and their spread."""
+
+    def __new__(cls, times):
+        t = super().__new__(cls, statistics.median(times))
+        t.times = list(times)
+        return t
+
+    @property
+    def spread(self):
+        """(max - min) / |median| of the repeats: 0.2 = the repeats lie within 20% of the median's
+        size of each other (0 for one repeat, which says nothing: see noise)."""
+        return (max(self.times) - min(self.times)) / abs(self) if self else float('inf')
+
+
+def noise(*timings):
+    """The spreads of the timings a ratio is made of, and whether that ratio is noisy (means
+    little): a side has fewer than MIN_REPEATS repeats, or its repeats spread by more than
+    SPREAD_LIMIT of its median, so the ratio could be off by about as much."""
+    spreads = [t.spread for t in timings]
+    repeats = min(len(t.times) for t in timings)
+    return dict(spreads=[round(x, 4) for x in spreads], repeats=repeats,
+                noisy=repeats < MIN_REPEATS or max(spreads) > SPREAD_LIMIT)
+
+
 def timed(fn, steps, warmup, dev):
+    """Timing of steps calls of fn after warmup untimed ones."""
     def sync():
         if dev.type == 'cuda':
             torch.cuda.synchronize(dev)
@@ -151,7 +197,17 @@ def timed(fn, steps, warmup, dev):
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return Timing(times)
+
+
+def timed_difference(long, short, steps, warmup, dev):
+    """Timing of long() minus short(), the two run back to back in every repeat so that load that
+    comes and goes hits both alike: e.g. decode alone = generate of 1 + N tokens minus generate of
+    1 (the prefill and first token cancel)."""
+    for _ in range(warmup):
+        long()
+        short()
+    return Timing([timed(long, 1, 0, dev) - timed(short, 1, 0, dev) for _ in range(steps)])
 
 
 def bench(cfg):
@@ -197,11 +253,10 @@ def bench(cfg):
         )
 
         gen = lambda k: (lambda: model.generate(prompt, k, temperature=0, use_cache=True))
-        steps = max(1, cfg['bench_steps'] // 3)
         with autocast:          # decode alone: (prefill + 1 + N steps) minus (prefill + 1)
-            t = (timed(gen(1 + cfg['decode_tokens']), steps, 1, dev)
-                 - timed(gen(1), steps, 1, dev))
-        decode[db] = db * cfg['decode_tokens'] / max(t, 1e-9)
+            t = timed_difference(gen(1 + cfg['decode_tokens']), gen(1), cfg['bench_steps'], 1,
+                                 dev)
+        decode[db] = t
     train_tps, prefill_tps = B * T / t_train, B * T / t_prefill
     peak = flops.peak_flops(dev, dt)          # MFU from the FLOPs the step really runs (routed or
                                               # not)
@@ -225,8 +280,12 @@ def bench(cfg):
         train_tokens_per_s=train_tps,
         train_mfu=mfu,
         prefill_tokens_per_s=prefill_tps,
-        decode_tokens_per_s={str(k): v for k, v in decode.items()},
+        decode_tokens_per_s={str(k): k * cfg['decode_tokens'] / max(t, 1e-9)
+                             for k, t in decode.items()},
         train_flops_per_step=step_flops,
+        repeats=cfg['bench_steps'],
+        spread=dict(train=t_train.spread, prefill=t_prefill.spread,
+                    decode={str(k): t.spread for k, t in decode.items()}),
     )
 
 
@@ -290,7 +349,7 @@ def bench_routed(cfg):
     d_pre, d_dec = time_model(dense, cfg, xs, g, base, dev, autocast)
     rows, profile, trained = [], None, {}
     dense_train_ms = time_train_step(cfg, replace(base, route='none'), dev, autocast)
-    for budget in numbers(cfg, 'budgets', float):
+    for budget in progress(numbers(cfg, 'budgets', float), desc='budgets', quiet=cfg['quiet']):
         mcfg = FAMILIES[base.route].bench_config(base, budget)
         m = routed_model(mcfg, state, xs, cfg['seed'], dev, autocast, budget)
         if mcfg not in trained.values():     # TSA's and the exits' training does not depend on the
@@ -306,9 +365,10 @@ def bench_routed(cfg):
                 kind='decode',
                 budget=budget,
                 batch=b,
-                dense_tokens_per_s=d_dec[b],
-                routed_tokens_per_s=r_dec[b],
-                time_ratio=d_dec[b] / r_dec[b],
+                dense_tokens_per_s=b * cfg['decode_tokens'] / max(d_dec[b], 1e-9),
+                routed_tokens_per_s=b * cfg['decode_tokens'] / max(r_dec[b], 1e-9),
+                time_ratio=r_dec[b] / d_dec[b],
+                **noise(r_dec[b], d_dec[b]),
             )
             for b in r_dec
         ]
@@ -401,9 +461,9 @@ def no_grad_forward(m, x, sparse):
 
 
 def time_model(m, cfg, xs, g, base, dev, autocast, decode=True):
-    """{shape: seconds} of m's prefill of each batch in xs (compiled with --compile) and {batch:
-    tokens/s} of its eager KV-cached decode, on prompts drawn from g. Decode alone: (prefill + 1 + N
-    steps) minus (prefill + 1), over N."""
+    """{shape: Timing} of m's prefill of each batch in xs (compiled with --compile) and {batch:
+    Timing} of its eager KV-cached decode of decode_tokens tokens, on prompts drawn from g. Decode
+    alone: (prefill + 1 + N steps) minus (prefill + 1), paired per repeat."""
     steps, warm = cfg['bench_steps'], cfg['bench_warmup']
     fwd = torch.compile(m, dynamic=False) if cfg['compile'] else m
     pre = {}
@@ -418,9 +478,7 @@ def time_model(m, cfg, xs, g, base, dev, autocast, decode=True):
         prompt = torch.randint(0, base.vocab_size, (b, n), generator=g).to(dev)
         gen = lambda k: (lambda: m.generate(prompt, k, temperature=0))
         with autocast:
-            t = (timed(gen(1 + cfg['decode_tokens']), max(1, steps // 2), 1, dev)
-                 - timed(gen(1), max(1, steps // 2), 1, dev))
-        dec[b] = b * cfg['decode_tokens'] / max(t, 1e-9)
+            dec[b] = timed_difference(gen(1 + cfg['decode_tokens']), gen(1), steps, 1, dev)
     return pre, dec
 
 
@@ -456,6 +514,7 @@ def prefill_rows(cfg, m, base, budget, xs, r_pre, d_pre, autocast):
                 flops_ratio=f_ratio,
                 executed_flops_ratio=exec_ratio,
                 ideal_realised=f_ratio / t_ratio,
+                **noise(r_pre[s], d_pre[s]),
             )
         )
     return rows
@@ -473,12 +532,10 @@ def bench_controller_step(cfg, base, dev, autocast):
     """Training step of controller-only G1 without util/rank (frozen backbone, gates only) against a
     dense joint training step of the same backbone, at batch_size x block_size."""
     g1 = controller_g1_config(base)
-    out = dict(
-        dense_joint_ms=time_train_step(cfg, replace(base, route='none'), dev, autocast) * 1e3,
-        g1_controller_ms=time_train_step(cfg, g1, dev, autocast, controller=True) * 1e3,
-    )
-    out['ratio'] = out['g1_controller_ms'] / out['dense_joint_ms']
-    return out
+    dense = time_train_step(cfg, replace(base, route='none'), dev, autocast)
+    ctrl = time_train_step(cfg, g1, dev, autocast, controller=True)
+    return dict(dense_joint_ms=dense * 1e3, g1_controller_ms=ctrl * 1e3, ratio=ctrl / dense,
+                **noise(ctrl, dense))
 
 
 def controller_g1_config(base):
@@ -532,7 +589,25 @@ def train_row(cfg, mcfg, base, budget, dev, autocast, dense_s):
         time_ratio=t_ratio,
         flops_ratio=f_ratio,
         ideal_realised=f_ratio / t_ratio,
+        **noise(routed_s, dense_s),
     )
+
+
+def spread_cell(r):
+    """The spreads of a ratio's two sides as percentages, and NOISY where noise() says so."""
+    text = ' / '.join(f'{x * 100:.0f}%' for x in r['spreads'])
+    return f"**NOISY** {text}" if r['noisy'] else text
+
+
+def noise_note(rows):
+    """One line under a table: the repeats behind it, and how many of its ratios are noisy."""
+    bad = sum(r['noisy'] for r in rows)
+    what = (f"{bad} of {len(rows)} ratios NOISY: a side's repeats spread by more than "
+            f"{SPREAD_LIMIT:.0%} of its median, or it has fewer than {MIN_REPEATS} repeats; those "
+            "ratios mean little: rerun on a quieter machine or with more --bench_steps"
+            if bad else f"no ratio noisy (every side's repeats within {SPREAD_LIMIT:.0%})")
+    return (f"medians of {min(r['repeats'] for r in rows)}+ repeats; spread = (max - min) / "
+            f"median of a side's repeats; {what}")
 
 
 def print_routed(res):
@@ -544,44 +619,46 @@ def print_routed(res):
     )
     print(
         '| budget | BxT | realised | dense ms | routed ms | time ratio | FLOPs ratio (ideal / '
-        'executed) | ideal realised |'
+        'executed) | ideal realised | spread routed / dense |'
     )
-    print('|---|---|---|---|---|---|---|---|')
+    print('|---|---|---|---|---|---|---|---|---|')
     for r in res['rows']:
         if r['kind'] == 'prefill':
             print(
                 f"| {r['budget']} | {r['batch']}x{r['seq']} | {r['realised_frac']:.3f} | "
                 f"{r['dense_ms']:.1f} | "
                 f"{r['routed_ms']:.1f} | {r['time_ratio']:.3f} | {r['flops_ratio']:.3f} / "
-                f"{r['executed_flops_ratio']:.3f} | {r['ideal_realised']:.2f} |"
+                f"{r['executed_flops_ratio']:.3f} | {r['ideal_realised']:.2f} | {spread_cell(r)} |"
             )
-    print('| budget | decode batch | dense tok/s | routed tok/s | time ratio |')
-    print('|---|---|---|---|---|')
+    print('| budget | decode batch | dense tok/s | routed tok/s | time ratio | spread routed / '
+          'dense |')
+    print('|---|---|---|---|---|---|')
     for r in res['rows']:
         if r['kind'] == 'decode':
             print(
                 f"| {r['budget']} | {r['batch']} | {r['dense_tokens_per_s']:.0f} | "
                 f"{r['routed_tokens_per_s']:.0f} | "
-                f"{r['time_ratio']:.3f} |"
+                f"{r['time_ratio']:.3f} | {spread_cell(r)} |"
             )
     print(
         '| budget | joint training step: dense ms | routed ms | time ratio | FLOPs ratio | ideal '
-        'realised |'
+        'realised | spread routed / dense |'
     )
-    print('|---|---|---|---|---|---|')
+    print('|---|---|---|---|---|---|---|')
     for r in res['rows']:
         if r['kind'] == 'train':
             print(
                 f"| {r['budget']} | {r['dense_ms']:.1f} | {r['routed_ms']:.1f} | "
                 f"{r['time_ratio']:.3f} | "
-                f"{r['flops_ratio']:.3f} | {r['ideal_realised']:.2f} |"
+                f"{r['flops_ratio']:.3f} | {r['ideal_realised']:.2f} | {spread_cell(r)} |"
             )
     t = res['train']
     print(
         f"training step: dense joint {t['dense_joint_ms']:.1f} ms, controller-only G1 (no "
         "util/rank) "
-        f"{t['g1_controller_ms']:.1f} ms, ratio {t['ratio']:.3f}"
+        f"{t['g1_controller_ms']:.1f} ms, ratio {t['ratio']:.3f} ({spread_cell(t)})"
     )
+    print(noise_note([*res['rows'], t]))
     if res['profile']:
         for name in ('routed', 'dense'):
             print(
@@ -702,15 +779,18 @@ def bench_decode_vs_hf(cfg):
     for b in numbers(cfg, 'decode_batches', int):
         prompt = torch.randint(0, ours.config.vocab_size, (b, n), device=dev)
         secs = {name: [] for name in contenders}
-        for r in range(1 + cfg['bench_steps']):          # repeat 0: warm-up (compilation, caches)
+        repeats = progress(range(1 + cfg['bench_steps']), desc=f'batch {b}', quiet=cfg['quiet'])
+        for r in repeats:          # repeat 0: warm-up (compilation, caches)
             got = interleaved_decode_seconds({k: c(prompt) for k, c in contenders.items()}, N, dev)
             for name, t in got.items():
                 secs[name] += [t] if r else []
-        tps = {k: b * N / max(statistics.median(v), 1e-9) for k, v in secs.items()}
+        secs = {k: Timing(v) for k, v in secs.items()}
+        tps = {k: b * N / max(v, 1e-9) for k, v in secs.items()}
         for name in (k for k in contenders if k != 'hf'):
             rows.append(dict(
                 batch=b, ours=name.removeprefix('ours_'), ours_tokens_per_s=tps[name],
                 hf_tokens_per_s=tps['hf'], ratio=tps[name] / tps['hf'],
+                **noise(secs[name], secs['hf']),
             ))
     return dict(
         kind='decode_vs_hf', device=str(dev), dtype=dt, threads=torch.get_num_threads(),
@@ -728,11 +808,28 @@ def print_decode_vs_hf(res):
     print(f"greedy decode, {res['n_layer']}L d{res['n_embd']} {res['dtype']} on {res['device']} "
           f"({res['threads']} threads), {res['prompt_tokens']}-token prompt, "
           f"{res['decode_tokens']} new tokens, decode alone")
-    print('| batch | nanodepth | nanodepth tok/s | transformers tok/s | ratio |')
-    print('|---|---|---|---|---|')
+    print('| batch | nanodepth | nanodepth tok/s | transformers tok/s | ratio | spread ours / '
+          'theirs |')
+    print('|---|---|---|---|---|---|')
     for r in res['rows']:
         print(f"| {r['batch']} | {r['ours']} | {r['ours_tokens_per_s']:.1f} | "
-              f"{r['hf_tokens_per_s']:.1f} | {r['ratio']:.2f} |")
+              f"{r['hf_tokens_per_s']:.1f} | {r['ratio']:.2f} | {spread_cell(r)} |")
+    print(noise_note(res['rows']))
+
+def quick_preset(cfg, argv):
+    """cfg with the QUICK values for every key the command line does not set (a prompt and
+    decode within the smaller context; smoke caps applied again on top)."""
+    given = {a[2:].partition('=')[0] for a in argv if a.startswith('--')}
+    quick = {k: v for k, v in QUICK.items() if k not in given}
+    if 'block_size' in quick and 'block_size' not in given:
+        quick['block_size'] = min(cfg['block_size'], QUICK['block_size'])
+    out = {**cfg, **quick}
+    if 'prefill_shapes' in quick:
+        out['prefill_shapes'] = f"4x{out['block_size']}"
+    if 'decode_prompt' not in given and out['decode_prompt']:
+        out['decode_prompt'] = min(out['decode_prompt'], out['block_size'] // 4)
+    return smoke_caps(out)
+
 
 def parse_args(argv):
     """(config, as_json, argv without --json): every option checked before any work, train.py's keys
@@ -740,6 +837,8 @@ def parse_args(argv):
     as_json = '--json' in argv
     argv = [a for a in argv if a != '--json']
     cfg = load_config({**train.DEFAULTS, **BENCH_DEFAULTS}, argv)
+    if cfg['quick']:
+        cfg = quick_preset(cfg, argv)
     # --speculate reads --init_from as the run to time (its folder or ckpt.pt), not to train from
     ns = SimpleNamespace(**(dict(cfg, init_from='scratch') if cfg['speculate'] else cfg))
     train.check_train_config(ns)

@@ -5,6 +5,25 @@ Run a study: a grid of arms x seeds, each arm a list of overrides on a base conf
     python sweep.py config/study_a3.py --jobs=2       # two runs at a time
     python sweep.py config/study_a3.py --summarize_only
     python sweep.py config/study_a3.py --no_plots     # summary only (plots need matplotlib)
+    python sweep.py config/study_a3.py --max_iters=50 --device=cuda   # train.py overrides
+    python sweep.py config/study_a3.py --dry_run      # the commands, and each run's time estimate
+
+Overrides: every --key=value that is not one of the sweep's options is a train.py key, checked as
+train.py checks it (known key, the default's type; exit 2 naming it) before any work, and appended
+to every arm's run after the study's and the arm's own options (so it wins). The runs then go to a
+folder of their own beside out_root, named by the overrides (out/study_a3+max_iters=50-<digest>):
+the same study with other overrides, or none, never skips, resumes or summarises these runs, while
+the same overrides in any order find them again. The summary records them. The 'before' runs are
+not overridden: they are backbones a study's config files name by path and other studies share.
+--seed and --out_dir are the study file's (seeds, out_root).
+
+--dry_run prints every run's command with an estimate of its time and the total: its FLOPs
+(flops.py: the training steps at its batch and trainable setting, plus its evals' forwards) over the
+FLOP/s of one training step of the reference arm's first run, timed on this machine (median of 3
+after a warm-up, random tokens; the output names the step it measured). Data loading, checkpoints
+and process start-up are not counted. Progress: one line per run as it ends, "done: <run> [k/N runs,
+elapsed, ETA]", the ETA from the time per run of the runs this sweep ran so far; on a terminal a
+tqdm bar under the lines as well (--quiet=True: the lines only).
 
 A study file defines: base (a config file), overrides (for every run), arms {name: [overrides]},
 seeds, out_root, reference (the arm the others are compared with), and optionally before (train.py
@@ -63,10 +82,12 @@ line on stderr giving the command that resumes the study (the same command: stop
 from their checkpoints).
 """
 import contextlib
+import hashlib
 import io
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -77,9 +98,10 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
-from configurator import (ConfigError, UserError, asks_help, print_help, run_cli, source_group,
-                          writable_folder)
+from configurator import (ConfigError, UserError, asks_help, load_config, parse_value,
+                          print_help, run_cli, source_group, writable_folder)
 from plots import read_metrics, run_metrics, train_lm_curve, write_plots
+import progress
 from runlock import lock_folder
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -339,14 +361,21 @@ def run_one(argv, out_dir, log_path, jobs=1, children=None):
     return out_dir, code
 
 
-def run_all(fn, items, jobs, children):
+def run_all(fn, items, jobs, children, on_done=None):
     """fn over items, jobs at a time, in order; the main thread waits in short steps so that a
-    signal is handled at once and a run that outlives the grace period after it is killed."""
+    signal is handled at once and a run that outlives the grace period after it is killed.
+    on_done(item, result) is called in the main thread as each finishes (the progress line)."""
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         futs = [pool.submit(fn, item) for item in items]
-        while not all(f.done() for f in futs):
+        reported = set()
+        while len(reported) < len(futs):
             wait(futs, timeout=0.2)
             children.kill_overdue()
+            for i, f in enumerate(futs):
+                if f.done() and i not in reported:
+                    reported.add(i)
+                    if on_done is not None and f.exception() is None:
+                        on_done(items[i], f.result())
         return [f.result() for f in futs]
 
 
@@ -454,7 +483,7 @@ def is_hit_metric(k):
     return k == 'threshold_hit' or k.startswith('hit_')
 
 
-def summarize(study, results, threshold=(None, None), room=None):
+def summarize(study, results, threshold=(None, None), room=None, overrides=()):
     arms, seeds, ref = list(study['arms']), study['seeds'], study['reference']
     keys = list(METRICS) + sorted({k for r in results.values() for k in r if k.startswith('hit_')})
     table = {}
@@ -481,6 +510,7 @@ def summarize(study, results, threshold=(None, None), room=None):
     codes = sorted({r.get('code', 'unknown') for r in results.values()})
     return dict(
         study=study['__file__'] if '__file__' in study else None,
+        overrides=list(overrides),          # the command line's, on every run (after the arm's)
         reference=ref,
         seeds=seeds,
         code_versions=codes,
@@ -615,6 +645,9 @@ def room_verdict(study, room, ref_row):
 
 def markdown(summary):
     lines = []
+    if summary.get('overrides'):
+        lines.append(f"Overrides on every run (after each arm's own): "
+                     f"`{' '.join(summary['overrides'])}`\n")
     if summary['mixed_code_versions']:
         lines.append(
             "**Warning: these runs come from different code versions: "
@@ -743,41 +776,94 @@ def room_markdown(room):
 
 OPTIONS = dict(
     jobs=1,          # train.py processes at a time, each with cpu_count // jobs threads
+    quiet=False,     # no progress bar (there is none off a terminal either)
 )
 FLAGS = {
     '--summarize_only': 'summarise and plot the runs already there; start none',
-    '--dry_run': "print every run's train.py command; start none",
+    '--dry_run': "print every run's train.py command and its estimated time; start none",
     '--no_plots': 'the summary only (the plots need matplotlib)',
 }
+OPTIONS_HELP = ("--jobs=N, --summarize_only, --dry_run, --no_plots, --quiet=True, and train.py's "
+                "--key=value applied to every run")
+SET_BY_THE_SWEEP = dict(out_dir='out_root in the study file', seed='seeds in the study file',
+                        init_from=None, overwrite=None)    # resume/overwrite: the sweep decides
 
 
 def parse_args(argv):
-    """(study, options, jobs): the study file and every option checked before any run starts."""
+    """(study, options, jobs): the study file and every option checked before any run starts; the
+    --key=value that are not the sweep's own are train.py overrides (options['overrides'])."""
     if not argv or not argv[0].endswith('.py'):
         raise ConfigError(
             "usage: python sweep.py config/study_<name>.py [--jobs=N] [--summarize_only] "
-            "[--dry_run] "
-            "[--no_plots]"
+            "[--dry_run] [--no_plots] [--quiet=True] [--key=value of train.py ...]"
         )
-    opts = {a.split('=')[0]: (a.split('=', 1)[1] if '=' in a else True) for a in argv[1:]}
-    unknown = set(opts) - {'--jobs', *FLAGS}
-    if unknown:
-        raise ConfigError(
-            f"unknown option(s) {', '.join(sorted(unknown))}; the options are --jobs=N, "
-            f"--summarize_only, --dry_run and --no_plots"
-        )
+    opts, overrides = {}, []
+    for a in argv[1:]:
+        key = a.split('=')[0]
+        if key in ('--jobs', '--quiet', *FLAGS):
+            opts[key] = a.split('=', 1)[1] if '=' in a else True
+        elif a.startswith('--') and '=' in a:
+            overrides.append(a)
+        else:
+            raise ConfigError(f"unknown option {a}; the options are {OPTIONS_HELP}")
     for flag in FLAGS:
         if opts.get(flag, True) is not True:
             raise ConfigError(f"{flag} takes no value, got {flag}={opts[flag]}; give {flag} alone")
     jobs = str(opts.get('--jobs', 1))
     if not jobs.isdigit() or not 1 <= int(jobs) <= 1024:
         raise ConfigError(f"--jobs must be a whole number from 1 to 1024, got {jobs!r}")
+    quiet = parse_value(str(opts.get('--quiet', False)))
+    if not isinstance(quiet, bool):
+        raise ConfigError(f"--quiet must be True or False, got {opts['--quiet']!r}")
+    opts['--quiet'] = quiet
+    opts['overrides'] = check_overrides(overrides)
     study = load_study(argv[0])
     study['__file__'] = argv[0]
+    study['out_root'] = variant_root(study['out_root'], opts['overrides'])
     if not opts.get('--dry_run'):         # it writes every run, the summary and the plots there
         writable_folder(study['out_root'], 'out_root', label=f"out_root={study['out_root']!r} of "
                                                              f"{argv[0]}")
     return study, opts, jobs
+
+
+def check_overrides(overrides):
+    """The command line's train.py overrides, each checked as train.py checks a --key=value (a
+    known key, the default's type), before any work; those the sweep sets itself are refused."""
+    if not overrides:
+        return []
+    import train             # torch: only where overrides are given
+    for a in overrides:
+        key = a[2:].split('=', 1)[0]
+        if key in SET_BY_THE_SWEEP:
+            where = SET_BY_THE_SWEEP[key]
+            raise ConfigError(f"{a}: the sweep sets each run's {key} itself" + (
+                f"; change {where}" if where else " (it resumes interrupted runs)"))
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):     # a smoke run's note, once per run
+                load_config(train.DEFAULTS, [a])
+        except ConfigError as e:
+            if key in train.DEFAULTS:          # a train.py key with a bad value
+                raise ConfigError(f"{a}: {e}") from None
+            raise ConfigError(f"{a} is neither an option of sweep.py nor a train.py key: {e}; the "
+                              f"options are {OPTIONS_HELP}") from None
+    return list(overrides)
+
+
+def variant_root(out_root, overrides):
+    """Where a study's runs go: out_root itself without overrides, else a folder of its own beside
+    it named by the overrides (e.g. out/study_a3+max_iters=50-1f3a9c), so that the same study run
+    with other overrides never skips, resumes or summarises runs made under different settings, and
+    the same overrides (in any order where they set different keys) find their runs again."""
+    if not overrides:
+        return out_root
+    last = {}
+    for a in overrides:                  # left to right: a key given twice takes its last value
+        key, _, value = a[2:].partition('=')
+        last[key] = value
+    canon = ','.join(f'{k}={v}' for k, v in sorted(last.items()))
+    slug = re.sub(r'[^A-Za-z0-9._=,-]', '_', canon)[:60]
+    digest = hashlib.sha1(canon.encode()).hexdigest()[:6]
+    return f"{out_root.rstrip('/')}+{slug}-{digest}"
 
 
 def main(argv):
@@ -792,20 +878,13 @@ def main(argv):
 
 def sweep(argv, children):
     study, opts, jobs = parse_args(argv)
-    root = study['out_root']
-    grid = [(arm, s, with_seed([study['base'], *study['overrides'], *ov, f'--seed={s}'], s))
+    root, overrides = study['out_root'], opts['overrides']
+    grid = [(arm, s, with_seed([study['base'], *study['overrides'], *ov, *overrides,
+                                f'--seed={s}'], s))
             for arm, ov in study['arms'].items() for s in study['seeds']]
     before = before_runs(study, argv[0])
     if opts.get('--dry_run'):
-        for argv_, _ in (run for stage in before for run in stage):
-            print('before:', 'python train.py', ' '.join(argv_))
-        for arm, s, a in grid:
-            print(
-                f"{arm} seed {s}:",
-                'python train.py',
-                ' '.join(a),
-                f'--out_dir={root}/{arm}/seed{s}',
-            )
+        dry_run(study, grid, before, overrides)
         return 0
     failed = []
     if not opts.get('--summarize_only'):
@@ -815,26 +894,31 @@ def sweep(argv, children):
                       + [(f"arm {arm!r} seed {s}", [*a, f'--out_dir={root}/{arm}/seed{s}'])
                          for arm, s, a in grid], made_later)
     _lock = lock_folder(root, 'out_root')   # one sweep per folder, held until this returns
+    if overrides:
+        print(f"overrides on every run: {' '.join(overrides)}; runs in {root}", flush=True)
     if not opts.get('--summarize_only'):
         if children.signum is None and run_before(before, root, int(jobs), children):
             if children.signum is None:
                 return 1      # every arm starts from them: nothing to run or summarise
-        t0 = time.time()
+        line = ProgressLine(grid, root, opts['--quiet'])
 
         def one(run):
             arm, s, a = run
             out = f'{root}/{arm}/seed{s}'
             return run_one(a, out, f'{out}.log', int(jobs), children)
-        for out, code in run_all(one, grid, int(jobs), children):
+
+        def report(run, result):
+            out, code = result
             if code is None:
-                continue                # not started: a stop was asked for
+                return                  # not started: a stop was asked for
             if children.signum is not None and not finished(out):
-                print(f"stopped: {out} [{time.time() - t0:.0f}s]", flush=True)
-                continue
-            status = 'done' if code == 0 else f'FAILED (exit {code})'
-            print(f"{status}: {out} [{time.time() - t0:.0f}s]", flush=True)
+                line.done(out, 'stopped')
+                return
+            line.done(out, 'done' if code == 0 else f'FAILED (exit {code})')
             if code:
                 failed.append(out)
+        run_all(one, grid, int(jobs), children, on_done=report)
+        line.close()
         if children.signum is not None:   # what stopped resumes from its checkpoint; no summary
             name = signal.Signals(children.signum).name
             print(f"stopped by {name}; the runs in flight saved a checkpoint and nothing new was "
@@ -850,7 +934,8 @@ def sweep(argv, children):
                                              # never-hits)
         if threshold[0] is not None:
             m['threshold_hit'] = threshold_hit(f'{root}/{arm}/seed{s}', threshold[0])
-    summary = summarize(study, results, threshold, room=measure_room(study, root))
+    summary = summarize(study, results, threshold, room=measure_room(study, root),
+                        overrides=overrides)
     with open(os.path.join(root, 'summary.json'), 'w') as f:
         json.dump(summary, f, indent=2)
     md = markdown(summary)
@@ -868,6 +953,125 @@ def sweep(argv, children):
         )
         return 1
     return 0
+
+
+def dry_run(study, grid, before, overrides):
+    """Print every run's command (the 'before' runs as the study file gives them: the command
+    line's overrides are not applied to them) and an estimate of each run's time and the total,
+    from its training FLOPs and one measured training step (see estimate_seconds)."""
+    root = study['out_root']
+    runs = [('before', a, next(x.split('=', 1)[1] for x in a if x.startswith('--out_dir=')),
+             [x for x in a if not x.startswith('--out_dir=')])
+            for stage in before for a, _ in stage]
+    runs += [(f'{arm} seed {s}', [*a, f'--out_dir={root}/{arm}/seed{s}'], f'{root}/{arm}/seed{s}',
+              a) for arm, s, a in grid]
+    if overrides:
+        print(f"overrides on every arm's run (not the 'before' runs): {' '.join(overrides)}; "
+              f"runs in {root}")
+    ref = next(i for i, (arm, *_) in enumerate(grid) if arm == study['reference'])
+    secs, basis = estimate_seconds([r[3] for r in runs], len(runs) - len(grid) + ref)
+    for (name, a, out, _), t in zip(runs, secs):
+        when = ('finished' if finished(out) else 'estimate unknown' if t is None
+                else f'~{duration(t)}')
+        print(f"{name}: python train.py {' '.join(a)}  [{when}]")
+    todo = [t for (_, _, out, _), t in zip(runs, secs) if not finished(out)]
+    known = [t for t in todo if t is not None]
+    print(f"estimate: {duration(sum(known))} for the {len(known)} of {len(todo)} runs left that "
+          f"could be costed, one at a time (--jobs=N shares the same cores: about the same total "
+          f"on a CPU); {basis}")
+
+
+def estimate_seconds(runs, measured):
+    """Seconds each run (train.py arguments without --out_dir) would take, and a sentence saying
+    what that was estimated from: the run's FLOPs (flops.py: max_iters training steps of
+    batch_size x gradient_accumulation_steps sequences at its trainable setting, plus its evals'
+    forwards) over the FLOP/s of one training step of runs[measured] timed here (the median of 3
+    after 1 warm-up, random tokens, its model at its shape on its device). None where a run's
+    config cannot be read or costed without its data."""
+    from types import SimpleNamespace
+
+    import bench
+    import flops
+    import train
+    from device import autocast_context, resolve_device_dtype
+
+    def costed(argv):
+        with contextlib.chdir(HERE), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
+            cfg = load_config(train.DEFAULTS, argv)
+            meta = os.path.join(cfg['data_dir'] or os.path.join(HERE, 'data'), cfg['dataset'],
+                                'meta.json')
+            vocab = cfg['vocab_size'] or (json.load(open(meta))['vocab_size']
+                                          if os.path.exists(meta) else 50304)
+            mcfg = train.model_config(SimpleNamespace(**cfg), vocab_size=vocab)
+        T, seqs = cfg['block_size'], cfg['batch_size'] * cfg['gradient_accumulation_steps']
+        step = flops.train_step_flops(mcfg, T, cfg['trainable'])['total']
+        evals = (cfg['max_iters'] // max(1, cfg['eval_interval']) + 1) * 2 * cfg['eval_iters']
+        total = cfg['max_iters'] * seqs * step + evals * cfg['batch_size'] * \
+            flops.forward_flops(mcfg, T, 'train')
+        return cfg, mcfg, step, total
+
+    costs = []
+    for argv in runs:
+        try:
+            costs.append(costed(argv))
+        except (UserError, OSError, ValueError):
+            costs.append(None)
+    if costs[measured] is None:
+        return [None] * len(runs), 'no step could be measured (the reference run\'s config)'
+    cfg, mcfg, step, _ = costs[measured]
+    try:
+        dev, dt = resolve_device_dtype(SimpleNamespace(**cfg))
+        secs = bench.time_train_step(dict(cfg, bench_steps=3, bench_warmup=1), mcfg, dev,
+                                     autocast_context(dev, dt),
+                                     controller=cfg['trainable'] == 'controller')
+    except UserError as e:
+        return [None] * len(runs), f'no step could be measured: {e}'
+    rate = step * cfg['batch_size'] / secs
+    basis = (f"estimated from flops.py's FLOPs of each run and one measured training step of "
+             f"{cfg['n_layer']}L d{cfg['n_embd']} T={cfg['block_size']} B={cfg['batch_size']} "
+             f"(trainable={cfg['trainable']}) on {dev}: {secs * 1e3:.0f} ms, {rate:.3g} FLOP/s; "
+             f"data loading, checkpoints and start-up not counted")
+    return [None if c is None else c[3] / rate for c in costs], basis
+
+
+def duration(seconds):
+    """'45s', '12m05s', '3h07m'."""
+    s = int(round(seconds))
+    if s < 60:
+        return f'{s}s'
+    if s < 3600:
+        return f'{s // 60}m{s % 60:02d}s'
+    return f'{s // 3600}h{s % 3600 // 60:02d}m'
+
+
+class ProgressLine:
+    """k of N runs with the time so far and an ETA, one line per run as it ends (plain lines, also
+    in a log) and a tqdm bar under them on a terminal. The ETA is the time per run of the runs this
+    sweep ran so far (runs at a time included: elapsed / runs ended) times the runs left; runs
+    already finished before the sweep began count in k but not in that rate."""
+
+    def __init__(self, grid, root, quiet=False):
+        self.total, self.t0 = len(grid), time.time()
+        outs = [f'{root}/{arm}/seed{s}' for arm, s, _ in grid]
+        self.already = {o for o in outs if finished(o)}
+        self.ended = self.ran = 0
+        self.bar = progress.bar(self.total, desc='runs', quiet=quiet)
+
+    def done(self, out, status):
+        self.ended += 1
+        self.ran += out not in self.already
+        elapsed = time.time() - self.t0
+        left = self.total - self.ended
+        eta = ('' if not left else ', ETA ?' if not self.ran
+               else f', ETA {duration(elapsed / self.ran * left)}')
+        text = f'{self.ended}/{self.total} runs, {duration(elapsed)}{eta}'
+        self.bar.write(f"{status}: {out} [{text}]")
+        self.bar.update(1)
+        self.bar.set_postfix_str(text.split(', ', 1)[1])
+
+    def close(self):
+        self.bar.close()
 
 
 if __name__ == '__main__':

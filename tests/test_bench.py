@@ -67,6 +67,7 @@ def test_bench_json(route):
     )
     mcfg = train.model_config(SimpleNamespace(**cfg), vocab_size=50)
     assert res['train_flops_per_step'] == 2 * flops.train_step_flops(mcfg, 32)['total']
+    assert res['repeats'] == 1 and set(res['spread']['decode']) == {'1', '2'}
 
 
 
@@ -203,6 +204,8 @@ def test_bench_routed_table(route, tmp_path):
         if x['budget'] == 1.0:
             assert x['realised_frac'] == 1.0 or route == 'mod'
     assert res['train']['ratio'] > 0
+    # one repeat: no spread to judge a ratio by, so every ratio is flagged
+    assert all(x['noisy'] and x['repeats'] == 1 for x in [*res['rows'], res['train']])
     assert res['torch'] == torch.__version__ and res['git_sha'] == train.code_version()['git_sha']
     trains = [x for x in res['rows'] if x['kind'] == 'train']
     assert [x['budget'] for x in trains] == ([1.0] if route in ('halt', 'exit') else [1.0, 0.5])
@@ -505,3 +508,74 @@ def test_bench_help_lists_its_options_then_train_and_family_ones(capsys):
     assert sorted(listed) == sorted({**train.DEFAULTS, **bench.BENCH_DEFAULTS})
     assert out.index('bench.py options:') < out.index('train.py options:') \
         < out.index('route=halt options (route_halt.py):')
+
+
+# --------------------------------------------------------------------------------------------------
+# repeats, spread and noisy ratios; the quick preset
+
+def fake_clock(monkeypatch, durations):
+    """time.perf_counter advanced by hand: calls(name) returns a function that, each call, moves
+    the clock on by the next of durations[name]."""
+    now = [0.0]
+    monkeypatch.setattr(bench.time, 'perf_counter', lambda: now[0])
+    its = {k: iter(v) for k, v in durations.items()}
+
+    def calls(name):
+        def fn():
+            now[0] += next(its[name])
+        return fn
+    return calls
+
+
+def test_timed_keeps_every_repeat_and_its_median_and_spread(monkeypatch):
+    calls = fake_clock(monkeypatch, dict(f=[9.0, 1.0, 1.2, 0.8]))
+    t = bench.timed(calls('f'), 3, 1, torch.device('cpu'))      # the 9 s warm-up is not timed
+    assert t == pytest.approx(1.0) and t.times == pytest.approx([1.0, 1.2, 0.8])
+    assert t.spread == pytest.approx(0.4) and t * 2 == pytest.approx(2.0)      # still a float
+
+
+def test_a_difference_is_paired_per_repeat_so_shared_load_cancels(monkeypatch):
+    """Decode alone = long minus short in each repeat: load that doubles both in one repeat leaves
+    the difference alone (spread 0), where the difference of two medians would not be paired."""
+    calls = fake_clock(monkeypatch, dict(long=[3.0, 3.0, 6.0, 3.0], short=[1.0, 1.0, 4.0, 1.0]))
+    d = bench.timed_difference(calls('long'), calls('short'), 3, 1, torch.device('cpu'))
+    assert d.times == pytest.approx([2.0, 2.0, 2.0]) and d.spread == 0
+
+
+@pytest.mark.parametrize('a,b,noisy', [
+    ([1.0, 1.1, 1.2], [2.0, 2.1, 2.2], False),      # spreads 20% and 10%
+    ([1.0, 1.3, 1.2], [2.0, 2.1, 2.2], True),       # 25% is the limit: 0.3 / 1.2 = 25%, over
+    ([1.0, 1.0], [2.0, 2.0], True),                 # two repeats: no spread to judge by
+    ([1.0, 1.0, 1.0], [0.5, 2.0, 1.0], True)])      # the other side 150%
+def test_a_ratio_is_noisy_when_a_side_spreads_past_the_limit_or_has_too_few_repeats(a, b, noisy):
+    n = bench.noise(bench.Timing(a), bench.Timing(b))
+    assert n['noisy'] == noisy and n['repeats'] == min(len(a), len(b))
+    want = [(max(x) - min(x)) / sorted(x)[len(x) // 2] if len(x) % 2 else
+            (max(x) - min(x)) / (sum(sorted(x)[len(x) // 2 - 1:len(x) // 2 + 1]) / 2)
+            for x in (a, b)]
+    assert n['spreads'] == pytest.approx(want, abs=1e-4)
+    cell = bench.spread_cell(n)
+    assert cell.startswith('**NOISY**') == noisy and f"{want[0] * 100:.0f}%" in cell
+
+
+def test_the_table_footer_counts_the_noisy_ratios():
+    rows = [bench.noise(bench.Timing([1, 1, 1]), bench.Timing([1, 1, 1])),
+            bench.noise(bench.Timing([1, 2, 3]), bench.Timing([1, 1, 1]))]
+    assert '1 of 2 ratios NOISY' in bench.noise_note(rows)
+    assert 'no ratio noisy' in bench.noise_note(rows[:1])
+
+
+def test_quick_preset_shrinks_what_the_command_line_does_not_set():
+    full, _, _ = bench.parse_args(['config/bench_cpu.py', '--budgets=1.0,0.5'])
+    quick, _, _ = bench.parse_args(['config/bench_cpu.py', '--budgets=1.0,0.5', '--quick=True',
+                                    '--decode_tokens=8'])
+    assert (full['prefill_shapes'], full['block_size'], full['bench_steps']) == (
+        '8x512,4x1024', 1024, 3)
+    assert quick['decode_tokens'] == 8                                 # given: kept
+    assert {k: quick[k] for k in ('bench_steps', 'bench_warmup', 'decode_batches',
+                                  'prefill_shapes', 'batch_size', 'block_size')} == dict(
+        bench_steps=3, bench_warmup=1, decode_batches='1,8', prefill_shapes='4x128',
+        batch_size=1, block_size=128)
+    assert quick['decode_prompt'] == 32 and quick['n_embd'] == full['n_embd'] == 512
+    small, _, _ = bench.parse_args(['--block_size=64', '--quick=True'])   # never past the context
+    assert small['block_size'] == 64 and small['prefill_shapes'] == '4x64'

@@ -2,6 +2,8 @@
 mixed-code-version flag, threshold hits, and --jobs. Runs are faked as folders of metrics (no
 training); the --jobs test runs a fake train.py (a few lines of Python, no torch) as real
 processes."""
+import contextlib
+import io
 import json
 import math
 import os
@@ -210,6 +212,8 @@ FAKE_TRAIN = textwrap.dedent("""
         if len(os.listdir(barrier)) < 2:
             sys.exit(3)
     os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, 'argv.jsonl'), 'a') as f:       # every start, for the tests
+        f.write(json.dumps(sys.argv[1:]) + '\\n')
     json.dump(dict(max_iters=4), open(os.path.join(out, 'config.json'), 'w'))
     json.dump(dict(git_sha='fake', git_dirty=False), open(os.path.join(out, 'run_info.json'), 'w'))
     with open(os.path.join(out, 'metrics.jsonl'), 'w') as f:
@@ -803,3 +807,155 @@ def test_sigterm_to_a_real_sweep_checkpoints_its_run_and_the_printed_command_res
     resumed = (seed1.parent / 'seed1.log').read_text().split('stopped by signal')[1]
     assert 'init_from=resume' in resumed
     assert sweep.finished(str(seed1)) and sweep.finished(str(seed2))
+
+
+# ------------------------------------------------------------------------------------------------
+# steering a study from the command line: overrides, progress, the dry run's estimate
+
+def fake_sweep(tmp_path, monkeypatch, name, *args):
+    """sweep.main on a fake study (FAKE_TRAIN runs, no train.py checks); its stdout."""
+    (tmp_path / 'fake_train.py').write_text(FAKE_TRAIN)
+    monkeypatch.setattr(sweep, 'TRAIN', str(tmp_path / 'fake_train.py'))
+    monkeypatch.setattr(sweep, 'check_configs', lambda runs, made_later: None)
+    monkeypatch.delenv('FAKE_BARRIER', raising=False)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert sweep.main([fake_study(tmp_path, name), '--no_plots', *args]) == 0
+    return buf.getvalue()
+
+
+def starts(run):
+    """The argument lists train.py was started with in this run folder."""
+    path = run / 'argv.jsonl'
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_overrides_reach_every_run_after_the_arm_and_live_in_their_own_folder(tmp_path,
+                                                                               monkeypatch):
+    """--key=value overrides go to every run after the study's and the arm's own options (so they
+    win), are recorded in the summary, and send the runs to a folder named by them: the study with
+    other overrides (or none) never reuses these runs; the same overrides in another order do."""
+    out = fake_sweep(tmp_path, monkeypatch, 'st', '--log_interval=3', '--eval_iters=2')
+    plain = tmp_path / 'st'
+    root = tmp_path / os.path.basename(sweep.variant_root(str(plain),
+                                                          ['--log_interval=3', '--eval_iters=2']))
+    assert root.name.startswith('st+eval_iters=2,log_interval=3-') and not plain.exists()
+    for arm in 'AB':
+        for s in (1, 2):
+            (argv,) = starts(root / arm / f'seed{s}')
+            assert argv[-5:] == ['--log_interval=3', '--eval_iters=2', f'--seed={s}',
+                                 f'--out_dir={root}/{arm}/seed{s}', '--overwrite=True'], argv
+            assert argv[:2] == (['cfg.py', '--shift=0.5'] if arm == 'B' else ['cfg.py', argv[1]])
+    summary = json.loads((root / 'summary.json').read_text())
+    assert summary['overrides'] == ['--log_interval=3', '--eval_iters=2']
+    assert '`--log_interval=3 --eval_iters=2`' in (root / 'summary.md').read_text()
+    assert f'runs in {root}' in out
+    # the same overrides in another order: the same folder, every run already finished
+    fake_sweep(tmp_path, monkeypatch, 'st', '--eval_iters=2', '--log_interval=3')
+    assert all(len(starts(root / a / f'seed{s}')) == 1 for a in 'AB' for s in (1, 2))
+    # no overrides: the study's own out_root, fresh runs, no overrides in its summary
+    fake_sweep(tmp_path, monkeypatch, 'st')
+    assert len(starts(plain / 'A' / 'seed1')) == 1
+    assert json.loads((plain / 'summary.json').read_text())['overrides'] == []
+
+
+def test_variant_folders_tell_override_sets_apart():
+    v = sweep.variant_root
+    assert v('out/s', []) == 'out/s'
+    assert v('out/s', ['--a=1', '--b=2']) == v('out/s/', ['--b=2', '--a=1'])
+    assert v('out/s', ['--a=2', '--a=1']) == v('out/s', ['--a=1'])       # the last value counts
+    assert v('out/s', ['--a=1']) != v('out/s', ['--a=2'])
+    # unsafe characters are replaced in the readable part; the digest still tells them apart
+    x, y = v('out/s', ['--data_dir=/a/b']), v('out/s', ['--data_dir=_a_b'])
+    assert x != y and '/a/b' not in x[len('out/s'):]
+
+
+@pytest.mark.parametrize('arg,needle', [
+    ('--max_iter=5', "unknown config key 'max_iter' (did you mean 'max_iters'?)"),
+    ('--max_iters=many', "'max_iters' from '--max_iters=many' must be int"),
+    ('--seed=3', 'change seeds in the study file'),
+    ('--out_dir=x', 'change out_root in the study file'),
+    ('--quiet=maybe', '--quiet must be True or False'),
+    ('max_iters=5', 'unknown option max_iters=5')])
+def test_a_bad_override_refuses_the_sweep_before_any_work(tmp_path, monkeypatch, arg, needle):
+    started = []
+    monkeypatch.setattr(sweep.subprocess, 'Popen', fake_popen(started))
+    with pytest.raises(sweep.ConfigError) as e:
+        sweep.main([fake_study(tmp_path, 'bad'), arg])
+    assert needle in str(e.value) and '\n' not in str(e.value)
+    assert started == [] and not any(p.name.startswith('bad') and p.is_dir()
+                                     for p in tmp_path.iterdir())
+
+
+def test_progress_lines_count_runs_and_give_an_eta_from_the_runs_this_sweep_ran(tmp_path,
+                                                                                monkeypatch):
+    root = tmp_path / 'p'
+    fake_run(root / 'A' / 'seed1', 4, summary=dict(iter=4))           # finished before the sweep
+    grid = [(a, s, []) for a in 'AB' for s in (1, 2)]
+    clock = iter([100.0, 100.0, 160.0, 200.0, 210.0])
+    monkeypatch.setattr(sweep.time, 'time', lambda: next(clock))
+    line = sweep.ProgressLine(grid, str(root), quiet=True)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        for arm, s, status in (('A', 1, 'done'), ('A', 2, 'done'), ('B', 1, 'FAILED (exit 1)'),
+                               ('B', 2, 'stopped')):
+            line.done(f'{root}/{arm}/seed{s}', status)
+    assert buf.getvalue().splitlines() == [
+        f'done: {root}/A/seed1 [1/4 runs, 0s, ETA ?]',             # skipped: no rate yet
+        f'done: {root}/A/seed2 [2/4 runs, 1m00s, ETA 2m00s]',      # 60 s per run, 2 left
+        f'FAILED (exit 1): {root}/B/seed1 [3/4 runs, 1m40s, ETA 50s]',
+        f'stopped: {root}/B/seed2 [4/4 runs, 1m50s]',
+    ]
+    assert sweep.duration(3 * 3600 + 7 * 60 + 20) == '3h07m'
+
+
+def test_the_progress_lines_of_a_real_sweep_come_as_runs_end(tmp_path, monkeypatch):
+    out = fake_sweep(tmp_path, monkeypatch, 'pl', '--quiet=True')
+    done = [line for line in out.splitlines() if line.startswith('done: ')]
+    assert [line.split('[')[1].split(' runs')[0] for line in done] == ['1/4', '2/4', '3/4', '4/4']
+    assert 'ETA' in done[0] and 'ETA' not in done[-1]
+    assert out.index(done[-1]) < out.index('| arm |')             # before the summary
+
+
+def test_dry_run_estimates_each_run_from_its_flops_and_a_measured_step(tmp_path, monkeypatch,
+                                                                       capsys):
+    """Each run's estimate is its FLOPs over the FLOP/s of the reference run's measured step (here
+    a stand-in that takes 0.5 s): a run of the reference's config takes 0.5 s x (max_iters + its
+    evals' forwards in steps); a cheaper arm less; finished runs are not counted; the 'before' run
+    is shown without the command line's overrides; nothing is written."""
+    import bench
+    import flops
+    import train
+    measured = []
+    monkeypatch.setattr(bench, 'time_train_step',
+                        lambda cfg, mcfg, *a, **k: measured.append(mcfg) or 0.5)
+    shape = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=4',
+             '--device=cpu', '--eval_interval=20', '--eval_iters=3', '--vocab_size=64']
+    study = tmp_path / 'study.py'
+    study.write_text(f"base = 'config/mod_synthetic.py'\nout_root = {str(tmp_path / 'out')!r}\n"
+                     f"overrides = {shape!r}\nseeds = [1, 2]\n"
+                     f"before = [['config/mod_synthetic.py', '--out_dir={tmp_path / 'pre'}']]\n"
+                     f"arms = {{'small': ['--mod_capacity=0.125'], "
+                     f"'ref': ['--mod_capacity=0.5']}}\n"
+                     f"reference = 'ref'\n")
+    root = sweep.variant_root(str(tmp_path / 'out'), ['--max_iters=40'])
+    fake_run(f'{root}/ref/seed2', 40, summary=dict(iter=40))
+    assert sweep.main([str(study), '--dry_run', '--max_iters=40']) == 0
+    out = capsys.readouterr().out
+    assert len(measured) == 1 and (measured[0].n_layer, measured[0].n_embd) == (2, 32)
+    assert measured[0].route == 'mod' and measured[0].mod_capacity == 0.5     # the ref arm's
+    cfg = train.load_config(train.DEFAULTS, ['config/mod_synthetic.py', *shape,
+                                             '--mod_capacity=0.5'])
+    step, fwd = (flops.train_step_flops(measured[0], 32)['total'],
+                 flops.forward_flops(measured[0], 32, 'train'))
+    evals = (40 // 20 + 1) * 2 * 3
+    ref_s = 0.5 * (40 * cfg['gradient_accumulation_steps'] + evals * fwd / step)
+    lines = {line.split(':')[0]: line for line in out.splitlines()}
+    assert lines['ref seed 2'].endswith('[finished]')
+    assert lines['ref seed 1'].endswith(f'[~{sweep.duration(ref_s)}]') and 20 < ref_s < 30
+    small = float(lines['small seed 1'].split('[~')[1].rstrip('s]'))
+    assert 0.3 * ref_s < small < ref_s
+    assert '--max_iters=40' not in lines['before'] and '--max_iters=40' in lines['ref seed 1']
+    assert 'measured training step of 2L d32 T=32 B=4' in out and '1000 ms' not in out
+    assert not os.path.exists(tmp_path / 'out') or os.listdir(tmp_path / 'out') == [
+        os.path.basename(root)]
