@@ -8,8 +8,9 @@ The model is a trained run's (--init_from=<run folder> or its ckpt.pt: checkpoin
 without --init_from, a random one of the config's shape (its acceptance rates mean nothing, its
 costs do). Per decode batch b (decode_batches) and K: greedy decode of decode_tokens = N tokens from
 b decode_prompt-token prompts (64 when 0), decode alone (generate of 1 + N tokens minus
-generate of 1: the prefill and the first token are not counted), median over bench_steps // 2
-repeats after one warm-up; plain decoding (model.generate) once per batch, then each K. The
+generate of 1, back to back in each repeat: the prefill and the first token are not counted),
+median of bench_steps repeats after one warm-up, with the spread of each side and bench.py's NOISY
+flag; plain decoding (model.generate) once per batch, then each K. The
 prompts are windows of the run's validation split where --init_from names a run whose data is
 prepared here (how often a draft is kept depends on text like the model's own), else random
 tokens; `prompt_source` says which.
@@ -147,10 +148,10 @@ def load_bench_model(cfg, dev):
 
 
 def decode_seconds(run, N, repeats, dev):
-    """Decode alone: median seconds of run(1 + N) minus those of run(1) (prefill and first token),
-    each after one untimed warm-up."""
-    from bench import timed
-    return timed(lambda: run(1 + N), repeats, 1, dev) - timed(lambda: run(1), repeats, 1, dev)
+    """Decode alone: bench.Timing of run(1 + N) minus run(1) (prefill and first token), the two back
+    to back in each of `repeats` repeats after one untimed warm-up."""
+    from bench import timed_difference
+    return timed_difference(lambda: run(1 + N), lambda: run(1), repeats, 1, dev)
 
 
 def predicted_speedup(accept_rate, plain_step_s, draft_pass_s, verify_pass_s):
@@ -164,8 +165,9 @@ def predicted_speedup(accept_rate, plain_step_s, draft_pass_s, verify_pass_s):
 
 def speculate_row(model, prompt, K, draft, plain_s, cfg, dev):
     """One row: batch prompt.size(0), draft length K, against plain decoding's plain_s seconds."""
+    from bench import noise
     N, b = cfg['decode_tokens'], prompt.size(0)
-    repeats = max(1, cfg['bench_steps'] // 2)
+    repeats = max(1, cfg['bench_steps'])
     stats = {}
 
     def run(new):
@@ -188,7 +190,7 @@ def speculate_row(model, prompt, K, draft, plain_s, cfg, dev):
         plain_ms_per_step=plain_s / N * 1e3, draft_ms_per_pass=draft_pass * 1e3,
         verify_ms_per_pass=verify_pass * 1e3,
         draft_share=draft_pass / max(draft_pass + verify_pass, 1e-12),
-        alpha=alpha, predicted_speedup=predicted,
+        alpha=alpha, predicted_speedup=predicted, **noise(plain_s, spec_s),
     )
 
 
@@ -209,7 +211,7 @@ def bench_speculative(cfg):
         prompt = prompt.to(dev)
         with autocast:
             plain_s = decode_seconds(lambda new: model.generate(prompt, new, temperature=0), N,
-                                     max(1, cfg['bench_steps'] // 2), dev)
+                                     max(1, cfg['bench_steps']), dev)
             rows += [speculate_row(model, prompt, K, draft, plain_s, cfg, dev)
                      for K in draft_lengths(cfg)]
     return dict(
@@ -219,7 +221,7 @@ def bench_speculative(cfg):
         torch=torch.__version__, **train.code_version(), threads=torch.get_num_threads(),
         n_layer=model.config.n_layer, n_embd=model.config.n_embd,
         block_size=model.config.block_size, vocab_size=model.config.vocab_size,
-        prompt_tokens=n, decode_tokens=N, repeats=max(1, cfg['bench_steps'] // 2),
+        prompt_tokens=n, decode_tokens=N, repeats=max(1, cfg['bench_steps']),
         timing='greedy, decode alone (generate of 1 + N tokens minus generate of 1)',
         prompt_source=source, rows=rows,
     )
@@ -231,11 +233,14 @@ def print_speculative(res):
           f"{res['prompt_tokens']}-token prompts ({res['prompt_source']}), "
           f"{res['decode_tokens']} greedy tokens, decode alone")
     print('| batch | K | draft | plain tok/s | spec tok/s | speedup | predicted | tokens/pass '
-          '| kept per position | draft / verify ms per pass |')
-    print('|---|---|---|---|---|---|---|---|---|---|')
+          '| kept per position | draft / verify ms per pass | spread plain / spec |')
+    print('|---|---|---|---|---|---|---|---|---|---|---|')
     for r in res['rows']:
         depth = f" E={r['draft_layers']}" if r['draft_layers'] is not None else ''
         print(f"| {r['batch']} | {r['K']} | {r['draft']}{depth} | {r['plain_tokens_per_s']:.1f} | "
               f"{r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f} | {r['predicted_speedup']:.2f} "
               f"| {r['tokens_per_pass']:.2f} | {' '.join(f'{a:.2f}' for a in r['accept_rate'])} "
-              f"| {r['draft_ms_per_pass']:.1f} / {r['verify_ms_per_pass']:.1f} |")
+              f"| {r['draft_ms_per_pass']:.1f} / {r['verify_ms_per_pass']:.1f} "
+              f"| {r['spreads'][0]:.0%} / {r['spreads'][1]:.0%}{' NOISY' if r['noisy'] else ''} |")
+    from bench import noise_note
+    print(noise_note(res['rows']))

@@ -85,8 +85,10 @@ def test_bench_decode_vs_hf(tmp_path):
     assert (res['decode_tokens'], res['n_layer'], res['vocab_size']) == (4, 2, 50)
     assert [(row['batch'], row['ours']) for row in res['rows']] == [(1, 'eager'), (3, 'eager')]
     for row in res['rows']:
-        assert set(row) == {'batch', 'ours', 'ours_tokens_per_s', 'hf_tokens_per_s', 'ratio'}
+        assert set(row) == {'batch', 'ours', 'ours_tokens_per_s', 'hf_tokens_per_s', 'ratio',
+                            'spreads', 'repeats', 'noisy'}
         assert row['ours_tokens_per_s'] > 0 and row['hf_tokens_per_s'] > 0
+        assert row['repeats'] == 2 and row['noisy']          # 2 repeats: too few to mean much
         assert row['ratio'] == pytest.approx(row['ours_tokens_per_s'] / row['hf_tokens_per_s'],
                                              rel=1e-12)
     saved = json.loads(out.read_text())
@@ -376,7 +378,8 @@ SPEC_TINY = ['--n_layer=3', '--n_head=2', '--n_embd=32', '--block_size=64', '--v
 SPEC_KEYS = {'route', 'batch', 'K', 'speedup', 'draft', 'draft_layers', 'plain_tokens_per_s',
              'spec_tokens_per_s', 'plain_ms', 'spec_ms', 'accept_rate', 'tokens_per_pass',
              'mean_accepted', 'passes', 'plain_ms_per_step', 'draft_ms_per_pass',
-             'verify_ms_per_pass', 'draft_share', 'alpha', 'predicted_speedup'}
+             'verify_ms_per_pass', 'draft_share', 'alpha', 'predicted_speedup', 'spreads',
+             'repeats', 'noisy'}
 
 
 def check_spec_rows(res, route, ks, batches):
@@ -398,6 +401,8 @@ def check_spec_rows(res, route, ks, batches):
         # 8 tokens after the first: at least ceil(8 / (K + 1)) verifier passes, at most 8
         assert -(-8 // (r['K'] + 1)) <= r['passes'] <= 8
         assert 0 < r['draft_share'] < 1 and r['predicted_speedup'] > 0
+        # bench_steps=2 paired repeats per side: too few for a ratio that means anything
+        assert r['repeats'] == 2 and r['noisy'] and len(r['spreads']) == 2
 
 
 def test_bench_speculate_json(tmp_path):
