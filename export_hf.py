@@ -154,12 +154,12 @@ def largest_difference(model, to, seed=0):
 
 def main(argv):
     cfg = check_config(argv)
-    # before any work: a missing package is one line; its progress bars would only add noise here
-    import_transformers().utils.logging.disable_progress_bar()
     ckpt = load_checkpoint(os.path.join(cfg['out_dir'], 'ckpt.pt'))
     refusal = check_exportable(ckpt['model_args'], cfg['dense_backbone'])
     if refusal:
         raise ConfigError(refusal)
+    # before any work: a missing package is one line; its progress bars would only add noise here
+    import_transformers().utils.logging.disable_progress_bar()
     model = load_model(ckpt, 'cpu').float().eval()
     tokenizer = (ckpt.get('data_meta') or {}).get('tokenizer')
     dropped = export(model, cfg['to'], tokenizer)

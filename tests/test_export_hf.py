@@ -143,7 +143,7 @@ def test_a_missing_checkpoint_is_refused(tmp_path):
 def test_the_command_line_refusal_is_one_line_and_exit_2(tmp_path):
     run, _ = save_run(tmp_path / 'run', route='ffn')
     r = run_group([sys.executable, 'export_hf.py', f'--out_dir={run}', f'--to={tmp_path / "hf"}'],
-                  120, cwd=REPO, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+                  300, cwd=REPO, env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert r.returncode == 2
     assert r.stderr.startswith('error: route=ffn') and r.stderr.count('\n') == 1, r.stderr
 
@@ -153,3 +153,12 @@ def test_an_export_whose_logits_differ_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setattr(export_hf, 'largest_difference', lambda model, to: (0.01, 1.0))
     with pytest.raises(RuntimeError, match='differ from nanodepth'):
         export_hf.main([f'--out_dir={run}', f'--to={tmp_path / "hf"}'])
+
+
+def test_without_transformers_the_export_is_one_line_naming_its_pip_install(tmp_path,
+                                                                            monkeypatch):
+    run, _ = save_run(tmp_path / 'run')
+    monkeypatch.setitem(sys.modules, 'transformers', None)          # `import transformers` fails
+    with pytest.raises(ConfigError, match='needs transformers: pip install transformers'):
+        export_hf.main([f'--out_dir={run}', f'--to={tmp_path / "hf"}'])
+    assert not (tmp_path / 'hf').exists()
