@@ -9,8 +9,8 @@ without --init_from, a random one of the config's shape (its acceptance rates me
 costs do). Per decode batch b (decode_batches) and K: greedy decode of decode_tokens = N tokens from
 b decode_prompt-token prompts (64 when 0), decode alone (generate of 1 + N tokens minus
 generate of 1, back to back in each repeat: the prefill and the first token are not counted),
-median of bench_steps repeats after one warm-up, with the spread of each side and bench.py's NOISY
-flag; plain decoding (model.generate) once per batch, then each K. The
+median of bench_steps repeats after bench_warmup (at least one), with the spread of each side and
+bench.py's NOISY flag; plain decoding (model.generate) once per batch, then each K. The
 prompts are windows of the run's validation split where --init_from names a run whose data is
 prepared here (how often a draft is kept depends on text like the model's own), else random
 tokens; `prompt_source` says which.
@@ -147,11 +147,12 @@ def load_bench_model(cfg, dev):
     return GPT(mcfg).to(dev).eval()
 
 
-def decode_seconds(run, N, repeats, dev):
+def decode_seconds(run, N, cfg, dev):
     """Decode alone: bench.Timing of run(1 + N) minus run(1) (prefill and first token), the two back
-    to back in each of `repeats` repeats after one untimed warm-up."""
+    to back in each of bench_steps repeats after bench_warmup untimed ones (at least one)."""
     from bench import timed_difference
-    return timed_difference(lambda: run(1 + N), lambda: run(1), repeats, 1, dev)
+    return timed_difference(lambda: run(1 + N), lambda: run(1), max(1, cfg['bench_steps']),
+                            max(1, cfg['bench_warmup']), dev)
 
 
 def predicted_speedup(accept_rate, plain_step_s, draft_pass_s, verify_pass_s):
@@ -167,7 +168,6 @@ def speculate_row(model, prompt, K, draft, plain_s, cfg, dev):
     """One row: batch prompt.size(0), draft length K, against plain decoding's plain_s seconds."""
     from bench import noise
     N, b = cfg['decode_tokens'], prompt.size(0)
-    repeats = max(1, cfg['bench_steps'])
     stats = {}
 
     def run(new):
@@ -175,7 +175,7 @@ def speculate_row(model, prompt, K, draft, plain_s, cfg, dev):
             stats.clear()
         model.generate(prompt, new, temperature=0, speculate=K, draft=draft[0],
                        draft_layers=draft[1], stats=stats if new > 1 else None)
-    spec_s = decode_seconds(run, N, repeats, dev)
+    spec_s = decode_seconds(run, N, cfg, dev)
     passes = max(1, stats['spec_passes'])
     draft_pass, verify_pass = stats['spec_draft_s'] / passes, stats['spec_verify_s'] / passes
     rates = stats['spec_accept_rate'][:K]
@@ -211,7 +211,7 @@ def bench_speculative(cfg):
         prompt = prompt.to(dev)
         with autocast:
             plain_s = decode_seconds(lambda new: model.generate(prompt, new, temperature=0), N,
-                                     max(1, cfg['bench_steps']), dev)
+                                     cfg, dev)
             rows += [speculate_row(model, prompt, K, draft, plain_s, cfg, dev)
                      for K in draft_lengths(cfg)]
     return dict(

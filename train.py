@@ -32,6 +32,7 @@ from configurator import (ConfigError, asks_help, declared_defaults, load_config
                           print_help, run_cli, source_group)
 from data.loader import VOCAB_IDENTITY, DataError, open_splits
 from device import autocast_context, resolve_device_dtype
+from loggers import Loggers
 from model import FAMILIES, GPT, GPTConfig, is_controller_key
 from run_state import (StopFlag, checkpoint_state, end_ddp_process, eval_rng, finished_already,
                        hold_out_dir, kept, open_inputs, seed_rngs, start_progress, stop_requested)
@@ -57,6 +58,10 @@ eval_only = False            # evaluate once and exit (no training)
 init_from = 'scratch'        # 'scratch', 'resume', a checkpoint file (e.g. out/stage1/ckpt.pt:
                              # weights only, fresh optimizer; for stage 2 of controller-only
                              # training), or GPT-2: 'gpt2', ...
+# logging besides metrics.jsonl, which is always written (loggers.py)
+log = ''                     # '' (none), 'tensorboard', 'wandb' or 'tensorboard,wandb'
+wandb_project = 'nanodepth'  # the W&B project of --log=wandb
+wandb_run_name = ''          # its run's name ('': W&B picks one)
 # data
 dataset = 'synthetic'        # a folder data/<dataset> written by data/prepare.py
 data_dir = ''                # where dataset folders live; '' means data/ beside this file
@@ -190,6 +195,8 @@ def train(argv):
     finally:
         if run is not None and run.metrics_f is not None:
             run.metrics_f.close()
+        if run is not None and run.loggers is not None:
+            run.loggers.close()
         if lock is not None:
             lock.release()
     if proc.ddp:        # rank 0 may still be writing its summary: leave together (no destroy:
@@ -262,9 +269,10 @@ def setup(cfg, cfg_dict, proc, argv):
                    'val': (val_data, val_data.eval_batches(cfg.eval_iters, 2, cfg.eval_seed))},
         calib=[train_data.fetch(s)[0]
                for s in train_data.eval_batches(cfg.calib_iters, 3, cfg.eval_seed)],
-        ckpt_path=os.path.join(cfg.out_dir, 'ckpt.pt'), metrics_f=None)
+        ckpt_path=os.path.join(cfg.out_dir, 'ckpt.pt'), metrics_f=None, loggers=None)
     if run.master:
         run.metrics_f = open_run_files(cfg, cfg_dict, proc, run.iter_num)
+        run.loggers = Loggers(cfg, cfg_dict, run.iter_num)     # --log: TensorBoard, W&B
         print(
             f"model: {model.get_num_params() / 1e6:.2f}M parameters ({count_params(params):,} "
             "trainable) | data: "

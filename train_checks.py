@@ -10,6 +10,7 @@ from dataclasses import fields
 
 import torch
 
+import loggers
 from checkpoint import CheckpointError, check_init_from
 from configurator import UserError, writable_folder
 from data.loader import check_checkpoint_data, check_data_folder
@@ -37,6 +38,7 @@ def check_train_config(cfg):
             "lm_thresholds must be comma-separated numbers such as '2.5,2.0', got "
             f"{cfg.lm_thresholds!r}"
         ) from None
+    loggers.check_options(cfg)      # --log: known loggers, their packages installed
     if cfg.trainable not in TRAINABLE:
         raise TrainError(f"trainable must be one of {', '.join(TRAINABLE)}; got {cfg.trainable!r}")
     check_lora_options(cfg)

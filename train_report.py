@@ -80,6 +80,8 @@ def log(run, obj):
             run.metrics_f.flush()
         except OSError as e:           # name the file (a full disk: see main)
             raise OSError(e.errno, e.strerror, run.metrics_f.name) from None
+    if getattr(run, 'loggers', None) is not None:     # --log: the same record, as scalars
+        run.loggers.write(obj)
 
 
 def count_params(params):

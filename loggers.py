@@ -1,0 +1,123 @@
+"""
+Where a training run's records go besides metrics.jsonl: `--log=tensorboard`, `--log=wandb` or
+`--log=tensorboard,wandb` (default '': nowhere else). metrics.jsonl stays the source of truth and is
+written whatever this option says; each record train.py writes there ('train' every log_interval,
+'eval' every eval_interval, the final 'summary') is also sent, at its iteration as the step, as
+scalars named <type>/<key> (a list adds /<index>, a dict /<key>: 'train/loss', 'eval/val_loss',
+'train/full_frac/0', 'summary/best_val_loss'); text, booleans and None are left out.
+
+  tensorboard  event files in out_dir (torch.utils.tensorboard): tensorboard --logdir=out_dir.
+               A fresh run removes the event files of the run it replaces; a resume hides the
+               steps after its checkpoint that the killed run had logged (purge_step), as
+               metrics.jsonl drops them.
+  wandb        a W&B run of project --wandb_project named --wandb_run_name ('' : W&B picks one),
+               its config the run's config.json, written under $WANDB_DIR or else out_dir/wandb.
+               WANDB_MODE=offline needs no network or account (`wandb sync` uploads it later);
+               online, log in first (`wandb login`). A resumed run is a new W&B run.
+
+Only rank 0 logs under DDP (it alone writes metrics.jsonl). The packages are optional: a --log
+naming one that is not installed is refused before any work, naming the pip install.
+"""
+import glob
+import importlib.util
+import os
+
+from configurator import ConfigError
+
+SINKS = {'tensorboard': 'tensorboard', 'wandb': 'wandb'}      # --log name -> the package it needs
+
+
+def check_options(cfg):
+    """train.py's logging options, before any work."""
+    parse_log(cfg.log)
+    if not cfg.wandb_project.strip():
+        raise ConfigError("wandb_project is empty; name a W&B project, e.g. "
+                          "--wandb_project=nanodepth")
+
+
+def parse_log(value):
+    """The sink names of a --log value ('' : none), each valid and installed, else ConfigError."""
+    names = [n.strip() for n in str(value).split(',') if n.strip()]
+    for name in names:
+        if name not in SINKS:
+            raise ConfigError(f"--log={value}: unknown logger {name!r}; give '' (none) or any of "
+                              f"{', '.join(SINKS)}, comma-separated")
+        if importlib.util.find_spec(SINKS[name]) is None:
+            raise ConfigError(f"--log={name} needs the {SINKS[name]} package: "
+                              f"pip install {SINKS[name]}")
+    return list(dict.fromkeys(names))
+
+
+def scalars(record):
+    """{'<type>/<key>[/<index or key>...]': float} of a metrics record's numbers."""
+    out = {}
+
+    def walk(tag, value):
+        if isinstance(value, bool) or value is None or isinstance(value, str):
+            return
+        if isinstance(value, (int, float)):
+            out[tag] = float(value)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(f'{tag}/{i}', v)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(f'{tag}/{k}', v)
+
+    for key, value in record.items():
+        if key not in ('type', 'iter'):
+            walk(f"{record.get('type', 'record')}/{key}", value)
+    return out
+
+
+class TensorBoard:
+    def __init__(self, cfg, cfg_dict, iter_num):
+        from torch.utils.tensorboard import SummaryWriter
+        resumed = cfg.init_from == 'resume'
+        if not resumed:                     # the run this one replaces (as its metrics.jsonl)
+            for old in glob.glob(os.path.join(glob.escape(cfg.out_dir), 'events.out.tfevents.*')):
+                os.remove(old)
+        self.writer = SummaryWriter(
+            cfg.out_dir, purge_step=iter_num + 1 if resumed and not cfg.eval_only else None)
+
+    def write(self, step, values):
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, step)
+        self.writer.flush()
+
+    def close(self):
+        self.writer.close()
+
+
+class WandB:
+    def __init__(self, cfg, cfg_dict, iter_num):
+        import wandb
+        folder = os.environ.get('WANDB_DIR') or cfg.out_dir
+        os.makedirs(folder, exist_ok=True)
+        self.run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or None,
+                              config=cfg_dict, dir=folder)
+
+    def write(self, step, values):
+        self.run.log(values, step=step)
+
+    def close(self):
+        self.run.finish()
+
+
+class Loggers:
+    """The sinks --log names, opened at the start of a run (rank 0): write(record) sends a metrics
+    record to each, close() ends them."""
+
+    def __init__(self, cfg, cfg_dict, iter_num):
+        kinds = dict(tensorboard=TensorBoard, wandb=WandB)
+        self.sinks = [kinds[n](cfg, cfg_dict, iter_num) for n in parse_log(cfg.log)]
+
+    def write(self, record):
+        values = scalars(record)
+        for sink in self.sinks:
+            sink.write(record.get('iter', 0), values)
+
+    def close(self):
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
