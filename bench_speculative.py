@@ -10,7 +10,7 @@ costs do). Per decode batch b (decode_batches) and K: greedy decode of decode_to
 b decode_prompt-token prompts (64 when 0), decode alone (generate of 1 + N tokens minus
 generate of 1, back to back in each repeat: the prefill and the first token are not counted),
 median of bench_steps repeats after bench_warmup (at least one), with the spread of each side and
-bench.py's NOISY flag; plain decoding (model.generate) once per batch, then each K. The
+bench.py's NOISY flag; plain decoding (model.generate) and each K take turns in every repeat. The
 prompts are windows of the run's validation split where --init_from names a run whose data is
 prepared here (how often a draft is kept depends on text like the model's own), else random
 tokens; `prompt_source` says which.
@@ -35,6 +35,7 @@ last pass) is the gap to the measured speedup.
 """
 import json
 import os
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -147,12 +148,32 @@ def load_bench_model(cfg, dev):
     return GPT(mcfg).to(dev).eval()
 
 
-def decode_seconds(run, N, cfg, dev):
-    """Decode alone: bench.Timing of run(1 + N) minus run(1) (prefill and first token), the two back
-    to back in each of bench_steps repeats after bench_warmup untimed ones (at least one)."""
-    from bench import timed_difference
-    return timed_difference(lambda: run(1 + N), lambda: run(1), max(1, cfg['bench_steps']),
-                            max(1, cfg['bench_warmup']), dev)
+def decode_timings(runs, N, cfg, dev):
+    """{name: bench.Timing of decode alone} for runs {name: run(new)}: run(1 + N) minus run(1)
+    (prefill and first token), every run back to back in each of bench_steps repeats after
+    bench_warmup untimed rounds (at least one), so a slow spell of the machine hits them alike."""
+    from bench import Timing, timed
+    for _ in range(max(1, cfg['bench_warmup'])):
+        for run in runs.values():
+            run(1 + N)
+            run(1)
+    times = {name: [] for name in runs}
+    for _ in range(max(1, cfg['bench_steps'])):
+        for name, run in runs.items():
+            long, short = timed(partial(run, 1 + N), 1, 0, dev), timed(partial(run, 1), 1, 0, dev)
+            times[name].append(long - short)
+    return {name: Timing(t) for name, t in times.items()}
+
+
+def speculative_run(model, prompt, K, draft, stats):
+    """run(new): greedy speculative generate of new tokens; a run of more than one token leaves its
+    figures in stats (afresh each time)."""
+    def run(new):
+        if new > 1:
+            stats.clear()
+        model.generate(prompt, new, temperature=0, speculate=K, draft=draft[0],
+                       draft_layers=draft[1], stats=stats if new > 1 else None)
+    return run
 
 
 def predicted_speedup(accept_rate, plain_step_s, draft_pass_s, verify_pass_s):
@@ -164,18 +185,9 @@ def predicted_speedup(accept_rate, plain_step_s, draft_pass_s, verify_pass_s):
     return alpha, tokens * plain_step_s / max(draft_pass_s + verify_pass_s, 1e-12)
 
 
-def speculate_row(model, prompt, K, draft, plain_s, cfg, dev):
-    """One row: batch prompt.size(0), draft length K, against plain decoding's plain_s seconds."""
+def speculate_row(model, b, K, plain_s, spec_s, stats, N):
+    """One row: batch b, draft length K; plain_s and spec_s the Timings of decoding N tokens."""
     from bench import noise
-    N, b = cfg['decode_tokens'], prompt.size(0)
-    stats = {}
-
-    def run(new):
-        if new > 1:                 # the figures of the last 1 + N run; generate fills them afresh
-            stats.clear()
-        model.generate(prompt, new, temperature=0, speculate=K, draft=draft[0],
-                       draft_layers=draft[1], stats=stats if new > 1 else None)
-    spec_s = decode_seconds(run, N, cfg, dev)
     passes = max(1, stats['spec_passes'])
     draft_pass, verify_pass = stats['spec_draft_s'] / passes, stats['spec_verify_s'] / passes
     rates = stats['spec_accept_rate'][:K]
@@ -205,15 +217,16 @@ def bench_speculative(cfg):
     path = checkpoint_file(cfg['init_from'])
     run_cfg = (load_checkpoint(path).get('config') or {}) if path else {}
     n, N = prompt_tokens(cfg), cfg['decode_tokens']
-    rows = []
+    rows, ks = [], draft_lengths(cfg)
     for b in (int(s) for s in str(cfg['decode_batches']).split(',') if s.strip()):
         prompt, source = decode_prompts(run_cfg, model.config.vocab_size, b, n, g)
         prompt = prompt.to(dev)
+        stats = {K: {} for K in ks}
+        runs = {0: partial(model.generate, prompt, temperature=0),        # plain decoding
+                **{K: speculative_run(model, prompt, K, draft, stats[K]) for K in ks}}
         with autocast:
-            plain_s = decode_seconds(lambda new: model.generate(prompt, new, temperature=0), N,
-                                     cfg, dev)
-            rows += [speculate_row(model, prompt, K, draft, plain_s, cfg, dev)
-                     for K in draft_lengths(cfg)]
+            secs = decode_timings(runs, N, cfg, dev)
+        rows += [speculate_row(model, b, K, secs[0], secs[K], stats[K], N) for K in ks]
     return dict(
         kind='speculative', route=model.config.route, init_from=cfg['init_from'],
         device=str(dev),
