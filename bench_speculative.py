@@ -185,6 +185,10 @@ def predicted_speedup(accept_rate, plain_step_s, draft_pass_s, verify_pass_s):
     return alpha, tokens * plain_step_s / max(draft_pass_s + verify_pass_s, 1e-12)
 
 
+def nonzero(seconds):
+    return seconds if seconds else 1e-12
+
+
 def speculate_row(model, b, K, plain_s, spec_s, stats, N):
     """One row: batch b, draft length K; plain_s and spec_s the Timings of decoding N tokens."""
     from bench import noise
@@ -195,8 +199,10 @@ def speculate_row(model, b, K, plain_s, spec_s, stats, N):
     return dict(
         route=model.config.route, batch=b, K=K, draft=stats['spec_draft'],
         draft_layers=stats['spec_depth'],
-        plain_tokens_per_s=b * N / max(plain_s, 1e-9), spec_tokens_per_s=b * N / max(spec_s, 1e-9),
-        plain_ms=plain_s * 1e3, spec_ms=spec_s * 1e3, speedup=plain_s / max(spec_s, 1e-12),
+        # no clamping: a median difference <= 0 (noise larger than the decode) shows as such,
+        # flagged NOISY, and the ratios stay exactly each other's
+        plain_tokens_per_s=b * N / nonzero(plain_s), spec_tokens_per_s=b * N / nonzero(spec_s),
+        plain_ms=plain_s * 1e3, spec_ms=spec_s * 1e3, speedup=plain_s / nonzero(spec_s),
         accept_rate=rates, tokens_per_pass=stats['spec_tokens_per_pass'],
         mean_accepted=stats['spec_tokens_per_pass'] - 1, passes=stats['spec_passes'],
         plain_ms_per_step=plain_s / N * 1e3, draft_ms_per_pass=draft_pass * 1e3,

@@ -400,7 +400,8 @@ def check_spec_rows(res, route, ks, batches):
         assert 1 <= r['tokens_per_pass'] <= r['K'] + 1 and 0 <= r['alpha'] <= 1
         # 8 tokens after the first: at least ceil(8 / (K + 1)) verifier passes, at most 8
         assert -(-8 // (r['K'] + 1)) <= r['passes'] <= 8
-        assert 0 < r['draft_share'] < 1 and r['predicted_speedup'] > 0
+        # (the prediction scales the plain step, a difference of timings that noise can make <= 0)
+        assert 0 < r['draft_share'] < 1 and math.isfinite(r['predicted_speedup'])
         # bench_steps=2 paired repeats per side: too few for a ratio that means anything
         assert r['repeats'] == 2 and r['noisy'] and len(r['spreads']) == 2
 

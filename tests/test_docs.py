@@ -38,7 +38,7 @@ SKIP = {      # command prefix -> why it is not run here (None: run it)
         'needs data/shakespeare_char, prepared by the download above',
     'python data/prepare.py arith --vocab_from=data/shakespeare_char': None if HAVE_SHAKESPEARE
         else 'needs data/shakespeare_char, prepared by the download above',
-    'python arith.py --ckpt out/arith_lora': None if HAVE_SHAKESPEARE else
+    'python arith.py --ckpt=out/arith_lora': None if HAVE_SHAKESPEARE else
         'scores the Shakespeare backbone tuned above',
 }
 TIMEOUT_S = 300             # one command

@@ -400,7 +400,8 @@ def test_routed_model_from_checkpoint_file_keeps_backbone_and_gets_fresh_gates(
     src = build(11, 2, ffn_gate=src_gate, ffn_layers='all')
     ckpt = dict(model_args=dict(src.config.__dict__), model=src.state_dict())
     fields = dict(src.config.__dict__, ffn_gate=gate, ffn_infer_rule=rule)
-    cfg = SimpleNamespace(**fields, init_from='stage1/ckpt.pt', dataset='synthetic')
+    cfg = SimpleNamespace(**fields, init_from='stage1/ckpt.pt', dataset='synthetic',
+                          trainable='controller')
     model = train.build_model(cfg, dict(vocab_size=V), ckpt)
     idx = tokens(3, 2, 12)
     for force in ('full', 'cheap'):

@@ -83,7 +83,7 @@ def test_a_stored_config_with_an_old_name_is_refused_naming_the_new_one(monkeypa
     want = r"holds old option names: budget \(now ffn_budget, or mod_capacity under route=mod\)"
     with pytest.raises(ConfigError, match=want):
         load_model(ckpt, 'cpu')                        # sample.py, eval.py, stage 2
-    monkeypatch.setattr(train_checks, 'check_checkpoint_data', lambda cfg, meta, ckpt: None)
+    monkeypatch.setattr(train_checks, 'check_checkpoint_data', lambda *args: None)
     cfg = train.SimpleNamespace(**{**train.DEFAULTS, **asdict(model.config)})
     with pytest.raises(ConfigError, match=want):       # resume
         train.check_against_checkpoint(cfg, {}, ckpt, train.RESUME_KEYS)
@@ -109,7 +109,7 @@ def test_a_stored_config_from_before_an_option_keeps_its_behaviour(route, key, b
 def test_a_run_from_before_ffn_aux_grad_resumes_only_as_it_ran(monkeypatch):
     """An ffn checkpoint written before ffn_aux_grad existed trained with 'leak': resuming it under
     today's default 'own' is refused, naming the field; with --ffn_aux_grad=leak it resumes."""
-    monkeypatch.setattr(train_checks, 'check_checkpoint_data', lambda cfg, meta, ckpt: None)
+    monkeypatch.setattr(train_checks, 'check_checkpoint_data', lambda *args: None)
     model_cfg = GPTConfig(**TINY, route='ffn', ffn_cheap_rank=4, ffn_layers='all')
     margs = {k: v for k, v in asdict(model_cfg).items() if k != 'ffn_aux_grad'}
     cfg = train.SimpleNamespace(**{**train.DEFAULTS, **asdict(model_cfg)})
