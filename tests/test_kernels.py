@@ -375,8 +375,8 @@ def test_triton_kernels_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET='1', NANODEPTH_PATH='triton',
                NANODEPTH_KERNEL_CHILD='1')
     proc = run_group([sys.executable, '-m', 'pytest', '-q', '-rs', '-p', 'no:cacheprovider',
-                      '-n', '0', '-k', 'test_interp_', __file__], 600, cwd=Path(__file__).resolve().parents[1],
-                     env=env)
+                      '-n', '0', '-k', 'test_interp_', __file__], 600,
+                     cwd=Path(__file__).resolve().parents[1], env=env)
     report = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, report
     summary = proc.stdout.strip().splitlines()[-1]
