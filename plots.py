@@ -90,6 +90,10 @@ def run_metrics(out_dir):
     out['final_train_lm'] = lm[-1][1] if lm else None
     out['tlops_saved'] = last_value(recs, 'tlops_saved')
     out['jepa_pred_std'] = last_value(recs, 'jepa_pred_std')   # G3: ~0 once its predictor collapsed
+    out['trainable_params'] = summ.get('trainable_params')
+    # the median logged step time, the first log (compilation, warm-up) left out
+    steps = [r['ms_per_iter'] for r in train[1:] if r.get('ms_per_iter') is not None]
+    out['ms_per_step'] = float(np.median(steps)) if steps else None
     norms = [r['ctrl_grad_norm'] for r in train if r.get('ctrl_grad_norm') is not None]
     out['ctrl_grad_norm'] = float(np.mean(norms)) if norms else None
     routing = summ.get('routing') or {}

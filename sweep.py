@@ -65,6 +65,17 @@ extrapolated) at the arm's own training FLOPs (the whole run) and its own eval F
 paired difference, its t-interval, and in how many seeds the arm sits below the frontier. Its room
 is how far the frontier spans in loss against the reference arm's seed std.
 
+Scores: a study file may name `score`, a command run on each finished run with '{run}' replaced
+by the run's folder and '{ckpt}' by its checkpoint (its init_from when a 0-step run saved none:
+e.g. a zero-shot arm, ['--max_iters=0']), e.g. ['arith.py', '--ckpt={ckpt}', '--json'] (a
+leading .py file runs with this Python, from this folder), printing one JSON object; it is cached
+in <run>/score.json with the checkpoint's mtime (a retrained run is scored again).
+`score_metrics` {key: lower is better?} names which of its numbers join the summary's table, each
+with its paired comparison.
+`room_arms` = (low arm, high arm, metric) measures the room from two arms instead of eval.py
+--room: the high arm's mean minus the low arm's on that metric (e.g. full fine-tuning minus the
+zero-shot backbone's accuracy), against ROOM_FACTOR × the reference arm's seed std of it.
+
 Afterwards the plots of plots.py go to out_root/plots/ (skipped, with a note, without matplotlib).
 Exit code 1 when a run failed (after the summary of those that finished; the failed runs' logs are
 named), 2 for a bad study file or option.
@@ -129,6 +140,8 @@ METRICS = {
     'eval_flops': ('summary', True),
     'train_flops': ('summary', True),
     'wall_s': ('summary', True),
+    'trainable_params': ('summary', None),
+    'ms_per_step': ('train', None),
     'jepa_pred_std': ('train', None),
 }
 
@@ -165,6 +178,19 @@ def load_study(path):
         raise ConfigError(
             f"study {path}: reference arm {ns['reference']!r} is not one of {list(ns['arms'])}"
         )
+    score, metrics = ns.setdefault('score', None), ns.setdefault('score_metrics', {})
+    if score is not None and not (isinstance(score, list) and score
+                                  and all(isinstance(a, str) for a in score)):
+        raise ConfigError(f"study {path}: score must be a command as a list of strings, e.g. "
+                          "['arith.py', '--ckpt={ckpt}', '--json']")
+    if not isinstance(metrics, dict) or not all(isinstance(v, bool) for v in metrics.values()):
+        raise ConfigError(f"study {path}: score_metrics must be {{key: lower_is_better}}, e.g. "
+                          "{'accuracy': False}")
+    room_arms = ns.setdefault('room_arms', None)
+    if room_arms is not None and (len(room_arms) != 3
+                                  or any(a not in ns['arms'] for a in room_arms[:2])):
+        raise ConfigError(f"study {path}: room_arms must be (low arm, high arm, metric) with both "
+                          f"arms among {list(ns['arms'])}")
     stray = [a for a in ns.get('frontier') or [] if a not in ns['arms']]
     if stray:
         raise ConfigError(
@@ -485,7 +511,9 @@ def is_hit_metric(k):
 
 def summarize(study, results, threshold=(None, None), room=None, overrides=()):
     arms, seeds, ref = list(study['arms']), study['seeds'], study['reference']
-    keys = list(METRICS) + sorted({k for r in results.values() for k in r if k.startswith('hit_')})
+    metrics = {**{k: (v, lower) for k, (v, lower) in METRICS.items()},
+               **{k: ('score', lower) for k, lower in study.get('score_metrics', {}).items()}}
+    keys = list(metrics) + sorted({k for r in results.values() for k in r if k.startswith('hit_')})
     table = {}
     for arm in arms:
         table[arm] = {}
@@ -493,7 +521,7 @@ def summarize(study, results, threshold=(None, None), room=None, overrides=()):
             vals = [results.get((arm, s), {}).get(k) for s in seeds]
             mu, sd = mean_std(vals)
             entry = dict(mean=mu, std=sd, per_seed=vals)
-            lower = METRICS.get(k, (None, True))[1]
+            lower = metrics.get(k, (None, True))[1]
             ref_vals = [results.get((ref, s), {}).get(k) for s in seeds]
             if is_hit_metric(k):   # censored: a run that never hit is a result, not a missing value
                 # a run that measured this hit
@@ -517,7 +545,8 @@ def summarize(study, results, threshold=(None, None), room=None, overrides=()):
         mixed_code_versions=len(codes) > 1,
         threshold=dict(value=threshold[0], source=threshold[1]),
         table=table,
-        room=None if room is None else room_verdict(study, room, table[ref]),
+        room=(arms_room(study, table) if study.get('room_arms') else
+              None if room is None else room_verdict(study, room, table[ref])),
         frontier=matched_compute(study, results, table[ref]),
     )
 
@@ -590,6 +619,51 @@ def matched_compute(study, results, ref_row, loss='final_val_loss'):
         factor=ROOM_FACTOR,
         verdict={True: 'room', False: 'no room', None: 'unknown'}[enough],
     )
+
+
+def score_run(study, out_dir):
+    """The study's score command's JSON for a finished run (cached in <run>/score.json with the
+    checkpoint's mtime); {} when the study has none, or with a note on stderr when it failed."""
+    if not study.get('score'):
+        return {}
+    path, ckpt = os.path.join(out_dir, 'score.json'), os.path.join(out_dir, 'ckpt.pt')
+    if not os.path.exists(ckpt):        # a run of 0 steps saves nothing: it is its start model
+        with open(os.path.join(out_dir, 'config.json')) as f:
+            ckpt = json.load(f).get('init_from') or ckpt
+    mtime = os.path.getmtime(ckpt) if os.path.exists(ckpt) else None
+    cached = json.load(open(path)) if os.path.exists(path) else {}
+    if cached.get('ckpt_mtime') != mtime or mtime is None:
+        argv = [a.replace('{run}', out_dir).replace('{ckpt}', ckpt) for a in study['score']]
+        if argv[0].endswith('.py'):
+            argv = [sys.executable, os.path.join(HERE, argv[0]), *argv[1:]]
+        res = subprocess.run(argv, capture_output=True, text=True, cwd=HERE)
+        try:
+            cached = dict(json.loads(res.stdout), ckpt_mtime=mtime)
+        except json.JSONDecodeError:
+            res.returncode = res.returncode or 1
+        if res.returncode:
+            print(f"score: {shlex.join(argv)} failed (exit {res.returncode}): "
+                  f"{res.stderr.strip()[-300:]}", file=sys.stderr)
+            return {}
+        with open(path, 'w') as f:
+            json.dump(cached, f)
+    return {k: v for k, v in cached.items() if k in study['score_metrics']}
+
+
+def arms_room(study, table):
+    """The room measured by two arms (the study's room_arms: low, high, metric): the high arm's
+    mean minus the low arm's, against ROOM_FACTOR × the reference arm's seed std of the metric."""
+    low, high, metric = study['room_arms']
+    lo, hi, ref = table[low][metric], table[high][metric], table[study['reference']][metric]
+    size = None if lo['mean'] is None or hi['mean'] is None else hi['mean'] - lo['mean']
+    spread = ref['std']
+    enough = None if size is None or spread is None else abs(size) >= ROOM_FACTOR * spread
+    return dict(
+        values={f'{low} {metric}': dict(mean=lo['mean'], std=lo['std']),
+                f'{high} {metric}': dict(mean=hi['mean'], std=hi['std'])},
+        key=f'{high} − {low} {metric}', size=size, seed_std_metric=metric, seed_std=spread,
+        seed_std_basis='raw', seed_std_raw=spread, factor=ROOM_FACTOR,
+        verdict={True: 'room', False: 'no room', None: 'unknown'}[enough], source='arms')
 
 
 def room_verdict(study, room, ref_row):
@@ -771,6 +845,8 @@ def room_markdown(room):
         if room['verdict'] == 'room'
         else '; the arm differences below are not evidence either way'
     )
+    if room.get('source') == 'arms':
+        return f"{head}{tail}. The two arms: {vals}.\n"
     return f"{head}{tail}. Backbones (eval.py --room, per seed): {vals}.\n"
 
 
@@ -934,6 +1010,7 @@ def sweep(argv, children):
                                              # never-hits)
         if threshold[0] is not None:
             m['threshold_hit'] = threshold_hit(f'{root}/{arm}/seed{s}', threshold[0])
+        m.update(score_run(study, f'{root}/{arm}/seed{s}'))
     summary = summarize(study, results, threshold, room=measure_room(study, root),
                         overrides=overrides)
     with open(os.path.join(root, 'summary.json'), 'w') as f:

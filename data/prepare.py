@@ -108,7 +108,8 @@ DEFAULTS = {
     "enwik8": {"input": None},
     "fineweb_edu": {"input": None, "max_docs": 100_000, "val_fraction": 0.005},
     "text": {"input": None, "tokenizer": "char", "val_fraction": 0.1, "name": None},
-    "arith": {"seed": 1337, "digits": 3, "ops": "+-", "num_problems": 20_000, "vocab_from": None},
+    "arith": {"seed": 1337, "digits": 3, "ops": "+-", "num_problems": 20_000, "answer": "plain",
+              "vocab_from": None},
 }
 
 
@@ -570,6 +571,12 @@ def build_arith(a):
         raise PrepareError(f"--digits {digits}: must be between 1 and 9")
     if not ops or any(o not in ARITH_OPS for o in ops) or len(set(ops)) != len(ops):
         raise PrepareError(f"--ops {ops!r}: give some of '+-*' once each, e.g. --ops=+-")
+    if a["answer"] not in ("plain", "reversed"):
+        raise PrepareError(f"--answer {a['answer']!r}: plain (123+45=168) or reversed "
+                           "(123+45=861, the least significant digit first)")
+    # reversed: a small model adds digit by digit, each carry known before the digit it changes
+    # (Lee et al., "Teaching Arithmetic to Small Transformers", arXiv 2307.03381)
+    order = (lambda text: text[::-1]) if a["answer"] == "reversed" else (lambda text: text)
     n_eval = max(1, int(a["num_problems"]) // 10)
     counts = {"train": int(a["num_problems"]), "val": n_eval, "test": n_eval}
     problems = arith_problems(seed, digits, ops, counts)
@@ -594,7 +601,8 @@ def build_arith(a):
     for split, rows in problems.items():
         ids, mask = [], []
         for x, op, y, answer in rows:    # prompt and answer encoded apart: the mask is exact
-            prompt, reply = encode(spell(f"{x}{op}{y}=")), encode(spell(f"{answer}\n"))
+            prompt = encode(spell(f"{x}{op}{y}="))
+            reply = encode(spell(f"{order(str(answer))}\n"))
             ids += prompt + reply
             mask += [0] * len(prompt) + [1] * len(reply)
         splits[split] = np.array(ids, dtype=np.int64)
@@ -905,6 +913,7 @@ def main(argv=None):
         ("digits", int, "arith: the most digits of an operand"),
         ("ops", str, "arith: the operators, from +, - and *"),
         ("num_problems", int, "arith: training problems (val and test get a tenth each)"),
+        ("answer", str, "arith: the answer's digits, plain (168) or reversed (861)"),
         ("vocab_from", str, "arith: a prepared dataset whose vocabulary to write it in"),
     ]:
         # where each dataset takes the option, with its default there (DEFAULTS above)

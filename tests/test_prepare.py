@@ -719,6 +719,22 @@ def test_arith_splits_share_no_operand_pair_and_answers_are_right(tmp_path, ops)
     assert not pairs["val"] & pairs["test"]
 
 
+def test_arith_reversed_answers_are_the_plain_answers_digits_backwards(tmp_path):
+    P.prepare("arith", out_dir=tmp_path / "p", num_problems=200, digits=3, ops="+-")
+    P.prepare("arith", out_dir=tmp_path / "r", num_problems=200, digits=3, ops="+-",
+              answer="reversed")
+    for split in ("train", "test"):
+        plain, rev = arith_lines(tmp_path / "p", split)[1], arith_lines(tmp_path / "r", split)[1]
+        pairs = list(zip(plain.splitlines(), rev.splitlines()))
+        assert len(pairs) >= 20
+        for p_line, r_line in pairs:
+            prompt, answer = p_line.split("=")
+            assert r_line == f"{prompt}={answer[::-1]}"
+        assert any(len(a.split("=")[1]) > 1 and a != b for a, b in pairs)
+    with pytest.raises(P.PrepareError, match="--answer"):
+        P.prepare("arith", out_dir=tmp_path / "x", num_problems=10, answer="backwards")
+
+
 def test_arith_is_deterministic_given_a_seed(tmp_path):
     for name, seed in (("a", 5), ("b", 5), ("c", 6)):
         P.prepare("arith", out_dir=tmp_path / name, num_problems=200, seed=seed)

@@ -959,3 +959,90 @@ def test_dry_run_estimates_each_run_from_its_flops_and_a_measured_step(tmp_path,
     assert 'measured training step of 2L d32 T=32 B=4' in out and '1000 ms' not in out
     assert not os.path.exists(tmp_path / 'out') or os.listdir(tmp_path / 'out') == [
         os.path.basename(root)]
+
+
+def test_a_study_score_joins_the_table_with_paired_comparisons_and_is_cached(tmp_path,
+                                                                             monkeypatch):
+    """score: a command per finished run ('{run}', '{ckpt}' filled in; a 0-step run is scored on
+    its init_from), its JSON cached with the checkpoint's mtime; score_metrics name the columns
+    (higher-is-better accuracy: a win is a higher value)."""
+    backbone = tmp_path / 'backbone.pt'
+    backbone.write_bytes(b'x')
+    acc = {('zero', 1): 0.0, ('zero', 2): 0.0, ('lora', 1): 0.5, ('lora', 2): 0.6,
+           ('full', 1): 0.7, ('full', 2): 0.6}
+    calls = []
+
+    def fake_score(args, **kw):
+        calls.append(args)
+        run = args[2].split('=', 1)[1]
+        arm, seed = run.split(os.sep)[-2], int(run[-1])
+        return SimpleNamespace(returncode=0, stderr='',
+                               stdout=json.dumps(dict(accuracy=acc[(arm, seed)], n=100)))
+
+    monkeypatch.setattr(sweep.subprocess, 'run', fake_score)
+    study = dict(arms={'lora': [], 'zero': [], 'full': []}, seeds=[1, 2], reference='lora',
+                 score=['arith.py', '--run={run}', '--ckpt={ckpt}'],
+                 score_metrics={'accuracy': False}, room_arms=('zero', 'full', 'accuracy'))
+    results = {}
+    for arm, s in acc:
+        out = tmp_path / arm / f'seed{s}'
+        fake_run(out, 0 if arm == 'zero' else 10, summary=dict(iter=10))
+        if arm == 'zero':
+            (out / 'config.json').write_text(json.dumps(dict(max_iters=0,
+                                                             init_from=str(backbone))))
+        else:
+            (out / 'ckpt.pt').write_bytes(b'y')
+        results[(arm, s)] = sweep.score_run(study, str(out))
+    assert results[('full', 1)] == dict(accuracy=0.7)            # n is not a score metric
+    assert calls[0][0] == sys.executable and calls[0][1].endswith('arith.py')
+    zero = [c for c in calls if '/zero/' in c[2]]
+    assert zero and all(c[3] == f'--ckpt={backbone}' for c in zero)
+    assert all(c[3].endswith('ckpt.pt') for c in calls if '/zero/' not in c[2])
+    n = len(calls)
+    sweep.score_run(study, str(tmp_path / 'full' / 'seed1'))
+    assert len(calls) == n                                            # cached
+    os.utime(tmp_path / 'full' / 'seed1' / 'ckpt.pt', (1, 1))
+    sweep.score_run(study, str(tmp_path / 'full' / 'seed1'))
+    assert len(calls) == n + 1                                        # retrained: scored again
+    summary = sweep.summarize(study, results)
+    full = summary['table']['full']['accuracy']
+    assert full['mean'] == pytest.approx(0.65)
+    assert full['vs_reference']['wins'] == 1 and full['vs_reference']['n'] == 2   # ties seed 2
+    assert full['vs_reference']['mean_diff'] == pytest.approx(0.1)
+    room = summary['room']
+    assert room['size'] == pytest.approx(0.65) and room['seed_std'] == pytest.approx(
+        np.std([0.5, 0.6], ddof=1))
+    assert room['verdict'] == 'no room'                     # 0.65 < 10 × 0.0707
+    assert 'The two arms' in sweep.room_markdown(room)
+
+
+def test_a_failed_score_is_named_and_leaves_the_run_unscored(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sweep.subprocess, 'run', lambda args, **kw: SimpleNamespace(
+        returncode=0, stdout='not json', stderr='boom'))
+    out = tmp_path / 'a' / 'seed1'
+    fake_run(out, 10, summary=dict(iter=10))
+    (out / 'ckpt.pt').write_bytes(b'y')
+    study = dict(score=['arith.py', '--ckpt={ckpt}'], score_metrics={'accuracy': False})
+    assert sweep.score_run(study, str(out)) == {}
+    assert 'score: ' in capsys.readouterr().err and not (out / 'score.json').exists()
+
+
+@pytest.mark.parametrize('line,needle', [
+    ("score = 'arith.py'", 'score must be a command'),
+    ("score_metrics = {'accuracy': 'higher'}", 'score_metrics must be'),
+    ("room_arms = ('a', 'nope', 'accuracy')", 'room_arms must be'),
+])
+def test_bad_score_options_refuse_the_study(tmp_path, line, needle):
+    path = tmp_path / 'study.py'
+    path.write_text(f"base = 'x.py'\narms = {{'a': []}}\nseeds = [1]\nout_root = 'o'\n{line}\n")
+    with pytest.raises(sweep.ConfigError, match=needle):
+        sweep.load_study(str(path))
+
+
+def test_run_metrics_reads_trainable_params_and_the_median_step_time(tmp_path):
+    fake_run(tmp_path, 10, summary=dict(iter=10, trainable_params=1234))
+    with open(tmp_path / 'metrics.jsonl', 'a') as f:
+        for i, ms in enumerate((900.0, 10.0, 30.0, 20.0)):     # the first (warm-up) is left out
+            f.write(json.dumps(dict(type='train', iter=i, ms_per_iter=ms)) + '\n')
+    m = sweep.run_metrics(str(tmp_path))
+    assert m['trainable_params'] == 1234 and m['ms_per_step'] == pytest.approx(20.0)
