@@ -16,9 +16,10 @@ is refused with a ConfigError naming today's (RENAMED); config files and results
 Smoke runs: with the environment variable NANODEPTH_SMOKE=1 every script that reads its options
 here (train.py, and through it sweep.py's runs; eval.py, sample.py, bench.py, flops.py) caps each
 count of iterations, steps, batches and tokens it has, and the model's width and vocabulary
-(SMOKE_CAPS, SMOKE_VALUES), after the config files and the command line, and says so on stderr: any
-documented command then runs in seconds. Its numbers mean nothing (config.json records the capped
-values); tests/test_docs.py runs the docs this way.
+(SMOKE_CAPS, SMOKE_VALUES), after the config files and the command line, and says so on stderr
+(sweep.py also runs a study's first seed only): any documented command then runs in seconds. Its
+numbers mean nothing (config.json records the capped values); tests/test_docs.py runs the docs
+this way.
 """
 import ast
 import difflib

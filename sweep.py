@@ -109,7 +109,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
-from configurator import (ConfigError, UserError, asks_help, load_config, parse_value,
+from configurator import (SMOKE_ENV, ConfigError, UserError, asks_help, load_config, parse_value,
                           print_help, run_cli, source_group, writable_folder)
 from plots import read_metrics, run_metrics, train_lm_curve, write_plots
 import progress
@@ -895,6 +895,11 @@ def parse_args(argv):
     opts['overrides'] = check_overrides(overrides)
     study = load_study(argv[0])
     study['__file__'] = argv[0]
+    if os.environ.get(SMOKE_ENV, '') not in ('', '0') and len(study['seeds']) > 1:
+        # a smoke run checks that the study runs: its first seed of every arm shows that
+        print(f"note: {SMOKE_ENV} is set: a smoke run of seed {study['seeds'][0]} only",
+              file=sys.stderr)
+        study['seeds'] = study['seeds'][:1]
     study['out_root'] = variant_root(study['out_root'], opts['overrides'])
     if not opts.get('--dry_run'):         # it writes every run, the summary and the plots there
         writable_folder(study['out_root'], 'out_root', label=f"out_root={study['out_root']!r} of "

@@ -6,7 +6,8 @@ How the commands are shortened (one mechanism): each runs exactly as written, wi
 NANODEPTH_SMOKE=1 in its environment. Every script reads its options through
 configurator.load_config, which then caps the counts of iterations, steps, batches and tokens and
 the model's width and vocabulary (configurator.SMOKE_CAPS and SMOKE_VALUES), so a training run is 2
-iterations and a benchmark one step on a small model; sweep.py's train.py runs inherit it. The
+iterations and a benchmark one step on a small model; sweep.py's train.py runs inherit it, and a
+study runs its first seed only. The
 commands' numbers mean nothing here: this checks that they run.
 
 Not run (SKIP, each with its reason): `pip install` (the environment is given), the test suite
@@ -40,6 +41,10 @@ SKIP = {      # command prefix -> why it is not run here (None: run it)
         else 'needs data/shakespeare_char, prepared by the download above',
     'python arith.py --ckpt=out/arith_lora': None if HAVE_SHAKESPEARE else
         'scores the Shakespeare backbone tuned above',
+}
+# a command that does under NANODEPTH_SMOKE=1 exactly what another documented command does
+SAME_UNDER_SMOKE = {
+    'python bench.py --suite=gpu': 'python bench.py --suite=gpu --smoke=True',
 }
 TIMEOUT_S = 300             # one command
 
@@ -107,6 +112,7 @@ def test_the_commands_are_found():
     assert commands[:2] == ['pip install -r requirements.txt', 'python train.py']
     assert not any('#' in c for c in commands) and len(commands) >= 15
     assert all(any(c.startswith(prefix) for c in commands) for prefix in SKIP)
+    assert all(a in commands and b in commands for a, b in SAME_UNDER_SMOKE.items())
 
 
 @pytest.mark.slow
@@ -118,7 +124,9 @@ def test_every_documented_command_runs_in_order(tmp_path):
     seen = set()
     for doc, command in documented_commands():
         # a command given again (in another doc) redoes the same work on the same files
-        why = skip_reason(command) or ('given above, ran there' if command in seen else None)
+        why = (skip_reason(command) or ('given above, ran there' if command in seen else None)
+               or (f'under smoke the same as `{SAME_UNDER_SMOKE[command]}`'
+                   if command in SAME_UNDER_SMOKE else None))
         seen.add(command)
         if why:
             skipped.append(f"{doc}: {command} ({why})")

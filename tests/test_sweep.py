@@ -1046,3 +1046,12 @@ def test_run_metrics_reads_trainable_params_and_the_median_step_time(tmp_path):
             f.write(json.dumps(dict(type='train', iter=i, ms_per_iter=ms)) + '\n')
     m = sweep.run_metrics(str(tmp_path))
     assert m['trainable_params'] == 1234 and m['ms_per_step'] == pytest.approx(20.0)
+
+
+def test_a_smoke_run_of_a_study_runs_its_first_seed_only(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv('NANODEPTH_SMOKE', '1')
+    fake_sweep(tmp_path, monkeypatch, 'st')
+    ran = {(a, s): len(starts(tmp_path / 'st' / a / f'seed{s}')) for a in 'AB' for s in (1, 2)}
+    assert ran == {('A', 1): 1, ('B', 1): 1, ('A', 2): 0, ('B', 2): 0}
+    assert 'smoke run of seed 1 only' in capsys.readouterr().err
+    assert json.loads((tmp_path / 'st' / 'summary.json').read_text())['seeds'] == [1]
