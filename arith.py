@@ -3,12 +3,14 @@ Exact-match accuracy on a prepared task with answers (python data/prepare.py ari
 greedy answer, generated until the newline that ends an answer, compared with the true one.
 
     python arith.py --ckpt=out/arith/ckpt.pt [--split=test] [--limit=0] [--json]
+    python arith.py --ckpt=out/backbone/ckpt.pt --dataset=arith_sc    # a backbone, zero-shot
 
 prints {"accuracy", "correct", "n", "split", "ckpt"}. The data must be the run's own (the
-checkpoint's dataset and data_dir, or --data_dir), as for eval.py. A split's problems are read back
-from its token file and loss mask: a prompt is a run of mask-0 tokens, its answer the run of
-mask-1 tokens after it (the last of which is the newline), so the scorer needs no tokenizer of its
-own and works on char and GPT-2 BPE data alike.
+checkpoint's dataset and data_dir, or --data_dir), as for eval.py, or --dataset: a task prepared
+in the run's vocabulary (data/prepare.py arith --vocab_from=<the run's data>). A split's problems
+are read back from its token file and loss mask: a prompt is a run of mask-0 tokens, its answer the
+run of mask-1 tokens after it (the last of which is the newline), so the scorer needs no tokenizer
+of its own and works on char and GPT-2 BPE data alike.
 
     from arith import split_problems, exact_match
     probs = split_problems(meta, 'test')            # [(prompt ids, answer ids)]
@@ -24,7 +26,8 @@ import torch
 from checkpoint import load_checkpoint, load_model
 from configurator import (ConfigError, asks_help, declared_defaults, load_config, print_help,
                           run_cli, source_group)
-from data.loader import check_checkpoint_data, load_dataset_meta, load_tokenizer
+from data.loader import (VOCAB_IDENTITY, check_checkpoint_data, load_dataset_meta,
+                         load_tokenizer)
 from device import cli_device
 from model import FAMILIES, read_stored_config
 
@@ -78,6 +81,8 @@ DEFAULTS = dict(
     batch_size=64,          # problems decoded together
     device='auto',          # 'auto', 'cpu', 'cuda' or 'cuda:N'
     data_dir='',            # the folder holding the run's prepared dataset ('': the run's own)
+    dataset='',             # another prepared task in the run's vocabulary (a backbone scored
+                            # zero-shot; '': the run's own)
 )
 FLAGS = {'--json': 'print one JSON object instead of the text'}
 
@@ -112,8 +117,10 @@ def main(argv):
     cfg = SimpleNamespace(**{**declared_defaults(os.path.join(HERE, 'train.py')),
                              **read_stored_config(ck['config'])})
     cfg.data_dir = args['data_dir'] or cfg.data_dir
+    cfg.dataset = args['dataset'] or cfg.dataset
     meta = load_dataset_meta(cfg, master=True, prepare_missing=False)   # only training prepares
-    check_checkpoint_data(cfg, meta, ck)
+    # another task: only its token ids must mean what they meant in training
+    check_checkpoint_data(cfg, meta, ck, keys=VOCAB_IDENTITY if args['dataset'] else None)
     if not meta.get('loss_mask') or f"{args['split']}.bin" not in meta['files']:
         raise ConfigError(f"data/{cfg.dataset} has no {args['split']} problems with answers; "
                           f"exact match needs a task such as python data/prepare.py arith")

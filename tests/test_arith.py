@@ -124,3 +124,11 @@ def test_a_backbone_fine_tunes_on_the_task_written_in_its_vocabulary(tmp_path):
     with pytest.raises(UserError, match="differs from the checkpoint's data"):
         train.main([*args, '--dataset=own', init, f'--out_dir={tmp_path / "refused"}'])
     assert not (tmp_path / 'refused').exists()
+    # the backbone scored zero-shot on the task in its vocabulary; not on the task's own vocabulary
+    score = ['--data_dir=' + str(tmp_path / 'data'), '--limit=5', '--json', '--device=cpu']
+    assert arith.main([f'--ckpt={tmp_path / "backbone" / "ckpt.pt"}', '--dataset=task',
+                       *score]) == 0
+    with pytest.raises(UserError, match="data field 'vocab_size' differs|'tokenizer' differs"):
+        arith.main([f'--ckpt={tmp_path / "backbone" / "ckpt.pt"}', '--dataset=own', *score])
+    with pytest.raises(UserError, match="has no test problems"):
+        arith.main([f'--ckpt={tmp_path / "backbone" / "ckpt.pt"}', *score])
