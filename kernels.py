@@ -287,7 +287,11 @@ def _proj_rows_op(h: torch.Tensor, order: torch.Tensor, lo: torch.Tensor, hi: to
     launch_proj_rows(h, order, lo, hi, w, b, out)
 
 
-if triton is not None:
+# the Triton kernels run on a CUDA device or under the interpreter; elsewhere they are never
+# launched, and registering them would import the compiler stack (about 2 s a process)
+TRITON_RUNS = triton is not None and (_interpreted(_gather_fc_gelu_kernel)
+                                      or torch.cuda.is_available())
+if TRITON_RUNS:
     # Custom ops, so torch.compile(fullgraph=True) traces each call as one node (no graph break).
     # Compiled kernels: triton_op, which lets the compiler see the kernels themselves. Interpreted
     # kernels (TRITON_INTERPRET=1 when this file is imported) are plain Python that reads the data,
@@ -459,8 +463,7 @@ def mlp_rows(x, order, lo, hi, mlp, out, path=None):
     path = _rows_path(x, path, (x, w_fc, b_fc, w_proj, b_proj))
     if path == 'reference':
         return mlp_rows_reference(x, order, lo, hi, mlp, out)
-    if path == 'triton' and triton is None:
-        raise RuntimeError("path 'triton' needs triton: pip install triton")
+    check_triton_runs(path)
     dtype = matmul_dtype(x)             # as autocast casts F.linear's operands in the reference
     x, w_fc, b_fc, w_proj, b_proj = (
         t if t is None else t.to(dtype) for t in (x, w_fc, b_fc, w_proj, b_proj))
@@ -477,6 +480,14 @@ def mlp_rows(x, order, lo, hi, mlp, out, path=None):
     return out
 
 
+def check_triton_runs(path):
+    if path == 'triton' and triton is None:
+        raise RuntimeError("path 'triton' needs triton: pip install triton")
+    if path == 'triton' and not TRITON_RUNS:
+        raise RuntimeError("path 'triton' runs on a CUDA device, or on the CPU under "
+                           "TRITON_INTERPRET=1 (set before kernels.py is imported)")
+
+
 def prefix_linear(x, count, weight, bias=None, path=None):
     """F.linear(x, weight, bias) on the rows [0, count) of a packed buffer x (N, C); the rows past
     count hold unspecified values (garbage on the grouped_mm path, zeros or the product elsewhere).
@@ -491,6 +502,7 @@ def prefix_linear(x, count, weight, bias=None, path=None):
         out = x.new_zeros(x.size(0), weight.size(0))
         out[:n] = F.linear(x[:n], weight, bias)
         return out
+    check_triton_runs(path)
     count = _as_count(count, x.device)
     if path == 'grouped_mm':
         y = _grouped_linear(x, count.clamp(0, x.size(0)).to(torch.int32), weight)

@@ -29,14 +29,10 @@ import torch.nn.functional as F
 
 from kernels import device_facts, version_tuple
 
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:                     # before 2.10
-    varlen_attn = None
-try:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-except ImportError:                     # before 2.5
-    flex_attention = create_block_mask = None
+# varlen_attn and FlexAttention, imported by load_attention_apis: importing either loads torch's
+# compiler stack (about 2 s a process), which a CPU process that never asks for them need not pay
+_UNLOADED = object()
+varlen_attn = flex_attention = create_block_mask = VARLEN_STYLE = _UNLOADED
 
 BACKENDS = ('varlen', 'flex', 'sdpa')
 VARLEN_CAPABILITY = (8, 0)              # FlashAttention-2: "only supports Ampere GPUs or newer"
@@ -59,7 +55,27 @@ def varlen_style(fn):
                     f"2.10's is_causal= or 2.11's window_size=")
 
 
-VARLEN_STYLE = varlen_style(varlen_attn) if varlen_attn is not None else None
+def load_attention_apis():
+    """Import varlen_attn (2.10+) and FlexAttention (2.5+) once; None where absent. A name
+    already set (e.g. a test's stand-in) is kept. Done at import where CUDA is available, so a
+    compiled forward there finds them loaded; on the CPU at the first call that needs them."""
+    global varlen_attn, flex_attention, create_block_mask, VARLEN_STYLE
+    if varlen_attn is _UNLOADED:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:                     # before 2.10
+            varlen_attn = None
+    if flex_attention is _UNLOADED or create_block_mask is _UNLOADED:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        except ImportError:                     # before 2.5
+            flex_attention = create_block_mask = None
+    if VARLEN_STYLE is _UNLOADED:
+        VARLEN_STYLE = varlen_style(varlen_attn) if varlen_attn is not None else None
+
+
+if torch.cuda.is_available():
+    load_attention_apis()
 
 
 def varlen_call(fn, q, k, v, cu_seq, max_len, scale, style=None):
@@ -99,6 +115,7 @@ def choose_backend(torch_version, device_type, capability, dtype, apis):
 
 def installed_apis():
     """The APIs of choose_backend this process has."""
+    load_attention_apis()
     return frozenset(name for name, fn in (('varlen', varlen_attn), ('flex', flex_attention))
                      if fn is not None)
 
@@ -106,7 +123,9 @@ def installed_apis():
 def default_backend(x):
     """choose_backend for tensor x (its device and dtype) in this process."""
     kind, capability = device_facts(x.device)
-    return choose_backend(torch.__version__, kind, capability, x.dtype, installed_apis())
+    # off CUDA the answer is sdpa whatever is installed: no need to import the APIs to know it
+    apis = installed_apis() if kind == 'cuda' else frozenset()
+    return choose_backend(torch.__version__, kind, capability, x.dtype, apis)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -127,6 +146,8 @@ def packed_causal_attention(q, k, v, seq_id, pos, count, cu_seq, max_len, backen
     q, k, v = (torch.where(rows, t, torch.zeros((), dtype=t.dtype, device=t.device))
                for t in (q, k, v))
     backend = default_backend(q) if backend is None else backend
+    if backend in ('varlen', 'flex'):
+        load_attention_apis()
     if backend == 'varlen':
         y = varlen_call(varlen_attn, q, k, v, cu_seq.to(torch.int32), max_len, scale,
                         VARLEN_STYLE)

@@ -618,3 +618,21 @@ def test_interp_model_static_eval_through_the_kernels(route):
     assert e.graph_break_count == 0 and e.graph_count == 1
     assert 'nanodepth.mlp_rows' in str(e.graphs[0].graph)
     assert decode.graph_break_count == 0 and decode.graph_count == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or IN_CHILD,
+                    reason='a CPU process outside the interpreter')
+def test_a_cpu_process_running_a_model_does_not_load_the_compiler_stack():
+    """kernels.py registers its Triton ops, and packed_attention.py imports varlen_attn and
+    FlexAttention, only where they can run (CUDA, the interpreter) or are asked for: importing them
+    loads torch._dynamo, about 2 s a process of every command line on the CPU."""
+    code = ('import sys, torch, model, train, packed_attention as pa\n'
+            'm = model.GPT(model.GPTConfig(n_layer=2, n_head=1, n_embd=8, vocab_size=11,'
+            ' block_size=8, route="mod", mod_layers="1"))\n'
+            'm(torch.zeros(1, 8, dtype=torch.long))\n'
+            'print("torch._dynamo" in sys.modules)\n'
+            'print(pa.installed_apis() <= {"varlen", "flex"}, "torch._dynamo" in sys.modules)')
+    proc = run_group([sys.executable, '-c', code], 120, cwd=Path(__file__).resolve().parents[1],
+                     env={k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ['False', 'True', 'True'], proc.stdout
