@@ -28,6 +28,9 @@ needs matplotlib, else skipped with a note). On the synthetic corpus also the fu
 per difficulty class per layer over the eval batches (a table, and a second PNG,
 <out>_by_class.png). With --json, one JSON object instead of the text.
 
+A progress bar over each pass's batches is drawn on stderr while stdout and stderr are terminals
+(--quiet=True: none); the text, the JSON and the PNGs are the same either way.
+
 Options are --key=value (underscores), as in every script: the spellings of before, `--ckpt PATH`
 and `--routing-map`, are refused with one line naming today's.
 
@@ -38,11 +41,13 @@ import os
 import sys
 from contextlib import nullcontext, redirect_stdout
 from dataclasses import fields
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
+import progress
 from checkpoint import load_checkpoint, load_model
 from configurator import (ConfigError, asks_help, declared_defaults, load_config, print_help,
                           run_cli, source_group, writable_file)
@@ -68,6 +73,7 @@ DEFAULTS = dict(
     data_dir='',            # the folder holding the run's prepared dataset ('': the run's own)
     batch_size=0,           # sequences per batch (0: the run's own)
     out='',                 # --routing_map's PNG ('': routing_map.png beside the checkpoint)
+    quiet=False,            # no progress bar (there is none off a terminal either)
 )
 FLAGS = {
     '--json': 'print one JSON object instead of the text',
@@ -80,13 +86,16 @@ OLD_SPELLINGS = {'--routing-map': '--routing_map'}
 
 
 @torch.no_grad()
-def evaluate(model, batches, autocast=nullcontext(), force=None):
+def evaluate(model, batches, autocast=nullcontext(), force=None, quiet=True, desc=None):
     """Mean loss over batches [(x, y), ...] in eval mode (causal, hard routing), the mean realised
     full-path fraction per controlled layer (None for a dense model), and exec_frac: the fraction
-    sparse execution runs (compact MoD: the longest row's, each row padded to it; else full)."""
+    sparse execution runs (compact MoD: the longest row's, each row padded to it; else full).
+    quiet=False: a progress bar over the batches named desc, on a terminal (eval.py's command
+    line; train.py's periodic evals keep the default, between its log lines)."""
+    desc = desc or (f'val loss, forced {force}' if force else 'val loss')
     with model.mode(training=False):
         losses, fracs, execs, extra = [], [], [], {}
-        for x, y in batches:
+        for x, y in progress.progress(batches, desc=desc, quiet=quiet):
             with autocast:
                 _, loss, aux = model(x, y, force=force)
             losses.append(float(aux['lm_loss']))
@@ -106,14 +115,16 @@ def evaluate(model, batches, autocast=nullcontext(), force=None):
 
 
 @torch.no_grad()
-def difficulty_fractions(model, batches, difficulty, class_names, autocast=nullcontext()):
+def difficulty_fractions(model, batches, difficulty, class_names, autocast=nullcontext(),
+                         quiet=True):
     """Full-path fraction per difficulty class, per controlled layer, in eval mode. `batches` are
     (x, y, starts); the routing decision at position t serves the prediction of token t+1, so it is
-    attributed to the class of that target token, difficulty[start + t + 1]."""
+    attributed to the class of that target token, difficulty[start + t + 1]. quiet=False: a
+    progress bar on a terminal."""
     with model.mode(training=False):
         T = batches[0][0].size(1)
         sums, counts = {}, np.zeros(len(class_names))
-        for x, y, starts in batches:
+        for x, y, starts in progress.progress(batches, desc='by class', quiet=quiet):
             cls = np.stack(
                 [np.asarray(difficulty[s + 1 : s + 1 + T], dtype=np.int64) for s in starts]
             )
@@ -252,11 +263,12 @@ def routing_map_report(
     autocast=nullcontext(),
     eval_seed=1337,
     n_tokens=64,
+    quiet=True,
 ):
     """The routing map of the first row of the first eval batch (its first n_tokens tokens; the
     whole row is run, which gives the same decisions since eval routing is causal), after the same
     threshold calibration report() does, and the per-difficulty-class fractions over all eval
-    batches."""
+    batches (quiet=False: under a progress bar, on a terminal)."""
     batches, starts = calibrated_eval_batches(
         model, train_data, val_data, eval_iters, calib_iters, autocast, eval_seed
     )
@@ -276,6 +288,7 @@ def routing_map_report(
             diff,
             meta['difficulty_classes'],
             autocast,
+            quiet,
         )
     return out
 
@@ -350,6 +363,8 @@ def main(argv):
                           [source_group('eval.py options', DEFAULTS, (__file__, 'DEFAULTS'))],
                           flags=FLAGS)
     args, as_json, routing, room_only = parse_args(argv)
+    # asked before --json sends stdout to stderr: no bar when the real stdout is not a terminal
+    quiet = not progress.shown(args['quiet'])
     dev, _ = cli_device(args['device'], args['dtype'])
     ck = load_checkpoint(args['ckpt'])
     # with --json, stdout holds exactly the one JSON object: notes on the way go to stderr
@@ -373,19 +388,21 @@ def main(argv):
         )
         if routing:
             res = routing_map_report(
-                model, tr, va, meta, eval_iters, calib_iters, eval_seed=cfg.eval_seed
+                model, tr, va, meta, eval_iters, calib_iters, eval_seed=cfg.eval_seed, quiet=quiet
             )
             os.makedirs(os.path.dirname(os.path.abspath(args['out'])), exist_ok=True)
             res['png'] = draw_routing_map(args['out'], map_grid(res), res['tokens'],
                                           res.get('full_frac_by_class'))
         elif room_only:
-            res = room(model, [va.fetch(s) for s in va.eval_batches(eval_iters, 2, cfg.eval_seed)])
+            batches = [va.fetch(s) for s in va.eval_batches(eval_iters, 2, cfg.eval_seed)]
+            res = room(model, batches, quiet=quiet)
             for key in ('room', 'gate_room'):
                 if isinstance(res[key], dict):
                     why = res[key]['not_applicable']
                     print(f"note: {key}: not applicable: {why}", file=sys.stderr)
         else:
-            res = report(model, tr, va, meta, eval_iters, calib_iters, eval_seed=cfg.eval_seed)
+            res = report(model, tr, va, meta, eval_iters, calib_iters, eval_seed=cfg.eval_seed,
+                         quiet=quiet)
     res['ckpt'] = args['ckpt']
     if routing:
         print_routing_map(res, as_json)
@@ -395,22 +412,22 @@ def main(argv):
 
 
 @torch.no_grad()
-def room(model, batches, autocast=nullcontext(), seed=0):
+def room(model, batches, autocast=nullcontext(), seed=0, quiet=True):
     """How much routing can matter on these batches, for this backbone: the val loss with every
     routed decision forced full and forced cheap (the family's references), and under each of its
     room rules (ffn: random and oracle routing at the budget; the oracle peeks at the targets, so it
     bounds what a causal gate can reach). room = cheap − full; gate_room = random − oracle, what a
     learned gate can gain over chance at the budget; oracle_recovery = the share of the room oracle
-    routing recovers."""
+    routing recovers. quiet=False: a progress bar per pass, on a terminal."""
     family = model.family
     out = {
-        force: evaluate(model, batches, autocast, force=force)['loss']
+        force: evaluate(model, batches, autocast, force=force, quiet=quiet)['loss']
         for force in family.references
     }
     for name, overrides in family.room_rules.items():
         torch.manual_seed(seed)                     # the random rule's draws
         with overridden(model.config, **overrides):
-            r = evaluate(model, batches, autocast)
+            r = evaluate(model, batches, autocast, quiet=quiet, desc=f'val loss, {name} routing')
         out[name], out[f'{name}_full_frac'] = r['loss'], r['full_frac']
     route = model.config.route
     # a family without these settings cannot give these numbers: say so in the report itself
@@ -454,19 +471,22 @@ def report(
     calib_iters,
     autocast=nullcontext(),
     eval_seed=1337,
+    quiet=True,
 ):
     """The end-of-run numbers: causal val loss beside the forced-full (dense) and forced-cheap
     references, realised budget, TLOps saved, MoD's causal-rule accuracy, TSA's soft vs hard and the
-    exits' threshold sweep, and per-difficulty-class routing (synthetic corpus)."""
+    exits' threshold sweep, and per-difficulty-class routing (synthetic corpus). quiet=False: a
+    progress bar per pass over the batches, on a terminal (eval.py's command line)."""
     batches, starts = calibrated_eval_batches(
         model, train_data, val_data, eval_iters, calib_iters, autocast, eval_seed
     )
     family = model.family
-    out = dict(val_loss=evaluate(model, batches, autocast))
-    out.update(family.report(model, batches, autocast, evaluate))
+    out = dict(val_loss=evaluate(model, batches, autocast, quiet=quiet))
+    out.update(family.report(model, batches, autocast, partial(evaluate, quiet=quiet)))
     for force in family.references:     # forced full = the dense model; forced cheap = every token
                                         # skips
-        out[f'val_loss_{force}'] = evaluate(model, batches, autocast, force=force)['loss']
+        out[f'val_loss_{force}'] = evaluate(model, batches, autocast, force=force,
+                                            quiet=quiet)['loss']
     if family.by_class and meta.get('difficulty_classes'):
         diff = np.memmap(
             os.path.join(meta['folder'], 'val_difficulty.bin'), dtype=np.uint8, mode='r'
@@ -477,6 +497,7 @@ def report(
             diff,
             meta['difficulty_classes'],
             autocast,
+            quiet,
         )
     return out
 

@@ -12,7 +12,8 @@
     python data/prepare.py text --input=FILE [--tokenizer=char|byte|gpt2] [--val_fraction=0.1]
         [--name=NAME]
     common options: --out_dir=DIR (default data/<dataset>, or data/<name>),
-        --dtype=auto|uint16|uint32
+        --dtype=auto|uint16|uint32, --quiet=True (no progress bar over the tokenisation; there is
+        none off a terminal either)
 
 Writes train.bin, val.bin (and test.bin for enwik8): raw little-endian token ids, uint16 unless
 vocab_size > 65535 (then uint32); read with np.memmap(path, dtype=meta["dtype"], mode="r").
@@ -82,6 +83,7 @@ REPO_ROOT = DATA_DIR.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: the repository's modules are its parent's
     sys.path.append(str(REPO_ROOT))
 from configurator import ConfigError, writable_folder  # noqa: E402
+from progress import progress  # noqa: E402
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -318,12 +320,46 @@ def gpt2_encoding():
         ) from None
 
 
-def encode_docs(docs):
-    """GPT-2 BPE of each document followed by EOT, as one uint32 array."""
+# Tokenisation runs a chunk of about this many characters at a time, so its progress bar moves
+CHUNK_CHARS = 1 << 20
+# where GPT-2's pre-tokeniser always splits: after a newline between two printable ASCII
+# characters. No piece of its pattern holds a newline with anything else, and a lone newline before
+# a non-space is a piece of its own, so BPE of the text equals BPE of the two sides joined.
+BPE_CUT = re.compile(r"(?<=[!-~]\n)(?=[!-~])")
+
+
+def bpe_pieces(doc, size=None):
+    """doc cut at BPE_CUT points into pieces of about `size` characters (at least one piece, "" for
+    an empty document): a long document's BPE, piece by piece, is its BPE whole."""
+    size, pieces, start = size or CHUNK_CHARS, [], 0
+    while len(doc) - start > size:
+        cut = BPE_CUT.search(doc, start + size)
+        if cut is None:
+            break
+        pieces.append(doc[start:cut.start()])
+        start = cut.start()
+    return pieces + [doc[start:]]
+
+
+def encode_docs(docs, quiet=False):
+    """GPT-2 BPE of each document followed by EOT, as one uint32 array; encoded about CHUNK_CHARS
+    characters at a time (long documents in bpe_pieces) under a progress bar (see progress.py)."""
     enc = gpt2_encoding()
-    ids = enc.encode_ordinary_batch(docs)
-    return np.fromiter((t for doc in ids for t in (*doc, GPT2_EOT)), dtype=np.uint32,
-                       count=sum(len(d) + 1 for d in ids))
+    batches, batch, chars = [], [], 0    # batches of (piece, whether it ends its document)
+    for doc in docs:
+        pieces = bpe_pieces(doc)
+        for i, piece in enumerate(pieces):
+            batch.append((piece, i == len(pieces) - 1))
+            chars += len(piece)
+            if chars >= CHUNK_CHARS:
+                batches, batch, chars = batches + [batch], [], 0
+    batches += [batch] if batch else []
+    out = []
+    for batch in progress(batches, desc="tokenise (gpt2)", quiet=quiet):
+        ids = enc.encode_ordinary_batch([piece for piece, _ in batch])
+        out += [np.array(piece_ids + [GPT2_EOT] * ends, dtype=np.uint32)
+                for piece_ids, (_, ends) in zip(ids, batch)]
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.uint32)
 
 
 def split_txt_docs(text):
@@ -401,17 +437,29 @@ def split_tokens(ids, val_fraction, what):
     return {"train": ids[:n_train], "val": ids[n_train:]}
 
 
-def tokenize_text(raw, path, tokenizer, byte_option=False):
-    """-> (ids, vocab_size, extra meta) for the char, byte or gpt2 tokenizer."""
+def tokenize_text(raw, path, tokenizer, byte_option=False, quiet=False):
+    """-> (ids, vocab_size, extra meta) for the char, byte or gpt2 tokenizer; quiet: no progress
+    bar."""
     if tokenizer == "byte":
         return np.frombuffer(raw, dtype=np.uint8), 256, {}
     text = decode_utf8(raw, path, byte_option)
     if tokenizer == "gpt2":
-        return encode_docs(split_txt_docs(text) or [text]), GPT2_EOT + 1, {"eot_token": GPT2_EOT}
+        docs = split_txt_docs(text) or [text]
+        return encode_docs(docs, quiet), GPT2_EOT + 1, {"eot_token": GPT2_EOT}
     if tokenizer != "char":
         raise PrepareError(f"--tokenizer {tokenizer!r}: choose char, byte or gpt2")
-    codepoints = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
-    vocab, ids = np.unique(codepoints, return_inverse=True)
+    return char_ids(text, quiet)
+
+
+def char_ids(text, quiet=False):
+    """Each character's index in the sorted set of the text's characters (int64), in two passes
+    over CHUNK_CHARS-character chunks: the set, then the indices (np.unique's inverse, chunked)."""
+    chunks = range(0, len(text), CHUNK_CHARS)
+    codepoints = lambda i: np.frombuffer(text[i:i + CHUNK_CHARS].encode("utf-32-le"), dtype="<u4")
+    vocab = np.unique(np.concatenate(
+        [np.unique(codepoints(i)) for i in progress(chunks, desc="characters", quiet=quiet)]))
+    ids = np.concatenate([np.searchsorted(vocab, codepoints(i)).astype(np.int64)
+                          for i in progress(chunks, desc="tokenise (char)", quiet=quiet)])
     return ids, len(vocab), {"chars": [chr(c) for c in vocab.tolist()]}
 
 
@@ -424,7 +472,8 @@ def build_text(a, default_input=None, url=None):
         raw, source = read_input(path), str(Path(path).resolve())
     else:
         raw, source = fetch(url, a["_out"] / "input.txt"), url
-    ids, vocab, extra = tokenize_text(raw, path or url, tokenizer, byte_option="tokenizer" in a)
+    ids, vocab, extra = tokenize_text(raw, path or url, tokenizer, byte_option="tokenizer" in a,
+                                      quiet=a.get("_quiet", False))
     splits = split_tokens(ids, a.get("val_fraction", 0.1), source)
     pct = round(100 * (1 - float(a.get("val_fraction", 0.1))))
     meta = {
@@ -450,7 +499,8 @@ def build_enwik8(a):
     if raw[:4] == b"PK\x03\x04":
         try:  # the member named enwik8, else the first one
             with zipfile.ZipFile(io.BytesIO(raw)) as z:
-                data = z.read("enwik8" if "enwik8" in z.namelist() else z.namelist()[0])
+                member = z.getinfo("enwik8" if "enwik8" in z.namelist() else z.namelist()[0])
+                data = unzip(z, member, a.get("_quiet", False))
         except (zipfile.BadZipFile, IndexError) as e:
             raise PrepareError(
                 f"{a['input'] or ENWIK8_URL}: not a readable enwik8 zip ({e})"
@@ -477,6 +527,14 @@ def build_enwik8(a):
     return splits, {}, meta
 
 
+def unzip(z, member, quiet=False, chunk=1 << 24):
+    """The member's bytes, read `chunk` bytes at a time under a progress bar."""
+    with z.open(member) as f:
+        steps = range(0, member.file_size, chunk)
+        data = [f.read(chunk) for _ in progress(steps, desc="unzip", quiet=quiet)]
+        return b"".join(data) + f.read()
+
+
 def build_fineweb_edu(a):
     max_docs, frac = int(a["max_docs"]), check_fraction(a["val_fraction"])
     if a["input"]:
@@ -491,7 +549,8 @@ def build_fineweb_edu(a):
         raise PrepareError(
             f"{source}: {len(docs)} document(s) cannot fill both train and val; need at least 2"
         )
-    splits = {"train": encode_docs(docs[:-n_val]), "val": encode_docs(docs[-n_val:])}
+    quiet = a.get("_quiet", False)
+    splits = {"train": encode_docs(docs[:-n_val], quiet), "val": encode_docs(docs[-n_val:], quiet)}
     meta = {
         "tokenizer": "gpt2",
         "vocab_size": GPT2_EOT + 1,
@@ -679,8 +738,10 @@ def output_dir(dataset, out_dir=None, name=None):
     return Path(out_dir) if out_dir else DATA_DIR / (name or dataset)
 
 
-def prepare(dataset, out_dir=None, **opts):
-    """Build `dataset` in memory, check it, then write it atomically to out_dir. Returns meta."""
+def prepare(dataset, out_dir=None, quiet=False, **opts):
+    """Build `dataset` in memory, check it, then write it atomically to out_dir. Returns meta.
+    quiet: no progress bar over the tokenisation (there is none off a terminal either); not an
+    option of the data, so not in meta.json."""
     if dataset not in BUILDERS:
         raise PrepareError(f"unknown dataset {dataset!r}; valid datasets: {', '.join(BUILDERS)}")
     args = {**COMMON_DEFAULTS, **DEFAULTS[dataset]}
@@ -693,7 +754,7 @@ def prepare(dataset, out_dir=None, **opts):
     args.update({k: v for k, v in opts.items() if v is not None})
     check_options(args, out_dir)
     out = output_dir(dataset, out_dir, args.get("name"))
-    splits, extra, meta = BUILDERS[dataset]({**args, "_out": out})
+    splits, extra, meta = BUILDERS[dataset]({**args, "_out": out, "_quiet": quiet})
     arrays = {k: to_array(v, meta["vocab_size"], args["dtype"]) for k, v in splits.items()}
     arrays.update(extra)
     meta = {"dataset": dataset, **meta, "dtype": np.dtype(arrays["train"].dtype).name,
@@ -890,6 +951,12 @@ def check_token_ids(folder, meta, vocab_size, what="meta.json's vocab_size", chu
     return meta
 
 
+def true_or_false(text):
+    if text not in ("True", "False"):
+        raise argparse.ArgumentTypeError(f"give True or False, not {text!r}")
+    return text == "True"
+
+
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message):      # argparse's usage block would bury the one line that matters
         print(f"prepare.py: error: {message}; see python data/prepare.py --help", file=sys.stderr)
@@ -920,6 +987,8 @@ def main(argv=None):
         used = [f"{d}: {opts[key]}" if opts[key] is not None else d
                 for d, opts in DEFAULTS.items() if key in opts]
         p.add_argument(f"--{key}", type=kind, help=text + (f" ({'; '.join(used)})" if used else ""))
+    p.add_argument("--quiet", type=true_or_false, default=False,
+                   help="True: no progress bar (there is none off a terminal either)")
     a = vars(p.parse_args(argv))
     try:
         meta = prepare(**a)

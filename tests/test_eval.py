@@ -1,10 +1,13 @@
 """Tests for eval.py: bad options are one UserError naming the field; --json prints exactly one JSON
 object on stdout; a data folder without the run's corpus is refused and the command the error names
 prepares it; eval.room's brackets against a hand computation."""
+import io
 import json
 import re
 import shlex
+import sys
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -126,3 +129,48 @@ def test_room_brackets_match_a_hand_computation(seed, B, T, budget):
     assert out['oracle_full_frac'] == [pytest.approx(ceil_frac(budget, T) / T)]
     assert out['gate_room'] == pytest.approx(out['random'] - out['oracle'])
     assert model.config.ffn_gate == 'mlp' and not model.training
+
+
+# --------------------------------------------------------------------------------------------------
+# progress bars over eval.py's passes: on a terminal only, never changing a number
+
+class FakeTTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_eval_passes_draw_bars_only_on_a_terminal_and_give_the_same_numbers(monkeypatch, capsys):
+    pytest.importorskip('tqdm')
+    model = build(0, n_layer=2, ffn_gate='mlp', ffn_budget=0.5).eval()
+    batches = [(tokens(s, 2, 8), tokens(s + 1, 2, 8)) for s in range(3)]
+    diff = np.arange(40, dtype=np.uint8) % 2
+    by_class = [(x, y, [0, 20]) for x, y in batches]
+    plain = (ev.room(model, batches, quiet=False),
+             ev.difficulty_fractions(model, by_class, diff, ['even', 'odd'], quiet=False))
+    assert capsys.readouterr().err == ''                    # captured: not a terminal
+    monkeypatch.setattr(sys, 'stdout', FakeTTY())
+    monkeypatch.setattr(sys, 'stderr', FakeTTY())
+    drawn = (ev.room(model, batches, quiet=False),
+             ev.difficulty_fractions(model, by_class, diff, ['even', 'odd'], quiet=False))
+    assert drawn == plain
+    err = sys.stderr.getvalue()
+    for desc in ('val loss, forced full', 'val loss, forced cheap', 'val loss, random routing',
+                 'val loss, oracle routing', 'by class'):
+        assert f'{desc}:   0%' in err and '0/3' in err, desc
+    assert sys.stdout.getvalue() == ''
+    sys.stderr.truncate(0)
+    assert ev.room(model, batches) == plain[0] and sys.stderr.getvalue() == ''   # quiet by default
+
+
+def test_eval_json_on_a_terminal_is_the_same_object_with_a_bar_beside_it(run, monkeypatch):
+    pytest.importorskip('tqdm')
+    args = [f"--ckpt={run / 'out' / 'ckpt.pt'}", "--json", f"--data_dir={run / 'data'}",
+            "--eval_iters=2", "--calib_iters=1", "--device=cpu"]
+    results = {}
+    for quiet in ('False', 'True'):
+        monkeypatch.setattr(sys, 'stdout', FakeTTY())
+        monkeypatch.setattr(sys, 'stderr', FakeTTY())
+        assert ev.main(args + [f'--quiet={quiet}']) == 0
+        results[quiet] = json.loads(sys.stdout.getvalue())     # the whole of stdout
+        assert ('val loss:   0%' in sys.stderr.getvalue()) == (quiet == 'False')
+    assert results['False'] == results['True']

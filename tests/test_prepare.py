@@ -2,6 +2,7 @@
 (checked by an independent parser), errors, idempotence, atomic and serialised writes, and the
 checksum and token-id checks."""
 import hashlib
+import io
 import json
 import re
 import sys
@@ -777,3 +778,64 @@ def test_arith_refuses_bad_options(tmp_path, opts, needle):
     with pytest.raises(P.PrepareError, match=needle):
         P.prepare("arith", out_dir=tmp_path / "a", **opts)
     assert not (tmp_path / "a" / "meta.json").exists()
+
+
+# ----------------------------------------------------------------------------- progress bars
+class FakeTTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+# newlines next to spaces, tabs, \r, non-ASCII, digits, apostrophes and punctuation: the places
+# where GPT-2's pre-tokeniser would give other pieces if a text were cut there
+TRICKY = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"
+          + "it's\n'tis a \nb\t\nc x\r\ny é\nü 12\n34 ...\n!!\n  \n\nz\n" * 3)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1 << 20])
+def test_chunked_char_ids_are_np_uniques_inverse(monkeypatch, chunk):
+    monkeypatch.setattr(P, "CHUNK_CHARS", chunk)
+    ids, vocab, extra = P.char_ids(TRICKY, quiet=True)
+    codepoints = np.frombuffer(TRICKY.encode("utf-32-le"), dtype="<u4")
+    ref_vocab, ref_ids = np.unique(codepoints, return_inverse=True)   # the unchunked tokeniser
+    assert ids.dtype == ref_ids.dtype and ids.tolist() == ref_ids.tolist()
+    assert vocab == len(ref_vocab) == 42 and extra["chars"] == [chr(c) for c in ref_vocab]
+
+
+@pytest.mark.parametrize("chunk", [1, 8, 64])
+def test_gpt2_encoded_in_pieces_is_the_bpe_of_the_whole_documents(monkeypatch, tiktoken_cache,
+                                                                  chunk):
+    need_gpt2(tiktoken_cache)
+    import tiktoken
+    enc = tiktoken.get_encoding("gpt2")
+    monkeypatch.setattr(P, "CHUNK_CHARS", chunk)
+    pieces = P.bpe_pieces(TRICKY)
+    cuts = len(P.BPE_CUT.findall(TRICKY))          # 14 places to cut
+    assert "".join(pieces) == TRICKY and len(pieces) == {1: cuts + 1, 8: 9, 64: 4}[chunk]
+    docs = [TRICKY, "", " \n x", "x" * 100]
+    ids = P.encode_docs(docs, quiet=True)
+    ref = [t for doc in docs for t in enc.encode_ordinary(doc) + [P.GPT2_EOT]]   # unchunked
+    assert ids.dtype == np.uint32 and ids.tolist() == ref
+
+
+def test_prepare_draws_a_bar_only_on_a_terminal_and_writes_the_same_bytes(tmp_path, monkeypatch,
+                                                                         capsys):
+    pytest.importorskip("tqdm")
+    monkeypatch.setattr(P, "CHUNK_CHARS", 64)      # many chunks: the bar moves
+    src, folder = tmp_path / "in.txt", tmp_path / "d"
+    src.write_text(TRICKY * 10)                    # 35 chunks of 64 characters
+    args = ["text", f"--input={src}", f"--out_dir={folder}"]
+    assert P.main(args) == 0                       # captured: not a terminal
+    assert capsys.readouterr().err == ""
+    before = folder_bytes(folder)
+    out, err = FakeTTY(), FakeTTY()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    assert P.main(args) == 0
+    assert "characters:   0%" in err.getvalue() and "tokenise (char):   0%" in err.getvalue()
+    assert "0/35 " in err.getvalue() and "tokenise" not in out.getvalue()
+    assert folder_bytes(folder) == before          # meta.json too: the bar is no option of the data
+    err.seek(0)
+    err.truncate()
+    assert P.main(args + ["--quiet=True"]) == 0
+    assert err.getvalue() == "" and folder_bytes(folder) == before
