@@ -2,8 +2,6 @@
 forward of the whole text and the summed log-softmax of its tokens), the rolling windows' cover
 of a text, the realised budget against a recount of the routing masks, and the command line's
 refusals; with lm_eval installed, its simple_evaluate on this repository's offline tasks."""
-import json
-import os
 
 import pytest
 import torch
@@ -235,3 +233,59 @@ def test_help_lists_every_option(capsys):
     out = capsys.readouterr().out
     assert out.startswith('Score a checkpoint') and 'UNDOCUMENTED' not in out
     assert all(f'--{k}=' in out for k in eh.DEFAULTS)
+
+
+# --------------------------------------------------------------------------------------------------
+# the offline tasks
+
+
+def arith_utils():
+    import importlib.util
+    path = eh.TASKS_DIR + '/arith/utils.py'
+    spec = importlib.util.spec_from_file_location('arith_task_utils', path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_offline_problems_are_the_arith_tasks_first_test_problems():
+    """problems.jsonl is what its builder makes from data/prepare.py arith's test split: the
+    question, the true answer, and that answer among the choices at `gold`."""
+    import json
+    utils = arith_utils()
+    with open(utils.PROBLEMS) as f:
+        rows = [json.loads(line) for line in f]
+    assert rows == utils.build_rows() and len(rows) == 40
+    for row in rows:
+        assert eval(row['question'][:-1]) == int(row['answer'])
+        assert row['choices'][row['gold']] == row['answer'] + '\n'
+        assert len(set(row['choices'])) == 4
+
+
+def arith_scorer():
+    """A tiny untrained model speaking the arith task's own 15 characters."""
+    from data.prepare import ARITH_SYMBOLS
+    meta = dict(tokenizer='char', chars=sorted(ARITH_SYMBOLS), vocab_size=15)
+    encode, decode = load_tokenizer(meta)
+    model = build('ffn', n_layer=2, vocab_size=16, block_size=16).eval()
+    return eh.Scorer(model, encode, decode, 15, eh.prefix_token(meta, encode), batch_size=8)
+
+
+def test_lm_evals_simple_evaluate_runs_the_offline_tasks_through_the_scorer():
+    """lm_eval (offline) on the three local tasks, 8 problems each: its accuracy is the share of
+    problems whose true answer has the highest loglikelihood by the Scorer itself; exact match is
+    the share of greedy answers equal to the true one; the routing is reported beside them."""
+    pytest.importorskip('lm_eval')
+    s = arith_scorer()
+    tasks = ['nanodepth_arith', 'nanodepth_arith_choice', 'nanodepth_arith_ppl']
+    res = eh.evaluate_tasks(s, tasks, limit=8)
+    rows = arith_utils().build_rows()[:8]
+    acc = sum(max(range(4), key=lambda c: s.loglikelihood([(r['question'], r['choices'][c])])[0][0])
+              == r['gold'] for r in rows) / 8
+    said = s.generate_until([(r['question'], dict(until=['\n'], max_gen_toks=8)) for r in rows])
+    exact = sum(a == r['answer'] for a, r in zip(said, rows)) / 8
+    got = res['results']
+    assert got['nanodepth_arith_choice']['acc,none'] == pytest.approx(acc)
+    assert got['nanodepth_arith']['exact_match,none'] == pytest.approx(exact)
+    assert 1.5 < got['nanodepth_arith_ppl']['byte_perplexity,none'] < 40   # ~15 untrained
+    assert res['routing']['tokens_scored'] > 8 * 4 * 5 and 0 < res['routing']['full_frac_mean'] < 1
