@@ -95,7 +95,8 @@ def test_score_windows_are_lm_evals_rolling_windows():
         theirs = [utils.make_disjoint_window(w) for w in utils.get_rolling_token_windows(
             token_list=tokens, prefix_token=0, max_seq_len=block, context_len=1)]
         ours = eh.score_windows([0] + tokens, 1, block)
-        assert [(list(a), list(b)) for a, b in theirs] == [(a, b) for a, b in ours]
+        # theirs: (context, continuation), the model's input being context + continuation[:-1]
+        assert [(list(a) + list(b)[:-1], list(b)) for a, b in theirs] == ours
 
 
 @pytest.mark.parametrize('route', ['none', 'ffn'])
@@ -271,6 +272,7 @@ def arith_scorer():
     return eh.Scorer(model, encode, decode, 15, eh.prefix_token(meta, encode), batch_size=8)
 
 
+@pytest.mark.slow          # importing lm_eval takes ~10 s; skipped where it is not installed
 def test_lm_evals_simple_evaluate_runs_the_offline_tasks_through_the_scorer():
     """lm_eval (offline) on the three local tasks, 8 problems each: its accuracy is the share of
     problems whose true answer has the highest loglikelihood by the Scorer itself; exact match is
