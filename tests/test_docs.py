@@ -11,9 +11,11 @@ study runs its first seed only. The
 commands' numbers mean nothing here: this checks that they run.
 
 Not run (SKIP, each with its reason): `pip install` (the environment is given), the test suite
-itself, `torchrun` (DDP over 8 GPUs on FineWeb-Edu), and Tiny Shakespeare when its text is not in
-../shared/data (preparing it downloads it). A skipped command is printed, never silently dropped.
+itself, `torchrun` (DDP over 8 GPUs on FineWeb-Edu), Tiny Shakespeare when its text is not in
+../shared/data (preparing it downloads it), and the lm-evaluation-harness example where lm_eval is
+not installed. A skipped command is printed, never silently dropped.
 """
+import importlib.util
 import os
 import re
 import shlex
@@ -29,6 +31,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / 'shared'
 HAVE_SHAKESPEARE = (SHARED / 'data' / 'tinyshakespeare.txt').is_file()
+HAVE_LM_EVAL = importlib.util.find_spec('lm_eval') is not None
+NO_LM_EVAL = 'needs lm_eval (pip install lm_eval), which CI does not install'
 SKIP = {      # command prefix -> why it is not run here (None: run it)
     'pip install': 'installs packages: the environment is given',
     'python -m pytest': 'the test suite, which this test is part of',
@@ -41,6 +45,10 @@ SKIP = {      # command prefix -> why it is not run here (None: run it)
         else 'needs data/shakespeare_char, prepared by the download above',
     'python arith.py --ckpt=out/arith_lora': None if HAVE_SHAKESPEARE else
         'scores the Shakespeare backbone tuned above',
+    # the harness's offline example: its data and training serve only it
+    'python data/prepare.py arith --out_dir=data/arith': None if HAVE_LM_EVAL else NO_LM_EVAL,
+    'python train.py --dataset=arith': None if HAVE_LM_EVAL else NO_LM_EVAL,
+    'python eval_harness.py': None if HAVE_LM_EVAL else NO_LM_EVAL,
 }
 # a command that does under NANODEPTH_SMOKE=1 exactly what another documented command does
 SAME_UNDER_SMOKE = {
