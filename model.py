@@ -268,8 +268,10 @@ class Block(nn.Module):
         return a + self.ffn_update(x + a)
 
     def forward(self, x, pos=None, cache=None):
-        x = x + self.attn_update(x, pos, cache)
-        return x + self.ffn_update(x)
+        # the class's methods: under FSDP the instance's are wrapped to gather the block's weights
+        # (sharding.py), which forward, itself wrapped, has gathered already
+        x = x + Block.attn_update(self, x, pos, cache)
+        return x + Block.ffn_update(self, x)
 
 
 # --------------------------------------------------------------------------------------------------

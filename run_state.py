@@ -132,7 +132,8 @@ def start_progress(cfg, ckpt, optimizer, scaler, master):
             history=dict(train=[], eval=[]),
             flops_state=dict(exact=0.0, proxy_num=0.0, dense=0.0, wall_s=0.0),
         )
-    optimizer.load_state_dict(ckpt['optimizer'])
+    if ckpt['optimizer'] is not None:         # (FSDP: loaded from the shards, sharding.py)
+        optimizer.load_state_dict(ckpt['optimizer'])
     scaler.load_state_dict(ckpt['scaler'])
     if master and ckpt.get('rng') is not None:
         set_rng_state(ckpt['rng'])
@@ -171,12 +172,15 @@ def parse_record(line):
 # --------------------------------------------------------------------------------------------------
 # a checkpoint of the run
 
-def checkpoint_state(run):
-    """Everything an exact resume needs (start_progress reads it back)."""
+def checkpoint_state(run, model=None, sharded=None):
+    """Everything an exact resume needs (start_progress reads it back). FSDP: `model` is the whole
+    model's state gathered on rank 0, and the optimizer's state is not here but in the DCP folder
+    `sharded` (relative to out_dir) beside the model's shards."""
     cfg = run.cfg
     return dict(
-        model=run.raw_model.state_dict(),
-        optimizer=run.optimizer.state_dict(),
+        model=run.raw_model.state_dict() if model is None else model,
+        optimizer=run.optimizer.state_dict() if sharded is None else None,
+        sharded=sharded,
         scaler=run.scaler.state_dict(),
         model_args=asdict(run.raw_model.config),
         iter_num=run.iter_num,

@@ -21,6 +21,7 @@ import math
 import os
 import shlex
 import time
+from contextlib import nullcontext
 from dataclasses import fields
 from types import SimpleNamespace
 
@@ -33,9 +34,11 @@ from configurator import (ConfigError, asks_help, declared_defaults, load_config
 from data.loader import VOCAB_IDENTITY, DataError, open_splits
 from device import autocast_context, resolve_device_dtype
 from loggers import Loggers
+import sharding
 from model import FAMILIES, GPT, GPTConfig, is_controller_key
 from run_state import (StopFlag, checkpoint_state, end_ddp_process, eval_rng, finished_already,
-                       hold_out_dir, kept, open_inputs, seed_rngs, start_progress, stop_requested)
+                       hold_out_dir, kept, open_inputs, rng_state, seed_rngs, set_rng_state,
+                       start_progress, stop_requested)
 from lora import apply_lora, lora_parameters
 from train_checks import (TRAINABLE, TrainError, check_against_checkpoint, check_family_options,
                           check_state_fits, check_train_config, model_config)
@@ -110,6 +113,9 @@ eval_seed = 1337             # eval/calibration batches: fixed, so every run of 
 max_fp16_skips = 50          # stop if this many consecutive fp16 steps overflow
 ddp_timeout = 900            # seconds a DDP process waits for a silent peer before stopping with an
                              # error
+parallel = 'ddp'             # under torchrun: 'ddp' (each process holds the whole model and
+                             # optimizer) or 'fsdp' (FSDP2: sharded across the processes, sharded
+                             # checkpoints in out_dir/ckpt_dcp; sharding.py, docs/design.md)
 overwrite = False            # a fresh run may replace the run already in out_dir (else it refuses)
 verify_data = True           # before training: the data files' sha256 against meta.json, token ids
                              # against the vocabulary
@@ -210,7 +216,7 @@ def train_loop(run, argv):
     stopped = False                   # by a signal to this process or, under DDP, to any process
     while True:
         if eval_due(run):
-            if run.master:
+            if run.master or run.sharded:         # FSDP: every rank (forward and save gather)
                 evaluate_and_checkpoint(run)
             run.t_last, run.it_last = time.time(), run.iter_num
         if run.iter_num >= run.cfg.max_iters or run.cfg.eval_only:
@@ -221,16 +227,18 @@ def train_loop(run, argv):
             log_progress(run, lr, loss_sum, norm, step)
         if run.iter_num < run.cfg.max_iters and stop_requested(run, stop, logged):   # else: finish
             stopped = True
-            if run.master:
+            if run.master or run.sharded:
                 save_run(run)
+            if run.master:
                 print(
                     f"stopped by signal at iteration {run.iter_num}; checkpoint saved to "
                     f"{run.ckpt_path}.\n"
                     f"resume with: python train.py {shlex.join(argv)} --init_from=resume"
                 )
             break
-    if run.master:
-        finish_run(run, stopped)
+    if run.master or run.sharded:                 # FSDP: every rank joins the report's forward
+        with evaluated(run):
+            finish_run(run, stopped)
 
 
 def setup(cfg, cfg_dict, proc, argv):
@@ -247,7 +255,14 @@ def setup(cfg, cfg_dict, proc, argv):
                   f"further with a larger --max_iters, or evaluate it with --eval_only=True")
         return None
     seed_rngs(cfg.seed + proc.rank)
-    model = build_model(cfg, meta, ckpt).to(proc.dev)
+    model = build_model(cfg, meta, ckpt)
+    if proc.sharded and proc.rank > 0:   # FSDP, unlike DDP, copies no weights from rank 0: build
+        stream = rng_state()             # rank 0's (its seed), then go on with this rank's stream
+        seed_rngs(cfg.seed)
+        model = build_model(cfg, meta, ckpt)
+        set_rng_state(stream)
+    # FSDP builds on the CPU and moves only this rank's shards to the device
+    model = sharding.shard_model(model, proc.dev) if proc.sharded else model.to(proc.dev)
     # what was built (GPT-2 init sets the shape)
     cfg_dict.update({k: getattr(cfg, k) for k in MODEL_KEYS})
     train_data, val_data = open_splits(meta, cfg.block_size, cfg.batch_size, cfg.seed, proc.dev)
@@ -257,6 +272,8 @@ def setup(cfg, cfg_dict, proc, argv):
         cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), proc.dev.type, params=params
     )
     progress = start_progress(cfg, ckpt, optimizer, scaler, proc.master)
+    if progress['resumed'] and proc.sharded:       # the model's and optimizer's shards (DCP)
+        sharding.load_sharded(model, optimizer, cfg.out_dir, ckpt['sharded'])
     del ckpt                                       # loaded: free its memory before the loop
     run = SimpleNamespace(
         **vars(proc), **progress, cfg=cfg, cfg_dict=cfg_dict, argv=argv, meta=meta, raw_model=model,
@@ -295,6 +312,7 @@ def read_config(argv):
     check_train_config(cfg)
     model_config(cfg)                           # validates routing fields before any work
     check_family_options(cfg, argv, DEFAULTS)
+    sharding.check_parallel(cfg, distributed=int(os.environ.get('RANK', -1)) != -1)
     return cfg, cfg_dict
 
 
@@ -302,8 +320,9 @@ def read_config(argv):
 # the process, the inputs, the model and what it trains
 
 def setup_process(cfg):
-    """This process's place in the run: DDP (torchrun sets RANK / WORLD_SIZE) or a lone process, the
-    micro-batches it accumulates per step, its device and dtype."""
+    """This process's place in the run: DDP or FSDP (torchrun sets RANK / WORLD_SIZE; `ddp` says
+    the run is distributed, `sharded` that it is FSDP) or a lone process, the micro-batches it
+    accumulates per step, its device and dtype."""
     ddp = int(os.environ.get('RANK', -1)) != -1
     rank, local_rank, world = (int(os.environ['RANK']), int(os.environ['LOCAL_RANK']),
                                int(os.environ['WORLD_SIZE'])) if ddp else (0, 0, 1)
@@ -314,13 +333,14 @@ def setup_process(cfg):
     if ddp and dev.type == 'cuda':
         dev = torch.device(f'cuda:{local_rank}')
         torch.cuda.set_device(dev)
-    return SimpleNamespace(ddp=ddp, rank=rank, local_rank=local_rank, world=world, master=rank == 0,
+    return SimpleNamespace(ddp=ddp, sharded=ddp and cfg.parallel == 'fsdp', rank=rank,
+                           local_rank=local_rank, world=world, master=rank == 0,
                            accum=cfg.gradient_accumulation_steps // world, dev=dev, dt=dt,
                            autocast=autocast_context(dev, dt))
 
 
 def start_process_group(cfg, proc):
-    if proc.ddp:
+    if proc.ddp and not torch.distributed.is_initialized():
         from torch.distributed import init_process_group
         from datetime import timedelta     # a silent (hung, stopped) peer ends the run instead of
                                            # blocking it
@@ -337,6 +357,7 @@ def build_model(cfg, meta, ckpt):
     agree."""
     if ckpt is not None and cfg.init_from == 'resume':
         check_against_checkpoint(cfg, meta, ckpt, RESUME_KEYS)
+        sharding.check_resume(cfg, ckpt)           # fsdp's optimizer state is sharded
         # data order, optimizer
         lora_keys = ('lora_rank', 'lora_alpha', 'lora_targets') if 'lora' in cfg.trainable else ()
         for k in ('batch_size', 'gradient_accumulation_steps', 'seed', 'trainable', *lora_keys):
@@ -462,8 +483,10 @@ def trainable_parameters(model, cfg):
 
 def wrap_model(raw_model, cfg, proc):
     """What the training steps call: the model compiled and/or DDP-wrapped (evals, checkpoints and
-    the family's hooks use the raw model)."""
+    the family's hooks use the raw model); FSDP shards it in place (setup)."""
     model = raw_model
+    if proc.sharded:
+        return model
     if cfg.compile:
         model = torch.compile(model, dynamic=False)
         import torch._dynamo as dynamo         # (a bare `import torch._dynamo` would make torch
@@ -497,8 +520,10 @@ def eval_due(run):
 
 
 def evaluate_and_checkpoint(run):
-    """Rank 0: train and val loss on the fixed eval batches, one 'eval' record, and a checkpoint."""
-    res = estimate_loss(run)
+    """Rank 0 (FSDP: every rank): train and val loss on the fixed eval batches, one 'eval' record
+    (rank 0), and a checkpoint."""
+    with evaluated(run):
+        res = estimate_loss(run)
     if not all(math.isfinite(res[s]['loss']) for s in res):
         raise TrainError(
             f"eval loss is not finite at iteration {run.iter_num} (train {res['train']['loss']}, "
@@ -506,10 +531,17 @@ def evaluate_and_checkpoint(run):
             "grad_clip."
         )
     run.best_val = min(run.best_val, res['val']['loss'])
-    log_eval(run, res)
+    if run.master:
+        log_eval(run, res)
     if not run.cfg.eval_only and run.iter_num > 0:
         run.flops_state['wall_s'] = time.time() - run.t_run
         save_run(run)
+
+
+def evaluated(run):
+    """FSDP: every weight gathered on every rank for an evaluation (its sparse paths reach into
+    the blocks' modules); otherwise nothing to do."""
+    return sharding.gathered(run.raw_model) if run.sharded else nullcontext()
 
 
 def estimate_loss(run):
@@ -528,7 +560,17 @@ def estimate_loss(run):
 
 def save_run(run):
     """Everything an exact resume needs, written atomically; never a broken model over a good
-    checkpoint."""
+    checkpoint. FSDP: every rank saves its shards (DCP), then rank 0 writes ckpt.pt with the whole
+    model (what eval.py, sample.py and init_from read) naming the shards' folder."""
+    if run.sharded:
+        if not sharding.all_finite(list(run.raw_model.parameters())):
+            raise TrainError(f"non-finite weights at iteration {run.iter_num}; {kept(run)}")
+        rel, whole = sharding.save_sharded(run.raw_model, run.optimizer, run.cfg.out_dir,
+                                           run.iter_num, run.master)
+        if run.master:
+            save_checkpoint(run.ckpt_path, checkpoint_state(run, model=whole, sharded=rel))
+            sharding.prune_sharded(run.cfg.out_dir, rel)
+        return
     for p in run.raw_model.parameters():
         if not torch.isfinite(p).all():
             raise TrainError(f"non-finite weights at iteration {run.iter_num}; {kept(run)}")
@@ -561,7 +603,9 @@ def optimisation_step(run):
     loss_sum = torch.zeros((), device=run.dev)
     for micro in range(run.accum):
         x, y = run.train_data.get((run.iter_num * run.accum + micro) * run.world + run.rank)
-        if run.ddp:
+        if run.sharded:
+            run.model.set_requires_gradient_sync(micro == run.accum - 1)
+        elif run.ddp:
             run.model.require_backward_grad_sync = micro == run.accum - 1
         with run.autocast:
             _, loss, aux = run.model(x, y, **opts)
@@ -570,12 +614,16 @@ def optimisation_step(run):
         loss_sum += loss.detach().float()
         accumulate(run.interval, aux, run.accum, run.raw_model.family.logged_stats)
     run.scaler.unscale_(run.optimizer)
-    if run.ctrl_params:                           # controller gradient norm, before clipping
-        grads = [p.grad.float().norm() for p in run.ctrl_params if p.grad is not None]
-        run.interval['ctrl_norm'] += torch.stack(grads).norm() if grads else 0.0
-    norm = torch.nn.utils.clip_grad_norm_(
-        run.params, cfg.grad_clip if cfg.grad_clip > 0 else float('inf')
-    )
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float('inf')
+    if run.sharded:                               # norms over every rank's shards
+        if run.ctrl_params:
+            run.interval['ctrl_norm'] += sharding.grad_norm(run.ctrl_params)
+        norm = sharding.clip_grad_norm(run.params, max_norm)
+    else:
+        if run.ctrl_params:                       # controller gradient norm, before clipping
+            grads = [p.grad.float().norm() for p in run.ctrl_params if p.grad is not None]
+            run.interval['ctrl_norm'] += torch.stack(grads).norm() if grads else 0.0
+        norm = torch.nn.utils.clip_grad_norm_(run.params, max_norm)
     if run.scaler.is_enabled():
         run.skipped += ~torch.isfinite(norm)      # exactly the steps the GradScaler skips
     run.scaler.step(run.optimizer)

@@ -242,8 +242,9 @@ def check_divergence(run, lossf):
 # the end of the run
 
 def finish_run(run, stopped):
-    """Rank 0: the 'summary' record (and, for a routing family after a complete run, its routing
-    report). An eval-only run's summary is marked eval_only and keeps the training's wall time."""
+    """Rank 0 (FSDP: every rank, rank 0 alone writing): the 'summary' record (and, for a routing
+    family after a complete run, its routing report). An eval-only run's summary is marked
+    eval_only and keeps the training's wall time."""
     cfg = run.cfg
     if not cfg.eval_only:
         run.flops_state['wall_s'] = time.time() - run.t_run
@@ -261,6 +262,8 @@ def finish_run(run, stopped):
         summary['eval_only'] = True
     if not stopped and run.raw_model.family.routes:
         summary.update(routing_summary(run))
+    if not run.master:                 # FSDP: the other ranks joined the report's forward
+        return
     per_token = flops.dense_forward_flops(run.raw_model.config, cfg.block_size) / cfg.block_size
     if not run.raw_model.family.routes:
         summary['eval_flops'] = per_token             # absolute: puts models of different sizes on
@@ -317,7 +320,8 @@ def routing_summary(run):
                 cfg.eval_seed,
             )
         )
-    print_routing(run.raw_model.family, out['routing'])
+    if run.master:
+        print_routing(run.raw_model.family, out['routing'])
     dense_fwd = flops.dense_forward_flops(mcfg, cfg.block_size)
     for key, frac_key in (
         ('eval_flops_vs_dense', 'full_frac'),
