@@ -20,9 +20,8 @@ from contextlib import contextmanager
 
 import torch
 
-from train_checks import TrainError
+from train_checks import PARALLEL, TrainError
 
-PARALLEL = ('ddp', 'fsdp')
 SHARDED_DIR = 'ckpt_dcp'         # out_dir/ckpt_dcp/iter_NNNNNNN: one DCP checkpoint per save
 BLOCK_METHODS = ('attn_update', 'ffn_update')   # Block's entry points besides forward
 

@@ -25,6 +25,9 @@ class TrainError(UserError):
     """A problem with the user's input: printed as 'error: ...' and exit code 2, before any work."""
 
 
+PARALLEL = ('ddp', 'fsdp')       # under torchrun: whole replicas, or FSDP2 shards (sharding.py)
+
+
 def check_train_config(cfg):
     """The training loop's own fields."""
     try:
@@ -42,6 +45,8 @@ def check_train_config(cfg):
     if cfg.trainable not in TRAINABLE:
         raise TrainError(f"trainable must be one of {', '.join(TRAINABLE)}; got {cfg.trainable!r}")
     check_lora_options(cfg)
+    if cfg.parallel not in PARALLEL:
+        raise TrainError(f"parallel must be one of {', '.join(PARALLEL)}; got {cfg.parallel!r}")
     if cfg.dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
         raise TrainError(f"dtype must be auto, float32, bfloat16 or float16, got {cfg.dtype!r}")
     at_least = dict(
