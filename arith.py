@@ -25,7 +25,7 @@ import torch
 
 from checkpoint import load_checkpoint, load_model
 from configurator import (ConfigError, asks_help, declared_defaults, load_config, print_help,
-                          run_cli, source_group)
+                          refuse_spaced_values, require_checkpoint_file, run_cli, source_group)
 from data.loader import (VOCAB_IDENTITY, check_checkpoint_data, load_dataset_meta,
                          load_tokenizer)
 from device import cli_device
@@ -90,14 +90,9 @@ FLAGS = {'--json': 'print one JSON object instead of the text'}
 def parse_args(argv):
     as_json = '--json' in argv
     argv = [a for a in argv if a not in FLAGS]
-    for i, arg in enumerate(argv):             # one syntax in every script: --key=value
-        if arg[2:] in DEFAULTS:
-            value = argv[i + 1] if i + 1 < len(argv) else 'VALUE'
-            raise ConfigError(f"{arg} takes its value after '=': {arg}={value}")
+    refuse_spaced_values(argv, DEFAULTS)     # one syntax in every script: --key=value
     args = load_config(DEFAULTS, argv)
-    if not args['ckpt'] or not os.path.isfile(args['ckpt']):
-        raise ConfigError(f"--ckpt={args['ckpt']} is not a checkpoint file; name one, e.g. "
-                          f"--ckpt=out/arith/ckpt.pt")
+    require_checkpoint_file(args['ckpt'])
     if args['split'] not in ('val', 'test'):
         raise ConfigError(f"--split must be val or test, got {args['split']!r}")
     if args['limit'] < 0 or args['batch_size'] < 1:

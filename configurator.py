@@ -221,6 +221,22 @@ def declared_defaults(path):
     return out
 
 
+def refuse_spaced_values(argv, defaults):
+    """One syntax in every script: `--key VALUE` (a known key, its value after a space) is refused,
+    naming the --key=VALUE spelling."""
+    for i, arg in enumerate(argv):
+        if arg.startswith('--') and arg[2:] in defaults:
+            value = argv[i + 1] if i + 1 < len(argv) else 'VALUE'
+            raise ConfigError(f"{arg} takes its value after '=': {arg}={value}")
+
+
+def require_checkpoint_file(path):
+    """--ckpt must name a file, checked before any work."""
+    if not path or not os.path.isfile(path):
+        raise ConfigError(f"--ckpt={path} is not a checkpoint file; name one, e.g. "
+                          f"--ckpt=out/arith/ckpt.pt")
+
+
 def load_config(defaults, argv):
     """Return a new dict: `defaults` updated by the config files and --key=value items of argv."""
     items = []                  # (key, value, where, text of a --key=value or None), left to right

@@ -50,7 +50,7 @@ import torch
 import progress
 from checkpoint import load_checkpoint, load_model
 from configurator import (ConfigError, asks_help, declared_defaults, load_config, print_help,
-                          run_cli, source_group, writable_file)
+                          refuse_spaced_values, run_cli, source_group, writable_file)
 from data.loader import (
     check_checkpoint_data,
     check_data,
@@ -317,12 +317,10 @@ def print_routing_map(res, as_json):
 def refuse_old_spellings(argv):
     """One syntax in every script: `--ckpt PATH` and `--routing-map` are refused, naming today's
     spelling."""
-    for i, arg in enumerate(argv):
+    for arg in argv:
         if arg in OLD_SPELLINGS:
             raise ConfigError(f"{arg} is spelled {OLD_SPELLINGS[arg]} now")
-        if arg[2:] in DEFAULTS:              # --ckpt PATH: the value after a space
-            value = argv[i + 1] if i + 1 < len(argv) else 'VALUE'
-            raise ConfigError(f"{arg} takes its value after '=': {arg}={value}")
+    refuse_spaced_values(argv, DEFAULTS)     # --ckpt PATH: the value after a space
 
 
 def parse_args(argv):

@@ -39,7 +39,8 @@ import torch.nn.functional as F
 
 from checkpoint import load_checkpoint, load_model
 from configurator import (ConfigError, UserError, asks_help, declared_defaults, load_config,
-                          print_help, run_cli, source_group, writable_file)
+                          print_help, refuse_spaced_values, require_checkpoint_file, run_cli,
+                          source_group, writable_file)
 from data.loader import check_checkpoint_data, load_dataset_meta, load_tokenizer, open_splits
 from device import cli_device
 from model import GPTConfig, read_stored_config
@@ -320,14 +321,9 @@ def evaluate_tasks(scorer, tasks, include_path='', num_fewshot=None, limit=None)
 
 def parse_args(argv):
     """The options, checked before any work; lm_eval must be importable."""
-    for i, arg in enumerate(argv):             # one syntax in every script: --key=value
-        if arg[2:] in DEFAULTS:
-            value = argv[i + 1] if i + 1 < len(argv) else 'VALUE'
-            raise ConfigError(f"{arg} takes its value after '=': {arg}={value}")
+    refuse_spaced_values(argv, DEFAULTS)     # one syntax in every script: --key=value
     args = load_config(DEFAULTS, argv)
-    if not args['ckpt'] or not os.path.isfile(args['ckpt']):
-        raise ConfigError(f"--ckpt={args['ckpt']} is not a checkpoint file; name one, e.g. "
-                          f"--ckpt=out/arith/ckpt.pt")
+    require_checkpoint_file(args['ckpt'])
     if not [t for t in args['tasks'].split(',') if t.strip()]:
         raise ConfigError("--tasks must name tasks, comma-separated, e.g. --tasks=nanodepth_arith")
     if args['num_fewshot'] < -1 or args['limit'] < 0 or args['batch_size'] < 1:
