@@ -88,14 +88,19 @@ def exit_loss_weights(depths, n_layer, schedule, scale=1.0):
     return w
 
 
-def distill_kl(student_logits, teacher_logits, direction='forward'):
+def distill_kl(student_logits, teacher_logits, direction='forward', targets=None):
     """Distillation from a stop-gradient teacher, mean over tokens, in fp32:
         forward: KL(p_teacher ‖ p_student) = Σ p_t (log p_t − log p_s)   (the usual distillation)
-        reverse: KL(p_student ‖ p_teacher)"""
+        reverse: KL(p_student ‖ p_teacher)
+    With targets, the mean is over the positions the LM loss counts (target != -1): on a task
+    whose loss counts answer tokens only, the prompt positions are not distilled either."""
     log_s = F.log_softmax(student_logits.float(), -1)
     log_t = F.log_softmax(teacher_logits.detach().float(), -1)
     if direction == 'forward':
         kl = (log_t.exp() * (log_t - log_s)).sum(-1)
     else:
         kl = (log_s.exp() * (log_s - log_t)).sum(-1)
-    return kl.mean()
+    if targets is None:
+        return kl.mean()
+    counted = (targets != -1).to(kl.dtype)
+    return (kl * counted).sum() / counted.sum().clamp_min(1)

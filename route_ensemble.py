@@ -131,7 +131,7 @@ class DepthEnsemble(Family):
         if teach and cfg.ens_kl_weight > 0:
             students = ctx.state if cfg.ens_distill == 'per_layer' else [ctx.logits]
             aux['distill_loss'] = sum(
-                losses.distill_kl(s, teacher, cfg.ens_kl) for s in students
+                losses.distill_kl(s, teacher, cfg.ens_kl, targets) for s in students
             ) / len(students)
         return add_weighted(
             lm_loss,

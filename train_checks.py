@@ -72,6 +72,9 @@ def check_train_config(cfg):
     for key in ('learning_rate', 'min_lr', 'weight_decay', 'grad_clip'):
         if not getattr(cfg, key) >= 0:         # also refuses NaN
             raise TrainError(f"{key} must be >= 0, got {getattr(cfg, key)}")
+    if cfg.decay_lr and cfg.min_lr > cfg.learning_rate:
+        raise TrainError(f"min_lr ({cfg.min_lr}) is above learning_rate ({cfg.learning_rate}): "
+                         f"the decay would raise the rate; give --min_lr <= --learning_rate")
     for key in ('beta1', 'beta2'):
         if not 0 <= getattr(cfg, key) < 1:
             raise TrainError(f"{key} must be in [0, 1), got {getattr(cfg, key)}")

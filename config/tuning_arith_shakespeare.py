@@ -1,12 +1,13 @@
 # Tuning the Shakespeare backbone (config/tuning_backbone_shakespeare.py) on two-digit addition
-# written in its characters, the answers reversed (data/prepare.py arith --answer=reversed): the
-# recipe every arm of config/study_tuning.py shares; the arms choose what trains. Loss on the
+# written in its characters, operands and answers zero-padded to fixed widths and the answers
+# reversed (07+35=240: data/prepare.py arith --pad=True --answer=reversed): the recipe every arm of
+# config/study_tuning.py shares; the arms choose what trains and their learning rates. Loss on the
 # answer tokens only; score with python arith.py --ckpt=<out_dir>/ckpt.pt.
 #   python data/prepare.py arith --vocab_from=data/shakespeare_char --digits=2 --ops=+ \
-#       --num_problems=6000 --answer=reversed --out_dir=data/arith_add2r_sc
+#       --num_problems=6000 --answer=reversed --pad=True --out_dir=data/arith_add2rp_sc
 #   python train.py config/tuning_arith_shakespeare.py --trainable=lora
 out_dir = 'out/tuning_arith_shakespeare'
-dataset = 'arith_add2r_sc'
+dataset = 'arith_add2rp_sc'
 init_from = 'out/tuning_backbone_shakespeare/ckpt.pt'
 route = 'none'
 trainable = 'all'
@@ -23,12 +24,12 @@ n_layer = 8
 n_head = 4
 n_embd = 128
 block_size = 128
-batch_size = 32
+batch_size = 16
 dropout = 0.0
-learning_rate = 3e-3
-min_lr = 3e-4
+learning_rate = 1e-3         # full fine-tuning's; the study gives the other arms theirs
+min_lr = 1e-4
 warmup_iters = 30
-max_iters = 600
-eval_interval = 200
+max_iters = 1000
+eval_interval = 250
 eval_iters = 10
-log_interval = 25
+log_interval = 100

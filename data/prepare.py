@@ -111,7 +111,7 @@ DEFAULTS = {
     "fineweb_edu": {"input": None, "max_docs": 100_000, "val_fraction": 0.005},
     "text": {"input": None, "tokenizer": "char", "val_fraction": 0.1, "name": None},
     "arith": {"seed": 1337, "digits": 3, "ops": "+-", "num_problems": 20_000, "answer": "plain",
-              "vocab_from": None},
+              "pad": False, "vocab_from": None},
 }
 
 
@@ -636,6 +636,12 @@ def build_arith(a):
     # reversed: a small model adds digit by digit, each carry known before the digit it changes
     # (Lee et al., "Teaching Arithmetic to Small Transformers", arXiv 2307.03381)
     order = (lambda text: text[::-1]) if a["answer"] == "reversed" else (lambda text: text)
+    # pad: every operand and answer zero-filled to one width (07+35=042), so each digit sits at a
+    # fixed distance from the digits it depends on and attention need not find it
+    if not isinstance(a["pad"], bool):
+        raise PrepareError(f"--pad {a['pad']!r}: True or False")
+    widths = {"+": digits + 1, "-": digits, "*": 2 * digits}
+    num = lambda v, w: str(v).zfill(w) if a["pad"] else str(v)
     n_eval = max(1, int(a["num_problems"]) // 10)
     counts = {"train": int(a["num_problems"]), "val": n_eval, "test": n_eval}
     problems = arith_problems(seed, digits, ops, counts)
@@ -660,8 +666,8 @@ def build_arith(a):
     for split, rows in problems.items():
         ids, mask = [], []
         for x, op, y, answer in rows:    # prompt and answer encoded apart: the mask is exact
-            prompt = encode(spell(f"{x}{op}{y}="))
-            reply = encode(spell(f"{order(str(answer))}\n"))
+            prompt = encode(spell(f"{num(x, digits)}{op}{num(y, digits)}="))
+            reply = encode(spell(f"{order(num(answer, widths[op]))}\n"))
             ids += prompt + reply
             mask += [0] * len(prompt) + [1] * len(reply)
         splits[split] = np.array(ids, dtype=np.int64)
@@ -679,6 +685,7 @@ def build_arith(a):
         "symbols": symbols,
         "vocab_from": str(Path(a["vocab_from"]).resolve()) if a["vocab_from"] else None,
         "loss_mask": "answer",
+        "pad": a["pad"],
     }
     return splits, masks, meta
 
@@ -981,6 +988,7 @@ def main(argv=None):
         ("ops", str, "arith: the operators, from +, - and *"),
         ("num_problems", int, "arith: training problems (val and test get a tenth each)"),
         ("answer", str, "arith: the answer's digits, plain (168) or reversed (861)"),
+        ("pad", true_or_false, "arith: zero-fill operands and answers to fixed widths (07+35=042)"),
         ("vocab_from", str, "arith: a prepared dataset whose vocabulary to write it in"),
     ]:
         # where each dataset takes the option, with its default there (DEFAULTS above)

@@ -20,8 +20,11 @@ pytestmark = pytest.mark.usefixtures('one_thread')      # tiny ops: see conftest
 @given(seed=st.integers(0, 999), T=st.integers(1, 16),
        mix=st.sampled_from(['logit', 'logprob', 'prob']), r_in=st.sampled_from(['final', 'mean']),
        kl=st.sampled_from(['forward', 'reverse']), k=st.integers(1, 4),
-       distill=st.sampled_from(['mixture', 'per_layer']), teacher_lm=st.sampled_from([0.0, 0.7]))
-def test_ensemble_matches_hand_computation(seed, T, mix, r_in, kl, k, distill, teacher_lm):
+       distill=st.sampled_from(['mixture', 'per_layer']), teacher_lm=st.sampled_from([0.0, 0.7]),
+       masked=st.booleans())
+def test_ensemble_matches_hand_computation(seed, T, mix, r_in, kl, k, distill, teacher_lm, masked):
+    """The mixture, the distillation and the teacher's LM loss, recomputed by hand; with a task's
+    loss mask (targets -1 on the prompt), the distillation too counts the answer positions only."""
     model = build(
         'ensemble',
         seed=seed,
@@ -34,6 +37,9 @@ def test_ensemble_matches_hand_computation(seed, T, mix, r_in, kl, k, distill, t
         ens_teacher_lm_weight=teacher_lm,
     ).train()
     idx, tgt = tokens(seed, 2, T), tokens(seed + 1, 2, T)
+    if masked:
+        tgt[:, :T // 2] = -1                        # a prompt the loss does not count
+    counted = tgt != -1
     with torch.no_grad():
         logits, loss, _ = model(idx, tgt)
         x = model.transformer.wte(idx) + model.transformer.wpe(torch.arange(T))
@@ -58,14 +64,14 @@ def test_ensemble_matches_hand_computation(seed, T, mix, r_in, kl, k, distill, t
         def kl_to(student_logits):
             student = F.log_softmax(student_logits, -1)
             p, q = (teacher, student) if kl == 'forward' else (student, teacher)
-            return (p.exp() * (p - q)).sum(-1).mean()
+            return (p.exp() * (p - q)).sum(-1)[counted].mean()
         # per_layer: each late layer's own prediction distilled, mean over the k; mixture: the
         # mixture's
         kl_val = kl_to(want) if distill == 'mixture' else sum(kl_to(lg) for lg in per) / k
-        teacher_ce = F.cross_entropy(teacher_logits.flatten(0, 1), tgt.flatten())
+        teacher_ce = F.cross_entropy(teacher_logits[counted], tgt[counted])
         torch.testing.assert_close(
             loss,
-            F.cross_entropy(want.flatten(0, 1), tgt.flatten())
+            F.cross_entropy(want[counted], tgt[counted])
             + 0.3 * kl_val
             + teacher_lm * teacher_ce,
             rtol=1e-4,

@@ -736,6 +736,27 @@ def test_arith_reversed_answers_are_the_plain_answers_digits_backwards(tmp_path)
         P.prepare("arith", out_dir=tmp_path / "x", num_problems=10, answer="backwards")
 
 
+@pytest.mark.parametrize("ops, width", [("+", 4), ("-", 3), ("*", 6)])
+def test_arith_padded_problems_have_one_width_and_the_unpadded_values(tmp_path, ops, width):
+    """--pad=True zero-fills each operand to --digits and the answer to the most digits the
+    operator can give (+: digits + 1, -: digits, *: 2 digits), reversed after padding; the
+    problems are the unpadded ones, number for number."""
+    kw = dict(num_problems=200, digits=3, ops=ops, answer="reversed")
+    P.prepare("arith", out_dir=tmp_path / "u", **kw)
+    P.prepare("arith", out_dir=tmp_path / "p", pad=True, **kw)
+    for split in ("train", "test"):
+        plain, padded = arith_lines(tmp_path / "u", split)[1], arith_lines(tmp_path / "p", split)[1]
+        pairs = list(zip(plain.splitlines(), padded.splitlines()))
+        assert len(pairs) >= 20
+        for u_line, p_line in pairs:
+            a, op, b, c = re.fullmatch(r"(\d{3})([-+*])(\d{3})=(\d+)", p_line).groups()
+            assert len(c) == width
+            assert u_line == f"{int(a)}{op}{int(b)}={str(int(c[::-1]))[::-1]}"
+        assert any(p.startswith("0") for p in padded.splitlines())
+    with pytest.raises(P.PrepareError, match="--pad"):
+        P.prepare("arith", out_dir=tmp_path / "x", num_problems=10, pad="yes")
+
+
 def test_arith_is_deterministic_given_a_seed(tmp_path):
     for name, seed in (("a", 5), ("b", 5), ("c", 6)):
         P.prepare("arith", out_dir=tmp_path / name, num_problems=200, seed=seed)

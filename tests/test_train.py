@@ -1021,6 +1021,7 @@ def bad_input_cases(synth, text_data, base_copy):
             "gradient_accumulation_steps",
         ),
         "negative_lr": ([*TINY, *d, "--learning_rate=-1e-3"], "learning_rate"),
+        "min_lr_above_lr": ([*TINY, *d, "--learning_rate=1e-2", "--min_lr=1e-1"], "--min_lr <="),
         "dropout_above_1": ([*TINY, *d, "--dropout=1.5"], "dropout"),
         "negative_max_iters": ([*TINY, *d, "--max_iters=-1"], "max_iters"),
         # a model vocabulary below the data's 34 symbols: refused, not an embedding index error
@@ -1069,6 +1070,7 @@ CASES = [
     "batch_size_0",
     "accumulation_0",
     "negative_lr",
+    "min_lr_above_lr",
     "dropout_above_1",
     "negative_max_iters",
     "vocab_below_data",
