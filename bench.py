@@ -53,7 +53,9 @@ architecture at the config's shape) and transformers' GPT2LMHeadModel of the sam
 weights, decode greedily from a decode_prompt-token prompt (64 when 0), each with its own KV cache;
 the decode_tokens steps after the prefill are timed step by step, the two interleaved token by token
 in one process (transformers through a manual loop over its cache, its fastest eager decode). Per
-decode batch: both tokens/s and ratio = ours / theirs, eager (and compiled with --compile=True).
+decode batch: both tokens/s and ratio = ours / theirs, eager (and compiled with --compile=True);
+beside them the weights alone (every Linear applied once per token, interleaved too): no decoder
+reading every weight per token goes faster, so floor / theirs bounds the ratio any decoder can reach.
 
     python bench.py config/bench_decode_vs_hf_cpu.py --out=results/<device>_<date>/decode_vs_hf.json
 
@@ -740,6 +742,24 @@ def hf_greedy_steps(model, prompt, new_tokens):
             yield
 
 
+def weights_floor_steps(model, batch, new_tokens):
+    """The weights' part of a decode step alone, one step per next() as our_greedy_steps: every
+    Linear of the model (the blocks' projections and the LM head) applied once to a (batch, 1, in)
+    input, nothing else (no attention, norms, embedding or argmax). Any decoder of this shape and
+    dtype reads all these weights per token, so its tokens/s are an upper bound on both
+    contenders' at small batch, where a step is bound by reading weights."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    p = next(model.parameters())
+    xs = {n: torch.randn(batch, 1, n, device=p.device, dtype=p.dtype)
+          for n in {m.in_features for m in linears}}
+    with torch.no_grad():
+        yield
+        for _ in range(new_tokens):
+            for m in linears:
+                m(xs[m.in_features])
+            yield
+
+
 def interleaved_decode_seconds(decoders, new_tokens, dev):
     """{name: seconds} of new_tokens decoding steps of each decoder (a generator as
     our_greedy_steps), timed step by step with the decoders interleaved per token, so load that
@@ -775,6 +795,7 @@ def bench_decode_vs_hf(cfg):
     if cfg['compile']:
         contenders['ours_compiled'] = lambda p: our_greedy_steps(ours, p, N, True)
     contenders['hf'] = lambda p: hf_greedy_steps(theirs, p, N)
+    contenders['floor'] = lambda p: weights_floor_steps(ours, p.size(0), N)
     rows = []
     for b in numbers(cfg, 'decode_batches', int):
         prompt = torch.randint(0, ours.config.vocab_size, (b, n), device=dev)
@@ -786,10 +807,12 @@ def bench_decode_vs_hf(cfg):
                 secs[name] += [t] if r else []
         secs = {k: Timing(v) for k, v in secs.items()}
         tps = {k: b * N / max(v, 1e-9) for k, v in secs.items()}
-        for name in (k for k in contenders if k != 'hf'):
+        for name in (k for k in contenders if k.startswith('ours_')):
             rows.append(dict(
                 batch=b, ours=name.removeprefix('ours_'), ours_tokens_per_s=tps[name],
                 hf_tokens_per_s=tps['hf'], ratio=tps[name] / tps['hf'],
+                weights_floor_tokens_per_s=tps['floor'],
+                best_ratio_possible=tps['floor'] / tps['hf'],
                 **noise(secs[name], secs['hf']),
             ))
     return dict(
@@ -809,11 +832,12 @@ def print_decode_vs_hf(res):
           f"({res['threads']} threads), {res['prompt_tokens']}-token prompt, "
           f"{res['decode_tokens']} new tokens, decode alone")
     print('| batch | nanodepth | nanodepth tok/s | transformers tok/s | ratio | spread ours / '
-          'theirs |')
-    print('|---|---|---|---|---|---|')
+          'theirs | weights alone tok/s | floor / transformers |')
+    print('|---|---|---|---|---|---|---|---|')
     for r in res['rows']:
         print(f"| {r['batch']} | {r['ours']} | {r['ours_tokens_per_s']:.1f} | "
-              f"{r['hf_tokens_per_s']:.1f} | {r['ratio']:.2f} | {spread_cell(r)} |")
+              f"{r['hf_tokens_per_s']:.1f} | {r['ratio']:.2f} | {spread_cell(r)} | "
+              f"{r['weights_floor_tokens_per_s']:.1f} | {r['best_ratio_possible']:.2f} |")
     print(noise_note(res['rows']))
 
 def quick_preset(cfg, argv):

@@ -27,7 +27,8 @@ tqdm bar under the lines as well (--quiet=True: the lines only).
 
 A study file defines: base (a config file), overrides (for every run), arms {name: [overrides]},
 seeds, out_root, reference (the arm the others are compared with), and optionally before (train.py
-argument lists run once first, e.g. stage 1 of a two-stage recipe) and threshold (see below). Run r
+argument lists run once first, e.g. stage 1 of a two-stage recipe), threshold (see below) and skip
+(one line saying why the study cannot run on this machine: the sweep prints it and exits 0). Run r
 of arm a writes to out_root/a/seed<s>/. A finished run (its metrics.jsonl ends with a summary at
 max_iters) is skipped; an interrupted one (ckpt.pt but no summary) is resumed. --jobs=N runs N
 train.py processes at a time, each with cpu_count // N threads (OMP_NUM_THREADS, unless set);
@@ -186,6 +187,10 @@ def load_study(path):
     if not isinstance(metrics, dict) or not all(isinstance(v, bool) for v in metrics.values()):
         raise ConfigError(f"study {path}: score_metrics must be {{key: lower_is_better}}, e.g. "
                           "{'accuracy': False}")
+    skip = ns.setdefault('skip', None)
+    if skip is not None and not (isinstance(skip, str) and skip and '\n' not in skip):
+        raise ConfigError(f"study {path}: skip must be one line saying why the study cannot run "
+                          "here (or None)")
     room_arms = ns.setdefault('room_arms', None)
     if room_arms is not None and (len(room_arms) != 3
                                   or any(a not in ns['arms'] for a in room_arms[:2])):
@@ -901,7 +906,8 @@ def parse_args(argv):
               file=sys.stderr)
         study['seeds'] = study['seeds'][:1]
     study['out_root'] = variant_root(study['out_root'], opts['overrides'])
-    if not opts.get('--dry_run'):         # it writes every run, the summary and the plots there
+    if not opts.get('--dry_run') and not study['skip']:   # it writes every run, the summary and
+                                                            # the plots there
         writable_folder(study['out_root'], 'out_root', label=f"out_root={study['out_root']!r} of "
                                                              f"{argv[0]}")
     return study, opts, jobs
@@ -963,6 +969,9 @@ def sweep(argv, children):
     grid = [(arm, s, with_seed([study['base'], *study['overrides'], *ov, *overrides,
                                 f'--seed={s}'], s))
             for arm, ov in study['arms'].items() for s in study['seeds']]
+    if study['skip']:                 # e.g. weights this machine does not have: nothing to run
+        print(f"{argv[0]}: skipped: {study['skip']}", flush=True)
+        return 0
     before = before_runs(study, argv[0])
     if opts.get('--dry_run'):
         dry_run(study, grid, before, overrides)

@@ -111,7 +111,7 @@ DEFAULTS = {
     "fineweb_edu": {"input": None, "max_docs": 100_000, "val_fraction": 0.005},
     "text": {"input": None, "tokenizer": "char", "val_fraction": 0.1, "name": None},
     "arith": {"seed": 1337, "digits": 3, "ops": "+-", "num_problems": 20_000, "answer": "plain",
-              "pad": False, "vocab_from": None},
+              "pad": False, "vocab_from": None, "tokenizer": None},
 }
 
 
@@ -651,7 +651,11 @@ def build_arith(a):
         if backbone.get("tokenizer") not in ("char", "gpt2"):
             raise PrepareError(f"--vocab_from {a['vocab_from']}: its tokenizer is "
                                f"{backbone.get('tokenizer')!r}; arith speaks char or gpt2")
-    if backbone is not None and backbone["tokenizer"] == "gpt2":
+    tok = a["tokenizer"] or (backbone["tokenizer"] if backbone is not None else "char")
+    if tok not in ("char", "gpt2") or backbone is not None and tok != backbone["tokenizer"]:
+        raise PrepareError(f"--tokenizer {tok!r}: arith speaks char or gpt2, and a --vocab_from "
+                           f"backbone's own ({backbone['tokenizer'] if backbone else 'any'})")
+    if tok == "gpt2":           # GPT-2's BPE whole: a GPT-2 backbone (init_from=gpt2) reads it
         tokenizer, vocab, extra = "gpt2", GPT2_EOT + 1, {"eot_token": GPT2_EOT}
         symbols = {c: c for c in ARITH_SYMBOLS}
         encode = gpt2_encoding().encode_ordinary
@@ -798,7 +802,7 @@ def check_options(args, out_dir):
         check_fraction(args["val_fraction"])
     if args["dtype"] not in ("auto", "uint16", "uint32"):
         raise PrepareError(f"--dtype {args['dtype']!r}: choose auto, uint16 or uint32")
-    if args.get("tokenizer", "char") not in ("char", "byte", "gpt2"):
+    if args.get("tokenizer") not in (None, "char", "byte", "gpt2"):
         raise PrepareError(f"--tokenizer {args['tokenizer']!r}: choose char, byte or gpt2")
     if "mix" in args:
         parse_mix(args["mix"])

@@ -86,8 +86,11 @@ def test_bench_decode_vs_hf(tmp_path):
     assert [(row['batch'], row['ours']) for row in res['rows']] == [(1, 'eager'), (3, 'eager')]
     for row in res['rows']:
         assert set(row) == {'batch', 'ours', 'ours_tokens_per_s', 'hf_tokens_per_s', 'ratio',
-                            'spreads', 'repeats', 'noisy'}
+                            'weights_floor_tokens_per_s', 'best_ratio_possible', 'spreads',
+                            'repeats', 'noisy'}
         assert row['ours_tokens_per_s'] > 0 and row['hf_tokens_per_s'] > 0
+        assert row['best_ratio_possible'] == pytest.approx(
+            row['weights_floor_tokens_per_s'] / row['hf_tokens_per_s'], rel=1e-12)
         assert row['repeats'] == 2 and row['noisy']          # 2 repeats: too few to mean much
         assert row['ratio'] == pytest.approx(row['ours_tokens_per_s'] / row['hf_tokens_per_s'],
                                              rel=1e-12)
@@ -115,6 +118,27 @@ def test_bench_times_the_tokens_generate_decodes():
     with torch.no_grad():
         full = model(want, last_only=False)[0]
     torch.testing.assert_close(torch.stack(logits, 1), full[:, 60:68], rtol=1e-4, atol=1e-4)
+
+
+def test_the_weights_floor_applies_every_linear_once_per_token():
+    """weights_floor_steps runs each Linear of the model (the LM head too) once per decode step on
+    a (batch, 1, in) input, and nothing else: counted with forward hooks."""
+    import bench
+    from model import GPT, GPTConfig
+    model = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=32, vocab_size=13)).eval()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 3 * 4 + 1                # qkv, out, fc, proj per block; the head
+    shapes = []
+    for m in linears:
+        m.register_forward_hook(lambda m, args, out: shapes.append((m, tuple(args[0].shape))))
+    steps = bench.weights_floor_steps(model, 5, 4)
+    next(steps)
+    assert shapes == []                             # the first next() is the untimed prefill
+    for _ in steps:
+        pass
+    assert len(shapes) == 4 * len(linears)
+    assert [m for m, _ in shapes[:len(linears)]] == linears
+    assert all(shape == (5, 1, m.in_features) for m, shape in shapes)
 
 
 def test_bench_decode_vs_hf_prompt_must_fit_the_context():

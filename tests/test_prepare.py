@@ -757,6 +757,32 @@ def test_arith_padded_problems_have_one_width_and_the_unpadded_values(tmp_path, 
         P.prepare("arith", out_dir=tmp_path / "x", num_problems=10, pad="yes")
 
 
+def test_arith_in_gpt2_bpe_encodes_each_problem_and_masks_its_answer(tmp_path, tiktoken_cache):
+    """--tokenizer=gpt2 (a GPT-2 backbone's data): each problem is its prompt's tokens then its
+    answer's, as GPT-2's encoder gives them; the mask is 1 on the answer's tokens only."""
+    need_gpt2(tiktoken_cache)
+    import tiktoken
+    enc = tiktoken.get_encoding("gpt2")
+    P.prepare("arith", out_dir=tmp_path / "g", num_problems=100, digits=2, ops="+",
+              answer="reversed", pad=True, tokenizer="gpt2")
+    meta = json.loads((tmp_path / "g" / "meta.json").read_text())
+    assert meta["tokenizer"] == "gpt2" and meta["vocab_size"] == 50257
+    P.prepare("arith", out_dir=tmp_path / "c", num_problems=100, digits=2, ops="+",
+              answer="reversed", pad=True)
+    want_ids, want_mask = [], []
+    for line in arith_lines(tmp_path / "c", "train")[1].splitlines():
+        prompt, answer = line.split("=")
+        p, a = enc.encode_ordinary(prompt + "="), enc.encode_ordinary(answer + "\n")
+        want_ids += p + a
+        want_mask += [0] * len(p) + [1] * len(a)
+    assert load(tmp_path / "g", "train.bin", meta).tolist() == want_ids
+    mask = np.fromfile(tmp_path / "g" / "train_loss_mask.bin", dtype=np.uint8)
+    assert mask.tolist() == want_mask and 100 <= sum(want_mask) < len(want_mask) / 2
+    for opts in (dict(tokenizer="byte"), dict(tokenizer="gpt2", vocab_from=str(tmp_path / "c"))):
+        with pytest.raises(P.PrepareError, match="--tokenizer"):
+            P.prepare("arith", out_dir=tmp_path / "x", num_problems=10, **opts)
+
+
 def test_arith_is_deterministic_given_a_seed(tmp_path):
     for name, seed in (("a", 5), ("b", 5), ("c", 6)):
         P.prepare("arith", out_dir=tmp_path / name, num_problems=200, seed=seed)

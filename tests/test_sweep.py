@@ -593,6 +593,37 @@ def test_a_bad_option_refuses_the_study_in_one_line(tmp_path):
     assert r.stdout == '' and not (tmp_path / 'out').exists()
 
 
+def test_a_study_that_cannot_run_here_says_why_in_one_line_and_runs_nothing(tmp_path):
+    body = (f"base = 'config/mod_synthetic.py'\nout_root = {str(tmp_path / 'out')!r}\n"
+            f"seeds = [1]\narms = {{'A': []}}\n")
+    study = tmp_path / 'study.py'
+    for skip, code in (("'no weights here'", 0), ("'two\\nlines'", 2), ("3", 2)):
+        study.write_text(body + f"skip = {skip}\n")
+        r = subprocess.run([sys.executable, 'sweep.py', str(study)], cwd=REPO, capture_output=True,
+                           text=True, timeout=120, start_new_session=True)
+        assert r.returncode == code, r.stderr
+        if code == 0:
+            assert r.stdout == f"{study}: skipped: no weights here\n" and r.stderr == ''
+        else:
+            assert r.stderr.count('\n') == 1 and 'skip must be one line' in r.stderr
+        assert not (tmp_path / 'out').exists()
+
+
+def test_the_gpt2_study_runs_where_the_weights_are_and_is_skipped_elsewhere(tmp_path,
+                                                                            monkeypatch):
+    monkeypatch.setenv('NANODEPTH_GPT2', str(tmp_path / 'absent'))
+    study = sweep.load_study(os.path.join(REPO, 'config', 'study_tuning_gpt2.py'))
+    assert 'no GPT-2 weights' in study['skip'] and str(tmp_path / 'absent') in study['skip']
+    saved = tmp_path / 'gpt2_local'                 # what save_pretrained writes, in outline
+    saved.mkdir()
+    (saved / 'config.json').write_text('{}')
+    monkeypatch.setenv('NANODEPTH_GPT2', str(saved))
+    study = sweep.load_study(os.path.join(REPO, 'config', 'study_tuning_gpt2.py'))
+    assert study['skip'] is None and study['overrides'] == [f'--init_from={saved}']
+    cpu_study = sweep.load_study(os.path.join(REPO, 'config', 'study_tuning.py'))
+    assert set(study['arms']) == set(cpu_study['arms'])
+
+
 def test_help_lists_the_options_and_flags_before_any_work(capsys):
     """--help exits 0 without a study file, on stdout: --jobs with its default and comment, the
     flags with theirs, nothing UNDOCUMENTED."""
