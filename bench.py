@@ -55,7 +55,7 @@ the decode_tokens steps after the prefill are timed step by step, the two interl
 in one process (transformers through a manual loop over its cache, its fastest eager decode). Per
 decode batch: both tokens/s and ratio = ours / theirs, eager (and compiled with --compile=True);
 beside them the weights alone (every Linear applied once per token, interleaved too): no decoder
-reading every weight per token goes faster, so floor / theirs bounds the ratio any decoder can reach.
+reading every weight per token goes faster, so floor / theirs bounds any decoder's ratio.
 
     python bench.py config/bench_decode_vs_hf_cpu.py --out=results/<device>_<date>/decode_vs_hf.json
 
