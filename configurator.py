@@ -15,11 +15,11 @@ is refused with a ConfigError naming today's (RENAMED); config files and results
 
 Smoke runs: with the environment variable NANODEPTH_SMOKE=1 every script that reads its options
 here (train.py, and through it sweep.py's runs; eval.py, sample.py, bench.py, flops.py) caps each
-count of iterations, steps, batches and tokens it has, and the model's width and vocabulary
-(SMOKE_CAPS, SMOKE_VALUES), after the config files and the command line, and says so on stderr
-(sweep.py also runs a study's first seed only): any documented command then runs in seconds. Its
-numbers mean nothing (config.json records the capped values); tests/test_docs.py runs the docs
-this way.
+count of iterations, steps, batches, tokens and scored problems it has, and the model's width and
+vocabulary (SMOKE_CAPS, SMOKE_VALUES), after the config files and the command line, and says so on
+stderr (sweep.py also runs a study's first seed only): any documented command then runs in
+seconds. Its numbers mean nothing (config.json records the capped values); tests/test_docs.py runs
+the docs this way.
 """
 import ast
 import difflib
@@ -132,7 +132,8 @@ RENAMED = {
 SMOKE_ENV = 'NANODEPTH_SMOKE'
 SMOKE_CAPS = dict(max_iters=2, eval_interval=2, warmup_iters=1, log_interval=1, eval_iters=1,
                   batch_size=2, block_size=128, n_embd=128, vocab_size=512, bench_steps=1,
-                  bench_warmup=0, decode_tokens=2, max_new_tokens=8)
+                  bench_warmup=0, decode_tokens=2, max_new_tokens=8, limit=32)
+SMOKE_ZERO_IS_ALL = ('limit',)       # arith.py's and eval_harness.py's 0: every problem
 SMOKE_VALUES = dict(decode_batches='1', prefill_shapes='1x32')
 
 
@@ -141,8 +142,8 @@ def smoke_caps(config):
     means 'from the checkpoint'), with one note on stderr."""
     if os.environ.get(SMOKE_ENV, '') in ('', '0'):
         return config
-    changed = {k: min(config[k], cap) for k, cap in SMOKE_CAPS.items()
-               if k in config and config[k] > cap}
+    changed = {k: min(config[k], cap) or cap for k, cap in SMOKE_CAPS.items()
+               if k in config and (config[k] > cap or k in SMOKE_ZERO_IS_ALL and config[k] == 0)}
     changed.update({k: v for k, v in SMOKE_VALUES.items() if k in config and config[k] != v})
     if 'n_embd' in changed and 'n_head' in config and changed['n_embd'] % config['n_head']:
         # the capped width must still split into heads: the most heads <= n_head that divide it

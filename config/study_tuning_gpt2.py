@@ -5,21 +5,22 @@
 #   python data/prepare.py arith --tokenizer=gpt2 --digits=2 --ops=+ --num_problems=6000 \
 #       --answer=reversed --pad=True --out_dir=data/arith_add2rp_gpt2
 #   python sweep.py config/study_tuning_gpt2.py
+import glob
 import os
 
 GPT2 = os.environ.get('NANODEPTH_GPT2', 'gpt2')
 
 
 def gpt2_weights_here(name):
-    """Whether from_pretrained(name) finds GPT-2's weights without the network."""
+    """Whether from_pretrained(name) finds GPT-2's weights without the network: a folder saved by
+    transformers, or the hub name's snapshot in the Hugging Face cache."""
     if os.path.isdir(name) or os.sep in name:       # a folder, or a path to none
         return os.path.isfile(os.path.join(name, 'config.json'))
-    try:
-        from huggingface_hub import try_to_load_from_cache
-        return any(isinstance(try_to_load_from_cache(name, f), str)
-                   for f in ('model.safetensors', 'pytorch_model.bin'))
-    except Exception:           # no huggingface_hub, or not a hub name
-        return False
+    hub = os.environ.get('HF_HUB_CACHE') or os.path.join(
+        os.environ.get('HF_HOME') or os.path.expanduser('~/.cache/huggingface'), 'hub')
+    repo = f"models--{name.replace('/', '--')}"
+    files = glob.glob(os.path.join(hub, repo, 'snapshots', '*', '*'))
+    return any(os.path.basename(f) in ('model.safetensors', 'pytorch_model.bin') for f in files)
 
 
 skip = None if gpt2_weights_here(GPT2) else (

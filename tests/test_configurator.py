@@ -265,6 +265,16 @@ def test_smoke_env_caps_the_counts_and_says_so(monkeypatch, capsys):
     assert load_config(defaults, [])['max_iters'] == 600
 
 
+def test_smoke_env_caps_a_limit_whose_zero_means_all(monkeypatch):
+    """arith.py's and eval_harness.py's limit (0: every problem) is capped under smoke, 0 too; a
+    smaller limit stays."""
+    from configurator import SMOKE_CAPS, load_config
+    monkeypatch.setenv('NANODEPTH_SMOKE', '1')
+    for limit, want in ((0, SMOKE_CAPS['limit']), (1000, SMOKE_CAPS['limit']), (5, 5)):
+        assert load_config(dict(limit=0, split='test'), [f"--limit={limit}"])["limit"] == want
+    assert SMOKE_CAPS['limit'] == 32
+
+
 def test_smoke_env_keeps_the_capped_width_divisible_into_heads(monkeypatch):
     """A width capped below a config's (GPT-2's 768 with 12 heads) still splits into heads: the
     most heads <= n_head that divide the capped width; a width that already divides is untouched."""
