@@ -137,6 +137,13 @@ SMOKE_ZERO_IS_ALL = ('limit',)       # arith.py's and eval_harness.py's 0: every
 SMOKE_VALUES = dict(decode_batches='1', prefill_shapes='1x32')
 
 
+def hf_hub_cache():
+    """Where transformers keeps downloaded models: HF_HUB_CACHE, else HF_HOME/hub, else
+    ~/.cache/huggingface/hub."""
+    return os.environ.get('HF_HUB_CACHE') or os.path.join(
+        os.environ.get('HF_HOME') or os.path.expanduser('~/.cache/huggingface'), 'hub')
+
+
 def smoke_caps(config):
     """NANODEPTH_SMOKE=1: the counts config has capped (a value already below a cap is kept; 0 often
     means 'from the checkpoint'), with one note on stderr."""

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import losses
 import speculative
-from configurator import RENAMED, ConfigError
+from configurator import RENAMED, ConfigError, hf_hub_cache
 from routing import MLP, Dense, RouteCtx, training_flags
 
 # the routing families, by config.route: route_<name>.py defines each, as its FAMILY (a subclass
@@ -617,8 +617,7 @@ class GPT(nn.Module):
         try:
             hf = GPT2LMHeadModel.from_pretrained(name_or_path)
         except (OSError, ValueError) as e:       # no local copy and no network, or not GPT-2 files
-            cache = os.environ.get('HF_HUB_CACHE') or os.path.join(
-                os.environ.get('HF_HOME') or os.path.expanduser('~/.cache/huggingface'), 'hub')
+            cache = hf_hub_cache()
             where = (f"the folder {name_or_path}" if os.path.isdir(name_or_path) else
                      f"the Hugging Face cache {cache}, then huggingface.co")
             raise ConfigError(

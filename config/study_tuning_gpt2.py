@@ -8,6 +8,8 @@
 import glob
 import os
 
+from configurator import hf_hub_cache
+
 GPT2 = os.environ.get('NANODEPTH_GPT2', 'gpt2')
 
 
@@ -16,10 +18,8 @@ def gpt2_weights_here(name):
     transformers, or the hub name's snapshot in the Hugging Face cache."""
     if os.path.isdir(name) or os.sep in name:       # a folder, or a path to none
         return os.path.isfile(os.path.join(name, 'config.json'))
-    hub = os.environ.get('HF_HUB_CACHE') or os.path.join(
-        os.environ.get('HF_HOME') or os.path.expanduser('~/.cache/huggingface'), 'hub')
     repo = f"models--{name.replace('/', '--')}"
-    files = glob.glob(os.path.join(hub, repo, 'snapshots', '*', '*'))
+    files = glob.glob(os.path.join(hf_hub_cache(), repo, 'snapshots', '*', '*'))
     return any(os.path.basename(f) in ('model.safetensors', 'pytorch_model.bin') for f in files)
 
 
