@@ -343,9 +343,11 @@ class GPT(nn.Module):
         are given (or last_only=False), else for the last position only; loss is the total training
         loss (LM + the family's weighted terms); aux holds the separate terms and routing statistics
         as tensors (no host sync): 'lm_loss', '<name>_loss', 'full_frac' (per routed layer), 'masks'
-        {layer: (B, T), 1 = full path / block runs}, 'tlops_saved'. force, calibrate, sparse,
-        exec_mode (None: self.exec_mode) and the family's per-step options (Family.step_options) are
-        what this forward asks of the routing family: routing.RouteCtx says what each means."""
+        {layer: (B, T), 1 = full path / block runs}, 'margins' {layer: (B, T), each causal
+        decision's gate score minus its threshold: > 0 full path}, 'tlops_saved'. force,
+        calibrate, sparse, exec_mode (None: self.exec_mode) and the family's per-step options
+        (Family.step_options) are what this forward asks of the routing family: routing.RouteCtx
+        says what each means."""
         ctx = RouteCtx(
             force=force,
             calibrate=calibrate,

@@ -279,6 +279,8 @@ def run_exits(model, x, pos, cache, ctx):
             top = F.softmax(lg.float(), dim=-1).topk(2, dim=-1).values
             conf = top[..., 0] if cfg.exit_conf == 'softmax' else top[..., 0] - top[..., 1]
         newly = running & (conf >= cfg.exit_threshold)
+        if ctx.collect:                 # block d runs for a token iff its test failed
+            ctx.margins[d] = (cfg.exit_threshold - conf).detach()
         if model.exit_heads is not None:
             state.exit_out = lg if state.exit_out is None else torch.where(newly[..., None], lg,
                                                                            state.exit_out)

@@ -441,11 +441,10 @@ def routed_ffn_update(block, cfg, x, ctx):
         score = block.gate.score(h, *preds) if preds is not None else block.gate(h)
         if causal:                  # calibrating: the threshold first set to hit the budget on this
                                     # batch
-            mask = threshold_mask(
-                block.predictor(h) if block.predictor is not None else score,
-                block.tau,
-                cfg.ffn_budget if ctx.calibrate else None,
-            )
+            decider = block.predictor(h) if block.predictor is not None else score
+            mask = threshold_mask(decider, block.tau, cfg.ffn_budget if ctx.calibrate else None)
+            if ctx.collect:
+                ctx.margins[l] = (decider - block.tau).detach()
         else:
             mask = topk_mask(score.detach(), capacity(cfg.ffn_budget, T))
     if sparse:                      # each path on its own tokens only

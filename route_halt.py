@@ -77,6 +77,8 @@ class TokenSelectiveAttention(Family):
             else:                       # skip where p > τ; kept tokens as trained ('scaled') or
                                         # whole
                 active = (p <= cfg.halt_tau).to(p.dtype)
+                if ctx.collect:
+                    ctx.margins[l + 1] = (cfg.halt_tau - p).detach()
                 keep = active * (1 - p) if cfg.halt_hard == 'scaled' else active
             block = blocks[l + 1]
             x = x + keep[..., None] * block.attn_update(x, pos, cache)

@@ -244,7 +244,10 @@ def mod_block(block, cfg, x, pos, cache, ctx):
         if r is None:
             mask = random_mask(B, T, cfg.mod_capacity, True, x.device)
         else:
-            mask = (block.predictor(x) if block.predictor is not None else r) > 0     # σ(·) > 0.5
+            decider = block.predictor(x) if block.predictor is not None else r
+            mask = decider > 0                                                     # σ(·) > 0.5
+            if ctx.collect:
+                ctx.margins[block.layer] = decider.detach()
             if ctx.collect:           # agreement of the causal decision with top-k (non-causal)
                 topk = topk_mask(r, capacity(cfg.mod_capacity, T))
                 ctx.add('mod_acc', (mask == topk).float().mean()

@@ -84,6 +84,8 @@ class RouteCtx:
     hidden: dict = field(default_factory=dict)       # (Family.run_blocks keeps them)
     scores: dict = field(default_factory=dict)       # layer -> gate score (B, T)
     masks: dict = field(default_factory=dict)        # layer -> (B, T), 1 = full path / block runs
+    margins: dict = field(default_factory=dict)      # layer -> (B, T): how far each causal decision
+                                                     # was from flipping (> 0 full path, < 0 not)
     terms: dict = field(default_factory=dict)        # named loss terms and statistics
     final: torch.Tensor = None                       # the final hidden state and the logits, once
                                                      # known
@@ -191,6 +193,8 @@ class Family:
         if ctx.masks:
             aux['full_frac'] = torch.stack([ctx.masks[l].float().mean() for l in sorted(ctx.masks)])
             aux['masks'] = ctx.masks
+        if ctx.margins:
+            aux['margins'] = ctx.margins
 
     # optional hooks: training (train.py)
 

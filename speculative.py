@@ -124,7 +124,9 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     dict that also gets the speculation's own figures ('spec_*'). trace: a dict for tests, filled
     with 'logits' (B, max_new_tokens, V): the verifier's logits each token was picked from, 'masks'
     {layer: (B, max_new_tokens − 1)}: its routing decision for each generated token it was fed,
-    'prefill_masks', the final token count of each row 'n' (B,) and the KV 'cache'."""
+    'margins' likewise: how far each decision was from flipping (a family's aux['margins']),
+    'prefill_masks' and 'prefill_margins', the final token count of each row 'n' (B,) and the KV
+    'cache'."""
     cfg, family, dev = model.config, model.family, idx.device
     K = int(speculate)
     if K < 1:
@@ -158,8 +160,11 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     out[rows, lens] = first
     # per generated token: the verifier's routing decisions (to record) and, for tests, its logits
     masks = {l: torch.zeros(B, new + K + 1, device=dev) for l in aux.get('masks', {})}
+    margins = {}
     if trace is not None:
         trace['prefill_masks'] = dict(aux.get('masks', {}))
+        trace['prefill_margins'] = dict(aux.get('margins', {}))
+        margins = {l: torch.zeros(B, new + K + 1, device=dev) for l in aux.get('margins', {})}
         picked = torch.zeros(B, new + K + 1, logits.size(-1), device=dev)
         picked[:, 0] = logits
     drafted = torch.zeros(K + 1, dtype=torch.long)      # per draft position: rows that drafted it
@@ -208,6 +213,8 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
             masks[l][kb, gen] = m[kb, kj].float()
         if trace is not None:
             picked[kb, gen + 1] = logits[kb, kj]
+            for l, m in aux.get('margins', {}).items():
+                margins[l][kb, gen] = m[kb, kj].float()
         passes, row_passes = passes + 1, row_passes + int(active.sum())
         drafted[1:k + 1] += active.sum().cpu()
         kept[1:k + 1] += ((j[:, 1:] <= a[:, None]) & active[:, None]).sum(0).cpu()
@@ -230,6 +237,7 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     if trace is not None:
         trace['logits'] = picked[:, :new]
         trace['masks'] = {l: m[:, :new - 1] for l, m in masks.items()}
+        trace['margins'] = {l: m[:, :new - 1] for l, m in margins.items()}
         trace.update(n=n, cache=cache)
     ys = [out[b, :lengths[b] + new] for b in range(B)]
     return torch.stack(ys) if uniform else ys

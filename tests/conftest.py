@@ -353,17 +353,18 @@ ROUTED_TOL = dict(rtol=1e-4, atol=1e-4)
 
 def greedy_trace(model, idx, new, **kw):
     """Greedy-decode with model.generate(idx, new, temperature=0, **kw), recording every forward it
-    makes. Returns one (tokens (new,), logits (new, V), masks) per row: the logits each step's token
-    is the argmax of, and per step {layer: the routing decisions of the positions that step added}
-    (step 0: the prompt, row b's first lengths[b] positions when kw has lengths; later: the new
-    one)."""
+    makes. Returns one (tokens (new,), logits (new, V), masks, margins) per row: the logits each
+    step's token is the argmax of, and per step {layer: the routing decisions of the positions that
+    step added} (step 0: the prompt, row b's first lengths[b] positions when kw has lengths; later:
+    the new one) and {layer: those decisions' margins} (aux['margins']: how far each was from
+    flipping)."""
     import torch
     lengths = kw.get('lengths')
     calls, orig = [], model.forward
 
     def forward(*args, **kwargs):
         out = orig(*args, **kwargs)
-        calls.append((out[0], out[2].get('masks', {})))
+        calls.append((out[0], out[2].get('masks', {}), out[2].get('margins', {})))
         return out
     model.forward = forward             # the instance attribute shadows GPT.forward for __call__
     try:
@@ -374,33 +375,49 @@ def greedy_trace(model, idx, new, **kw):
     rows = []
     for b in range(idx.size(0)):
         n = lengths[b] if lengths is not None else idx.size(1)
-        logits, masks = [], []
-        for s, (lg, m) in enumerate(calls):
+        logits, masks, margins = [], [], []
+        for s, (lg, m, g) in enumerate(calls):
             ragged_prefill = s == 0 and lengths is not None      # all positions of the padded batch
             logits.append(lg[b, n - 1] if ragged_prefill else lg[b, -1])
             masks.append({l: v[b, :n] if s == 0 else v[b, -1:] for l, v in m.items()})
-        rows.append((out[b][n:n + new], torch.stack(logits), masks))
+            margins.append({l: v[b, :n] if s == 0 else v[b, -1:] for l, v in g.items()})
+        rows.append((out[b][n:n + new], torch.stack(logits), masks, margins))
     return rows
 
 
 def assert_greedy_traces_agree(a, b, tol=FP32_TOL):
     """a, b: greedy_trace rows of one prompt decoded two ways that run different kernels (KV cache
-    vs recompute, a ragged batch vs the prompt alone). Up to and including the first step whose
-    tokens differ both decoders saw the same context, so there the routing decisions are exactly
-    equal and the step logits equal within tol. The tokens are equal, except where a step's two
-    candidates are a near-tie that tol covers: logits within atol + rtol·|l| of each other can pick
-    different argmaxes only if the gap between the two picks is <= 2·(atol + rtol·max|l|) (the setup
-    cannot exclude such ties: random weights give top-2 gaps down to ~1e-4 in a few hundred steps).
-    After such a flip the contexts differ, and the rest is not compared."""
+    vs recompute, a ragged batch vs the prompt alone). While both decoders see the same context and
+    route it the same way, their logits are equal within tol. The same context: the steps up to
+    and including the first whose tokens differ. The same routing: up to the first (step, layer)
+    whose decisions differ. Both may end early only at a near-tie that tol covers (the setup cannot
+    exclude them: random weights give top-2 gaps down to ~1e-4 in a few hundred steps):
+    - tokens: logits within atol + rtol·|l| of each other can pick different argmaxes only if the
+      gap between the two picks is <= 2·(atol + rtol·max|l|);
+    - routing decisions: each is the sign of a margin (aux['margins'], a gate's score minus its
+      threshold), and the two decoders' margins of a flipped decision must straddle 0 within tol
+      of each other, so both are within atol + rtol·|margin| of the threshold. A flip in a layer
+      with no margin (a decision no gate took) is a divergence.
+    After either, the contexts differ, and the rest is not compared."""
     import torch
-    (ta, la, ma), (tb, lb, mb) = a, b
+    (ta, la, ma, ga), (tb, lb, mb, gb) = a, b
     assert ta.shape == tb.shape and la.shape == lb.shape
     flips = (ta != tb).nonzero()
     n = flips[0, 0].item() + 1 if len(flips) else len(ta)        # steps with a common context
     for s in range(n):
         assert ma[s].keys() == mb[s].keys()
-        for l in ma[s]:
-            assert torch.equal(ma[s][l], mb[s][l]), f'step {s}, layer {l}: routing decisions differ'
+        for l in sorted(ma[s]):
+            differ = ma[s][l] != mb[s][l]
+            if not differ.any():
+                continue
+            assert l in ga[s] and l in gb[s], f'step {s}, layer {l}: decisions differ, no margin'
+            x, y = ga[s][l][differ], gb[s][l][differ]
+            assert (x * y <= 0).all(), f'step {s}, layer {l}: decisions differ, margins agree'
+            torch.testing.assert_close(
+                x, y, **tol, msg=lambda m: f'step {s}, layer {l}: decisions differ, not a near-tie'
+                                           f' (margins {x.tolist()} vs {y.tolist()}): {m}')
+            torch.testing.assert_close(la[:s], lb[:s], **tol)
+            return                      # this step's hidden states differ from here on
     torch.testing.assert_close(la[:n], lb[:n], **tol)
     if len(flips):
         s, x, y = n - 1, ta[n - 1].item(), tb[n - 1].item()

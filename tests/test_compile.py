@@ -201,8 +201,8 @@ def test_static_decoding_equals_compact_decoding(route):
 def sampled_trace(model, idx, new, **kw):
     """generate(idx, new, temperature=1.0, top_k=1, **kw) (greedy through the sampling path),
     recording the logits each token was drawn from; one greedy_trace-like row (tokens, logits,
-    masks) per prompt. The compiled step returns statistics, not masks: every step's masks are {}
-    here."""
+    masks, margins) per prompt. The compiled step returns statistics, not masks: every step's masks
+    and margins are {} here."""
     calls, orig = [], model.sample_next
 
     def sample_next(logits, *args):
@@ -216,7 +216,7 @@ def sampled_trace(model, idx, new, **kw):
     assert len(calls) == new
     lengths = kw.get('lengths') or [idx.size(1)] * idx.size(0)
     return [
-        (out[b][n : n + new], torch.stack([c[b] for c in calls]), [{}] * new)
+        (out[b][n : n + new], torch.stack([c[b] for c in calls]), [{}] * new, [{}] * new)
         for b, n in enumerate(lengths)
     ]
 

@@ -281,15 +281,17 @@ def test_ragged_batched_generation_equals_each_prompt_alone(case, seed, lens, ne
 def speculative_trace_row(trace, out, b, n, new):
     """Row b of speculative.generate's trace (prompt length n) as a greedy_trace row: the tokens,
     the verifier's logits each was picked from, and per step the routing decisions of the positions
-    the step fed (step 0 the prompt, step s the generated token s − 1); decisions as floats."""
-    masks = [{l: m[b, :n].float() for l, m in trace['prefill_masks'].items()}]
-    masks += [{l: m[b, s:s + 1] for l, m in trace['masks'].items()} for s in range(new - 1)]
-    return out[b][n:n + new], trace['logits'][b], masks
+    the step fed (step 0 the prompt, step s the generated token s − 1) and their margins; decisions
+    as floats."""
+    def per_step(key):
+        steps = [{l: m[b, :n].float() for l, m in trace['prefill_' + key].items()}]
+        return steps + [{l: m[b, s:s + 1] for l, m in trace[key].items()} for s in range(new - 1)]
+    return out[b][n:n + new], trace['logits'][b], per_step('masks'), per_step('margins')
 
 
 def as_float(row):
-    tokens_, logits, masks = row
-    return tokens_, logits, [{l: v.float() for l, v in m.items()} for m in masks]
+    tokens_, logits, masks, margins = row
+    return tokens_, logits, [{l: v.float() for l, v in m.items()} for m in masks], margins
 
 
 @settings(**{**SETTINGS, 'max_examples': 30})
@@ -319,6 +321,93 @@ def test_greedy_speculative_decoding_equals_plain_decoding(case, seed, lens, new
             alone = as_float(greedy_trace(model, idx[b:b + 1, :n], new, use_cache=use_cache)[0])
             assert_greedy_traces_agree(spec, alone, ROUTED_TOL)
 
+
+
+
+
+def test_the_trace_check_passes_near_ties_and_fails_divergences():
+    """conftest.assert_greedy_traces_agree, on hand-made traces of 3 steps (vocabulary 4, one
+    routed layer): a token or a decision may differ only at a near-tie of ROUTED_TOL."""
+    def row(tokens_, decisions, margins, logits=None):
+        lg = torch.tensor(logits or [[0.0, 3.0, 1.0, 2.0]] * 3)
+        return (torch.tensor(tokens_), lg, [{1: torch.tensor([d])} for d in decisions],
+                [{1: torch.tensor([m])} for m in margins])
+    ok = row([1, 1, 1], [True, False, True], [0.5, -2e-5, 0.3])
+    assert_greedy_traces_agree(ok, ok, ROUTED_TOL)
+    tie = row([1, 1, 1], [True, True, True], [0.5, 2e-5, 0.3])          # step 1 flips on a tie,
+    assert_greedy_traces_agree(ok, tie, ROUTED_TOL)                       # the rest is not compared
+    agree_after = row([1, 2, 3], [True, True, True], [0.5, 2e-5, 0.3])
+    assert_greedy_traces_agree(ok, agree_after, ROUTED_TOL)
+    failing = {
+        'not a near-tie': row([1, 1, 1], [True, True, True], [0.5, 0.2, 0.3]),
+        'margins agree': row([1, 1, 1], [True, True, True], [0.5, -2e-5, 0.3]),
+        'no margin': (ok[0], ok[1], row([1, 1, 1], [True, True, True], [0, 0, 0])[2],
+                      [{}, {}, {}]),
+        'greedy tokens': row([1, 3, 1], [True, False, True], [0.5, -2e-5, 0.3]),
+    }
+    for why, bad in failing.items():
+        with pytest.raises(AssertionError, match=why):
+            assert_greedy_traces_agree(ok, bad, ROUTED_TOL)
+    near = [[0.0, 3.0, 1.0, 3.0 - 1e-4]] * 3                           # tokens 1 and 3 tie
+    assert_greedy_traces_agree(row([1, 1, 1], [1, 0, 1], [1, -1, 1], near),
+                               row([1, 3, 0], [1, 0, 1], [1, -1, 1], near), ROUTED_TOL)
+    far = [[0.0, 3.0, 1.0, 3.1]] * 3
+    with pytest.raises(AssertionError):
+        assert_greedy_traces_agree(row([1, 1, 1], [1, 0, 1], [1, -1, 1], far),
+                                   row([1, 1, 1], [1, 0, 1], [1, -1, 1], near), ROUTED_TOL)
+
+
+def shift_thresholds(model, s):
+    """Move every causal decision's threshold by s in margin units (aux['margins']): a decision
+    whose margin is m then takes the full path iff m > s, ties aside. Per family: how its own
+    comparison reads."""
+    cfg, blocks = model.config, model.transformer.h
+    if cfg.route == 'ffn':
+        for block in blocks:
+            if hasattr(block, 'tau'):
+                block.tau += s
+    elif cfg.route == 'mod':            # decides σ(logit) > 0.5: the logit moves instead
+        for block in blocks:
+            decider = getattr(block, 'predictor', None) or getattr(block, 'router', None)
+            if decider is not None:
+                decider.register_forward_hook(lambda mod, args, out: out - s)
+    else:
+        attr, sign = dict(halt=('halt_tau', -1), exit=('exit_threshold', -1),
+                          skip=('skip_threshold', 1))[cfg.route]
+        setattr(cfg, attr, getattr(cfg, attr) + sign * s)
+
+
+@pytest.mark.parametrize('case', [c for c in ALL_CASES if not is_random(c)], ids=str)
+def test_a_routing_decision_flips_where_its_margin_says(case):
+    """aux['margins'] is how far each causal decision is from flipping, in the units of the gate's
+    own comparison: moving the threshold of the first layer with margins by s (between two margins
+    seen, so no ties) flips exactly the decisions whose margin is below s; and every decision that
+    takes the full path has a margin >= 0. The exactness tests rest on it: a margin too large would
+    call a near-tie a divergence, one too small would let a divergence pass as a near-tie."""
+    idx = tokens(1, 2, 16)
+
+    def routing(s=0.0):
+        model = build(*case, seed=1).eval()
+        shift_thresholds(model, s) if s else None
+        with torch.no_grad():
+            aux = model(idx, last_only=False)[2]
+        return aux.get('masks', {}), aux.get('margins', {})
+    masks, margins = routing()
+    if case[0] in ('none', 'ensemble'):
+        assert not masks and not margins, 'a family without decisions records no margins'
+        return
+    assert margins and set(margins) <= set(masks)
+    for l, m in margins.items():
+        assert (m[masks[l].bool()] >= 0).all(), f'layer {l}: a full-path decision, margin < 0'
+    first = min(margins)
+    seen = margins[first].flatten().unique()
+    assert len(seen) >= 8, 'the decisions must spread for the test to mean something'
+    for q in (0.2, 0.5, 0.8):
+        i = int(q * (len(seen) - 1))
+        s = float(seen[i] + seen[i + 1]) / 2
+        shifted = routing(s)[0][first].bool()
+        assert torch.equal(shifted, margins[first] > s), (q, s)
+        assert 0 < shifted.sum() < shifted.numel()
 
 
 @pytest.mark.parametrize('case', ALL_CASES)
