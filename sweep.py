@@ -70,7 +70,8 @@ Scores: a study file may name `score`, a command run on each finished run with '
 by the run's folder and '{ckpt}' by its checkpoint (its init_from when a 0-step run saved none:
 e.g. a zero-shot arm, ['--max_iters=0']), e.g. ['arith.py', '--ckpt={ckpt}', '--json'] (a
 leading .py file runs with this Python, from this folder), printing one JSON object; it is cached
-in <run>/score.json with the checkpoint's mtime (a retrained run is scored again).
+in <run>/score.json with the checkpoint's mtime (a retrained run is scored again). --jobs=N
+scores N runs at a time.
 `score_metrics` {key: lower is better?} names which of its numbers join the summary's table, each
 with its paired comparison.
 `room_arms` = (low arm, high arm, metric) measures the room from two arms instead of eval.py
@@ -626,9 +627,10 @@ def matched_compute(study, results, ref_row, loss='final_val_loss'):
     )
 
 
-def score_run(study, out_dir):
+def score_run(study, out_dir, jobs=1):
     """The study's score command's JSON for a finished run (cached in <run>/score.json with the
-    checkpoint's mtime); {} when the study has none, or with a note on stderr when it failed."""
+    checkpoint's mtime); {} when the study has none, or with a note on stderr when it failed. jobs:
+    how many score commands run at once (their threads shared as train.py runs share them)."""
     if not study.get('score'):
         return {}
     path, ckpt = os.path.join(out_dir, 'score.json'), os.path.join(out_dir, 'ckpt.pt')
@@ -641,7 +643,7 @@ def score_run(study, out_dir):
         argv = [a.replace('{run}', out_dir).replace('{ckpt}', ckpt) for a in study['score']]
         if argv[0].endswith('.py'):
             argv = [sys.executable, os.path.join(HERE, argv[0]), *argv[1:]]
-        res = subprocess.run(argv, capture_output=True, text=True, cwd=HERE)
+        res = subprocess.run(argv, capture_output=True, text=True, cwd=HERE, env=child_env(jobs))
         try:
             cached = dict(json.loads(res.stdout), ckpt_mtime=mtime)
         except json.JSONDecodeError:
@@ -653,6 +655,13 @@ def score_run(study, out_dir):
         with open(path, 'w') as f:
             json.dump(cached, f)
     return {k: v for k, v in cached.items() if k in study['score_metrics']}
+
+
+def score_runs(study, out_dirs, jobs=1):
+    """score_run of each of out_dirs, jobs at a time (a score command is a process of its own),
+    in the order given."""
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(lambda out_dir: score_run(study, out_dir, jobs), out_dirs))
 
 
 def arms_room(study, table):
@@ -1020,11 +1029,11 @@ def sweep(argv, children):
         if finished(f'{root}/{arm}/seed{s}')
     }
     threshold = lm_threshold(study, results)
-    for (arm, s), m in results.items():      # no threshold, no hit column (not a column of
-                                             # never-hits)
-        if threshold[0] is not None:
+    scores = score_runs(study, [f'{root}/{arm}/seed{s}' for arm, s in results], int(jobs))
+    for ((arm, s), m), scored in zip(results.items(), scores):    # no threshold, no hit column
+        if threshold[0] is not None:                               # (not a column of never-hits)
             m['threshold_hit'] = threshold_hit(f'{root}/{arm}/seed{s}', threshold[0])
-        m.update(score_run(study, f'{root}/{arm}/seed{s}'))
+        m.update(scored)
     summary = summarize(study, results, threshold, room=measure_room(study, root),
                         overrides=overrides)
     with open(os.path.join(root, 'summary.json'), 'w') as f:

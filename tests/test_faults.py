@@ -256,6 +256,7 @@ def wrapper(tmp_path):
 # (tests/test_train.py checks that a signalled run saves and that its printed resume command runs,
 # but not that the resumed run ends bit-equal to an uninterrupted one)
 
+@pytest.mark.xdist_group('faults_reference')
 def test_sigterm_mid_step_then_resume_is_bit_exact(reference, data_dir, wrapper, tmp_path):
     out, rec = tmp_path / "out", tmp_path / "sigterm.json"
     args = [*CFG, *data_args(data_dir), f"--out_dir={out}"]
@@ -277,6 +278,7 @@ def test_sigterm_mid_step_then_resume_is_bit_exact(reference, data_dir, wrapper,
 # SIGINT while save_checkpoint is writing: the write completes, the file is valid, then the run
 # stops
 
+@pytest.mark.xdist_group('faults_reference')
 def test_sigint_during_checkpoint_write_completes_the_save(reference, data_dir, wrapper, tmp_path):
     """Ctrl-C arrives when 30% of the iteration-4 checkpoint is written: the handler only sets the
     stop flag, so the save finishes (the file is exactly the bytes torch.save produced) and is
@@ -305,6 +307,7 @@ def test_sigint_during_checkpoint_write_completes_the_save(reference, data_dir, 
 # --------------------------------------------------------------------------------------------------
 # a truncated or foreign ckpt.pt: one clear error, exit 2, nothing touched
 
+@pytest.mark.xdist_group('faults_reference')
 @pytest.mark.parametrize("damage", ["truncated_half", "random_bytes"])
 @pytest.mark.parametrize("use", ["resume", "init_from"])
 def test_corrupt_checkpoint_fails_cleanly(reference, data_dir, tmp_path, damage, use):

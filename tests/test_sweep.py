@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from types import SimpleNamespace
 
@@ -1045,6 +1046,39 @@ def test_a_study_score_joins_the_table_with_paired_comparisons_and_is_cached(tmp
         np.std([0.5, 0.6], ddof=1))
     assert room['verdict'] == 'no room'                     # 0.65 < 10 × 0.0707
     assert 'The two arms' in sweep.room_markdown(room)
+
+
+
+def test_score_commands_run_jobs_at_a_time_each_with_its_share_of_threads(tmp_path, monkeypatch):
+    """With --jobs=2 the finished runs' score commands run two at once (each with cpu_count // 2
+    threads, as train.py runs get), and the scores come back in the runs' order."""
+    running, peak, envs, lock = [0], [0], [], threading.Lock()
+
+    def fake_score(args, env=None, **kw):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+            envs.append(env.get('OMP_NUM_THREADS'))
+        time.sleep(0.3)                 # long enough for the other worker to start its own
+        with lock:
+            running[0] -= 1
+        return SimpleNamespace(returncode=0, stderr='', stdout=json.dumps(dict(accuracy=float(
+            args[2].rsplit('seed', 1)[1]))))
+    monkeypatch.setattr(sweep.subprocess, 'run', fake_score)
+    monkeypatch.delenv('OMP_NUM_THREADS', raising=False)
+    monkeypatch.setattr(sweep.os, 'cpu_count', lambda: 4)
+    study = dict(score=['arith.py', '--run={run}', '--ckpt={ckpt}'],
+                 score_metrics={'accuracy': False})
+    runs = []
+    for s in range(1, 6):
+        out = tmp_path / 'arm' / f'seed{s}'
+        fake_run(out, 10, summary=dict(iter=10))
+        (out / 'ckpt.pt').write_bytes(b'y')
+        runs.append(str(out))
+    assert sweep.score_runs(study, runs, jobs=2) == [dict(accuracy=float(s)) for s in range(1, 6)]
+    assert peak[0] == 2 and envs == ['2'] * 5
+    assert sweep.score_runs(study, runs, jobs=2) == [dict(accuracy=float(s)) for s in range(1, 6)]
+    assert len(envs) == 5                                          # cached: none scored again
 
 
 def test_a_failed_score_is_named_and_leaves_the_run_unscored(tmp_path, monkeypatch, capsys):

@@ -308,6 +308,7 @@ def ddp_runs(synth, tmp_path_factory):
     return SimpleNamespace(single=single, ddp=ddp, result=r)
 
 
+@pytest.mark.xdist_group('ddp_runs')
 @pytest.mark.slow
 def test_ddp_matches_single_process(ddp_runs):
     """Same final weights (float tolerance: DDP all-reduces the gradient as (g0 + g1)/2 where one
@@ -329,6 +330,7 @@ def test_ddp_matches_single_process(ddp_runs):
     assert ddp_runs.result.stdout.count("done:") == 1   # one process prints
 
 
+@pytest.mark.xdist_group('ddp_runs')
 @pytest.mark.slow
 def test_ddp_logged_loss_is_global_mean(ddp_runs):
     ms = [m for m in read_metrics(ddp_runs.single) if m["type"] == "train"]
@@ -342,6 +344,7 @@ def mfu_per_token_rate(out_dir):
     return [m["mfu"] / m["tokens_per_s"] for m in read_metrics(out_dir) if m["type"] == "train"]
 
 
+@pytest.mark.xdist_group('ddp_runs')
 @pytest.mark.slow
 def test_ddp_mfu_accounts_for_world_size(ddp_runs):
     single, ddp = mfu_per_token_rate(ddp_runs.single), mfu_per_token_rate(ddp_runs.ddp)
@@ -360,6 +363,7 @@ def run_single_and_ddp(tmp, args):
     return single, ddp, r
 
 
+@pytest.mark.xdist_group('ddp_runs')
 @pytest.mark.slow
 def test_ddp_matches_single_process_with_oracle_losses(ddp_runs, synth, tmp_path):
     """ffn_util_weight > 0 with 2 controlled layers and 1 oracle layer per step: the utility loss is
@@ -615,6 +619,7 @@ def signalled_runs(synth, tmp_path_factory):
     return runs
 
 
+@pytest.mark.xdist_group('signalled_runs')
 @pytest.mark.parametrize("name", list(SIGNALS))
 def test_signal_saves_and_resume_command_works(signalled_runs, name):
     run = signalled_runs[name]
@@ -704,6 +709,7 @@ def nan_runs(base_run, synth, tmp_path_factory):
     return runs
 
 
+@pytest.mark.xdist_group('nan_runs')
 def test_nonfinite_loss_stops_with_error_and_keeps_checkpoint(nan_runs):
     """Resume a good run with lr=1e6: the loss blows up, train.py exits 2 naming the iteration, and
     the checkpoint from before (no eval in between) is byte-identical and finite."""
@@ -717,6 +723,7 @@ def test_nonfinite_loss_stops_with_error_and_keeps_checkpoint(nan_runs):
     assert ck["iter_num"] == 6 and all(torch.isfinite(v).all() for v in ck["model"].values())
 
 
+@pytest.mark.xdist_group('nan_runs')
 def test_nonfinite_loss_from_scratch(nan_runs):
     run = nan_runs["scratch"]
     r = run.result
@@ -780,6 +787,7 @@ def held_run(base_run, tmp_path_factory):
         stop(proc)
 
 
+@pytest.mark.xdist_group('held_run')
 @pytest.mark.parametrize("second", ["resume", "overwrite_spelled_otherwise"])
 def test_a_second_writer_is_refused_while_a_run_holds_the_folder(held_run, base_run, synth, second):
     """While a run trains in out_dir, a resume or a fresh --overwrite=True run into it exits 2 with
@@ -941,6 +949,7 @@ def test_same_size_corrupted_data_is_refused(synth, tmp_path):
         )
 
 
+@pytest.mark.xdist_group('nan_runs')
 def test_nonfinite_eval_does_not_overwrite_checkpoint(nan_runs, synth):
     run = nan_runs["resume_eval_every_step"]
     require(run.result.returncode == 2, run.result.stderr)
