@@ -3,8 +3,9 @@
 # LM head, LayerSkip's depth-growing exit-loss weights and its layer dropout (rate rising with
 # depth to layer_dropout at the last block). The exits are what make the first blocks a draft the
 # full model agrees with; the layer dropout makes the upper blocks lean less on each other.
-# 2,000 iterations: 30 minutes here with one thread while two other trainings shared the 2 cores
-# (results/cpu_2026-11-25/speculative_models/exit); not yet timed alone.
+# 2,000 iterations: 12 minutes 20 seconds alone on 2 CPU cores
+# (results/cpu_2026-11-26/exit_drafter_timing), 30 minutes with one thread while two other
+# trainings shared the cores (results/cpu_2026-11-25/speculative_models/exit).
 #   python data/prepare.py shakespeare_char && python train.py config/exit_drafter_shakespeare.py
 #   python bench.py --init_from=out/exit_drafter_shakespeare --speculate=1,2,4,8 --json
 out_dir = 'out/exit_drafter_shakespeare'
