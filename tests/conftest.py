@@ -284,6 +284,21 @@ def tiktoken_cache(tmp_path_factory):
         os.environ["TIKTOKEN_CACHE_DIR"] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def threads_per_worker():
+    """Under pytest-xdist each of N workers, and the processes its tests start, get cpu_count // N
+    intra-op threads (at least 1), unless OMP_NUM_THREADS is set: N workers each using every core
+    oversubscribe the machine, and an op's threads then wait on each other (a test of 1 s alone
+    took 15-20 s beside another worker on 2 cores)."""
+    import torch
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+    yield
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny ops: intra-op threads only add synchronisation (10-100x slower on a loaded 2-core box).
