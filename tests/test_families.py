@@ -388,7 +388,8 @@ def test_a_routing_decision_flips_where_its_margin_says(case):
 
     def routing(s=0.0):
         model = build(*case, seed=1).eval()
-        shift_thresholds(model, s) if s else None
+        if s:
+            shift_thresholds(model, s)
         with torch.no_grad():
             aux = model(idx, last_only=False)[2]
         return aux.get('masks', {}), aux.get('margins', {})
