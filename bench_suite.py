@@ -16,9 +16,10 @@ exact command, the date and the path kernels.default_path picks here.
    so a path cannot move them; G1's threshold on bf16 activations could flip a token sitting on
    it, which is no kernel error. Logits must agree within CHECK_TOL x max|reference logit|. A
    mismatch stops the suite: one line naming path, family and difference, exit 1.
-2. Rows (kind prefill / decode / train), each with every path kernels.available_paths allows here
-   forced, in the main dtype (bf16 on CUDA sm_80+, fp32 on the CPU), plus the compact path in the
-   stand-in dtype (fp16 on CUDA: the V100/T4 stand-in; bf16 on the CPU, so smoke runs it too):
+2. Rows of kind prefill, then decode, then train (a short --suite_seconds skips training first),
+   each with every path kernels.available_paths allows here forced, in the main dtype (bf16 on
+   CUDA sm_80+, fp32 on the CPU), plus the compact path in the stand-in dtype (fp16 on CUDA:
+   the V100/T4 stand-in; bf16 on the CPU, so smoke runs it too):
    - prefill: ffn and MoD at budgets 1.0/0.5/0.25/0.125, shapes 16x1024 and 64x256, last-position
      logits, against the dense model timed in the same window (bench.routed_model's models: ffn's
      G1 gate calibrated to the budget, MoD's random router at the capacity);
@@ -635,8 +636,8 @@ def run(cfg, argv):
         return 1
     rec.write()
     dense, routed = prefill_section(rec, base, dev, plan, cfg['seed'], cfg['compile'])
-    train_section(rec, base, dev, plan, cfg['seed'], cfg['compile'])
     decode_section(rec, base, dev, plan, cfg['seed'], dense, routed)
+    train_section(rec, base, dev, plan, cfg['seed'], cfg['compile'])
     rec.write()
     res = rec.res
     say(f"done in {res['seconds']:.0f} s: {len(res['rows'])} rows, {len(res['skipped'])} skipped, "
