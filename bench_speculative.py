@@ -13,7 +13,9 @@ median of bench_steps repeats after bench_warmup (at least one), with the spread
 bench.py's NOISY flag; plain decoding (model.generate) and each K take turns in every repeat. The
 prompts are windows of the run's validation split where --init_from names a run whose data is
 prepared here (how often a draft is kept depends on text like the model's own), else random
-tokens; `prompt_source` says which.
+tokens; `prompt_source` says which. --compile=True compiles both sides' steps: plain decoding's
+decode step and each draft step and verifier pass (a CUDA graph each on a GPU; `compiled` in the
+JSON); their compilation falls in the warm-up rounds.
 
 Per row: plain and speculative tokens/s and ms, speedup = plain_ms / spec_ms (= spec tokens/s over
 plain tokens/s), the share of rows that kept each draft position (accept_rate, position 1..K),
@@ -165,14 +167,14 @@ def decode_timings(runs, N, cfg, dev):
     return {name: Timing(t) for name, t in times.items()}
 
 
-def speculative_run(model, prompt, K, draft, stats):
+def speculative_run(model, prompt, K, draft, stats, compile=False):
     """run(new): greedy speculative generate of new tokens; a run of more than one token leaves its
     figures in stats (afresh each time)."""
     def run(new):
         if new > 1:
             stats.clear()
         model.generate(prompt, new, temperature=0, speculate=K, draft=draft[0],
-                       draft_layers=draft[1], stats=stats if new > 1 else None)
+                       draft_layers=draft[1], stats=stats if new > 1 else None, compile=compile)
     return run
 
 
@@ -228,8 +230,9 @@ def bench_speculative(cfg):
         prompt, source = decode_prompts(run_cfg, model.config.vocab_size, b, n, g)
         prompt = prompt.to(dev)
         stats = {K: {} for K in ks}
-        runs = {0: partial(model.generate, prompt, temperature=0),        # plain decoding
-                **{K: speculative_run(model, prompt, K, draft, stats[K]) for K in ks}}
+        runs = {0: partial(model.generate, prompt, temperature=0, compile=cfg['compile']),
+                **{K: speculative_run(model, prompt, K, draft, stats[K], cfg['compile'])
+                   for K in ks}}
         with autocast:
             secs = decode_timings(runs, N, cfg, dev)
         rows += [speculate_row(model, b, K, secs[0], secs[K], stats[K], N) for K in ks]
@@ -242,7 +245,7 @@ def bench_speculative(cfg):
         block_size=model.config.block_size, vocab_size=model.config.vocab_size,
         prompt_tokens=n, decode_tokens=N, repeats=max(1, cfg['bench_steps']),
         timing='greedy, decode alone (generate of 1 + N tokens minus generate of 1)',
-        prompt_source=source, rows=rows,
+        prompt_source=source, compiled=bool(cfg['compile']), rows=rows,
     )
 
 
@@ -250,7 +253,8 @@ def print_speculative(res):
     print(f"self-speculative decode, route={res['route']} {res['n_layer']}L d{res['n_embd']} "
           f"{res['dtype']} on {res['device']} ({res['threads']} threads), "
           f"{res['prompt_tokens']}-token prompts ({res['prompt_source']}), "
-          f"{res['decode_tokens']} greedy tokens, decode alone")
+          f"{res['decode_tokens']} greedy tokens, decode alone"
+          f"{', compiled steps' if res.get('compiled') else ''}")
     print('| batch | K | draft | plain tok/s | spec tok/s | speedup | predicted | tokens/pass '
           '| kept per position | draft / verify ms per pass | spread plain / spec |')
     print('|---|---|---|---|---|---|---|---|---|---|---|')

@@ -432,7 +432,8 @@ class GPT(nn.Module):
         family has them. vocab_limit: sample only ids < vocab_limit (the tokenizer's real
         vocabulary; the model's is padded, and a padding id has no text). compile: run each cached
         decoding step (decode_step) through torch.compile(fullgraph=True), captured as a CUDA graph
-        ('reduce-overhead') on CUDA; the prefill and sampling stay eager. speculate=K > 0:
+        ('reduce-overhead') on CUDA, and with speculate each draft step and verifier pass; the
+        prefill and sampling stay eager. speculate=K > 0:
         self-speculative decoding (speculative.py), K tokens at a time from the family's draft
         `draft` (None: its default) stopping after `draft_layers` blocks where it has a depth (None:
         its default); the same output distribution, greedy the same tokens; needs the cache and the
@@ -450,11 +451,11 @@ class GPT(nn.Module):
             else (lambda aux: None)
         )
         if speculate:
-            if not use_cache or compile:
-                raise ValueError("speculate needs use_cache=True and compile=False")
+            if not use_cache:
+                raise ValueError("speculate needs use_cache=True")
             idx = speculative.generate(
                 self, idx, max_new_tokens, speculate, draft, draft_layers, temperature, top_k,
-                lengths, record, vocab_limit, stats,
+                lengths, record, vocab_limit, stats, compile=compile,
             )
         elif lengths is not None:
             idx = self.generate_ragged(
@@ -498,21 +499,23 @@ class GPT(nn.Module):
         return logits[:, -1], {k: aux[k] for k in ('full_frac', 'tlops_saved') if k in aux}
 
     def decode_step_fn(self, device, compile):
-        """decode_step, eager or compiled. On CUDA the compiled step is captured as a CUDA graph,
-        whose outputs the next replay overwrites: they are cloned before anyone keeps them."""
-        if not compile:
-            return self.decode_step
-        if device.type != 'cuda':
-            return torch.compile(self.decode_step, fullgraph=True, dynamic=False)
-        graphed = torch.compile(
-            self.decode_step, fullgraph=True, dynamic=False, mode='reduce-overhead'
-        )
+        """decode_step, eager or compiled (GPT.compiled)."""
+        return self.compiled(self.decode_step, device) if compile else self.decode_step
 
-        def step(tok, pos, cache):
+    @staticmethod
+    def compiled(step, device):
+        """step(*tensors, cache) -> tensors (nested in tuples and dicts) through
+        torch.compile(fullgraph=True, dynamic=False): one graph per input shape and attended bucket.
+        On CUDA it is captured as a CUDA graph, whose outputs the next replay overwrites: they are
+        cloned before anyone keeps them."""
+        if device.type != 'cuda':
+            return torch.compile(step, fullgraph=True, dynamic=False)
+        graphed = torch.compile(step, fullgraph=True, dynamic=False, mode='reduce-overhead')
+
+        def run(*args):
             torch.compiler.cudagraph_mark_step_begin()
-            logits, aux = graphed(tok, pos, cache)
-            return logits.clone(), {k: v.clone() for k, v in aux.items()}
-        return step
+            return torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, graphed(*args))
+        return run
 
     def new_cache(self, batch_size, device, compile=False):
         """An empty KV cache of block_size slots. A CUDA graph writes into the cache in place at the

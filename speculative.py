@@ -106,6 +106,27 @@ def accept(draft, q, logits, temperature, top_k, vocab_limit):
     return a, torch.multinomial(resid, 1)[:, 0]
 
 
+def pass_steps(model, name, depth, device, compile):
+    """(draft, verify): draft(tok (B, 1), pos (B, 1), cache) -> the draft's next-token logits
+    (B, V); verify(window (B, k + 1), pos, cache) -> (the verifier's logits (B, k + 1, V), its
+    {'masks', 'margins'}). Eager, or compiled (GPT.compiled: no host sync inside, one graph per
+    attended bucket and window length, a CUDA graph on CUDA), kept on the model so that later
+    decodings reuse the graphs."""
+    def draft(tok, pos, cache):
+        return model.family.draft_logits(model, name, tok, pos, cache, depth)[:, -1]
+
+    def verify(window, pos, cache):
+        logits, _, aux = model(window, pos=pos, cache=cache, last_only=False)
+        return logits, {k: aux[k] for k in ('masks', 'margins') if k in aux}
+    if not compile:
+        return draft, verify
+    steps = model.__dict__.setdefault('speculative_steps', {})
+    key = (name, depth, str(device))
+    if key not in steps:
+        steps[key] = model.compiled(draft, device), model.compiled(verify, device)
+    return steps[key]
+
+
 def sync(device):
     """Wait for the device (timings of the draft/verify split)."""
     if device.type == 'cuda':
@@ -115,7 +136,7 @@ def sync(device):
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=None,
              temperature=1.0, top_k=None, lengths=None, record=None, vocab_limit=None,
-             stats=None, trace=None):
+             stats=None, trace=None, compile=False):
     """model.generate(..., speculate=K): max_new_tokens per row drafted K at a time (see the module
     docstring). idx (B, T), or right-padded prompts of `lengths` (then a list of 1-D tensors is
     returned, else (B, T + max_new_tokens)). record(aux): model.generate's statistics recorder,
@@ -126,7 +147,8 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     {layer: (B, max_new_tokens − 1)}: its routing decision for each generated token it was fed,
     'margins' likewise: how far each decision was from flipping (a family's aux['margins']),
     'prefill_masks' and 'prefill_margins', the final token count of each row 'n' (B,) and the KV
-    'cache'."""
+    'cache'. compile: each draft step and verifier pass compiled (pass_steps); the prefill, the
+    acceptance rule and the bookkeeping between passes (a few host syncs per pass) stay eager."""
     cfg, family, dev = model.config, model.family, idx.device
     K = int(speculate)
     if K < 1:
@@ -144,7 +166,8 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
         )
     record = record or (lambda aux: None)
     rows, lens = torch.arange(B, device=dev), torch.tensor(lengths, device=dev)
-    cache = model.new_cache(B, dev)
+    cache = model.new_cache(B, dev, compile)
+    draft_step, verify = pass_steps(model, name, depth, dev, compile)
     # the prefill, as plain decoding runs it (uniform prompts: the last position's logits only)
     pos = torch.arange(T, device=dev).expand(B, T)
     logits, _, aux = model(idx, pos=pos, cache=cache, last_only=None if uniform else False)
@@ -185,8 +208,8 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
         tok = out[rows, n - 1]
         window, q = [tok], []
         for j in range(k):
-            lg = family.draft_logits(model, name, tok[:, None], (base + j)[:, None], cache, depth)
-            tok, qj = pick(lg[:, -1], temperature, top_k, vocab_limit)
+            lg = draft_step(tok[:, None], (base + j)[:, None], cache)
+            tok, qj = pick(lg, temperature, top_k, vocab_limit)
             window.append(tok)
             q.append(qj)
         sync(dev)
@@ -194,7 +217,7 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
         cache.kpos.masked_fill_(slot >= base[:, None], -1)      # the draft's K/V: emptied
         window = torch.stack(window, 1)                          # (B, k + 1)
         wpos = base[:, None] + torch.arange(k + 1, device=dev)
-        logits, _, aux = model(window, pos=wpos, cache=cache, last_only=False)
+        logits, aux = verify(window, wpos, cache)
         a, t = accept(window[:, 1:], torch.stack(q, 1) if k and q[0] is not None else None,
                       logits, temperature, top_k, vocab_limit)
         sync(dev)

@@ -443,6 +443,29 @@ def test_bench_speculate_json(tmp_path):
     assert saved['rows'] == res['rows'] and '--speculate=1,3' in saved['command']
 
 
+def test_bench_speculate_compiled(capsys, monkeypatch):
+    """--compile=True compiles both sides: plain decoding's step, and the draft step and verifier
+    pass of speculative decoding (GPT.compiled; here traced whole and run without code generation),
+    and the JSON says so."""
+    import torch
+    from model import GPT
+    made = []
+
+    def compiled(step, device):
+        made.append(step.__name__)
+        return torch.compile(step, backend='eager', fullgraph=True, dynamic=False)
+    monkeypatch.setattr(GPT, 'compiled', staticmethod(compiled))
+    try:
+        assert bench.main([*SPEC_TINY, '--route=exit', '--speculate=2', '--compile=True',
+                           '--json']) == 0
+    finally:
+        torch._dynamo.reset()
+    res = json.loads(capsys.readouterr().out)
+    assert res['compiled'] is True
+    check_spec_rows(res, 'exit', [2], [1, 2])
+    assert sorted(set(made)) == ['decode_step', 'draft', 'verify']
+
+
 def test_bench_speculate_init_from(tmp_path, capsys):
     """--init_from=<run folder> times the checkpoint's model (its route and shape, not the
     config's), with the draft --draft names."""

@@ -3,17 +3,20 @@ execution in 'static' mode) and one cached decoding step of every family in the 
 of its option sets in conftest.EXAMPLES (its defaults without any), trace with
 torch.compile(fullgraph=True) without graph breaks and compile once per shape (new data of the same
 shape never recompiles); 'static' execution makes the decisions of 'compact' execution and of the
-masked-dense reference exactly, with values within tolerance. Compiled greedy decoding gives the
-tokens of eager decoding (up to a near-tie), from logits within tolerance."""
+masked-dense reference exactly, with values within tolerance. Compiled greedy decoding, plain and
+self-speculative, gives the tokens of eager decoding (up to a near-tie), from logits within
+tolerance."""
 from types import SimpleNamespace
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+import speculative
 from conftest import ROUTED_TOL, assert_greedy_traces_agree, greedy_trace
-from model import FAMILIES as REGISTRY
-from test_families import CASES, SETTINGS, build, seeded, tokens
+from model import FAMILIES as REGISTRY, GPT
+from test_families import (CASES, SETTINGS, as_float, build, is_random, seeded,
+                           speculative_trace_row, tokens)
 
 pytestmark = pytest.mark.usefixtures('one_thread')      # tiny ops: see conftest.py
 
@@ -264,6 +267,35 @@ def test_traced_greedy_decoding_gives_the_eager_tokens(route, monkeypatch):
         1,
         1,
     ]
+
+
+@pytest.mark.parametrize('case', [c for c in CASES if c[1] == 0 and not is_random(c)])
+def test_traced_speculative_decoding_gives_plain_decodings_tokens(case, monkeypatch):
+    """speculative.generate(compile=True) with each of the family's drafts: every draft step and
+    verifier pass traced whole (fullgraph, static execution; the graphs run without code
+    generation), on a ragged batch, gives each prompt's plain eager greedy decode (tokens up to a
+    near-tie, decisions, logits within ROUTED_TOL). At most one graph for the draft and one for the
+    verifier (this model has one attended bucket and one window length), and a second decoding
+    compiles nothing."""
+    monkeypatch.setattr(GPT, 'compiled', staticmethod(
+        lambda step, device: torch.compile(step, backend='eager', fullgraph=True, dynamic=False)))
+    model = build(*case, seed=5).eval()
+    lens, new, K = [6, 3], 7, 3
+    idx = tokens(5, 2, 6)
+    counters = torch._dynamo.utils.counters
+    for draft in sorted(model.family.drafts(model.config)):
+        runs = []
+        for _ in range(2):
+            counters.clear()
+            trace = {}
+            out = speculative.generate(model, idx, new, K, draft, temperature=0, lengths=lens,
+                                       trace=trace, compile=True)
+            runs.append(counters['stats']['unique_graphs'])
+        assert runs[0] <= 2 and runs[1] == 0, f'draft {draft!r}: graphs compiled per run {runs}'
+        for b, n in enumerate(lens):
+            alone = as_float(greedy_trace(model, idx[b:b + 1, :n], new)[0])
+            spec = speculative_trace_row(trace, out, b, n, new)
+            assert_greedy_traces_agree(spec, alone, ROUTED_TOL)
 
 
 # Inductor's own code generation (minutes per family on 2 cores, with a cold cache) for a few
