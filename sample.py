@@ -13,6 +13,9 @@ fraction per routed layer.
 the cheap version of the model --draft names (default: the family's first; a wrong name lists
 them), stopping after --draft_layers blocks where the draft has a depth (0: its default); greedy
 output is the plain decode's, sampled output has its distribution.
+--compile=True: each cached decoding step (and with --speculate each draft step and verifier pass)
+through torch.compile, a CUDA graph on a GPU, where an eager routed step is bound by kernel launches
+and host syncs; the first steps compile (seconds to minutes), and the tokens/s printed counts that.
 --start (default a newline; on the synthetic corpus, which has none, '|', a segment boundary) and
 every prompt must encode to at least one token, with no character outside a char or synthetic
 vocabulary. Only the tokenizer's real ids are sampled, never the padding of the model's vocabulary.
@@ -46,6 +49,7 @@ DEFAULTS = dict(
     speculate=0,                # self-speculative decoding, K tokens drafted at a time (0: off)
     draft='',                   # the family's draft to speculate with ('': its first)
     draft_layers=0,             # blocks the draft runs, where it has a depth (0: its default)
+    compile=False,              # compile each decoding step (a CUDA graph each on a GPU)
 )
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -99,6 +103,9 @@ def check_config(argv):
                           "1 too")
     if cfg['speculate'] and not cfg['use_cache']:
         raise ConfigError("--speculate needs the KV cache: leave --use_cache=False out")
+    if cfg['compile'] and not cfg['use_cache']:
+        raise ConfigError("--compile compiles the cached decoding step: leave --use_cache=False "
+                          "out")
     if cfg['seed'] < 0:
         raise ConfigError(f"seed must be >= 0, got {cfg['seed']}")
     if cfg['prompts_file']:
@@ -190,6 +197,7 @@ def main(argv):
         speculate=cfg['speculate'],
         draft=draft and draft[0],
         draft_layers=draft and draft[1],
+        compile=cfg['compile'],
     )
     dt = time.time() - t0
     for row in y:
@@ -198,7 +206,7 @@ def main(argv):
     print(
         f"{len(y) * cfg['max_new_tokens'] / dt:,.0f} tokens/s ({dev}, "
         f"cache={cfg['use_cache'] or lengths is not None}, "
-        f"route={model.config.route})"
+        f"{'compiled, ' if cfg['compile'] else ''}route={model.config.route})"
     )
     if 'full_frac' in stats:
         print(

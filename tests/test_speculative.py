@@ -229,7 +229,34 @@ def test_sample_speculates_and_prints_the_acceptance(run, capsys):
     assert "speculative decoding (draft 'layers', E=1, K=3)" in spec[-1], spec[-1]
 
 
+def test_sample_compiles_decoding_and_speculation(run, capsys, monkeypatch):
+    """sample.py --compile=True gives eager decoding's greedy text, plain and speculative, and
+    compiles the decoding step and the draft step and verifier pass (GPT.compiled; here traced
+    whole and run without code generation)."""
+    from model import GPT
+    made = []
+
+    def compiled(step, device):
+        made.append(step.__name__)
+        return torch.compile(step, backend='eager', fullgraph=True, dynamic=False)
+    monkeypatch.setattr(GPT, 'compiled', staticmethod(compiled))
+    args = [f"--out_dir={run / 'out'}", "--max_new_tokens=6", "--num_samples=2", "--device=cpu",
+            "--temperature=0"]
+    try:
+        for extra in ([], ["--speculate=3", "--draft=layers"]):
+            assert sample.main([*args, *extra]) == 0
+            eager = capsys.readouterr().out.splitlines()
+            assert sample.main([*args, *extra, "--compile=True"]) == 0
+            compiled_out = capsys.readouterr().out.splitlines()
+            assert compiled_out[:4] == eager[:4]
+            assert 'compiled, route=' in compiled_out[4]
+    finally:
+        torch._dynamo.reset()
+    assert sorted(set(made)) == ['decode_step', 'draft', 'verify']
+
+
 @pytest.mark.parametrize('extra,needle', [
+    (["--compile=True", "--use_cache=False"], "--compile compiles the cached decoding step"),
     (["--speculate=2", "--draft=bogus"], r"--draft/--draft_layers: draft 'bogus' is not one of "
                                          r"route='ffn''s drafts \('cheap': every routed FFN"),
     (["--speculate=2", "--draft_layers=2"], "draft 'cheap' has no depth"),
