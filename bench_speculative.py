@@ -15,7 +15,9 @@ prompts are windows of the run's validation split where --init_from names a run 
 prepared here (how often a draft is kept depends on text like the model's own), else random
 tokens; `prompt_source` says which. --compile=True compiles both sides' steps: plain decoding's
 decode step and each draft step and verifier pass (a CUDA graph each on a GPU; `compiled` in the
-JSON); their compilation falls in the warm-up rounds.
+JSON). Most compiling (and CUDA-graph recording) falls in the warm-up rounds; a shape first met
+late (the pass that enters a new cache bucket, a last short window) may be recorded in a timed
+repeat, which the median mostly hides.
 
 Per row: plain and speculative tokens/s and ms, speedup = plain_ms / spec_ms (= spec tokens/s over
 plain tokens/s), the share of rows that kept each draft position (accept_rate, position 1..K),

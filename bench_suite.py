@@ -1,7 +1,7 @@
 """
 The GPU suite: what routed execution saves in time on this machine, in one command.
 
-    python bench.py --suite=gpu                  # GPT-2 124M shape; ~12 minutes on one H200
+    python bench.py --suite=gpu                  # GPT-2 124M shape; ~12 min on one H200 (estimate)
     python bench.py --suite=gpu --smoke=True     # the same code paths on tiny shapes, any device
 
 Writes results/<gpu>_<date>/suite.json (with --smoke: results/<gpu>_<date>_smoke/; --out_dir=

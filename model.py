@@ -504,7 +504,7 @@ class GPT(nn.Module):
 
     @staticmethod
     def compiled(step, device):
-        """step(*tensors, cache) -> tensors (nested in tuples and dicts) through
+        """step(*arguments) -> tensors (nested in tuples and dicts) through
         torch.compile(fullgraph=True, dynamic=False): one graph per input shape and attended bucket.
         On CUDA it is captured as a CUDA graph, whose outputs the next replay overwrites: they are
         cloned before anyone keeps them."""

@@ -106,25 +106,38 @@ def accept(draft, q, logits, temperature, top_k, vocab_limit):
     return a, torch.multinomial(resid, 1)[:, 0]
 
 
-def pass_steps(model, name, depth, device, compile):
-    """(draft, verify): draft(tok (B, 1), pos (B, 1), cache) -> the draft's next-token logits
-    (B, V); verify(window (B, k + 1), pos, cache) -> (the verifier's logits (B, k + 1, V), its
-    {'masks', 'margins'}). Eager, or compiled (GPT.compiled: no host sync inside, one graph per
-    attended bucket and window length, a CUDA graph on CUDA), kept on the model so that later
-    decodings reuse the graphs."""
-    def draft(tok, pos, cache):
-        return model.family.draft_logits(model, name, tok, pos, cache, depth)[:, -1]
+def draft_step(model, name, depth, tok, pos, cache):
+    """The draft's next-token logits (B, V) for tokens tok (B, 1) at positions pos (B, 1)."""
+    return model.family.draft_logits(model, name, tok, pos, cache, depth)[:, -1]
 
-    def verify(window, pos, cache):
-        logits, _, aux = model(window, pos=pos, cache=cache, last_only=False)
-        return logits, {k: aux[k] for k in ('masks', 'margins') if k in aux}
+
+def verify_pass(model, window, pos, cache):
+    """The verifier's logits (B, k + 1, V) for the window (B, k + 1) at pos, and its
+    {'masks', 'margins'}."""
+    logits, _, aux = model(window, pos=pos, cache=cache, last_only=False)
+    return logits, {k: aux[k] for k in ('masks', 'margins') if k in aux}
+
+
+COMPILED_GRAPHS = 64    # the recompile limit compiled passes need (torch's default is 8)
+
+
+def pass_steps(model, device, compile):
+    """(draft_step, verify_pass), eager or compiled (GPT.compiled: no host sync inside, a CUDA graph
+    on CUDA). A compiled step has one graph per batch size, attended bucket and window length (the
+    last passes of a decode draft fewer tokens), more than torch's default recompile limit, so the
+    limit is raised to COMPILED_GRAPHS (as train.py does for its step). The compiled pair is kept on
+    the model, so later decodings reuse its graphs; it takes the model as an argument, so a copy of
+    the model runs its own weights."""
     if not compile:
-        return draft, verify
+        return draft_step, verify_pass
+    import torch._dynamo as dynamo
+    limit = 'recompile_limit' if hasattr(dynamo.config, 'recompile_limit') else 'cache_size_limit'
+    setattr(dynamo.config, limit, max(getattr(dynamo.config, limit), COMPILED_GRAPHS))
     steps = model.__dict__.setdefault('speculative_steps', {})
-    key = (name, depth, str(device))
-    if key not in steps:
-        steps[key] = model.compiled(draft, device), model.compiled(verify, device)
-    return steps[key]
+    if str(device) not in steps:
+        steps[str(device)] = (model.compiled(draft_step, device),
+                              model.compiled(verify_pass, device))
+    return steps[str(device)]
 
 
 def sync(device):
@@ -167,7 +180,7 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     record = record or (lambda aux: None)
     rows, lens = torch.arange(B, device=dev), torch.tensor(lengths, device=dev)
     cache = model.new_cache(B, dev, compile)
-    draft_step, verify = pass_steps(model, name, depth, dev, compile)
+    draft, verify = pass_steps(model, dev, compile)
     # the prefill, as plain decoding runs it (uniform prompts: the last position's logits only)
     pos = torch.arange(T, device=dev).expand(B, T)
     logits, _, aux = model(idx, pos=pos, cache=cache, last_only=None if uniform else False)
@@ -208,7 +221,7 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
         tok = out[rows, n - 1]
         window, q = [tok], []
         for j in range(k):
-            lg = draft_step(tok[:, None], (base + j)[:, None], cache)
+            lg = draft(model, name, depth, tok[:, None], (base + j)[:, None], cache)
             tok, qj = pick(lg, temperature, top_k, vocab_limit)
             window.append(tok)
             q.append(qj)
@@ -217,7 +230,7 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
         cache.kpos.masked_fill_(slot >= base[:, None], -1)      # the draft's K/V: emptied
         window = torch.stack(window, 1)                          # (B, k + 1)
         wpos = base[:, None] + torch.arange(k + 1, device=dev)
-        logits, aux = verify(window, wpos, cache)
+        logits, aux = verify(model, window, wpos, cache)
         a, t = accept(window[:, 1:], torch.stack(q, 1) if k and q[0] is not None else None,
                       logits, temperature, top_k, vocab_limit)
         sync(dev)

@@ -463,7 +463,7 @@ def test_bench_speculate_compiled(capsys, monkeypatch):
     res = json.loads(capsys.readouterr().out)
     assert res['compiled'] is True
     check_spec_rows(res, 'exit', [2], [1, 2])
-    assert sorted(set(made)) == ['decode_step', 'draft', 'verify']
+    assert sorted(set(made)) == ['decode_step', 'draft_step', 'verify_pass']
 
 
 def test_bench_speculate_init_from(tmp_path, capsys):

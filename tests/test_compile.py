@@ -298,6 +298,46 @@ def test_traced_speculative_decoding_gives_plain_decodings_tokens(case, monkeypa
             assert_greedy_traces_agree(spec, alone, ROUTED_TOL)
 
 
+def test_traced_speculative_decoding_across_batches_buckets_and_short_windows(monkeypatch):
+    """One process decoding compiled at batch 1 and 2 with K = 2 and 4, each decode crossing the
+    attended buckets (64, then all 100 slots) and ending in passes whose window is cut short by
+    block_size: over torch's default recompile limit of 8 graphs (draft and verifier compile one
+    per batch, bucket and window length), which speculative decoding raises rather than fail, and
+    every decode gives plain eager greedy decoding's tokens (up to a near-tie). A deep copy of the
+    model decodes with its own weights."""
+    import collections
+    import copy
+    graphs = collections.Counter()
+
+    def compiled(step, device):
+        def backend(gm, example_inputs):        # eager, counting each step's graphs
+            graphs[step.__name__] += 1
+            return gm.forward
+        return torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
+    monkeypatch.setattr(GPT, 'compiled', staticmethod(compiled))
+    monkeypatch.setattr(torch._dynamo.config, 'recompile_limit', 8)
+    model = build('exit', block_size=100, seed=2).eval()
+    new = 40
+    for B in (1, 2):
+        idx = tokens(B, B, 60)
+        for K in (1, 2, 4):
+            trace = {}
+            out = speculative.generate(model, idx, new, K, temperature=0, trace=trace,
+                                       compile=True)
+            for b in range(B):
+                alone = as_float(greedy_trace(model, idx[b:b + 1], new)[0])
+                spec = speculative_trace_row(trace, out, b, 60, new)
+                assert_greedy_traces_agree(spec, alone, ROUTED_TOL)
+    assert graphs['verify_pass'] > 8, graphs
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(-1.0)
+    idx = tokens(3, 1, 60)
+    got = speculative.generate(twin, idx, 8, 2, temperature=0, compile=True)
+    assert torch.equal(got, twin.generate(idx, 8, temperature=0))
+
+
 # Inductor's own code generation (minutes per family on 2 cores, with a cold cache) for a few
 # families only: every family's graph is held to eager without code generation above; these check
 # that the generated kernels run it too, for the dense model, the token-level FFN routing and MoD's

@@ -252,7 +252,7 @@ def test_sample_compiles_decoding_and_speculation(run, capsys, monkeypatch):
             assert 'compiled, route=' in compiled_out[4]
     finally:
         torch._dynamo.reset()
-    assert sorted(set(made)) == ['decode_step', 'draft', 'verify']
+    assert sorted(set(made)) == ['decode_step', 'draft_step', 'verify_pass']
 
 
 @pytest.mark.parametrize('extra,needle', [

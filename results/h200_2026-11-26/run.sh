@@ -1,4 +1,4 @@
-# The device run of this session: speculative and plain decode on the GPU, then the GPU suite.
+# Run on the GPU machine: speculative and plain decode, then the GPU suite with the time left.
 set -u
 export PYTHONUNBUFFERED=1
 L=$OUT/log.txt

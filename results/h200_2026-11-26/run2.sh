@@ -1,4 +1,4 @@
-# The second device call: the trained exit and ffn drafters at batch 1, fewer repeats.
+# Run on the GPU machine after run.sh: the trained exit and ffn drafters at batch 1, fewer repeats.
 set -u
 export PYTHONUNBUFFERED=1
 L=$OUT/log2.txt
