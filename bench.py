@@ -714,16 +714,15 @@ def our_greedy_steps(model, prompt, new_tokens, compile):
     dev = prompt.device
     step = model.decode_step_fn(dev, compile)
     cache = model.new_cache(B, dev, compile)
-    with torch.no_grad():
-        cache.attend_to(T)
-        logits = model(prompt, pos=torch.arange(T, device=dev).expand(B, T), cache=cache)[0]
-        nxt = model.sample_next(logits[:, -1], 0, None)
+    cache.attend_to(T)
+    logits = model(prompt, pos=torch.arange(T, device=dev).expand(B, T), cache=cache)[0]
+    nxt = model.sample_next(logits[:, -1], 0, None)
+    yield
+    for i in range(new_tokens):
+        cache.attend_to(T + i + 1)
+        logits, _ = step(nxt, torch.full((B, 1), T + i, device=dev), cache)
+        nxt = model.sample_next(logits, 0, None)
         yield
-        for i in range(new_tokens):
-            cache.attend_to(T + i + 1)
-            logits, _ = step(nxt, torch.full((B, 1), T + i, device=dev), cache)
-            nxt = model.sample_next(logits, 0, None)
-            yield
 
 
 def hf_greedy_steps(model, prompt, new_tokens):
@@ -732,14 +731,13 @@ def hf_greedy_steps(model, prompt, new_tokens):
     stopping criteria, input preparation), so the comparison gives transformers its best case."""
     # transformers 5 names the cache `cache`, older releases `past_key_values`
     key = 'cache' if 'cache' in inspect.signature(model.forward).parameters else 'past_key_values'
-    with torch.no_grad():
-        out = model(input_ids=prompt, use_cache=True)
+    out = model(input_ids=prompt, use_cache=True)
+    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    yield
+    for _ in range(new_tokens):
+        out = model(input_ids=nxt, use_cache=True, **{key: getattr(out, key)})
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         yield
-        for _ in range(new_tokens):
-            out = model(input_ids=nxt, use_cache=True, **{key: getattr(out, key)})
-            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-            yield
 
 
 def weights_floor_steps(model, batch, new_tokens):
@@ -752,31 +750,32 @@ def weights_floor_steps(model, batch, new_tokens):
     p = next(model.parameters())
     xs = {n: torch.randn(batch, 1, n, device=p.device, dtype=p.dtype)
           for n in {m.in_features for m in linears}}
-    with torch.no_grad():
+    yield
+    for _ in range(new_tokens):
+        for m in linears:
+            m(xs[m.in_features])
         yield
-        for _ in range(new_tokens):
-            for m in linears:
-                m(xs[m.in_features])
-            yield
 
 
 def interleaved_decode_seconds(decoders, new_tokens, dev):
     """{name: seconds} of new_tokens decoding steps of each decoder (a generator as
     our_greedy_steps), timed step by step with the decoders interleaved per token, so load that
     comes and goes hits every decoder alike; the prefill and first token (the first next()) are
-    not timed."""
-    for d in decoders.values():
-        next(d)
+    not timed. The decoders run under this function's torch.no_grad(): a no_grad inside each
+    generator, entered and left in interleaved order, could leave gradients off afterwards."""
     secs = dict.fromkeys(decoders, 0.0)
-    for _ in range(new_tokens):
-        for name, d in decoders.items():
-            if dev.type == 'cuda':
-                torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
+    with torch.no_grad():
+        for d in decoders.values():
             next(d)
-            if dev.type == 'cuda':
-                torch.cuda.synchronize(dev)
-            secs[name] += time.perf_counter() - t0
+        for _ in range(new_tokens):
+            for name, d in decoders.items():
+                if dev.type == 'cuda':
+                    torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                next(d)
+                if dev.type == 'cuda':
+                    torch.cuda.synchronize(dev)
+                secs[name] += time.perf_counter() - t0
     return secs
 
 

@@ -105,12 +105,29 @@ def check_lora_options(cfg):
         raise TrainError(f"lora_alpha must be > 0 and finite, got {cfg.lora_alpha}")
     if not 0 <= cfg.lora_dropout < 1:
         raise TrainError(f"lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
-    with torch.device('meta'):
-        model = GPT(model_config(cfg, vocab_size=64))
     try:
-        check_targets(model, cfg.lora_targets)
+        check_targets(shape_only_model(model_config(cfg, vocab_size=64)), cfg.lora_targets)
     except ValueError as e:
         raise TrainError(str(e)) from None
+
+
+SHAPE_ONLY_MODELS = {}
+SHAPE_ONLY_ON_CPU = 4_000_000   # parameters up to which a shape-only model is built on the CPU
+
+
+def shape_only_model(config):
+    """GPT(config) for its module names and shapes, on the meta device (nothing allocated), one per
+    config: a study checks hundreds of runs that share a few. A small model is built on the CPU
+    first (under its own RNG state), since on the meta device the first random init imports
+    torch._dynamo, ~2 s in every process that checks its options."""
+    key = repr(config)
+    if key not in SHAPE_ONLY_MODELS:
+        size = (12 * config.n_layer * config.n_embd + config.vocab_size + config.block_size) \
+            * config.n_embd
+        with torch.random.fork_rng(devices=[]), \
+                torch.device('cpu' if size <= SHAPE_ONLY_ON_CPU else 'meta'):
+            SHAPE_ONLY_MODELS[key] = GPT(config).to('meta')
+    return SHAPE_ONLY_MODELS[key]
 
 
 def model_config(cfg, **override):

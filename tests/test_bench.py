@@ -1,5 +1,7 @@
 """bench.py --json prints exactly one JSON object whose numbers come from this run: positive speeds,
 no MFU on CPU, and the step FLOPs the analytic accountant gives for this config."""
+import contextlib
+import io
 import json
 import math
 import os
@@ -34,14 +36,19 @@ TINY = [
 ]
 
 
-def bench_json(args, timeout=180):
-    """bench.py run with args (one thread): the one JSON object it prints on stdout, once it has
-    exited 0."""
-    r = run_group([sys.executable, 'bench.py', *args], timeout, cwd=REPO,
-                  env={**os.environ, 'OMP_NUM_THREADS': '1'})
-    assert r.returncode == 0, r.stderr
-    lines = [l for l in r.stdout.splitlines() if l.strip()]
-    assert len(lines) == 1, r.stdout
+def bench_json(args, timeout=None):
+    """bench.main(args) in this process, on one thread (tests/test_cli_errors.py runs bench.py from
+    the shell): the one JSON object it prints on stdout, once it has returned 0. (timeout: unused,
+    kept for the callers' record of what each run may take.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            assert bench.main(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+    lines = [l for l in out.getvalue().splitlines() if l.strip()]
+    assert len(lines) == 1, out.getvalue()
     return json.loads(lines[0])
 
 
@@ -81,6 +88,7 @@ def test_bench_decode_vs_hf(tmp_path):
             '--vocab_size=50', '--decode_prompt=8', '--decode_tokens=4', '--decode_batches=1,3',
             '--bench_steps=2', '--device=cpu', '--dtype=float32', f'--out={out}', '--json']
     res = bench_json(args, 180)
+    assert torch.is_grad_enabled()      # the interleaved decoders leave autograd as they found it
     assert res['kind'] == 'decode_vs_hf' and res['prompt_tokens'] == 8
     assert (res['decode_tokens'], res['n_layer'], res['vocab_size']) == (4, 2, 50)
     assert [(row['batch'], row['ours']) for row in res['rows']] == [(1, 'eager'), (3, 'eager')]
@@ -141,15 +149,18 @@ def test_the_weights_floor_applies_every_linear_once_per_token():
     assert all(shape == (5, 1, m.in_features) for m, shape in shapes)
 
 
-def test_bench_decode_vs_hf_prompt_must_fit_the_context():
-    """A prompt plus the decoded tokens past block_size is refused before any model is built."""
-    r = run_group([sys.executable, 'bench.py', '--decode_vs_hf=True', '--block_size=64',
-                   '--decode_prompt=60', '--decode_tokens=8'], 60, cwd=REPO)
-    assert r.returncode == 2 and 'decode_tokens=8' in r.stderr and 'Traceback' not in r.stderr
+def test_bench_decode_vs_hf_prompt_must_fit_the_context(capsys):
+    """A prompt plus the decoded tokens past block_size is refused before any model is built (a
+    UserError: run_cli prints it as one line and exits 2, tests/test_cli_errors.py)."""
+    with pytest.raises(ConfigError, match='decode_tokens=8'):
+        bench.main(['--decode_vs_hf=True', '--block_size=64', '--decode_prompt=60',
+                    '--decode_tokens=8'])
+    assert capsys.readouterr().out == ''
+
 
 def test_bench_bad_key_is_a_clean_error():
-    r = run_group([sys.executable, 'bench.py', '--n_layers=2'], 60, cwd=REPO)
-    assert r.returncode == 2 and "n_layer" in r.stderr and 'Traceback' not in r.stderr
+    with pytest.raises(ConfigError, match='n_layer'):
+        bench.main(['--n_layers=2'])
 
 
 @pytest.mark.parametrize('route', ['ffn', 'mod', 'halt', 'exit'])
@@ -178,10 +189,7 @@ def test_bench_routed_table(route, tmp_path):
         f'--out={tmp_path / "bench.json"}',
         '--json',
     ]
-    r = run_group([sys.executable, 'bench.py', *args], 120, cwd=REPO,
-                  env={**os.environ, 'OMP_NUM_THREADS': '1'})
-    assert r.returncode == 0, r.stderr
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res = bench_json(args, 120)
     pre = [x for x in res['rows'] if x['kind'] == 'prefill']
     dec = [x for x in res['rows'] if x['kind'] == 'decode']
     assert [(x['budget'], x['batch'], x['seq']) for x in pre] == [
@@ -538,13 +546,13 @@ def test_bench_speculate_refused(argv, message):
         bench.parse_args([*SPEC_TINY, *argv])
 
 
-def test_bench_speculate_refused_exits_2():
-    """From the command line: one `error:` line on stderr, exit 2, nothing on stdout."""
-    for extra in (['--speculate=0'], ['--speculate=2', '--suite=gpu']):
-        r = run_group([sys.executable, 'bench.py', *SPEC_TINY, *extra, '--json'], 60, cwd=REPO,
-                      env={**os.environ, 'OMP_NUM_THREADS': '1'})
-        assert r.returncode == 2 and r.stdout == ''
-        assert r.stderr.count('\n') == 1 and r.stderr.startswith('error: '), r.stderr
+def test_bench_speculate_refused_before_any_work(capsys):
+    """bench.main itself refuses (one UserError line and exit 2 from run_cli), printing nothing."""
+    for extra, message in ((['--speculate=0'], 'speculate'),
+                           (['--speculate=2', '--suite=gpu'], 'suite')):
+        with pytest.raises(ConfigError, match=message):
+            bench.main([*SPEC_TINY, *extra, '--json'])
+        assert capsys.readouterr().out == ''
 
 
 def test_bench_help_lists_its_options_then_train_and_family_ones(capsys):

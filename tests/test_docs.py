@@ -50,9 +50,25 @@ SKIP = {      # command prefix -> why it is not run here (None: run it)
     'python train.py --dataset=arith': None if HAVE_LM_EVAL else NO_LM_EVAL,
     'python eval_harness.py': None if HAVE_LM_EVAL else NO_LM_EVAL,
 }
-# a command that does under NANODEPTH_SMOKE=1 exactly what another documented command does
+# a command that does under NANODEPTH_SMOKE=1 what another documented command does (the same
+# script, config file and code paths; other sizes or counts): that one runs, and this one's options
+# are checked to be options its script has (REPEAT_OPTIONS_KNOWN)
 SAME_UNDER_SMOKE = {
     'python bench.py --suite=gpu': 'python bench.py --suite=gpu --smoke=True',
+    'python bench.py config/bench_decode_vs_hf_cpu.py --out=results/cpu_2026-11-25/'
+    'decode_vs_hf_floor.json --json':
+        'python bench.py config/bench_decode_vs_hf_cpu.py --quick=True --json',
+    'python bench.py config/bench_cpu.py --budgets=1.0,0.75,0.5,0.25,0.125 --profile=True --json':
+        'python bench.py config/bench_cpu.py --budgets=1.0,0.75,0.5,0.25,0.125 --profile=True '
+        '--quick=True --out=results/bench_ffn.json',
+    'python bench.py config/bench_cpu.py --budgets=1.0,0.5 --decode_batches=1 --json':
+        'python bench.py config/bench_cpu.py --budgets=1.0,0.75,0.5,0.25,0.125 --profile=True '
+        '--quick=True --out=results/bench_ffn.json',
+    'python bench.py config/bench_cpu.py --route=mod --budgets=1.0,0.5 --decode_batches=1 --json':
+        'python bench.py config/bench_cpu.py --route=mod --budgets=1.0,0.75,0.5,0.25,0.125 '
+        '--decode_batches=1,8 --profile=True --json',
+    # the study's runs, all finished by the same study run with --jobs=2
+    'python sweep.py config/study_a3.py': 'python sweep.py config/study_a3.py --jobs=2',
 }
 TIMEOUT_S = 300             # one command
 
@@ -121,6 +137,21 @@ def test_the_commands_are_found():
     assert not any('#' in c for c in commands) and len(commands) >= 15
     assert all(any(c.startswith(prefix) for c in commands) for prefix in SKIP)
     assert all(a in commands and b in commands for a, b in SAME_UNDER_SMOKE.items())
+
+
+def test_a_command_not_run_for_its_twin_gives_options_its_script_has():
+    """A command skipped as the same under smoke as another: the same script and config file,
+    and each option it gives is one the twin gives or its script defines (a typo would otherwise
+    go unnoticed)."""
+    for skipped, twin in SAME_UNDER_SMOKE.items():
+        a, b = shlex.split(skipped), shlex.split(twin)
+        assert a[:2] == b[:2], (skipped, twin)
+        plain = lambda words: [w for w in words if not w.startswith('--')]
+        assert plain(a) == plain(b), (skipped, twin)
+        keys = lambda words: {w[2:].partition('=')[0] for w in words if w.startswith('--')}
+        source = (REPO / a[1]).read_text()
+        for key in keys(a) - keys(b):
+            assert re.search(rf"^\s+{key}=|'--{key}'", source, re.M), (skipped, key)
 
 
 @pytest.mark.slow

@@ -596,7 +596,7 @@ def test_interp_model_static_eval_through_the_kernels(route):
     decisions exactly, with logits within ROUTED_TOL (the two modes sum the same dot products over
     different row sets), really calls the kernels, and traces with no graph break."""
     from conftest import ROUTED_TOL, build, tokens
-    model = build(route, n_layer=4).eval()
+    model = build(route, n_layer=2).eval()
     idx = tokens(1, 3, 20)
     if route == 'ffn':
         model.calibrate(tokens(2, 4, 20))
