@@ -51,6 +51,7 @@ from configurator import ConfigError
 from data.loader import dataset_folder
 from device import autocast_context, resolve_device_dtype
 from model import FAMILIES, GPT, GPTConfig
+import speculative
 from speculative import resolve_draft
 
 SPECULATE_DEFAULTS = dict(
@@ -175,8 +176,10 @@ def speculative_run(model, prompt, K, draft, stats, compile=False):
     def run(new):
         if new > 1:
             stats.clear()
-        model.generate(prompt, new, temperature=0, speculate=K, draft=draft[0],
-                       draft_layers=draft[1], stats=stats if new > 1 else None, compile=compile)
+        # speculative.generate itself: model.generate(..., stats=) would also record the routing
+        # statistics per token, which the plain run it is timed against does not
+        speculative.generate(model, prompt, new, K, draft[0], draft[1], temperature=0,
+                             stats=stats if new > 1 else None, compile=compile)
     return run
 
 

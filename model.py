@@ -455,7 +455,8 @@ class GPT(nn.Module):
                 raise ValueError("speculate needs use_cache=True")
             idx = speculative.generate(
                 self, idx, max_new_tokens, speculate, draft, draft_layers, temperature, top_k,
-                lengths, record, vocab_limit, stats, compile=compile,
+                lengths, record if stats is not None else None, vocab_limit, stats,
+                compile=compile,
             )
         elif lengths is not None:
             idx = self.generate_ragged(

@@ -161,7 +161,8 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     'margins' likewise: how far each decision was from flipping (a family's aux['margins']),
     'prefill_masks' and 'prefill_margins', the final token count of each row 'n' (B,) and the KV
     'cache'. compile: each draft step and verifier pass compiled (pass_steps); the prefill, the
-    acceptance rule and the bookkeeping between passes (a few host syncs per pass) stay eager."""
+    acceptance rule and the bookkeeping between passes (one host sync per pass: the kept counts)
+    stay eager."""
     cfg, family, dev = model.config, model.family, idx.device
     K = int(speculate)
     if K < 1:
@@ -177,8 +178,9 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
             f"speculative decoding needs the longest prompt ({max(lengths)}) plus {max_new_tokens} "
             f"new tokens within block_size {cfg.block_size}; decode longer with speculate=0"
         )
+    keep_masks = record is not None or trace is not None   # what nobody reads is not kept
     record = record or (lambda aux: None)
-    rows, lens = torch.arange(B, device=dev), torch.tensor(lengths, device=dev)
+    rows = torch.arange(B, device=dev)
     cache = model.new_cache(B, dev, compile)
     draft, verify = pass_steps(model, dev, compile)
     # the prefill, as plain decoding runs it (uniform prompts: the last position's logits only)
@@ -187,15 +189,19 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     record(aux)
     slot = torch.arange(cache.max_len, device=dev)[None, :]
     if not uniform:                 # forget what the padding wrote
+        lens = torch.tensor(lengths, device=dev)
         cache.kpos.masked_fill_((slot >= lens[:, None]) & (slot < T), -1)
-    logits = logits[:, -1] if uniform else logits[rows, lens - 1]
+        logits = logits[rows, lens - 1]
+    else:
+        logits = logits[:, -1]
     new = max_new_tokens
     out = torch.zeros(B, max(lengths) + new + K + 1, dtype=idx.dtype, device=dev)
     out[:, :T] = idx
-    first = model.sample_next(logits, temperature, top_k, vocab_limit)[:, 0]
-    out[rows, lens] = first
+    tok = model.sample_next(logits, temperature, top_k, vocab_limit)[:, 0]
+    out[rows, torch.tensor(lengths, device=dev)] = tok
     # per generated token: the verifier's routing decisions (to record) and, for tests, its logits
-    masks = {l: torch.zeros(B, new + K + 1, device=dev) for l in aux.get('masks', {})}
+    masks = {l: torch.zeros(B, new + K + 1, device=dev) for l in aux.get('masks', {})
+             if keep_masks}
     margins = {}
     if trace is not None:
         trace['prefill_masks'] = dict(aux.get('masks', {}))
@@ -203,60 +209,69 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
         margins = {l: torch.zeros(B, new + K + 1, device=dev) for l in aux.get('margins', {})}
         picked = torch.zeros(B, new + K + 1, logits.size(-1), device=dev)
         picked[:, 0] = logits
-    drafted = torch.zeros(K + 1, dtype=torch.long)      # per draft position: rows that drafted it
-    kept = torch.zeros(K + 1, dtype=torch.long)         # ... and kept it
+    drafted = [0] * (K + 1)         # per draft position: rows that drafted it
+    kept = [0] * (K + 1)            # ... and kept it
     passes, row_passes, t_draft, t_verify = 0, 0, 0.0, 0.0
-    n = lens + 1                    # tokens per row; the last one (pending) is not in the cache yet
+    # tokens per row, on the host (the pass's sizes and cache bucket are host decisions: one sync
+    # per pass, for the accepted counts); the last token (pending) is not in the cache yet
+    n = [m + 1 for m in lengths]
     while True:
-        active = (n - lens) < new
-        if not active.any():
+        active = [n[b] - lengths[b] < new for b in range(B)]
+        if not any(active):
             break
         # positions n − 1 .. n − 1 + k must stay below block_size (learned position embeddings)
-        k = min(K, int((cfg.block_size - n)[active].min()))
+        k = min(K, min(cfg.block_size - n[b] for b in range(B) if active[b]))
         # a finished row runs along (its tokens are not kept) at its own next positions where they
         # fit, emptied again after the pass: its cache stays as it finished
-        base = torch.where(active, n - 1, (n - 1).clamp(max=cfg.block_size - 1 - k))
-        cache.attend_to(int(base.max()) + k + 1)      # the pass reads and writes slots below this
+        base = [n[b] - 1 if active[b] else min(n[b] - 1, cfg.block_size - 1 - k)
+                for b in range(B)]
+        cache.attend_to(max(base) + k + 1)      # the pass reads and writes slots below this
+        base_t = torch.tensor(base, device=dev)
         t0 = time.perf_counter()
-        tok = out[rows, n - 1]
-        window, q = [tok], []
+        window, q = [tok], []       # tok: the pending token (the verifier's last pick) per row
         for j in range(k):
-            lg = draft(model, name, depth, tok[:, None], (base + j)[:, None], cache)
+            lg = draft(model, name, depth, tok[:, None], (base_t + j)[:, None], cache)
             tok, qj = pick(lg, temperature, top_k, vocab_limit)
             window.append(tok)
             q.append(qj)
         sync(dev)
         t1 = time.perf_counter()
-        cache.kpos.masked_fill_(slot >= base[:, None], -1)      # the draft's K/V: emptied
+        cache.kpos.masked_fill_(slot >= base_t[:, None], -1)    # the draft's K/V: emptied
         window = torch.stack(window, 1)                          # (B, k + 1)
-        wpos = base[:, None] + torch.arange(k + 1, device=dev)
+        wpos = base_t[:, None] + torch.arange(k + 1, device=dev)
         logits, aux = verify(model, window, wpos, cache)
-        a, t = accept(window[:, 1:], torch.stack(q, 1) if k and q[0] is not None else None,
-                      logits, temperature, top_k, vocab_limit)
-        sync(dev)
-        a = torch.where(active, a, 0)
+        a, tok = accept(window[:, 1:], torch.stack(q, 1) if k and q[0] is not None else None,
+                        logits, temperature, top_k, vocab_limit)
+        a = a.tolist()              # the one host sync of the pass
         t_verify += time.perf_counter() - t1
         t_draft += t1 - t0
-        # keep window tokens 1..a and t, at positions n .. n + a; record the kept ones' decisions
-        cand = torch.cat([window[:, 1:], window[:, :1]], 1)
-        cand[rows, a] = t
-        j = torch.arange(k + 1, device=dev)[None, :]
-        keep = (j <= a[:, None]) & active[:, None]
-        kb, kj = keep.nonzero(as_tuple=True)
-        out[kb, n[kb] + kj] = cand[kb, kj]
-        gen = (n - 1 - lens)[kb] + kj                  # generated index of window token j
-        for l, m in aux.get('masks', {}).items():
-            masks[l][kb, gen] = m[kb, kj].float()
+        # keep window tokens 1..a and tok (the verifier's), at positions n .. n + a; record the
+        # kept ones' decisions
+        kb = [b for b in range(B) if active[b] for _ in range(a[b] + 1)]
+        kj = [j for b in range(B) if active[b] for j in range(a[b] + 1)]
+        kb_t, kj_t = torch.tensor(kb, device=dev), torch.tensor(kj, device=dev)
+        cand = torch.cat([window[:, 1:], tok[:, None]], 1)      # window[j + 1], tok after k
+        cand[rows, torch.tensor(a, device=dev)] = tok
+        at = torch.tensor([n[b] + j for b, j in zip(kb, kj)], device=dev)
+        out[kb_t, at] = cand[kb_t, kj_t]
+        if keep_masks:
+            gen = at - 1 - torch.tensor([lengths[b] for b in kb], device=dev)  # generated index
+            for l, m in aux.get('masks', {}).items():
+                masks[l][kb_t, gen] = m[kb_t, kj_t].float()
         if trace is not None:
-            picked[kb, gen + 1] = logits[kb, kj]
+            picked[kb_t, gen + 1] = logits[kb_t, kj_t]
             for l, m in aux.get('margins', {}).items():
-                margins[l][kb, gen] = m[kb, kj].float()
-        passes, row_passes = passes + 1, row_passes + int(active.sum())
-        drafted[1:k + 1] += active.sum().cpu()
-        kept[1:k + 1] += ((j[:, 1:] <= a[:, None]) & active[:, None]).sum(0).cpu()
-        n = torch.where(active, n + a + 1, n)
+                margins[l][kb_t, gen] = m[kb_t, kj_t].float()
+        passes, row_passes = passes + 1, row_passes + sum(active)
+        for b in range(B):
+            if active[b]:
+                for j in range(1, k + 1):
+                    drafted[j] += 1
+                    kept[j] += j <= a[b]
+                n[b] += a[b] + 1
         # the rejected positions' slots, n − 1 onwards (the new pending token's too), in every layer
-        cache.kpos.masked_fill_(slot >= torch.where(active, n - 1, base)[:, None], -1)
+        ends = torch.tensor([n[b] - 1 if active[b] else base[b] for b in range(B)], device=dev)
+        cache.kpos.masked_fill_(slot >= ends[:, None], -1)
     # statistics as plain decoding records them: one step per generated token fed to the verifier
     for s in range(new - 1):
         if masks:
@@ -265,15 +280,15 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
             record(aux)
     if stats is not None:
         # tokens per verifier pass and row: the kept drafted ones + the verifier's own (1..K+1)
-        made = int((n - lens - 1).sum())
+        made = sum(n) - sum(lengths) - B
         stats.update(spec_draft=name, spec_depth=depth, spec_passes=passes,
-                     spec_accept_rate=(kept[1:].double() / drafted[1:].clamp(min=1)).tolist(),
+                     spec_accept_rate=[kept[j] / max(1, drafted[j]) for j in range(1, K + 1)],
                      spec_tokens_per_pass=made / max(1, row_passes),
                      spec_draft_s=t_draft, spec_verify_s=t_verify)
     if trace is not None:
         trace['logits'] = picked[:, :new]
         trace['masks'] = {l: m[:, :new - 1] for l, m in masks.items()}
         trace['margins'] = {l: m[:, :new - 1] for l, m in margins.items()}
-        trace.update(n=n, cache=cache)
+        trace.update(n=torch.tensor(n, device=dev), cache=cache)
     ys = [out[b, :lengths[b] + new] for b in range(B)]
     return torch.stack(ys) if uniform else ys
