@@ -970,7 +970,7 @@ def true_or_false(text):
 
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message):      # argparse's usage block would bury the one line that matters
-        print(f"prepare.py: error: {message}; see python data/prepare.py --help", file=sys.stderr)
+        print(f"error: {message}; see python data/prepare.py --help", file=sys.stderr)
         sys.exit(2)
 
 

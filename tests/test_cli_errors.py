@@ -29,10 +29,6 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 
 
-def run_py(script, args, timeout=180):
-    return run_group([sys.executable, script, *args], timeout, cwd=REPO, env=ENV)
-
-
 # --------------------------------------------------------------------------------------------------
 # bad options and checkpoints: one UserError naming the field, before any work
 
@@ -160,19 +156,25 @@ def test_sweep_missing_study_file(tmp_path):
 # each script from the shell: exit 2 and one 'error: ' line on stderr
 
 @pytest.mark.parametrize("script,args,needle", [
+    ("train.py", ["--batch_size=-1"], "batch_size"),
     ("sample.py", ["--temperature=-1"], "temperature"),
     ("eval.py", ["--ckpt=CORRUPT", "--device=cpu"], "truncated or corrupt"),
     ("bench.py", ["--budgets=a,b"], "budgets"),
     ("sweep.py", ["STUDY", "--jobz=2"], "--jobz"),
     ("flops.py", ["--n_layers=3"], "n_layer"),
-    ("plots.py", ["NO_SUCH_STUDY"], "OUT_ROOT")])
+    ("plots.py", ["NO_SUCH_STUDY"], "OUT_ROOT"),
+    ("data/prepare.py", ["synthetic", "--seed=abc"], "seed")])
 def test_cli_exit_code_and_one_line(run, tmp_path, script, args, needle):
+    """From the shell, in a folder of its own: exit 2, one 'error: ' line naming the option, nothing
+    on stdout, nothing written."""
     bad, study = (
         corrupt(run / "out" / "ckpt.pt", tmp_path / "ckpt.pt", "random"),
         study_file(tmp_path),
     )
     args = [a.replace("CORRUPT", str(bad)).replace("STUDY", study) for a in args]
-    r = run_py(script, args)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    r = run_group([sys.executable, str(REPO / script), *args], 180, cwd=cwd, env=ENV)
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert needle in r.stderr and r.stdout == ""
+    assert needle in r.stderr and r.stdout == "" and os.listdir(cwd) == []
