@@ -144,9 +144,11 @@ class KVCache:
 
     def __init__(self, config, batch_size, max_len, device, dtype):
         hd = config.n_embd // config.n_head
-        shape = (config.n_layer, batch_size, config.n_head, max_len, hd)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        shape = (batch_size, config.n_head, max_len, hd)
+        # one tensor per layer, not one stacked: a compiled step writes a whole graph input in
+        # place, where a write into a view of one (self.k[layer]) is copied whole, every layer
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.kpos = torch.full(
             (config.n_layer, batch_size, max_len), -1, dtype=torch.long, device=device
         )
@@ -170,11 +172,11 @@ class KVCache:
         layer's K, V, kpos over the attended slots."""
         B, H, T, hd = k.shape
         at = pos[:, None, :, None].expand(B, H, T, hd)
-        self.k[layer].scatter_(2, at, k.to(self.k.dtype))
-        self.v[layer].scatter_(2, at, v.to(self.v.dtype))
+        self.k[layer].scatter_(2, at, k.to(self.k[layer].dtype))
+        self.v[layer].scatter_(2, at, v.to(self.v[layer].dtype))
         self.kpos[layer].scatter_(1, pos, pos if valid is None else torch.where(valid, pos, -1))
         n = self.attend_len
-        return self.k[layer, :, :, :n], self.v[layer, :, :, :n], self.kpos[layer, :, :n]
+        return self.k[layer][:, :, :n], self.v[layer][:, :, :n], self.kpos[layer, :, :n]
 
 
 def rope_rotate(x, pos, base):
@@ -532,7 +534,7 @@ class GPT(nn.Module):
             cache = caches[batch_size, device, dtype] = KVCache(
                 self.config, batch_size, self.config.block_size, device, dtype
             )
-            for t in (cache.k, cache.v, cache.kpos):
+            for t in (*cache.k, *cache.v, cache.kpos):
                 torch._dynamo.mark_static_address(t)
         cache.kpos.fill_(-1)            # empty: slots whose kpos is -1 are never read
         cache.attend_len = cache.max_len

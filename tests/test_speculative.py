@@ -61,7 +61,8 @@ def test_speculative_decoding_leaves_plain_decodings_cache(case, seed, K, lens, 
         filled = slice(0, m + new - 1)
         assert torch.equal(cache.kpos[:, b, filled], plain.kpos[:, b, filled]), f'row {b}'
         valid = (plain.kpos[:, b, filled] >= 0)[:, :, None, None].transpose(1, 2)
-        for got, ref in ((cache.k, plain.k), (cache.v, plain.v)):
+        for got, ref in ((cache.k, plain.k), (cache.v, plain.v)):     # lists: one per layer
+            got, ref = torch.stack(got), torch.stack(ref)
             torch.testing.assert_close(torch.where(valid, got[:, b, :, filled], 0.0),
                                        torch.where(valid, ref[:, b, :, filled], 0.0), **ROUTED_TOL)
 
