@@ -170,10 +170,11 @@ class KVCache:
         """k, v: (B, H, T, hd) for tokens at positions pos (B, T), distinct within a row; where
         valid (B, T) is False (a token that skips this layer) the slot is marked empty. Returns this
         layer's K, V, kpos over the attended slots."""
-        B, H, T, hd = k.shape
-        at = pos[:, None, :, None].expand(B, H, T, hd)
-        self.k[layer].scatter_(2, at, k.to(self.k[layer].dtype))
-        self.v[layer].scatter_(2, at, v.to(self.v[layer].dtype))
+        # an index_put_ (row b, every head, slot pos[b, t]) that torch.compile keeps in place; a
+        # scatter_ was compiled into a copy of the layer's whole slab per write
+        rows = torch.arange(k.size(0), device=pos.device)[:, None].expand_as(pos)
+        self.k[layer][rows, :, pos] = k.transpose(1, 2).to(self.k[layer].dtype)
+        self.v[layer][rows, :, pos] = v.transpose(1, 2).to(self.v[layer].dtype)
         self.kpos[layer].scatter_(1, pos, pos if valid is None else torch.where(valid, pos, -1))
         n = self.attend_len
         return self.k[layer][:, :, :n], self.v[layer][:, :, :n], self.kpos[layer, :, :n]

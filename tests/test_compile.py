@@ -138,28 +138,24 @@ def test_decode_step_compiles_once_for_every_step(case):
 
 
 
-@pytest.mark.parametrize('route', ['none', 'mod'])
-def test_compiled_decode_step_writes_the_cache_in_place(route):
-    """Each layer's K and V are graph inputs of their own, written in place. A write into a view
-    of one stacked cache (k[layer].scatter_) is functionalized into a *_scatter that rebuilds the
-    whole stack, for every layer at every step: at the 124M shape that made the compiled CPU step
-    3.4x slower than the eager one."""
-    from torch._dynamo.backends.common import aot_autograd
-    model = build(route, n_layer=3, block_size=64).eval()
+@pytest.mark.slow
+def test_compiled_decode_step_writes_the_cache_in_place():
+    """Inductor's decoding step writes the new K/V into the cache in place: no generated kernel
+    loops over a whole layer's K. A cache stacked over layers (a write into the view k[layer]) and
+    a scatter_ into a layer's own tensor were both compiled into a copy of everything they wrote
+    into, at every layer and step (the compiled 124M step took 3.4x the eager one on the CPU at
+    batch 1, 2.9x at batch 8)."""
+    import re
+    from torch._inductor.utils import run_and_get_code
+    model = build('none', n_layer=2, block_size=512).eval()
     tok, pos, cache = prefilled(model, [6, 3])
-    graphs = []
-
-    def keep(gm, example_inputs):
-        graphs.append(gm)
-        return gm
-    step = torch.compile(model.decode_step, backend=aot_autograd(fw_compiler=keep),
-                         fullgraph=True, dynamic=False)
+    step = torch.compile(model.decode_step, fullgraph=True, dynamic=False)
     with torch.no_grad():
-        step(tok, pos, cache)
-    rebuilt = [n.meta['val'].numel() for g in graphs for n in g.graph.nodes
-               if str(n.target).split('.')[1:2] in (['select_scatter'], ['slice_scatter'],
-                                                    ['as_strided_scatter'])]
-    assert graphs and max(rebuilt, default=0) < cache.k[0].numel(), rebuilt
+        _, code = run_and_get_code(step, tok, pos, cache)
+    bounds = [int(b) for b in re.findall(r'x\d+\s*<\s*(?:static_cast<int64_t>\()?(\d+)L?',
+                                          '\n'.join(code))]
+    assert bounds, 'no loop bounds found: the generated code changed form; update the pattern'
+    assert max(bounds) < cache.k[0].numel(), sorted(set(bounds))
 
 
 @pytest.mark.parametrize('route', ROUTES)
