@@ -52,7 +52,6 @@ from data.loader import dataset_folder
 from device import autocast_context, resolve_device_dtype
 from model import FAMILIES, GPT, GPTConfig
 import speculative
-from speculative import resolve_draft
 
 SPECULATE_DEFAULTS = dict(
     speculate='',           # comma-separated draft lengths K, e.g. 1,2,4,8 ('': no speculation)
@@ -115,7 +114,7 @@ def check_options(cfg, argv):
     if refusal:
         raise ConfigError(refusal)
     try:
-        resolve_draft(mcfg, family, cfg['draft'] or None, cfg['draft_layers'] or None)
+        speculative.resolve_draft(mcfg, family, cfg['draft'] or None, cfg['draft_layers'] or None)
     except ValueError as e:
         raise ConfigError(f"--draft/--draft_layers: {e}") from None
     n = prompt_tokens(cfg)
@@ -224,8 +223,8 @@ def bench_speculative(cfg):
     dev, dt = resolve_device_dtype(SimpleNamespace(**cfg))
     autocast = autocast_context(dev, dt)
     model = load_bench_model(cfg, dev)
-    draft = resolve_draft(model.config, model.family, cfg['draft'] or None,
-                          cfg['draft_layers'] or None)
+    draft = speculative.resolve_draft(model.config, model.family, cfg['draft'] or None,
+                                      cfg['draft_layers'] or None)
     g = torch.Generator().manual_seed(cfg['seed'])
     path = checkpoint_file(cfg['init_from'])
     run_cfg = (load_checkpoint(path).get('config') or {}) if path else {}

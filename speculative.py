@@ -240,9 +240,9 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
         window = torch.stack(window, 1)                          # (B, k + 1)
         wpos = base_t[:, None] + torch.arange(k + 1, device=dev)
         logits, aux = verify(model, window, wpos, cache)
-        a, tok = accept(window[:, 1:], torch.stack(q, 1) if k and q[0] is not None else None,
-                        logits, temperature, top_k, vocab_limit)
-        a = a.tolist()              # the one host sync of the pass
+        a_t, tok = accept(window[:, 1:], torch.stack(q, 1) if k and q[0] is not None else None,
+                          logits, temperature, top_k, vocab_limit)
+        a = a_t.tolist()            # the one host sync of the pass
         t_verify += time.perf_counter() - t1
         t_draft += t1 - t0
         # keep window tokens 1..a and tok (the verifier's), at positions n .. n + a; record the
@@ -251,17 +251,17 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
         kj = [j for b in range(B) if active[b] for j in range(a[b] + 1)]
         kb_t, kj_t = torch.tensor(kb, device=dev), torch.tensor(kj, device=dev)
         cand = torch.cat([window[:, 1:], tok[:, None]], 1)      # window[j + 1], tok after k
-        cand[rows, torch.tensor(a, device=dev)] = tok
+        cand[rows, a_t] = tok
         at = torch.tensor([n[b] + j for b, j in zip(kb, kj)], device=dev)
         out[kb_t, at] = cand[kb_t, kj_t]
-        if keep_masks:
+        if keep_masks:              # (a trace keeps them too)
             gen = at - 1 - torch.tensor([lengths[b] for b in kb], device=dev)  # generated index
             for l, m in aux.get('masks', {}).items():
                 masks[l][kb_t, gen] = m[kb_t, kj_t].float()
-        if trace is not None:
-            picked[kb_t, gen + 1] = logits[kb_t, kj_t]
-            for l, m in aux.get('margins', {}).items():
-                margins[l][kb_t, gen] = m[kb_t, kj_t].float()
+            if trace is not None:
+                picked[kb_t, gen + 1] = logits[kb_t, kj_t]
+                for l, m in aux.get('margins', {}).items():
+                    margins[l][kb_t, gen] = m[kb_t, kj_t].float()
         passes, row_passes = passes + 1, row_passes + sum(active)
         for b in range(B):
             if active[b]:
