@@ -55,7 +55,8 @@ the decode_tokens steps after the prefill are timed step by step, the two interl
 in one process (transformers through a manual loop over its cache, its fastest eager decode). Per
 decode batch: both tokens/s and ratio = ours / theirs, eager (and compiled with --compile=True);
 beside them the weights alone (every Linear applied once per token, interleaved too): no decoder
-reading every weight per token goes faster, so floor / theirs bounds any decoder's ratio.
+reading every weight per token in that layout goes faster, so floor / theirs bounds our ratio. Ours
+decodes in GPT.decode_layout (column-major weights on the CPU, as transformers' Conv1D keeps them).
 
     python bench.py config/bench_decode_vs_hf_cpu.py --out=results/<device>_<date>/decode_vs_hf.json
 
@@ -683,7 +684,8 @@ def hf_prompt_len(cfg):
 def gpt2_twins(cfg, dev):
     """Our dense model and transformers' GPT2LMHeadModel of the same shape (GPT-2's architecture:
     biases, tanh GELU, learned positions; the config's layers, heads, width, context and
-    vocabulary), random weights, eval mode, the config's dtype."""
+    vocabulary), random weights, eval mode, the config's dtype; ours in the layout it decodes with
+    (GPT.decode_layout: column-major weights on the CPU, as transformers' Conv1D keeps them)."""
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:
@@ -701,7 +703,7 @@ def gpt2_twins(cfg, dev):
         bos_token_id=vocab - 1, eos_token_id=vocab - 1,     # GPT-2's, inside any vocabulary
     )
     dtype = getattr(torch, resolve_device_dtype(SimpleNamespace(**cfg))[1])
-    ours = GPT(ours_cfg).to(dev, dtype).eval()
+    ours = GPT(ours_cfg).to(dev, dtype).eval().decode_layout()
     theirs = GPT2LMHeadModel(hf_cfg).to(dev, dtype).eval()
     return ours, theirs
 
@@ -743,9 +745,9 @@ def hf_greedy_steps(model, prompt, new_tokens):
 def weights_floor_steps(model, batch, new_tokens):
     """The weights' part of a decode step alone, one step per next() as our_greedy_steps: every
     Linear of the model (the blocks' projections and the LM head) applied once to a (batch, 1, in)
-    input, nothing else (no attention, norms, embedding or argmax). Any decoder of this shape and
-    dtype reads all these weights per token, so its tokens/s are an upper bound on both
-    contenders' at small batch, where a step is bound by reading weights."""
+    input, nothing else (no attention, norms, embedding or argmax), with the weights in the model's
+    layout. Any decoder of this shape, dtype and layout reads all these weights per token, so its
+    tokens/s bound the model's own at small batch, where a step is bound by reading weights."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     p = next(model.parameters())
     xs = {n: torch.randn(batch, 1, n, device=p.device, dtype=p.dtype)
@@ -755,6 +757,12 @@ def weights_floor_steps(model, batch, new_tokens):
         for m in linears:
             m(xs[m.in_features])
         yield
+
+
+def weights_layout(model):
+    """'column-major' when the model's Linear weights are stored transposed (GPT.decode_layout),
+    else 'row-major'."""
+    return 'column-major' if model.lm_head.weight.stride(0) == 1 else 'row-major'
 
 
 def interleaved_decode_seconds(decoders, new_tokens, dev):
@@ -820,6 +828,7 @@ def bench_decode_vs_hf(cfg):
         n_layer=cfg['n_layer'], n_head=cfg['n_head'], n_embd=cfg['n_embd'],
         block_size=cfg['block_size'], vocab_size=ours.config.vocab_size,
         prompt_tokens=n, decode_tokens=N, repeats=cfg['bench_steps'],
+        ours_weights=weights_layout(ours),
         hf_attn_implementation=theirs.config._attn_implementation,
         hf_loop='manual greedy loop over its KV cache (no generate())',
         timing='decode steps only, interleaved per token with transformers', rows=rows,

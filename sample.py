@@ -179,7 +179,7 @@ def main(argv):
     if cfg['speculate'] and x.size(1) + cfg['max_new_tokens'] > margs['block_size']:
         raise ConfigError(f"--speculate needs the prompt ({x.size(1)} tokens) plus max_new_tokens "
                           f"within block_size {margs['block_size']}; lower --max_new_tokens")
-    model = load_model(ckpt, dev).eval()
+    model = load_model(ckpt, dev).eval().decode_layout()
     torch.manual_seed(cfg['seed'])
     stats = {}
     t0 = time.time()

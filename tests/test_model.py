@@ -168,6 +168,34 @@ def test_tied_embeddings_and_optimizer_groups():
     assert all(p.dim() < 2 for p in opt.param_groups[1]['params'])
 
 
+@settings(**SETTINGS)
+@given(seed=st.integers(0, 10_000), pos=st.sampled_from(['learned', 'rope']), B=st.integers(1, 3),
+       T0=st.integers(1, 12), new=st.integers(1, 10), bias=st.booleans())
+def test_decode_layout_keeps_the_model_and_its_decoding(seed, pos, B, T0, new, bias):
+    """GPT.decode_layout stores every Linear weight transposed in memory (the tied LM head and
+    embedding stay one tensor) and changes nothing else: the state_dict bit for bit, greedy decoding
+    up to near-ties (other summation order: logits within FP32_TOL), and a training step's loss
+    and gradients within FP32_TOL."""
+    model = tiny(seed, pos=pos, bias=bias)
+    twin = tiny(seed, pos=pos, bias=bias).decode_layout()
+    linears = [m for m in twin.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.stride() == (1, m.weight.size(0)) for m in linears)
+    assert twin.lm_head.weight is twin.transformer.wte.weight
+    ref = model.state_dict()
+    assert all(torch.equal(ref[k], v) for k, v in twin.state_dict().items())
+    idx = torch.randint(0, 37, (B, T0), generator=torch.Generator().manual_seed(seed))
+    for a, b in zip(greedy_trace(twin, idx, new), greedy_trace(model, idx, new)):
+        assert_greedy_traces_agree(a, b, FP32_TOL)
+    for m in (model, twin):
+        m.train()
+        m.zero_grad()
+        m(idx, targets=idx)[1].backward()
+    torch.testing.assert_close(twin(idx, targets=idx)[1], model(idx, targets=idx)[1], **FP32_TOL)
+    grads = dict(model.named_parameters())
+    for name, p in twin.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, **FP32_TOL)
+
+
 def test_bad_config_is_rejected():
     with pytest.raises(ValueError, match='divisible'):
         GPTConfig(n_embd=10, n_head=4)
