@@ -413,9 +413,11 @@ def _grouped_linear(x, n, weight):
     return mm(x, weight.unsqueeze(0).transpose(-2, -1), offs=n.reshape(1))
 
 
-def _grouped_aligned(*tensors):
-    """grouped_mm's stride rule: every operand's row stride a multiple of 16 bytes."""
-    return all(t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
+def _grouped_aligned(dtype, *tensors):
+    """grouped_mm's stride rule, for operands cast to dtype: every operand's non-unit stride a
+    multiple of 16 bytes (a row's length for a row-major matrix, a column's for a column-major one:
+    GPT.decode_layout)."""
+    return all(max(t.stride()[-2:]) * dtype.itemsize % 16 == 0 for t in tensors)
 
 
 def mlp_rows_grouped(x, order, lo, hi, w_fc, b_fc, w_proj, b_proj, approximate, out):
@@ -469,7 +471,7 @@ def mlp_rows(x, order, lo, hi, mlp, out, path=None):
         t if t is None else t.to(dtype) for t in (x, w_fc, b_fc, w_proj, b_proj))
     if path == 'compact':
         mlp_rows_compact(x, order, lo, hi, w_fc, b_fc, w_proj, b_proj, approximate, out)
-    elif path == 'grouped_mm' and _grouped_aligned(x, w_fc, w_proj):
+    elif path == 'grouped_mm' and _grouped_aligned(dtype, x, w_fc, w_proj):
         lo, hi = _as_count(lo, x.device), _as_count(hi, x.device)
         mlp_rows_grouped(x, order, lo, hi, w_fc, b_fc, w_proj, b_proj, approximate, out)
     elif path == 'grouped_mm':          # a width grouped_mm's strides cannot take
@@ -493,9 +495,9 @@ def prefix_linear(x, count, weight, bias=None, path=None):
     count hold unspecified values (garbage on the grouped_mm path, zeros or the product elsewhere).
     count: an int or a 0-dim int tensor on x's device. path as for mlp_rows."""
     path = _rows_path(x, path, (x, weight, bias))
-    if path == 'reference' or (path == 'grouped_mm' and not _grouped_aligned(x, weight)):
-        return F.linear(x, weight, bias)
     dtype = matmul_dtype(x)
+    if path == 'reference' or (path == 'grouped_mm' and not _grouped_aligned(dtype, x, weight)):
+        return F.linear(x, weight, bias)
     x, weight, bias = (t if t is None else t.to(dtype) for t in (x, weight, bias))
     if path == 'compact':
         n = int(count)

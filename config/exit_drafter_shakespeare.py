@@ -6,10 +6,11 @@
 # exit_weight 4 and layer_dropout 0.2 (from 1 and 0.1) made the exits far better drafters at the
 # same final loss: exit 2 alone 1.96 nats against 2.14, exit 4 1.74 against 1.78, the full model
 # 1.726 against 1.729; greedy speculative decode with exit 2 at K = 4 runs 1.63x plain decoding at
-# batch 1 against 1.31x (results/cpu_2026-11-26/speculative_all, docs/results.md).
-# 2,000 iterations: 8 minutes 37 seconds with one thread while another training shared the 2 CPU
-# cores (results/cpu_2026-11-26/speculative_all/models/exit_w4d2); 12 minutes 20 seconds alone on
-# the slower 2-core machine of results/cpu_2026-11-26/exit_drafter_timing (exit_weight 1).
+# batch 1 against 1.31x on one prompt, 1.50x against 1.24x pooled over four
+# (results/cpu_2026-11-26/speculative_all, docs/results.md).
+# 2,000 iterations: 8 minutes 37 seconds end to end with one thread while another training shared
+# the 2 CPU cores (results/cpu_2026-11-26/speculative_all/models/exit_w4d2); 12 minutes 20 seconds
+# alone on the slower 2-core machine of results/cpu_2026-11-26/exit_drafter_timing (exit_weight 1).
 #   python data/prepare.py shakespeare_char && python train.py config/exit_drafter_shakespeare.py
 #   python bench.py --init_from=out/exit_drafter_shakespeare --speculate=1,2,4,8 --json
 out_dir = 'out/exit_drafter_shakespeare'

@@ -325,6 +325,21 @@ def test_greedy_speculative_decoding_equals_plain_decoding(case, seed, lens, new
 
 
 
+@pytest.mark.parametrize('case', [c for c in ALL_CASES if not is_random(c)])
+def test_decode_layout_decodes_every_family_as_before(case):
+    """GPT.decode_layout (column-major Linear weights, what sample.py decodes with) changes only the
+    summation order: every family's greedy decode, its routing decisions and its logits are the
+    row-major model's, up to a near-tie of ROUTED_TOL, and its state dict is the same."""
+    model = build(*case, seed=3).eval()
+    twin = build(*case, seed=3).eval().decode_layout()
+    ref, got = model.state_dict(), twin.state_dict()
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    assert any(p.dim() == 2 and not p.is_contiguous() for p in twin.parameters())
+    idx = tokens(3, 2, 6)
+    for a, b in zip(greedy_trace(twin, idx, 8), greedy_trace(model, idx, 8)):
+        assert_greedy_traces_agree(as_float(a), as_float(b), ROUTED_TOL)
+
+
 def test_the_trace_check_passes_near_ties_and_fails_divergences():
     """conftest.assert_greedy_traces_agree, on hand-made traces of 3 steps (vocabulary 4, one
     routed layer): a token or a decision may differ only at a near-tie of ROUTED_TOL."""

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import kernels
@@ -338,6 +339,33 @@ def test_prefix_linear_computes_the_packed_rows(path, count):
         got = kernels.prefix_linear(x, torch.tensor(count), w, b, path=path)
     assert got.shape == (24, 40)
     torch.testing.assert_close(got[:count], x[:count] @ w.T + b, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize('width', [20, 24])
+@pytest.mark.parametrize('x_dtype', [torch.bfloat16, torch.float32])
+def test_grouped_mm_path_takes_column_major_weights(width, x_dtype):
+    """Weights stored column-major (GPT.decode_layout) on the grouped_mm path, in bf16 (the input
+    bf16, or fp32 under bf16 autocast, which casts the weights): a column of 20 bf16 values (40
+    bytes) is a stride grouped_mm refuses, so that width takes the reference, 24 (48 bytes) the
+    grouped GEMM; both equal the row-major reference."""
+    torch.manual_seed(width)
+    mlp = make_mlp(16, width, True, 'tanh', x_dtype, 0)
+    w = torch.randn(width, 16, dtype=x_dtype)
+    for m in (mlp.c_fc, mlp.c_proj):
+        m.weight.data = m.weight.data.t().contiguous().t()
+    w_col = w.t().contiguous().t()
+    x = torch.randn(24, 16, dtype=x_dtype)
+    mask = torch.rand(24) < 0.5
+    order, n = kernels.sort_by_mask(mask)
+    out = torch.zeros(24, 16, dtype=x_dtype)
+    autocast = torch.autocast('cpu', dtype=torch.bfloat16, enabled=x_dtype == torch.float32)
+    with torch.no_grad(), autocast:
+        kernels.mlp_rows(x, order, 0, n, mlp, out, path='grouped_mm')
+        got = kernels.prefix_linear(x, torch.tensor(10), w_col, path='grouped_mm')
+        expected = torch.where(mask[:, None], mlp(x), out.new_zeros(()))
+        want = F.linear(x[:10], w)
+    torch.testing.assert_close(out.float(), expected.float(), **TOL[torch.bfloat16])
+    torch.testing.assert_close(got[:10].float(), want.float(), **TOL[torch.bfloat16])
 
 
 def test_grouped_mm_path_compiles_without_graph_break_in_bf16():

@@ -181,8 +181,8 @@ def test_decode_layout_keeps_the_model_and_its_decoding(seed, pos, B, T0, new, b
     linears = [m for m in twin.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(m.weight.stride() == (1, m.weight.size(0)) for m in linears)
     assert twin.lm_head.weight is twin.transformer.wte.weight
-    ref = model.state_dict()
-    assert all(torch.equal(ref[k], v) for k, v in twin.state_dict().items())
+    ref, got = model.state_dict(), twin.state_dict()
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
     idx = torch.randint(0, 37, (B, T0), generator=torch.Generator().manual_seed(seed))
     for a, b in zip(greedy_trace(twin, idx, new), greedy_trace(model, idx, new)):
         assert_greedy_traces_agree(a, b, FP32_TOL)
