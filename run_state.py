@@ -20,7 +20,7 @@ from checkpoint import load_checkpoint, remove_stale_temps
 from configurator import UserError
 from data.loader import check_data, data_identity, load_dataset_meta
 from runlock import FolderBusy, lock_folder
-from train_checks import TrainError, check_out_dir
+from train_checks import TrainError, check_out_dir, check_run_files
 
 
 def end_ddp_process(run_checked, argv):
@@ -51,14 +51,20 @@ def end_ddp_process(run_checked, argv):
 
 
 def hold_out_dir(cfg, proc):
-    """Rank 0 locks out_dir for the run's lifetime (runlock); under DDP every rank learns whether it
-    could, so that all of them stop with the same error if another process holds the folder."""
+    """Rank 0 locks out_dir for the run's lifetime (runlock) and, holding it, checks that a fresh
+    run finds no run there (check_run_files: before any rank writes, so no rank mistakes rank 0's
+    new files for an old run); under DDP every rank learns the verdict, so that all of them stop
+    with the same error if another process holds the folder or it holds a run."""
     lock, refusal = None, None
     if proc.master:
         try:
             lock = lock_folder(cfg.out_dir, 'out_dir')
+            check_run_files(cfg)
         except UserError as e:
             refusal = e
+            if lock is not None:
+                lock.release()
+                lock = None
     if proc.ddp:              # 0: locked; the holder's PID; -1: another error (rank 0 prints it)
         code = 0 if refusal is None else (getattr(refusal, 'pid', None) or -1)
         status = torch.tensor([code], dtype=torch.int64, device=proc.dev)
@@ -67,8 +73,7 @@ def hold_out_dir(cfg, proc):
         if refusal is None and code > 0:
             refusal = FolderBusy(cfg.out_dir, code, 'out_dir')
         elif refusal is None and code < 0:
-            refusal = TrainError(f"rank 0 could not lock out_dir {cfg.out_dir} (its error is "
-                                 f"above)")
+            refusal = TrainError(f"rank 0 refused out_dir {cfg.out_dir} (its error is above)")
     if refusal is not None:
         raise refusal
     return lock
@@ -82,7 +87,7 @@ def open_inputs(cfg, master):
     """The dataset's meta.json and the checkpoint the run starts from (None from scratch or GPT-2),
     checked against each other."""
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
-    check_out_dir(cfg)
+    check_out_dir(cfg, held=False)      # (the run files: rank 0 checked them, hold_out_dir)
     meta = load_dataset_meta(cfg, master)
     if master:                  # temp files of a writer that was killed mid-save (the checkpoint is
                                 # intact)

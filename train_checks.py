@@ -165,12 +165,20 @@ def check_family_options(cfg, argv, defaults):
         )
 
 
-def check_out_dir(cfg):
+def check_out_dir(cfg, held=True):
     """Every folder the run will write can be written, before any work (a resume onto a read-only
-    folder would otherwise train until its first save fails), and a fresh run never silently
-    replaces or appends to the run already in out_dir."""
+    folder would otherwise train until its first save fails), and (held) a fresh run never silently
+    replaces or appends to the run already in out_dir. train.py checks the latter on rank 0 alone,
+    under its lock and before any rank writes (run_state.hold_out_dir): a rank that looked later
+    would see the files rank 0 had begun and refuse its own run."""
     writable_folder(cfg.out_dir, 'out_dir')
     check_data_folder(cfg)          # a named dataset; its folder writable where it will be prepared
+    if held:
+        check_run_files(cfg)
+
+
+def check_run_files(cfg):
+    """A fresh run (not a resume, not --overwrite) refuses an out_dir that holds a run's files."""
     if cfg.init_from == 'resume' or cfg.overwrite:
         return
     held = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]

@@ -60,3 +60,23 @@ def test_a_fresh_run_never_writes_over_a_run_in_out_dir(tmp_path):
     )
     check_out_dir(SimpleNamespace(**{**vars(cfg), 'init_from': 'resume'}))
     check_out_dir(SimpleNamespace(**{**vars(cfg), 'overwrite': True}))
+
+
+def test_only_rank_0_judges_the_run_files_under_its_lock(tmp_path):
+    """Under DDP, rank 0 may write a fresh run's files before another rank reaches its checks: the
+    run files are judged once, by rank 0 holding the lock (hold_out_dir), and every rank's own
+    checks (open_inputs: check_out_dir with held=False) pass over them. A refused run leaves the
+    folder unlocked."""
+    import run_state
+    from runlock import lock_folder
+    out = tmp_path / "run"
+    cfg = SimpleNamespace(**{**train.DEFAULTS, 'out_dir': str(out), 'dataset': 'synthetic',
+                             'data_dir': str(tmp_path / "data")})
+    master = SimpleNamespace(master=True, ddp=False)
+    out.mkdir()
+    run_state.hold_out_dir(cfg, master).release()          # an empty folder: taken
+    (out / "config.json").write_text("{}")                 # what rank 0 writes first
+    check_out_dir(cfg, held=False)                         # a later rank's own checks
+    with pytest.raises(TrainError, match=r"already holds a run \(config.json\)"):
+        run_state.hold_out_dir(cfg, master)
+    lock_folder(str(out)).release()                        # the refusal let the lock go
