@@ -759,12 +759,6 @@ def weights_floor_steps(model, batch, new_tokens):
         yield
 
 
-def weights_layout(model):
-    """'column-major' when the model's Linear weights are stored transposed (GPT.decode_layout),
-    else 'row-major'."""
-    return 'column-major' if model.lm_head.weight.stride(0) == 1 else 'row-major'
-
-
 def interleaved_decode_seconds(decoders, new_tokens, dev):
     """{name: seconds} of new_tokens decoding steps of each decoder (a generator as
     our_greedy_steps), timed step by step with the decoders interleaved per token, so load that
@@ -828,7 +822,7 @@ def bench_decode_vs_hf(cfg):
         n_layer=cfg['n_layer'], n_head=cfg['n_head'], n_embd=cfg['n_embd'],
         block_size=cfg['block_size'], vocab_size=ours.config.vocab_size,
         prompt_tokens=n, decode_tokens=N, repeats=cfg['bench_steps'],
-        ours_weights=weights_layout(ours),
+        ours_weights='column-major' if ours.lm_head.weight.stride(0) == 1 else 'row-major',
         hf_attn_implementation=theirs.config._attn_implementation,
         hf_loop='manual greedy loop over its KV cache (no generate())',
         timing='decode steps only, interleaved per token with transformers', rows=rows,
