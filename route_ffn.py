@@ -13,8 +13,8 @@ Auxiliary losses, each a named term with its weight (0 = not computed): utility 
 pairwise rank supervision onto oracle utility labels U_t = CE_t(cheap at l) − CE_t(full at l)
 (oracle_labels.py: token t switched alone or the whole sequence, forks from the all-full or the
 routed state, later layers all full or following the gates), G3's JEPA alignment, the membership
-predictor's BCE, and a cheap-imitates-full term. util/rank/JEPA train only their own layer's gate
-unless ffn_aux_grad='leak'.
+predictor's BCE, and a cheap-imitates-full term. util/rank/JEPA train only their own layer's gate,
+and the imitation only its own cheap FFN, unless ffn_aux_grad='leak'.
 
 Options: FFNOptions below (fields of model.GPTConfig); of the training loop:
 ffn_oracle_layers_per_step, calib_iters.
@@ -100,9 +100,9 @@ class FFNOptions:
     ffn_oracle_start: str = 'auto'    # the state at l the forks start from: 'full' (all layers
                                       # below full), 'routed' (this pass's own), 'auto' (full if
                                       # policy 'off', else routed)
-    ffn_aux_grad: str = 'own'         # util/rank/JEPA gradients reach only their own layer's gate
-                                      # ('own': the gate's input detached) or also lower gates
-                                      # through the mixes ('leak')
+    ffn_aux_grad: str = 'own'         # util/rank/JEPA gradients reach only their own layer's gate,
+                                      # mimic's only its cheap FFN ('own': their input detached), or
+                                      # also the layers below ('leak')
     ffn_jepa_weight: float = 1.0      # λ_JEPA (G3 only)
     ffn_predictor_weight: float = 1.0 # BCE of the membership predictor (ffn_infer_rule='predictor'
                                       # only)
@@ -488,7 +488,9 @@ def collect_losses(block, cfg, ctx, x, h, full, cheap, mask, preds):
         )
     if block.predictor is not None and cfg.ffn_predictor_weight > 0:
         ctx.add('pred_loss', losses.membership_bce(block.predictor(h), mask))
-    if cfg.ffn_mimic_weight > 0:
+    if cfg.ffn_mimic_weight > 0:          # 'own': the imitation trains this cheap FFN alone, so
+        if cfg.ffn_aux_grad == 'own':     # it cannot move the input it imitates the full FFN on
+            cheap = block.cheap(h.detach())
         ctx.add('mimic_loss', losses.cheap_mimic(cheap, full))
 
 

@@ -1053,6 +1053,30 @@ def test_jepa_pred_std_is_reported_without_alignment():
 
 
 @settings(**SETTINGS)
+@given(seed=SEEDS, T=st.integers(4, 16), aux_grad=st.sampled_from(['own', 'leak']))
+def test_mimic_loss_trains_only_its_own_cheap_ffn(seed, T, aux_grad):
+    """ffn_aux_grad='own': the mimic loss moves each layer's cheap FFN and nothing else, so it
+    cannot pull the input it imitates the full FFN on; 'leak': it also reaches the backbone below
+    (every block's attention, through layer 1's input), with at least 1e-2 of the cheap FFNs' norm
+    (measured ~1)."""
+    model = build(seed, 2, ffn_gate='mlp', ffn_mimic_weight=1.0, ffn_aux_grad=aux_grad).train()
+    aux = model(*[tokens(seed, 2, T, distinct_first=True)] * 2)[2]
+    model.zero_grad(set_to_none=True)
+    aux['mimic_loss'].backward()
+
+    def norm(keep):
+        return math.sqrt(sum(float(p.grad.double().pow(2).sum()) for n, p in
+                             model.named_parameters() if keep(n) and p.grad is not None))
+    cheap = norm(lambda n: '.cheap.' in n)
+    attention = norm(lambda n: '.attn.' in n)
+    assert cheap > 1e-3
+    if aux_grad == 'own':
+        assert norm(lambda n: '.cheap.' not in n) == 0.0
+    else:
+        assert attention >= 1e-2 * cheap, (attention, cheap)
+
+
+@settings(**SETTINGS)
 @given(seed=SEEDS, T=st.integers(4, 16), gate=st.sampled_from(SCORING_GATES),
        aux_grad=st.sampled_from(['own', 'leak']))
 def test_aux_loss_gradients_reach_only_their_own_gate(seed, T, gate, aux_grad):
