@@ -57,7 +57,7 @@ from bench import (controller_g1_config, eval_model, prefill_flops_ratio, routed
                    time_train_step, timed)
 from configurator import SMOKE_ENV, ConfigError, writable_folder
 from device import autocast_context, cli_device
-from model import FAMILIES
+from model import DECODE_GRAPHS, FAMILIES, allow_graphs
 
 SUITES = ('gpu',)
 BUDGETS = (1.0, 0.5, 0.25, 0.125)
@@ -600,10 +600,9 @@ def run(cfg, argv):
     dev, _ = cli_device(cfg['device'])
     if dev.type == 'cuda':
         torch.backends.cuda.matmul.allow_tf32 = True
-    for key, value in (('recompile_limit', 64), ('cache_size_limit', 64),
-                       ('fail_on_recompile_limit_hit', True)):
-        if hasattr(torch._dynamo.config, key):      # every path and batch is its own graph
-            setattr(torch._dynamo.config, key, value)
+    allow_graphs(DECODE_GRAPHS)                     # every path and batch is its own graph
+    if hasattr(torch._dynamo.config, 'fail_on_recompile_limit_hit'):
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
     base = train.model_config(SimpleNamespace(**{**train.DEFAULTS, **plan['model']}))
     base = replace(base, route='none', dropout=0.0)
     folder = out_folder(cfg, argv)

@@ -36,6 +36,7 @@ from routing import MLP, Dense, RouteCtx, training_flags
 # here (docs/new_family.md).
 # An old option name two families share means, under a third route, the earlier family's option.
 ROUTES = ('ffn', 'mod', 'halt', 'exit', 'ensemble')
+DECODE_GRAPHS = 64      # graphs a compiled decoding step may need (GPT.compiled)
 FAMILIES = {'none': Dense(), **{r: importlib.import_module(f'route_{r}').FAMILY for r in ROUTES}}
 
 
@@ -279,6 +280,14 @@ class Block(nn.Module):
 
 # --------------------------------------------------------------------------------------------------
 
+
+def allow_graphs(count):
+    """Raise torch.compile's recompile limit (graphs kept per compiled function, 8 by default) to at
+    least `count`: a step compiled with static shapes makes one graph per shape it meets."""
+    import torch._dynamo as dynamo     # (a bare `import torch._dynamo` would make torch local)
+    name = 'recompile_limit' if hasattr(dynamo.config, 'recompile_limit') else 'cache_size_limit'
+    setattr(dynamo.config, name, max(getattr(dynamo.config, name), count))
+
 class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -509,9 +518,12 @@ class GPT(nn.Module):
     @staticmethod
     def compiled(step, device):
         """step(*arguments) -> tensors (nested in tuples and dicts) through
-        torch.compile(fullgraph=True, dynamic=False): one graph per input shape and attended bucket.
-        On CUDA it is captured as a CUDA graph, whose outputs the next replay overwrites: they are
-        cloned before anyone keeps them."""
+        torch.compile(fullgraph=True, dynamic=False): one graph per input shape and attended bucket
+        (batch sizes, buckets and a speculative pass's window lengths: more than torch's default
+        recompile limit of 8, so the limit is raised to DECODE_GRAPHS). On CUDA it is captured as a
+        CUDA graph, whose outputs the next replay overwrites: they are cloned before anyone keeps
+        them."""
+        allow_graphs(DECODE_GRAPHS)
         if device.type != 'cuda':
             return torch.compile(step, fullgraph=True, dynamic=False)
         graphed = torch.compile(step, fullgraph=True, dynamic=False, mode='reduce-overhead')

@@ -118,21 +118,13 @@ def verify_pass(model, window, pos, cache):
     return logits, {k: aux[k] for k in ('masks', 'margins') if k in aux}
 
 
-COMPILED_GRAPHS = 64    # the recompile limit compiled passes need (torch's default is 8)
-
-
 def pass_steps(model, device, compile):
     """(draft_step, verify_pass), eager or compiled (GPT.compiled: no host sync inside, a CUDA graph
-    on CUDA). A compiled step has one graph per batch size, attended bucket and window length (the
-    last passes of a decode draft fewer tokens), more than torch's default recompile limit, so the
-    limit is raised to COMPILED_GRAPHS (as train.py does for its step). The compiled pair is kept on
-    the model, so later decodings reuse its graphs; it takes the model as an argument, so a copy of
-    the model runs its own weights."""
+    on CUDA; one graph per batch size, attended bucket and window length, as the last passes of a
+    decode draft fewer tokens). The compiled pair is kept on the model, so later decodings reuse its
+    graphs; it takes the model as an argument, so a copy of the model runs its own weights."""
     if not compile:
         return draft_step, verify_pass
-    import torch._dynamo as dynamo
-    limit = 'recompile_limit' if hasattr(dynamo.config, 'recompile_limit') else 'cache_size_limit'
-    setattr(dynamo.config, limit, max(getattr(dynamo.config, limit), COMPILED_GRAPHS))
     steps = model.__dict__.setdefault('speculative_steps', {})
     if str(device) not in steps:
         steps[str(device)] = (model.compiled(draft_step, device),

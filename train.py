@@ -35,7 +35,7 @@ from data.loader import VOCAB_IDENTITY, DataError, open_splits
 from device import autocast_context, resolve_device_dtype
 from loggers import Loggers
 import sharding
-from model import FAMILIES, GPT, GPTConfig, is_controller_key
+from model import FAMILIES, GPT, GPTConfig, allow_graphs, is_controller_key
 from run_state import (StopFlag, checkpoint_state, end_ddp_process, eval_rng, finished_already,
                        hold_out_dir, kept, open_inputs, rng_state, seed_rngs, set_rng_state,
                        start_progress, stop_requested)
@@ -489,15 +489,8 @@ def wrap_model(raw_model, cfg, proc):
         return model
     if cfg.compile:
         model = torch.compile(model, dynamic=False)
-        import torch._dynamo as dynamo         # (a bare `import torch._dynamo` would make torch
-                                               # local here)
-        limit = (
-            'recompile_limit' if hasattr(dynamo.config, 'recompile_limit') else 'cache_size_limit'
-        )
         # one graph per set of per-step options (e.g. oracle layers): compile each
-        setattr(
-            dynamo.config, limit, max(getattr(dynamo.config, limit), raw_model.config.n_layer + 8)
-        )
+        allow_graphs(raw_model.config.n_layer + 8)
     if proc.ddp:
         from torch.nn.parallel import DistributedDataParallel as DDP
         # some parameters get no gradient

@@ -299,18 +299,19 @@ def test_traced_speculative_decoding_across_batches_buckets_and_short_windows(mo
     attended buckets (64, then all 100 slots) and ending in passes whose window is cut short by
     block_size: the verifier compiles a graph per batch, bucket and window length, over dynamo's
     recompile limit (torch's default is 8; lowered to 3 here, so that fewer graphs show the same),
-    which speculative decoding raises rather than fail; every decode gives plain eager greedy
-    decoding's tokens (up to a near-tie). A deep copy of the model decodes with its own weights."""
+    which GPT.compiled raises rather than fail; every decode gives plain eager greedy decoding's
+    tokens (up to a near-tie). A deep copy of the model decodes with its own weights."""
     import collections
     import copy
     graphs = collections.Counter()
+    torch_compile = torch.compile
 
-    def compiled(step, device):
+    def counting_compile(step, **options):
         def backend(gm, example_inputs):        # eager, counting each step's graphs
             graphs[step.__name__] += 1
             return gm.forward
-        return torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
-    monkeypatch.setattr(GPT, 'compiled', staticmethod(compiled))
+        return torch_compile(step, backend=backend, **options)
+    monkeypatch.setattr(torch, 'compile', counting_compile)
     monkeypatch.setattr(torch._dynamo.config, 'recompile_limit', 3)
     model = build('none', block_size=100, seed=2).eval()
     new = 40
