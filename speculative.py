@@ -211,10 +211,12 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
         active = [n[b] - lengths[b] < new for b in range(B)]
         if not any(active):
             break
-        # positions n − 1 .. n − 1 + k must stay below block_size (learned position embeddings),
-        # and a pass drafts no more than a row still needs (it makes up to k + 1 tokens)
-        k = min(K, min(cfg.block_size - n[b] for b in range(B) if active[b]),
-                max(new - (n[b] - lengths[b]) for b in range(B) if active[b]) - 1)
+        # positions n − 1 .. n − 1 + k must stay below block_size (learned position embeddings);
+        # eagerly a pass drafts no more than a row still needs (it makes up to k + 1 tokens), while
+        # compiled passes keep their K, so that the end of a decode compiles no new window length
+        k = min(K, min(cfg.block_size - n[b] for b in range(B) if active[b]))
+        if not compile:
+            k = min(k, max(new - (n[b] - lengths[b]) for b in range(B) if active[b]) - 1)
         # a finished row runs along (its tokens are not kept) at its own next positions where they
         # fit, emptied again after the pass: its cache stays as it finished
         base = [n[b] - 1 if active[b] else min(n[b] - 1, cfg.block_size - 1 - k)

@@ -106,9 +106,9 @@ def test_routing_statistics_count_the_kept_tokens_only(case, seed, K, B, T, new)
 @given(case=st.sampled_from(DETERMINISTIC), seed=st.integers(0, 999), K=st.integers(1, 6),
        T=st.integers(1, 8), new=st.integers(1, 12), temperature=st.sampled_from([0.0, 1.0]))
 def test_a_pass_drafts_no_more_than_the_row_still_needs(case, seed, K, T, new, temperature):
-    """A single row's passes make exactly the new − 1 tokens after the prefill's (a pass makes up
-    to k + 1 of them, so it drafts at most one fewer than the row still needs): no drafted or
-    verified token is thrown away at the end, greedy or sampled."""
+    """Eagerly, a single row's passes make exactly the new − 1 tokens after the prefill's (a pass
+    makes up to k + 1 of them, so it drafts at most one fewer than the row still needs): no drafted
+    or verified token is thrown away at the end, greedy or sampled."""
     model = build(*case, seed=seed).eval()
     stats = {}
     torch.manual_seed(seed)
