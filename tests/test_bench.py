@@ -425,10 +425,14 @@ def check_spec_rows(res, route, ks, batches):
                                              rel=1e-9)
         assert r['plain_tokens_per_s'] == pytest.approx(r['batch'] * 8 / r['plain_ms'] * 1e3)
         assert len(r['accept_rate']) == r['K'] and all(0 <= a <= 1 for a in r['accept_rate'])
-        # every pass drafts all K (the window stays below block_size): tokens per pass and row
-        # = 1 + the kept share of each position
-        assert r['tokens_per_pass'] == pytest.approx(1 + sum(r['accept_rate']))
-        assert r['mean_accepted'] == pytest.approx(sum(r['accept_rate']))
+        # compiled, every pass drafts all K (the window stays below block_size): tokens per pass
+        # and row = 1 + the kept share of each position; eagerly the last passes draft only what
+        # their rows still need, so positions they leave out count in no share
+        if res['compiled']:
+            assert r['tokens_per_pass'] == pytest.approx(1 + sum(r['accept_rate']))
+        else:
+            assert r['tokens_per_pass'] <= 1 + sum(r['accept_rate']) + 1e-9
+        assert r['mean_accepted'] == pytest.approx(r['tokens_per_pass'] - 1)
         assert 1 <= r['tokens_per_pass'] <= r['K'] + 1 and 0 <= r['alpha'] <= 1
         # 8 tokens after the first: at least ceil(8 / (K + 1)) verifier passes, at most 8
         assert -(-8 // (r['K'] + 1)) <= r['passes'] <= 8
