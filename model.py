@@ -219,6 +219,12 @@ class CausalSelfAttention(nn.Module):
         itself with learned ones (added to the embeddings)."""
         return t if self.rope_base is None else rope_rotate(t, pos, self.rope_base)
 
+    def write_kv(self, x, pos, cache):
+        """Only the K/V a forward with `cache` writes for x (B, T, C) at positions pos (B, T): for
+        tokens whose update is dropped but whom later tokens attend to."""
+        _, k, v = self.heads(x, pos)
+        cache.write(self.layer, k, v, pos)
+
     def forward(self, x, pos=None, cache=None, valid=None):
         """x (B, T, C). pos (B, T) absolute positions, or None for 0..T-1. With a cache, the new K/V
         are written into it and the queries attend over every filled slot at a position <= their
@@ -270,6 +276,12 @@ class Block(nn.Module):
         """f(x) = block(x) − x, the whole block's residual update."""
         a = self.attn_update(x, pos, cache, valid)
         return a + self.ffn_update(x + a)
+
+    def write_kv(self, x, pos=None, cache=None):
+        """What the block leaves behind for a token whose update is dropped: its K/V in the cache
+        (nothing without one)."""
+        if cache is not None:
+            self.attn.write_kv(self.ln_1(x), pos, cache)
 
     def forward(self, x, pos=None, cache=None):
         # the class's methods: under FSDP the instance's are wrapped to gather the block's weights

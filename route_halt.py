@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 
 from gates import HaltingRouter
-from routing import (LAYERS_DRAFT, Family, RouteCtx, add_weighted, check_at_least, flop_costs,
-                     overridden, split_apply, tlops_saved)
+from routing import (LAYERS_DRAFT, Family, RouteCtx, add_weighted, check_at_least, exec_path,
+                     flop_costs, overridden, split_apply, tlops_saved)
 
 
 @dataclass
@@ -67,6 +67,10 @@ class TokenSelectiveAttention(Family):
     def run_blocks(self, model, x, pos, cache, ctx, start=0, depth=None):
         """depth E (the halt draft of speculative decoding): every token halts after block E−1."""
         cfg, blocks = model.config, model.transformer.h
+        hard = not model.training and ctx.force != 'full' and not cfg.halt_soft_eval
+        # eager sparse eval on the compact path (a host sync per layer costs nothing there): a
+        # block that every token skips runs only what later tokens read, the skipped tokens' K/V
+        idle_skips = hard and ctx.sparse and exec_path(x, ctx.exec_mode) == 'compact'
         x = blocks[0](x, pos, cache)
         for l, router in enumerate(model.halt[:(depth or cfg.n_layer) - 1]):
             p = router(x)
@@ -81,14 +85,16 @@ class TokenSelectiveAttention(Family):
                     ctx.margins[l + 1] = (cfg.halt_tau - p).detach()
                 keep = active * (1 - p) if cfg.halt_hard == 'scaled' else active
             block = blocks[l + 1]
-            x = x + keep[..., None] * block.attn_update(x, pos, cache)
-            if not model.training and ctx.sparse and ctx.force != 'full' and not cfg.halt_soft_eval:
-                # the FFN on kept tokens only
-                x = x + keep[..., None] * split_apply(
-                    block.ln_2(x), active > 0, block.mlp, mode=ctx.exec_mode
-                )
+            if idle_skips and not bool(active.any()):   # x + 0·Δ would be x, exactly
+                block.write_kv(x, pos, cache)
             else:
-                x = x + keep[..., None] * block.ffn_update(x)
+                x = x + keep[..., None] * block.attn_update(x, pos, cache)
+                if hard and ctx.sparse:                  # the FFN on kept tokens only
+                    x = x + keep[..., None] * split_apply(
+                        block.ln_2(x), active > 0, block.mlp, mode=ctx.exec_mode
+                    )
+                else:
+                    x = x + keep[..., None] * block.ffn_update(x)
             if ctx.collect:             # α's per-token share: 1 − p (soft) or not-skipped (hard)
                 ctx.masks[l + 1] = active.detach()
                 ctx.add('halt_active', (1 - p).mean() / len(model.halt))    # α of the soft router

@@ -1,6 +1,8 @@
 """route='halt' (TSA, arXiv 2605.05222): a closed router reproduces the dense model, gradients reach
 the router through (1 − p), the depth regulariser and TLOps follow their equations, eval (hard
 skipping) is causal and KV-cached decoding equals recomputation, and FLOPs match FlopCounterMode."""
+from unittest import mock
+
 import torch
 from hypothesis import given, settings, strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -8,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import flops
 from conftest import FP32_TOL, assert_greedy_traces_agree, greedy_trace
-from model import FAMILIES, GPT, GPTConfig
+from model import FAMILIES, GPT, Block, GPTConfig
 
 SETTINGS = dict(max_examples=15, deadline=None)
 BASE = dict(block_size=24, vocab_size=29, n_head=2, n_embd=16)
@@ -190,6 +192,52 @@ def test_kv_cache_decoding_equals_recompute(seed, T0, new):
     recomputed = greedy_trace(model, idx, new, use_cache=False)
     for a, b in zip(cached, recomputed):
         assert_greedy_traces_agree(a, b, FP32_TOL)
+
+
+@settings(**SETTINGS)
+@given(seed=st.integers(0, 999), B=st.integers(1, 3), T0=st.integers(1, 8),
+       new=st.integers(1, 8), skip_all=st.booleans())
+def test_a_block_every_token_skips_writes_only_their_kv(seed, B, T0, new, skip_all):
+    """Eager cached decoding on the compact path runs a block that every token of the batch skips
+    as its K/V write alone (Block.write_kv): the logits, decisions and cache of the masked reference
+    (sparse=False), which runs the whole block and adds 0 times its update. Bit for bit where every
+    token skips every block after the stem (routers' bias +20: the same kernels on the same
+    inputs); within FP32_TOL with build's routers at bias 0, where p straddles τ = 0.5 (the kept
+    tokens' FFN gathered)."""
+    model = build(seed, 4).eval()
+    with torch.no_grad():
+        for r in model.halt:
+            r.out.bias.fill_(20.0 if skip_all else 0.0)
+    writes, write_kv = [], Block.write_kv
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, 29, (B, T0 + new), generator=g)
+    runs = {}
+    counting = mock.patch.object(Block, 'write_kv', lambda *a: writes.append(1) or write_kv(*a))
+    for sparse in (True, False):
+        cache, steps, masks = model.new_cache(B, 'cpu'), [], []
+        with counting:
+            pos = torch.arange(T0).expand(B, T0)
+            logits, _, aux = model(idx[:, :T0], pos=pos, cache=cache, sparse=sparse)
+            steps.append(logits[:, -1])
+            masks.append(aux['masks'])
+            for t in range(T0, T0 + new):
+                logits, _, aux = model(idx[:, t:t + 1], pos=torch.full((B, 1), t), cache=cache,
+                                       sparse=sparse)
+                steps.append(logits[:, -1])
+                masks.append(aux['masks'])
+        runs[sparse] = (torch.stack(steps), masks, cache, len(writes))
+        writes.clear()
+    (got, got_masks, got_cache, n_writes), (want, want_masks, want_cache, _) = (runs[True],
+                                                                              runs[False])
+    for a, b in zip(got_masks, want_masks):
+        assert a.keys() == b.keys() and all(torch.equal(a[l], b[l]) for l in a)
+    tol = dict(atol=0.0, rtol=0.0) if skip_all else FP32_TOL
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(got_cache.kpos, want_cache.kpos)
+    for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
+        torch.testing.assert_close(a, b, **tol)
+    idle = sum(int(m[l].sum() == 0) for m in got_masks for l in m)
+    assert n_writes == idle and (not skip_all or idle == 3 * (1 + new))
 
 
 @settings(max_examples=20, deadline=None)
