@@ -13,6 +13,7 @@ still computes its own K/V from that copy, so later tokens attend to it as to an
 
 Options: ExitOptions below (fields of model.GPTConfig), and the model-wide layer_dropout.
 """
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,8 +22,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import losses
-from routing import (LAYERS_DRAFT, Family, check_at_least, check_choices, first_blocks_logits,
-                     flop_costs, overridden, parse_layer_list, split_apply, tlops_saved)
+from routing import (LAYERS_DRAFT, Family, check_at_least, check_choices, exec_path,
+                     first_blocks_logits, flop_costs, overridden, parse_layer_list, split_apply,
+                     tlops_saved)
 
 
 @dataclass
@@ -200,7 +202,9 @@ class EarlyExit(Family):
         """The dense body plus every exit head on every token ('eval'), the trained exits ('train',
         all unless `exits` names them), or ('sparse', full_frac one per layer = the fraction of
         tokens still running into block l) the FFN of block l and the head at d on the running
-        tokens only."""
+        tokens only; once none runs (fraction 0), no block at all (Block.write_kv: with a KV
+        cache each still projects the K/V, 2·d·3d per token, which this forward without one
+        leaves out)."""
         c, L = flop_costs(config, T), config.n_layer
         all_exits = exit_depths(config)
         heads = all_exits if (mode != 'train' or exits is None) else exits
@@ -211,6 +215,8 @@ class EarlyExit(Family):
                 if mode == 'sparse'
                 else 1.0
             )
+            if not f:
+                continue
             total += T * (c['attn_proj'] + c['attn_core'] + f * c['full'])
             if l + 1 in heads:
                 total += f * T * c['head']
@@ -257,8 +263,19 @@ def run_exits(model, x, pos, cache, ctx):
     cfg, state = model.config, ExitState()
     ctx.state = state
     done = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device)
+    # eager sparse eval on the compact path (a host sync costs nothing there): once every token of
+    # the batch has exited, the later blocks run only what later tokens read, the exited tokens' K/V
+    idle_skips = ctx.sparse and exec_path(x, ctx.exec_mode) == 'compact'
+    all_done = False
     for l, block in enumerate(model.transformer.h):
         running = ~done
+        if all_done:                    # x would pass through torch.where(done, x, ·) unchanged
+            block.write_kv(x, pos, cache)
+            if ctx.collect:
+                ctx.masks[l] = running
+                if l + 1 in model.exit_ids:
+                    ctx.margins[l + 1] = torch.full(x.shape[:2], -math.inf, device=x.device)
+            continue
         x_before = x
         if ctx.sparse:
             y = x + block.attn_update(x, pos, cache)
@@ -279,12 +296,14 @@ def run_exits(model, x, pos, cache, ctx):
             top = F.softmax(lg.float(), dim=-1).topk(2, dim=-1).values
             conf = top[..., 0] if cfg.exit_conf == 'softmax' else top[..., 0] - top[..., 1]
         newly = running & (conf >= cfg.exit_threshold)
-        if ctx.collect:                 # block d runs for a token iff its test failed
-            ctx.margins[d] = (cfg.exit_threshold - conf).detach()
+        if ctx.collect:                 # block d runs for a token iff its test failed (never once
+                                        # it has exited)
+            ctx.margins[d] = torch.where(running, cfg.exit_threshold - conf, -math.inf).detach()
         if model.exit_heads is not None:
             state.exit_out = lg if state.exit_out is None else torch.where(newly[..., None], lg,
                                                                            state.exit_out)
         done = done | newly
+        all_done = idle_skips and bool(done.all())
     state.exited = done
     return x
 

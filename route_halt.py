@@ -144,19 +144,19 @@ class TokenSelectiveAttention(Family):
 
     def forward_flops(self, config, T, mode='train', full_frac=None, **options):
         """Every block's attention; the router before blocks 1..L−1; sparse eval runs block l's FFN
-        on the kept fraction full_frac (a float, or one per gated block) of the tokens only."""
+        on the kept fraction full_frac (a float, or one per gated block) of the tokens only, and a
+        block no token keeps (fraction 0) not at all (Block.write_kv: with a KV cache it still
+        projects the K/V, 2·d·3d per token, which this forward without one leaves out)."""
         c, L = flop_costs(config, T), config.n_layer
         router = halt_router_flops(config)
         total = c['head']
         for layer in range(L):
-            total += c['attn_proj'] + c['attn_core']
+            f = 1.0
             if layer > 0:
                 total += router
                 if mode == 'sparse':
                     f = full_frac[layer - 1] if isinstance(full_frac, (list, tuple)) else full_frac
-                    total += f * c['full']
-                    continue
-            total += c['full']
+            total += (c['attn_proj'] + c['attn_core'] + f * c['full']) if f else 0
         return T * total
 
     def backward_flops(self, config, T, trainable='all', **options):

@@ -2,14 +2,16 @@
 loss-weight schedules, layer dropout and the rotational curriculum, the training loss against hand
 computation, an unreachable threshold being the full model, and CALM's copied-state early exit
 against a hand-written reference. The promises every family keeps are in test_families.py."""
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import losses
-from conftest import BASE, SETTINGS, V, build, dense_twin, tokens
-from model import GPT, GPTConfig
+from conftest import BASE, ROUTED_TOL, SETTINGS, V, build, dense_twin, tokens
+from model import GPT, Block, GPTConfig
 from route_exit import exit_depths
 from routing import layer_dropout_prob
 
@@ -135,3 +137,45 @@ def test_resume_compares_exit_layers_by_the_depths_meant():
     cfg.exit_layers = '1'
     with pytest.raises(train.TrainError, match="exit_layers"):
         train.check_against_checkpoint(cfg, {}, ck, ['exit_layers'])
+
+
+@settings(**SETTINGS)
+@given(seed=st.integers(0, 999), opt=st.integers(0, 3), B=st.integers(1, 3),
+       T0=st.integers(1, 8), new=st.integers(1, 8), everyone_exits=st.booleans())
+def test_blocks_after_every_token_exited_write_only_their_kv(seed, opt, B, T0, new,
+                                                             everyone_exits):
+    """Eager cached decoding on the compact path: once every token of the batch has exited, each
+    later block runs only its K/V write (Block.write_kv), and the logits, decisions and cache are
+    those of the masked reference (sparse=False), which runs every block and keeps the exited
+    tokens' state (within ROUTED_TOL: the running tokens' FFN is gathered). everyone_exits sets
+    the threshold so that every token leaves at the first exit (confidence 0 or below passes);
+    otherwise the example's threshold decides."""
+    model = build('exit', opt, seed=seed).eval()
+    if everyone_exits:
+        model.config.exit_threshold = -1.0
+    writes, write_kv = [], Block.write_kv
+    counting = mock.patch.object(Block, 'write_kv', lambda *a: writes.append(1) or write_kv(*a))
+    idx = tokens(seed, B, T0 + new)
+    runs = {}
+    for sparse in (True, False):
+        cache, steps, masks = model.new_cache(B, 'cpu'), [], []
+        with counting:
+            for lo, hi in [(0, T0)] + [(t, t + 1) for t in range(T0, T0 + new)]:
+                logits, _, aux = model(idx[:, lo:hi], pos=torch.arange(lo, hi).expand(B, -1),
+                                       cache=cache, sparse=sparse)
+                steps.append(logits[:, -1])
+                masks.append(aux['masks'])
+        runs[sparse] = (torch.stack(steps), masks, cache, len(writes))
+        writes.clear()
+    (got, got_masks, got_cache, n_writes), (want, want_masks, want_cache, _) = (runs[True],
+                                                                              runs[False])
+    for a, b in zip(got_masks, want_masks):
+        assert a.keys() == b.keys() and all(torch.equal(a[l], b[l]) for l in a)
+    torch.testing.assert_close(got, want, **ROUTED_TOL)
+    assert torch.equal(got_cache.kpos, want_cache.kpos)
+    for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
+        torch.testing.assert_close(a, b, **ROUTED_TOL)
+    idle = sum(int(m[l].sum() == 0) for m in got_masks for l in m)
+    first = exit_depths(model.config)[0]
+    assert n_writes == idle
+    assert not everyone_exits or idle == (model.config.n_layer - first) * (1 + new)

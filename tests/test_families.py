@@ -255,6 +255,30 @@ def test_family_flops_match_counter(case, seed, T, B, budget, pw, trainable, kl,
     )
 
 
+@pytest.mark.parametrize('route', ['halt', 'exit'])
+def test_sparse_flops_count_no_block_that_every_token_skips(route):
+    """Where every token skips a block (halt: routers' bias +20; exit: threshold 0, so every token
+    leaves at the first exit), sparse eval runs nothing of it without a KV cache: FlopCounterMode's
+    count is the sparse formula at fractions with zeros, about half the masked forward's here."""
+    model = build(route, 0, seed=3).eval()
+    cfg = model.config
+    if route == 'halt':
+        with torch.no_grad():
+            for r in model.halt:
+                r.out.bias.fill_(20.0)
+    else:
+        cfg.exit_threshold = 0.0
+    idx = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = []
+        got = counted(lambda: out.append(model(idx, idx)[2]['masks']))
+        masked = counted(lambda: model(idx, idx, sparse=False))
+    frac = [int(m.sum()) / m.numel() for _, m in sorted(out[0].items())]
+    assert 0.0 in frac
+    assert got == 2 * flops.forward_flops(cfg, 12, 'sparse', full_frac=frac)
+    assert got < 0.7 * masked
+
+
 @settings(**SETTINGS)
 @given(case=st.sampled_from([c for c in ALL_CASES if not is_random(c)]), seed=st.integers(0, 999),
        lens=st.lists(st.integers(1, 9), min_size=1, max_size=3), new=st.integers(1, 6))
