@@ -498,9 +498,8 @@ def prefill_rows(cfg, m, base, budget, xs, r_pre, d_pre, autocast):
         path = exec_path(x, m.exec_mode)
         executed = m.family.executed_fracs(masks, path) if masks else None
         run_frac = executed.tolist() if executed is not None else frac
-        f_ratio, exec_ratio = (
-            prefill_flops_ratio(m.config, base, s[1], f) for f in (frac, run_frac)
-        )
+        f_ratio, exec_ratio = (prefill_flops_ratio(m.config, base, s[1], frac),
+                               prefill_flops_ratio(m.config, base, s[1], run_frac, path))
         t_ratio = r_pre[s] / d_pre[s]
         rows.append(
             dict(
@@ -523,12 +522,14 @@ def prefill_rows(cfg, m, base, budget, xs, r_pre, d_pre, autocast):
     return rows
 
 
-def prefill_flops_ratio(mcfg, base, T, full_frac):
-    """Analytic forward FLOPs of mcfg's sparse prefill at the fractions full_frac over the dense
-    model's, both computing the logits of the last position only."""
+def prefill_flops_ratio(mcfg, base, T, full_frac, path=None):
+    """Analytic forward FLOPs of mcfg's sparse prefill at the fractions full_frac (as executed on
+    `path`, where the family's count depends on it) over the dense model's, both computing the
+    logits of the last position only."""
     last_only = (T - 1) * 2 * base.n_embd * base.vocab_size
     dense = flops.forward_flops(replace(base, route='none'), T, 'eval') - last_only
-    return (flops.forward_flops(mcfg, T, 'sparse', full_frac=full_frac) - last_only) / dense
+    routed = flops.forward_flops(mcfg, T, 'sparse', full_frac=full_frac, path=path)
+    return (routed - last_only) / dense
 
 
 def bench_controller_step(cfg, base, dev, autocast):

@@ -20,7 +20,8 @@ late (the pass that enters a new cache bucket, a last short window) may be recor
 repeat, which the median mostly hides.
 
 Per row: plain and speculative tokens/s and ms, speedup = plain_ms / spec_ms (= spec tokens/s over
-plain tokens/s), the share of rows that kept each draft position (accept_rate, position 1..K),
+plain tokens/s), the share of rows that kept each draft position (accept_rate, position 1..K;
+None for a position no pass drafted),
 tokens_per_pass (tokens per verifier pass and row, 1..K+1: the mean accepted length plus the
 verifier's own), the draft/verify split per pass, and the speedup Leviathan et al. ("Fast Inference
 from Transformers via Speculative Decoding", arXiv 2211.17192) predict from the acceptance rate and
@@ -183,8 +184,12 @@ def speculative_run(model, prompt, K, draft, stats, compile=False):
 
 
 def predicted_speedup(accept_rate, plain_step_s, draft_pass_s, verify_pass_s):
-    """(alpha, speedup) of the formula in the module docstring."""
+    """(alpha, speedup) of the formula in the module docstring, over the positions some pass
+    drafted (an eager decode of few tokens may never draft the last ones: their rate is None)."""
+    accept_rate = [r for r in accept_rate if r is not None]
     K = len(accept_rate)
+    if K == 0:
+        return 0.0, plain_step_s / max(draft_pass_s + verify_pass_s, 1e-12)
     kept, stopped = sum(accept_rate), 1 - accept_rate[-1]
     alpha = kept / (kept + stopped) if kept + stopped > 0 else 1.0
     tokens = K + 1 if alpha >= 1 else (1 - alpha ** (K + 1)) / (1 - alpha)
@@ -264,9 +269,10 @@ def print_speculative(res):
     print('|---|---|---|---|---|---|---|---|---|---|---|')
     for r in res['rows']:
         depth = f" E={r['draft_layers']}" if r['draft_layers'] is not None else ''
+        kept = ' '.join('-' if a is None else f'{a:.2f}' for a in r['accept_rate'])
         print(f"| {r['batch']} | {r['K']} | {r['draft']}{depth} | {r['plain_tokens_per_s']:.1f} | "
               f"{r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f} | {r['predicted_speedup']:.2f} "
-              f"| {r['tokens_per_pass']:.2f} | {' '.join(f'{a:.2f}' for a in r['accept_rate'])} "
+              f"| {r['tokens_per_pass']:.2f} | {kept} "
               f"| {r['draft_ms_per_pass']:.1f} / {r['verify_ms_per_pass']:.1f} "
               f"| {r['spreads'][0]:.0%} / {r['spreads'][1]:.0%}{' NOISY' if r['noisy'] else ''} |")
     from bench import noise_note

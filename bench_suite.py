@@ -355,7 +355,7 @@ def prefill_ideal(m, base, T, masks, path):
         executed = m.family.executed_fracs(masks, path)
         fracs = (executed.tolist() if executed is not None
                  else [v.float().mean().item() for _, v in sorted(masks.items())])
-    return 1 / prefill_flops_ratio(m.config, base, T, fracs)
+    return 1 / prefill_flops_ratio(m.config, base, T, fracs, path)
 
 
 def forward_seconds(m, x, seed, dtype, path, plan, compiled):

@@ -220,8 +220,10 @@ class CausalSelfAttention(nn.Module):
         return t if self.rope_base is None else rope_rotate(t, pos, self.rope_base)
 
     def write_kv(self, x, pos, cache):
-        """Only the K/V a forward with `cache` writes for x (B, T, C) at positions pos (B, T): for
-        tokens whose update is dropped but whom later tokens attend to."""
+        """Only the K/V a forward with `cache` writes for x (B, T, C) at positions pos (B, T), or
+        None for 0..T-1: for tokens whose update is dropped but whom later tokens attend to."""
+        if pos is None:
+            pos = torch.arange(x.size(1), device=x.device).expand(x.shape[:2])
         _, k, v = self.heads(x, pos)
         cache.write(self.layer, k, v, pos)
 
@@ -299,6 +301,7 @@ def allow_graphs(count):
     import torch._dynamo as dynamo     # (a bare `import torch._dynamo` would make torch local)
     name = 'recompile_limit' if hasattr(dynamo.config, 'recompile_limit') else 'cache_size_limit'
     setattr(dynamo.config, name, max(getattr(dynamo.config, name), count))
+
 
 class GPT(nn.Module):
     def __init__(self, config):

@@ -202,9 +202,9 @@ class EarlyExit(Family):
         """The dense body plus every exit head on every token ('eval'), the trained exits ('train',
         all unless `exits` names them), or ('sparse', full_frac one per layer = the fraction of
         tokens still running into block l) the FFN of block l and the head at d on the running
-        tokens only; once none runs (fraction 0), no block at all (Block.write_kv: with a KV
-        cache each still projects the K/V, 2·d·3d per token, which this forward without one
-        leaves out)."""
+        tokens only. On the compact path (options path='compact'), once none runs (fraction 0),
+        no block at all (Block.write_kv: with a KV cache each still projects the K/V, 2·d·3d per
+        token, which this forward without one leaves out); on the static paths their attention."""
         c, L = flop_costs(config, T), config.n_layer
         all_exits = exit_depths(config)
         heads = all_exits if (mode != 'train' or exits is None) else exits
@@ -215,7 +215,7 @@ class EarlyExit(Family):
                 if mode == 'sparse'
                 else 1.0
             )
-            if not f:
+            if not f and options.get('path') == 'compact':
                 continue
             total += T * (c['attn_proj'] + c['attn_core'] + f * c['full'])
             if l + 1 in heads:
@@ -263,8 +263,9 @@ def run_exits(model, x, pos, cache, ctx):
     cfg, state = model.config, ExitState()
     ctx.state = state
     done = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device)
-    # eager sparse eval on the compact path (a host sync costs nothing there): once every token of
-    # the batch has exited, the later blocks run only what later tokens read, the exited tokens' K/V
+    # eager sparse eval on the compact path, which syncs per layer anyway (free on the CPU; on a
+    # GPU without a static path, one more sync per exit): once every token of the batch has
+    # exited, the later blocks run only what later tokens read, the exited tokens' K/V
     idle_skips = ctx.sparse and exec_path(x, ctx.exec_mode) == 'compact'
     all_done = False
     for l, block in enumerate(model.transformer.h):

@@ -342,6 +342,8 @@ class FFNRouting(Family):
             elif kind == 'oracle':        # both actions again, then two all-full suffixes, per
                                           # layer
                 total += c['full'] + c['cheap'] + 2 * suffix_flops(config, layer, c)
+            if kind not in STATIC and mode == 'train' and mimic_reruns(config):
+                total += c['cheap']         # the imitation's cheap FFN on the detached input
         return T * total
 
     def backward_flops(self, config, T, trainable='all', oracle_layers=(), **options):
@@ -360,6 +362,9 @@ class FFNRouting(Family):
             if stream:
                 ffn = c[STATIC[kind]] if kind in STATIC else c['full'] + c['cheap']
                 bwd += w * (c['attn_proj'] + ffn) + 2 * c['attn_core']
+            if kind not in STATIC and joint and mimic_reruns(config):
+                # its weight grads, and the gradient into its hidden layer (its input is detached)
+                bwd += 1.5 * c['cheap']
             if kind not in ('mlp', 'jepa'):     # a static or the oracle gate: nothing trainable
                 continue
             oracle_here = aux_on_score(config) and layer in oracle_layers
@@ -393,6 +398,11 @@ class FFNRouting(Family):
 
 def aux_on_score(config):
     return config.ffn_util_weight > 0 or config.ffn_rank_weight > 0
+
+
+def mimic_reruns(config):
+    """Does the imitation run the cheap FFN again, on the detached input ('own')?"""
+    return config.ffn_mimic_weight > 0 and config.ffn_aux_grad == 'own'
 
 
 def ffn_costs(config, T):

@@ -68,8 +68,9 @@ class TokenSelectiveAttention(Family):
         """depth E (the halt draft of speculative decoding): every token halts after block E−1."""
         cfg, blocks = model.config, model.transformer.h
         hard = not model.training and ctx.force != 'full' and not cfg.halt_soft_eval
-        # eager sparse eval on the compact path (a host sync per layer costs nothing there): a
-        # block that every token skips runs only what later tokens read, the skipped tokens' K/V
+        # eager sparse eval on the compact path, which syncs per layer anyway (free on the CPU; on
+        # a GPU without a static path, one more sync per layer): a block that every token skips
+        # runs only what later tokens read, the skipped tokens' K/V
         idle_skips = hard and ctx.sparse and exec_path(x, ctx.exec_mode) == 'compact'
         x = blocks[0](x, pos, cache)
         for l, router in enumerate(model.halt[:(depth or cfg.n_layer) - 1]):
@@ -144,10 +145,12 @@ class TokenSelectiveAttention(Family):
 
     def forward_flops(self, config, T, mode='train', full_frac=None, **options):
         """Every block's attention; the router before blocks 1..L−1; sparse eval runs block l's FFN
-        on the kept fraction full_frac (a float, or one per gated block) of the tokens only, and a
-        block no token keeps (fraction 0) not at all (Block.write_kv: with a KV cache it still
-        projects the K/V, 2·d·3d per token, which this forward without one leaves out)."""
+        on the kept fraction full_frac (a float, or one per gated block) of the tokens only. On
+        the compact path (options path='compact') a block no token keeps (fraction 0) runs not at
+        all (Block.write_kv: with a KV cache it still projects the K/V, 2·d·3d per token, which
+        this forward without one leaves out); on the static paths it runs its attention."""
         c, L = flop_costs(config, T), config.n_layer
+        idle_free = mode == 'sparse' and options.get('path') == 'compact'
         router = halt_router_flops(config)
         total = c['head']
         for layer in range(L):
@@ -156,7 +159,7 @@ class TokenSelectiveAttention(Family):
                 total += router
                 if mode == 'sparse':
                     f = full_frac[layer - 1] if isinstance(full_frac, (list, tuple)) else full_frac
-            total += (c['attn_proj'] + c['attn_core'] + f * c['full']) if f else 0
+            total += (c['attn_proj'] + c['attn_core'] + f * c['full']) if f or not idle_free else 0
         return T * total
 
     def backward_flops(self, config, T, trainable='all', **options):

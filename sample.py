@@ -218,7 +218,8 @@ def main(argv):
         depth = f", E={stats['spec_depth']}" if stats['spec_depth'] is not None else ''
         print(f"speculative decoding (draft {stats['spec_draft']!r}{depth}, K={cfg['speculate']}): "
               f"{stats['spec_tokens_per_pass']:.2f} tokens per verifier pass | kept per draft "
-              f"position " + ' '.join(f"{r:.2f}" for r in stats['spec_accept_rate'])
+              f"position " + ' '.join('-' if r is None else f"{r:.2f}"
+                                      for r in stats['spec_accept_rate'])
               + f" | draft {stats['spec_draft_s']:.2f} s, verify {stats['spec_verify_s']:.2f} s")
     return 0
 

@@ -23,7 +23,9 @@ import torch
 from train_checks import PARALLEL, TrainError
 
 SHARDED_DIR = 'ckpt_dcp'         # out_dir/ckpt_dcp/iter_NNNNNNN: one DCP checkpoint per save
-BLOCK_METHODS = ('attn_update', 'ffn_update')   # Block's entry points besides forward
+BLOCK_METHODS = ('attn_update', 'ffn_update')   # Block's entry points besides forward (and
+                                                # write_kv, which only eager sparse eval calls: it
+                                                # runs with every weight gathered)
 
 
 def check_parallel(cfg, distributed):

@@ -120,9 +120,10 @@ def verify_pass(model, window, pos, cache):
 
 def pass_steps(model, device, compile):
     """(draft_step, verify_pass), eager or compiled (GPT.compiled: no host sync inside, a CUDA graph
-    on CUDA; one graph per batch size, attended bucket and window length, as the last passes of a
-    decode draft fewer tokens). The compiled pair is kept on the model, so later decodings reuse its
-    graphs; it takes the model as an argument, so a copy of the model runs its own weights."""
+    on CUDA; one graph per batch size, attended bucket and window length, as passes cut short by
+    block_size verify fewer tokens). The compiled pair is kept on the model, so later decodings
+    reuse its graphs; it takes the model as an argument, so a copy of the model runs its own
+    weights."""
     if not compile:
         return draft_step, verify_pass
     steps = model.__dict__.setdefault('speculative_steps', {})
@@ -278,7 +279,8 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
         # tokens per verifier pass and row: the kept drafted ones + the verifier's own (1..K+1)
         made = sum(n) - sum(lengths) - B
         stats.update(spec_draft=name, spec_depth=depth, spec_passes=passes,
-                     spec_accept_rate=[kept[j] / max(1, drafted[j]) for j in range(1, K + 1)],
+                     spec_accept_rate=[kept[j] / drafted[j] if drafted[j] else None
+                                       for j in range(1, K + 1)],
                      spec_tokens_per_pass=made / max(1, row_passes),
                      spec_draft_s=t_draft, spec_verify_s=t_verify)
     if trace is not None:

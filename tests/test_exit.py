@@ -12,8 +12,10 @@ from hypothesis import given, settings, strategies as st
 import losses
 from conftest import BASE, ROUTED_TOL, SETTINGS, V, build, dense_twin, tokens
 from model import GPT, Block, GPTConfig
+import route_exit
 from route_exit import exit_depths
 from routing import layer_dropout_prob
+from test_halt import assert_decodes_agree, cached_decode
 
 pytestmark = pytest.mark.usefixtures('one_thread')      # tiny ops: see conftest.py
 
@@ -141,41 +143,29 @@ def test_resume_compares_exit_layers_by_the_depths_meant():
 
 @settings(**SETTINGS)
 @given(seed=st.integers(0, 999), opt=st.integers(0, 3), B=st.integers(1, 3),
-       T0=st.integers(1, 8), new=st.integers(1, 8), everyone_exits=st.booleans())
+       T0=st.integers(1, 8), new=st.integers(1, 8), everyone_exits=st.booleans(),
+       prefill_pos=st.booleans())
 def test_blocks_after_every_token_exited_write_only_their_kv(seed, opt, B, T0, new,
-                                                             everyone_exits):
+                                                             everyone_exits, prefill_pos):
     """Eager cached decoding on the compact path: once every token of the batch has exited, each
-    later block runs only its K/V write (Block.write_kv), and the logits, decisions and cache are
-    those of the masked reference (sparse=False), which runs every block and keeps the exited
-    tokens' state (within ROUTED_TOL: the running tokens' FFN is gathered). everyone_exits sets
-    the threshold so that every token leaves at the first exit (confidence 0 or below passes);
-    otherwise the example's threshold decides."""
+    later block runs only its K/V write (Block.write_kv), bit for bit what the same sparse path
+    gives with that shortcut off, and the masked reference's decisions, logits and cache
+    (sparse=False; within ROUTED_TOL: the running tokens' FFN is gathered). everyone_exits sets
+    the threshold so that every token leaves at the first exit (confidence -1 or above passes);
+    otherwise the example's threshold decides. Prefill positions given or left to None."""
     model = build('exit', opt, seed=seed).eval()
     if everyone_exits:
         model.config.exit_threshold = -1.0
-    writes, write_kv = [], Block.write_kv
-    counting = mock.patch.object(Block, 'write_kv', lambda *a: writes.append(1) or write_kv(*a))
     idx = tokens(seed, B, T0 + new)
-    runs = {}
-    for sparse in (True, False):
-        cache, steps, masks = model.new_cache(B, 'cpu'), [], []
-        with counting:
-            for lo, hi in [(0, T0)] + [(t, t + 1) for t in range(T0, T0 + new)]:
-                logits, _, aux = model(idx[:, lo:hi], pos=torch.arange(lo, hi).expand(B, -1),
-                                       cache=cache, sparse=sparse)
-                steps.append(logits[:, -1])
-                masks.append(aux['masks'])
-        runs[sparse] = (torch.stack(steps), masks, cache, len(writes))
-        writes.clear()
-    (got, got_masks, got_cache, n_writes), (want, want_masks, want_cache, _) = (runs[True],
-                                                                              runs[False])
-    for a, b in zip(got_masks, want_masks):
-        assert a.keys() == b.keys() and all(torch.equal(a[l], b[l]) for l in a)
-    torch.testing.assert_close(got, want, **ROUTED_TOL)
-    assert torch.equal(got_cache.kpos, want_cache.kpos)
-    for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
-        torch.testing.assert_close(a, b, **ROUTED_TOL)
-    idle = sum(int(m[l].sum() == 0) for m in got_masks for l in m)
+    writes, write_kv = [], Block.write_kv
+    with mock.patch.object(Block, 'write_kv', lambda *a: writes.append(1) or write_kv(*a)):
+        got = cached_decode(model, idx, T0, True, prefill_pos)
+    with mock.patch.object(route_exit, 'exec_path', lambda *a: 'shortcut off'):
+        whole = cached_decode(model, idx, T0, True, prefill_pos)
+    masked = cached_decode(model, idx, T0, False, prefill_pos)
+    assert_decodes_agree(got, whole, dict(atol=0.0, rtol=0.0))
+    assert_decodes_agree(got, masked, ROUTED_TOL)
+    idle = sum(int(m[l].sum() == 0) for m in got[1] for l in m)
     first = exit_depths(model.config)[0]
-    assert n_writes == idle
+    assert len(writes) == idle
     assert not everyone_exits or idle == (model.config.n_layer - first) * (1 + new)

@@ -251,15 +251,17 @@ def test_family_flops_match_counter(case, seed, T, B, budget, pw, trainable, kl,
         else [int(m.sum()) / m.numel() for _, m in sorted(masks.items())] or None
     )
     assert math.isclose(
-        got, B * flops.forward_flops(cfg, T, 'sparse', full_frac=frac), rel_tol=1e-9
+        got, B * flops.forward_flops(cfg, T, 'sparse', full_frac=frac, path='compact'),
+        rel_tol=1e-9
     )
 
 
 @pytest.mark.parametrize('route', ['halt', 'exit'])
 def test_sparse_flops_count_no_block_that_every_token_skips(route):
     """Where every token skips a block (halt: routers' bias +20; exit: threshold 0, so every token
-    leaves at the first exit), sparse eval runs nothing of it without a KV cache: FlopCounterMode's
-    count is the sparse formula at fractions with zeros, about half the masked forward's here."""
+    leaves at the first exit), sparse eval on the compact path runs nothing of it without a KV
+    cache: FlopCounterMode's count is the sparse formula at fractions with zeros and
+    path='compact', about half the masked forward's here."""
     model = build(route, 0, seed=3).eval()
     cfg = model.config
     if route == 'halt':
@@ -275,8 +277,10 @@ def test_sparse_flops_count_no_block_that_every_token_skips(route):
         masked = counted(lambda: model(idx, idx, sparse=False))
     frac = [int(m.sum()) / m.numel() for _, m in sorted(out[0].items())]
     assert 0.0 in frac
-    assert got == 2 * flops.forward_flops(cfg, 12, 'sparse', full_frac=frac)
+    assert got == 2 * flops.forward_flops(cfg, 12, 'sparse', full_frac=frac, path='compact')
     assert got < 0.7 * masked
+    # a static path runs those blocks' attention: counted where no path says otherwise
+    assert flops.forward_flops(cfg, 12, 'sparse', full_frac=frac) > 1.2 * got / 2
 
 
 @settings(**SETTINGS)

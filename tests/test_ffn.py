@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import flops
 import gates
 import losses
 import train
@@ -1050,6 +1051,30 @@ def test_jepa_pred_std_is_reported_without_alignment():
     model = build(0, 2, ffn_gate='jepa', ffn_jepa_weight=0.0).train()
     aux = model(tokens(0, 2, 12), tokens(1, 2, 12))[2]
     assert 'jepa_pred_std' in aux and aux['jepa_pred_std'] > 0
+
+
+@pytest.mark.parametrize('gate', ['mlp', 'random'])
+@pytest.mark.parametrize('aux_grad', ['own', 'leak'])
+@pytest.mark.parametrize('trainable', ['all', 'controller'])
+def test_mimic_flops_match_flop_counter(gate, aux_grad, trainable):
+    """A training step with the imitation on: under 'own' it runs each routed layer's cheap FFN
+    again on the detached input (and its weight gradients when the backbone trains), under 'leak'
+    nothing more; the analytic step equals FlopCounterMode's count."""
+    from conftest import counted
+    model = build(0, 3, ffn_gate=gate, ffn_mimic_weight=1.0, ffn_aux_grad=aux_grad).train()
+    if trainable == 'controller':
+        ctrl = {id(p) for p in model.controller_parameters()}
+        if not ctrl:
+            return
+        for p in model.parameters():
+            p.requires_grad_(id(p) in ctrl)
+    idx = tokens(0, 2, 12)
+
+    def step():
+        torch.manual_seed(0)
+        model(idx, idx)[1].backward()
+    want = 2 * flops.train_step_flops(model.config, 12, trainable)['total']
+    assert counted(step) == want
 
 
 @settings(**SETTINGS)

@@ -9,6 +9,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import flops
+import route_halt
 from conftest import FP32_TOL, assert_greedy_traces_agree, greedy_trace
 from model import FAMILIES, GPT, Block, GPTConfig
 
@@ -194,50 +195,55 @@ def test_kv_cache_decoding_equals_recompute(seed, T0, new):
         assert_greedy_traces_agree(a, b, FP32_TOL)
 
 
+def cached_decode(model, idx, T0, sparse, prefill_pos=True):
+    """A cached prefill of idx[:, :T0] (positions given, or None for 0..T0-1) and one-token steps
+    over the rest: (last-position logits per forward, each forward's masks, the cache)."""
+    B = idx.size(0)
+    cache, steps, masks = model.new_cache(B, 'cpu'), [], []
+    for lo, hi in [(0, T0)] + [(t, t + 1) for t in range(T0, idx.size(1))]:
+        pos = torch.arange(lo, hi).expand(B, -1) if lo or prefill_pos else None
+        logits, _, aux = model(idx[:, lo:hi], pos=pos, cache=cache, sparse=sparse)
+        steps.append(logits[:, -1])
+        masks.append(aux['masks'])
+    return torch.stack(steps), masks, cache
+
+
+def assert_decodes_agree(a, b, tol):
+    """Two cached_decode results: equal decisions and cache positions, logits and K/V within
+    tol."""
+    for x, y in zip(a[1], b[1]):
+        assert x.keys() == y.keys() and all(torch.equal(x[l], y[l]) for l in x)
+    torch.testing.assert_close(a[0], b[0], **tol)
+    assert torch.equal(a[2].kpos, b[2].kpos)
+    for x, y in zip(a[2].k + a[2].v, b[2].k + b[2].v):
+        torch.testing.assert_close(x, y, **tol)
+
+
 @settings(**SETTINGS)
 @given(seed=st.integers(0, 999), B=st.integers(1, 3), T0=st.integers(1, 8),
-       new=st.integers(1, 8), skip_all=st.booleans())
-def test_a_block_every_token_skips_writes_only_their_kv(seed, B, T0, new, skip_all):
+       new=st.integers(1, 8), skip_all=st.booleans(), prefill_pos=st.booleans())
+def test_a_block_every_token_skips_writes_only_their_kv(seed, B, T0, new, skip_all, prefill_pos):
     """Eager cached decoding on the compact path runs a block that every token of the batch skips
-    as its K/V write alone (Block.write_kv): the logits, decisions and cache of the masked reference
-    (sparse=False), which runs the whole block and adds 0 times its update. Bit for bit where every
-    token skips every block after the stem (routers' bias +20: the same kernels on the same
-    inputs); within FP32_TOL with build's routers at bias 0, where p straddles τ = 0.5 (the kept
-    tokens' FFN gathered)."""
+    as its K/V write alone (Block.write_kv): bit for bit what the same sparse path gives with that
+    shortcut off (the whole block run, its update multiplied by 0), and the masked reference's
+    decisions, logits and cache (sparse=False: bit for bit where every token skips every block
+    after the stem, routers' bias +20; within FP32_TOL with build's routers at bias 0, where p
+    straddles τ = 0.5, the kept tokens' FFN gathered). Prefill positions given or left to None."""
     model = build(seed, 4).eval()
     with torch.no_grad():
         for r in model.halt:
             r.out.bias.fill_(20.0 if skip_all else 0.0)
+    idx = torch.randint(0, 29, (B, T0 + new), generator=torch.Generator().manual_seed(seed))
     writes, write_kv = [], Block.write_kv
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, 29, (B, T0 + new), generator=g)
-    runs = {}
-    counting = mock.patch.object(Block, 'write_kv', lambda *a: writes.append(1) or write_kv(*a))
-    for sparse in (True, False):
-        cache, steps, masks = model.new_cache(B, 'cpu'), [], []
-        with counting:
-            pos = torch.arange(T0).expand(B, T0)
-            logits, _, aux = model(idx[:, :T0], pos=pos, cache=cache, sparse=sparse)
-            steps.append(logits[:, -1])
-            masks.append(aux['masks'])
-            for t in range(T0, T0 + new):
-                logits, _, aux = model(idx[:, t:t + 1], pos=torch.full((B, 1), t), cache=cache,
-                                       sparse=sparse)
-                steps.append(logits[:, -1])
-                masks.append(aux['masks'])
-        runs[sparse] = (torch.stack(steps), masks, cache, len(writes))
-        writes.clear()
-    (got, got_masks, got_cache, n_writes), (want, want_masks, want_cache, _) = (runs[True],
-                                                                              runs[False])
-    for a, b in zip(got_masks, want_masks):
-        assert a.keys() == b.keys() and all(torch.equal(a[l], b[l]) for l in a)
-    tol = dict(atol=0.0, rtol=0.0) if skip_all else FP32_TOL
-    torch.testing.assert_close(got, want, **tol)
-    assert torch.equal(got_cache.kpos, want_cache.kpos)
-    for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
-        torch.testing.assert_close(a, b, **tol)
-    idle = sum(int(m[l].sum() == 0) for m in got_masks for l in m)
-    assert n_writes == idle and (not skip_all or idle == 3 * (1 + new))
+    with mock.patch.object(Block, 'write_kv', lambda *a: writes.append(1) or write_kv(*a)):
+        got = cached_decode(model, idx, T0, True, prefill_pos)
+    with mock.patch.object(route_halt, 'exec_path', lambda *a: 'shortcut off'):
+        whole = cached_decode(model, idx, T0, True, prefill_pos)
+    masked = cached_decode(model, idx, T0, False, prefill_pos)
+    assert_decodes_agree(got, whole, dict(atol=0.0, rtol=0.0))
+    assert_decodes_agree(got, masked, dict(atol=0.0, rtol=0.0) if skip_all else FP32_TOL)
+    idle = sum(int(m[l].sum() == 0) for m in got[1] for l in m)
+    assert len(writes) == idle and (not skip_all or idle == 3 * (1 + new))
 
 
 @settings(max_examples=20, deadline=None)

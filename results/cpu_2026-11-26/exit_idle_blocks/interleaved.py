@@ -3,7 +3,12 @@ text, decode alone: generate(61) minus generate(1), median of 5), of the exit mo
 (config/exit_drafter_shakespeare.py) before and after the blocks after every token exited write
 K/V only ('exit after': the working tree of the commit that made them so), and of the dense model,
 in turns, 4 rounds.
-Run from the repository root: python results/cpu_2026-11-26/exit_idle_blocks/interleaved.py"""
+Run from the repository root at 857b532 ('after' runs the working tree), with the
+commit before checked out beside it:
+    git worktree add /tmp/wt_before2 67c3ce6
+    ln -s $PWD/data/shakespeare_char /tmp/wt_before2/data/shakespeare_char
+and the checkpoints of docs/results.md's speculative section in out/ (ROOT below: the path of this checkout).
+    python results/cpu_2026-11-26/exit_idle_blocks/interleaved.py"""
 import subprocess
 import sys
 

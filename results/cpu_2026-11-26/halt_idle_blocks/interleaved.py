@@ -1,7 +1,12 @@
 """Plain greedy decode, batch 1, ms per token (60 tokens from a 64-token prompt of the validation
 text, decode alone: generate(61) minus generate(1), median of 5), of the halt model before and after
 its idle blocks write K/V only, and of the dense model, in turns, 4 rounds.
-Run from the repository root: python results/cpu_2026-11-26/halt_idle_blocks/interleaved.py"""
+Run from the repository root at 6294b80 ('after' runs the working tree), with the
+commit before checked out beside it:
+    git worktree add /tmp/wt_before f3dddab
+    ln -s $PWD/data/shakespeare_char /tmp/wt_before/data/shakespeare_char
+and the checkpoints of docs/results.md's speculative section in out/ (ROOT below: the path of this checkout).
+    python results/cpu_2026-11-26/halt_idle_blocks/interleaved.py"""
 import subprocess
 import sys
 
