@@ -74,8 +74,10 @@ def forward_flops(config, T, mode='train', full_frac=None, **options):
     mode 'policy': a no-grad pass under training decisions without loss heads (on-policy oracle).
     mode 'sparse': sparse execution at the realised fractions full_frac (a float or one per routed
                   layer), e.g. the full FFN on that fraction of the tokens and the cheap FFN on
-                  the rest.
-    options: the family's step options (Family.step_options). The terms: its forward_flops."""
+                  the rest; path='compact' where it runs on that path (halt and exit then run no
+                  block that no token runs).
+    options: the family's step options (Family.step_options), and path. The terms: its
+    forward_flops."""
     return family_of(config).forward_flops(config, T, mode, full_frac, **options)
 
 
