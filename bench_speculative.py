@@ -33,7 +33,7 @@ the measured costs:
                                       stopped early in a share 1 - r_K of them)
     predicted = (1 - alpha^(K+1)) / (1 - alpha) * plain_step / (K * draft_step + verify_pass)
 
-with plain_step = plain_ms / N, draft_step = the draft's time per pass / K and verify_pass the
+with plain_step = plain_ms / N, draft_step = the draft's time per drafted token and verify_pass the
 verifier's time per pass (its parallel forward and the acceptance rule), both measured by
 speculative.generate. What the prediction leaves out (the bookkeeping between passes, the shorter
 last pass) is the gap to the measured speedup.
@@ -206,7 +206,9 @@ def speculate_row(model, b, K, plain_s, spec_s, stats, N):
     passes = max(1, stats['spec_passes'])
     draft_pass, verify_pass = stats['spec_draft_s'] / passes, stats['spec_verify_s'] / passes
     rates = stats['spec_accept_rate'][:K]
-    alpha, predicted = predicted_speedup(rates, plain_s / N, draft_pass, verify_pass)
+    # the prediction's pass drafts all K: eager decodes draft fewer in their last passes
+    draft_step = stats['spec_draft_s'] / max(1, stats['spec_draft_steps'])
+    alpha, predicted = predicted_speedup(rates, plain_s / N, K * draft_step, verify_pass)
     return dict(
         route=model.config.route, batch=b, K=K, draft=stats['spec_draft'],
         draft_layers=stats['spec_depth'],

@@ -204,7 +204,7 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
         picked[:, 0] = logits
     drafted = [0] * (K + 1)         # per draft position: rows that drafted it
     kept = [0] * (K + 1)            # ... and kept it
-    passes, row_passes, t_draft, t_verify = 0, 0, 0.0, 0.0
+    passes, row_passes, draft_steps, t_draft, t_verify = 0, 0, 0, 0.0, 0.0
     # tokens per row, on the host (the pass's sizes and cache bucket are host decisions: one sync
     # per pass, for the accepted counts); the last token (pending) is not in the cache yet
     n = [m + 1 for m in lengths]
@@ -259,7 +259,7 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
                 picked[kb_t, gen + 1] = logits[kb_t, kj_t]
                 for l, m in aux.get('margins', {}).items():
                     margins[l][kb_t, gen] = m[kb_t, kj_t].float()
-        passes, row_passes = passes + 1, row_passes + sum(active)
+        passes, row_passes, draft_steps = passes + 1, row_passes + sum(active), draft_steps + k
         for b in range(B):
             if active[b]:
                 for j in range(1, k + 1):
@@ -279,6 +279,7 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
         # tokens per verifier pass and row: the kept drafted ones + the verifier's own (1..K+1)
         made = sum(n) - sum(lengths) - B
         stats.update(spec_draft=name, spec_depth=depth, spec_passes=passes,
+                     spec_draft_steps=draft_steps,
                      spec_accept_rate=[kept[j] / drafted[j] if drafted[j] else None
                                        for j in range(1, K + 1)],
                      spec_tokens_per_pass=made / max(1, row_passes),
