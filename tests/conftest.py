@@ -514,6 +514,52 @@ def seeded(fn, seed=0):
     return fn()
 
 
+def cached_decode(model, idx, T0, sparse, prefill_pos=True):
+    """A cached prefill of idx[:, :T0] (positions given, or None for 0..T0-1) and one-token steps
+    over the rest: (last-position logits per forward, each forward's masks, the cache)."""
+    import torch
+    B = idx.size(0)
+    cache, steps, masks = model.new_cache(B, 'cpu'), [], []
+    for lo, hi in [(0, T0)] + [(t, t + 1) for t in range(T0, idx.size(1))]:
+        pos = torch.arange(lo, hi).expand(B, -1) if lo or prefill_pos else None
+        logits, _, aux = model(idx[:, lo:hi], pos=pos, cache=cache, sparse=sparse)
+        steps.append(logits[:, -1])
+        masks.append(aux['masks'])
+    return torch.stack(steps), masks, cache
+
+
+def assert_decodes_agree(a, b, tol):
+    """Two cached_decode results: equal decisions and cache positions, logits and K/V within
+    tol."""
+    import torch
+    for x, y in zip(a[1], b[1]):
+        assert x.keys() == y.keys() and all(torch.equal(x[l], y[l]) for l in x)
+    torch.testing.assert_close(a[0], b[0], **tol)
+    assert torch.equal(a[2].kpos, b[2].kpos)
+    for x, y in zip(a[2].k + a[2].v, b[2].k + b[2].v):
+        torch.testing.assert_close(x, y, **tol)
+
+
+def decode_with_and_without_idle_shortcut(model, family_module, idx, T0, prefill_pos, tol):
+    """cached_decode of a halt or exit model on the compact path three ways: as it runs (blocks no
+    token runs write only their K/V), with that shortcut off (family_module's exec_path patched:
+    the whole block runs) and masked (sparse=False). Asserts the first bit for bit equal to the
+    second and within tol of the third. Returns (idle blocks over all forwards, Block.write_kv
+    calls)."""
+    from unittest import mock
+
+    from model import Block
+    writes, write_kv = [], Block.write_kv
+    with mock.patch.object(Block, 'write_kv', lambda *a: writes.append(1) or write_kv(*a)):
+        got = cached_decode(model, idx, T0, True, prefill_pos)
+    with mock.patch.object(family_module, 'exec_path', lambda *a: 'shortcut off'):
+        whole = cached_decode(model, idx, T0, True, prefill_pos)
+    masked = cached_decode(model, idx, T0, False, prefill_pos)
+    assert_decodes_agree(got, whole, dict(atol=0.0, rtol=0.0))
+    assert_decodes_agree(got, masked, tol)
+    return sum(int(m[l].sum() == 0) for m in got[1] for l in m), len(writes)
+
+
 def counted(fn):
     """FLOPs of fn() by torch's FlopCounterMode, attention in the math kernel (the fused CPU one is
     not counted)."""

@@ -2,7 +2,6 @@
 loss-weight schedules, layer dropout and the rotational curriculum, the training loss against hand
 computation, an unreachable threshold being the full model, and CALM's copied-state early exit
 against a hand-written reference. The promises every family keeps are in test_families.py."""
-from unittest import mock
 
 import pytest
 import torch
@@ -10,12 +9,12 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import losses
-from conftest import BASE, ROUTED_TOL, SETTINGS, V, build, dense_twin, tokens
-from model import GPT, Block, GPTConfig
+from conftest import (BASE, ROUTED_TOL, SETTINGS, V, build,
+                      decode_with_and_without_idle_shortcut, dense_twin, tokens)
+from model import GPT, GPTConfig
 import route_exit
 from route_exit import exit_depths
 from routing import layer_dropout_prob
-from test_halt import assert_decodes_agree, cached_decode
 
 pytestmark = pytest.mark.usefixtures('one_thread')      # tiny ops: see conftest.py
 
@@ -156,16 +155,9 @@ def test_blocks_after_every_token_exited_write_only_their_kv(seed, opt, B, T0, n
     model = build('exit', opt, seed=seed).eval()
     if everyone_exits:
         model.config.exit_threshold = -1.0
-    idx = tokens(seed, B, T0 + new)
-    writes, write_kv = [], Block.write_kv
-    with mock.patch.object(Block, 'write_kv', lambda *a: writes.append(1) or write_kv(*a)):
-        got = cached_decode(model, idx, T0, True, prefill_pos)
-    with mock.patch.object(route_exit, 'exec_path', lambda *a: 'shortcut off'):
-        whole = cached_decode(model, idx, T0, True, prefill_pos)
-    masked = cached_decode(model, idx, T0, False, prefill_pos)
-    assert_decodes_agree(got, whole, dict(atol=0.0, rtol=0.0))
-    assert_decodes_agree(got, masked, ROUTED_TOL)
-    idle = sum(int(m[l].sum() == 0) for m in got[1] for l in m)
+    idle, writes = decode_with_and_without_idle_shortcut(
+        model, route_exit, tokens(seed, B, T0 + new), T0, prefill_pos, ROUTED_TOL
+    )
     first = exit_depths(model.config)[0]
-    assert len(writes) == idle
+    assert writes == idle
     assert not everyone_exits or idle == (model.config.n_layer - first) * (1 + new)

@@ -1,7 +1,6 @@
 """route='halt' (TSA, arXiv 2605.05222): a closed router reproduces the dense model, gradients reach
 the router through (1 − p), the depth regulariser and TLOps follow their equations, eval (hard
 skipping) is causal and KV-cached decoding equals recomputation, and FLOPs match FlopCounterMode."""
-from unittest import mock
 
 import torch
 from hypothesis import given, settings, strategies as st
@@ -10,8 +9,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import flops
 import route_halt
-from conftest import FP32_TOL, assert_greedy_traces_agree, greedy_trace
-from model import FAMILIES, GPT, Block, GPTConfig
+from conftest import (FP32_TOL, assert_greedy_traces_agree, decode_with_and_without_idle_shortcut,
+                      greedy_trace)
+from model import FAMILIES, GPT, GPTConfig
 
 SETTINGS = dict(max_examples=15, deadline=None)
 BASE = dict(block_size=24, vocab_size=29, n_head=2, n_embd=16)
@@ -195,30 +195,6 @@ def test_kv_cache_decoding_equals_recompute(seed, T0, new):
         assert_greedy_traces_agree(a, b, FP32_TOL)
 
 
-def cached_decode(model, idx, T0, sparse, prefill_pos=True):
-    """A cached prefill of idx[:, :T0] (positions given, or None for 0..T0-1) and one-token steps
-    over the rest: (last-position logits per forward, each forward's masks, the cache)."""
-    B = idx.size(0)
-    cache, steps, masks = model.new_cache(B, 'cpu'), [], []
-    for lo, hi in [(0, T0)] + [(t, t + 1) for t in range(T0, idx.size(1))]:
-        pos = torch.arange(lo, hi).expand(B, -1) if lo or prefill_pos else None
-        logits, _, aux = model(idx[:, lo:hi], pos=pos, cache=cache, sparse=sparse)
-        steps.append(logits[:, -1])
-        masks.append(aux['masks'])
-    return torch.stack(steps), masks, cache
-
-
-def assert_decodes_agree(a, b, tol):
-    """Two cached_decode results: equal decisions and cache positions, logits and K/V within
-    tol."""
-    for x, y in zip(a[1], b[1]):
-        assert x.keys() == y.keys() and all(torch.equal(x[l], y[l]) for l in x)
-    torch.testing.assert_close(a[0], b[0], **tol)
-    assert torch.equal(a[2].kpos, b[2].kpos)
-    for x, y in zip(a[2].k + a[2].v, b[2].k + b[2].v):
-        torch.testing.assert_close(x, y, **tol)
-
-
 @settings(**SETTINGS)
 @given(seed=st.integers(0, 999), B=st.integers(1, 3), T0=st.integers(1, 8),
        new=st.integers(1, 8), skip_all=st.booleans(), prefill_pos=st.booleans())
@@ -234,16 +210,10 @@ def test_a_block_every_token_skips_writes_only_their_kv(seed, B, T0, new, skip_a
         for r in model.halt:
             r.out.bias.fill_(20.0 if skip_all else 0.0)
     idx = torch.randint(0, 29, (B, T0 + new), generator=torch.Generator().manual_seed(seed))
-    writes, write_kv = [], Block.write_kv
-    with mock.patch.object(Block, 'write_kv', lambda *a: writes.append(1) or write_kv(*a)):
-        got = cached_decode(model, idx, T0, True, prefill_pos)
-    with mock.patch.object(route_halt, 'exec_path', lambda *a: 'shortcut off'):
-        whole = cached_decode(model, idx, T0, True, prefill_pos)
-    masked = cached_decode(model, idx, T0, False, prefill_pos)
-    assert_decodes_agree(got, whole, dict(atol=0.0, rtol=0.0))
-    assert_decodes_agree(got, masked, dict(atol=0.0, rtol=0.0) if skip_all else FP32_TOL)
-    idle = sum(int(m[l].sum() == 0) for m in got[1] for l in m)
-    assert len(writes) == idle and (not skip_all or idle == 3 * (1 + new))
+    idle, writes = decode_with_and_without_idle_shortcut(
+        model, route_halt, idx, T0, prefill_pos, dict(atol=0.0, rtol=0.0) if skip_all else FP32_TOL
+    )
+    assert writes == idle and (not skip_all or idle == 3 * (1 + new))
 
 
 @settings(max_examples=20, deadline=None)
