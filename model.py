@@ -153,6 +153,7 @@ class KVCache:
         self.kpos = torch.full(
             (config.n_layer, batch_size, max_len), -1, dtype=torch.long, device=device
         )
+        self.rows = torch.arange(batch_size, device=device)[:, None]   # (B, 1): row b of a write
         self.max_len = self.attend_len = max_len
 
     @classmethod
@@ -173,9 +174,8 @@ class KVCache:
         layer's K, V, kpos over the attended slots."""
         # an index_put_ (row b, every head, slot pos[b, t]) that torch.compile keeps in place; a
         # scatter_ was compiled into a copy of the layer's whole slab per write
-        rows = torch.arange(k.size(0), device=pos.device)[:, None].expand_as(pos)
-        self.k[layer][rows, :, pos] = k.transpose(1, 2).to(self.k[layer].dtype)
-        self.v[layer][rows, :, pos] = v.transpose(1, 2).to(self.v[layer].dtype)
+        self.k[layer][self.rows, :, pos] = k.transpose(1, 2).to(self.k[layer].dtype)
+        self.v[layer][self.rows, :, pos] = v.transpose(1, 2).to(self.v[layer].dtype)
         self.kpos[layer].scatter_(1, pos, pos if valid is None else torch.where(valid, pos, -1))
         n = self.attend_len
         return self.k[layer][:, :, :n], self.v[layer][:, :, :n], self.kpos[layer, :, :n]
@@ -205,10 +205,10 @@ class CausalSelfAttention(nn.Module):
         """q, k, v (B, n_head, T, head size) of x (B, T, C), q and k rotated at pos with rotary
         positions."""
         B, T, C = x.size()
-        q, k, v = (
-            t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-            for t in self.c_attn(x).split(C, dim=2)
-        )
+        # one view and one permute (the same strides as three splits, views and transposes): a
+        # decoding step costs its operator count at small widths
+        q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(
+            2, 0, 3, 1, 4).unbind(0)
         if self.rope_base is not None:
             p = pos if pos is not None else torch.arange(T, device=x.device).expand(B, T)
             q, k = rope_rotate(q, p, self.rope_base), rope_rotate(k, p, self.rope_base)
@@ -245,13 +245,14 @@ class CausalSelfAttention(nn.Module):
                 k, v = k.to(q.dtype), v.to(q.dtype)
             else:
                 kpos = pos if valid is None else torch.where(valid, pos, -1)
-            mask = (kpos[:, None, None, :] >= 0) & (kpos[:, None, None, :] <= pos[:, None, :, None])
+            kpos = kpos[:, None, None, :]
+            mask = (kpos >= 0) & (kpos <= pos[:, None, :, None])
             if valid is not None:       # dropped query rows attend anywhere: no empty row, so no
                                         # NaN
                 mask = mask | ~valid[:, None, :, None]
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+        y = self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return self.resid_dropout(y) if self.training else y      # eval: no dropout call to pay
 
 
 class Block(nn.Module):
@@ -578,7 +579,7 @@ class GPT(nn.Module):
             cache = caches[batch_size, device, dtype] = KVCache(
                 self.config, batch_size, self.config.block_size, device, dtype
             )
-            for t in (*cache.k, *cache.v, cache.kpos):
+            for t in (*cache.k, *cache.v, cache.kpos, cache.rows):
                 torch._dynamo.mark_static_address(t)
         cache.kpos.fill_(-1)            # empty: slots whose kpos is -1 are never read
         cache.attend_len = cache.max_len

@@ -452,7 +452,8 @@ class MLP(nn.Module):
         self.approximate = config.gelu
 
     def forward(self, x):
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate)))
+        y = self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate))
+        return self.dropout(y) if self.training else y      # eval: no dropout call to pay
 
 
 # Sparse eval runs on one of the paths of kernels.py (kernels.PATHS):
