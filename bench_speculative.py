@@ -6,8 +6,9 @@ Self-speculative decoding timed beside plain decoding (bench.py --speculate=1,2,
 
 The model is a trained run's (--init_from=<run folder> or its ckpt.pt: checkpoint.load_model), or,
 without --init_from, a random one of the config's shape (its acceptance rates mean nothing, its
-costs do). Per decode batch b (decode_batches) and K: greedy decode of decode_tokens = N tokens from
-b decode_prompt-token prompts (64 when 0), decode alone (generate of 1 + N tokens minus
+costs do). Per decode batch b (decode_batches) and K: greedy decode (or, with --temperature=T > 0,
+sampling at T: a drafted token is kept with probability min(1, p/q)) of decode_tokens = N tokens
+from b decode_prompt-token prompts (64 when 0), decode alone (generate of 1 + N tokens minus
 generate of 1, back to back in each repeat: the prefill and the first token are not counted),
 median of bench_steps repeats after bench_warmup (at least one), with the spread of each side and
 bench.py's NOISY flag; plain decoding (model.generate) and each K take turns in every repeat. The
@@ -20,12 +21,12 @@ late (the pass that enters a new cache bucket, a last short window) may be recor
 repeat, which the median mostly hides.
 
 Per row: plain and speculative tokens/s and ms, speedup = plain_ms / spec_ms (= spec tokens/s over
-plain tokens/s), the share of rows that kept each draft position (accept_rate, position 1..K;
-None for a position no pass drafted),
-tokens_per_pass (tokens per verifier pass and row, 1..K+1: the mean accepted length plus the
-verifier's own), the draft/verify split per pass, and the speedup Leviathan et al. ("Fast Inference
-from Transformers via Speculative Decoding", arXiv 2211.17192) predict from the acceptance rate and
-the measured costs:
+plain tokens/s), and, pooled over the timed decodes (bench.py's repeats: sampled decodes differ),
+the share of rows that kept each draft position (accept_rate, position 1..K; None for a position
+no pass drafted), tokens_per_pass (tokens per verifier pass and row, 1..K+1: the mean accepted
+length plus the verifier's own), the draft/verify split per pass, and the speedup Leviathan et
+al. ("Fast Inference from Transformers via Speculative Decoding", arXiv 2211.17192) predict from
+the acceptance rate and the measured costs:
 
     alpha     = S / (S + 1 - r_K)     S = r_1 + .. + r_K, r_j = accept_rate[j]: the maximum-
                                       likelihood per-token acceptance if each draft is kept with
@@ -58,6 +59,7 @@ SPECULATE_DEFAULTS = dict(
     speculate='',           # comma-separated draft lengths K, e.g. 1,2,4,8 ('': no speculation)
     draft='',               # the family's draft to time ('': its default)
     draft_layers=0,         # where the draft has a depth: blocks it runs (0: its default)
+    temperature=0.0,        # both sides sample at this temperature (0: greedy)
 )
 
 
@@ -95,15 +97,17 @@ def check_options(cfg, argv):
     model's block_size. Returns the model config, or None without --speculate."""
     given = [a[2:].partition('=')[0] for a in argv if a.startswith('--')]
     if not cfg['speculate']:
-        for key in ('draft', 'draft_layers'):
+        for key in ('draft', 'draft_layers', 'temperature'):
             if key in given:
-                raise ConfigError(f"--{key} chooses the draft of --speculate=K; add "
+                raise ConfigError(f"--{key} is an option of --speculate=K; add "
                                   f"--speculate=1,2,4,8 or drop --{key}")
         return None
     draft_lengths(cfg)
     for key in ('budgets', 'suite', 'decode_vs_hf'):
         if cfg[key]:
             raise ConfigError(f"--speculate times decoding alone; drop --{key} (or --speculate)")
+    if not cfg['temperature'] >= 0:
+        raise ConfigError(f"temperature must be >= 0 (0: greedy), got {cfg['temperature']}")
     if cfg['draft_layers'] < 0:
         raise ConfigError(f"draft_layers must be >= 0 (0: the draft's default), got "
                           f"{cfg['draft_layers']}")
@@ -153,15 +157,17 @@ def load_bench_model(cfg, dev):
     return GPT(mcfg).to(dev).eval()
 
 
-def decode_timings(runs, N, cfg, dev):
+def decode_timings(runs, N, cfg, dev, timed_from=lambda: None):
     """{name: bench.Timing of decode alone} for runs {name: run(new)}: run(1 + N) minus run(1)
     (prefill and first token), every run back to back in each of bench_steps repeats after
-    bench_warmup untimed rounds (at least one), so a slow spell of the machine hits them alike."""
+    bench_warmup untimed rounds (at least one), so a slow spell of the machine hits them alike.
+    timed_from() is called between the two."""
     from bench import Timing, timed
     for _ in range(max(1, cfg['bench_warmup'])):
         for run in runs.values():
             run(1 + N)
             run(1)
+    timed_from()
     times = {name: [] for name in runs}
     for _ in range(max(1, cfg['bench_steps'])):
         for name, run in runs.items():
@@ -170,17 +176,34 @@ def decode_timings(runs, N, cfg, dev):
     return {name: Timing(t) for name, t in times.items()}
 
 
-def speculative_run(model, prompt, K, draft, stats, compile=False):
-    """run(new): greedy speculative generate of new tokens; a run of more than one token leaves its
-    figures in stats (afresh each time)."""
+def speculative_run(model, prompt, K, draft, decodes, compile=False, temperature=0.0):
+    """run(new): speculative generate of new tokens at temperature (0: greedy); a run of more than
+    one token appends its figures to the list decodes."""
     def run(new):
-        if new > 1:
-            stats.clear()
+        stats = {} if new > 1 else None
         # speculative.generate itself: model.generate(..., stats=) would also record the routing
         # statistics per token, which the plain run it is timed against does not
-        speculative.generate(model, prompt, new, K, draft[0], draft[1], temperature=0,
-                             stats=stats if new > 1 else None, compile=compile)
+        speculative.generate(model, prompt, new, K, draft[0], draft[1], temperature=temperature,
+                             stats=stats, compile=compile)
+        if stats is not None:
+            decodes.append(stats)
     return run
+
+
+def pooled(decodes):
+    """The figures of several speculative decodes (their stats dicts) pooled: the acceptance per
+    position and the tokens per pass from the summed counts, the draft/verify seconds and steps
+    summed, passes per decode. Greedy decodes of one prompt all agree, so pooling changes nothing
+    but the timing's noise; sampled ones differ, and one decode's figures would be few passes'."""
+    total = {k: sum(d[k] for d in decodes) for k in (
+        'spec_passes', 'spec_draft_steps', 'spec_draft_s', 'spec_verify_s', 'spec_made',
+        'spec_row_passes')}
+    drafted = [sum(c) for c in zip(*(d['spec_drafted'] for d in decodes))]
+    kept = [sum(c) for c in zip(*(d['spec_kept'] for d in decodes))]
+    return dict(total, spec_draft=decodes[0]['spec_draft'], spec_depth=decodes[0]['spec_depth'],
+                decodes=len(decodes),
+                spec_accept_rate=[k / d if d else None for k, d in zip(kept, drafted)],
+                spec_tokens_per_pass=total['spec_made'] / max(1, total['spec_row_passes']))
 
 
 def predicted_speedup(accept_rate, plain_step_s, draft_pass_s, verify_pass_s):
@@ -201,7 +224,8 @@ def nonzero(seconds):
 
 
 def speculate_row(model, b, K, plain_s, spec_s, stats, N):
-    """One row: batch b, draft length K; plain_s and spec_s the Timings of decoding N tokens."""
+    """One row: batch b, draft length K; plain_s and spec_s the Timings of decoding N tokens, stats
+    the timed decodes' figures pooled."""
     from bench import noise
     passes = max(1, stats['spec_passes'])
     draft_pass, verify_pass = stats['spec_draft_s'] / passes, stats['spec_verify_s'] / passes
@@ -217,7 +241,8 @@ def speculate_row(model, b, K, plain_s, spec_s, stats, N):
         plain_tokens_per_s=b * N / nonzero(plain_s), spec_tokens_per_s=b * N / nonzero(spec_s),
         plain_ms=plain_s * 1e3, spec_ms=spec_s * 1e3, speedup=plain_s / nonzero(spec_s),
         accept_rate=rates, tokens_per_pass=stats['spec_tokens_per_pass'],
-        mean_accepted=stats['spec_tokens_per_pass'] - 1, passes=stats['spec_passes'],
+        mean_accepted=stats['spec_tokens_per_pass'] - 1,
+        passes=stats['spec_passes'] / stats['decodes'],
         plain_ms_per_step=plain_s / N * 1e3, draft_ms_per_pass=draft_pass * 1e3,
         verify_ms_per_pass=verify_pass * 1e3,
         draft_share=draft_pass / max(draft_pass + verify_pass, 1e-12),
@@ -226,7 +251,7 @@ def speculate_row(model, b, K, plain_s, spec_s, stats, N):
 
 
 def bench_speculative(cfg):
-    """Plain and speculative greedy decode per decode batch and K (see the module docstring)."""
+    """Plain and speculative decode per decode batch and K (see the module docstring)."""
     dev, dt = resolve_device_dtype(SimpleNamespace(**cfg))
     autocast = autocast_context(dev, dt)
     model = load_bench_model(cfg, dev)
@@ -240,13 +265,13 @@ def bench_speculative(cfg):
     for b in (int(s) for s in str(cfg['decode_batches']).split(',') if s.strip()):
         prompt, source = decode_prompts(run_cfg, model.config.vocab_size, b, n, g)
         prompt = prompt.to(dev)
-        stats = {K: {} for K in ks}
-        runs = {0: partial(model.generate, prompt, temperature=0, compile=cfg['compile']),
-                **{K: speculative_run(model, prompt, K, draft, stats[K], cfg['compile'])
+        temp, decodes = cfg['temperature'], {K: [] for K in ks}
+        runs = {0: partial(model.generate, prompt, temperature=temp, compile=cfg['compile']),
+                **{K: speculative_run(model, prompt, K, draft, decodes[K], cfg['compile'], temp)
                    for K in ks}}
-        with autocast:
-            secs = decode_timings(runs, N, cfg, dev)
-        rows += [speculate_row(model, b, K, secs[0], secs[K], stats[K], N) for K in ks]
+        with autocast:      # the figures of the timed decodes only (no compiling, no warm-up)
+            secs = decode_timings(runs, N, cfg, dev, lambda: [d.clear() for d in decodes.values()])
+        rows += [speculate_row(model, b, K, secs[0], secs[K], pooled(decodes[K]), N) for K in ks]
     return dict(
         kind='speculative', route=model.config.route, init_from=cfg['init_from'],
         device=str(dev),
@@ -255,16 +280,22 @@ def bench_speculative(cfg):
         n_layer=model.config.n_layer, n_embd=model.config.n_embd,
         block_size=model.config.block_size, vocab_size=model.config.vocab_size,
         prompt_tokens=n, decode_tokens=N, repeats=max(1, cfg['bench_steps']),
-        timing='greedy, decode alone (generate of 1 + N tokens minus generate of 1)',
+        temperature=cfg['temperature'],
+        timing=(f"{'greedy' if not cfg['temperature'] else 'sampled'}, decode alone (generate of "
+                "1 + N tokens minus generate of 1)"),
         prompt_source=source, compiled=bool(cfg['compile']), rows=rows,
     )
+
+
+def sampling(temperature):
+    return f'sampled (temperature {temperature:g})' if temperature else 'greedy'
 
 
 def print_speculative(res):
     print(f"self-speculative decode, route={res['route']} {res['n_layer']}L d{res['n_embd']} "
           f"{res['dtype']} on {res['device']} ({res['threads']} threads), "
           f"{res['prompt_tokens']}-token prompts ({res['prompt_source']}), "
-          f"{res['decode_tokens']} greedy tokens, decode alone"
+          f"{res['decode_tokens']} {sampling(res.get('temperature'))} tokens, decode alone"
           f"{', compiled steps' if res.get('compiled') else ''}")
     print('| batch | K | draft | plain tok/s | spec tok/s | speedup | predicted | tokens/pass '
           '| kept per position | draft / verify ms per pass | spread plain / spec |')

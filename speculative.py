@@ -283,7 +283,10 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
                      spec_accept_rate=[kept[j] / drafted[j] if drafted[j] else None
                                        for j in range(1, K + 1)],
                      spec_tokens_per_pass=made / max(1, row_passes),
-                     spec_draft_s=t_draft, spec_verify_s=t_verify)
+                     spec_draft_s=t_draft, spec_verify_s=t_verify,
+                     # the counts behind the rates, to pool over decodes (bench.py's repeats)
+                     spec_kept=kept[1:], spec_drafted=drafted[1:], spec_made=made,
+                     spec_row_passes=row_passes)
     if trace is not None:
         trace['logits'] = picked[:, :new]
         trace['masks'] = {l: m[:, :new - 1] for l, m in masks.items()}

@@ -481,6 +481,63 @@ def test_bench_speculate_compiled(capsys, monkeypatch):
     assert sorted(set(made)) == ['decode_step', 'draft_step', 'verify_pass']
 
 
+def test_bench_speculate_sampled(capsys, monkeypatch):
+    """--temperature=1.0 samples on both sides, and each row's acceptance and tokens per pass pool
+    the counts of its timed decodes (bench_steps of them; the warm-up's are left out)."""
+    import bench_speculative
+    import speculative
+    calls, generate, pool, pooled_lists = [], speculative.generate, bench_speculative.pooled, []
+
+    def recording(*args, stats=None, temperature=0, **kw):
+        out = generate(*args, stats=stats, temperature=temperature, **kw)
+        if stats is not None:
+            calls.append((args[1].size(0), args[3], temperature, stats))
+        return out
+
+    def pooled(decodes):
+        pooled_lists.append(list(decodes))
+        return pool(decodes)
+    monkeypatch.setattr(speculative, 'generate', recording)
+    monkeypatch.setattr(bench_speculative, 'pooled', pooled)
+    assert bench.main([*SPEC_TINY, '--route=exit', '--speculate=1,3', '--temperature=1.0',
+                       '--json']) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res['temperature'] == 1.0 and res['timing'].startswith('sampled')
+    check_spec_rows(res, 'exit', [1, 3], [1, 2])
+    assert {t for _, _, t, _ in calls} == {1.0}
+    for r in res['rows']:
+        runs = [st for b, K, _, st in calls if (b, K) == (r['batch'], r['K'])]
+        assert len(runs) == 3                   # one warm-up round, then bench_steps=2 timed
+        timed = runs[1:]
+        assert any(all(a is b for a, b in zip(got, timed)) and len(got) == 2
+                   for got in pooled_lists)
+        for j, rate in enumerate(r['accept_rate']):
+            drafted = sum(st['spec_drafted'][j] for st in timed)
+            kept = sum(st['spec_kept'][j] for st in timed)
+            assert rate == (kept / drafted if drafted else None)
+        made = sum(st['spec_tokens_per_pass'] * st['spec_row_passes'] for st in timed)
+        rows = sum(st['spec_row_passes'] for st in timed)
+        assert r['tokens_per_pass'] == pytest.approx(made / rows)
+        assert r['passes'] == sum(st['spec_passes'] for st in timed) / 2
+
+
+def test_pooled_speculative_figures():
+    """Two decodes' figures pooled: rates and tokens per pass from summed counts (not the mean of
+    the rates), times and steps summed, passes per decode."""
+    from bench_speculative import pooled
+    one = dict(spec_draft='exit', spec_depth=2, spec_passes=4, spec_draft_steps=8,
+               spec_draft_s=0.5, spec_verify_s=1.0, spec_made=10, spec_row_passes=4,
+               spec_drafted=[4, 4], spec_kept=[3, 1])
+    two = dict(one, spec_passes=2, spec_draft_steps=3, spec_made=3, spec_row_passes=2,
+               spec_drafted=[2, 1], spec_kept=[0, 0])
+    got = pooled([one, two])
+    assert got['spec_accept_rate'] == [3 / 6, 1 / 5]
+    assert got['spec_tokens_per_pass'] == 13 / 6
+    assert (got['spec_passes'], got['decodes'], got['spec_draft_steps']) == (6, 2, 11)
+    assert (got['spec_draft_s'], got['spec_verify_s']) == (1.0, 2.0)
+    assert pooled([dict(one, spec_drafted=[4, 0])])['spec_accept_rate'] == [3 / 4, None]
+
+
 def test_bench_speculate_init_from(tmp_path, capsys):
     """--init_from=<run folder> times the checkpoint's model (its route and shape, not the
     config's), with the draft --draft names."""
@@ -543,7 +600,9 @@ def test_bench_speculate_predicted():
     (['--speculate=2', '--route=none', '--draft_layers=9'], "draft_layers=9 is not a depth"),
     (['--speculate=2', '--budgets=0.5'], "--speculate times decoding alone; drop --budgets"),
     (['--speculate=2', '--decode_vs_hf=True'], "drop --decode_vs_hf"),
-    (['--draft=layers'], "--draft chooses the draft of --speculate=K"),
+    (['--draft=layers'], "--draft is an option of --speculate=K"),
+    (['--temperature=1'], "--temperature is an option of --speculate=K"),
+    (['--speculate=2', '--temperature=-1'], "temperature must be >= 0 (0: greedy), got -1.0"),
     (['--speculate=2', '--init_from=no/such/run'], "init_from=no/such/run: no checkpoint at"),
     (['--speculate=2', '--decode_tokens=60'], "exceeds the model's block_size=64"),
 ])
