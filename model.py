@@ -174,11 +174,15 @@ class KVCache:
         layer's K, V, kpos over the attended slots."""
         # an index_put_ (row b, every head, slot pos[b, t]) that torch.compile keeps in place; a
         # scatter_ was compiled into a copy of the layer's whole slab per write
-        self.k[layer][self.rows, :, pos] = k.transpose(1, 2).to(self.k[layer].dtype)
-        self.v[layer][self.rows, :, pos] = v.transpose(1, 2).to(self.v[layer].dtype)
-        self.kpos[layer].scatter_(1, pos, pos if valid is None else torch.where(valid, pos, -1))
+        # (a cast and each view is an operator call, paid per layer and step: only what is needed)
+        k_all, v_all, kpos = self.k[layer], self.v[layer], self.kpos[layer]
+        if k.dtype != k_all.dtype:
+            k, v = k.to(k_all.dtype), v.to(v_all.dtype)
+        k_all[self.rows, :, pos] = k.transpose(1, 2)
+        v_all[self.rows, :, pos] = v.transpose(1, 2)
+        kpos.scatter_(1, pos, pos if valid is None else torch.where(valid, pos, -1))
         n = self.attend_len
-        return self.k[layer][:, :, :n], self.v[layer][:, :, :n], self.kpos[layer, :, :n]
+        return k_all[:, :, :n], v_all[:, :, :n], kpos[:, :n]
 
 
 def rope_rotate(x, pos, base):
@@ -242,11 +246,12 @@ class CausalSelfAttention(nn.Module):
                 pos = torch.arange(T, device=x.device).expand(B, T)
             if cache is not None:
                 k, v, kpos = cache.write(self.layer, k, v, pos, valid)
-                k, v = k.to(q.dtype), v.to(q.dtype)
+                if k.dtype != q.dtype:
+                    k, v = k.to(q.dtype), v.to(q.dtype)
             else:
                 kpos = pos if valid is None else torch.where(valid, pos, -1)
-            kpos = kpos[:, None, None, :]
-            mask = (kpos >= 0) & (kpos <= pos[:, None, :, None])
+            kpos = kpos.view(B, 1, 1, -1)
+            mask = (kpos >= 0) & (kpos <= pos.view(B, 1, T, 1))
             if valid is not None:       # dropped query rows attend anywhere: no empty row, so no
                                         # NaN
                 mask = mask | ~valid[:, None, :, None]
@@ -352,7 +357,7 @@ class GPT(nn.Module):
         if self.transformer.wpe is not None:
             x = x + (self.transformer.wpe(pos) if pos is not None
                      else self.transformer.wpe(torch.arange(idx.size(1), device=idx.device)))
-        return self.transformer.drop(x)
+        return self.transformer.drop(x) if self.training else x
 
     def forward(
         self,
