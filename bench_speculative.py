@@ -24,9 +24,9 @@ Per row: plain and speculative tokens/s and ms, speedup = plain_ms / spec_ms (= 
 plain tokens/s), and, pooled over the timed decodes (bench.py's repeats: sampled decodes differ),
 the share of rows that kept each draft position (accept_rate, position 1..K; None for a position
 no pass drafted), tokens_per_pass (tokens per verifier pass and row, 1..K+1: the mean accepted
-length plus the verifier's own), the draft/verify split per pass, and the speedup Leviathan et
-al. ("Fast Inference from Transformers via Speculative Decoding", arXiv 2211.17192) predict from
-the acceptance rate and the measured costs:
+length plus the verifier's own), passes (verifier passes per decode, their mean), the draft/verify
+split per pass, and the speedup Leviathan et al. ("Fast Inference from Transformers via
+Speculative Decoding", arXiv 2211.17192) predict from the acceptance rate and the measured costs:
 
     alpha     = S / (S + 1 - r_K)     S = r_1 + .. + r_K, r_j = accept_rate[j]: the maximum-
                                       likelihood per-token acceptance if each draft is kept with

@@ -169,9 +169,10 @@ class KVCache:
         self.attend_len = self.bucket(n, self.max_len)
 
     def write(self, layer, k, v, pos, valid=None):
-        """k, v: (B, H, T, hd) for tokens at positions pos (B, T), distinct within a row; where
-        valid (B, T) is False (a token that skips this layer) the slot is marked empty. Returns this
-        layer's K, V, kpos over the attended slots."""
+        """k, v: (B, H, T, hd) for tokens at positions pos (B, T), B the cache's batch size (row b
+        writes the cache's row b), positions distinct within a row; where valid (B, T) is False (a
+        token that skips this layer) the slot is marked empty. Returns this layer's K, V, kpos over
+        the attended slots."""
         # an index_put_ (row b, every head, slot pos[b, t]) that torch.compile keeps in place; a
         # scatter_ was compiled into a copy of the layer's whole slab per write
         # (a cast and each view is an operator call, paid per layer and step: only what is needed)
@@ -232,10 +233,11 @@ class CausalSelfAttention(nn.Module):
         cache.write(self.layer, k, v, pos)
 
     def forward(self, x, pos=None, cache=None, valid=None):
-        """x (B, T, C). pos (B, T) absolute positions, or None for 0..T-1. With a cache, the new K/V
-        are written into it and the queries attend over every filled slot at a position <= their
-        own. valid (B, T) bool, optional: only these tokens are keys (and written to the cache); the
-        others are padding or tokens that skip this layer, whose outputs the caller drops."""
+        """x (B, T, C). pos (B, T) absolute positions (a row per row of x), or None for 0..T-1.
+        With a cache (of batch size B), the new K/V are written into it and the queries attend over
+        every filled slot at a position <= their own. valid (B, T) bool, optional: only these
+        tokens are keys (and written to the cache); the others are padding or tokens that skip this
+        layer, whose outputs the caller drops."""
         B, T, C = x.size()
         q, k, v = self.heads(x, pos)
         drop = self.dropout if self.training else 0.0

@@ -497,14 +497,22 @@ def test_bench_speculate_sampled(capsys, monkeypatch):
     def pooled(decodes):
         pooled_lists.append(list(decodes))
         return pool(decodes)
+    from model import GPT
+    plain, plain_generate = [], GPT.generate
+
+    def plain_recording(self, *args, temperature=1.0, **kw):
+        plain.append(temperature)
+        return plain_generate(self, *args, temperature=temperature, **kw)
     monkeypatch.setattr(speculative, 'generate', recording)
     monkeypatch.setattr(bench_speculative, 'pooled', pooled)
+    monkeypatch.setattr(GPT, 'generate', plain_recording)
     assert bench.main([*SPEC_TINY, '--route=exit', '--speculate=1,3', '--temperature=1.0',
                        '--json']) == 0
     res = json.loads(capsys.readouterr().out)
     assert res['temperature'] == 1.0 and res['timing'].startswith('sampled')
     check_spec_rows(res, 'exit', [1, 3], [1, 2])
     assert {t for _, _, t, _ in calls} == {1.0}
+    assert plain and set(plain) == {1.0}        # the plain side samples at the same temperature
     for r in res['rows']:
         runs = [st for b, K, _, st in calls if (b, K) == (r['batch'], r['K'])]
         assert len(runs) == 3                   # one warm-up round, then bench_steps=2 timed
