@@ -7,6 +7,9 @@
 # costs the draft little and makes it agree with the full model more often. Against rank 16 (both
 # imitating): the draft's validation loss 2.21 -> 2.02 nats, the routed model's 1.940 -> 1.936;
 # the imitation itself costs the routed model 0.14 nats (1.80 with rank 16 and no imitation).
+# At ffn_mimic_weight=0.1 it costs 0.05 nats, but the routed model then agrees less with its
+# all-cheap draft and speculation barely pays (1.06-1.13x sampled): the drafter is bought with the
+# model's quality (docs/results.md).
 # Batch-1 speculative decode against plain decode (2-core CPU, pooled over prompts): 1.44x greedy
 # at K = 4 over eight prompts, where every greedy continuation ends in a loop the draft repeats
 # easily, and 1.19x sampled at temperature 1 over four (results/cpu_2026-11-26/ffn_drafter,

@@ -1,10 +1,12 @@
 """The speedup pooled over prompts (their plain time over their speculative time, batch 1) of the
-runs in this folder: python results/cpu_2026-11-26/ffn_drafter/pooled.py"""
+runs in this folder, or in its subfolder named (mimic01: the same runs of the weight-0.1 model):
+    python results/cpu_2026-11-26/ffn_drafter/pooled.py [mimic01]"""
 import glob
 import json
 import os
+import sys
 
-D = os.path.dirname(os.path.abspath(__file__))
+D = os.path.join(os.path.dirname(os.path.abspath(__file__)), *sys.argv[1:])
 GROUPS = {
     'greedy, 8 prompts': ['speculative_ffn_drafter.json', 'prompts/*.json'],
     'sampled at temperature 1, 4 prompts': ['sampled/speculative_ffn_drafter_T1_seed*.json'],

@@ -2,7 +2,11 @@
 # The ffn drafter's speculative decoding on the 2-core CPU, run from the repository root, one
 # command at a time with nothing else running. The model: python train.py
 # config/ffn_drafter_shakespeare.py (trained as the equivalent command line in models/ffn_drafter,
-# its out_dir then copied to out/ffn_drafter_shakespeare).
+# its out_dir then copied to out/ffn_drafter_shakespeare). mimic01/ holds the ffn runs below again
+# for the same config with --ffn_mimic_weight=0.1 (models/ffn_drafter_mimic01, its out_dir copied
+# to out/ffn_drafter_shakespeare for them; their JSON names the paths of this folder, where they
+# were written, then moved). models/ffn_drafter_noclip: the config with --grad_clip=0.0 (trained
+# only). Both trainings ran side by side with OMP_NUM_THREADS=1.
 set -e
 D=results/cpu_2026-11-26/ffn_drafter
 M=out/ffn_drafter_shakespeare
