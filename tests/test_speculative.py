@@ -119,6 +119,26 @@ def test_a_pass_drafts_no_more_than_the_row_still_needs(case, seed, K, T, new, t
     assert made == pytest.approx(new - 1), stats
 
 
+@settings(**SETTINGS)
+@given(case=st.sampled_from(DETERMINISTIC), seed=st.integers(0, 999), K=st.integers(1, 6),
+       lens=st.lists(st.integers(1, 8), min_size=2, max_size=3), new=st.integers(2, 12),
+       temperature=st.sampled_from([0.0, 1.0]))
+def test_ragged_passes_draft_no_more_than_the_neediest_row_needs(case, seed, K, lens, new,
+                                                                 temperature):
+    """Eagerly, with rows of different prompts (and acceptances), a pass drafts no more than the
+    row that still needs most: every row makes at least the new − 1 tokens after the prefill's, a
+    row done early at most K more (its last pass made up to K + 1), and the row that finishes last
+    exactly new − 1 (the last pass was cut to what it needed)."""
+    model = build(*case, seed=seed).eval()
+    trace = {}
+    torch.manual_seed(seed)
+    speculative.generate(model, tokens(seed, len(lens), max(lens)), new, K, temperature=temperature,
+                         lengths=lens, trace=trace)
+    made = [int(n) - m - 1 for n, m in zip(trace['n'], lens)]
+    assert all(new - 1 <= t <= new - 1 + K for t in made), (made, new, K)
+    assert min(made) == new - 1, (made, new, K)
+
+
 # --------------------------------------------------------------------------------------------------
 # sampling: the rejection rule gives plain sampling's exact distribution
 
