@@ -281,13 +281,14 @@ def bench_speculative(cfg):
         block_size=model.config.block_size, vocab_size=model.config.vocab_size,
         prompt_tokens=n, decode_tokens=N, repeats=max(1, cfg['bench_steps']),
         temperature=cfg['temperature'],
-        timing=(f"{'greedy' if not cfg['temperature'] else 'sampled'}, decode alone (generate of "
-                "1 + N tokens minus generate of 1)"),
+        timing=(f"{sampling(cfg['temperature'])}, decode alone (generate of 1 + N tokens minus "
+                "generate of 1)"),
         prompt_source=source, compiled=bool(cfg['compile']), rows=rows,
     )
 
 
 def sampling(temperature):
+    """How both sides pick tokens, in words (the JSON's timing and the printed header)."""
     return f'sampled (temperature {temperature:g})' if temperature else 'greedy'
 
 
