@@ -66,6 +66,15 @@ def cheap_mimic(cheap_out, full_out):
     return (cheap_out.float() - full_out.detach().float()).pow(2).mean()
 
 
+def draft_distillation(model_logits, draft_logits):
+    """L_draft = mean over positions of KL(sg(p) || q), p the model's next-token distribution, q its
+    draft's: a draft whose q is near p has its tokens kept by the rejection rule (the chance of
+    keeping one is 1 − TV(p, q)) and agrees with the model's argmax."""
+    logp = F.log_softmax(model_logits.detach().float(), dim=-1)
+    logq = F.log_softmax(draft_logits.float(), dim=-1)
+    return (logp.exp() * (logp - logq)).sum(-1).mean()
+
+
 def exit_loss_weights(depths, n_layer, schedule, scale=1.0):
     """Weights α_d of the early-exit losses in L = L_n + Σ_d α_d·L_d, for exits after d blocks
     (d in depths, all < n_layer), summing to `scale`:

@@ -16,6 +16,14 @@ routed state, later layers all full or following the gates), G3's JEPA alignment
 predictor's BCE, and a cheap-imitates-full term. util/rank/JEPA train only their own layer's gate,
 and the imitation only its own cheap FFN, unless ffn_aux_grad='leak'.
 
+Self-speculative decoding drafts with every routed FFN on its cheap path ('cheap'), or, given
+ffn_draft_rank > 0, with a draft-only low-rank FFN in each routed layer instead ('distilled'). The
+routed model never runs that FFN, so it can be trained afterwards, the model frozen
+(trainable='draft'), by self-distillation: L_draft = KL(sg(p_model) || q_draft) over every position,
+q_draft the distribution of the model whose routed FFNs are the draft FFNs. Leviathan et al.'s
+acceptance is 1 − TV(p, q), so this trains what sampled speculation keeps, and it costs the model
+nothing, where the cheap path's imitation (ffn_mimic_weight) costs it quality.
+
 Options: FFNOptions below (fields of model.GPTConfig); of the training loop:
 ffn_oracle_layers_per_step, calib_iters.
 """
@@ -107,6 +115,10 @@ class FFNOptions:
     ffn_predictor_weight: float = 1.0 # BCE of the membership predictor (ffn_infer_rule='predictor'
                                       # only)
     ffn_mimic_weight: float = 0.0     # cheap FFN imitates the full FFN
+    ffn_draft_rank: int = 0           # a draft-only FFN of this rank per routed layer (0: none),
+                                      # the 'distilled' draft's
+    ffn_draft_weight: float = 1.0     # weight of L_draft, the draft's self-distillation (trained by
+                                      # trainable='draft'; with 'all' it reaches the backbone too)
 
 
 @dataclass
@@ -166,6 +178,8 @@ class FFNRouting(Family):
                 'ffn_predictor_weight',
                 'ffn_mimic_weight',
                 'ffn_jepa_action_std',
+                'ffn_draft_rank',
+                'ffn_draft_weight',
             ),
         )
         check_fraction(config, 'ffn_budget')
@@ -187,6 +201,9 @@ class FFNRouting(Family):
         if not self.routed_layers(config):
             raise ValueError(f"ffn_layers={config.ffn_layers!r} routes no layer of a "
                              f"{config.n_layer}-layer model")
+        if config.ffn_draft_rank > 0 and config.ffn_draft_weight <= 0:
+            raise ValueError("ffn_draft_rank > 0 needs ffn_draft_weight > 0: nothing else trains "
+                             "the draft FFNs")
 
     def routed_layers(self, config):
         return layer_ids(config, 'ffn_layers', default='all')
@@ -195,6 +212,8 @@ class FFNRouting(Family):
         if layer not in self.routed_layers(config):
             return
         block.cheap = MLP(config, width=config.ffn_cheap_rank)
+        if config.ffn_draft_rank > 0:
+            block.draft_ffn = MLP(config, width=config.ffn_draft_rank)
         block.gate = (
             MLPGate(config.n_embd, config.ffn_gate_hidden)
             if config.ffn_gate == 'mlp'
@@ -240,6 +259,9 @@ class FFNRouting(Family):
         layers = tuple(ctx.options.get('oracle_layers') or ())
         if layers and (cfg.ffn_util_weight > 0 or cfg.ffn_rank_weight > 0):
             oracle_losses(model, ctx, layers, targets, aux)
+        if cfg.ffn_draft_rank > 0 and model.training:
+            draft = distilled_draft_logits(model, ctx.idx, ctx.pos, None)
+            aux['draft_loss'] = losses.draft_distillation(ctx.logits, draft)
         return add_weighted(
             lm_loss,
             aux,
@@ -249,11 +271,15 @@ class FFNRouting(Family):
                 jepa_loss=cfg.ffn_jepa_weight,
                 pred_loss=cfg.ffn_predictor_weight,
                 mimic_loss=cfg.ffn_mimic_weight,
+                draft_loss=cfg.ffn_draft_weight,
             ),
         )
 
     def is_controller_key(self, name):
         return any(f in name for f in ('.gate.', '.predictor.')) or name.endswith('.tau')
+
+    def is_draft_key(self, name):
+        return '.draft_ffn.' in name
 
     @torch.no_grad()
     def calibrate(self, model, idx):
@@ -289,15 +315,22 @@ class FFNRouting(Family):
         return None
 
     def drafts(self, config):
-        return dict(cheap="every routed FFN on its cheap low-rank path (force='cheap')",
+        distilled = dict(distilled="every routed FFN replaced by its layer's draft FFN "
+                                   "(ffn_draft_rank), trained by self-distillation")
+        return dict(**(distilled if config.ffn_draft_rank > 0 else {}),
+                    cheap="every routed FFN on its cheap low-rank path (force='cheap')",
                     layers=LAYERS_DRAFT)
 
     def draft_depths(self, config, name):
-        return None if name == 'cheap' else super().draft_depths(config, name)
+        if name in ('cheap', 'distilled'):
+            return None
+        return super().draft_depths(config, name)
 
     def draft_logits(self, model, name, idx, pos, cache, depth):
         if name == 'cheap':
             return cheap_path_logits(model, idx, pos, cache)
+        if name == 'distilled':
+            return distilled_draft_logits(model, idx, pos, cache)
         return super().draft_logits(model, name, idx, pos, cache, depth)
 
     def ddp_find_unused(self, config):
@@ -344,12 +377,20 @@ class FFNRouting(Family):
                 total += c['full'] + c['cheap'] + 2 * suffix_flops(config, layer, c)
             if kind not in STATIC and mode == 'train' and mimic_reruns(config):
                 total += c['cheap']         # the imitation's cheap FFN on the detached input
+        if mode == 'train' and config.ffn_draft_rank > 0:
+            total += draft_forward_flops(config, c, ids)   # the distilled draft, for L_draft
         return T * total
 
     def backward_flops(self, config, T, trainable='all', oracle_layers=(), **options):
         """Controller-only: activation gradients only, and nothing below the first gate in the
         LM-loss graph; the gate's input needs a gradient only once the stream does."""
         c, ids = ffn_costs(config, T), self.routed_layers(config)
+        if config.ffn_draft_rank > 0 and trainable in ('all', 'draft'):
+            draft = T * draft_backward_flops(config, c, ids, trainable)
+            if trainable == 'draft':        # nothing else trains: the model is frozen
+                return draft
+        else:
+            draft = 0
         joint = trainable == 'all'
         leak, own = config.ffn_aux_grad == 'leak', config.ffn_aux_grad == 'own'
         stream = joint                      # does the residual stream entering this layer need a
@@ -389,11 +430,45 @@ class FFNRouting(Family):
                 stream = True               # the mixed update now depends on trainable gate weights
         if stream:
             bwd += w * c['head']
-        return bwd * T
+        return bwd * T + draft
 
     def oracle_flops(self, config, T, oracle_layers=(), **options):
         """The oracle labels at the sampled controlled layers (oracle_labels.oracle_flops)."""
         return oracle_flops(self, config, T, ffn_costs(config, T), oracle_layers)
+
+
+def distilled_draft_logits(model, idx, pos, cache):
+    """Logits of the model whose routed FFNs are all replaced by their layers' draft FFNs (B, T, V):
+    the 'distilled' draft, and what its self-distillation trains."""
+    x = model.embed(idx, pos)
+    for block in model.transformer.h:
+        x = x + block.attn_update(x, pos, cache)
+        ffn = block.draft_ffn if hasattr(block, 'draft_ffn') else block.mlp
+        x = x + ffn(block.ln_2(x))
+    return model.lm_head(model.transformer.ln_f(x))
+
+
+def draft_forward_flops(config, c, ids):
+    """Per token: the distilled draft's forward (distilled_draft_logits), every routed FFN replaced
+    by its draft FFN."""
+    ffns = sum(c['draft'] if layer in ids else c['full'] for layer in range(config.n_layer))
+    return config.n_layer * (c['attn_proj'] + c['attn_core']) + ffns + c['head']
+
+
+def draft_backward_flops(config, c, ids, trainable):
+    """Per token: L_draft's backward. 'all': every weight and activation of the draft's forward.
+    'draft': only the draft FFNs train, so nothing below the lowest one needs a gradient; there,
+    its input needs none either; above it, the stream's gradient runs through every block and the
+    head (input gradients only, but the attention core's two operands)."""
+    if trainable == 'all':
+        ffns = sum(c['draft'] if layer in ids else c['full'] for layer in range(config.n_layer))
+        return 2 * (config.n_layer * (c['attn_proj'] + c['attn_core']) + ffns + c['head'])
+    low = min(ids)
+    bwd = 1.5 * c['draft'] + c['head']  # the lowest: c_proj's input and weight, c_fc's weight
+    for layer in range(low + 1, config.n_layer):
+        ffn = 2 * c['draft'] if layer in ids else c['full']
+        bwd += c['attn_proj'] + 2 * c['attn_core'] + ffn
+    return bwd
 
 
 def aux_on_score(config):
@@ -409,6 +484,7 @@ def ffn_costs(config, T):
     """routing.flop_costs plus the cheap FFN, the gates and the membership predictor, per token."""
     d, gh, lat = config.n_embd, config.ffn_gate_hidden, config.ffn_jepa_latent
     return dict(flop_costs(config, T), cheap=2 * 2 * d * config.ffn_cheap_rank,
+                draft=2 * 2 * d * config.ffn_draft_rank,
                 gate_fc=2 * d * gh, gate_out=2 * gh * (lat if config.ffn_gate == 'jepa' else 1),
                 gate_read=gate_read_flops(config),
                 jepa_target=2 * d * lat, pred_fc=2 * d * gh, pred_out=2 * gh)

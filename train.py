@@ -79,8 +79,10 @@ vocab_size = 0               # 0: from the data's meta.json (rounded up to a mul
                              # 1024)
 trainable = 'all'            # 'all' (joint), 'controller' (backbone frozen: gates, routers,
                              # predictors, exit heads, ensemble norms), 'last_layers' (the last
-                             # ens_layers blocks + ln_f), 'lora' (low-rank adapters, lora.py) or
-                             # 'controller+lora' (both, the rest frozen)
+                             # ens_layers blocks + ln_f), 'lora' (low-rank adapters, lora.py),
+                             # 'controller+lora' (both, the rest frozen) or 'draft' (a draft's own
+                             # modules, e.g. ffn_draft_rank's, by self-distillation: from
+                             # init_from=<checkpoint>, whose model stays as it is)
 lora_rank = 8                # LoRA: rank r of each adapter
 lora_alpha = 16.0            # LoRA: the update is scaled by lora_alpha / lora_rank
 lora_dropout = 0.0           # LoRA: dropout on the adapters' input
@@ -371,6 +373,8 @@ def build_model(cfg, meta, ckpt):
         add_adapters(model, cfg)                   # a LoRA run's state holds its adapters
         check_state_fits(model, ckpt['model'], cfg.init_from)
         model.load_state_dict(ckpt['model'])
+    elif ckpt is not None and cfg.trainable == 'draft':
+        model = model_under_draft(cfg, meta, ckpt)
     elif ckpt is not None:
         model = backbone_from_checkpoint(cfg, meta, ckpt)
     elif cfg.init_from == 'scratch':
@@ -423,6 +427,22 @@ def backbone_from_checkpoint(cfg, meta, ckpt):
     return model
 
 
+def model_under_draft(cfg, meta, ckpt):
+    """trainable='draft': the checkpoint's whole model (backbone, controller, thresholds), the draft
+    modules it lacks fresh. The draft imitates this model, so the config must build the same one:
+    every field a resume shares with its checkpoint, and the budget, as the checkpoint has them."""
+    family = FAMILIES[cfg.route]
+    budget = (family.budget_field,) if family.budget_field else ()
+    check_against_checkpoint(cfg, meta, ckpt, RESUME_KEYS + budget)
+    model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
+    missing, unexpected = model.load_state_dict(ckpt['model'], strict=False)
+    bad = [k for k in missing if not family.is_draft_key(k)] + list(unexpected)
+    if bad:
+        raise TrainError(f"checkpoint {cfg.init_from} does not fit the model this config builds: "
+                         f"{bad[:4]} differ; use the run's model and routing options")
+    return model
+
+
 def gpt2_model(cfg, meta):
     """GPT-2 weights (a hub name or a local HF directory) under this config's routing fields."""
     if meta.get('tokenizer') != 'gpt2':
@@ -455,7 +475,13 @@ def trainable_parameters(model, cfg):
         raise TrainError(f"trainable must be one of {', '.join(TRAINABLE)}; got {cfg.trainable!r}")
     if cfg.trainable == 'lora':
         return lora_parameters(model)
-    if cfg.trainable == 'last_layers':
+    if cfg.trainable == 'draft':
+        ctrl = [p for n, p in model.named_parameters() if model.family.is_draft_key(n)]
+        if not ctrl:
+            raise TrainError(f"trainable=draft trains a draft's own modules; this config (route="
+                             f"{cfg.route!r} with its options) has none: e.g. route='ffn' with "
+                             "ffn_draft_rank > 0")
+    elif cfg.trainable == 'last_layers':
         key = model.family.last_layers_option
         k = getattr(model.config, key)
         if model.family.routes or not 1 <= k <= model.config.n_layer:
@@ -539,10 +565,12 @@ def evaluated(run):
 
 def estimate_loss(run):
     """LM loss on fixed train/val batches in eval mode: causal routing, thresholds calibrated first
-    on separate train-split batches (never on val)."""
+    on separate train-split batches (never on val), except under trainable='draft', whose draft
+    learns the checkpoint's model as it is, thresholds included."""
     with eval_rng(run.dev, run.cfg.eval_seed):
-        with run.autocast:
-            run.raw_model.calibrate(torch.cat(run.calib))
+        if run.cfg.trainable != 'draft':
+            with run.autocast:
+                run.raw_model.calibrate(torch.cat(run.calib))
         return {
             split: evaluation.evaluate(
                 run.raw_model, [batches.fetch(s) for s in starts], run.autocast

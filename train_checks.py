@@ -18,7 +18,7 @@ from lora import check_targets
 from model import FAMILIES, GPT, GPTConfig, read_stored_config
 
 RUN_FILES = ('ckpt.pt', 'metrics.jsonl', 'config.json', 'run_info.json')    # what a run writes
-TRAINABLE = ('all', 'controller', 'last_layers', 'lora', 'controller+lora')
+TRAINABLE = ('all', 'controller', 'last_layers', 'lora', 'controller+lora', 'draft')
 
 
 class TrainError(UserError):
@@ -45,6 +45,8 @@ def check_train_config(cfg):
     if cfg.trainable not in TRAINABLE:
         raise TrainError(f"trainable must be one of {', '.join(TRAINABLE)}; got {cfg.trainable!r}")
     check_lora_options(cfg)
+    if cfg.trainable == 'draft':
+        check_draft_training(cfg)
     if cfg.parallel not in PARALLEL:
         raise TrainError(f"parallel must be one of {', '.join(PARALLEL)}; got {cfg.parallel!r}")
     if cfg.dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
@@ -109,6 +111,21 @@ def check_lora_options(cfg):
         check_targets(shape_only_model(model_config(cfg, vocab_size=64)), cfg.lora_targets)
     except ValueError as e:
         raise TrainError(str(e)) from None
+
+
+def check_draft_training(cfg):
+    """trainable='draft' distils a draft from a trained model (a checkpoint file, or its own run
+    resumed), and needs a draft with modules of its own."""
+    if cfg.init_from != 'resume' and not os.path.isfile(cfg.init_from):
+        raise TrainError(f"trainable=draft distils a draft from a trained model: give its "
+                         f"checkpoint with --init_from=<out_dir>/ckpt.pt (got init_from="
+                         f"{cfg.init_from!r})")
+    config = model_config(cfg, vocab_size=64)
+    family = FAMILIES[config.route]
+    if not any(family.is_draft_key(n) for n, _ in shape_only_model(config).named_parameters()):
+        raise TrainError(f"trainable=draft trains a draft's own modules; this config (route="
+                         f"{cfg.route!r} with its options) has none: e.g. route='ffn' with "
+                         "ffn_draft_rank > 0")
 
 
 SHAPE_ONLY_MODELS = {}

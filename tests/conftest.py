@@ -472,7 +472,11 @@ EXAMPLES = {
         dict(ens_mix='logit', ens_layers=1, ens_teacher_lm_weight=0.5),
     ],
     'halt': [dict(), dict(halt_hard='binary', halt_tau=0.3)],
-    'ffn': [dict(ffn_gate='mlp', ffn_cheap_rank=4), dict(ffn_gate='random', ffn_cheap_rank=4)],
+    'ffn': [
+        dict(ffn_gate='mlp', ffn_cheap_rank=4),
+        dict(ffn_gate='random', ffn_cheap_rank=4),
+        dict(ffn_gate='mlp', ffn_cheap_rank=4, ffn_layers='1,2', ffn_draft_rank=3),
+    ],
 }
 
 

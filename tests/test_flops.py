@@ -2,6 +2,7 @@
 forward, and a whole training step (forward, backward, oracle passes) with the backbone trainable or
 frozen."""
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -59,6 +60,8 @@ def routed_configs(draw):
         ffn_oracle_label=draw(st.sampled_from(['token', 'sequence'])),
         ffn_aux_grad=draw(st.sampled_from(['own', 'leak'])),
         ffn_predictor_weight=draw(st.sampled_from([0.0, 1.0])),
+        ffn_mimic_weight=draw(st.sampled_from([0.0, 0.5])),
+        ffn_draft_rank=draw(st.sampled_from([0, 0, 1, 3])),
     )
     return cfg
 
@@ -87,12 +90,16 @@ def test_forward_flops_match_counter(cfg, T, B, seed):
 
 @settings(max_examples=40, deadline=None)
 @given(cfg=routed_configs(), T=st.integers(2, 16), B=st.integers(1, 2), seed=st.integers(0, 99),
-       trainable=st.sampled_from(['all', 'controller']), data=st.data())
+       trainable=st.sampled_from(['all', 'controller', 'draft']), data=st.data())
 def test_train_step_flops_match_counter(cfg, T, B, seed, trainable, data):
+    if trainable == 'draft' and cfg.ffn_draft_rank == 0:
+        cfg = replace(cfg, ffn_draft_rank=2)           # trainable='draft' needs a draft FFN
     torch.manual_seed(seed)
     model = GPT(cfg).train()
     ctrl = {id(p) for p in model.controller_parameters()}
-    if trainable == 'controller':
+    if trainable == 'draft':
+        ctrl = {id(p) for n, p in model.named_parameters() if model.family.is_draft_key(n)}
+    if trainable != 'all':
         for p in model.parameters():
             p.requires_grad_(id(p) in ctrl)
     ids = controlled_layer_ids(cfg)

@@ -992,6 +992,20 @@ def bad_input_cases(synth, text_data, base_copy):
             "trainable",
         ),
         "bad_lm_thresholds": ([*TINY, *d, "--lm_thresholds=2.5;2.0"], "lm_thresholds"),
+        # a draft is distilled from a trained model, which it must not change
+        "draft_from_scratch": ([*TINY, *d, "--trainable=draft", "--ffn_draft_rank=4"],
+                               ("trainable=draft", "init_from")),
+        "draft_without_draft_modules": (
+            [*TINY, *d, "--trainable=draft", f"--init_from={base_copy / 'ckpt.pt'}"],
+            ("trainable=draft", "ffn_draft_rank"),
+        ),
+        "draft_of_another_model": (
+            [*TINY, *d, "--trainable=draft", "--ffn_draft_rank=4", "--ffn_budget=0.25",
+             f"--init_from={base_copy / 'ckpt.pt'}"],
+            "ffn_budget",
+        ),
+        "draft_nothing_trains": ([*TINY, *d, "--ffn_draft_rank=4", "--ffn_draft_weight=0"],
+                                 "ffn_draft_weight"),
         # a fresh run never replaces or appends to the run already in out_dir
         "fresh_over_existing_run": (
             [*TINY, *d, f"--out_dir={base_copy}"],
