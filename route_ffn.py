@@ -20,9 +20,10 @@ Self-speculative decoding drafts with every routed FFN on its cheap path ('cheap
 ffn_draft_rank > 0, with a draft-only low-rank FFN in each routed layer instead ('distilled'). The
 routed model never runs that FFN, so it can be trained afterwards, the model frozen
 (trainable='draft'), by self-distillation: L_draft = KL(sg(p_model) || q_draft) over every position,
-q_draft the distribution of the model whose routed FFNs are the draft FFNs. Leviathan et al.'s
-acceptance is 1 − TV(p, q), so this trains what sampled speculation keeps, and it costs the model
-nothing, where the cheap path's imitation (ffn_mimic_weight) costs it quality.
+q_draft the distribution of the model whose routed FFNs are the draft FFNs, reading the model's K/V
+before the position as a speculative pass's first draft token does. Leviathan et al.'s acceptance
+is 1 − TV(p, q), so this trains what sampled speculation keeps, and it costs the model nothing,
+where the cheap path's imitation (ffn_mimic_weight) costs it quality.
 
 Options: FFNOptions below (fields of model.GPTConfig); of the training loop:
 ffn_oracle_layers_per_step, calib_iters.
@@ -31,6 +32,7 @@ import random
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 import losses
 from gates import (
@@ -130,6 +132,8 @@ class FFNState:
     mid: dict = field(default_factory=dict)
     gate_in: dict = field(default_factory=dict)     # layer -> the gate's input, detached
     oracle: object = None           # ffn_gate='oracle': fn(layer, x_mid) -> utility (B, T)
+    keep_stream: bool = False       # keep each block's input (the draft's distillation reads them)
+    stream: dict = field(default_factory=dict)      # layer -> the block's input, detached
 
 
 def ffn_state(ctx):
@@ -243,9 +247,13 @@ class FFNRouting(Family):
             state.oracle = lambda l, x: oracle_routing_labels(model, l, x, ctx.targets, ctx.pos)
         if oracle_start(cfg) == 'routed' and ctx.options.get('oracle_layers'):
             state.keep_mid = set(ctx.options['oracle_layers'])
+        state.keep_stream = model.training and cfg.ffn_draft_rank > 0 and ctx.force is None
 
     def run_blocks(self, model, x, pos, cache, ctx, start=0):
+        state = ffn_state(ctx)
         for block in model.transformer.h[start:]:
+            if state.keep_stream:
+                state.stream[block.layer] = x.detach()
             x = x + block.attn_update(x, pos, cache)
             x = x + (
                 routed_ffn_update(block, model.config, x, ctx)
@@ -259,8 +267,8 @@ class FFNRouting(Family):
         layers = tuple(ctx.options.get('oracle_layers') or ())
         if layers and (cfg.ffn_util_weight > 0 or cfg.ffn_rank_weight > 0):
             oracle_losses(model, ctx, layers, targets, aux)
-        if cfg.ffn_draft_rank > 0 and model.training:
-            draft = distilled_draft_logits(model, ctx.idx, ctx.pos, None)
+        if ffn_state(ctx).keep_stream:
+            draft = draft_logits_in_model_context(model, ctx.idx, ctx.pos, model_kv(model, ctx))
             aux['draft_loss'] = losses.draft_distillation(ctx.logits, draft)
         return add_weighted(
             lm_loss,
@@ -449,10 +457,12 @@ def distilled_draft_logits(model, idx, pos, cache):
 
 
 def draft_forward_flops(config, c, ids):
-    """Per token: the distilled draft's forward (distilled_draft_logits), every routed FFN replaced
-    by its draft FFN."""
+    """Per token: the distillation's forward: the model's K/V again (model_kv: c_attn on every
+    block's input) and the draft's (draft_logits_in_model_context: every routed FFN replaced by its
+    draft FFN, attention over 2T keys)."""
     ffns = sum(c['draft'] if layer in ids else c['full'] for layer in range(config.n_layer))
-    return config.n_layer * (c['attn_proj'] + c['attn_core']) + ffns + c['head']
+    per_block = c['kv_again'] + c['attn_proj'] + 2 * c['attn_core']
+    return config.n_layer * per_block + ffns + c['head']
 
 
 def draft_backward_flops(config, c, ids, trainable):
@@ -460,15 +470,44 @@ def draft_backward_flops(config, c, ids, trainable):
     'draft': only the draft FFNs train, so nothing below the lowest one needs a gradient; there,
     its input needs none either; above it, the stream's gradient runs through every block and the
     head (input gradients only, but the attention core's two operands)."""
-    if trainable == 'all':
+    if trainable == 'all':              # (the model's K/V are constants)
         ffns = sum(c['draft'] if layer in ids else c['full'] for layer in range(config.n_layer))
-        return 2 * (config.n_layer * (c['attn_proj'] + c['attn_core']) + ffns + c['head'])
+        return 2 * (config.n_layer * (c['attn_proj'] + 2 * c['attn_core']) + ffns + c['head'])
     low = min(ids)
     bwd = 1.5 * c['draft'] + c['head']  # the lowest: c_proj's input and weight, c_fc's weight
     for layer in range(low + 1, config.n_layer):
         ffn = 2 * c['draft'] if layer in ids else c['full']
-        bwd += c['attn_proj'] + 2 * c['attn_core'] + ffn
+        bwd += c['attn_proj'] + 2 * 2 * c['attn_core'] + ffn
     return bwd
+
+
+def model_kv(model, ctx):
+    """Every layer's K and V (B, H, T, hd) of this forward's routed model, as constants."""
+    stream = ffn_state(ctx).stream
+    with torch.no_grad():
+        return [block.attn.heads(block.ln_1(stream[block.layer]), ctx.pos)[1:]
+                for block in model.transformer.h]
+
+
+def draft_logits_in_model_context(model, idx, pos, kv):
+    """The distilled draft's logits (B, T, V) where each position t reads what the first drafted
+    token of a speculative pass reads: the model's K/V (kv, per layer) at positions < t and the
+    draft's own at t. Each position's draft stream depends on no other's, so all T run at once,
+    attending over the model's T keys (causally, strictly before t) and the draft's own (t alone).
+    No dropout."""
+    B, T = idx.shape
+    before = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril(-1)
+    mask = torch.cat([before, torch.eye(T, dtype=torch.bool, device=idx.device)], dim=1)
+    x = model.embed(idx, pos)
+    for block, (k_model, v_model) in zip(model.transformer.h, kv):
+        q, k, v = block.attn.heads(block.ln_1(x), pos)
+        y = F.scaled_dot_product_attention(
+            q, torch.cat([k_model, k], dim=2), torch.cat([v_model, v], dim=2), attn_mask=mask
+        )
+        x = x + block.attn.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+        ffn = block.draft_ffn if hasattr(block, 'draft_ffn') else block.mlp
+        x = x + ffn(block.ln_2(x))
+    return model.lm_head(model.transformer.ln_f(x))
 
 
 def aux_on_score(config):
@@ -484,7 +523,7 @@ def ffn_costs(config, T):
     """routing.flop_costs plus the cheap FFN, the gates and the membership predictor, per token."""
     d, gh, lat = config.n_embd, config.ffn_gate_hidden, config.ffn_jepa_latent
     return dict(flop_costs(config, T), cheap=2 * 2 * d * config.ffn_cheap_rank,
-                draft=2 * 2 * d * config.ffn_draft_rank,
+                draft=2 * 2 * d * config.ffn_draft_rank, kv_again=2 * d * 3 * d,
                 gate_fc=2 * d * gh, gate_out=2 * gh * (lat if config.ffn_gate == 'jepa' else 1),
                 gate_read=gate_read_flops(config),
                 jepa_target=2 * d * lat, pred_fc=2 * d * gh, pred_out=2 * gh)

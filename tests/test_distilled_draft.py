@@ -62,6 +62,30 @@ def test_distilled_draft_is_the_model_with_draft_ffns_on_its_routed_layers(
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@settings(**SETTINGS)
+@given(seed=st.integers(0, 999), n_layer=st.integers(1, 3), T=st.integers(1, 10),
+       rope=st.booleans())
+def test_distillation_reads_what_the_first_drafted_token_reads(seed, n_layer, T, rope):
+    """draft_logits_in_model_context at position t is the draft's logits for the first token of a
+    speculative pass after the model has decoded positions < t: the model's K/V in the cache, the
+    draft's own at t (the decode path, one position at a time)."""
+    cfg = GPTConfig(**BASE, n_layer=n_layer, ffn_draft_rank=3, pos='rope' if rope else 'learned')
+    model = noised(cfg, seed).eval()
+    idx = torch.randint(0, cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        full = model.new_cache(2, idx.device)
+        model(idx, cache=full)
+        kv = [(full.k[layer][:, :, :T], full.v[layer][:, :, :T]) for layer in range(n_layer)]
+        got = route_ffn.draft_logits_in_model_context(model, idx, None, kv)
+        for t in range(T):
+            cache = model.new_cache(2, idx.device)
+            if t:
+                model(idx[:, :t], cache=cache)
+            pos = torch.full((2, 1), t)
+            want = model.family.draft_logits(model, 'distilled', idx[:, t:t + 1], pos, cache, None)
+            torch.testing.assert_close(got[:, t], want[:, 0], rtol=1e-4, atol=1e-4)
+
+
 def test_draft_distillation_is_the_kl_divergence_of_the_draft_from_the_model():
     g = torch.Generator().manual_seed(0)
     p, q = torch.randn(3, 5, 11, generator=g) * 3, torch.randn(3, 5, 11, generator=g) * 3
@@ -94,9 +118,16 @@ def test_the_draft_loss_trains_what_trainable_says(trainable):
         assert all(grads[n] is None for n in grads if n not in draft_keys)
         # the same gradient as L_draft's alone, computed from the model's own logits
         model.zero_grad()
+        inputs = {}                     # each block's attention input in the model's forward
+        hooks = [b.attn.register_forward_hook(      # (returns None: the output is kept)
+            lambda m, args, out, layer=b.layer: inputs.__setitem__(layer, args[0]))
+            for b in model.transformer.h]
         with torch.no_grad():
             p = model(idx, idx)[0]
-        q = route_ffn.distilled_draft_logits(model, idx, None, None)
+            kv = [b.attn.heads(inputs[b.layer])[1:] for b in model.transformer.h]
+        for h in hooks:
+            h.remove()
+        q = route_ffn.draft_logits_in_model_context(model, idx, None, kv)
         losses.draft_distillation(p, q).backward()
         for n in draft_keys:
             torch.testing.assert_close(model.get_parameter(n).grad, grads[n])
