@@ -449,13 +449,16 @@ def room(model, batches, autocast=nullcontext(), seed=0, quiet=True):
 
 
 def calibrated_eval_batches(
-    model, train_data, val_data, eval_iters, calib_iters, autocast, eval_seed
+    model, train_data, val_data, eval_iters, calib_iters, autocast, eval_seed, calibrate=True
 ):
-    """Calibrate the causal thresholds on held-out train-split batches, then fetch the fixed
-    validation batches: ([(x, y), ...], their start offsets)."""
-    calib = [train_data.fetch(s)[0] for s in train_data.eval_batches(calib_iters, 3, eval_seed)]
-    with autocast:
-        model.calibrate(torch.cat(calib))               # a no-op for gates without scores
+    """Calibrate the causal thresholds on held-out train-split batches (unless calibrate is
+    False: the model's thresholds as they are), then fetch the fixed validation batches:
+    ([(x, y), ...], their start offsets)."""
+    if calibrate:
+        calib = [train_data.fetch(s)[0]
+                 for s in train_data.eval_batches(calib_iters, 3, eval_seed)]
+        with autocast:
+            model.calibrate(torch.cat(calib))           # a no-op for gates without scores
     starts = val_data.eval_batches(eval_iters, 2, eval_seed)
     return [val_data.fetch(s) for s in starts], starts
 
@@ -470,13 +473,15 @@ def report(
     autocast=nullcontext(),
     eval_seed=1337,
     quiet=True,
+    calibrate=True,
 ):
     """The end-of-run numbers: causal val loss beside the forced-full (dense) and forced-cheap
     references, realised budget, TLOps saved, MoD's causal-rule accuracy, TSA's soft vs hard and the
     exits' threshold sweep, and per-difficulty-class routing (synthetic corpus). quiet=False: a
-    progress bar per pass over the batches, on a terminal (eval.py's command line)."""
+    progress bar per pass over the batches, on a terminal (eval.py's command line). calibrate=False
+    keeps the model's thresholds as they are."""
     batches, starts = calibrated_eval_batches(
-        model, train_data, val_data, eval_iters, calib_iters, autocast, eval_seed
+        model, train_data, val_data, eval_iters, calib_iters, autocast, eval_seed, calibrate
     )
     family = model.family
     out = dict(val_loss=evaluate(model, batches, autocast, quiet=quiet))

@@ -131,6 +131,12 @@ def is_controller_key(name):
     return any(family.is_controller_key(name) for family in FAMILIES.values())
 
 
+def is_draft_key(name):
+    """Parameters only a family's draft uses (Family.is_draft_key), of any family: a stage-2 run
+    starts them fresh; trainable='draft' trains them."""
+    return any(family.is_draft_key(name) for family in FAMILIES.values())
+
+
 # --------------------------------------------------------------------------------------------------
 # attention, with positions and an optional KV cache
 

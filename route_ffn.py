@@ -286,6 +286,8 @@ class FFNRouting(Family):
     def is_controller_key(self, name):
         return any(f in name for f in ('.gate.', '.predictor.')) or name.endswith('.tau')
 
+    draft_options = ('ffn_draft_rank', 'ffn_draft_weight')
+
     def is_draft_key(self, name):
         return '.draft_ffn.' in name
 
@@ -494,7 +496,7 @@ def draft_logits_in_model_context(model, idx, pos, kv):
     token of a speculative pass reads: the model's K/V (kv, per layer) at positions < t and the
     draft's own at t. Each position's draft stream depends on no other's, so all T run at once,
     attending over the model's T keys (causally, strictly before t) and the draft's own (t alone).
-    No dropout."""
+    Its attention has no dropout (trainable='draft' trains with dropout 0)."""
     B, T = idx.shape
     before = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril(-1)
     mask = torch.cat([before, torch.eye(T, dtype=torch.bool, device=idx.device)], dim=1)

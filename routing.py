@@ -43,7 +43,8 @@ dense thing):
     decoding   drafts(config), draft_depths(config, name), draft_logits(model, name, idx, pos,
                cache, depth): the cheap versions of the model that self-speculative decoding
                (speculative.py) drafts with (the default: the first E blocks, ln_f, LM head);
-               is_draft_key(name): parameters only a draft uses (what trainable='draft' trains)
+               is_draft_key(name): parameters only a draft uses (what trainable='draft' trains),
+               draft_options: its fields that shape or train them (a draft run may change them)
 
 docs/new_family.md walks through a complete small family. The dense model is `Dense` below: the base
 class with LayerSkip's layer dropout, routing nothing.
@@ -307,6 +308,8 @@ class Family:
         """(the depths E draft `name` may stop after, the default E), or None for a draft that has
         no depth option."""
         return list(range(1, config.n_layer + 1)), max(1, config.n_layer // 2)
+
+    draft_options = ()
 
     def is_draft_key(self, name):
         """Is parameter `name` a draft's own (used by no forward of the model itself)?"""

@@ -35,7 +35,7 @@ from data.loader import VOCAB_IDENTITY, DataError, open_splits
 from device import autocast_context, resolve_device_dtype
 from loggers import Loggers
 import sharding
-from model import FAMILIES, GPT, GPTConfig, allow_graphs, is_controller_key
+from model import FAMILIES, GPT, GPTConfig, allow_graphs, is_controller_key, is_draft_key
 from run_state import (StopFlag, checkpoint_state, end_ddp_process, eval_rng, finished_already,
                        hold_out_dir, kept, open_inputs, rng_state, seed_rngs, set_rng_state,
                        start_progress, stop_requested)
@@ -359,6 +359,8 @@ def build_model(cfg, meta, ckpt):
     agree."""
     if ckpt is not None and cfg.init_from == 'resume':
         check_against_checkpoint(cfg, meta, ckpt, RESUME_KEYS)
+        if cfg.trainable == 'draft':            # thresholds are never recalibrated: nothing moves
+            check_against_checkpoint(cfg, meta, ckpt, draft_run_keys(FAMILIES[cfg.route]))
         sharding.check_resume(cfg, ckpt)           # fsdp's optimizer state is sharded
         # data order, optimizer
         lora_keys = ('lora_rank', 'lora_alpha', 'lora_targets') if 'lora' in cfg.trainable else ()
@@ -417,9 +419,10 @@ def backbone_from_checkpoint(cfg, meta, ckpt):
     task = VOCAB_IDENTITY if meta.get('vocab_from') else None
     check_against_checkpoint(cfg, meta, ckpt, BACKBONE_KEYS, task)
     model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
-    backbone = {k: v for k, v in ckpt['model'].items() if not is_controller_key(k)}
+    backbone = {k: v for k, v in ckpt['model'].items()
+                if not (is_controller_key(k) or is_draft_key(k))}
     missing, unexpected = model.load_state_dict(backbone, strict=False)
-    bad = [k for k in missing if not is_controller_key(k)] + list(unexpected)
+    bad = [k for k in missing if not (is_controller_key(k) or is_draft_key(k))] + list(unexpected)
     if bad:
         raise TrainError(f"checkpoint {cfg.init_from} does not fit this model's backbone (route "
                          f"{ckpt['model_args'].get('route')!r} -> {cfg.route!r}): {bad[:5]}")
@@ -430,17 +433,25 @@ def backbone_from_checkpoint(cfg, meta, ckpt):
 def model_under_draft(cfg, meta, ckpt):
     """trainable='draft': the checkpoint's whole model (backbone, controller, thresholds), the draft
     modules it lacks fresh. The draft imitates this model, so the config must build the same one:
-    every field a resume shares with its checkpoint, and the budget, as the checkpoint has them."""
+    every model field but the draft's own and dropout as the checkpoint has it."""
     family = FAMILIES[cfg.route]
-    budget = (family.budget_field,) if family.budget_field else ()
-    check_against_checkpoint(cfg, meta, ckpt, RESUME_KEYS + budget)
+    check_against_checkpoint(cfg, meta, ckpt, draft_run_keys(family))
     model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
-    missing, unexpected = model.load_state_dict(ckpt['model'], strict=False)
-    bad = [k for k in missing if not family.is_draft_key(k)] + list(unexpected)
+    mine, theirs = model.state_dict(), ckpt['model']
+    bad = sorted(k for k in set(mine) ^ set(theirs) if not family.is_draft_key(k)) + sorted(
+        k for k in set(mine) & set(theirs) if mine[k].shape != theirs[k].shape)
     if bad:
         raise TrainError(f"checkpoint {cfg.init_from} does not fit the model this config builds: "
-                         f"{bad[:4]} differ; use the run's model and routing options")
+                         f"{bad[:4]} differ; use the run's model options (a draft of another "
+                         "rank than the checkpoint's: distil from the model without it)")
+    model.load_state_dict(theirs, strict=False)
     return model
+
+
+def draft_run_keys(family):
+    """The model fields a trainable='draft' run (fresh or resumed) shares with its checkpoint."""
+    return tuple(f.name for f in fields(GPTConfig)
+                 if f.name not in (*family.draft_options, 'dropout'))
 
 
 def gpt2_model(cfg, meta):
@@ -475,12 +486,8 @@ def trainable_parameters(model, cfg):
         raise TrainError(f"trainable must be one of {', '.join(TRAINABLE)}; got {cfg.trainable!r}")
     if cfg.trainable == 'lora':
         return lora_parameters(model)
-    if cfg.trainable == 'draft':
+    if cfg.trainable == 'draft':        # (train_checks.check_draft_training: there are some)
         ctrl = [p for n, p in model.named_parameters() if model.family.is_draft_key(n)]
-        if not ctrl:
-            raise TrainError(f"trainable=draft trains a draft's own modules; this config (route="
-                             f"{cfg.route!r} with its options) has none: e.g. route='ffn' with "
-                             "ffn_draft_rank > 0")
     elif cfg.trainable == 'last_layers':
         key = model.family.last_layers_option
         k = getattr(model.config, key)
@@ -565,8 +572,8 @@ def evaluated(run):
 
 def estimate_loss(run):
     """LM loss on fixed train/val batches in eval mode: causal routing, thresholds calibrated first
-    on separate train-split batches (never on val), except under trainable='draft', whose draft
-    learns the checkpoint's model as it is, thresholds included."""
+    on separate train-split batches (never on val), except under trainable='draft', which leaves
+    the checkpoint's model, thresholds included, as it was."""
     with eval_rng(run.dev, run.cfg.eval_seed):
         if run.cfg.trainable != 'draft':
             with run.autocast:

@@ -45,8 +45,7 @@ def check_train_config(cfg):
     if cfg.trainable not in TRAINABLE:
         raise TrainError(f"trainable must be one of {', '.join(TRAINABLE)}; got {cfg.trainable!r}")
     check_lora_options(cfg)
-    if cfg.trainable == 'draft':
-        check_draft_training(cfg)
+    check_drafts(cfg)
     if cfg.parallel not in PARALLEL:
         raise TrainError(f"parallel must be one of {', '.join(PARALLEL)}; got {cfg.parallel!r}")
     if cfg.dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
@@ -113,19 +112,37 @@ def check_lora_options(cfg):
         raise TrainError(str(e)) from None
 
 
-def check_draft_training(cfg):
-    """trainable='draft' distils a draft from a trained model (a checkpoint file, or its own run
-    resumed), and needs a draft with modules of its own."""
-    if cfg.init_from != 'resume' and not os.path.isfile(cfg.init_from):
-        raise TrainError(f"trainable=draft distils a draft from a trained model: give its "
-                         f"checkpoint with --init_from=<out_dir>/ckpt.pt (got init_from="
-                         f"{cfg.init_from!r})")
+def check_drafts(cfg):
+    """A draft's own modules (Family.is_draft_key) train by self-distillation, alone
+    (trainable='draft': from a trained model, a checkpoint file or its own run resumed, without
+    dropout) or jointly ('all'); the other trainables would train nothing with it or reach modules
+    it is not counted on. FSDP shards each block on its own, and a draft that runs a block without
+    draft modules reaches into it: every block has some, or parallel=ddp."""
     config = model_config(cfg, vocab_size=64)
     family = FAMILIES[config.route]
-    if not any(family.is_draft_key(n) for n, _ in shape_only_model(config).named_parameters()):
-        raise TrainError(f"trainable=draft trains a draft's own modules; this config (route="
-                         f"{cfg.route!r} with its options) has none: e.g. route='ffn' with "
-                         "ffn_draft_rank > 0")
+    names = [n for n, _ in shape_only_model(config).named_parameters() if family.is_draft_key(n)]
+    if cfg.trainable == 'draft':
+        if cfg.init_from != 'resume' and not os.path.isfile(cfg.init_from):
+            raise TrainError(f"trainable=draft distils a draft from a trained model: give its "
+                             f"checkpoint with --init_from=<out_dir>/ckpt.pt (got init_from="
+                             f"{cfg.init_from!r})")
+        if not names:
+            raise TrainError(f"trainable=draft trains a draft's own modules; this config (route="
+                             f"{cfg.route!r} with its options) has none: e.g. route='ffn' with "
+                             "ffn_draft_rank > 0")
+        if cfg.dropout > 0:
+            raise TrainError(f"trainable=draft distils without dropout (the model's distribution "
+                             f"is the target): set --dropout=0 (got {cfg.dropout})")
+    if not names:
+        return
+    if cfg.trainable not in ('all', 'draft'):
+        raise TrainError(f"a model with a draft of its own ({', '.join(family.draft_options)}) "
+                         f"trains with trainable=all or draft, not {cfg.trainable!r}")
+    blocks_with = {n.split('.')[2] for n in names if n.startswith('transformer.h.')}
+    if cfg.parallel == 'fsdp' and len(blocks_with) < config.n_layer:
+        raise TrainError("parallel=fsdp shards each block on its own, and this draft runs blocks "
+                         "without draft modules: draft every layer (e.g. ffn_layers='all') or "
+                         "use parallel=ddp")
 
 
 SHAPE_ONLY_MODELS = {}

@@ -318,6 +318,7 @@ def routing_summary(run):
                 cfg.calib_iters,
                 run.autocast,
                 cfg.eval_seed,
+                calibrate=cfg.trainable != 'draft',     # a draft run keeps the model as it was
             )
         )
     if run.master:

@@ -131,12 +131,26 @@ def test_the_draft_loss_trains_what_trainable_says(trainable):
         losses.draft_distillation(p, q).backward()
         for n in draft_keys:
             torch.testing.assert_close(model.get_parameter(n).grad, grads[n])
-    else:
-        attn = 'transformer.h.1.attn.c_attn.weight'
+    else:                               # LM + L_draft, L_draft's context K/V held constant
+        model.zero_grad()
+        inputs = {}
+        hooks = [b.attn.register_forward_hook(
+            lambda m, args, out, layer=b.layer: inputs.__setitem__(layer, args[0]))
+            for b in model.transformer.h]
+        logits = model(idx, idx)[0]
+        for h in hooks:
+            h.remove()
+        with torch.no_grad():
+            kv = [b.attn.heads(inputs[b.layer])[1:] for b in model.transformer.h]
+        q = route_ffn.draft_logits_in_model_context(model, idx, None, kv)
+        (losses.lm_loss(logits, idx) + losses.draft_distillation(logits, q)).backward()
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, grads[n], msg=n)
+        attn = 'transformer.h.1.attn.c_attn.weight'     # and L_draft moves the backbone
         model.zero_grad()
         losses.lm_loss(model(idx, idx)[0], idx).backward()
         lm_only = model.get_parameter(attn).grad
-        assert (grads[attn] - lm_only).norm() > 1e-3 * lm_only.norm()
+        assert (grads[attn] - lm_only).norm() > 0.05 * lm_only.norm()
 
 
 def test_the_distilled_draft_is_the_default_where_there_is_one():
@@ -148,6 +162,7 @@ def test_the_distilled_draft_is_the_default_where_there_is_one():
         GPTConfig(**BASE, n_layer=2, ffn_draft_rank=2, ffn_draft_weight=0.0)
 
 
+@pytest.mark.slow
 def test_a_distillation_run_trains_the_draft_and_leaves_the_model_as_it_was(tmp_path):
     """train.py --trainable=draft from a checkpoint: every tensor but the draft FFNs' (thresholds
     included: they are not recalibrated) is bitwise the checkpoint's, the draft's KL falls to well
@@ -183,3 +198,20 @@ def test_a_distillation_run_trains_the_draft_and_leaves_the_model_as_it_was(tmp_
     assert kl[-1] < 0.5 * kl[0], kl
     evals = [row for row in rows if row['type'] == 'eval']
     assert len({row['val_loss'] for row in evals}) == 1     # the model itself does not move
+    summary = [row for row in rows if row['type'] == 'summary'][-1]
+    assert summary['routing']['val_loss']['loss'] == evals[-1]['val_loss']   # not recalibrated
+    # refused in one line: a draft of another rank over this one, a resume that moves the budget
+    for args in ([*common, '--trainable=draft', '--ffn_draft_rank=4', '--batch_size=4',
+                  f'--init_from={out / "ckpt.pt"}', f'--out_dir={tmp_path / "other"}'],
+                 [*common, '--trainable=draft', '--ffn_draft_rank=8', '--batch_size=4',
+                  '--max_iters=80', '--init_from=resume', '--ffn_budget=0.25',
+                  f'--out_dir={out}']):
+        r = run_group([sys.executable, 'train.py', *args], 240, cwd=REPO, env=env)
+        assert r.returncode == 2 and r.stderr.startswith('error: '), r.stderr[-2000:]
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert 'differ' in r.stderr
+    # a distilled checkpoint still starts a stage-2 run: its draft goes with its gates
+    r = run_group([sys.executable, 'train.py', *common, '--trainable=controller', '--max_iters=2',
+                   '--batch_size=4', f'--init_from={out / "ckpt.pt"}',
+                   f'--out_dir={tmp_path / "stage2"}'], 240, cwd=REPO, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]

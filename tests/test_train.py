@@ -994,18 +994,37 @@ def bad_input_cases(synth, text_data, base_copy):
         "bad_lm_thresholds": ([*TINY, *d, "--lm_thresholds=2.5;2.0"], "lm_thresholds"),
         # a draft is distilled from a trained model, which it must not change
         "draft_from_scratch": ([*TINY, *d, "--trainable=draft", "--ffn_draft_rank=4"],
-                               ("trainable=draft", "init_from")),
+                               "--init_from=<out_dir>/ckpt.pt"),
         "draft_without_draft_modules": (
             [*TINY, *d, "--trainable=draft", f"--init_from={base_copy / 'ckpt.pt'}"],
-            ("trainable=draft", "ffn_draft_rank"),
+            "has none: e.g. route='ffn' with ffn_draft_rank > 0",
         ),
-        "draft_of_another_model": (
+        "draft_of_another_budget": (
             [*TINY, *d, "--trainable=draft", "--ffn_draft_rank=4", "--ffn_budget=0.25",
              f"--init_from={base_copy / 'ckpt.pt'}"],
-            "ffn_budget",
+            "'ffn_budget' differs from the checkpoint",
+        ),
+        "draft_of_another_gate_grad": (
+            [*TINY, *d, "--trainable=draft", "--ffn_draft_rank=4", "--ffn_gate_grad=scale",
+             f"--init_from={base_copy / 'ckpt.pt'}"],
+            "'ffn_gate_grad' differs from the checkpoint",
+        ),
+        "draft_with_dropout": (
+            [*TINY, *d, "--trainable=draft", "--ffn_draft_rank=4", "--dropout=0.1",
+             f"--init_from={base_copy / 'ckpt.pt'}"],
+            "distils without dropout",
         ),
         "draft_nothing_trains": ([*TINY, *d, "--ffn_draft_rank=4", "--ffn_draft_weight=0"],
-                                 "ffn_draft_weight"),
+                                 "ffn_draft_rank > 0 needs ffn_draft_weight > 0"),
+        "draft_under_controller_training": (
+            [*TINY, *d, "--trainable=controller", "--ffn_draft_rank=4",
+             f"--init_from={base_copy / 'ckpt.pt'}"],
+            "trains with trainable=all or draft",
+        ),
+        "draft_fsdp_partial_layers": (
+            [*TINY, *d, "--ffn_draft_rank=4", "--ffn_layers=1", "--parallel=fsdp"],
+            "parallel=fsdp shards each block on its own",
+        ),
         # a fresh run never replaces or appends to the run already in out_dir
         "fresh_over_existing_run": (
             [*TINY, *d, f"--out_dir={base_copy}"],
@@ -1104,6 +1123,14 @@ CASES = [
     "halt_with_gate",
     "exit_with_gate",
     "halt_with_jepa_weight",
+    "draft_from_scratch",
+    "draft_without_draft_modules",
+    "draft_of_another_budget",
+    "draft_of_another_gate_grad",
+    "draft_with_dropout",
+    "draft_nothing_trains",
+    "draft_under_controller_training",
+    "draft_fsdp_partial_layers",
 ]
 
 
@@ -1140,7 +1167,7 @@ def test_bad_input_in_process(case, synth, synth_other, text_data, base_run, tmp
 
 
 @pytest.mark.parametrize("case", ["unknown_key", "resume_other_data", "fresh_over_existing_run",
-                                  "n_head_0"])
+                                  "n_head_0", "draft_of_another_gate_grad"])
 def test_bad_input_cli_exit_code(case, synth, synth_other, text_data, base_run, tmp_path):
     args, needles, fresh, base_copy, before = bad_case(case, synth, text_data, base_run, tmp_path)
     r = run_train(args)

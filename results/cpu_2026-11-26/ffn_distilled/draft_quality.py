@@ -4,7 +4,8 @@ chance a sampled draft token is kept (1 - TV) and how often the two argmaxes agr
 (both read the true prefix; in speculative decoding the draft reads the kept one). The draft runs
 as a whole model (its own K/V at every position); the distilled one also in the model's context
 ('in context': the model's K/V before each position, its own at it, as a pass's first draft).
-    python results/cpu_2026-11-26/ffn_distilled/draft_quality.py"""
+    python results/cpu_2026-11-26/ffn_distilled/draft_quality.py [distilled model's out_dir]
+(the first recipe's, whole_model_b5980a9/draft_quality.txt: out/ffn_distilled_all_draft)"""
 import sys
 
 import numpy as np
@@ -15,8 +16,9 @@ sys.path.insert(0, '.')
 import route_ffn  # noqa: E402
 from checkpoint import load_checkpoint, load_model  # noqa: E402
 
+DISTILLED = sys.argv[1] if len(sys.argv) > 1 else 'out/ffn_distilled_drafter_shakespeare'
 RUNS = [('out/spec_ffn', 'cheap'), ('out/ffn_drafter_shakespeare', 'cheap'),
-        ('out/ffn_distilled_drafter_shakespeare', 'distilled')]
+        (DISTILLED, 'distilled'), (DISTILLED, 'distilled in context')]
 val = np.memmap('data/shakespeare_char/val.bin', dtype=np.uint16, mode='r')
 torch.set_num_threads(2)
 
@@ -32,7 +34,6 @@ def line(name, sums):
             f"kept when sampled {sums['kept']:.3f}, argmax agrees {sums['agree']:.3f}")
 
 
-RUNS += [('out/ffn_distilled_drafter_shakespeare', 'distilled in context')]
 for path, draft in RUNS:
     model = load_model(load_checkpoint(f'{path}/ckpt.pt'), 'cpu').eval()
     g = torch.Generator().manual_seed(123)

@@ -1,11 +1,12 @@
 """The speedup pooled over prompts (their plain time over their speculative time, batch 1) of the
-runs in this folder:
-    python results/cpu_2026-11-26/ffn_distilled/pooled.py"""
+runs in this folder, or in its subfolder named (whole_model_b5980a9: the first recipe's):
+    python results/cpu_2026-11-26/ffn_distilled/pooled.py [whole_model_b5980a9]"""
 import glob
 import json
 import os
+import sys
 
-D = os.path.dirname(os.path.abspath(__file__))
+D = os.path.join(os.path.dirname(os.path.abspath(__file__)), *sys.argv[1:])
 GROUPS = {
     'distilled draft, greedy, 8 prompts': ['speculative_ffn_distilled.json', 'prompts/*.json'],
     'distilled draft, sampled at temperature 1, 4 prompts':

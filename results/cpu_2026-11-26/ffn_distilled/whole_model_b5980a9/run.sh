@@ -1,8 +1,11 @@
 #!/bin/bash
-# The first recipe of ffn's distilled draft (at b5980a9): L_draft on the all-draft model, whose every
-# position read the draft's own K/V, where decoding's draft reads the model's. Its checkpoint was then
-# moved to out/ffn_distilled_all_draft (draft_quality.py here reads it there); ../ holds the draft
-# that learned in the model's context.
+# The first recipe of ffn's distilled draft: L_draft on the all-draft model, whose every position
+# read the draft's own K/V, where decoding's draft reads the model's. To rerun it, check out
+# b5980a9 (where the recipe and this script were), train the draft as below, and run this script
+# there; afterwards its checkpoint was moved to out/ffn_distilled_all_draft and this folder to
+# whole_model_b5980a9/ (../pooled.py whole_model_b5980a9 and ../draft_quality.py
+# out/ffn_distilled_all_draft read them there); ../ holds the draft that learned in the model's
+# context.
 # ffn's distilled draft on the 2-core CPU, run from the repository root, one command at a time with
 # nothing else running. The model under it is out/spec_ffn (docs/results.md: trained as
 #   python train.py config/exit_drafter_shakespeare.py --route=ffn --ffn_gate=mlp --ffn_budget=0.5 \
@@ -12,7 +15,7 @@
 # The cheap-path drafter beside it: out/ffn_drafter_shakespeare (config/ffn_drafter_shakespeare.py,
 # results/cpu_2026-11-26/ffn_drafter/).
 set -e
-D=results/cpu_2026-11-26/ffn_distilled
+D=results/cpu_2026-11-26/ffn_distilled    # (at b5980a9; now whole_model_b5980a9/)
 M=out/ffn_distilled_drafter_shakespeare
 B="python bench.py --decode_prompt=64 --decode_tokens=60"
 mkdir -p $D/prompts $D/sampled
