@@ -318,6 +318,21 @@ class FFNRouting(Family):
     references, by_class = ('full', 'cheap'), True
     room_rules = dict(random=dict(ffn_gate='random'), oracle=dict(ffn_gate='oracle'))
 
+    def report(self, model, batches, autocast, evaluate):
+        out = super().report(model, batches, autocast, evaluate)
+        if model.config.ffn_draft_rank > 0:
+            out['draft'] = distilled_draft_report(model, batches, autocast)
+        return out
+
+    def report_lines(self, r):
+        lines = super().report_lines(r)
+        if 'draft' in r:
+            d = r['draft']
+            lines.append(f"distilled draft, in the model's context: loss {d['loss']:.4f} | "
+                         f"KL(model || draft) {d['kl']:.4f} | kept when sampled (1 - TV) "
+                         f"{d['kept']:.3f} | argmax agrees {d['agrees']:.3f}")
+        return lines
+
     def cannot_generate(self, config):
         if config.ffn_gate == 'oracle':
             return ("ffn_gate='oracle' routes by the targets, so it cannot generate; "
@@ -510,6 +525,29 @@ def draft_logits_in_model_context(model, idx, pos, kv):
         ffn = block.draft_ffn if hasattr(block, 'draft_ffn') else block.mlp
         x = x + ffn(block.ln_2(x))
     return model.lm_head(model.transformer.ln_f(x))
+
+
+@torch.no_grad()
+def distilled_draft_report(model, batches, autocast):
+    """The distilled draft beside the model (eval mode: its causal routing and thresholds) on
+    batches [(x, y), ...], each position read as a speculative pass's first draft reads it
+    (draft_logits_in_model_context): the draft's LM loss, KL(model || draft), the chance a sampled
+    draft token is kept (1 − TV, Leviathan et al.'s acceptance) and how often the argmaxes agree,
+    means over the batches."""
+    sums = dict(loss=0.0, kl=0.0, kept=0.0, agrees=0.0)
+    with model.mode(training=False):
+        for x, y in batches:
+            cache = model.new_cache(x.size(0), x.device)
+            with autocast:
+                logits = model(x, last_only=False, cache=cache)[0]
+                kv = [(k[:, :, :x.size(1)], v[:, :, :x.size(1)]) for k, v in zip(cache.k, cache.v)]
+                draft = draft_logits_in_model_context(model, x, None, kv)
+            logp, logq = logits.float().log_softmax(-1), draft.float().log_softmax(-1)
+            sums['loss'] += losses.lm_loss(draft, y).item()
+            sums['kl'] += (logp.exp() * (logp - logq)).sum(-1).mean().item()
+            sums['kept'] += torch.minimum(logp.exp(), logq.exp()).sum(-1).mean().item()
+            sums['agrees'] += (logp.argmax(-1) == logq.argmax(-1)).float().mean().item()
+    return {k: v / len(batches) for k, v in sums.items()}
 
 
 def aux_on_score(config):

@@ -6,6 +6,7 @@ a distillation run leaves every other tensor of the checkpoint bitwise as it was
 import json
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,47 @@ def test_the_draft_loss_trains_what_trainable_says(trainable):
         assert (grads[attn] - lm_only).norm() > 0.05 * lm_only.norm()
 
 
+def test_the_draft_report_measures_the_draft_against_the_model():
+    """distilled_draft_report (the end-of-run summary's line): a draft carrying the full FFNs'
+    weights under a gate that sends every token to them is the model (KL 0, all kept, the model's
+    loss); a draft of its own gives the values an independent computation gives (torch's KL,
+    1 − TV as 1 − ½·Σ|p − q|, the model without a cache, K/V from its attention's inputs)."""
+    import eval as evaluation
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randint(0, 29, (2, 10), generator=g), torch.randint(0, 29, (2, 10),
+                                                                          generator=g))
+               for _ in range(2)]
+    twin = noised(GPTConfig(**BASE, n_layer=2, ffn_gate='static_full', ffn_draft_rank=64), 3)
+    for b in twin.transformer.h:
+        b.draft_ffn.load_state_dict(b.mlp.state_dict())
+    r = route_ffn.distilled_draft_report(twin, batches, nullcontext())
+    assert r['kl'] < 1e-5 and r['kept'] > 1 - 1e-4 and r['agrees'] == 1.0
+    assert abs(r['loss'] - evaluation.evaluate(twin, batches)['loss']) < 1e-4
+    model = noised(GPTConfig(**BASE, n_layer=2, ffn_draft_rank=3), 3)
+    r = route_ffn.distilled_draft_report(model, batches, nullcontext())
+    want = dict(loss=0.0, kl=0.0, kept=0.0, agrees=0.0)
+    model.eval()
+    for x, y in batches:
+        inputs = {}
+        hooks = [b.attn.register_forward_hook(
+            lambda m, args, out, layer=b.layer: inputs.__setitem__(layer, args[0]))
+            for b in model.transformer.h]
+        with torch.no_grad():
+            p = model(x, last_only=False)[0].log_softmax(-1)
+            kv = [b.attn.heads(inputs[b.layer])[1:] for b in model.transformer.h]
+            q = route_ffn.draft_logits_in_model_context(model, x, None, kv).log_softmax(-1)
+        for h in hooks:
+            h.remove()
+        want['loss'] += F.nll_loss(q.flatten(0, 1), y.flatten()).item() / 2
+        want['kl'] += F.kl_div(q.flatten(0, 1), p.flatten(0, 1), log_target=True,
+                               reduction='batchmean').item() / 2
+        want['kept'] += (1 - 0.5 * (p.exp() - q.exp()).abs().sum(-1)).mean().item() / 2
+        want['agrees'] += (p.argmax(-1) == q.argmax(-1)).float().mean().item() / 2
+    for k in want:
+        assert abs(r[k] - want[k]) < 1e-4, (k, r[k], want[k])
+    assert r['kl'] > 0.05 and r['kept'] < 0.95
+
+
 def test_the_distilled_draft_is_the_default_where_there_is_one():
     with_draft = GPTConfig(**BASE, n_layer=2, ffn_draft_rank=2)
     family = GPT(with_draft).family
@@ -200,6 +242,8 @@ def test_a_distillation_run_trains_the_draft_and_leaves_the_model_as_it_was(tmp_
     assert len({row['val_loss'] for row in evals}) == 1     # the model itself does not move
     summary = [row for row in rows if row['type'] == 'summary'][-1]
     assert summary['routing']['val_loss']['loss'] == evals[-1]['val_loss']   # not recalibrated
+    assert 0.3 < summary['routing']['draft']['kept'] <= 1
+    assert "distilled draft, in the model's context" in r.stdout
     # refused in one line: a draft of another rank over this one, a resume that moves the budget
     for args in ([*common, '--trainable=draft', '--ffn_draft_rank=4', '--batch_size=4',
                   f'--init_from={out / "ckpt.pt"}', f'--out_dir={tmp_path / "other"}'],
