@@ -109,6 +109,8 @@ FAMILY_RUNS = {
                              '--mod_predictor_weight=0'],
     'exit_rotating_own_heads': ['--route=exit', '--exit_head=own', '--exit_layers=every',
                                 '--exit_rotation=2'],
+    # the distilled draft's loss runs every block's modules outside the block's own forward
+    'ffn_with_a_draft': ['--route=ffn', '--ffn_layers=all', '--ffn_draft_rank=4'],
 }
 
 
