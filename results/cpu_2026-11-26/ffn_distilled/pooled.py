@@ -13,6 +13,10 @@ GROUPS = {
         ['sampled/speculative_ffn_distilled_T1_seed*.json'],
     'cheap-path drafter (config/ffn_drafter_shakespeare.py), sampled at temperature 1, the same 4 '
     'prompts': ['sampled/speculative_ffn_drafter_T1_seed*.json'],
+    'distilled draft at rank 128 (rank128/), greedy, the same 8 prompts':
+        ['rank128/prompts/*.json'],
+    'distilled draft at rank 128 (rank128/), sampled at temperature 1, the same 4 prompts':
+        ['rank128/sampled/*.json'],
 }
 for name, patterns in GROUPS.items():
     files = sorted(f for p in patterns for f in glob.glob(os.path.join(D, p)))
