@@ -544,7 +544,7 @@ def distilled_draft_report(model, batches, autocast):
                 draft = draft_logits_in_model_context(model, x, None, kv)
             logp, logq = logits.float().log_softmax(-1), draft.float().log_softmax(-1)
             sums['loss'] += losses.lm_loss(draft, y).item()
-            sums['kl'] += (logp.exp() * (logp - logq)).sum(-1).mean().item()
+            sums['kl'] += losses.draft_distillation(logits, draft).item()
             sums['kept'] += torch.minimum(logp.exp(), logq.exp()).sum(-1).mean().item()
             sums['agrees'] += (logp.argmax(-1) == logq.argmax(-1)).float().mean().item()
     return {k: v / len(batches) for k, v in sums.items()}

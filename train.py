@@ -437,14 +437,10 @@ def model_under_draft(cfg, meta, ckpt):
     family = FAMILIES[cfg.route]
     check_against_checkpoint(cfg, meta, ckpt, draft_run_keys(family))
     model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
-    mine, theirs = model.state_dict(), ckpt['model']
-    bad = sorted(k for k in set(mine) ^ set(theirs) if not family.is_draft_key(k)) + sorted(
-        k for k in set(mine) & set(theirs) if mine[k].shape != theirs[k].shape)
-    if bad:
-        raise TrainError(f"checkpoint {cfg.init_from} does not fit the model this config builds: "
-                         f"{bad[:4]} differ; use the run's model options (a draft of another "
-                         "rank than the checkpoint's: distil from the model without it)")
-    model.load_state_dict(theirs, strict=False)
+    fresh = {k: v for k, v in model.state_dict().items()
+             if family.is_draft_key(k) and k not in ckpt['model']}
+    check_state_fits(model, {**ckpt['model'], **fresh}, cfg.init_from)   # (a draft's other rank)
+    model.load_state_dict(ckpt['model'], strict=False)
     return model
 
 
@@ -486,7 +482,7 @@ def trainable_parameters(model, cfg):
         raise TrainError(f"trainable must be one of {', '.join(TRAINABLE)}; got {cfg.trainable!r}")
     if cfg.trainable == 'lora':
         return lora_parameters(model)
-    if cfg.trainable == 'draft':        # (train_checks.check_draft_training: there are some)
+    if cfg.trainable == 'draft':        # (train_checks.check_drafts: there are some)
         ctrl = [p for n, p in model.named_parameters() if model.family.is_draft_key(n)]
     elif cfg.trainable == 'last_layers':
         key = model.family.last_layers_option
