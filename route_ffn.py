@@ -302,12 +302,15 @@ class FFNRouting(Family):
             return model(idx, last_only=True, calibrate=True)[2].get('full_frac')
 
     def step_options(self, model, step, run):
-        """The controlled layers that get oracle labels this step (util/rank losses on): sampled
-        from the seed and the step alone, so every DDP rank and a resumed run draw the same."""
+        """The controlled layers that get oracle labels this step (util/rank losses on, and the
+        gates trained): sampled from the seed and the step alone, so every DDP rank and a resumed
+        run draw the same."""
         cfg = model.config
         if cfg.ffn_gate not in ('mlp', 'jepa') or not (
             cfg.ffn_util_weight > 0 or cfg.ffn_rank_weight > 0
         ):
+            return {}
+        if run.trainable == 'draft':       # the labels train only gates, which a draft run freezes
             return {}
         ids = self.routed_layers(cfg)
         k = min(run.ffn_oracle_layers_per_step, len(ids))

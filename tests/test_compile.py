@@ -26,7 +26,7 @@ B, T = 2, 12
 
 def train_loss(model):
     """The training step's forward + loss, with the family's per-step options of step 0."""
-    run = SimpleNamespace(seed=0, ffn_oracle_layers_per_step=1)
+    run = SimpleNamespace(seed=0, ffn_oracle_layers_per_step=1, trainable='all')
     opts = model.family.step_options(model, 0, run)
     return lambda idx: model(idx, idx, **opts)[1]
 

@@ -195,6 +195,17 @@ def test_the_draft_report_measures_the_draft_against_the_model():
     assert r['kl'] > 0.05 and r['kept'] < 0.95
 
 
+def test_a_draft_run_draws_no_oracle_labels():
+    """Oracle labels train only the gates: a trainable='draft' run, which freezes them, runs no
+    oracle pass even where the model has util/rank losses on."""
+    from types import SimpleNamespace
+    model = GPT(GPTConfig(**BASE, n_layer=3, ffn_draft_rank=2, ffn_util_weight=0.5))
+    for trainable, want in (('all', 2), ('draft', None)):
+        run = SimpleNamespace(seed=0, ffn_oracle_layers_per_step=2, trainable=trainable)
+        opts = model.family.step_options(model, 7, run)
+        assert len(opts['oracle_layers']) == want if want else opts == {}
+
+
 def test_the_distilled_draft_is_the_default_where_there_is_one():
     with_draft = GPTConfig(**BASE, n_layer=2, ffn_draft_rank=2)
     family = GPT(with_draft).family
@@ -214,7 +225,7 @@ def test_a_distillation_run_trains_the_draft_and_leaves_the_model_as_it_was(tmp_
     prepare.prepare('synthetic', out_dir=data, num_tokens=30000)
     common = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32',
               '--eval_iters=2', '--log_interval=5', '--device=cpu', f'--data_dir={tmp_path}',
-              '--dataset=syn', '--ffn_cheap_rank=4']
+              '--dataset=syn', '--ffn_cheap_rank=4', '--ffn_util_weight=0.5']
     env = {**{k: v for k, v in os.environ.items() if k not in ('RANK', 'WORLD_SIZE')},
            'OMP_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1'}
     base = tmp_path / 'base'
@@ -236,8 +247,17 @@ def test_a_distillation_run_trains_the_draft_and_leaves_the_model_as_it_was(tmp_
     for k, v in before.items():
         assert torch.equal(after[k], v), k
     rows = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines()]
-    kl = [row['draft_loss'] for row in rows if row['type'] == 'train']
+    train = [row for row in rows if row['type'] == 'train']
+    kl = [row['draft_loss'] for row in train]
     assert kl[-1] < 0.5 * kl[0], kl
+    # no oracle pass (the model has util on, and its base run ran them) and no controller norm
+    import flops
+    model_cfg = GPTConfig.from_dict(torch.load(out / 'ckpt.pt', weights_only=False)['model_args'])
+    per_seq = flops.train_step_flops(model_cfg, 32, 'draft')['total']
+    assert per_seq < flops.train_step_flops(model_cfg, 32, 'draft', oracle_layers=(0,))['total']
+    a, b = train[-2], train[-1]
+    assert b['train_flops'] - a['train_flops'] == (b['iter'] - a['iter']) * 4 * per_seq
+    assert all(row['ctrl_grad_norm'] is None for row in train)
     evals = [row for row in rows if row['type'] == 'eval']
     assert len({row['val_loss'] for row in evals}) == 1     # the model itself does not move
     summary = [row for row in rows if row['type'] == 'summary'][-1]
