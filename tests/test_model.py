@@ -36,6 +36,22 @@ def test_kv_cache_greedy_equals_full_recompute(seed, pos, B, T0, new, bias):
 
 
 @settings(**SETTINGS)
+@given(seed=st.integers(0, 10_000), temperature=st.floats(0.1, 3.0),
+       speculate=st.sampled_from([0, 2]), use_cache=st.booleans())
+def test_top_k_one_is_greedy_without_a_random_draw(seed, temperature, speculate, use_cache):
+    # top_k=1 leaves one token to sample: it is the argmax, taken without softmax or RNG
+    model = tiny(seed, n_layer=3)
+    idx = torch.randint(0, 37, (2, 5), generator=torch.Generator().manual_seed(seed))
+    use_cache = use_cache or bool(speculate)
+    greedy = model.generate(idx, 8, temperature=0, use_cache=use_cache, speculate=speculate)
+    state = torch.get_rng_state()
+    top1 = model.generate(idx, 8, temperature=temperature, top_k=1, use_cache=use_cache,
+                          speculate=speculate)
+    assert torch.equal(top1, greedy)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+@settings(**SETTINGS)
 @given(seed=st.integers(0, 10_000), pos=st.sampled_from(['learned', 'rope']), T=st.integers(2, 24))
 def test_cached_logits_match_full_forward(seed, pos, T):
     model = tiny(seed, pos=pos)
