@@ -156,6 +156,18 @@ def exact_joint(model, prompt, steps, temperature, top_k, vocab_limit, logits_of
     return probs
 
 
+def pearson(counts, expected, least=5.0):
+    """Pearson's chi-square statistic and its degrees of freedom, the cells expecting fewer than
+    `least` samples pooled into one (a cell expecting 0.01 that gets one sample would add 100:
+    the statistic follows the chi-square law only where every cell expects a few)."""
+    small = expected < least
+    counts = torch.cat([counts[~small], counts[small].sum()[None]]).double()
+    expected = torch.cat([expected[~small], expected[small].sum()[None]]).double()
+    keep = expected > 0
+    chi2 = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    return chi2, int(keep.sum()) - 1
+
+
 def chi2_critical(dof, z=3.719):
     """The chi-square quantile at upper tail z's normal probability (3.719: 1e-4), Wilson-Hilferty
     (within 1% of the exact quantile for dof >= 10)."""
@@ -166,6 +178,9 @@ def chi2_critical(dof, z=3.719):
     ('none', 'layers', 2, 1.0, None, None),
     ('exit', 'exit', 2, 0.7, 3, None),
     ('ffn', 'cheap', 3, 1.3, None, 4),
+    ('mod', 'skip', 2, 1.0, None, None),
+    ('halt', 'halt', 2, 0.8, None, None),
+    ('ensemble', 'earliest', 2, 1.0, 3, None),
 ])
 def test_sampled_speculative_decoding_has_plain_samplings_distribution(
         route, draft, K, temperature, top_k, vocab_limit):
@@ -173,13 +188,14 @@ def test_sampled_speculative_decoding_has_plain_samplings_distribution(
     (the first from the prefill, the next two from one draft of K tokens and its verification: kept
     drafts, the residual norm(max(0, p − q)) at a rejection, the verifier's bonus token) follow the
     exact joint distribution of plain sampling, enumerated from the model's probabilities: Pearson's
-    chi-square over the cells of non-zero probability stays below its 1e-4 quantile, and no sample
+    chi-square over the cells of non-zero probability (those expecting < 5 samples pooled) stays
+    below its 1e-4 quantile, and no sample
     falls in a cell of probability 0 (top_k, vocab_limit). Power: sampling the two tokens from the
     draft instead would exceed that quantile by the stated margin (its expected statistic, N·Σ(q −
     p)²/p, is more than 3x the critical value), and the draft is neither always kept nor always
     rejected."""
     V, N, steps = 5, 20000, 3
-    model = build(route, seed=1, n_layer=2, vocab_size=V, block_size=8, exit_layers='1',
+    model = build(route, seed=1, n_layer=3, vocab_size=V, block_size=8, exit_layers='1',
                   noise=0.5).eval()
     prompt = torch.tensor([[1, 3, 0]])
     name, depth = speculative.resolve_draft(model.config, model.family, draft)
@@ -205,13 +221,70 @@ def test_sampled_speculative_decoding_has_plain_samplings_distribution(
     expected = N * p.flatten().double()
     live = expected > 0
     assert counts[~live].sum() == 0
-    chi2 = float(((counts[live] - expected[live]) ** 2 / expected[live]).sum())
-    critical = chi2_critical(int(live.sum()) - 1)
+    chi2, dof = pearson(counts[live], expected[live])
+    critical = chi2_critical(dof)
     assert chi2 < critical, (chi2, critical)
     power = float(N * ((q.flatten().double() - p.flatten().double())[live] ** 2
                        / p.flatten().double()[live]).sum())
     assert power > 3 * critical, (power, critical)
     assert 0.1 < stats['spec_accept_rate'][0] < 0.95, stats
+
+
+@pytest.mark.parametrize('K', [2, 3])
+def test_the_rejection_rule_keeps_the_verifiers_distribution_at_every_draft_position(K):
+    """speculative.accept alone, on a Markov chain over 3 tokens: the verifier's next-token
+    distribution is P[previous token], the draft's Q[previous token], and passes of K drafted
+    tokens run until each of N = 40000 rows has K + 1 tokens. Those first K + 1 tokens follow the
+    chain P exactly (Pearson's chi-square over its 3^(K+1) cells below the 1e-4 quantile), so every
+    draft position 1..K is kept or resampled as Leviathan et al.'s rule says (the end-to-end test
+    above drafts one position only). Power: every position is judged thousands of times and
+    rejected 15-85% of them, and tokens drawn from Q would exceed the quantile more than 3x (their
+    expected statistic)."""
+    V, N, L = 3, 40000, K + 1
+    P = torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.2, 0.6], [0.3, 0.5, 0.2]])
+    Q = torch.tensor([[0.2, 0.5, 0.3], [0.5, 0.3, 0.2], [0.1, 0.3, 0.6]])
+    torch.manual_seed(K)
+    out = torch.full((N, L + K + 1), -1)
+    lens = torch.zeros(N, dtype=torch.long)
+    last = torch.zeros(N, dtype=torch.long)                              # x_0 = 0
+    judged, kept = torch.zeros(K), torch.zeros(K)
+    while (lens < L).any():
+        active = lens < L
+        draft = [torch.multinomial(Q[last], 1)[:, 0]]
+        for _ in range(K - 1):
+            draft.append(torch.multinomial(Q[draft[-1]], 1)[:, 0])
+        draft = torch.stack(draft, 1)                                    # (N, K)
+        context = torch.cat([last[:, None], draft], 1)                   # each position's previous
+        a, t = speculative.accept(draft, Q[context[:, :K]], P[context].log(), 1.0, None, None)
+        for j in range(K):
+            judged[j] += (active & (a >= j)).sum()
+            kept[j] += (active & (a > j)).sum()
+        new = torch.cat([draft, t[:, None]], 1)
+        new[torch.arange(N), a] = t                                      # kept drafts, then t
+        cols = torch.arange(K + 1)
+        write = active[:, None] & (cols <= a[:, None])
+        rows = torch.arange(N)[:, None].expand(N, K + 1)
+        out[rows[write], (lens[:, None] + cols)[write]] = new[write]
+        lens = torch.where(active, lens + a + 1, lens)
+        last = torch.where(active, t, last)
+    cell = torch.zeros(N, dtype=torch.long)
+    for j in range(L):
+        cell = cell * V + out[:, j]
+    counts = torch.bincount(cell, minlength=V ** L).double()
+
+    def chain(M):                                                        # P(x_1..x_L | x_0 = 0)
+        probs = M[0].double()
+        for _ in range(L - 1):
+            probs = probs[..., None] * M.double()                        # M[x_last, x_next]
+        return probs.flatten()
+    expected = N * chain(P)
+    chi2, dof = pearson(counts, expected)
+    critical = chi2_critical(dof)
+    assert chi2 < critical, (chi2, critical)
+    power = float(N * ((chain(Q) - chain(P)) ** 2 / chain(P)).sum())
+    assert power > 3 * critical, (power, critical)
+    rate = kept / judged
+    assert (judged > 1000).all() and ((rate > 0.15) & (rate < 0.85)).all(), (judged, rate)
 
 
 # --------------------------------------------------------------------------------------------------
