@@ -222,6 +222,11 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
         # fit, emptied again after the pass: its cache stays as it finished
         base = [n[b] - 1 if active[b] else min(n[b] - 1, cfg.block_size - 1 - k)
                 for b in range(B)]
+        # where they do not fit (near block_size) it runs over its own last filled slots, which are
+        # kept aside and put back after the pass (rare: a copy of a few slots per layer)
+        slabs = (*cache.k, *cache.v, cache.kpos.transpose(0, 1))     # each (B, ·, slots, ...)
+        overrun = [(b, base[b], n[b] - 1, [t[b, :, base[b]:n[b] - 1].clone() for t in slabs])
+                   for b in range(B) if base[b] < n[b] - 1]
         cache.attend_to(max(base) + k + 1)      # the pass reads and writes slots below this
         base_t = torch.tensor(base, device=dev)
         t0 = time.perf_counter()
@@ -269,6 +274,9 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
         # the rejected positions' slots, n − 1 onwards (the new pending token's too), in every layer
         ends = torch.tensor([n[b] - 1 if active[b] else base[b] for b in range(B)], device=dev)
         cache.kpos.masked_fill_(slot >= ends[:, None], -1)
+        for b, start, end, kept_aside in overrun:
+            for t, x in zip(slabs, kept_aside):
+                t[b, :, start:end] = x
     # statistics as plain decoding records them: one step per generated token fed to the verifier
     for s in range(new - 1):
         if masks:

@@ -350,6 +350,28 @@ def test_greedy_speculative_decoding_equals_plain_decoding(case, seed, lens, new
             assert_greedy_traces_agree(spec, alone, ROUTED_TOL)
 
 
+def every_draft():
+    """(case, draft, depth) for every deterministic option set of the registered families (the
+    example family is registered by a fixture, after collection), each of its drafts and each depth
+    the draft can stop at (None: it has none)."""
+    out = []
+    for case in (c for c in CASES if not is_random(c)):
+        model = build(*case)
+        for draft in sorted(model.family.drafts(model.config)):
+            depths = model.family.draft_depths(model.config, draft)
+            out += [(case, draft, depth) for depth in (depths[0] if depths else [None])]
+    return out
+
+
+@pytest.mark.parametrize('case,draft,depth', every_draft())
+def test_every_draft_decodes_greedily_as_plain_decoding(case, draft, depth):
+    """The property above on one fixed example per option set, draft and depth, which a run's
+    Hypothesis examples may not all draw: two prompts of different lengths, K = 3."""
+    inner = test_greedy_speculative_decoding_equals_plain_decoding.hypothesis.inner_test
+    drawn = Drawn(draft) if depth is None else Drawn(draft, depth)
+    inner(case, 11, [4, 7], 6, 3, True, drawn)
+
+
 
 
 

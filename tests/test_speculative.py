@@ -38,14 +38,15 @@ def plain_cache(model, idx, new, lengths):
 
 @settings(**SETTINGS)
 @given(case=st.sampled_from(DETERMINISTIC), seed=st.integers(0, 999), K=st.integers(1, 5),
-       lens=st.lists(st.integers(1, 8), min_size=1, max_size=3), new=st.integers(1, 8),
-       data=st.data())
-def test_speculative_decoding_leaves_plain_decodings_cache(case, seed, K, lens, new, data):
+       lens=st.lists(st.integers(1, 8), min_size=1, max_size=3), data=st.data())
+def test_speculative_decoding_leaves_plain_decodings_cache(case, seed, K, lens, data):
     """After speculative decoding every rejected position is rolled back in every layer: of a row
     with n tokens the cache holds positions 0..n−2 and nothing beyond, and on the positions plain
     decoding filled it holds what plain decoding holds (the same slots filled, in every layer, and
-    K/V within ROUTED_TOL), whatever the draft wrote there and whatever the verifier rejected."""
+    K/V within ROUTED_TOL), whatever the draft wrote there and whatever the verifier rejected. Rows
+    may end at block_size, where a finished row's passes run over its own last slots."""
     model = build(*case, seed=seed).eval()
+    new = data.draw(st.integers(1, model.config.block_size - max(lens)))
     draft = data.draw(st.sampled_from(sorted(model.family.drafts(model.config))))
     idx = tokens(seed, len(lens), max(lens))
     trace = {}
@@ -74,7 +75,16 @@ def test_a_draft_writing_blocks_the_verifier_skips_leaves_no_trace(opt):
     them). The property above, on the cases that exercise it."""
     leaves_plain = test_speculative_decoding_leaves_plain_decodings_cache.hypothesis.inner_test
     for seed in range(4):
-        leaves_plain(('mod', opt), seed, 3, [5, 2], 8, Drawn('layers'))
+        leaves_plain(('mod', opt), seed, 3, [5, 2], Drawn(8, 'layers'))
+
+
+def test_a_finished_row_near_block_size_keeps_its_cache():
+    """Row 0 ends at block_size (8 + 16 = 24) while row 1 still decodes: row 0's passes run over
+    its own last slots, which must hold plain decoding's K/V afterwards. The property above, on
+    that case."""
+    leaves_plain = test_speculative_decoding_leaves_plain_decodings_cache.hypothesis.inner_test
+    for seed in range(8):
+        leaves_plain(('exit', 0), seed, 4, [8, 2], Drawn(16, 'exit'))
 
 
 @settings(**SETTINGS)
