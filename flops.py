@@ -198,10 +198,13 @@ def main(argv):
           '| flops_proxy | exact step / dense joint step |')
     if base.route == 'ffn' and ids:
         # util/rank on: one oracle layer per step, uniformly sampled among the controlled layers
+        # (none under trainable='draft', which freezes the gates the labels train)
+        oracle = cfg['trainable'] != 'draft'
         variants = [(replace(base, ffn_gate=gate, ffn_util_weight=1.0 if on else 0.0,
                              ffn_rank_weight=1.0 if on else 0.0), 'G1' if gate == 'mlp' else 'G3',
                      'on' if on else 'off',
-                     [dict(oracle_layers=(l,)) for l in ids] if on else [dict(oracle_layers=())])
+                     [dict(oracle_layers=(l,)) for l in ids] if on and oracle
+                     else [dict(oracle_layers=())])
                     for gate in ('mlp', 'jepa') for on in (True, False)]
     else:     # no FFN gates to vary (another family, or the dense model): the config as it is
         variants = [(base, '—', '—', [{}])]

@@ -21,8 +21,10 @@ pick). The draft writes slots n − 1 .. n + K − 2 as it goes; they are emptie
 verifier writes slots n − 1 .. n + K − 1, and once a drafted tokens are kept, the slots of the
 rejected positions, n + a onwards, are emptied in every layer. So the verifier always sees exactly
 plain decoding's cache, and the draft reads the verifier's K/V of the accepted prefix: where it
-computes what the verifier computes (the first E blocks of the dense model and of the halt draft;
-of the exit draft, for tokens that did not exit below E) it reuses them instead of recomputing.
+computes what the verifier computes (the first E blocks of the dense model and of the halt draft,
+the blocks of the ensemble's earliest layer; of the exit draft, for tokens that did not exit at a
+depth d <= E - 2) it reuses them instead of recomputing. A row that is done runs along with the
+others, its cache as it finished (near block_size its last slots are kept aside and put back).
 
     y = model.generate(idx, 64, temperature=0, speculate=4)         # the family's default draft
     y = model.generate(idx, 64, speculate=4, draft='layers', draft_layers=3)
@@ -157,6 +159,8 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     acceptance rule and the bookkeeping between passes (one host sync per pass: the kept counts)
     stay eager."""
     cfg, family, dev = model.config, model.family, idx.device
+    if top_k == 1:                  # greedy, as in model.generate: an argmax, no random draw
+        temperature = 0
     K = int(speculate)
     if K < 1:
         raise ValueError(f"speculate must be >= 1 (0: plain decoding), got {speculate}")

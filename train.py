@@ -280,8 +280,9 @@ def setup(cfg, cfg_dict, proc, argv):
     run = SimpleNamespace(
         **vars(proc), **progress, cfg=cfg, cfg_dict=cfg_dict, argv=argv, meta=meta, raw_model=model,
         model=wrap_model(model, cfg, proc), params=params,
-        # a draft run freezes the controller: its gradient norm would read 0, so it is not logged
-        ctrl_params=model.controller_parameters() if cfg.trainable != 'draft' else [],
+        # the controller's gradient norm, where it trains (frozen, under 'draft' or 'lora', it
+        # would read 0: not logged)
+        ctrl_params=[p for p in model.controller_parameters() if p.requires_grad],
         optimizer=optimizer, scaler=scaler, train_data=train_data, val_data=val_data,
         # fixed batches (by eval_seed) for the loss estimates, and train-split ones (never val) that
         # calibrate the causal thresholds

@@ -198,8 +198,8 @@ def test_static_decoding_equals_compact_decoding(route):
 
 
 def sampled_trace(model, idx, new, **kw):
-    """generate(idx, new, temperature=1.0, top_k=1, **kw) (greedy through the sampling path),
-    recording the logits each token was drawn from; one greedy_trace-like row (tokens, logits,
+    """generate(idx, new, temperature=1.0, top_k=1, **kw) (greedy: top_k=1 is an argmax),
+    recording the logits each token was picked from; one greedy_trace-like row (tokens, logits,
     masks, margins) per prompt. The compiled step returns statistics, not masks: every step's masks
     and margins are {} here."""
     calls, orig = [], model.sample_next

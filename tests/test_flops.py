@@ -154,6 +154,12 @@ def test_flops_cli_prints_the_breakdown(capsys):
     )
     off = replace(cfg, ffn_gate='mlp', ffn_util_weight=0.0, ffn_rank_weight=0.0)
     assert rows[1].split('|')[5].strip() == f"{flops.flops_proxy(off, cfg.block_size):.3f}"
+    assert float(rows[0].split('|')[4]) > 0.5                   # util/rank on: oracle passes
+    # a draft run draws no oracle labels (train.py's count): 'on' costs what 'off' costs
+    draft = os.path.join(os.path.dirname(path), 'ffn_distilled_drafter_shakespeare.py')
+    assert flops.main([draft]) == 0
+    rows = [l.split('|')[3:] for l in capsys.readouterr().out.splitlines() if l.startswith('| G')]
+    assert rows[0] == rows[1] and rows[2] == rows[3] and float(rows[0][1]) == 0.0
 
 
 @pytest.mark.parametrize('gate', ['mlp', 'jepa'])

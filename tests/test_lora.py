@@ -131,6 +131,25 @@ def backbone(tmp_path_factory):
     return root, args
 
 
+def test_the_controller_gradient_norm_is_logged_where_the_controller_trains(backbone):
+    """ctrl_grad_norm of a routed model: a finite, non-zero norm under 'controller' and
+    'controller+lora', and absent (None, not a 0.0 from a frozen controller) under 'lora'."""
+    root, args = backbone
+    routed = [*args, '--route=ffn', '--ffn_cheap_rank=2', '--max_iters=2']
+    assert train.main([*routed, f'--out_dir={root / "routed"}']) == 0
+    init = f'--init_from={root / "routed" / "ckpt.pt"}'
+    norms = {}
+    for trainable in ('controller', 'controller+lora', 'lora'):
+        out = root / f'ctrl_{trainable}'
+        assert train.main([*routed, init, f'--trainable={trainable}', '--lora_rank=2',
+                           f'--out_dir={out}']) == 0
+        rows = [json.loads(line) for line in open(out / 'metrics.jsonl')]
+        norms[trainable] = [r['ctrl_grad_norm'] for r in rows if r['type'] == 'train']
+    for trainable in ('controller', 'controller+lora'):
+        assert all(1e-6 < n < 1e3 for n in norms[trainable]), norms
+    assert norms['lora'] and all(n is None for n in norms['lora']), norms
+
+
 def test_lora_run_keeps_the_backbones_weights_bit_for_bit(backbone):
     root, args = backbone
     out = root / 'tuned'

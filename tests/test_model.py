@@ -48,6 +48,10 @@ def test_top_k_one_is_greedy_without_a_random_draw(seed, temperature, speculate,
     top1 = model.generate(idx, 8, temperature=temperature, top_k=1, use_cache=use_cache,
                           speculate=speculate)
     assert torch.equal(top1, greedy)
+    if speculate:                   # speculative.generate called directly: the same
+        import speculative
+        direct = speculative.generate(model, idx, 8, speculate, temperature=temperature, top_k=1)
+        assert torch.equal(direct, greedy)
     assert torch.equal(torch.get_rng_state(), state)
 
 
