@@ -480,8 +480,7 @@ class GPT(nn.Module):
         its default); the same output distribution, greedy the same tokens; needs the cache and the
         prompt plus max_new_tokens within block_size; stats also gets its acceptance figures.
         top_k=1 is greedy decoding, as temperature=0: an argmax (the first of tied tokens), with no
-        softmax and no random draw (torch.multinomial over GPT-2's 50,257 ids costs about 1 ms on
-        the CPU)."""
+        softmax and no random draw."""
         if top_k == 1:
             temperature = 0
         bs = self.config.block_size
@@ -643,16 +642,14 @@ class GPT(nn.Module):
 
     @staticmethod
     def sample_next(logits, temperature, top_k, vocab_limit=None):
-        if vocab_limit is not None:       # ids are column indices, so dropping the padded columns
-                                          # excludes them
-            logits = logits[:, :vocab_limit]
+        """The next token (B, 1) from logits (B, V): their argmax at temperature 0, else drawn from
+        speculative.next_probs (the one definition speculative sampling must match). vocab_limit:
+        ids are column indices, so dropping the padded columns excludes them."""
         if temperature == 0:
-            return logits.argmax(dim=-1, keepdim=True)
-        logits = logits / temperature
-        if top_k is not None:
-            v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-            logits[logits < v[:, [-1]]] = -float('inf')
-        return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            lg = logits[:, :vocab_limit] if vocab_limit is not None else logits
+            return lg.argmax(dim=-1, keepdim=True)
+        probs = speculative.next_probs(logits, temperature, top_k, vocab_limit)
+        return speculative.draw(probs)[:, None]
 
     # ----------------------------------------------------------------------------------------------
     # training helpers

@@ -73,13 +73,27 @@ def next_probs(logits, temperature, top_k, vocab_limit=None):
     return F.softmax(logits, dim=-1)
 
 
+def draw(probs):
+    """One token per row, (B,), from the distributions probs (B, V): the first token whose
+    cumulative probability (summed in float64) exceeds u times the row's total, u uniform in
+    [0, 1). torch.multinomial(probs, 1)'s distribution from one random number per row instead of
+    one per token, whose cost (about 1 ms per row over GPT-2's 50,257 ids on the CPU, 7 ms at 8
+    rows) is a sizeable share of a decoding step's. A token of probability 0 is never drawn: past
+    the total (by rounding) the last token of positive probability is taken."""
+    c = probs.double().cumsum(-1)
+    total = c[:, -1:].contiguous()
+    u = torch.rand(total.shape, dtype=c.dtype, device=c.device) * total
+    last = torch.searchsorted(c, total)                  # the last token of positive probability
+    return torch.minimum(torch.searchsorted(c, u, right=True), last)[:, 0]
+
+
 def pick(logits, temperature, top_k, vocab_limit):
     """(token (B,), its distribution (B, V') or None when greedy)."""
     if temperature == 0:
         lg = logits[..., :vocab_limit] if vocab_limit is not None else logits
         return lg.argmax(-1), None
     q = next_probs(logits, temperature, top_k, vocab_limit)
-    return torch.multinomial(q, 1)[:, 0], q
+    return draw(q), q
 
 
 def accept(draft, q, logits, temperature, top_k, vocab_limit):
@@ -105,7 +119,7 @@ def accept(draft, q, logits, temperature, top_k, vocab_limit):
     resid = (pa - qa).clamp_min(0)
     mass = resid.sum(-1, keepdim=True)
     resid = torch.where(mass > 0, resid / mass.clamp_min(1e-30), pa)     # (p = q: never rejected)
-    return a, torch.multinomial(resid, 1)[:, 0]
+    return a, draw(resid)
 
 
 def draft_step(model, name, depth, tok, pos, cache):

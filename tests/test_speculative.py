@@ -4,6 +4,7 @@ only, sampling follows the rejection rule of Leviathan et al. (arXiv 2211.17192)
 plain sampling's exact distribution, and bad drafts are refused in one line. Greedy exactness for
 every family is a shared promise in test_families.py."""
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -238,6 +239,33 @@ def test_sampled_speculative_decoding_has_plain_samplings_distribution(
                        / p.flatten().double()[live]).sum())
     assert power > 3 * critical, (power, critical)
     assert 0.1 < stats['spec_accept_rate'][0] < 0.95, stats
+
+
+def test_draw_follows_each_rows_distribution_and_never_draws_a_zero():
+    """speculative.draw on rows with zeros first, inside and last, unnormalised: 200000 draws per
+    row follow the row's distribution (Pearson's chi-square below its 1e-4 quantile, with power:
+    a row's draws judged against the next row's distribution exceed it many times over), no draw
+    lands on a token of probability 0, and a uniform that rounds up to the total (here exactly 1)
+    takes the last token of positive probability, not the zeros after it."""
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0],
+                          [0.1, 0.1, 0.1, 0.1, 0.6, 0.0],
+                          [0.0, 0.0, 2.0, 0.0, 1.0, 1.0]])               # the last sums to 4
+    N = 200000
+    torch.manual_seed(0)
+    got = speculative.draw(probs.repeat_interleave(N, 0)).view(3, N)
+    p = probs / probs.sum(-1, keepdim=True)
+    for row in range(3):
+        counts = torch.bincount(got[row], minlength=6).double()
+        assert counts[p[row] == 0].sum() == 0, row
+        live = p[row] > 0
+        chi2, dof = pearson(counts[live], N * p[row][live].double())
+        critical = {2: 18.42, 4: 23.51}[dof]                          # chi-square's 1e-4 quantile
+        assert chi2 < critical, (row, chi2)
+        other = p[(row + 1) % 3]
+        wrong = ((counts - N * other) ** 2 / (N * other).clamp_min(1e-9))[other > 0].sum()
+        assert wrong > 100 * critical, (row, wrong)
+    with mock.patch.object(torch, 'rand', lambda shape, **kw: torch.ones(shape, **kw)):
+        assert speculative.draw(probs).tolist() == [4, 4, 5]
 
 
 @pytest.mark.parametrize('K', [2, 3])
