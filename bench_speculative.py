@@ -37,7 +37,9 @@ Speculative Decoding", arXiv 2211.17192) predict from the acceptance rate and th
 with plain_step = plain_ms / N, draft_step = the draft's time per drafted token and verify_pass the
 verifier's time per pass (its parallel forward and the acceptance rule), both measured by
 speculative.generate. What the prediction leaves out (the bookkeeping between passes, the shorter
-last pass) is the gap to the measured speedup.
+last pass) is the gap to the measured speedup. With --draft_stop > 0 (speculative.generate's
+draft_stop) a pass drafts any number of tokens up to K, which the formula does not model: alpha
+and predicted_speedup are None there.
 """
 import json
 import os
@@ -59,6 +61,7 @@ SPECULATE_DEFAULTS = dict(
     speculate='',           # comma-separated draft lengths K, e.g. 1,2,4,8 ('': no speculation)
     draft='',               # the family's draft to time ('': its default)
     draft_layers=0,         # where the draft has a depth: blocks it runs (0: its default)
+    draft_stop=0.0,         # stop a pass's drafting below this draft probability (0: off)
     temperature=0.0,        # both sides sample at this temperature (0: greedy)
 )
 
@@ -97,7 +100,7 @@ def check_options(cfg, argv):
     model's block_size. Returns the model config, or None without --speculate."""
     given = [a[2:].partition('=')[0] for a in argv if a.startswith('--')]
     if not cfg['speculate']:
-        for key in ('draft', 'draft_layers', 'temperature'):
+        for key in ('draft', 'draft_layers', 'draft_stop', 'temperature'):
             if key in given:
                 raise ConfigError(f"--{key} is an option of --speculate=K; add "
                                   f"--speculate=1,2,4,8 or drop --{key}")
@@ -111,6 +114,8 @@ def check_options(cfg, argv):
     if cfg['draft_layers'] < 0:
         raise ConfigError(f"draft_layers must be >= 0 (0: the draft's default), got "
                           f"{cfg['draft_layers']}")
+    if not 0 <= cfg['draft_stop'] <= 1:         # also refuses NaN
+        raise ConfigError(f"draft_stop must be in [0, 1] (0: off), got {cfg['draft_stop']}")
     path = checkpoint_file(cfg['init_from'])
     mcfg = (GPTConfig.from_dict(load_checkpoint(path)['model_args']) if path
             else train.model_config(SimpleNamespace(**cfg), vocab_size=cfg['vocab_size'] or 50304))
@@ -176,7 +181,8 @@ def decode_timings(runs, N, cfg, dev, timed_from=lambda: None):
     return {name: Timing(t) for name, t in times.items()}
 
 
-def speculative_run(model, prompt, K, draft, decodes, compile=False, temperature=0.0):
+def speculative_run(model, prompt, K, draft, decodes, compile=False, temperature=0.0,
+                    draft_stop=0.0):
     """run(new): speculative generate of new tokens at temperature (0: greedy); a run of more than
     one token appends its figures to the list decodes."""
     def run(new):
@@ -184,7 +190,7 @@ def speculative_run(model, prompt, K, draft, decodes, compile=False, temperature
         # speculative.generate itself: model.generate(..., stats=) would also record the routing
         # statistics per token, which the plain run it is timed against does not
         speculative.generate(model, prompt, new, K, draft[0], draft[1], temperature=temperature,
-                             stats=stats, compile=compile)
+                             stats=stats, compile=compile, draft_stop=draft_stop)
         if stats is not None:
             decodes.append(stats)
     return run
@@ -201,7 +207,7 @@ def pooled(decodes):
     drafted = [sum(c) for c in zip(*(d['spec_drafted'] for d in decodes))]
     kept = [sum(c) for c in zip(*(d['spec_kept'] for d in decodes))]
     return dict(total, spec_draft=decodes[0]['spec_draft'], spec_depth=decodes[0]['spec_depth'],
-                decodes=len(decodes),
+                spec_draft_stop=decodes[0]['spec_draft_stop'], decodes=len(decodes),
                 spec_accept_rate=[k / d if d else None for k, d in zip(kept, drafted)],
                 spec_tokens_per_pass=total['spec_made'] / max(1, total['spec_row_passes']))
 
@@ -233,9 +239,11 @@ def speculate_row(model, b, K, plain_s, spec_s, stats, N):
     # the prediction's pass drafts all K: eager decodes draft fewer in their last passes
     draft_step = stats['spec_draft_s'] / max(1, stats['spec_draft_steps'])
     alpha, predicted = predicted_speedup(rates, plain_s / N, K * draft_step, verify_pass)
+    if stats['spec_draft_stop']:    # passes of any length up to K: the formula does not hold
+        alpha = predicted = None
     return dict(
         route=model.config.route, batch=b, K=K, draft=stats['spec_draft'],
-        draft_layers=stats['spec_depth'],
+        draft_layers=stats['spec_depth'], draft_stop=stats['spec_draft_stop'],
         # no clamping: a median difference <= 0 (noise larger than the decode) shows as such,
         # flagged NOISY, and the ratios stay exactly each other's
         plain_tokens_per_s=b * N / nonzero(plain_s), spec_tokens_per_s=b * N / nonzero(spec_s),
@@ -267,7 +275,8 @@ def bench_speculative(cfg):
         prompt = prompt.to(dev)
         temp, decodes = cfg['temperature'], {K: [] for K in ks}
         runs = {0: partial(model.generate, prompt, temperature=temp, compile=cfg['compile']),
-                **{K: speculative_run(model, prompt, K, draft, decodes[K], cfg['compile'], temp)
+                **{K: speculative_run(model, prompt, K, draft, decodes[K], cfg['compile'], temp,
+                                      cfg['draft_stop'])
                    for K in ks}}
         with autocast:      # the figures of the timed decodes only (no compiling, no warm-up)
             secs = decode_timings(runs, N, cfg, dev, lambda: [d.clear() for d in decodes.values()])
@@ -304,8 +313,9 @@ def print_speculative(res):
     for r in res['rows']:
         depth = f" E={r['draft_layers']}" if r['draft_layers'] is not None else ''
         kept = ' '.join('-' if a is None else f'{a:.2f}' for a in r['accept_rate'])
+        predicted = '-' if r['predicted_speedup'] is None else f"{r['predicted_speedup']:.2f}"
         print(f"| {r['batch']} | {r['K']} | {r['draft']}{depth} | {r['plain_tokens_per_s']:.1f} | "
-              f"{r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f} | {r['predicted_speedup']:.2f} "
+              f"{r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f} | {predicted} "
               f"| {r['tokens_per_pass']:.2f} | {kept} "
               f"| {r['draft_ms_per_pass']:.1f} / {r['verify_ms_per_pass']:.1f} "
               f"| {r['spreads'][0]:.0%} / {r['spreads'][1]:.0%}{' NOISY' if r['noisy'] else ''} |")

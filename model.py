@@ -459,6 +459,7 @@ class GPT(nn.Module):
         speculate=0,
         draft=None,
         draft_layers=None,
+        draft_stop=0.0,
     ):
         """Sample max_new_tokens continuations of idx (B, T), routed as model.eval() routes. With
         use_cache, the prompt is prefilled once and each new token costs one single-position
@@ -477,8 +478,10 @@ class GPT(nn.Module):
         prefill and sampling stay eager. speculate=K > 0:
         self-speculative decoding (speculative.py), K tokens at a time from the family's draft
         `draft` (None: its default) stopping after `draft_layers` blocks where it has a depth (None:
-        its default); the same output distribution, greedy the same tokens; needs the cache and the
-        prompt plus max_new_tokens within block_size; stats also gets its acceptance figures.
+        its default), and with draft_stop > 0 a pass drafting fewer where the draft is unsure
+        (speculative.generate); the same output distribution, greedy the same tokens; needs the
+        cache and the prompt plus max_new_tokens within block_size; stats also gets its acceptance
+        figures.
         top_k=1 is greedy decoding, as temperature=0: an argmax (the first of tied tokens), with no
         softmax and no random draw."""
         if top_k == 1:
@@ -501,7 +504,7 @@ class GPT(nn.Module):
             idx = speculative.generate(
                 self, idx, max_new_tokens, speculate, draft, draft_layers, temperature, top_k,
                 lengths, record if stats is not None else None, vocab_limit, stats,
-                compile=compile,
+                compile=compile, draft_stop=draft_stop,
             )
         elif lengths is not None:
             idx = self.generate_ragged(

@@ -11,8 +11,9 @@ fraction per routed layer.
 --prompts_file=FILE: one prompt per line, decoded together as one batch of different lengths.
 --speculate=K (0: off): self-speculative decoding (speculative.py), K tokens drafted at a time by
 the cheap version of the model --draft names (default: the family's first; a wrong name lists
-them), stopping after --draft_layers blocks where the draft has a depth (0: its default); greedy
-output is the plain decode's, sampled output has its distribution.
+them), stopping after --draft_layers blocks where the draft has a depth (0: its default), and with
+--draft_stop=P a pass drafting no further once every row's draft gives its token a probability
+below P (0: off); greedy output is the plain decode's, sampled output has its distribution.
 --compile=True: each cached decoding step (and with --speculate each draft step and verifier pass)
 through torch.compile, a CUDA graph on a GPU, where an eager routed step is bound by kernel launches
 and host syncs; the first steps compile (seconds to minutes), and the tokens/s printed counts that.
@@ -49,6 +50,7 @@ DEFAULTS = dict(
     speculate=0,                # self-speculative decoding, K tokens drafted at a time (0: off)
     draft='',                   # the family's draft to speculate with ('': its first)
     draft_layers=0,             # blocks the draft runs, where it has a depth (0: its default)
+    draft_stop=0.0,             # stop a pass's drafting below this draft probability (0: off)
     compile=False,              # compile each decoding step (a CUDA graph each on a GPU)
 )
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -98,9 +100,11 @@ def check_config(argv):
             )
     if not cfg['temperature'] >= 0:            # also refuses NaN
         raise ConfigError(f"temperature must be >= 0 (0: greedy), got {cfg['temperature']}")
-    if not cfg['speculate'] and (cfg['draft'] or cfg['draft_layers']):
-        raise ConfigError("--draft and --draft_layers choose the draft of --speculate=K; give K >= "
-                          "1 too")
+    if not cfg['speculate'] and (cfg['draft'] or cfg['draft_layers'] or cfg['draft_stop']):
+        raise ConfigError("--draft, --draft_layers and --draft_stop choose the draft of "
+                          "--speculate=K; give K >= 1 too")
+    if not 0 <= cfg['draft_stop'] <= 1:         # also refuses NaN
+        raise ConfigError(f"draft_stop must be in [0, 1] (0: off), got {cfg['draft_stop']}")
     if cfg['speculate'] and not cfg['use_cache']:
         raise ConfigError("--speculate needs the KV cache: leave --use_cache=False out")
     if cfg['compile'] and not cfg['use_cache']:
@@ -197,6 +201,7 @@ def main(argv):
         speculate=cfg['speculate'],
         draft=draft and draft[0],
         draft_layers=draft and draft[1],
+        draft_stop=cfg['draft_stop'],
         compile=cfg['compile'],
     )
     dt = time.time() - t0

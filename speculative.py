@@ -87,6 +87,15 @@ def draw(probs):
     return torch.minimum(torch.searchsorted(c, u, right=True), last)[:, 0]
 
 
+def drafted_prob(logits, tok, q, vocab_limit):
+    """(B,): the probability the draft gave the token tok it drafted: under q where it sampled,
+    under the softmax of its logits (temperature 1) where it was greedy (q None)."""
+    if q is None:
+        lg = logits[..., :vocab_limit] if vocab_limit is not None else logits
+        q = F.softmax(lg.float(), dim=-1)
+    return q.gather(-1, tok[:, None])[:, 0]
+
+
 def pick(logits, temperature, top_k, vocab_limit):
     """(token (B,), its distribution (B, V') or None when greedy)."""
     if temperature == 0:
@@ -158,12 +167,17 @@ def sync(device):
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=None,
              temperature=1.0, top_k=None, lengths=None, record=None, vocab_limit=None,
-             stats=None, trace=None, compile=False):
+             stats=None, trace=None, compile=False, draft_stop=0.0):
     """model.generate(..., speculate=K): max_new_tokens per row drafted K at a time (see the module
-    docstring). idx (B, T), or right-padded prompts of `lengths` (then a list of 1-D tensors is
-    returned, else (B, T + max_new_tokens)). record(aux): model.generate's statistics recorder,
-    called as plain decoding would call it (the prefill, then one step per generated token fed to
-    the verifier, with the routing decisions the verifier took for the tokens it kept). stats: a
+    docstring). draft_stop > 0: a pass stops drafting after a step at which, in every row still
+    decoding, the draft gave the token it drafted a probability below draft_stop (greedy: its
+    softmax at temperature 1; sampling: q), the adaptive draft length of Draft & Verify (Zhang et
+    al., arXiv 2309.08168); one host sync per draft step. The output is the same: the verifier
+    decides, whatever the draft proposes. idx (B, T), or right-padded prompts of `lengths` (then a
+    list of 1-D tensors is returned, else (B, T + max_new_tokens)). record(aux): model.generate's
+    statistics recorder, called as plain decoding would call it (the prefill, then one step per
+    generated token fed to the verifier, with the routing decisions the verifier took for the
+    tokens it kept). stats: a
     dict that also gets the speculation's own figures ('spec_*'). trace: a dict for tests, filled
     with 'logits' (B, max_new_tokens, V): the verifier's logits each token was picked from, 'masks'
     {layer: (B, max_new_tokens − 1)}: its routing decision for each generated token it was fed,
@@ -175,6 +189,8 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     cfg, family, dev = model.config, model.family, idx.device
     if top_k == 1:                  # greedy, as in model.generate: an argmax, no random draw
         temperature = 0
+    if not 0.0 <= draft_stop <= 1.0:
+        raise ValueError(f"draft_stop must be in [0, 1] (0: off), got {draft_stop}")
     K = int(speculate)
     if K < 1:
         raise ValueError(f"speculate must be >= 1 (0: plain decoding), got {speculate}")
@@ -247,6 +263,7 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
                    for b in range(B) if base[b] < n[b] - 1]
         cache.attend_to(max(base) + k + 1)      # the pass reads and writes slots below this
         base_t = torch.tensor(base, device=dev)
+        active_t = torch.tensor(active, device=dev)
         t0 = time.perf_counter()
         window, q = [tok], []       # tok: the pending token (the verifier's last pick) per row
         for j in range(k):
@@ -254,6 +271,10 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
             tok, qj = pick(lg, temperature, top_k, vocab_limit)
             window.append(tok)
             q.append(qj)
+            if draft_stop and j + 1 < k and not (drafted_prob(lg, tok, qj, vocab_limit)
+                                                 >= draft_stop)[active_t].any():
+                k = j + 1               # every row's draft is unsure: verify what it has
+                break
         sync(dev)
         t1 = time.perf_counter()
         cache.kpos.masked_fill_(slot >= base_t[:, None], -1)    # the draft's K/V: emptied
@@ -304,7 +325,8 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     if stats is not None:
         # tokens per verifier pass and row: the kept drafted ones + the verifier's own (1..K+1)
         made = sum(n) - sum(lengths) - B
-        stats.update(spec_draft=name, spec_depth=depth, spec_passes=passes,
+        stats.update(spec_draft=name, spec_depth=depth, spec_draft_stop=draft_stop,
+                     spec_passes=passes,
                      spec_draft_steps=draft_steps,
                      spec_accept_rate=[kept[j] / drafted[j] if drafted[j] else None
                                        for j in range(1, K + 1)],

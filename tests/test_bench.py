@@ -407,7 +407,8 @@ def test_gpu_suite_default_folder_and_gpu_names(monkeypatch):
 SPEC_TINY = ['--n_layer=3', '--n_head=2', '--n_embd=32', '--block_size=64', '--vocab_size=50',
              '--bench_steps=2', '--bench_warmup=0', '--decode_tokens=8', '--decode_batches=1,2',
              '--decode_prompt=8', '--device=cpu', '--dtype=float32']
-SPEC_KEYS = {'route', 'batch', 'K', 'speedup', 'draft', 'draft_layers', 'plain_tokens_per_s',
+SPEC_KEYS = {'route', 'batch', 'K', 'speedup', 'draft', 'draft_layers', 'draft_stop',
+             'plain_tokens_per_s',
              'spec_tokens_per_s', 'plain_ms', 'spec_ms', 'accept_rate', 'tokens_per_pass',
              'mean_accepted', 'passes', 'plain_ms_per_step', 'draft_ms_per_pass',
              'verify_ms_per_pass', 'draft_share', 'alpha', 'predicted_speedup', 'spreads',
@@ -456,6 +457,18 @@ def test_bench_speculate_json(tmp_path):
     assert all(r['draft'] == 'exit' for r in res['rows'])
     saved = json.load(open(out))
     assert saved['rows'] == res['rows'] and '--speculate=1,3,8' in saved['command']
+
+
+def test_bench_speculate_draft_stop():
+    """--draft_stop=1: every pass stops drafting after its first token (no draft is that sure), so
+    positions 2..K are never drafted, a pass makes at most 2 tokens, and the rows carry draft_stop
+    with no prediction (the formula assumes K drafts a pass)."""
+    res = bench_json([*SPEC_TINY, '--route=exit', '--speculate=1,3', '--draft_stop=1.0',
+                      '--json'], 180)
+    for r in res['rows']:
+        assert set(r) == SPEC_KEYS and r['draft_stop'] == 1.0
+        assert r['alpha'] is None and r['predicted_speedup'] is None
+        assert r['accept_rate'][1:] == [None] * (r['K'] - 1) and r['tokens_per_pass'] <= 2
 
 
 def test_bench_speculate_compiled(capsys, monkeypatch):
@@ -533,9 +546,9 @@ def test_pooled_speculative_figures():
     """Two decodes' figures pooled: rates and tokens per pass from summed counts (not the mean of
     the rates), times and steps summed, passes per decode."""
     from bench_speculative import pooled
-    one = dict(spec_draft='exit', spec_depth=2, spec_passes=4, spec_draft_steps=8,
-               spec_draft_s=0.5, spec_verify_s=1.0, spec_made=10, spec_row_passes=4,
-               spec_drafted=[4, 4], spec_kept=[3, 1])
+    one = dict(spec_draft='exit', spec_depth=2, spec_draft_stop=0.0, spec_passes=4,
+               spec_draft_steps=8, spec_draft_s=0.5, spec_verify_s=1.0, spec_made=10,
+               spec_row_passes=4, spec_drafted=[4, 4], spec_kept=[3, 1])
     two = dict(one, spec_passes=2, spec_draft_steps=3, spec_made=3, spec_row_passes=2,
                spec_drafted=[2, 1], spec_kept=[0, 0])
     got = pooled([one, two])
@@ -609,6 +622,9 @@ def test_bench_speculate_predicted():
     (['--speculate=2', '--budgets=0.5'], "--speculate times decoding alone; drop --budgets"),
     (['--speculate=2', '--decode_vs_hf=True'], "drop --decode_vs_hf"),
     (['--draft=layers'], "--draft is an option of --speculate=K"),
+    (['--draft_stop=0.5'], "--draft_stop is an option of --speculate=K"),
+    (['--speculate=2', '--draft_stop=1.5'], "draft_stop must be in [0, 1] (0: off), got 1.5"),
+    (['--speculate=2', '--draft_stop=-0.5'], "draft_stop must be in [0, 1] (0: off), got -0.5"),
     (['--temperature=1'], "--temperature is an option of --speculate=K"),
     (['--speculate=2', '--temperature=-1'], "temperature must be >= 0 (0: greedy), got -1.0"),
     (['--speculate=2', '--init_from=no/such/run'], "init_from=no/such/run: no checkpoint at"),

@@ -176,6 +176,7 @@ def test_sample_synthetic_unknown_symbols_and_default_start(run, capsys):
     ("--temperature=-0.5", "temperature"), ("--temperature=nan", "temperature"),
     ("--max_new_tokens=0", "max_new_tokens"), ("--max_new_tokens=-3", "max_new_tokens"),
     ("--top_k=-1", "top_k"), ("--num_samples=0", "num_samples"),
+    ("--draft_stop=0.5", "draft_stop"), ("--draft_stop=-0.1", "draft_stop"),
     ("--prompts_file=/nonexistent/prompts.txt", "prompts_file"), ("--device=bogus", "device"),
     ("--device=mps", "device"), pytest.param("--device=cuda", "CUDA", marks=NO_CUDA)])
 def test_sample_bad_options(tmp_path, arg, needle):

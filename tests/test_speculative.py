@@ -12,10 +12,11 @@ from hypothesis import given, settings, strategies as st
 
 import sample
 import speculative
-from conftest import ROUTED_TOL, SETTINGS, build, tokens
+from conftest import (ROUTED_TOL, SETTINGS, assert_greedy_traces_agree, build,
+                      greedy_trace, tokens)
 from configurator import UserError
 from model import GPTConfig
-from test_families import CASES, Drawn, is_random
+from test_families import CASES, Drawn, as_float, is_random, speculative_trace_row
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 DETERMINISTIC = [c for c in CASES if not is_random(c)]
@@ -148,6 +149,88 @@ def test_ragged_passes_draft_no_more_than_the_neediest_row_needs(case, seed, K, 
     made = [int(n) - m - 1 for n, m in zip(trace['n'], lens)]
     assert all(new - 1 <= t <= new - 1 + K for t in made), (made, new, K)
     assert min(made) == new - 1, (made, new, K)
+
+
+@settings(**SETTINGS)
+@given(case=st.sampled_from(DETERMINISTIC), seed=st.integers(0, 999), K=st.integers(2, 5),
+       stop=st.sampled_from([0.2, 0.6, 1.0]), data=st.data())
+def test_a_pass_that_stops_drafting_early_decodes_the_same(case, seed, K, stop, data):
+    """draft_stop: a pass drafts fewer than K tokens once every row's draft is unsure, and greedy
+    output is still each prompt's plain decode (tokens up to a near-tie, decisions, logits within
+    ROUTED_TOL). At draft_stop = 1 no draft is sure enough to go on: each pass drafts one token.
+    Fewer drafted tokens never means more passes per token than drafting one."""
+    model = build(*case, seed=seed).eval()
+    draft = data.draw(st.sampled_from(sorted(model.family.drafts(model.config))))
+    lens, new = [5, 3], 9
+    idx = tokens(seed, 2, 5)
+    trace, stats = {}, {}
+    out = speculative.generate(model, idx, new, K, draft, temperature=0, lengths=lens,
+                               trace=trace, stats=stats, draft_stop=stop)
+    for b, n in enumerate(lens):
+        alone = as_float(greedy_trace(model, idx[b:b + 1, :n], new)[0])
+        assert_greedy_traces_agree(speculative_trace_row(trace, out, b, n, new), alone, ROUTED_TOL)
+    assert stats['spec_draft_stop'] == stop
+    assert stats['spec_draft_steps'] <= K * stats['spec_passes']
+    if stop == 1.0:
+        assert stats['spec_draft_steps'] <= stats['spec_passes']
+        assert stats['spec_drafted'][1:] == [0] * (K - 1)
+
+
+def test_draft_stop_is_checked():
+    model = build('exit').eval()
+    for bad in (-0.1, 1.5, float('nan')):
+        with pytest.raises(ValueError, match='draft_stop must be in'):
+            speculative.generate(model, tokens(0, 1, 4), 4, 2, draft_stop=bad)
+
+
+@pytest.mark.parametrize('stop', [0.8, 0.95])
+def test_a_draft_that_stops_early_still_samples_plain_samplings_distribution(stop):
+    """Sampling with draft_stop on a 3-token vocabulary: the four tokens after a prompt (the first
+    from the prefill, the next three from passes of up to K = 3 drafts that stop once both rows'
+    drafts give their tokens less than `stop`), over 1000 decodes of 2 rows, follow plain
+    sampling's exact joint distribution (Pearson's chi-square, cells expecting < 5 samples pooled,
+    below its 1e-4 quantile), while the passes drafted under 90% of the tokens they draft
+    without draft_stop (0.8: about 78%, some passes stopping; 0.95: 64%, every pass stopping after
+    one draft). Power: the draft's own joint distribution would exceed the quantile more than 3x
+    (its expected statistic), and at 0.95 a stop that kept the draft's argmax instead of its
+    sample fails."""
+    V, steps, B, decodes = 3, 4, 2, 1000
+    model = build('exit', seed=1, n_layer=3, vocab_size=V, block_size=10, exit_layers='1',
+                  noise=0.5).eval()
+    prompt = torch.tensor([[1, 2, 0]])
+    name, depth = speculative.resolve_draft(model.config, model.family, 'exit')
+
+    def verifier(rows):
+        with torch.no_grad():
+            return model(rows)[0][:, -1]
+
+    def drafter(rows):                  # the draft for x_2.. (x_1 comes from the prefill)
+        pos = torch.arange(rows.size(1)).expand(rows.shape)
+        with torch.no_grad():
+            own = model.family.draft_logits(model, name, rows, pos, None, depth)[:, -1]
+        return torch.where(torch.tensor(rows.size(1) > prompt.size(1)), own, verifier(rows))
+    p = exact_joint(model, prompt, steps, 1.0, None, None, verifier).flatten().double()
+    q = exact_joint(model, prompt, steps, 1.0, None, None, drafter).flatten().double()
+    torch.manual_seed(0)
+    cells, steps_with, steps_without = [], 0, 0
+    for d in range(decodes):
+        stats = {}
+        out = model.generate(prompt.repeat(B, 1), steps, temperature=1.0, speculate=3,
+                             draft='exit', stats=stats, draft_stop=stop)[:, 3:]
+        cells.append(((out[:, 0] * V + out[:, 1]) * V + out[:, 2]) * V + out[:, 3])
+        steps_with += stats['spec_draft_steps']
+        if d < 100:
+            full = {}
+            model.generate(prompt.repeat(B, 1), steps, temperature=1.0, speculate=3,
+                           draft='exit', stats=full)
+            steps_without += full['spec_draft_steps']
+    counts = torch.bincount(torch.cat(cells), minlength=V ** steps)
+    chi2, dof = pearson(counts, B * decodes * p)
+    critical = chi2_critical(dof)
+    assert chi2 < critical, (chi2, dof)
+    assert steps_with / decodes < 0.9 * steps_without / 100, (steps_with, steps_without)
+    live = p > 0
+    assert float(B * decodes * ((q - p)[live] ** 2 / p[live]).sum()) > 3 * critical
 
 
 # --------------------------------------------------------------------------------------------------
