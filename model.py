@@ -649,7 +649,7 @@ class GPT(nn.Module):
         speculative.next_probs (the one definition speculative sampling must match). vocab_limit:
         ids are column indices, so dropping the padded columns excludes them."""
         if temperature == 0:
-            lg = logits[:, :vocab_limit] if vocab_limit is not None else logits
+            lg = logits[:, :vocab_limit]
             return lg.argmax(dim=-1, keepdim=True)
         probs = speculative.next_probs(logits, temperature, top_k, vocab_limit)
         return speculative.draw(probs)[:, None]

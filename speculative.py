@@ -63,10 +63,9 @@ def resolve_draft(config, family, draft=None, depth=None):
 
 
 def next_probs(logits, temperature, top_k, vocab_limit=None):
-    """The distribution GPT.sample_next draws from, (..., V'), V' = vocab_limit or V."""
-    if vocab_limit is not None:
-        logits = logits[..., :vocab_limit]
-    logits = logits / temperature
+    """The distribution GPT.sample_next draws from, (..., V'), V' = vocab_limit or V (a slice to
+    None keeps every column)."""
+    logits = logits[..., :vocab_limit] / temperature
     if top_k is not None:
         v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
         logits = logits.masked_fill(logits < v[..., [-1]], -float('inf'))
@@ -91,7 +90,7 @@ def drafted_prob(logits, tok, q, vocab_limit):
     """(B,): the probability the draft gave the token tok it drafted: under q where it sampled,
     under the softmax of its logits (temperature 1) where it was greedy (q None)."""
     if q is None:
-        lg = logits[..., :vocab_limit] if vocab_limit is not None else logits
+        lg = logits[..., :vocab_limit]
         q = F.softmax(lg.float(), dim=-1)
     return q.gather(-1, tok[:, None])[:, 0]
 
@@ -99,7 +98,7 @@ def drafted_prob(logits, tok, q, vocab_limit):
 def pick(logits, temperature, top_k, vocab_limit):
     """(token (B,), its distribution (B, V') or None when greedy)."""
     if temperature == 0:
-        lg = logits[..., :vocab_limit] if vocab_limit is not None else logits
+        lg = logits[..., :vocab_limit]
         return lg.argmax(-1), None
     q = next_probs(logits, temperature, top_k, vocab_limit)
     return draw(q), q
@@ -112,7 +111,7 @@ def accept(draft, q, logits, temperature, top_k, vocab_limit):
     B, k = draft.shape
     rows = torch.arange(B, device=draft.device)
     if temperature == 0:
-        lg = logits[..., :vocab_limit] if vocab_limit is not None else logits
+        lg = logits[..., :vocab_limit]
         best = lg.argmax(-1)                                            # (B, k + 1)
         a = (best[:, :k] == draft).int().cumprod(1).sum(1)
         return a, best[rows, a]
@@ -177,15 +176,14 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     list of 1-D tensors is returned, else (B, T + max_new_tokens)). record(aux): model.generate's
     statistics recorder, called as plain decoding would call it (the prefill, then one step per
     generated token fed to the verifier, with the routing decisions the verifier took for the
-    tokens it kept). stats: a
-    dict that also gets the speculation's own figures ('spec_*'). trace: a dict for tests, filled
-    with 'logits' (B, max_new_tokens, V): the verifier's logits each token was picked from, 'masks'
-    {layer: (B, max_new_tokens − 1)}: its routing decision for each generated token it was fed,
-    'margins' likewise: how far each decision was from flipping (a family's aux['margins']),
-    'prefill_masks' and 'prefill_margins', the final token count of each row 'n' (B,) and the KV
-    'cache'. compile: each draft step and verifier pass compiled (pass_steps); the prefill, the
-    acceptance rule and the bookkeeping between passes (one host sync per pass: the kept counts)
-    stay eager."""
+    tokens it kept). stats: a dict that also gets the speculation's own figures ('spec_*'). trace:
+    a dict for tests, filled with 'logits' (B, max_new_tokens, V): the verifier's logits each
+    token was picked from, 'masks' {layer: (B, max_new_tokens − 1)}: its routing decision for each
+    generated token it was fed, 'margins' likewise: how far each decision was from flipping (a
+    family's aux['margins']), 'prefill_masks' and 'prefill_margins', the final token count of each
+    row 'n' (B,) and the KV 'cache'. compile: each draft step and verifier pass compiled
+    (pass_steps); the prefill, the acceptance rule and the bookkeeping between passes (one host
+    sync per pass: the kept counts) stay eager."""
     cfg, family, dev = model.config, model.family, idx.device
     if top_k == 1:                  # greedy, as in model.generate: an argmax, no random draw
         temperature = 0
