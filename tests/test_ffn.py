@@ -67,9 +67,13 @@ def build(seed, n_layer=2, noise=0.3, **kw):
 def tokens(seed, B, T, vocab=V, distinct_first=False):
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, vocab, (B, T), generator=g)
-    if distinct_first:      # rows start differently: no two tokens share a hidden state (no score
-                            # ties)
+    if distinct_first:      # no two tokens share a hidden state (no score ties): rows start
+                            # differently, and no row starts with a repeated token, since under
+                            # rope every token of such a run has the run's first state (equal
+                            # values make any attention weights give the same output)
         idx[:, 0] = torch.randperm(vocab, generator=g)[:B]
+        if T > 1:
+            idx[:, 1] = (idx[:, 0] + 1 + idx[:, 1] % (vocab - 1)) % vocab
     return idx
 
 
