@@ -235,7 +235,9 @@ def _launch(kernel, args, rows, cols, consts, block_m, started):
         return
     block_m = block_m or BLOCK_M
     grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, BLOCK_N))
-    torch.library.wrap_triton(kernel)[grid](
+    # wrap_triton lets triton_op's tracing see a compiled kernel; an interpreted one runs inside an
+    # opaque custom_op, as it is (torch 2.11's wrap_triton refuses it)
+    (kernel if _interpreted(kernel) else torch.library.wrap_triton(kernel))[grid](
         *args, **consts, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
 
 

@@ -394,6 +394,20 @@ def test_grouped_mm_path_compiles_without_graph_break_in_bf16():
 # --------------------------------------------------------------------------------------------------
 # the Triton kernels under the interpreter (the child process)
 
+# a loop bounded by an int argument, as every kernel here has (Triton 3.6's interpreter and NumPy
+# 2.4 cannot run it; Triton 3.9's can)
+INTERPRETER_PROBE = """
+import torch, triton, triton.language as tl
+@triton.jit
+def count_up(p, n):
+    for i in range(0, n, 1):
+        tl.store(p + i, i)
+x = torch.zeros(3, dtype=torch.int32)
+count_up[(1,)](x, 3)
+assert x.tolist() == [0, 1, 2], x
+"""
+
+
 def test_triton_kernels_under_interpreter():
     """Runs this file's test_interp_* tests in a child pytest with TRITON_INTERPRET=1 and
     NANODEPTH_PATH=triton, and fails with its output if any of them fails."""
@@ -402,6 +416,13 @@ def test_triton_kernels_under_interpreter():
     pytest.importorskip('triton')
     env = dict(os.environ, TRITON_INTERPRET='1', NANODEPTH_PATH='triton',
                NANODEPTH_KERNEL_CHILD='1')
+    probe = run_group([sys.executable, '-c', INTERPRETER_PROBE], 120, env=env)
+    if probe.returncode and 'only 0-dimensional arrays' in probe.stderr:
+        import numpy
+        import triton
+        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run a loop bounded by a "
+                    f'kernel argument under NumPy {numpy.__version__} (a 1-element array made '
+                    'a scalar: an error since NumPy 2.4)')
     proc = run_group([sys.executable, '-m', 'pytest', '-q', '-rs', '-p', 'no:cacheprovider',
                       '-n', '0', '-k', 'test_interp_', __file__], 600,
                      cwd=Path(__file__).resolve().parents[1], env=env)
@@ -663,4 +684,9 @@ def test_a_cpu_process_running_a_model_does_not_load_the_compiler_stack():
     proc = run_group([sys.executable, '-c', code], 120, cwd=Path(__file__).resolve().parents[1],
                      env={k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ['False', 'True', 'True'], proc.stdout
+    model_loads, apis_listed, apis_load = proc.stdout.split()
+    assert (model_loads, apis_listed) == ('False', 'True'), proc.stdout
+    # the check can fail: importing the APIs loads torch._dynamo (torch 2.13; torch 2.11 imports
+    # them without it, so there is no cost to avoid)
+    version = tuple(int(n) for n in torch.__version__.split('+')[0].split('.')[:2])
+    assert apis_load == 'True' or version <= (2, 11), proc.stdout
