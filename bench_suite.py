@@ -29,7 +29,8 @@ exact command, the date and the path kernels.default_path picks here.
    - train: our dense step against a nanoGPT step of the same shape (NanoGPT below, a minimal copy
      of nanoGPT's model: any gap is this harness's overhead); controller-only G1 against the dense
      step; MoD at capacity 0.125 (learned router) against the dense step.
-   --compile=True also compiles the prefill and training steps (beyond the 8 minutes).
+   --compile=True also compiles the prefill and training steps (beyond the 8 minutes): prefill's
+   paths that torch.compile can trace in that dtype, the others eagerly (`compiled` says which).
 Row: kind, route ('none' for dense), budget, shape ('BxT') or batch, path (null: training, and
 dense decode), dtype, compiled, ms (prefill: one forward; decode: one step of the whole batch;
 train: one step), dense_ms (the baseline's, `baseline` says which), speedup = dense_ms / ms, ideal
@@ -386,6 +387,10 @@ def prefill_section(rec, base, dev, plan, seed, compile_prefill):
     dense = eval_model(replace(base, route='none'), dev)
     state, keep = dense.state_dict(), {}
     passes = dtype_passes(dev)
+    # --compile=True compiles the paths torch.compile can trace in that dtype (not compact, nor
+    # grouped_mm outside bf16: its meta kernel refuses them); the others run eagerly
+    compilable = {dtype: kernels.available_paths(dev, DTYPES[dtype], compiling=True)
+                  for dtype, _ in passes}
     for route in ROUTES:
         for budget in BUDGETS:
             mcfg = FAMILIES[route].bench_config(replace(base, route=route), budget)
@@ -399,7 +404,7 @@ def prefill_section(rec, base, dev, plan, seed, compile_prefill):
                     masks = prefill_masks(m, x, seed, dtype)
                     for path in paths:
                         ideal = prefill_ideal(m, base, s[1], masks, path)
-                        compiled = compile_prefill and path != 'compact'
+                        compiled = compile_prefill and path in compilable[dtype]
                         label = f"prefill {route} b={budget} {s[0]}x{s[1]} {path} {dtype}"
 
                         def make(x=x, s=s, path=path, dtype=dtype, compiled=compiled,

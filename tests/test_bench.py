@@ -321,6 +321,33 @@ def test_gpu_suite_smoke_writes_every_row(tmp_path):
     assert len(table) == 2 + len(rows) and table[0].startswith('| kind | route | budget')
 
 
+def test_gpu_suite_compiles_only_the_prefill_paths_torch_compile_traces(tmp_path, monkeypatch):
+    """--compile=True on the CPU (fp32 main dtype): the reference path's prefill rows compiled,
+    compact and grouped_mm (whose meta kernel refuses fp32) eager, in both dtypes; timing is
+    stubbed, so this checks which rows would compile, not their speed."""
+    import bench_suite
+    import kernels
+    runs = []
+
+    def fake_seconds(m, x, seed, dtype, path, plan, compiled):
+        runs.append((path, dtype, compiled))
+        return 1e-3
+    monkeypatch.setattr(bench_suite, 'forward_seconds', fake_seconds)
+    monkeypatch.setattr(bench_suite.Record, 'write', lambda self: None)
+    plan = dict(bench_suite.PLANS['smoke'], prefill_shapes=((2, 16),))
+    rec = bench_suite.Record({}, str(tmp_path), 0)
+    bench_suite.prefill_section(rec, tiny_suite_base(), torch.device('cpu'), plan, 0, True)
+    assert rec.res['failed'] == [] and rec.res['rows']
+    rows = {(x['route'], x['path'], x['dtype'], x['compiled']) for x in rec.res['rows']}
+    paths = kernels.available_paths(torch.device('cpu'), torch.float32)
+    assert 'grouped_mm' in paths            # torch >= 2.9: the case that must stay eager
+    assert rows == {(route, p, 'float32', p == 'reference') for route in ('ffn', 'mod')
+                    for p in paths} | {(route, 'compact', 'bfloat16', False)
+                                       for route in ('ffn', 'mod')}
+    # each row's dense baseline timed alike (dtype, compiled or not)
+    assert {(d, c) for p, d, c in runs if p} == {(d, c) for p, d, c in runs if p is None}
+
+
 def tiny_suite_base():
     from bench_suite import PLANS
     cfg = SimpleNamespace(**{**train.DEFAULTS, **PLANS['smoke']['model']})
