@@ -687,6 +687,6 @@ def test_a_cpu_process_running_a_model_does_not_load_the_compiler_stack():
     model_loads, apis_listed, apis_load = proc.stdout.split()
     assert (model_loads, apis_listed) == ('False', 'True'), proc.stdout
     # the check can fail: importing the APIs loads torch._dynamo (torch 2.13; torch 2.11 imports
-    # them without it, so there is no cost to avoid)
+    # them without it, so there is no cost to avoid; 2.12 untried)
     version = tuple(int(n) for n in torch.__version__.split('+')[0].split('.')[:2])
-    assert apis_load == 'True' or version <= (2, 11), proc.stdout
+    assert apis_load == 'True' or version < (2, 13), proc.stdout
