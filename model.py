@@ -645,14 +645,11 @@ class GPT(nn.Module):
 
     @staticmethod
     def sample_next(logits, temperature, top_k, vocab_limit=None):
-        """The next token (B, 1) from logits (B, V): their argmax at temperature 0, else drawn from
-        speculative.next_probs (the one definition speculative sampling must match). vocab_limit:
-        ids are column indices, so dropping the padded columns excludes them."""
-        if temperature == 0:
-            lg = logits[:, :vocab_limit]
-            return lg.argmax(dim=-1, keepdim=True)
-        probs = speculative.next_probs(logits, temperature, top_k, vocab_limit)
-        return speculative.draw(probs)[:, None]
+        """The next token (B, 1) from logits (B, V), picked as speculative decoding picks (the one
+        definition its exactness must match): their argmax at temperature 0, else drawn from
+        speculative.next_probs. vocab_limit: ids are column indices, so dropping the padded columns
+        excludes them."""
+        return speculative.pick(logits, temperature, top_k, vocab_limit)[0][:, None]
 
     # ----------------------------------------------------------------------------------------------
     # training helpers

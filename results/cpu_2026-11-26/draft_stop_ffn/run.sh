@@ -1,6 +1,7 @@
 # Batch-1 greedy speculative decode of ffn's distilled draft (K = 2, 4, 8) with and without
 # --draft_stop=0.3, on eight prompts (seeded validation windows), two rounds (each bench run times
-# plain decoding beside speculative decoding, so every speedup is same-run), then pooled.txt.
+# plain decoding beside speculative decoding, so every speedup is same-run), then pooled.txt (by
+# the pooling script of the exit runs, results/cpu_2026-11-26/draft_stop/pooled.py).
 # From the repo root, with out/ffn_distilled_drafter_shakespeare trained as docs/results.md says
 # (these files were written to /tmp and moved here):
 #   bash results/cpu_2026-11-26/draft_stop_ffn/run.sh
@@ -15,4 +16,4 @@ for round in 1 2; do
     done
   done
 done
-python $D/pooled.py > $D/pooled.txt
+python results/cpu_2026-11-26/draft_stop/pooled.py $D ffn_stop 0,0.3 2,4,8 > $D/pooled.txt
