@@ -15,7 +15,7 @@ bench.py's NOISY flag; plain decoding (model.generate) and each K take turns in 
 prompts are windows of the run's validation split where --init_from names a run whose data is
 prepared here (how often a draft is kept depends on text like the model's own), else random
 tokens; `prompt_source` says which. --compile=True compiles both sides' steps: plain decoding's
-decode step and each draft step and verifier pass (a CUDA graph each on a GPU; `compiled` in the
+decode step and each pass's draft and verification (a CUDA graph each on a GPU; `compiled` in the
 JSON). Most compiling (and CUDA-graph recording) falls in the warm-up rounds; a shape first met
 late (the pass that enters a new cache bucket, a last short window) may be recorded in a timed
 repeat, which the median mostly hides.

@@ -14,7 +14,7 @@ the cheap version of the model --draft names (default: the family's first; a wro
 them), stopping after --draft_layers blocks where the draft has a depth (0: its default), and with
 --draft_stop=P a pass drafting no further once every row's draft gives its token a probability
 below P (0: off); greedy output is the plain decode's, sampled output has its distribution.
---compile=True: each cached decoding step (and with --speculate each draft step and verifier pass)
+--compile=True: each cached decoding step (and with --speculate each pass's draft and verification)
 through torch.compile, a CUDA graph on a GPU, where an eager routed step is bound by kernel launches
 and host syncs; the first steps compile (seconds to minutes), and the tokens/s printed counts that.
 --start (default a newline; on the synthetic corpus, which has none, '|', a segment boundary) and

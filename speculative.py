@@ -135,24 +135,52 @@ def draft_step(model, name, depth, tok, pos, cache):
     return model.family.draft_logits(model, name, tok, pos, cache, depth)[:, -1]
 
 
-def verify_pass(model, window, pos, cache):
-    """The verifier's logits (B, k + 1, V) for the window (B, k + 1) at pos, and its
-    {'masks', 'margins'}."""
+def draft_pass(model, name, depth, tok, base, cache, k, temperature, top_k, vocab_limit):
+    """k draft steps from the pending tokens tok (B,) at positions base (B,), each picking its token
+    as plain decoding picks: (window (B, k + 1): tok and the k drafted tokens, q (B, k, V'): their
+    draft distributions (None when greedy or k = 0), the last step's logits (B, V))."""
+    window, q, logits = [tok], [], None
+    for j in range(k):
+        logits = draft_step(model, name, depth, tok[:, None], (base + j)[:, None], cache)
+        tok, qj = pick(logits, temperature, top_k, vocab_limit)
+        window.append(tok)
+        q.append(qj)
+    return torch.stack(window, 1), torch.stack(q, 1) if q and q[0] is not None else None, logits
+
+
+def verify_pass(model, window, q, base_active, cache, temperature, top_k, vocab_limit,
+                keep_logits):
+    """The verifier's pass over window (B, k + 1) at positions base .. base + k (base_active (2, B):
+    each row's base, and 1 where it still decodes): the draft's K/V emptied, the window scored in
+    one forward, the rejection rule applied and the rejected positions' slots emptied again
+    (an active row's from base + a + 1, the new pending token's included; a finished row's from
+    base).
+    Returns (a (B,): the drafted tokens kept, tok (B,): the verifier's next token after them, kept
+    (B, k + 1): window[1:a + 1] then tok, the verifier's logits (B, k + 1, V) where keep_logits
+    (else None), its {'masks', 'margins'} over the window)."""
+    base, active = base_active[0], base_active[1] > 0
+    slot = torch.arange(cache.max_len, device=window.device)[None, :]
+    cache.kpos.masked_fill_(slot >= base[:, None], -1)
+    pos = base[:, None] + torch.arange(window.size(1), device=window.device)
     logits, _, aux = model(window, pos=pos, cache=cache, last_only=False)
-    return logits, {k: aux[k] for k in ('masks', 'margins') if k in aux}
+    a, tok = accept(window[:, 1:], q, logits, temperature, top_k, vocab_limit)
+    cache.kpos.masked_fill_(slot >= torch.where(active, base + a + 1, base)[:, None], -1)
+    kept = torch.cat([window[:, 1:], tok[:, None]], 1).scatter(1, a[:, None], tok[:, None])
+    return (a, tok, kept, logits if keep_logits else None,
+            {k: aux[k] for k in ('masks', 'margins') if k in aux})
 
 
 def pass_steps(model, device, compile):
-    """(draft_step, verify_pass), eager or compiled (GPT.compiled: no host sync inside, a CUDA graph
-    on CUDA; one graph per batch size, attended bucket and window length, as passes cut short by
-    block_size verify fewer tokens). The compiled pair is kept on the model, so later decodings
-    reuse its graphs; it takes the model as an argument, so a copy of the model runs its own
-    weights."""
+    """(draft_pass, verify_pass), eager or compiled (GPT.compiled: no host sync inside, a CUDA graph
+    on CUDA, so that a pass costs two graph launches whatever K; one graph per batch size,
+    attended bucket and window length, as passes cut short by block_size verify fewer tokens).
+    The compiled pair is kept on the model, so later decodings reuse its graphs; it takes the model
+    as an argument, so a copy of the model runs its own weights."""
     if not compile:
-        return draft_step, verify_pass
+        return draft_pass, verify_pass
     steps = model.__dict__.setdefault('speculative_steps', {})
     if str(device) not in steps:
-        steps[str(device)] = (model.compiled(draft_step, device),
+        steps[str(device)] = (model.compiled(draft_pass, device),
                               model.compiled(verify_pass, device))
     return steps[str(device)]
 
@@ -181,9 +209,10 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     token was picked from, 'masks' {layer: (B, max_new_tokens − 1)}: its routing decision for each
     generated token it was fed, 'margins' likewise: how far each decision was from flipping (a
     family's aux['margins']), 'prefill_masks' and 'prefill_margins', the final token count of each
-    row 'n' (B,) and the KV 'cache'. compile: each draft step and verifier pass compiled
-    (pass_steps); the prefill, the acceptance rule and the bookkeeping between passes (one host
-    sync per pass: the kept counts) stay eager."""
+    row 'n' (B,) and the KV 'cache'. compile: each pass's draft (its K steps and picks) and its
+    verification (the forward, the acceptance rule and the cache's rollback) compiled as one graph
+    each (pass_steps); the prefill and the placing of the kept tokens after the last pass stay
+    eager, and between passes the host reads the kept counts (one sync per pass)."""
     cfg, family, dev = model.config, model.family, idx.device
     if top_k == 1:                  # greedy, as in model.generate: an argmax, no random draw
         temperature = 0
@@ -240,6 +269,9 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     # tokens per row, on the host (the pass's sizes and cache bucket are host decisions: one sync
     # per pass, for the accepted counts); the last token (pending) is not in the cache yet
     n = [m + 1 for m in lengths]
+    # per pass, what its kept tokens are placed with once decoding is done (no work between passes
+    # but the kept counts' sync): (n before it, rows active, kept counts, verify_pass's outputs)
+    log = []
     while True:
         active = [n[b] - lengths[b] < new for b in range(B)]
         if not any(active):
@@ -251,7 +283,7 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
         if not compile:
             k = min(k, max(new - (n[b] - lengths[b]) for b in range(B) if active[b]) - 1)
         # a finished row runs along (its tokens are not kept) at its own next positions where they
-        # fit, emptied again after the pass: its cache stays as it finished
+        # fit, its slots emptied again after the pass: its cache stays as it finished
         base = [n[b] - 1 if active[b] else min(n[b] - 1, cfg.block_size - 1 - k)
                 for b in range(B)]
         # where they do not fit (near block_size) it runs over its own last filled slots, which are
@@ -260,47 +292,32 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
         overrun = [(b, base[b], n[b] - 1, [t[b, :, base[b]:n[b] - 1].clone() for t in slabs])
                    for b in range(B) if base[b] < n[b] - 1]
         cache.attend_to(max(base) + k + 1)      # the pass reads and writes slots below this
-        base_t = torch.tensor(base, device=dev)
-        active_t = torch.tensor(active, device=dev)
+        base_active = torch.tensor([base, active], device=dev)
         t0 = time.perf_counter()
-        window, q = [tok], []       # tok: the pending token (the verifier's last pick) per row
-        for j in range(k):
-            lg = draft(model, name, depth, tok[:, None], (base_t + j)[:, None], cache)
-            tok, qj = pick(lg, temperature, top_k, vocab_limit)
-            window.append(tok)
-            q.append(qj)
-            if draft_stop and j + 1 < k and not (drafted_prob(lg, tok, qj, vocab_limit)
-                                                 >= draft_stop)[active_t].any():
-                k = j + 1               # every row's draft is unsure: verify what it has
-                break
+        if not draft_stop:
+            window, q, _ = draft(model, name, depth, tok, base_active[0], cache, k, temperature,
+                                 top_k, vocab_limit)
+        else:                       # a step at a time, each checked on the host
+            window, q, decoding = [tok[:, None]], [], base_active[1] > 0
+            for j in range(k):
+                w, qj, lg = draft(model, name, depth, tok, base_active[0] + j, cache, 1,
+                                  temperature, top_k, vocab_limit)
+                tok = w[:, 1]
+                window.append(w[:, 1:])
+                q.append(qj)
+                if j + 1 < k and not (drafted_prob(lg, tok, None if qj is None else qj[:, 0],
+                                                   vocab_limit) >= draft_stop)[decoding].any():
+                    k = j + 1           # every row's draft is unsure: verify what it has
+                    break
+            window, q = torch.cat(window, 1), torch.cat(q, 1) if q and q[0] is not None else None
         sync(dev)
         t1 = time.perf_counter()
-        cache.kpos.masked_fill_(slot >= base_t[:, None], -1)    # the draft's K/V: emptied
-        window = torch.stack(window, 1)                          # (B, k + 1)
-        wpos = base_t[:, None] + torch.arange(k + 1, device=dev)
-        logits, aux = verify(model, window, wpos, cache)
-        a_t, tok = accept(window[:, 1:], torch.stack(q, 1) if k and q[0] is not None else None,
-                          logits, temperature, top_k, vocab_limit)
+        a_t, tok, kept_t, logits, aux = verify(model, window, q, base_active, cache, temperature,
+                                               top_k, vocab_limit, trace is not None)
         a = a_t.tolist()            # the one host sync of the pass
         t_verify += time.perf_counter() - t1
         t_draft += t1 - t0
-        # keep window tokens 1..a and tok (the verifier's), at positions n .. n + a; record the
-        # kept ones' decisions
-        kb = [b for b in range(B) if active[b] for _ in range(a[b] + 1)]
-        kj = [j for b in range(B) if active[b] for j in range(a[b] + 1)]
-        kb_t, kj_t = torch.tensor(kb, device=dev), torch.tensor(kj, device=dev)
-        cand = torch.cat([window[:, 1:], tok[:, None]], 1)      # window[j + 1], tok after k
-        cand[rows, a_t] = tok
-        at = torch.tensor([n[b] + j for b, j in zip(kb, kj)], device=dev)
-        out[kb_t, at] = cand[kb_t, kj_t]
-        if keep_masks:              # (a trace keeps them too)
-            gen = at - 1 - torch.tensor([lengths[b] for b in kb], device=dev)  # generated index
-            for l, m in aux.get('masks', {}).items():
-                masks[l][kb_t, gen] = m[kb_t, kj_t].float()
-            if trace is not None:
-                picked[kb_t, gen + 1] = logits[kb_t, kj_t]
-                for l, m in aux.get('margins', {}).items():
-                    margins[l][kb_t, gen] = m[kb_t, kj_t].float()
+        log.append((list(n), active, a, kept_t, logits, aux if keep_masks else {}))
         passes, row_passes, draft_steps = passes + 1, row_passes + sum(active), draft_steps + k
         for b in range(B):
             if active[b]:
@@ -308,12 +325,29 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
                     drafted[j] += 1
                     kept[j] += j <= a[b]
                 n[b] += a[b] + 1
-        # the rejected positions' slots, n − 1 onwards (the new pending token's too), in every layer
-        ends = torch.tensor([n[b] - 1 if active[b] else base[b] for b in range(B)], device=dev)
-        cache.kpos.masked_fill_(slot >= ends[:, None], -1)
         for b, start, end, kept_aside in overrun:
             for t, x in zip(slabs, kept_aside):
                 t[b, :, start:end] = x
+    # each kept token (window tokens 1..a and the verifier's) at positions n .. n + a of its row,
+    # with the verifier's decisions (to record) and logits (for a trace) for it
+    at = [(p, b, j, n0[b] + j) for p, (n0, active, a, *_) in enumerate(log)
+          for b in range(B) if active[b] for j in range(a[b] + 1)]
+    if at:
+        p_t, b_t, j_t, at_t = torch.tensor(at, device=dev).unbind(1)
+        gen = at_t - 1 - torch.tensor(lengths, device=dev)[b_t]       # generated index
+
+    def placed(get):                # an item (B, k + 1, ...) of every pass, at each (p, b, j)
+        xs = [get(e) for e in log]
+        return torch.stack([F.pad(x, (0, 0) * (x.dim() - 2) + (0, K + 1 - x.size(1)))
+                            for x in xs])[p_t, b_t, j_t]
+    if at:
+        out[b_t, at_t] = placed(lambda e: e[3])
+        for l in masks:
+            masks[l][b_t, gen] = placed(lambda e: e[5]['masks'][l].float())
+        if trace is not None:
+            picked[b_t, gen + 1] = placed(lambda e: e[4])
+            for l in margins:
+                margins[l][b_t, gen] = placed(lambda e: e[5]['margins'][l].float())
     # statistics as plain decoding records them: one step per generated token fed to the verifier
     for s in range(new - 1):
         if masks:

@@ -499,7 +499,7 @@ def test_bench_speculate_draft_stop():
 
 
 def test_bench_speculate_compiled(capsys, monkeypatch):
-    """--compile=True compiles both sides: plain decoding's step, and the draft step and verifier
+    """--compile=True compiles both sides: plain decoding's step, and the draft pass and verifier
     pass of speculative decoding (GPT.compiled; here traced whole and run without code generation),
     and the JSON says so."""
     import torch
@@ -518,7 +518,7 @@ def test_bench_speculate_compiled(capsys, monkeypatch):
     res = json.loads(capsys.readouterr().out)
     assert res['compiled'] is True
     check_spec_rows(res, 'exit', [2], [1, 2])
-    assert sorted(set(made)) == ['decode_step', 'draft_step', 'verify_pass']
+    assert sorted(set(made)) == ['decode_step', 'draft_pass', 'verify_pass']
 
 
 def test_bench_speculate_sampled(capsys, monkeypatch):

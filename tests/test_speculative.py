@@ -463,7 +463,7 @@ def test_sample_speculates_and_prints_the_acceptance(run, capsys):
 
 def test_sample_compiles_decoding_and_speculation(run, capsys, monkeypatch):
     """sample.py --compile=True gives eager decoding's greedy text, plain and speculative, and
-    compiles the decoding step and the draft step and verifier pass (GPT.compiled; here traced
+    compiles the decoding step and the draft pass and verifier pass (GPT.compiled; here traced
     whole and run without code generation)."""
     from model import GPT
     made = []
@@ -484,7 +484,7 @@ def test_sample_compiles_decoding_and_speculation(run, capsys, monkeypatch):
             assert 'compiled, route=' in compiled_out[4]
     finally:
         torch._dynamo.reset()
-    assert sorted(set(made)) == ['decode_step', 'draft_step', 'verify_pass']
+    assert sorted(set(made)) == ['decode_step', 'draft_pass', 'verify_pass']
 
 
 @pytest.mark.parametrize('extra,needle', [
