@@ -474,8 +474,8 @@ class GPT(nn.Module):
         family has them. vocab_limit: sample only ids < vocab_limit (the tokenizer's real
         vocabulary; the model's is padded, and a padding id has no text). compile: run each cached
         decoding step (decode_step) through torch.compile(fullgraph=True), captured as a CUDA graph
-        ('reduce-overhead') on CUDA, and with speculate each pass's draft and verification; the
-        prefill and sampling stay eager. speculate=K > 0:
+        ('reduce-overhead') on CUDA, and with speculate each pass's draft and verification (their
+        sampling too); the prefill and plain decoding's sampling stay eager. speculate=K > 0:
         self-speculative decoding (speculative.py), K tokens at a time from the family's draft
         `draft` (None: its default) stopping after `draft_layers` blocks where it has a depth (None:
         its default), and with draft_stop > 0 a pass drafting fewer where the draft is unsure
@@ -556,13 +556,18 @@ class GPT(nn.Module):
         """step(*arguments) -> tensors (nested in tuples and dicts) through
         torch.compile(fullgraph=True, dynamic=False): one graph per input shape and attended bucket
         (batch sizes, buckets and a speculative pass's window lengths: more than torch's default
-        recompile limit of 8, so the limit is raised to DECODE_GRAPHS). On CUDA it is captured as a
-        CUDA graph, whose outputs the next replay overwrites: they are cloned before anyone keeps
-        them."""
+        recompile limit of 8, so the limit is raised to DECODE_GRAPHS). Random numbers come from
+        torch's own generator, as eagerly ('fallback_random'): inductor's draws a float64
+        torch.rand as a float32 one, whose coarser steps would change which tokens a speculative
+        pass's sampling can draw. On CUDA it is captured as a CUDA graph ('triton.cudagraphs', what
+        mode='reduce-overhead' sets), whose outputs the next replay overwrites: they are cloned
+        before anyone keeps them."""
         allow_graphs(DECODE_GRAPHS)
+        options = {'fallback_random': True}
         if device.type != 'cuda':
-            return torch.compile(step, fullgraph=True, dynamic=False)
-        graphed = torch.compile(step, fullgraph=True, dynamic=False, mode='reduce-overhead')
+            return torch.compile(step, fullgraph=True, dynamic=False, options=options)
+        graphed = torch.compile(step, fullgraph=True, dynamic=False,
+                                options={**options, 'triton.cudagraphs': True})
 
         def run(*args):
             torch.compiler.cudagraph_mark_step_begin()

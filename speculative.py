@@ -172,8 +172,9 @@ def verify_pass(model, window, q, base_active, cache, temperature, top_k, vocab_
 
 def pass_steps(model, device, compile):
     """(draft_pass, verify_pass), eager or compiled (GPT.compiled: no host sync inside, a CUDA graph
-    on CUDA, so that a pass costs two graph launches whatever K; one graph per batch size,
-    attended bucket and window length, as passes cut short by block_size verify fewer tokens).
+    on CUDA, so that a pass costs two graph launches whatever K, and with draft_stop one per
+    drafted token and a host sync each; one graph per batch size, attended bucket and k, as
+    passes cut short by block_size draft and verify fewer tokens, and draft_stop drafts k = 1).
     The compiled pair is kept on the model, so later decodings reuse its graphs; it takes the model
     as an argument, so a copy of the model runs its own weights."""
     if not compile:
@@ -212,7 +213,8 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     row 'n' (B,) and the KV 'cache'. compile: each pass's draft (its K steps and picks) and its
     verification (the forward, the acceptance rule and the cache's rollback) compiled as one graph
     each (pass_steps); the prefill and the placing of the kept tokens after the last pass stay
-    eager, and between passes the host reads the kept counts (one sync per pass)."""
+    eager, and between passes the host reads the kept counts (one sync per pass; with stats, a
+    second between draft and verification times them apart)."""
     cfg, family, dev = model.config, model.family, idx.device
     if top_k == 1:                  # greedy, as in model.generate: an argmax, no random draw
         temperature = 0
@@ -302,7 +304,7 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
             for j in range(k):
                 w, qj, lg = draft(model, name, depth, tok, base_active[0] + j, cache, 1,
                                   temperature, top_k, vocab_limit)
-                tok = w[:, 1]
+                tok = w[:, 1].contiguous()      # (a strided tok would compile another graph)
                 window.append(w[:, 1:])
                 q.append(qj)
                 if j + 1 < k and not (drafted_prob(lg, tok, None if qj is None else qj[:, 0],
@@ -310,7 +312,8 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
                     k = j + 1           # every row's draft is unsure: verify what it has
                     break
             window, q = torch.cat(window, 1), torch.cat(q, 1) if q and q[0] is not None else None
-        sync(dev)
+        if stats is not None:       # the draft/verify split of the time: wait for the draft
+            sync(dev)
         t1 = time.perf_counter()
         a_t, tok, kept_t, logits, aux = verify(model, window, q, base_active, cache, temperature,
                                                top_k, vocab_limit, trace is not None)

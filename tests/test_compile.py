@@ -322,6 +322,8 @@ def test_traced_speculative_decoding_across_batches_buckets_and_short_windows(mo
     torch_compile = torch.compile
 
     def counting_compile(step, **options):
+        options.pop('options', None)            # inductor's, for a backend that is not inductor
+
         def backend(gm, example_inputs):        # eager, counting each step's graphs
             graphs[step.__name__] += 1
             return gm.forward
@@ -356,6 +358,27 @@ def test_traced_speculative_decoding_across_batches_buckets_and_short_windows(mo
 # that the generated kernels run it too, for the dense model, the token-level FFN routing and MoD's
 # masked blocks.
 INDUCTOR_ROUTES = ('none', 'ffn', 'mod')
+
+
+def test_compiled_steps_draw_random_numbers_as_eager_decoding_does():
+    """GPT.compiled (inductor, as on a GPU) draws random numbers from torch's own generator: the
+    same draws as eagerly under the same seed, at full float64 resolution. Inductor's own random
+    numbers draw a float64 torch.rand as a float32 one, on whose grid speculative.draw (inside a
+    compiled pass) could never draw a token whose interval falls between two float32 values."""
+    def uniform(x):
+        return torch.rand(x.shape, dtype=torch.float64) * x
+    x = torch.ones(4096, dtype=torch.float64)
+    compiled = GPT.compiled(uniform, torch.device('cpu'))
+    try:
+        torch.manual_seed(7)
+        eager = uniform(x)
+        torch.manual_seed(7)
+        u = compiled(x)
+    finally:
+        torch._dynamo.reset()
+    off_float32_grid = (u.float().double() != u).double().mean().item()
+    assert off_float32_grid > 0.99, off_float32_grid
+    assert torch.equal(u, eager)
 
 
 @pytest.mark.slow
