@@ -176,7 +176,7 @@ def test_g3_score_fits_negative_labels_of_oracle_scale(seed, readout, offset):
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert float(loss) < 0.1 * float(U.pow(2).mean())
+    assert loss.detach().item() < 0.1 * U.pow(2).mean().item()
 
 
 # --------------------------------------------------------------------------------------------------
