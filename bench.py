@@ -95,7 +95,8 @@ BENCH_DEFAULTS = dict(
     budgets='',             # routed vs dense at these full-path fractions, e.g. 1.0,0.5 ('': off)
     prefill_shapes='8x512', # BxT of the routed-vs-dense prefill timings (with --budgets)
     sparse=True,            # routed eval runs sparse (else masked-dense: every path on every token)
-    profile=False,          # with --budgets: where the routed prefill at 0.5 spends its time
+    profile=False,          # with --budgets: where the routed prefill at 0.5 spends its time;
+                            # with --speculate: how busy the GPU is in each side's decode
     decode_prompt=0,        # prompt tokens before a timed decode (0: block_size - decode_tokens
                             # - 1; 64 with --decode_vs_hf)
     decode_vs_hf=False,     # dense decode beside transformers' GPT-2 (needs transformers)

@@ -40,6 +40,11 @@ speculative.generate. What the prediction leaves out (the bookkeeping between pa
 last pass) is the gap to the measured speedup. With --draft_stop > 0 (speculative.generate's
 draft_stop) a pass drafts any number of tokens up to K, which the formula does not model: alpha
 and predicted_speedup are None there.
+
+With --profile=True, on CUDA, each side decodes once more under torch.profiler: plain_device_ms and
+spec_device_ms are the GPU's busy time in a decode alone (its kernels' and copies' durations
+summed), and *_device_share that time over the side's timed median; the rest of the decode's time
+the GPU waited for the host (launches, syncs, Python). Elsewhere they are None.
 """
 import json
 import os
@@ -181,6 +186,26 @@ def decode_timings(runs, N, cfg, dev, timed_from=lambda: None):
     return {name: Timing(t) for name, t in times.items()}
 
 
+def device_ms(run, new, dev):
+    """The GPU's busy time (ms) over one call run(new): the durations of the kernels and copies
+    torch.profiler records on CUDA summed (a CUDA graph's kernels each count), None off CUDA."""
+    if dev.type != 'cuda':
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run(new)
+        speculative.sync(dev)
+    return sum(e.device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA) / 1e3
+
+
+def device_busy(run, N, dev):
+    """The GPU's busy time (ms) in a decode of N tokens alone (run(1 + N) minus run(1), as timed),
+    None off CUDA."""
+    long, short = device_ms(run, 1 + N, dev), device_ms(run, 1, dev)
+    return None if long is None else long - short
+
+
 def speculative_run(model, prompt, K, draft, decodes, compile=False, temperature=0.0,
                     draft_stop=0.0):
     """run(new): speculative generate of new tokens at temperature (0: greedy); a run of more than
@@ -280,7 +305,15 @@ def bench_speculative(cfg):
                    for K in ks}}
         with autocast:      # the figures of the timed decodes only (no compiling, no warm-up)
             secs = decode_timings(runs, N, cfg, dev, lambda: [d.clear() for d in decodes.values()])
-        rows += [speculate_row(model, b, K, secs[0], secs[K], pooled(decodes[K]), N) for K in ks]
+        more = [speculate_row(model, b, K, secs[0], secs[K], pooled(decodes[K]), N) for K in ks]
+        if cfg['profile']:          # once more a side, warm: how busy the GPU was
+            with autocast:
+                busy = {K: device_busy(run, N, dev) for K, run in runs.items()}
+            for r in more:
+                for side, K, ms in (('plain', 0, r['plain_ms']), ('spec', r['K'], r['spec_ms'])):
+                    r[f'{side}_device_ms'] = busy[K]
+                    r[f'{side}_device_share'] = None if busy[K] is None else busy[K] / ms
+        rows += more
     return dict(
         kind='speculative', route=model.config.route, init_from=cfg['init_from'],
         device=str(dev),
@@ -319,5 +352,10 @@ def print_speculative(res):
               f"| {r['tokens_per_pass']:.2f} | {kept} "
               f"| {r['draft_ms_per_pass']:.1f} / {r['verify_ms_per_pass']:.1f} "
               f"| {r['spreads'][0]:.0%} / {r['spreads'][1]:.0%}{' NOISY' if r['noisy'] else ''} |")
+    for r in (r for r in res['rows'] if 'spec_device_ms' in r):
+        print(f"GPU busy, batch {r['batch']}, K {r['K']}: " + (
+            'measured on CUDA only' if r['spec_device_ms'] is None else '; '.join(
+                f"{side} {r[f'{side}_device_ms']:.2f} of {r[f'{side}_ms']:.2f} ms "
+                f"({r[f'{side}_device_share']:.0%})" for side in ('plain', 'spec'))))
     from bench import noise_note
     print(noise_note(res['rows']))

@@ -521,6 +521,68 @@ def test_bench_speculate_compiled(capsys, monkeypatch):
     assert sorted(set(made)) == ['decode_step', 'draft_pass', 'verify_pass']
 
 
+def test_device_ms_sums_the_gpus_events_only(monkeypatch):
+    """bench_speculative.device_ms adds the durations of the events the profiler recorded on CUDA
+    (kernels, copies) and leaves out the host's ops, whose device_time_total counts their kernels
+    again; off CUDA it is None, without profiling."""
+    import bench_speculative
+    import speculative
+    import torch.profiler
+    from torch.autograd import DeviceType
+    events = [SimpleNamespace(device_type=DeviceType.CUDA, device_time_total=250.0)] * 3 + [
+        SimpleNamespace(device_type=DeviceType.CPU, device_time_total=750.0)]
+
+    class FakeProfile:
+        def __init__(self, activities):
+            self.activities = activities
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return events
+    monkeypatch.setattr(torch.profiler, 'profile', FakeProfile)
+    monkeypatch.setattr(speculative, 'sync', lambda dev: None)
+    calls = []
+    assert bench_speculative.device_ms(calls.append, 7, torch.device('cuda')) == 0.75
+    assert calls == [7]
+    assert bench_speculative.device_ms(calls.append, 7, torch.device('cpu')) is None
+    assert calls == [7]
+
+
+def test_bench_speculate_profile(capsys, monkeypatch):
+    """--profile=True puts each side's GPU busy time in a decode alone (device_ms of 1 + N tokens
+    minus that of 1, as timed) and its share of the side's timed median in every row; off CUDA
+    they are None, and the table says so."""
+    import bench_speculative
+    assert bench.main([*SPEC_TINY, '--route=exit', '--speculate=2', '--profile=True',
+                       '--json']) == 0
+    res = json.loads(capsys.readouterr().out)
+    for r in res['rows']:
+        assert r['plain_device_ms'] is None and r['spec_device_share'] is None
+    assert bench.main([*SPEC_TINY, '--route=exit', '--speculate=2', '--profile=True']) == 0
+    assert 'GPU busy, batch 1, K 2: measured on CUDA only' in capsys.readouterr().out
+    seen = []
+
+    def device_ms(run, new, dev):       # a GPU that is busy 0.5 ms per token generated
+        run(new)
+        seen.append(new)
+        return 0.5 * new
+    monkeypatch.setattr(bench_speculative, 'device_ms', device_ms)
+    assert bench.main([*SPEC_TINY, '--route=exit', '--speculate=2', '--decode_batches=1',
+                       '--profile=True', '--json']) == 0
+    res = json.loads(capsys.readouterr().out)
+    (r,) = res['rows']
+    N = res['decode_tokens']
+    assert sorted(seen) == [1, 1, 1 + N, 1 + N]
+    for side in ('plain', 'spec'):
+        assert r[f'{side}_device_ms'] == pytest.approx(0.5 * N)
+        assert r[f'{side}_device_share'] == pytest.approx(0.5 * N / r[f'{side}_ms'])
+
+
 def test_bench_speculate_sampled(capsys, monkeypatch):
     """--temperature=1.0 samples on both sides, and each row's acceptance and tokens per pass pool
     the counts of its timed decodes (bench_steps of them; the warm-up's are left out)."""
