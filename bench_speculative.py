@@ -41,6 +41,10 @@ last pass) is the gap to the measured speedup. With --draft_stop > 0 (speculativ
 draft_stop) a pass drafts any number of tokens up to K, which the formula does not model: alpha
 and predicted_speedup are None there.
 
+With --one_graph=True each pass's draft and verification run as one function
+(speculative.whole_pass; one graph a pass with --compile=True), timed whole: pass_ms, and no
+draft/verify split or prediction (None).
+
 With --profile=True, on CUDA, each side decodes once more under torch.profiler: plain_device_ms and
 spec_device_ms are the GPU's busy time in a decode alone (its kernels' and copies' durations
 summed), and *_device_share that time over the side's timed median; the rest of the decode's time
@@ -68,6 +72,8 @@ SPECULATE_DEFAULTS = dict(
     draft_layers=0,         # where the draft has a depth: blocks it runs (0: its default)
     draft_stop=0.0,         # stop a pass's drafting below this draft probability (0: off)
     temperature=0.0,        # both sides sample at this temperature (0: greedy)
+    one_graph=False,        # each pass's draft and verification as one function (one graph a
+                            # pass with --compile; its draft/verify split is then not measured)
 )
 
 
@@ -105,7 +111,7 @@ def check_options(cfg, argv):
     model's block_size. Returns the model config, or None without --speculate."""
     given = [a[2:].partition('=')[0] for a in argv if a.startswith('--')]
     if not cfg['speculate']:
-        for key in ('draft', 'draft_layers', 'draft_stop', 'temperature'):
+        for key in ('draft', 'draft_layers', 'draft_stop', 'temperature', 'one_graph'):
             if key in given:
                 raise ConfigError(f"--{key} is an option of --speculate=K; add "
                                   f"--speculate=1,2,4,8 or drop --{key}")
@@ -121,6 +127,9 @@ def check_options(cfg, argv):
                           f"{cfg['draft_layers']}")
     if not 0 <= cfg['draft_stop'] <= 1:         # also refuses NaN
         raise ConfigError(f"draft_stop must be in [0, 1] (0: off), got {cfg['draft_stop']}")
+    if cfg['one_graph'] and cfg['draft_stop']:
+        raise ConfigError("--one_graph drafts whole passes, --draft_stop a step at a time: "
+                          "drop one of them")
     path = checkpoint_file(cfg['init_from'])
     mcfg = (GPTConfig.from_dict(load_checkpoint(path)['model_args']) if path
             else train.model_config(SimpleNamespace(**cfg), vocab_size=cfg['vocab_size'] or 50304))
@@ -207,7 +216,7 @@ def device_busy(run, N, dev):
 
 
 def speculative_run(model, prompt, K, draft, decodes, compile=False, temperature=0.0,
-                    draft_stop=0.0):
+                    draft_stop=0.0, one_graph=False):
     """run(new): speculative generate of new tokens at temperature (0: greedy); a run of more than
     one token appends its figures to the list decodes."""
     def run(new):
@@ -215,7 +224,8 @@ def speculative_run(model, prompt, K, draft, decodes, compile=False, temperature
         # speculative.generate itself: model.generate(..., stats=) would also record the routing
         # statistics per token, which the plain run it is timed against does not
         speculative.generate(model, prompt, new, K, draft[0], draft[1], temperature=temperature,
-                             stats=stats, compile=compile, draft_stop=draft_stop)
+                             stats=stats, compile=compile, draft_stop=draft_stop,
+                             one_graph=one_graph)
         if stats is not None:
             decodes.append(stats)
     return run
@@ -229,6 +239,7 @@ def pooled(decodes):
     total = {k: sum(d[k] for d in decodes) for k in (
         'spec_passes', 'spec_draft_steps', 'spec_draft_s', 'spec_verify_s', 'spec_made',
         'spec_row_passes')}
+    total['spec_one_graph'] = decodes[0].get('spec_one_graph', False)
     drafted = [sum(c) for c in zip(*(d['spec_drafted'] for d in decodes))]
     kept = [sum(c) for c in zip(*(d['spec_kept'] for d in decodes))]
     return dict(total, spec_draft=decodes[0]['spec_draft'], spec_depth=decodes[0]['spec_depth'],
@@ -266,6 +277,10 @@ def speculate_row(model, b, K, plain_s, spec_s, stats, N):
     alpha, predicted = predicted_speedup(rates, plain_s / N, K * draft_step, verify_pass)
     if stats['spec_draft_stop']:    # passes of any length up to K: the formula does not hold
         alpha = predicted = None
+    whole = stats['spec_one_graph']     # one function a pass: no draft/verify split measured
+    split = None if whole else dict(
+        draft_ms_per_pass=draft_pass * 1e3, verify_ms_per_pass=verify_pass * 1e3,
+        draft_share=draft_pass / max(draft_pass + verify_pass, 1e-12))
     return dict(
         route=model.config.route, batch=b, K=K, draft=stats['spec_draft'],
         draft_layers=stats['spec_depth'], draft_stop=stats['spec_draft_stop'],
@@ -276,10 +291,10 @@ def speculate_row(model, b, K, plain_s, spec_s, stats, N):
         accept_rate=rates, tokens_per_pass=stats['spec_tokens_per_pass'],
         mean_accepted=stats['spec_tokens_per_pass'] - 1,
         passes=stats['spec_passes'] / stats['decodes'],
-        plain_ms_per_step=plain_s / N * 1e3, draft_ms_per_pass=draft_pass * 1e3,
-        verify_ms_per_pass=verify_pass * 1e3,
-        draft_share=draft_pass / max(draft_pass + verify_pass, 1e-12),
-        alpha=alpha, predicted_speedup=predicted, **noise(plain_s, spec_s),
+        plain_ms_per_step=plain_s / N * 1e3, one_graph=whole,
+        pass_ms=(draft_pass + verify_pass) * 1e3,
+        **(split or dict.fromkeys(('draft_ms_per_pass', 'verify_ms_per_pass', 'draft_share'))),
+        alpha=alpha, predicted_speedup=None if whole else predicted, **noise(plain_s, spec_s),
     )
 
 
@@ -301,7 +316,7 @@ def bench_speculative(cfg):
         temp, decodes = cfg['temperature'], {K: [] for K in ks}
         runs = {0: partial(model.generate, prompt, temperature=temp, compile=cfg['compile']),
                 **{K: speculative_run(model, prompt, K, draft, decodes[K], cfg['compile'], temp,
-                                      cfg['draft_stop'])
+                                      cfg['draft_stop'], cfg['one_graph'])
                    for K in ks}}
         with autocast:      # the figures of the timed decodes only (no compiling, no warm-up)
             secs = decode_timings(runs, N, cfg, dev, lambda: [d.clear() for d in decodes.values()])
@@ -334,6 +349,13 @@ def sampling(temperature):
     return f'sampled (temperature {temperature:g})' if temperature else 'greedy'
 
 
+def split_ms(r):
+    """The table's draft / verify ms per pass, or a pass's whole ms where it ran as one."""
+    if r.get('one_graph'):
+        return f"{r['pass_ms']:.1f} whole"
+    return f"{r['draft_ms_per_pass']:.1f} / {r['verify_ms_per_pass']:.1f}"
+
+
 def print_speculative(res):
     print(f"self-speculative decode, route={res['route']} {res['n_layer']}L d{res['n_embd']} "
           f"{res['dtype']} on {res['device']} ({res['threads']} threads), "
@@ -350,7 +372,7 @@ def print_speculative(res):
         print(f"| {r['batch']} | {r['K']} | {r['draft']}{depth} | {r['plain_tokens_per_s']:.1f} | "
               f"{r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f} | {predicted} "
               f"| {r['tokens_per_pass']:.2f} | {kept} "
-              f"| {r['draft_ms_per_pass']:.1f} / {r['verify_ms_per_pass']:.1f} "
+              f"| {split_ms(r)} "
               f"| {r['spreads'][0]:.0%} / {r['spreads'][1]:.0%}{' NOISY' if r['noisy'] else ''} |")
     for r in (r for r in res['rows'] if 'spec_device_ms' in r):
         print(f"GPU busy, batch {r['batch']}, K {r['K']}: " + (

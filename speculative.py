@@ -170,20 +170,30 @@ def verify_pass(model, window, q, base_active, cache, temperature, top_k, vocab_
             {k: aux[k] for k in ('masks', 'margins') if k in aux})
 
 
-def pass_steps(model, device, compile):
-    """(draft_pass, verify_pass), eager or compiled (GPT.compiled: no host sync inside, a CUDA graph
-    on CUDA, so that a pass costs two graph launches whatever K, and with draft_stop one per
-    drafted token and a host sync each; one graph per batch size, attended bucket and k, as
-    passes cut short by block_size draft and verify fewer tokens, and draft_stop drafts k = 1).
-    The compiled pair is kept on the model, so later decodings reuse its graphs; it takes the model
-    as an argument, so a copy of the model runs its own weights."""
+def whole_pass(model, name, depth, tok, base_active, cache, k, temperature, top_k, vocab_limit,
+               keep_logits):
+    """draft_pass then verify_pass as one function: compiled, one graph a pass, with no wait between
+    the two and no split of their time. Returns verify_pass's outputs."""
+    window, q, _ = draft_pass(model, name, depth, tok, base_active[0], cache, k, temperature, top_k,
+                              vocab_limit)
+    return verify_pass(model, window, q, base_active, cache, temperature, top_k, vocab_limit,
+                       keep_logits)
+
+
+def pass_step(model, device, compile, step):
+    """step (draft_pass, verify_pass or whole_pass), eager or compiled (GPT.compiled: no host sync
+    inside, a CUDA graph on CUDA, so that a pass costs two graph launches whatever K, one with
+    whole_pass, and with draft_stop one per drafted token and a host sync each; one graph per
+    batch size, attended bucket and k, as passes cut short by block_size draft and verify fewer
+    tokens, and draft_stop drafts k = 1). Compiled steps are kept on the model, so later decodings
+    reuse their graphs; each takes the model as an argument, so a copy of the model runs its own
+    weights."""
     if not compile:
-        return draft_pass, verify_pass
+        return step
     steps = model.__dict__.setdefault('speculative_steps', {})
-    if str(device) not in steps:
-        steps[str(device)] = (model.compiled(draft_pass, device),
-                              model.compiled(verify_pass, device))
-    return steps[str(device)]
+    if (str(device), step.__name__) not in steps:
+        steps[str(device), step.__name__] = model.compiled(step, device)
+    return steps[str(device), step.__name__]
 
 
 def sync(device):
@@ -195,7 +205,7 @@ def sync(device):
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=None,
              temperature=1.0, top_k=None, lengths=None, record=None, vocab_limit=None,
-             stats=None, trace=None, compile=False, draft_stop=0.0):
+             stats=None, trace=None, compile=False, draft_stop=0.0, one_graph=False):
     """model.generate(..., speculate=K): max_new_tokens per row drafted K at a time (see the module
     docstring). draft_stop > 0: a pass stops drafting after a step at which, in every row still
     decoding, the draft gave the token it drafted a probability below draft_stop (greedy: its
@@ -212,9 +222,11 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     family's aux['margins']), 'prefill_masks' and 'prefill_margins', the final token count of each
     row 'n' (B,) and the KV 'cache'. compile: each pass's draft (its K steps and picks) and its
     verification (the forward, the acceptance rule and the cache's rollback) compiled as one graph
-    each (pass_steps); the prefill and the placing of the kept tokens after the last pass stay
+    each (pass_step); the prefill and the placing of the kept tokens after the last pass stay
     eager, and between passes the host reads the kept counts (one sync per pass; with stats, a
-    second between draft and verification times them apart)."""
+    second between draft and verification times them apart). one_graph (without draft_stop): each
+    pass's draft and verification as one function (whole_pass), one graph a pass when compiled;
+    stats then time the pass whole (spec_draft_s 0, spec_one_graph True)."""
     cfg, family, dev = model.config, model.family, idx.device
     if top_k == 1:                  # greedy, as in model.generate: an argmax, no random draw
         temperature = 0
@@ -238,7 +250,11 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     record = record or (lambda aux: None)
     rows = torch.arange(B, device=dev)
     cache = model.new_cache(B, dev, compile)
-    draft, verify = pass_steps(model, dev, compile)
+    one_graph = bool(one_graph) and not draft_stop
+    if one_graph:
+        whole = pass_step(model, dev, compile, whole_pass)
+    else:
+        draft, verify = (pass_step(model, dev, compile, f) for f in (draft_pass, verify_pass))
     # the prefill, as plain decoding runs it (uniform prompts: the last position's logits only)
     pos = torch.arange(T, device=dev).expand(B, T)
     logits, _, aux = model(idx, pos=pos, cache=cache, last_only=None if uniform else False)
@@ -296,10 +312,7 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
         cache.attend_to(max(base) + k + 1)      # the pass reads and writes slots below this
         base_active = torch.tensor([base, active], device=dev)
         t0 = time.perf_counter()
-        if not draft_stop:
-            window, q, _ = draft(model, name, depth, tok, base_active[0], cache, k, temperature,
-                                 top_k, vocab_limit)
-        else:                       # a step at a time, each checked on the host
+        if draft_stop:              # a step at a time, each checked on the host
             window, q, decoding = [tok[:, None]], [], base_active[1] > 0
             for j in range(k):
                 w, qj, lg = draft(model, name, depth, tok, base_active[0] + j, cache, 1,
@@ -312,11 +325,20 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
                     k = j + 1           # every row's draft is unsure: verify what it has
                     break
             window, q = torch.cat(window, 1), torch.cat(q, 1) if q and q[0] is not None else None
-        if stats is not None:       # the draft/verify split of the time: wait for the draft
+        elif not one_graph:         # (one_graph: whole() below drafts)
+            window, q, _ = draft(model, name, depth, tok, base_active[0], cache, k, temperature,
+                                 top_k, vocab_limit)
+        if stats is not None and not one_graph:     # the draft/verify split: wait for the draft
             sync(dev)
         t1 = time.perf_counter()
-        a_t, tok, kept_t, logits, aux = verify(model, window, q, base_active, cache, temperature,
-                                               top_k, vocab_limit, trace is not None)
+        if one_graph:
+            a_t, tok, kept_t, logits, aux = whole(model, name, depth, tok, base_active, cache, k,
+                                                  temperature, top_k, vocab_limit,
+                                                  trace is not None)
+        else:
+            a_t, tok, kept_t, logits, aux = verify(model, window, q, base_active, cache,
+                                                   temperature, top_k, vocab_limit,
+                                                   trace is not None)
         a = a_t.tolist()            # the one host sync of the pass
         t_verify += time.perf_counter() - t1
         t_draft += t1 - t0
@@ -366,7 +388,7 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
                      spec_accept_rate=[kept[j] / drafted[j] if drafted[j] else None
                                        for j in range(1, K + 1)],
                      spec_tokens_per_pass=made / max(1, row_passes),
-                     spec_draft_s=t_draft, spec_verify_s=t_verify,
+                     spec_draft_s=t_draft, spec_verify_s=t_verify, spec_one_graph=one_graph,
                      # the counts behind the rates, to pool over decodes (bench.py's repeats)
                      spec_kept=kept[1:], spec_drafted=drafted[1:], spec_made=made,
                      spec_row_passes=row_passes)

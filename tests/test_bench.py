@@ -437,9 +437,9 @@ SPEC_TINY = ['--n_layer=3', '--n_head=2', '--n_embd=32', '--block_size=64', '--v
 SPEC_KEYS = {'route', 'batch', 'K', 'speedup', 'draft', 'draft_layers', 'draft_stop',
              'plain_tokens_per_s',
              'spec_tokens_per_s', 'plain_ms', 'spec_ms', 'accept_rate', 'tokens_per_pass',
-             'mean_accepted', 'passes', 'plain_ms_per_step', 'draft_ms_per_pass',
-             'verify_ms_per_pass', 'draft_share', 'alpha', 'predicted_speedup', 'spreads',
-             'repeats', 'noisy'}
+             'mean_accepted', 'passes', 'plain_ms_per_step', 'one_graph', 'pass_ms',
+             'draft_ms_per_pass', 'verify_ms_per_pass', 'draft_share', 'alpha',
+             'predicted_speedup', 'spreads', 'repeats', 'noisy'}
 
 
 def check_spec_rows(res, route, ks, batches):
@@ -467,7 +467,13 @@ def check_spec_rows(res, route, ks, batches):
         # 8 tokens after the first: at least ceil(8 / (K + 1)) verifier passes, at most 8
         assert -(-8 // (r['K'] + 1)) <= r['passes'] <= 8
         # (the prediction scales the plain step, a difference of timings that noise can make <= 0)
-        assert 0 < r['draft_share'] < 1 and math.isfinite(r['predicted_speedup'])
+        if r['one_graph']:          # a pass timed whole: no split, so no prediction
+            assert r['draft_share'] is None and r['predicted_speedup'] is None
+            assert r['draft_ms_per_pass'] is None and r['verify_ms_per_pass'] is None
+        else:
+            assert 0 < r['draft_share'] < 1 and math.isfinite(r['predicted_speedup'])
+            assert r['pass_ms'] == pytest.approx(r['draft_ms_per_pass'] + r['verify_ms_per_pass'])
+        assert r['pass_ms'] > 0
         # bench_steps=2 paired repeats per side: too few for a ratio that means anything
         assert r['repeats'] == 2 and r['noisy'] and len(r['spreads']) == 2
 
@@ -581,6 +587,28 @@ def test_bench_speculate_profile(capsys, monkeypatch):
     for side in ('plain', 'spec'):
         assert r[f'{side}_device_ms'] == pytest.approx(0.5 * N)
         assert r[f'{side}_device_share'] == pytest.approx(0.5 * N / r[f'{side}_ms'])
+
+
+def test_bench_speculate_one_graph(capsys, monkeypatch):
+    """--one_graph=True --compile=True compiles plain decoding's step and one function a pass
+    (whole_pass), and its rows time passes whole: pass_ms, no draft/verify split, no
+    prediction."""
+    from model import GPT
+    made = []
+
+    def compiled(step, device):
+        made.append(step.__name__)
+        return torch.compile(step, backend='eager', fullgraph=True, dynamic=False)
+    monkeypatch.setattr(GPT, 'compiled', staticmethod(compiled))
+    try:
+        assert bench.main([*SPEC_TINY, '--route=mod', '--speculate=2', '--compile=True',
+                           '--one_graph=True', '--json']) == 0
+    finally:
+        torch._dynamo.reset()
+    res = json.loads(capsys.readouterr().out)
+    check_spec_rows(res, 'mod', [2], [1, 2])
+    assert all(r['one_graph'] for r in res['rows'])
+    assert sorted(set(made)) == ['decode_step', 'whole_pass']
 
 
 def test_bench_speculate_sampled(capsys, monkeypatch):
@@ -715,6 +743,9 @@ def test_bench_speculate_predicted():
     (['--speculate=2', '--draft_stop=1.5'], "draft_stop must be in [0, 1] (0: off), got 1.5"),
     (['--speculate=2', '--draft_stop=-0.5'], "draft_stop must be in [0, 1] (0: off), got -0.5"),
     (['--temperature=1'], "--temperature is an option of --speculate=K"),
+    (['--one_graph=True'], "--one_graph is an option of --speculate=K"),
+    (['--speculate=2', '--one_graph=True', '--draft_stop=0.3'],
+     "--one_graph drafts whole passes, --draft_stop a step at a time: drop one of them"),
     (['--speculate=2', '--temperature=-1'], "temperature must be >= 0 (0: greedy), got -1.0"),
     (['--speculate=2', '--init_from=no/such/run'], "init_from=no/such/run: no checkpoint at"),
     (['--speculate=2', '--decode_tokens=60'], "exceeds the model's block_size=64"),

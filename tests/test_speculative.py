@@ -70,6 +70,41 @@ def test_speculative_decoding_leaves_plain_decodings_cache(case, seed, K, lens, 
                                        torch.where(valid, ref[:, b, :, filled], 0.0), **ROUTED_TOL)
 
 
+@settings(**{**SETTINGS, 'max_examples': 25})
+@given(case=st.sampled_from(CASES), seed=st.integers(0, 999), K=st.integers(1, 4),
+       lens=st.lists(st.integers(1, 8), min_size=1, max_size=3),
+       temperature=st.sampled_from([0.0, 1.0]), top_k=st.sampled_from([None, 3]), data=st.data())
+def test_a_pass_as_one_function_decodes_as_draft_and_verification_apart(case, seed, K, lens,
+                                                                         temperature, top_k, data):
+    """one_graph=True (each pass's draft and verification in one function, whole_pass) runs the
+    same operations in the same order as the two apart: under one seed the same tokens, the same
+    verifier logits and decisions, the same cache (bitwise), the same acceptance counts; greedy
+    and sampled, routed at random or not, rows ending at block_size included."""
+    model = build(*case, seed=seed).eval()
+    new = data.draw(st.integers(1, model.config.block_size - max(lens)))
+    draft = data.draw(st.sampled_from(sorted(model.family.drafts(model.config))))
+    idx = tokens(seed, len(lens), max(lens))
+    runs = []
+    for one_graph in (False, True):
+        torch.manual_seed(seed)
+        trace, stats = {}, {}
+        out = speculative.generate(model, idx, new, K, draft, temperature=temperature,
+                                   top_k=top_k, lengths=lens, trace=trace, stats=stats,
+                                   one_graph=one_graph)
+        runs.append((out, trace, stats))
+    (out0, tr0, st0), (out1, tr1, st1) = runs
+    assert all(torch.equal(a, b) for a, b in zip(out0, out1))
+    assert torch.equal(tr0['logits'], tr1['logits']) and torch.equal(tr0['n'], tr1['n'])
+    assert tr0['masks'].keys() == tr1['masks'].keys()
+    assert all(torch.equal(tr0['masks'][l], tr1['masks'][l]) for l in tr0['masks'])
+    c0, c1 = tr0['cache'], tr1['cache']
+    assert torch.equal(c0.kpos, c1.kpos)
+    assert all(torch.equal(a, b) for a, b in zip(c0.k + c0.v, c1.k + c1.v))
+    for key in ('spec_passes', 'spec_kept', 'spec_drafted', 'spec_made'):
+        assert st0[key] == st1[key], key
+    assert not st0['spec_one_graph'] and st1['spec_one_graph']
+
+
 @pytest.mark.parametrize('opt', [0, 1, 3])
 def test_a_draft_writing_blocks_the_verifier_skips_leaves_no_trace(opt):
     """MoD's verifier writes no K/V where a token skips a block, and the 'layers' draft runs every
