@@ -504,11 +504,9 @@ def test_bench_speculate_draft_stop():
         assert r['accept_rate'][1:] == [None] * (r['K'] - 1) and r['tokens_per_pass'] <= 2
 
 
-def test_bench_speculate_compiled(capsys, monkeypatch):
-    """--compile=True compiles both sides: plain decoding's step, and the draft pass and verifier
-    pass of speculative decoding (GPT.compiled; here traced whole and run without code generation),
-    and the JSON says so."""
-    import torch
+def trace_compiled_steps(monkeypatch):
+    """GPT.compiled traced whole and run without code generation; returns the list of the names
+    of the steps it compiles."""
     from model import GPT
     made = []
 
@@ -516,6 +514,14 @@ def test_bench_speculate_compiled(capsys, monkeypatch):
         made.append(step.__name__)
         return torch.compile(step, backend='eager', fullgraph=True, dynamic=False)
     monkeypatch.setattr(GPT, 'compiled', staticmethod(compiled))
+    return made
+
+
+def test_bench_speculate_compiled(capsys, monkeypatch):
+    """--compile=True compiles both sides: plain decoding's step, and the draft pass and verifier
+    pass of speculative decoding (GPT.compiled; here traced whole and run without code generation),
+    and the JSON says so."""
+    made = trace_compiled_steps(monkeypatch)
     try:
         assert bench.main([*SPEC_TINY, '--route=exit', '--speculate=2', '--compile=True',
                            '--json']) == 0
@@ -593,13 +599,7 @@ def test_bench_speculate_one_graph(capsys, monkeypatch):
     """--one_graph=True --compile=True compiles plain decoding's step and one function a pass
     (whole_pass), and its rows time passes whole: pass_ms, no draft/verify split, no
     prediction."""
-    from model import GPT
-    made = []
-
-    def compiled(step, device):
-        made.append(step.__name__)
-        return torch.compile(step, backend='eager', fullgraph=True, dynamic=False)
-    monkeypatch.setattr(GPT, 'compiled', staticmethod(compiled))
+    made = trace_compiled_steps(monkeypatch)
     try:
         assert bench.main([*SPEC_TINY, '--route=mod', '--speculate=2', '--compile=True',
                            '--one_graph=True', '--json']) == 0
