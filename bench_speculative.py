@@ -43,7 +43,8 @@ and predicted_speedup are None there.
 
 With --one_graph=True each pass's draft and verification run as one function
 (speculative.whole_pass; one graph a pass with --compile=True), timed whole: pass_ms, and no
-draft/verify split or prediction (None).
+draft/verify split or prediction (None); the passes apart wait between draft and verification
+for their split, so the two differ by that wait too.
 
 With --profile=True, on CUDA, each side decodes once more under torch.profiler: plain_device_ms and
 spec_device_ms are the GPU's busy time in a decode alone (its kernels' and copies' durations
@@ -205,7 +206,9 @@ def device_ms(run, new, dev):
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run(new)
         speculative.sync(dev)
-    return sum(e.device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA) / 1e3
+    # (a user annotation's span on the GPU is not work: torch's own tables leave it out too)
+    return sum(e.device_time_total for e in prof.events()
+               if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / 1e3
 
 
 def device_busy(run, N, dev):
@@ -363,7 +366,7 @@ def print_speculative(res):
           f"{res['decode_tokens']} {sampling(res.get('temperature'))} tokens, decode alone"
           f"{', compiled steps' if res.get('compiled') else ''}")
     print('| batch | K | draft | plain tok/s | spec tok/s | speedup | predicted | tokens/pass '
-          '| kept per position | draft / verify ms per pass | spread plain / spec |')
+          '| kept per position | draft / verify (or whole) ms per pass | spread plain / spec |')
     print('|---|---|---|---|---|---|---|---|---|---|---|')
     for r in res['rows']:
         depth = f" E={r['draft_layers']}" if r['draft_layers'] is not None else ''

@@ -330,7 +330,7 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
                                  top_k, vocab_limit)
         if stats is not None and not one_graph:     # the draft/verify split: wait for the draft
             sync(dev)
-        t1 = time.perf_counter()
+        t1 = t0 if one_graph else time.perf_counter()     # (one_graph: the pass's time is verify's)
         if one_graph:
             a_t, tok, kept_t, logits, aux = whole(model, name, depth, tok, base_active, cache, k,
                                                   temperature, top_k, vocab_limit,

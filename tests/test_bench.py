@@ -536,13 +536,16 @@ def test_bench_speculate_compiled(capsys, monkeypatch):
 def test_device_ms_sums_the_gpus_events_only(monkeypatch):
     """bench_speculative.device_ms adds the durations of the events the profiler recorded on CUDA
     (kernels, copies) and leaves out the host's ops, whose device_time_total counts their kernels
-    again; off CUDA it is None, without profiling."""
+    again, and user annotations' spans; off CUDA it is None, without profiling."""
     import bench_speculative
     import speculative
     import torch.profiler
     from torch.autograd import DeviceType
-    events = [SimpleNamespace(device_type=DeviceType.CUDA, device_time_total=250.0)] * 3 + [
-        SimpleNamespace(device_type=DeviceType.CPU, device_time_total=750.0)]
+    def event(device_type, ms, annotation=False):
+        return SimpleNamespace(device_type=device_type, device_time_total=ms * 1e3,
+                               is_user_annotation=annotation)
+    events = [event(DeviceType.CUDA, 0.25)] * 3 + [event(DeviceType.CPU, 0.75),
+                                                   event(DeviceType.CUDA, 0.5, annotation=True)]
 
     class FakeProfile:
         def __init__(self, activities):
@@ -579,10 +582,10 @@ def test_bench_speculate_profile(capsys, monkeypatch):
     assert 'GPU busy, batch 1, K 2: measured on CUDA only' in capsys.readouterr().out
     seen = []
 
-    def device_ms(run, new, dev):       # a GPU that is busy 0.5 ms per token generated
+    def device_ms(run, new, dev):       # busy 0.5 ms a token plain (a partial), 0.25 speculative
         run(new)
         seen.append(new)
-        return 0.5 * new
+        return (0.5 if hasattr(run, 'func') else 0.25) * new
     monkeypatch.setattr(bench_speculative, 'device_ms', device_ms)
     assert bench.main([*SPEC_TINY, '--route=exit', '--speculate=2', '--decode_batches=1',
                        '--profile=True', '--json']) == 0
@@ -590,9 +593,9 @@ def test_bench_speculate_profile(capsys, monkeypatch):
     (r,) = res['rows']
     N = res['decode_tokens']
     assert sorted(seen) == [1, 1, 1 + N, 1 + N]
-    for side in ('plain', 'spec'):
-        assert r[f'{side}_device_ms'] == pytest.approx(0.5 * N)
-        assert r[f'{side}_device_share'] == pytest.approx(0.5 * N / r[f'{side}_ms'])
+    for side, per_token in (('plain', 0.5), ('spec', 0.25)):
+        assert r[f'{side}_device_ms'] == pytest.approx(per_token * N)
+        assert r[f'{side}_device_share'] == pytest.approx(per_token * N / r[f'{side}_ms'])
 
 
 def test_bench_speculate_one_graph(capsys, monkeypatch):

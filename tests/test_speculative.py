@@ -100,7 +100,7 @@ def test_a_pass_as_one_function_decodes_as_draft_and_verification_apart(case, se
     c0, c1 = tr0['cache'], tr1['cache']
     assert torch.equal(c0.kpos, c1.kpos)
     assert all(torch.equal(a, b) for a, b in zip(c0.k + c0.v, c1.k + c1.v))
-    for key in ('spec_passes', 'spec_kept', 'spec_drafted', 'spec_made'):
+    for key in ('spec_passes', 'spec_draft_steps', 'spec_kept', 'spec_drafted', 'spec_made'):
         assert st0[key] == st1[key], key
     assert not st0['spec_one_graph'] and st1['spec_one_graph']
 
