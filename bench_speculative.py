@@ -281,9 +281,6 @@ def speculate_row(model, b, K, plain_s, spec_s, stats, N):
     if stats['spec_draft_stop']:    # passes of any length up to K: the formula does not hold
         alpha = predicted = None
     whole = stats['spec_one_graph']     # one function a pass: no draft/verify split measured
-    split = None if whole else dict(
-        draft_ms_per_pass=draft_pass * 1e3, verify_ms_per_pass=verify_pass * 1e3,
-        draft_share=draft_pass / max(draft_pass + verify_pass, 1e-12))
     return dict(
         route=model.config.route, batch=b, K=K, draft=stats['spec_draft'],
         draft_layers=stats['spec_depth'], draft_stop=stats['spec_draft_stop'],
@@ -296,7 +293,9 @@ def speculate_row(model, b, K, plain_s, spec_s, stats, N):
         passes=stats['spec_passes'] / stats['decodes'],
         plain_ms_per_step=plain_s / N * 1e3, one_graph=whole,
         pass_ms=(draft_pass + verify_pass) * 1e3,
-        **(split or dict.fromkeys(('draft_ms_per_pass', 'verify_ms_per_pass', 'draft_share'))),
+        draft_ms_per_pass=None if whole else draft_pass * 1e3,
+        verify_ms_per_pass=None if whole else verify_pass * 1e3,
+        draft_share=None if whole else draft_pass / max(draft_pass + verify_pass, 1e-12),
         alpha=alpha, predicted_speedup=None if whole else predicted, **noise(plain_s, spec_s),
     )
 

@@ -474,7 +474,7 @@ class GPT(nn.Module):
         family has them. vocab_limit: sample only ids < vocab_limit (the tokenizer's real
         vocabulary; the model's is padded, and a padding id has no text). compile: run each cached
         decoding step (decode_step) through torch.compile(fullgraph=True), captured as a CUDA graph
-        ('reduce-overhead') on CUDA, and with speculate each pass's draft and verification (their
+        on CUDA (GPT.compiled), and with speculate each pass's draft and verification (their
         sampling too); the prefill and plain decoding's sampling stay eager. speculate=K > 0:
         self-speculative decoding (speculative.py), K tokens at a time from the family's draft
         `draft` (None: its default) stopping after `draft_layers` blocks where it has a depth (None:

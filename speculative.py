@@ -357,15 +357,13 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     # with the verifier's decisions (to record) and logits (for a trace) for it
     at = [(p, b, j, n0[b] + j) for p, (n0, active, a, *_) in enumerate(log)
           for b in range(B) if active[b] for j in range(a[b] + 1)]
-    if at:
-        p_t, b_t, j_t, at_t = torch.tensor(at, device=dev).unbind(1)
-        gen = at_t - 1 - torch.tensor(lengths, device=dev)[b_t]       # generated index
-
     def placed(get):                # an item (B, k + 1, ...) of every pass, at each (p, b, j)
         xs = [get(e) for e in log]
         return torch.stack([F.pad(x, (0, 0) * (x.dim() - 2) + (0, K + 1 - x.size(1)))
                             for x in xs])[p_t, b_t, j_t]
     if at:
+        p_t, b_t, j_t, at_t = torch.tensor(at, device=dev).unbind(1)
+        gen = at_t - 1 - torch.tensor(lengths, device=dev)[b_t]       # generated index
         out[b_t, at_t] = placed(lambda e: e[3])
         for l in masks:
             masks[l][b_t, gen] = placed(lambda e: e[5]['masks'][l].float())
