@@ -135,21 +135,24 @@ def draft_step(model, name, depth, tok, pos, cache):
     return model.family.draft_logits(model, name, tok, pos, cache, depth)[:, -1]
 
 
-def draft_pass(model, name, depth, tok, base, cache, k, temperature, top_k, vocab_limit):
+def draft_pass(model, name, depth, tok, base, cache, k, temperature, top_k, vocab_limit,
+               keep_logits=False):
     """k draft steps from the pending tokens tok (B,) at positions base (B,), each picking its token
     as plain decoding picks: (window (B, k + 1): tok and the k drafted tokens, q (B, k, V'): their
-    draft distributions (None when greedy or k = 0), the last step's logits (B, V))."""
+    draft distributions (None when greedy or k = 0), the last step's logits (B, V) where
+    keep_logits, else None: compiled on CUDA, every output is one more copy a pass)."""
     window, q, logits = [tok], [], None
     for j in range(k):
         logits = draft_step(model, name, depth, tok[:, None], (base + j)[:, None], cache)
         tok, qj = pick(logits, temperature, top_k, vocab_limit)
         window.append(tok)
         q.append(qj)
-    return torch.stack(window, 1), torch.stack(q, 1) if q and q[0] is not None else None, logits
+    return (torch.stack(window, 1), torch.stack(q, 1) if q and q[0] is not None else None,
+            logits if keep_logits else None)
 
 
 def verify_pass(model, window, q, base_active, cache, temperature, top_k, vocab_limit,
-                keep_logits):
+                keep_logits, routing=None):
     """The verifier's pass over window (B, k + 1) at positions base .. base + k (base_active (2, B):
     each row's base, and 1 where it still decodes): the draft's K/V emptied, the window scored in
     one forward, the rejection rule applied and the rejected positions' slots emptied again
@@ -157,7 +160,11 @@ def verify_pass(model, window, q, base_active, cache, temperature, top_k, vocab_
     base).
     Returns (a (B,): the drafted tokens kept, tok (B,): the verifier's next token after them, kept
     (B, k + 1): window[1:a + 1] then tok, the verifier's logits (B, k + 1, V) where keep_logits
-    (else None), its {'masks', 'margins'} over the window)."""
+    (else None), its routing over the window where routing names it (else None): routing =
+    (mask layers, margin layers), the keys of the forward's aux['masks'] and aux['margins'] to
+    return, as one float tensor (masks then margins, B, k + 1). One tensor, not one per layer:
+    compiled on CUDA each output is copied out of the graph, at a host cost per output that made a
+    verification with one per layer cost 1.5-1.7 plain steps on an H200."""
     base, active = base_active[0], base_active[1] > 0
     slot = torch.arange(cache.max_len, device=window.device)[None, :]
     cache.kpos.masked_fill_(slot >= base[:, None], -1)
@@ -166,18 +173,21 @@ def verify_pass(model, window, q, base_active, cache, temperature, top_k, vocab_
     a, tok = accept(window[:, 1:], q, logits, temperature, top_k, vocab_limit)
     cache.kpos.masked_fill_(slot >= torch.where(active, base + a + 1, base)[:, None], -1)
     kept = torch.cat([window[:, 1:], tok[:, None]], 1).scatter(1, a[:, None], tok[:, None])
-    return (a, tok, kept, logits if keep_logits else None,
-            {k: aux[k] for k in ('masks', 'margins') if k in aux})
+    decisions = None
+    if routing is not None and (routing[0] or routing[1]):
+        decisions = torch.stack([aux['masks'][l].float() for l in routing[0]]
+                                + [aux['margins'][l].float() for l in routing[1]])
+    return a, tok, kept, logits if keep_logits else None, decisions
 
 
 def whole_pass(model, name, depth, tok, base_active, cache, k, temperature, top_k, vocab_limit,
-               keep_logits):
+               keep_logits, routing=None):
     """draft_pass then verify_pass as one function: compiled, one graph a pass, with no wait between
     the two and no split of their time. Returns verify_pass's outputs."""
     window, q, _ = draft_pass(model, name, depth, tok, base_active[0], cache, k, temperature, top_k,
                               vocab_limit)
     return verify_pass(model, window, q, base_active, cache, temperature, top_k, vocab_limit,
-                       keep_logits)
+                       keep_logits, routing)
 
 
 def pass_step(model, device, compile, step):
@@ -281,6 +291,8 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
         margins = {l: torch.zeros(B, new + K + 1, device=dev) for l in aux.get('margins', {})}
         picked = torch.zeros(B, new + K + 1, logits.size(-1), device=dev)
         picked[:, 0] = logits
+    # the verifier's decisions each pass returns, as one tensor: only what is read
+    routing = (tuple(masks), tuple(margins))
     drafted = [0] * (K + 1)         # per draft position: rows that drafted it
     kept = [0] * (K + 1)            # ... and kept it
     passes, row_passes, draft_steps, t_draft, t_verify = 0, 0, 0, 0.0, 0.0
@@ -316,7 +328,7 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
             window, q, decoding = [tok[:, None]], [], base_active[1] > 0
             for j in range(k):
                 w, qj, lg = draft(model, name, depth, tok, base_active[0] + j, cache, 1,
-                                  temperature, top_k, vocab_limit)
+                                  temperature, top_k, vocab_limit, True)
                 tok = w[:, 1].contiguous()      # (a strided tok would compile another graph)
                 window.append(w[:, 1:])
                 q.append(qj)
@@ -332,17 +344,17 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
             sync(dev)
         t1 = t0 if one_graph else time.perf_counter()     # (one_graph: the pass's time is verify's)
         if one_graph:
-            a_t, tok, kept_t, logits, aux = whole(model, name, depth, tok, base_active, cache, k,
-                                                  temperature, top_k, vocab_limit,
-                                                  trace is not None)
+            a_t, tok, kept_t, logits, decided = whole(model, name, depth, tok, base_active, cache,
+                                                      k, temperature, top_k, vocab_limit,
+                                                      trace is not None, routing)
         else:
-            a_t, tok, kept_t, logits, aux = verify(model, window, q, base_active, cache,
-                                                   temperature, top_k, vocab_limit,
-                                                   trace is not None)
+            a_t, tok, kept_t, logits, decided = verify(model, window, q, base_active, cache,
+                                                       temperature, top_k, vocab_limit,
+                                                       trace is not None, routing)
         a = a_t.tolist()            # the one host sync of the pass
         t_verify += time.perf_counter() - t1
         t_draft += t1 - t0
-        log.append((list(n), active, a, kept_t, logits, aux if keep_masks else {}))
+        log.append((list(n), active, a, kept_t, logits, decided))
         passes, row_passes, draft_steps = passes + 1, row_passes + sum(active), draft_steps + k
         for b in range(B):
             if active[b]:
@@ -365,12 +377,12 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
         p_t, b_t, j_t, at_t = torch.tensor(at, device=dev).unbind(1)
         gen = at_t - 1 - torch.tensor(lengths, device=dev)[b_t]       # generated index
         out[b_t, at_t] = placed(lambda e: e[3])
-        for l in masks:
-            masks[l][b_t, gen] = placed(lambda e: e[5]['masks'][l].float())
+        if masks or margins:        # (masks then margins, at each kept token)
+            decided = placed(lambda e: e[5].permute(1, 2, 0))
+            for i, m in enumerate([*masks.values(), *margins.values()]):
+                m[b_t, gen] = decided[:, i]
         if trace is not None:
             picked[b_t, gen + 1] = placed(lambda e: e[4])
-            for l in margins:
-                margins[l][b_t, gen] = placed(lambda e: e[5]['margins'][l].float())
     # statistics as plain decoding records them: one step per generated token fed to the verifier
     for s in range(new - 1):
         if masks:

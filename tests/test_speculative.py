@@ -556,3 +556,51 @@ def test_speculative_passes_attend_over_the_filled_buckets_only(monkeypatch):
     assert set(seen) == {64, 128}
     monkeypatch.setattr(KVCache, 'attend_to', orig)
     assert torch.equal(out, model.generate(idx, 50, temperature=0))
+
+
+def pass_outputs(model, idx, K, draft, one_graph, temperature, **kw):
+    """The number of tensors each pass's steps returned in speculative.generate(**kw), by step."""
+    from torch.utils._pytree import tree_leaves
+    counts = {}
+
+    def counting(model, device, compile, step):
+        def run(*args):
+            out = step(*args)
+            n = sum(isinstance(x, torch.Tensor) for x in tree_leaves(out))
+            counts.setdefault(step.__name__, set()).add(n)
+            return out
+        return run
+    with mock.patch.object(speculative, 'pass_step', counting):
+        speculative.generate(model, idx, 6, K, draft, temperature=temperature,
+                             one_graph=one_graph, **kw)
+    return counts
+
+
+@settings(**{**SETTINGS, 'max_examples': 10})
+@given(case=st.sampled_from(CASES), seed=st.integers(0, 999), K=st.integers(1, 3),
+       n_layer=st.sampled_from([4, 8]), one_graph=st.booleans(),
+       temperature=st.sampled_from([0.0, 1.0]), data=st.data())
+def test_a_pass_returns_what_decoding_reads_in_as_many_tensors_at_any_depth(
+        case, seed, K, n_layer, one_graph, temperature, data):
+    """Compiled on CUDA, every tensor a pass returns is copied out of its graph at a host cost of
+    its own, so a pass returns what generate reads, in a number of tensors that does not grow with
+    the model's depth: a draft its window (and its distributions q when sampling); a verification
+    the kept counts, the next token and the kept tokens, and only where a recorder or a trace reads
+    them the routing decisions of every layer as one tensor (a trace also takes the logits)."""
+    model = build(*case, seed=seed, n_layer=n_layer).eval()
+    draft = data.draw(st.sampled_from(sorted(model.family.drafts(model.config))))
+    idx = tokens(seed, 2, 3)
+    _, _, aux = model(idx)
+    masks, margins = len(aux.get('masks', {})), len(aux.get('margins', {}))
+    verify = 'whole_pass' if one_graph else 'verify_pass'
+    sampled = temperature > 0
+    alone = pass_outputs(model, idx, K, draft, one_graph, temperature, stats={})
+    assert alone.pop(verify) == {3}
+    drafts = alone.pop('draft_pass', None)
+    assert alone == {} and (drafts is None) == one_graph
+    if drafts is not None:          # (an eager decode's last pass may draft nothing: no q then)
+        assert drafts in ({1 + sampled}, {1, 1 + sampled})
+    recorded = pass_outputs(model, idx, K, draft, one_graph, temperature, record=lambda aux: 0)
+    assert recorded[verify] == {3 + (masks > 0)}
+    traced = pass_outputs(model, idx, K, draft, one_graph, temperature, trace={})
+    assert traced[verify] == {4 + (masks + margins > 0)}
