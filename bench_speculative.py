@@ -44,7 +44,10 @@ and predicted_speedup are None there.
 With --one_graph=True each pass's draft and verification run as one function
 (speculative.whole_pass; one graph a pass with --compile=True), timed whole: pass_ms, and no
 draft/verify split or prediction (None); the passes apart wait between draft and verification
-for their split, so the two differ by that wait too.
+for their split, so the two differ by that wait too. --passes_per_graph=P > 1 (implies
+--one_graph) chains P such passes in one function while the rows still need them
+(speculative.generate's passes_per_graph: one graph and one host round trip for P passes with
+--compile=True), timed likewise.
 
 With --profile=True, on CUDA, each side decodes once more under torch.profiler: plain_device_ms and
 spec_device_ms are the GPU's busy time in a decode alone (its kernels' and copies' durations
@@ -75,6 +78,7 @@ SPECULATE_DEFAULTS = dict(
     temperature=0.0,        # both sides sample at this temperature (0: greedy)
     one_graph=False,        # each pass's draft and verification as one function (one graph a
                             # pass with --compile; its draft/verify split is then not measured)
+    passes_per_graph=1,     # P > 1: P whole passes chained in one function (implies one_graph)
 )
 
 
@@ -112,7 +116,8 @@ def check_options(cfg, argv):
     model's block_size. Returns the model config, or None without --speculate."""
     given = [a[2:].partition('=')[0] for a in argv if a.startswith('--')]
     if not cfg['speculate']:
-        for key in ('draft', 'draft_layers', 'draft_stop', 'temperature', 'one_graph'):
+        for key in ('draft', 'draft_layers', 'draft_stop', 'temperature', 'one_graph',
+                    'passes_per_graph'):
             if key in given:
                 raise ConfigError(f"--{key} is an option of --speculate=K; add "
                                   f"--speculate=1,2,4,8 or drop --{key}")
@@ -128,8 +133,13 @@ def check_options(cfg, argv):
                           f"{cfg['draft_layers']}")
     if not 0 <= cfg['draft_stop'] <= 1:         # also refuses NaN
         raise ConfigError(f"draft_stop must be in [0, 1] (0: off), got {cfg['draft_stop']}")
-    if cfg['one_graph'] and cfg['draft_stop']:
-        raise ConfigError("--one_graph drafts whole passes, --draft_stop a step at a time: "
+    if cfg['passes_per_graph'] < 1:
+        raise ConfigError(f"passes_per_graph must be >= 1 (1: a pass at a time), got "
+                          f"{cfg['passes_per_graph']}")
+    whole = '--one_graph' if cfg['one_graph'] else (
+        '--passes_per_graph' if cfg['passes_per_graph'] > 1 else None)
+    if whole and cfg['draft_stop']:
+        raise ConfigError(f"{whole} drafts whole passes, --draft_stop a step at a time: "
                           "drop one of them")
     path = checkpoint_file(cfg['init_from'])
     mcfg = (GPTConfig.from_dict(load_checkpoint(path)['model_args']) if path
@@ -219,7 +229,7 @@ def device_busy(run, N, dev):
 
 
 def speculative_run(model, prompt, K, draft, decodes, compile=False, temperature=0.0,
-                    draft_stop=0.0, one_graph=False):
+                    draft_stop=0.0, one_graph=False, passes_per_graph=1):
     """run(new): speculative generate of new tokens at temperature (0: greedy); a run of more than
     one token appends its figures to the list decodes."""
     def run(new):
@@ -228,7 +238,7 @@ def speculative_run(model, prompt, K, draft, decodes, compile=False, temperature
         # statistics per token, which the plain run it is timed against does not
         speculative.generate(model, prompt, new, K, draft[0], draft[1], temperature=temperature,
                              stats=stats, compile=compile, draft_stop=draft_stop,
-                             one_graph=one_graph)
+                             one_graph=one_graph, passes_per_graph=passes_per_graph)
         if stats is not None:
             decodes.append(stats)
     return run
@@ -243,6 +253,7 @@ def pooled(decodes):
         'spec_passes', 'spec_draft_steps', 'spec_draft_s', 'spec_verify_s', 'spec_made',
         'spec_row_passes')}
     total['spec_one_graph'] = decodes[0].get('spec_one_graph', False)
+    total['spec_passes_per_graph'] = decodes[0].get('spec_passes_per_graph', 1)
     drafted = [sum(c) for c in zip(*(d['spec_drafted'] for d in decodes))]
     kept = [sum(c) for c in zip(*(d['spec_kept'] for d in decodes))]
     return dict(total, spec_draft=decodes[0]['spec_draft'], spec_depth=decodes[0]['spec_depth'],
@@ -292,6 +303,7 @@ def speculate_row(model, b, K, plain_s, spec_s, stats, N):
         mean_accepted=stats['spec_tokens_per_pass'] - 1,
         passes=stats['spec_passes'] / stats['decodes'],
         plain_ms_per_step=plain_s / N * 1e3, one_graph=whole,
+        passes_per_graph=stats['spec_passes_per_graph'],
         pass_ms=(draft_pass + verify_pass) * 1e3,
         draft_ms_per_pass=None if whole else draft_pass * 1e3,
         verify_ms_per_pass=None if whole else verify_pass * 1e3,
@@ -318,7 +330,8 @@ def bench_speculative(cfg):
         temp, decodes = cfg['temperature'], {K: [] for K in ks}
         runs = {0: partial(model.generate, prompt, temperature=temp, compile=cfg['compile']),
                 **{K: speculative_run(model, prompt, K, draft, decodes[K], cfg['compile'], temp,
-                                      cfg['draft_stop'], cfg['one_graph'])
+                                      cfg['draft_stop'], cfg['one_graph'],
+                                      cfg['passes_per_graph'])
                    for K in ks}}
         with autocast:      # the figures of the timed decodes only (no compiling, no warm-up)
             secs = decode_timings(runs, N, cfg, dev, lambda: [d.clear() for d in decodes.values()])
@@ -354,7 +367,8 @@ def sampling(temperature):
 def split_ms(r):
     """The table's draft / verify ms per pass, or a pass's whole ms where it ran as one."""
     if r.get('one_graph'):
-        return f"{r['pass_ms']:.1f} whole"
+        chained = r.get('passes_per_graph', 1)
+        return f"{r['pass_ms']:.1f} whole" + (f", {chained} a graph" if chained > 1 else '')
     return f"{r['draft_ms_per_pass']:.1f} / {r['verify_ms_per_pass']:.1f}"
 
 

@@ -190,10 +190,36 @@ def whole_pass(model, name, depth, tok, base_active, cache, k, temperature, top_
                        keep_logits, routing)
 
 
+def chained_passes(model, name, depth, tok, n_done, cache, k, temperature, top_k, vocab_limit,
+                   keep_logits, routing, count):
+    """count whole passes (whole_pass) one after the other with nothing on the host between them:
+    each row's token count n advances on the device, and a row is done once n reaches its end
+    (n_done (2, B): n, and that end); done rows run along from n − 1, as whole passes run them
+    (the caller leaves room for count windows below block_size). Compiled, one graph for count
+    passes, one host round trip in place of count.
+    Returns (the pending tokens after the last pass (B,), counts (2, count, B): per pass each row's
+    kept drafted tokens a and 1 where it still decoded, kept (count, B, k + 1), the logits (count,
+    B, k + 1, V) where keep_logits and the decisions (count, L, B, k + 1) where routing names them,
+    else None)."""
+    n, end = n_done[0], n_done[1]
+    made = []
+    for _ in range(count):
+        active = n < end
+        a, tok, kept, logits, decided = whole_pass(
+            model, name, depth, tok, torch.stack([n - 1, active.long()]), cache, k, temperature,
+            top_k, vocab_limit, keep_logits, routing)
+        made.append((a, active.long(), kept, logits, decided))
+        n = n + torch.where(active, a + 1, 0)
+    a, active, kept, logits, decided = zip(*made)
+    return (tok, torch.stack([torch.stack(a), torch.stack(active)]), torch.stack(kept),
+            *(None if x[0] is None else torch.stack(x) for x in (logits, decided)))
+
+
 def pass_step(model, device, compile, step):
-    """step (draft_pass, verify_pass or whole_pass), eager or compiled (GPT.compiled: no host sync
-    inside, a CUDA graph on CUDA, so that a pass costs two graph launches whatever K, one with
-    whole_pass, and with draft_stop one per drafted token and a host sync each; one graph per
+    """step (draft_pass, verify_pass, whole_pass or chained_passes), eager or compiled
+    (GPT.compiled: no host sync inside, a CUDA graph on CUDA, so that a pass costs two graph
+    launches whatever K, one with whole_pass, 1/P with chained_passes of P, and with draft_stop
+    one per drafted token and a host sync each; one graph per
     batch size, attended bucket and k, as passes cut short by block_size draft and verify fewer
     tokens, and draft_stop drafts k = 1). Compiled steps are kept on the model, so later decodings
     reuse their graphs; each takes the model as an argument, so a copy of the model runs its own
@@ -215,7 +241,8 @@ def sync(device):
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=None,
              temperature=1.0, top_k=None, lengths=None, record=None, vocab_limit=None,
-             stats=None, trace=None, compile=False, draft_stop=0.0, one_graph=False):
+             stats=None, trace=None, compile=False, draft_stop=0.0, one_graph=False,
+             passes_per_graph=1):
     """model.generate(..., speculate=K): max_new_tokens per row drafted K at a time (see the module
     docstring). draft_stop > 0: a pass stops drafting after a step at which, in every row still
     decoding, the draft gave the token it drafted a probability below draft_stop (greedy: its
@@ -236,7 +263,11 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     eager, and between passes the host reads the kept counts (one sync per pass; with stats, a
     second between draft and verification times them apart). one_graph (without draft_stop): each
     pass's draft and verification as one function (whole_pass), one graph a pass when compiled;
-    stats then time the pass whole (spec_draft_s 0, spec_one_graph True)."""
+    stats then time the pass whole (spec_draft_s 0, spec_one_graph True). passes_per_graph=P > 1
+    (implies one_graph): while the neediest row still needs P passes' tokens at the rate passes
+    have made them so far, and P windows fit below block_size, P passes run as one function
+    (chained_passes: one graph, one host round trip for P passes), the rest one at a time; the
+    same tokens."""
     cfg, family, dev = model.config, model.family, idx.device
     if top_k == 1:                  # greedy, as in model.generate: an argmax, no random draw
         temperature = 0
@@ -260,9 +291,14 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     record = record or (lambda aux: None)
     rows = torch.arange(B, device=dev)
     cache = model.new_cache(B, dev, compile)
-    one_graph = bool(one_graph) and not draft_stop
+    P = int(passes_per_graph)
+    if P < 1 or (P > 1 and draft_stop):
+        raise ValueError(f"passes_per_graph must be >= 1, and 1 with draft_stop (a step at a "
+                         f"time), got {passes_per_graph}")
+    one_graph = (bool(one_graph) or P > 1) and not draft_stop
     if one_graph:
         whole = pass_step(model, dev, compile, whole_pass)
+        chained = pass_step(model, dev, compile, chained_passes) if P > 1 else None
     else:
         draft, verify = (pass_step(model, dev, compile, f) for f in (draft_pass, verify_pass))
     # the prefill, as plain decoding runs it (uniform prompts: the last position's logits only)
@@ -302,10 +338,39 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     # per pass, what its kept tokens are placed with once decoding is done (no work between passes
     # but the kept counts' sync): (n before it, rows active, kept counts, verify_pass's outputs)
     log = []
+
+    def account(active, a, k, *outputs):
+        """A pass's kept counts a (B,) into the log, the counters and n."""
+        nonlocal passes, row_passes, draft_steps
+        log.append((list(n), active, a, *outputs))
+        passes, row_passes, draft_steps = passes + 1, row_passes + sum(active), draft_steps + k
+        for b in range(B):
+            if active[b]:
+                for j in range(1, k + 1):
+                    drafted[j] += 1
+                    kept[j] += j <= a[b]
+                n[b] += a[b] + 1
     while True:
         active = [n[b] - lengths[b] < new for b in range(B)]
         if not any(active):
             break
+        need = max(lengths[b] + new - n[b] for b in range(B) if active[b])
+        rate = (sum(n) - sum(lengths) - B) / row_passes if row_passes else 1.0
+        if P > 1 and need >= P * rate and max(n) - 1 + P * (K + 1) <= cfg.block_size:
+            # P whole passes with each row's n advancing on the device: one host round trip
+            cache.attend_to(max(n) - 1 + P * (K + 1))
+            n_done = torch.tensor([n, [m + new for m in lengths]], device=dev)
+            t0 = time.perf_counter()
+            tok, counts, kept_t, logits, decided = chained(
+                model, name, depth, tok, n_done, cache, K, temperature, top_k, vocab_limit,
+                trace is not None, routing, P)
+            a_p, active_p = counts.tolist()     # the one host sync of the P passes
+            t_verify += time.perf_counter() - t0
+            for p in range(P):
+                if any(active_p[p]):            # (a pass after every row was done: nothing)
+                    account([x > 0 for x in active_p[p]], a_p[p], K, kept_t[p],
+                            *(None if x is None else x[p] for x in (logits, decided)))
+            continue
         # positions n − 1 .. n − 1 + k must stay below block_size (learned position embeddings);
         # eagerly a pass drafts no more than a row still needs (it makes up to k + 1 tokens), while
         # compiled passes keep their K, so that the end of a decode compiles no new window length
@@ -354,14 +419,7 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
         a = a_t.tolist()            # the one host sync of the pass
         t_verify += time.perf_counter() - t1
         t_draft += t1 - t0
-        log.append((list(n), active, a, kept_t, logits, decided))
-        passes, row_passes, draft_steps = passes + 1, row_passes + sum(active), draft_steps + k
-        for b in range(B):
-            if active[b]:
-                for j in range(1, k + 1):
-                    drafted[j] += 1
-                    kept[j] += j <= a[b]
-                n[b] += a[b] + 1
+        account(active, a, k, kept_t, logits, decided)
         for b, start, end, kept_aside in overrun:
             for t, x in zip(slabs, kept_aside):
                 t[b, :, start:end] = x
@@ -399,6 +457,7 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
                                        for j in range(1, K + 1)],
                      spec_tokens_per_pass=made / max(1, row_passes),
                      spec_draft_s=t_draft, spec_verify_s=t_verify, spec_one_graph=one_graph,
+                     spec_passes_per_graph=P,
                      # the counts behind the rates, to pool over decodes (bench.py's repeats)
                      spec_kept=kept[1:], spec_drafted=drafted[1:], spec_made=made,
                      spec_row_passes=row_passes)

@@ -437,7 +437,8 @@ SPEC_TINY = ['--n_layer=3', '--n_head=2', '--n_embd=32', '--block_size=64', '--v
 SPEC_KEYS = {'route', 'batch', 'K', 'speedup', 'draft', 'draft_layers', 'draft_stop',
              'plain_tokens_per_s',
              'spec_tokens_per_s', 'plain_ms', 'spec_ms', 'accept_rate', 'tokens_per_pass',
-             'mean_accepted', 'passes', 'plain_ms_per_step', 'one_graph', 'pass_ms',
+             'mean_accepted', 'passes', 'plain_ms_per_step', 'one_graph', 'passes_per_graph',
+             'pass_ms',
              'draft_ms_per_pass', 'verify_ms_per_pass', 'draft_share', 'alpha',
              'predicted_speedup', 'spreads', 'repeats', 'noisy'}
 
@@ -598,20 +599,24 @@ def test_bench_speculate_profile(capsys, monkeypatch):
         assert r[f'{side}_device_share'] == pytest.approx(per_token * N / r[f'{side}_ms'])
 
 
-def test_bench_speculate_one_graph(capsys, monkeypatch):
+@pytest.mark.parametrize('route,option,chained,steps', [
+    ('mod', '--one_graph=True', 1, ['decode_step', 'whole_pass']),
+    ('exit', '--passes_per_graph=3', 3, ['chained_passes', 'decode_step', 'whole_pass']),
+])
+def test_bench_speculate_one_graph(route, option, chained, steps, capsys, monkeypatch):
     """--one_graph=True --compile=True compiles plain decoding's step and one function a pass
-    (whole_pass), and its rows time passes whole: pass_ms, no draft/verify split, no
-    prediction."""
+    (whole_pass); --passes_per_graph=3 also one function for three passes (chained_passes). Their
+    rows say so and time passes whole: pass_ms, no draft/verify split, no prediction."""
     made = trace_compiled_steps(monkeypatch)
     try:
-        assert bench.main([*SPEC_TINY, '--route=mod', '--speculate=2', '--compile=True',
-                           '--one_graph=True', '--json']) == 0
+        assert bench.main([*SPEC_TINY, f'--route={route}', '--speculate=1', '--compile=True',
+                           option, '--json']) == 0
     finally:
         torch._dynamo.reset()
     res = json.loads(capsys.readouterr().out)
-    check_spec_rows(res, 'mod', [2], [1, 2])
-    assert all(r['one_graph'] for r in res['rows'])
-    assert sorted(set(made)) == ['decode_step', 'whole_pass']
+    check_spec_rows(res, route, [1], [1, 2])
+    assert all(r['one_graph'] and r['passes_per_graph'] == chained for r in res['rows'])
+    assert sorted(set(made)) == steps
 
 
 def test_bench_speculate_sampled(capsys, monkeypatch):
@@ -749,6 +754,10 @@ def test_bench_speculate_predicted():
     (['--one_graph=True'], "--one_graph is an option of --speculate=K"),
     (['--speculate=2', '--one_graph=True', '--draft_stop=0.3'],
      "--one_graph drafts whole passes, --draft_stop a step at a time: drop one of them"),
+    (['--passes_per_graph=2'], "--passes_per_graph is an option of --speculate=K"),
+    (['--speculate=2', '--passes_per_graph=0'], "passes_per_graph must be >= 1 (1: a pass at a"),
+    (['--speculate=2', '--passes_per_graph=2', '--draft_stop=0.3'],
+     "--passes_per_graph drafts whole passes, --draft_stop a step at a time"),
     (['--speculate=2', '--temperature=-1'], "temperature must be >= 0 (0: greedy), got -1.0"),
     (['--speculate=2', '--init_from=no/such/run'], "init_from=no/such/run: no checkpoint at"),
     (['--speculate=2', '--decode_tokens=60'], "exceeds the model's block_size=64"),

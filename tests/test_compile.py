@@ -280,16 +280,17 @@ def with_every_draft():
     return chosen
 
 
-@pytest.mark.parametrize('one_graph', [False, True])
+@pytest.mark.parametrize('passes', ['apart', 'one_graph', 'chained'])
 @pytest.mark.parametrize('case', with_every_draft())
-def test_traced_speculative_decoding_gives_plain_decodings_tokens(case, one_graph, monkeypatch):
+def test_traced_speculative_decoding_gives_plain_decodings_tokens(case, passes, monkeypatch):
     """speculative.generate(compile=True) with each of the family's drafts: each pass's draft and
     verification traced whole (fullgraph, static execution; the graphs run without code
-    generation), apart or with one_graph as one function, on a ragged batch, gives each prompt's
-    plain eager greedy decode (tokens up to a near-tie, decisions, logits within ROUTED_TOL). At
-    most one graph for the draft and one for the verifier, or one in all with one_graph (this
-    model has one attended bucket and one window length), and a second decoding compiles
-    nothing."""
+    generation), apart, with one_graph as one function or with two passes chained in one
+    (passes_per_graph=2), on a ragged batch, gives each prompt's plain eager greedy decode (tokens
+    up to a near-tie, decisions, logits within ROUTED_TOL). At most one graph for the draft and
+    one for the verifier, one in all with one_graph, and with chained passes one for them and one
+    for the passes after (this model has one attended bucket and one window length); a second
+    decoding compiles nothing."""
     monkeypatch.setattr(GPT, 'compiled', staticmethod(
         lambda step, device: torch.compile(step, backend='eager', fullgraph=True, dynamic=False)))
     model = build(*case, seed=5).eval()
@@ -302,9 +303,10 @@ def test_traced_speculative_decoding_gives_plain_decodings_tokens(case, one_grap
             counters.clear()
             trace = {}
             out = speculative.generate(model, idx, new, K, draft, temperature=0, lengths=lens,
-                                       trace=trace, compile=True, one_graph=one_graph)
+                                       trace=trace, compile=True, one_graph=passes != 'apart',
+                                       passes_per_graph=2 if passes == 'chained' else 1)
             runs.append(counters['stats']['unique_graphs'])
-        first = runs[0] == 1 if one_graph else runs[0] <= 2
+        first = runs[0] == 1 if passes == 'one_graph' else runs[0] <= 2
         assert first and runs[1] == 0, f'draft {draft!r}: graphs per run {runs}'
         for b, n in enumerate(lens):
             alone = as_float(greedy_trace(model, idx[b:b + 1, :n], new)[0])

@@ -3,6 +3,7 @@ positions rolled back in every layer), the routing statistics count the verifier
 only, sampling follows the rejection rule of Leviathan et al. (arXiv 2211.17192) so the output has
 plain sampling's exact distribution, and bad drafts are refused in one line. Greedy exactness for
 every family is a shared promise in test_families.py."""
+import collections
 import math
 from unittest import mock
 
@@ -15,7 +16,7 @@ import speculative
 from conftest import (ROUTED_TOL, SETTINGS, assert_greedy_traces_agree, build,
                       greedy_trace, tokens)
 from configurator import UserError
-from model import GPTConfig
+from model import GPT, GPTConfig
 from test_families import CASES, Drawn, as_float, is_random, speculative_trace_row
 
 pytestmark = pytest.mark.usefixtures('one_thread')
@@ -70,6 +71,26 @@ def test_speculative_decoding_leaves_plain_decodings_cache(case, seed, K, lens, 
                                        torch.where(valid, ref[:, b, :, filled], 0.0), **ROUTED_TOL)
 
 
+def assert_same_decode(run0, run1, empty_slots_too=True):
+    """Two speculative decodes (output, trace, stats) bitwise alike: tokens, the verifier's logits
+    and decisions, each row's token count, the cache (its filled slots only where not
+    empty_slots_too: an empty slot's K/V is never read) and the acceptance counts."""
+    (out0, tr0, st0), (out1, tr1, st1) = run0, run1
+    assert all(torch.equal(a, b) for a, b in zip(out0, out1))
+    assert torch.equal(tr0['logits'], tr1['logits']) and torch.equal(tr0['n'], tr1['n'])
+    for key in ('masks', 'margins'):
+        assert tr0[key].keys() == tr1[key].keys()
+        assert all(torch.equal(tr0[key][l], tr1[key][l]) for l in tr0[key])
+    c0, c1 = tr0['cache'], tr1['cache']
+    assert torch.equal(c0.kpos, c1.kpos)
+    for layer, filled in enumerate(c0.kpos >= 0):
+        filled = filled | empty_slots_too
+        for a, b in ((c0.k[layer], c1.k[layer]), (c0.v[layer], c1.v[layer])):
+            assert torch.equal(a.transpose(1, 2)[filled], b.transpose(1, 2)[filled])
+    for key in ('spec_passes', 'spec_draft_steps', 'spec_kept', 'spec_drafted', 'spec_made'):
+        assert st0[key] == st1[key], key
+
+
 @settings(**{**SETTINGS, 'max_examples': 25})
 @given(case=st.sampled_from(CASES), seed=st.integers(0, 999), K=st.integers(1, 4),
        lens=st.lists(st.integers(1, 8), min_size=1, max_size=3),
@@ -92,17 +113,45 @@ def test_a_pass_as_one_function_decodes_as_draft_and_verification_apart(case, se
                                    top_k=top_k, lengths=lens, trace=trace, stats=stats,
                                    one_graph=one_graph)
         runs.append((out, trace, stats))
-    (out0, tr0, st0), (out1, tr1, st1) = runs
-    assert all(torch.equal(a, b) for a, b in zip(out0, out1))
-    assert torch.equal(tr0['logits'], tr1['logits']) and torch.equal(tr0['n'], tr1['n'])
-    assert tr0['masks'].keys() == tr1['masks'].keys()
-    assert all(torch.equal(tr0['masks'][l], tr1['masks'][l]) for l in tr0['masks'])
-    c0, c1 = tr0['cache'], tr1['cache']
-    assert torch.equal(c0.kpos, c1.kpos)
-    assert all(torch.equal(a, b) for a, b in zip(c0.k + c0.v, c1.k + c1.v))
-    for key in ('spec_passes', 'spec_draft_steps', 'spec_kept', 'spec_drafted', 'spec_made'):
-        assert st0[key] == st1[key], key
-    assert not st0['spec_one_graph'] and st1['spec_one_graph']
+    assert_same_decode(*runs)
+    assert not runs[0][2]['spec_one_graph'] and runs[1][2]['spec_one_graph']
+
+
+@settings(**{**SETTINGS, 'max_examples': 25})
+@given(case=st.sampled_from(DETERMINISTIC), seed=st.integers(0, 999), K=st.integers(1, 4),
+       P=st.integers(2, 3), lens=st.lists(st.integers(1, 8), min_size=1, max_size=3),
+       data=st.data())
+def test_passes_chained_on_the_device_decode_as_passes_one_at_a_time(case, seed, K, P, lens,
+                                                                     data):
+    """passes_per_graph=P (P whole passes in one function, each row's token count advancing on the
+    device, a done row running along) computes what whole passes one at a time compute: the same
+    tokens, verifier logits and decisions, filled cache slots and acceptance counts, bitwise (this
+    model's cache has one attended length; both decode as compiled, every pass drafting K, with
+    GPT.compiled running the steps eagerly), with rows ending at block_size; the passes are
+    chained wherever P windows fit and the rows still need P passes' tokens."""
+    model = build(*case, seed=seed).eval()
+    new = data.draw(st.integers(1, model.config.block_size - max(lens)))
+    draft = data.draw(st.sampled_from(sorted(model.family.drafts(model.config))))
+    idx = tokens(seed, len(lens), max(lens))
+    runs, calls = [], collections.Counter()
+
+    def counting(model, device, compile, step):
+        def run(*args):
+            calls[step.__name__] += 1
+            return step(*args)
+        return run
+    for chain in (1, P):
+        trace, stats = {}, {}
+        with mock.patch.object(GPT, 'compiled', staticmethod(lambda step, device: step)), \
+                mock.patch.object(speculative, 'pass_step', counting):
+            out = speculative.generate(model, idx, new, K, draft, temperature=0, lengths=lens,
+                                       trace=trace, stats=stats, compile=True, one_graph=True,
+                                       passes_per_graph=chain)
+        runs.append((out, trace, stats))
+    assert_same_decode(*runs, empty_slots_too=False)      # (a chained pass after the last)
+    # the first call chains if P windows fit: it needs new >= P tokens at 1 token a pass
+    fits = max(lens) + P * (K + 1) <= model.config.block_size and new - 1 >= P
+    assert (calls['chained_passes'] > 0) == fits, (calls, fits)
 
 
 @pytest.mark.parametrize('opt', [0, 1, 3])
@@ -303,16 +352,18 @@ def chi2_critical(dof, z=3.719):
     return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
 
 
-@pytest.mark.parametrize('route,draft,K,temperature,top_k,vocab_limit', [
-    ('none', 'layers', 2, 1.0, None, None),
-    ('exit', 'exit', 2, 0.7, 3, None),
-    ('ffn', 'cheap', 3, 1.3, None, 4),
-    ('mod', 'skip', 2, 1.0, None, None),
-    ('halt', 'halt', 2, 0.8, None, None),
-    ('ensemble', 'earliest', 2, 1.0, 3, None),
+@pytest.mark.parametrize('route,draft,K,temperature,top_k,vocab_limit,chain', [
+    ('none', 'layers', 2, 1.0, None, None, 1),
+    ('exit', 'exit', 2, 0.7, 3, None, 1),
+    ('ffn', 'cheap', 3, 1.3, None, 4, 1),
+    ('mod', 'skip', 2, 1.0, None, None, 1),
+    ('halt', 'halt', 2, 0.8, None, None, 1),
+    ('ensemble', 'earliest', 2, 1.0, 3, None, 1),
+    ('exit', 'exit', 1, 1.0, None, None, 2),
+    ('halt', 'halt', 1, 0.8, 3, None, 2),
 ])
 def test_sampled_speculative_decoding_has_plain_samplings_distribution(
-        route, draft, K, temperature, top_k, vocab_limit):
+        route, draft, K, temperature, top_k, vocab_limit, chain):
     """On a 5-token vocabulary, N = 20000 speculative samples of the three tokens after a prompt
     (the first from the prefill, the next two from one draft of K tokens and its verification: kept
     drafts, the residual norm(max(0, p − q)) at a rejection, the verifier's bonus token) follow the
@@ -322,7 +373,8 @@ def test_sampled_speculative_decoding_has_plain_samplings_distribution(
     falls in a cell of probability 0 (top_k, vocab_limit). Power: sampling the two tokens from the
     draft instead would exceed that quantile by the stated margin (its expected statistic, N·Σ(q −
     p)²/p, is more than 3x the critical value), and the draft is neither always kept nor always
-    rejected."""
+    rejected. chain = 2: the two tokens after the first from two passes (K = 1) chained in one
+    function (passes_per_graph), the second of them running along where the first made both."""
     V, N, steps = 5, 20000, 3
     model = build(route, seed=1, n_layer=3, vocab_size=V, block_size=8, exit_layers='1',
                   noise=0.5).eval()
@@ -343,8 +395,10 @@ def test_sampled_speculative_decoding_has_plain_samplings_distribution(
     q = exact_joint(model, prompt, steps, temperature, top_k, vocab_limit, drafter)
     torch.manual_seed(0)
     stats = {}
-    out = model.generate(prompt.repeat(N, 1), steps, temperature=temperature, top_k=top_k,
-                         vocab_limit=vocab_limit, speculate=K, draft=draft, stats=stats)[:, 3:]
+    options = dict(temperature=temperature, top_k=top_k, vocab_limit=vocab_limit, stats=stats)
+    out = (model.generate(prompt.repeat(N, 1), steps, speculate=K, draft=draft, **options)
+           if chain == 1 else speculative.generate(model, prompt.repeat(N, 1), steps, K, draft,
+                                                   passes_per_graph=chain, **options))[:, 3:]
     Vp = p.size(-1)
     counts = torch.bincount((out[:, 0] * Vp + out[:, 1]) * Vp + out[:, 2], minlength=Vp ** 3)
     expected = N * p.flatten().double()
@@ -558,7 +612,7 @@ def test_speculative_passes_attend_over_the_filled_buckets_only(monkeypatch):
     assert torch.equal(out, model.generate(idx, 50, temperature=0))
 
 
-def pass_outputs(model, idx, K, draft, one_graph, temperature, **kw):
+def pass_outputs(model, idx, K, draft, temperature, **kw):
     """The number of tensors each pass's steps returned in speculative.generate(**kw), by step."""
     from torch.utils._pytree import tree_leaves
     counts = {}
@@ -571,36 +625,38 @@ def pass_outputs(model, idx, K, draft, one_graph, temperature, **kw):
             return out
         return run
     with mock.patch.object(speculative, 'pass_step', counting):
-        speculative.generate(model, idx, 6, K, draft, temperature=temperature,
-                             one_graph=one_graph, **kw)
+        speculative.generate(model, idx, 6, K, draft, temperature=temperature, **kw)
     return counts
 
 
 @settings(**{**SETTINGS, 'max_examples': 10})
 @given(case=st.sampled_from(CASES), seed=st.integers(0, 999), K=st.integers(1, 3),
-       n_layer=st.sampled_from([4, 8]), one_graph=st.booleans(),
+       n_layer=st.sampled_from([4, 8]), how=st.sampled_from(['apart', 'one_graph', 'chained']),
        temperature=st.sampled_from([0.0, 1.0]), data=st.data())
 def test_a_pass_returns_what_decoding_reads_in_as_many_tensors_at_any_depth(
-        case, seed, K, n_layer, one_graph, temperature, data):
+        case, seed, K, n_layer, how, temperature, data):
     """Compiled on CUDA, every tensor a pass returns is copied out of its graph at a host cost of
     its own, so a pass returns what generate reads, in a number of tensors that does not grow with
     the model's depth: a draft its window (and its distributions q when sampling); a verification
-    the kept counts, the next token and the kept tokens, and only where a recorder or a trace reads
-    them the routing decisions of every layer as one tensor (a trace also takes the logits)."""
+    (or chained passes) the kept counts, the next token and the kept tokens, and only where a
+    recorder or a trace reads them the routing decisions of every layer as one tensor (a trace
+    also takes the logits)."""
     model = build(*case, seed=seed, n_layer=n_layer).eval()
     draft = data.draw(st.sampled_from(sorted(model.family.drafts(model.config))))
     idx = tokens(seed, 2, 3)
     _, _, aux = model(idx)
     masks, margins = len(aux.get('masks', {})), len(aux.get('margins', {}))
-    verify = 'whole_pass' if one_graph else 'verify_pass'
     sampled = temperature > 0
-    alone = pass_outputs(model, idx, K, draft, one_graph, temperature, stats={})
-    assert alone.pop(verify) == {3}
-    drafts = alone.pop('draft_pass', None)
-    assert alone == {} and (drafts is None) == one_graph
-    if drafts is not None:          # (an eager decode's last pass may draft nothing: no q then)
-        assert drafts in ({1 + sampled}, {1, 1 + sampled})
-    recorded = pass_outputs(model, idx, K, draft, one_graph, temperature, record=lambda aux: 0)
-    assert recorded[verify] == {3 + (masks > 0)}
-    traced = pass_outputs(model, idx, K, draft, one_graph, temperature, trace={})
-    assert traced[verify] == {4 + (masks + margins > 0)}
+    opts = dict(one_graph=how != 'apart', passes_per_graph=2 if how == 'chained' else 1)
+
+    def counts(**kw):
+        got = pass_outputs(model, idx, K, draft, temperature, **opts, **kw)
+        drafts = got.pop('draft_pass', None)
+        assert (drafts is None) == (how != 'apart')
+        if drafts is not None:      # (an eager decode's last pass may draft nothing: no q then)
+            assert drafts in ({1 + sampled}, {1, 1 + sampled})
+        assert ('chained_passes' in got) == (how == 'chained')
+        return got
+    for kw, want in ((dict(stats={}), 3), (dict(record=lambda aux: 0), 3 + (masks > 0)),
+                     (dict(trace={}), 4 + (masks + margins > 0))):
+        assert set(map(frozenset, counts(**kw).values())) == {frozenset([want])}, kw
