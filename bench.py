@@ -724,7 +724,7 @@ def our_greedy_steps(model, prompt, new_tokens, compile):
     yield
     for i in range(new_tokens):
         cache.attend_to(T + i + 1)
-        logits, _ = step(nxt, torch.full((B, 1), T + i, device=dev), cache)
+        logits, _ = step(nxt, torch.full((B, 1), T + i, device=dev), cache, False)
         nxt = model.sample_next(logits, 0, None)
         yield
 

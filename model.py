@@ -508,7 +508,8 @@ class GPT(nn.Module):
             )
         elif lengths is not None:
             idx = self.generate_ragged(
-                idx, list(lengths), max_new_tokens, temperature, top_k, record, vocab_limit, compile
+                idx, list(lengths), max_new_tokens, temperature, top_k,
+                record if stats is not None else None, vocab_limit, compile
             )
         else:
             cache, step = None, self.decode_step_fn(idx.device, compile)
@@ -519,7 +520,7 @@ class GPT(nn.Module):
                 if use_cache and T <= bs and cache is not None:
                     step_pos = torch.full((B, 1), T - 1, device=idx.device)
                     cache.attend_to(T)
-                    logits, aux = step(nxt, step_pos, cache)  # noqa: F821
+                    logits, aux = step(nxt, step_pos, cache, stats is not None)  # noqa: F821
                 elif use_cache and T <= bs:
                     cache = self.new_cache(B, idx.device, compile)
                     cache.attend_to(T)
@@ -538,14 +539,16 @@ class GPT(nn.Module):
                 stats[k] = torch.stack(stats[k]).mean(0).tolist()
         return idx
 
-    def decode_step(self, tok, pos, cache):
+    def decode_step(self, tok, pos, cache, routing_stats=True):
         """One cached decoding step: tok (B, 1) ids at absolute positions pos (B, 1), a device
         tensor (per row: ragged batches), attending over and writing into cache. Returns the
-        next-token logits (B, V) and the step's routing statistics. Static shapes and no host sync
-        (under torch.compile sparse eval runs a static path), so every step is the same
+        next-token logits (B, V) and the step's routing statistics ({} unless routing_stats:
+        compiled on CUDA, each tensor a step returns costs the host a copy). Static shapes and no
+        host sync (under torch.compile sparse eval runs a static path), so every step is the same
         graph."""
         logits, _, aux = self(tok, pos=pos, cache=cache)
-        return logits[:, -1], {k: aux[k] for k in ('full_frac', 'tlops_saved') if k in aux}
+        keys = ('full_frac', 'tlops_saved') if routing_stats else ()
+        return logits[:, -1], {k: aux[k] for k in keys if k in aux}
 
     def decode_step_fn(self, device, compile):
         """decode_step, eager or compiled (GPT.compiled)."""
@@ -614,7 +617,10 @@ class GPT(nn.Module):
         self, idx, lengths, max_new_tokens, temperature, top_k, record, vocab_limit=None,
         compile=False,
     ):
+        """generate's decoding of right-padded prompts of `lengths`; record(aux) gets the routing
+        statistics of the prefill and of each step (None: nobody reads them)."""
         B, dev = idx.size(0), idx.device
+        routing_stats, record = record is not None, record or (lambda aux: None)
         if len(lengths) != B or min(lengths) < 1 or max(lengths) > idx.size(1):
             raise ValueError(
                 f"lengths {lengths} must give 1..{idx.size(1)} prompt tokens for each of {B} rows"
@@ -644,7 +650,7 @@ class GPT(nn.Module):
             out[torch.arange(B, device=dev), n + i] = nxt[:, 0]
             if i + 1 < max_new_tokens:
                 cache.attend_to(max(lengths) + i + 1)
-                logits, aux = step(nxt, (n + i)[:, None], cache)
+                logits, aux = step(nxt, (n + i)[:, None], cache, routing_stats)
                 record(aux)
         return [out[b, :lengths[b] + max_new_tokens] for b in range(B)]
 

@@ -660,3 +660,29 @@ def test_a_pass_returns_what_decoding_reads_in_as_many_tensors_at_any_depth(
     for kw, want in ((dict(stats={}), 3), (dict(record=lambda aux: 0), 3 + (masks > 0)),
                      (dict(trace={}), 4 + (masks + margins > 0))):
         assert set(map(frozenset, counts(**kw).values())) == {frozenset([want])}, kw
+
+
+@pytest.mark.parametrize('case', DETERMINISTIC)
+def test_plain_decodings_step_returns_the_logits_alone_unless_statistics_are_read(case):
+    """Plain decoding's compiled step (GPT.decode_step) returns the next-token logits and, only
+    where generate's stats are asked for, the family's routing statistics (one tensor each): on
+    CUDA every tensor a graph returns is one more copy a token. Uniform and ragged prompts."""
+    from torch.utils._pytree import tree_leaves
+    model = build(*case, seed=1).eval()
+    idx = tokens(1, 2, 3)
+    _, _, aux = model(idx)
+    reported = sum(k in aux for k in ('full_frac', 'tlops_saved'))
+    counts = set()
+
+    def compiled(step, device):
+        def run(*args):
+            out = step(*args)
+            counts.add(sum(isinstance(x, torch.Tensor) for x in tree_leaves(out)))
+            return out
+        return run
+    with mock.patch.object(GPT, 'compiled', staticmethod(compiled)):
+        for lengths in (None, [3, 2]):
+            for stats, want in ((None, 1), ({}, 1 + reported)):
+                counts.clear()
+                model.generate(idx, 4, temperature=0, compile=True, lengths=lengths, stats=stats)
+                assert counts == {want}, (lengths, stats)
