@@ -47,7 +47,10 @@ draft/verify split or prediction (None); the passes apart wait between draft and
 for their split, so the two differ by that wait too. --passes_per_graph=P > 1 (implies
 --one_graph) chains P such passes in one function while the rows still need them
 (speculative.generate's passes_per_graph: one graph and one host round trip for P passes with
---compile=True), timed likewise.
+--compile=True), timed likewise; a list (--passes_per_graph=1,2,4) times each in the same process,
+a row per batch, K and P, against the same plain decode. calls: the pass functions a decode called
+(host round trips; two a pass apart, one a pass whole, one for P chained), and pass_ms is over the
+passes run (a chained pass after every row was done included).
 
 With --profile=True, on CUDA, each side decodes once more under torch.profiler: plain_device_ms and
 spec_device_ms are the GPU's busy time in a decode alone (its kernels' and copies' durations
@@ -78,7 +81,8 @@ SPECULATE_DEFAULTS = dict(
     temperature=0.0,        # both sides sample at this temperature (0: greedy)
     one_graph=False,        # each pass's draft and verification as one function (one graph a
                             # pass with --compile; its draft/verify split is then not measured)
-    passes_per_graph=1,     # P > 1: P whole passes chained in one function (implies one_graph)
+    passes_per_graph='1',   # P > 1: P whole passes chained in one function (implies one_graph);
+                            # a list such as 1,4 times each
 )
 
 
@@ -92,6 +96,18 @@ def draft_lengths(cfg):
         raise ConfigError(f"speculate must be draft lengths K >= 1 such as '1,2,4,8', got "
                           f"{cfg['speculate']!r}")
     return ks
+
+
+def chain_lengths(cfg):
+    """The P of --passes_per_graph=1,4."""
+    try:
+        ps = [int(s) for s in str(cfg['passes_per_graph']).split(',') if s.strip()]
+    except ValueError:
+        ps = [0]
+    if not ps or min(ps) < 1:
+        raise ConfigError(f"passes_per_graph must be passes per function >= 1 such as '1' or "
+                          f"'1,4' (1: a pass at a time), got {cfg['passes_per_graph']!r}")
+    return ps
 
 
 def checkpoint_file(init_from):
@@ -133,11 +149,8 @@ def check_options(cfg, argv):
                           f"{cfg['draft_layers']}")
     if not 0 <= cfg['draft_stop'] <= 1:         # also refuses NaN
         raise ConfigError(f"draft_stop must be in [0, 1] (0: off), got {cfg['draft_stop']}")
-    if cfg['passes_per_graph'] < 1:
-        raise ConfigError(f"passes_per_graph must be >= 1 (1: a pass at a time), got "
-                          f"{cfg['passes_per_graph']}")
-    whole = '--one_graph' if cfg['one_graph'] else (
-        '--passes_per_graph' if cfg['passes_per_graph'] > 1 else None)
+    chained = max(chain_lengths(cfg)) > 1
+    whole = '--one_graph' if cfg['one_graph'] else '--passes_per_graph' if chained else None
     if whole and cfg['draft_stop']:
         raise ConfigError(f"{whole} drafts whole passes, --draft_stop a step at a time: "
                           "drop one of them")
@@ -251,7 +264,7 @@ def pooled(decodes):
     but the timing's noise; sampled ones differ, and one decode's figures would be few passes'."""
     total = {k: sum(d[k] for d in decodes) for k in (
         'spec_passes', 'spec_draft_steps', 'spec_draft_s', 'spec_verify_s', 'spec_made',
-        'spec_row_passes')}
+        'spec_row_passes', 'spec_passes_run', 'spec_calls')}
     total['spec_one_graph'] = decodes[0].get('spec_one_graph', False)
     total['spec_passes_per_graph'] = decodes[0].get('spec_passes_per_graph', 1)
     drafted = [sum(c) for c in zip(*(d['spec_drafted'] for d in decodes))]
@@ -283,7 +296,7 @@ def speculate_row(model, b, K, plain_s, spec_s, stats, N):
     """One row: batch b, draft length K; plain_s and spec_s the Timings of decoding N tokens, stats
     the timed decodes' figures pooled."""
     from bench import noise
-    passes = max(1, stats['spec_passes'])
+    passes = max(1, stats['spec_passes_run'])      # (= spec_passes unless chained past the end)
     draft_pass, verify_pass = stats['spec_draft_s'] / passes, stats['spec_verify_s'] / passes
     rates = stats['spec_accept_rate'][:K]
     # the prediction's pass drafts all K: eager decodes draft fewer in their last passes
@@ -302,6 +315,7 @@ def speculate_row(model, b, K, plain_s, spec_s, stats, N):
         accept_rate=rates, tokens_per_pass=stats['spec_tokens_per_pass'],
         mean_accepted=stats['spec_tokens_per_pass'] - 1,
         passes=stats['spec_passes'] / stats['decodes'],
+        calls=stats['spec_calls'] / stats['decodes'],
         plain_ms_per_step=plain_s / N * 1e3, one_graph=whole,
         passes_per_graph=stats['spec_passes_per_graph'],
         pass_ms=(draft_pass + verify_pass) * 1e3,
@@ -323,26 +337,27 @@ def bench_speculative(cfg):
     path = checkpoint_file(cfg['init_from'])
     run_cfg = (load_checkpoint(path).get('config') or {}) if path else {}
     n, N = prompt_tokens(cfg), cfg['decode_tokens']
-    rows, ks = [], draft_lengths(cfg)
+    rows, ks, ps = [], draft_lengths(cfg), chain_lengths(cfg)
     for b in (int(s) for s in str(cfg['decode_batches']).split(',') if s.strip()):
         prompt, source = decode_prompts(run_cfg, model.config.vocab_size, b, n, g)
         prompt = prompt.to(dev)
-        temp, decodes = cfg['temperature'], {K: [] for K in ks}
+        temp, decodes = cfg['temperature'], {(K, P): [] for K in ks for P in ps}
         runs = {0: partial(model.generate, prompt, temperature=temp, compile=cfg['compile']),
-                **{K: speculative_run(model, prompt, K, draft, decodes[K], cfg['compile'], temp,
-                                      cfg['draft_stop'], cfg['one_graph'],
-                                      cfg['passes_per_graph'])
-                   for K in ks}}
+                **{(K, P): speculative_run(model, prompt, K, draft, decodes[K, P], cfg['compile'],
+                                           temp, cfg['draft_stop'], cfg['one_graph'], P)
+                   for K, P in decodes}}
         with autocast:      # the figures of the timed decodes only (no compiling, no warm-up)
             secs = decode_timings(runs, N, cfg, dev, lambda: [d.clear() for d in decodes.values()])
-        more = [speculate_row(model, b, K, secs[0], secs[K], pooled(decodes[K]), N) for K in ks]
+        more = [speculate_row(model, b, K, secs[0], secs[K, P], pooled(decodes[K, P]), N)
+                for K, P in decodes]
         if cfg['profile']:          # once more a side, warm: how busy the GPU was
             with autocast:
-                busy = {K: device_busy(run, N, dev) for K, run in runs.items()}
+                busy = {key: device_busy(run, N, dev) for key, run in runs.items()}
             for r in more:
-                for side, K, ms in (('plain', 0, r['plain_ms']), ('spec', r['K'], r['spec_ms'])):
-                    r[f'{side}_device_ms'] = busy[K]
-                    r[f'{side}_device_share'] = None if busy[K] is None else busy[K] / ms
+                spec = r['K'], r['passes_per_graph']
+                for side, key, ms in (('plain', 0, r['plain_ms']), ('spec', spec, r['spec_ms'])):
+                    r[f'{side}_device_ms'] = busy[key]
+                    r[f'{side}_device_share'] = None if busy[key] is None else busy[key] / ms
         rows += more
     return dict(
         kind='speculative', route=model.config.route, init_from=cfg['init_from'],

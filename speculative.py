@@ -265,9 +265,10 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     pass's draft and verification as one function (whole_pass), one graph a pass when compiled;
     stats then time the pass whole (spec_draft_s 0, spec_one_graph True). passes_per_graph=P > 1
     (implies one_graph): while the neediest row still needs P passes' tokens at the rate passes
-    have made them so far, and P windows fit below block_size, P passes run as one function
-    (chained_passes: one graph, one host round trip for P passes), the rest one at a time; the
-    same tokens."""
+    have made them so far (K + 1 a pass before any: the first P never outrun it), and P windows
+    fit below block_size, P passes run as one function (chained_passes: one graph, one host round
+    trip for P passes), the rest one at a time; the same tokens. A chained pass that runs after
+    every row is done counts in spec_passes_run and in the time, not in spec_passes."""
     cfg, family, dev = model.config, model.family, idx.device
     if top_k == 1:                  # greedy, as in model.generate: an argmax, no random draw
         temperature = 0
@@ -332,6 +333,7 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     drafted = [0] * (K + 1)         # per draft position: rows that drafted it
     kept = [0] * (K + 1)            # ... and kept it
     passes, row_passes, draft_steps, t_draft, t_verify = 0, 0, 0, 0.0, 0.0
+    calls = passes_run = 0          # pass functions called (host round trips), passes run
     # tokens per row, on the host (the pass's sizes and cache bucket are host decisions: one sync
     # per pass, for the accepted counts); the last token (pending) is not in the cache yet
     n = [m + 1 for m in lengths]
@@ -355,7 +357,7 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
         if not any(active):
             break
         need = max(lengths[b] + new - n[b] for b in range(B) if active[b])
-        rate = (sum(n) - sum(lengths) - B) / row_passes if row_passes else 1.0
+        rate = (sum(n) - sum(lengths) - B) / row_passes if row_passes else K + 1
         if P > 1 and need >= P * rate and max(n) - 1 + P * (K + 1) <= cfg.block_size:
             # P whole passes with each row's n advancing on the device: one host round trip
             cache.attend_to(max(n) - 1 + P * (K + 1))
@@ -366,6 +368,7 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
                 trace is not None, routing, P)
             a_p, active_p = counts.tolist()     # the one host sync of the P passes
             t_verify += time.perf_counter() - t0
+            calls, passes_run = calls + 1, passes_run + P
             for p in range(P):
                 if any(active_p[p]):            # (a pass after every row was done: nothing)
                     account([x > 0 for x in active_p[p]], a_p[p], K, kept_t[p],
@@ -417,6 +420,8 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
                                                        temperature, top_k, vocab_limit,
                                                        trace is not None, routing)
         a = a_t.tolist()            # the one host sync of the pass
+        calls += 1 + (0 if one_graph else k if draft_stop else 1)     # (draft_stop: a call a step)
+        passes_run += 1
         t_verify += time.perf_counter() - t1
         t_draft += t1 - t0
         account(active, a, k, kept_t, logits, decided)
@@ -457,7 +462,8 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
                                        for j in range(1, K + 1)],
                      spec_tokens_per_pass=made / max(1, row_passes),
                      spec_draft_s=t_draft, spec_verify_s=t_verify, spec_one_graph=one_graph,
-                     spec_passes_per_graph=P,
+                     spec_passes_per_graph=P, spec_passes_run=passes_run,
+                     spec_calls=calls,
                      # the counts behind the rates, to pool over decodes (bench.py's repeats)
                      spec_kept=kept[1:], spec_drafted=drafted[1:], spec_made=made,
                      spec_row_passes=row_passes)

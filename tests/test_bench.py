@@ -437,16 +437,19 @@ SPEC_TINY = ['--n_layer=3', '--n_head=2', '--n_embd=32', '--block_size=64', '--v
 SPEC_KEYS = {'route', 'batch', 'K', 'speedup', 'draft', 'draft_layers', 'draft_stop',
              'plain_tokens_per_s',
              'spec_tokens_per_s', 'plain_ms', 'spec_ms', 'accept_rate', 'tokens_per_pass',
-             'mean_accepted', 'passes', 'plain_ms_per_step', 'one_graph', 'passes_per_graph',
+             'mean_accepted', 'passes', 'calls', 'plain_ms_per_step', 'one_graph',
+             'passes_per_graph',
              'pass_ms',
              'draft_ms_per_pass', 'verify_ms_per_pass', 'draft_share', 'alpha',
              'predicted_speedup', 'spreads', 'repeats', 'noisy'}
 
 
-def check_spec_rows(res, route, ks, batches):
-    """One row per (batch, K), every key, speedup = plain_ms / spec_ms = the tokens/s ratio, the
-    acceptance per draft position in [0, 1] and the mean accepted length their sum."""
-    assert [(r['batch'], r['K']) for r in res['rows']] == [(b, k) for b in batches for k in ks]
+def check_spec_rows(res, route, ks, batches, chains=(1,)):
+    """One row per (batch, K, passes per graph), every key, speedup = plain_ms / spec_ms = the
+    tokens/s ratio, the acceptance per draft position in [0, 1] and the mean accepted length their
+    sum, fewer host round trips (calls) than passes only where passes are chained."""
+    assert [(r['batch'], r['K'], r['passes_per_graph']) for r in res['rows']] == [
+        (b, k, p) for b in batches for k in ks for p in chains]
     for r in res['rows']:
         assert set(r) == SPEC_KEYS and r['route'] == route
         assert r['speedup'] == pytest.approx(r['plain_ms'] / r['spec_ms'], rel=1e-9)
@@ -467,6 +470,11 @@ def check_spec_rows(res, route, ks, batches):
         assert 1 <= r['tokens_per_pass'] <= r['K'] + 1 and 0 <= r['alpha'] <= 1
         # 8 tokens after the first: at least ceil(8 / (K + 1)) verifier passes, at most 8
         assert -(-8 // (r['K'] + 1)) <= r['passes'] <= 8
+        per_pass = 1 if r['one_graph'] else 2 if not r['draft_stop'] else None
+        if r['passes_per_graph'] > 1:
+            assert 1 <= r['calls'] < r['passes']
+        elif per_pass:
+            assert r['calls'] == per_pass * r['passes']
         # (the prediction scales the plain step, a difference of timings that noise can make <= 0)
         if r['one_graph']:          # a pass timed whole: no split, so no prediction
             assert r['draft_share'] is None and r['predicted_speedup'] is None
@@ -599,14 +607,16 @@ def test_bench_speculate_profile(capsys, monkeypatch):
         assert r[f'{side}_device_share'] == pytest.approx(per_token * N / r[f'{side}_ms'])
 
 
-@pytest.mark.parametrize('route,option,chained,steps', [
-    ('mod', '--one_graph=True', 1, ['decode_step', 'whole_pass']),
-    ('exit', '--passes_per_graph=3', 3, ['chained_passes', 'decode_step', 'whole_pass']),
+@pytest.mark.parametrize('route,option,chains,steps', [
+    ('mod', '--one_graph=True', (1,), ['decode_step', 'whole_pass']),
+    ('exit', '--passes_per_graph=1,3', (1, 3),
+     ['chained_passes', 'decode_step', 'draft_pass', 'verify_pass', 'whole_pass']),
 ])
-def test_bench_speculate_one_graph(route, option, chained, steps, capsys, monkeypatch):
+def test_bench_speculate_one_graph(route, option, chains, steps, capsys, monkeypatch):
     """--one_graph=True --compile=True compiles plain decoding's step and one function a pass
-    (whole_pass); --passes_per_graph=3 also one function for three passes (chained_passes). Their
-    rows say so and time passes whole: pass_ms, no draft/verify split, no prediction."""
+    (whole_pass), whose rows time passes whole: pass_ms, no draft/verify split, no prediction.
+    --passes_per_graph=1,3 times, in one process, passes apart (draft_pass, verify_pass) and three
+    passes chained in one function (chained_passes, whole_pass for the last ones)."""
     made = trace_compiled_steps(monkeypatch)
     try:
         assert bench.main([*SPEC_TINY, f'--route={route}', '--speculate=1', '--compile=True',
@@ -614,8 +624,9 @@ def test_bench_speculate_one_graph(route, option, chained, steps, capsys, monkey
     finally:
         torch._dynamo.reset()
     res = json.loads(capsys.readouterr().out)
-    check_spec_rows(res, route, [1], [1, 2])
-    assert all(r['one_graph'] and r['passes_per_graph'] == chained for r in res['rows'])
+    check_spec_rows(res, route, [1], [1, 2], chains)
+    for r in res['rows']:
+        assert r['one_graph'] == (route == 'mod' or r['passes_per_graph'] > 1)
     assert sorted(set(made)) == steps
 
 
@@ -673,14 +684,16 @@ def test_pooled_speculative_figures():
     from bench_speculative import pooled
     one = dict(spec_draft='exit', spec_depth=2, spec_draft_stop=0.0, spec_passes=4,
                spec_draft_steps=8, spec_draft_s=0.5, spec_verify_s=1.0, spec_made=10,
-               spec_row_passes=4, spec_drafted=[4, 4], spec_kept=[3, 1])
+               spec_row_passes=4, spec_drafted=[4, 4], spec_kept=[3, 1], spec_passes_run=5,
+               spec_calls=2)
     two = dict(one, spec_passes=2, spec_draft_steps=3, spec_made=3, spec_row_passes=2,
-               spec_drafted=[2, 1], spec_kept=[0, 0])
+               spec_drafted=[2, 1], spec_kept=[0, 0], spec_passes_run=2, spec_calls=1)
     got = pooled([one, two])
     assert got['spec_accept_rate'] == [3 / 6, 1 / 5]
     assert got['spec_tokens_per_pass'] == 13 / 6
     assert (got['spec_passes'], got['decodes'], got['spec_draft_steps']) == (6, 2, 11)
     assert (got['spec_draft_s'], got['spec_verify_s']) == (1.0, 2.0)
+    assert (got['spec_passes_run'], got['spec_calls']) == (7, 3)
     assert pooled([dict(one, spec_drafted=[4, 0])])['spec_accept_rate'] == [3 / 4, None]
 
 
@@ -755,7 +768,9 @@ def test_bench_speculate_predicted():
     (['--speculate=2', '--one_graph=True', '--draft_stop=0.3'],
      "--one_graph drafts whole passes, --draft_stop a step at a time: drop one of them"),
     (['--passes_per_graph=2'], "--passes_per_graph is an option of --speculate=K"),
-    (['--speculate=2', '--passes_per_graph=0'], "passes_per_graph must be >= 1 (1: a pass at a"),
+    (['--speculate=2', '--passes_per_graph=0'], "passes_per_graph must be passes per function"),
+    (['--speculate=2', '--passes_per_graph=1,x'], "such as '1' or '1,4' (1: a pass at a time)"),
+    (['--speculate=2', '--one_graph=True', '--passes_per_graph=0'], "passes_per_graph must be"),
     (['--speculate=2', '--passes_per_graph=2', '--draft_stop=0.3'],
      "--passes_per_graph drafts whole passes, --draft_stop a step at a time"),
     (['--speculate=2', '--temperature=-1'], "temperature must be >= 0 (0: greedy), got -1.0"),

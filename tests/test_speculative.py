@@ -3,7 +3,6 @@ positions rolled back in every layer), the routing statistics count the verifier
 only, sampling follows the rejection rule of Leviathan et al. (arXiv 2211.17192) so the output has
 plain sampling's exact distribution, and bad drafts are refused in one line. Greedy exactness for
 every family is a shared promise in test_families.py."""
-import collections
 import math
 from unittest import mock
 
@@ -117,41 +116,71 @@ def test_a_pass_as_one_function_decodes_as_draft_and_verification_apart(case, se
     assert not runs[0][2]['spec_one_graph'] and runs[1][2]['spec_one_graph']
 
 
+def chained_and_not(model, idx, new, K, draft, P, seed, **kw):
+    """speculative.generate whole passes one at a time and P chained, each under torch seed `seed`
+    and decoding as compiled (every pass drafts K) with GPT.compiled running the steps eagerly:
+    ([(output, trace, stats)] of both, the attended lengths the chained decode set)."""
+    from model import KVCache
+    runs, buckets = [], []
+    attend_to = KVCache.attend_to
+
+    def recording(cache, n):
+        attend_to(cache, n)
+        buckets.append(cache.attend_len)
+    for chain in (1, P):
+        trace, stats = {}, {}
+        buckets.clear()
+        torch.manual_seed(seed)
+        with mock.patch.object(GPT, 'compiled', staticmethod(lambda step, device: step)), \
+                mock.patch.object(KVCache, 'attend_to', recording):
+            out = speculative.generate(model, idx, new, K, draft, trace=trace, stats=stats,
+                                       compile=True, one_graph=True, passes_per_graph=chain, **kw)
+        runs.append((out, trace, stats))
+    return runs, list(buckets)
+
+
 @settings(**{**SETTINGS, 'max_examples': 25})
-@given(case=st.sampled_from(DETERMINISTIC), seed=st.integers(0, 999), K=st.integers(1, 4),
+@given(case=st.sampled_from(CASES), seed=st.integers(0, 999), K=st.integers(1, 4),
        P=st.integers(2, 3), lens=st.lists(st.integers(1, 8), min_size=1, max_size=3),
+       temperature=st.sampled_from([0.0, 1.0]), top_k=st.sampled_from([None, 3]),
        data=st.data())
 def test_passes_chained_on_the_device_decode_as_passes_one_at_a_time(case, seed, K, P, lens,
-                                                                     data):
+                                                                     temperature, top_k, data):
     """passes_per_graph=P (P whole passes in one function, each row's token count advancing on the
-    device, a done row running along) computes what whole passes one at a time compute: the same
-    tokens, verifier logits and decisions, filled cache slots and acceptance counts, bitwise (this
-    model's cache has one attended length; both decode as compiled, every pass drafting K, with
-    GPT.compiled running the steps eagerly), with rows ending at block_size; the passes are
-    chained wherever P windows fit and the rows still need P passes' tokens."""
+    device, a done row running along) computes what whole passes one at a time compute: under one
+    seed the same tokens, verifier logits and decisions, filled cache slots and acceptance counts,
+    bitwise, greedy and sampled, routed at random or not, with rows ending at block_size; every
+    chained pass but those after the last row was done is counted, and the first call chains
+    wherever P windows fit and the rows need P passes of K + 1 tokens."""
     model = build(*case, seed=seed).eval()
     new = data.draw(st.integers(1, model.config.block_size - max(lens)))
     draft = data.draw(st.sampled_from(sorted(model.family.drafts(model.config))))
     idx = tokens(seed, len(lens), max(lens))
-    runs, calls = [], collections.Counter()
-
-    def counting(model, device, compile, step):
-        def run(*args):
-            calls[step.__name__] += 1
-            return step(*args)
-        return run
-    for chain in (1, P):
-        trace, stats = {}, {}
-        with mock.patch.object(GPT, 'compiled', staticmethod(lambda step, device: step)), \
-                mock.patch.object(speculative, 'pass_step', counting):
-            out = speculative.generate(model, idx, new, K, draft, temperature=0, lengths=lens,
-                                       trace=trace, stats=stats, compile=True, one_graph=True,
-                                       passes_per_graph=chain)
-        runs.append((out, trace, stats))
+    runs, _ = chained_and_not(model, idx, new, K, draft, P, seed, temperature=temperature,
+                              top_k=top_k, lengths=lens)
     assert_same_decode(*runs, empty_slots_too=False)      # (a chained pass after the last)
-    # the first call chains if P windows fit: it needs new >= P tokens at 1 token a pass
-    fits = max(lens) + P * (K + 1) <= model.config.block_size and new - 1 >= P
-    assert (calls['chained_passes'] > 0) == fits, (calls, fits)
+    apart, chained = runs[0][2], runs[1][2]
+    assert apart['spec_calls'] == apart['spec_passes_run'] == apart['spec_passes']
+    assert chained['spec_passes_run'] >= chained['spec_passes']
+    if max(lens) + P * (K + 1) <= model.config.block_size and new - 1 >= P * (K + 1):
+        assert chained['spec_calls'] < chained['spec_passes']
+
+
+@pytest.mark.parametrize('case', [c for c in DETERMINISTIC if c[1] == 0])
+def test_chained_passes_attend_over_every_window_they_write(case):
+    """With block_size 160, prompts of 60 and 57 tokens and 60 new ones: a call of P chained
+    passes attends over the bucket of its last window's end (the first call: positions up to
+    60 + P(K + 1) − 1, past 64, so 128 slots, where one window fewer would fit in 64), larger
+    than a pass at a time would attend over, and decodes bitwise as passes one at a time (a
+    bucket too small would leave the newest K/V unseen)."""
+    model = build(*case, seed=4, block_size=160).eval()
+    draft = sorted(model.family.drafts(model.config))[0]
+    idx = tokens(4, 2, 60)
+    for P, K in ((2, 3), (3, 1)):
+        runs, buckets = chained_and_not(model, idx, 60, K, draft, P, 4, temperature=0,
+                                        lengths=[60, 57])
+        assert_same_decode(*runs, empty_slots_too=False)
+        assert buckets[0] == 128 and runs[1][2]['spec_calls'] < runs[1][2]['spec_passes']
 
 
 @pytest.mark.parametrize('opt', [0, 1, 3])
@@ -360,7 +389,7 @@ def chi2_critical(dof, z=3.719):
     ('halt', 'halt', 2, 0.8, None, None, 1),
     ('ensemble', 'earliest', 2, 1.0, 3, None, 1),
     ('exit', 'exit', 1, 1.0, None, None, 2),
-    ('halt', 'halt', 1, 0.8, 3, None, 2),
+    ('halt', 'halt', 1, 0.8, None, None, 2),
 ])
 def test_sampled_speculative_decoding_has_plain_samplings_distribution(
         route, draft, K, temperature, top_k, vocab_limit, chain):
@@ -373,19 +402,19 @@ def test_sampled_speculative_decoding_has_plain_samplings_distribution(
     falls in a cell of probability 0 (top_k, vocab_limit). Power: sampling the two tokens from the
     draft instead would exceed that quantile by the stated margin (its expected statistic, N·Σ(q −
     p)²/p, is more than 3x the critical value), and the draft is neither always kept nor always
-    rejected. chain = 2: the two tokens after the first from two passes (K = 1) chained in one
-    function (passes_per_graph), the second of them running along where the first made both."""
-    V, N, steps = 5, 20000, 3
+    rejected. chain = 2: on a 3-token vocabulary, the five tokens after a prompt, the four after
+    the first starting with two passes (K = 1) chained in one function (passes_per_graph)."""
+    (V, steps), N = ((5, 3) if chain == 1 else (3, 5)), 20000
     model = build(route, seed=1, n_layer=3, vocab_size=V, block_size=8, exit_layers='1',
                   noise=0.5).eval()
-    prompt = torch.tensor([[1, 3, 0]])
+    prompt = torch.tensor([[1, V - 2, 0]])
     name, depth = speculative.resolve_draft(model.config, model.family, draft)
 
     def verifier(rows):
         with torch.no_grad():
             return model(rows)[0][:, -1]
 
-    def drafter(rows):                  # the draft for x_2, x_3 (x_1 comes from the prefill)
+    def drafter(rows):                  # the draft for x_2 onwards (x_1 comes from the prefill)
         pos = torch.arange(rows.size(1)).expand(rows.shape)
         with torch.no_grad():
             own = model.family.draft_logits(model, name, rows, pos, None, depth)[:, -1]
@@ -400,7 +429,10 @@ def test_sampled_speculative_decoding_has_plain_samplings_distribution(
            if chain == 1 else speculative.generate(model, prompt.repeat(N, 1), steps, K, draft,
                                                    passes_per_graph=chain, **options))[:, 3:]
     Vp = p.size(-1)
-    counts = torch.bincount((out[:, 0] * Vp + out[:, 1]) * Vp + out[:, 2], minlength=Vp ** 3)
+    cell = out[:, 0]
+    for j in range(1, steps):
+        cell = cell * Vp + out[:, j]
+    counts = torch.bincount(cell, minlength=Vp ** steps)
     expected = N * p.flatten().double()
     live = expected > 0
     assert counts[~live].sum() == 0
@@ -411,6 +443,7 @@ def test_sampled_speculative_decoding_has_plain_samplings_distribution(
                        / p.flatten().double()[live]).sum())
     assert power > 3 * critical, (power, critical)
     assert 0.1 < stats['spec_accept_rate'][0] < 0.95, stats
+    assert (stats['spec_calls'] < stats['spec_passes']) == (chain > 1), stats
 
 
 def test_draw_follows_each_rows_distribution_and_never_draws_a_zero():
@@ -625,7 +658,7 @@ def pass_outputs(model, idx, K, draft, temperature, **kw):
             return out
         return run
     with mock.patch.object(speculative, 'pass_step', counting):
-        speculative.generate(model, idx, 6, K, draft, temperature=temperature, **kw)
+        speculative.generate(model, idx, 12, K, draft, temperature=temperature, **kw)
     return counts
 
 
