@@ -163,8 +163,8 @@ def verify_pass(model, window, q, base_active, cache, temperature, top_k, vocab_
     (else None), its routing over the window where routing names it (else None): routing =
     (mask layers, margin layers), the keys of the forward's aux['masks'] and aux['margins'] to
     return, as one float tensor (masks then margins, B, k + 1). One tensor, not one per layer:
-    compiled on CUDA each output is copied out of the graph, at a host cost per output that made a
-    verification with one per layer cost 1.5-1.7 plain steps on an H200."""
+    compiled on CUDA each output is copied out of the graph at a host cost of its own, a suspect
+    in a verification's costing 1.5-1.7 plain steps on an H200 when it returned one per layer."""
     base, active = base_active[0], base_active[1] > 0
     slot = torch.arange(cache.max_len, device=window.device)[None, :]
     cache.kpos.masked_fill_(slot >= base[:, None], -1)

@@ -664,7 +664,11 @@ STOPPABLE_TRAIN = textwrap.dedent("""
     if os.environ.get('FAKE_IGNORE'):
         pids.append(subprocess.Popen(['sleep', '300']).pid)
     open(os.path.join(out, 'ckpt.pt'), 'w').close()
-    open(os.path.join(out, 'pids'), 'w').write(' '.join(map(str, pids)))
+    # written whole, then renamed: the test waits for the file, and a signal between its creation
+    # and its write would leave it empty
+    with open(os.path.join(out, 'pids.part'), 'w') as f:
+        f.write(' '.join(map(str, pids)))
+    os.replace(os.path.join(out, 'pids.part'), os.path.join(out, 'pids'))
     while True:
         time.sleep(0.05)
 """)
