@@ -86,28 +86,27 @@ SPECULATE_DEFAULTS = dict(
 )
 
 
+def positive_ints(cfg, key, what):
+    """The integers >= 1 of a comma-separated option (--speculate=1,2,4,8); ConfigError naming
+    `what` they must be otherwise."""
+    try:
+        values = [int(s) for s in str(cfg[key]).split(',') if s.strip()]
+    except ValueError:
+        values = [0]
+    if not values or min(values) < 1:
+        raise ConfigError(f"{key} must be {what}, got {cfg[key]!r}")
+    return values
+
+
 def draft_lengths(cfg):
     """The K of --speculate=1,2,4,8."""
-    try:
-        ks = [int(s) for s in str(cfg['speculate']).split(',') if s.strip()]
-    except ValueError:
-        ks = [0]
-    if not ks or min(ks) < 1:
-        raise ConfigError(f"speculate must be draft lengths K >= 1 such as '1,2,4,8', got "
-                          f"{cfg['speculate']!r}")
-    return ks
+    return positive_ints(cfg, 'speculate', "draft lengths K >= 1 such as '1,2,4,8'")
 
 
 def chain_lengths(cfg):
     """The P of --passes_per_graph=1,4."""
-    try:
-        ps = [int(s) for s in str(cfg['passes_per_graph']).split(',') if s.strip()]
-    except ValueError:
-        ps = [0]
-    if not ps or min(ps) < 1:
-        raise ConfigError(f"passes_per_graph must be passes per function >= 1 such as '1' or "
-                          f"'1,4' (1: a pass at a time), got {cfg['passes_per_graph']!r}")
-    return ps
+    return positive_ints(cfg, 'passes_per_graph', "passes per function >= 1 such as '1' or '1,4' "
+                         "(1: a pass at a time)")
 
 
 def checkpoint_file(init_from):
