@@ -66,6 +66,11 @@ plain and speculative tokens/s, speedup, acceptance per draft position, tokens p
 the draft/verify split and the speedup predicted from them; --draft/--draft_layers pick the draft.
 
     python bench.py --init_from=out/<run> --speculate=1,2,4,8 --json
+
+--compile_cache=FILE.bin (with --compile=True) keeps torch.compile's compiled code across
+processes and machines: read first where the file exists, then rewritten whole with what this run
+compiled or reused (after each --speculate batch, and at the end), keeping every earlier run's code
+this one did not use. A GPU machine that starts bare compiles again only what no run kept.
 """
 import inspect
 import json
@@ -106,6 +111,8 @@ BENCH_DEFAULTS = dict(
     suite_seconds=420,      # --suite: rows not started within this many seconds are skipped
     quick=False,            # the QUICK preset: smaller shapes, 3 repeats (minutes on 2 cores)
     quiet=False,            # no progress bar (there is none off a terminal either)
+    compile_cache='',       # with --compile=True: a file of torch.compile's compiled code, read
+                            # first where it exists and rewritten as the run goes ('': off)
     **bench_speculative.SPECULATE_DEFAULTS,     # --speculate=1,2,4,8 [--draft=NAME]
 )
 # --quick=True: each of these that the command line does not set itself (a config file's value is
@@ -878,7 +885,63 @@ def parse_args(argv):
     bench_speculative.check_options(cfg, argv)
     if cfg['out']:
         writable_file(cfg['out'], 'out', suffix='.json')
+    if cfg['compile_cache']:
+        if not cfg['compile']:
+            raise ConfigError("--compile_cache keeps what --compile=True compiles; add "
+                              "--compile=True or drop --compile_cache")
+        writable_file(cfg['compile_cache'], 'compile_cache', suffix='.bin')
     return cfg, as_json, argv
+
+
+def write_json_whole(path, obj):
+    """obj as JSON at path, written beside it and renamed: a reader (or a run stopped mid-write)
+    sees the old file or the new one, never part of one."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + '.part', 'w') as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + '.part', path)
+
+
+def load_compile_cache(path):
+    """Fill torch.compile's caches from --compile_cache's file where it exists (a GPU machine that
+    starts bare then compiles only what no earlier run kept); ConfigError if it is no such file."""
+    if not path or not os.path.exists(path):
+        return
+    try:
+        for _, blob in compile_cache_entries(path):
+            torch.compiler.load_cache_artifacts(blob)
+    except Exception as e:      # what a foreign or truncated file raises is zipfile's or torch's
+        raise ConfigError(f"compile_cache={path} is not a compile cache that this torch reads "
+                          f"({type(e).__name__}); delete it or name another file") from None
+
+
+def compile_cache_entries(path):
+    """[(artifact keys, torch.compiler.save_cache_artifacts bytes)] of a --compile_cache file: a
+    zip of such blobs and an index of their keys."""
+    import zipfile
+    with zipfile.ZipFile(path) as z:
+        return [(set(keys), z.read(f'{i}.bin'))
+                for i, keys in enumerate(json.loads(z.read('index.json')))]
+
+
+def save_compile_cache(path):
+    """Add what torch.compile compiled or reused in this process to --compile_cache's file, written
+    whole. torch saves only the artifacts a process used, so the file keeps each earlier blob
+    holding one this process did not (a run of fewer variants loses nothing saved before)."""
+    import zipfile
+    saved = torch.compiler.save_cache_artifacts() if path else None
+    if not saved:
+        return
+    blob, info = saved
+    keys = {k for ks in info.artifacts.values() for k in ks}
+    kept = [(ks, b) for ks, b in (compile_cache_entries(path) if os.path.exists(path) else [])
+            if not ks <= keys]
+    entries = kept + [(keys, blob)]
+    with zipfile.ZipFile(path + '.part', 'w', compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr('index.json', json.dumps([sorted(ks) for ks, _ in entries]))
+        for i, (_, b) in enumerate(entries):
+            z.writestr(f'{i}.bin', b)
+    os.replace(path + '.part', path)
 
 
 def main(argv):
@@ -888,24 +951,37 @@ def main(argv):
         return print_help(__doc__, 'python bench.py [CONFIG.py ...] [--key=value ...] [--json]',
                           [own, *train.help_groups()], flags={'--json': 'print one JSON object'})
     cfg, as_json, argv = parse_args(argv)
+    load_compile_cache(cfg['compile_cache'])
     if cfg['suite']:
         import bench_suite
-        return bench_suite.run(cfg, argv + ['--json'] * as_json)
+        rc = bench_suite.run(cfg, argv + ['--json'] * as_json)
+        save_compile_cache(cfg['compile_cache'])
+        return rc
+    command = 'python bench.py ' + ' '.join(argv + ['--json'] * as_json)
+
+    def save(res):      # the raw file behind a reported figure, with the command that made it
+        if cfg['out']:
+            write_json_whole(cfg['out'], dict(res, command=command,
+                                              date=time.strftime('%Y-%m-%d')))
+        save_compile_cache(cfg['compile_cache'])
+
+    def batch_done(res, rows):      # --speculate: a batch's rows kept and shown as they are done
+        save(res)
+        if not as_json:
+            if len(res['rows']) == len(rows):
+                bench_speculative.print_header(res)
+            bench_speculative.print_rows(rows)
+
     res = (bench_decode_vs_hf(cfg) if cfg['decode_vs_hf']
-           else bench_speculative.bench_speculative(cfg) if cfg['speculate']
+           else bench_speculative.bench_speculative(cfg, batch_done) if cfg['speculate']
            else bench_routed(cfg) if cfg['budgets'] else bench(cfg))
-    if cfg['out']:                 # the raw file behind a reported figure, with the command that
-                                   # made it
-        os.makedirs(os.path.dirname(os.path.abspath(cfg['out'])), exist_ok=True)
-        with open(cfg['out'], 'w') as f:
-            json.dump(dict(res, command='python bench.py ' + ' '.join(argv + ['--json'] * as_json),
-                           date=time.strftime('%Y-%m-%d')), f, indent=1)
+    save(res)
     if as_json:
         print(json.dumps(res))
     elif cfg['decode_vs_hf']:
         print_decode_vs_hf(res)
     elif cfg['speculate']:
-        bench_speculative.print_speculative(res)
+        bench_speculative.print_footer(res)
     elif cfg['budgets']:
         print_routed(res)
     else:

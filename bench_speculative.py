@@ -18,7 +18,10 @@ tokens; `prompt_source` says which. --compile=True compiles both sides' steps: p
 decode step and each pass's draft and verification (a CUDA graph each on a GPU; `compiled` in the
 JSON). Most compiling (and CUDA-graph recording) falls in the warm-up rounds; a shape first met
 late (the pass that enters a new cache bucket, a last short window) may be recorded in a timed
-repeat, which the median mostly hides.
+repeat, which the median mostly hides. plain_warmup_s and warmup_s: the seconds of each side's
+warm-up rounds, compiling included (a cold compile of a chained variant can take minutes on a GPU
+machine: size a run's time limit by them). Each decode batch's rows are handed to bench.py as soon
+as they are timed, which prints them and writes --out (complete: false until the last batch).
 
 Per row: plain and speculative tokens/s and ms, speedup = plain_ms / spec_ms (= spec tokens/s over
 plain tokens/s), and, pooled over the timed decodes (bench.py's repeats: sampled decodes differ),
@@ -200,22 +203,24 @@ def load_bench_model(cfg, dev):
 
 
 def decode_timings(runs, N, cfg, dev, timed_from=lambda: None):
-    """{name: bench.Timing of decode alone} for runs {name: run(new)}: run(1 + N) minus run(1)
-    (prefill and first token), every run back to back in each of bench_steps repeats after
-    bench_warmup untimed rounds (at least one), so a slow spell of the machine hits them alike.
-    timed_from() is called between the two."""
+    """({name: bench.Timing of decode alone}, {name: seconds of its warm-up}) for runs
+    {name: run(new)}: run(1 + N) minus run(1) (prefill and first token), every run back to back in
+    each of bench_steps repeats after bench_warmup untimed rounds (at least one), so a slow spell of
+    the machine hits them alike. A run's warm-up seconds are its untimed rounds', compiling and
+    graph recording included. timed_from() is called between the two."""
     from bench import Timing, timed
+    warmup = dict.fromkeys(runs, 0.0)
     for _ in range(max(1, cfg['bench_warmup'])):
-        for run in runs.values():
-            run(1 + N)
-            run(1)
+        for name, run in runs.items():
+            warmup[name] += timed(partial(run, 1 + N), 1, 0, dev) + timed(partial(run, 1), 1, 0,
+                                                                              dev)
     timed_from()
     times = {name: [] for name in runs}
     for _ in range(max(1, cfg['bench_steps'])):
         for name, run in runs.items():
             long, short = timed(partial(run, 1 + N), 1, 0, dev), timed(partial(run, 1), 1, 0, dev)
             times[name].append(long - short)
-    return {name: Timing(t) for name, t in times.items()}
+    return {name: Timing(t) for name, t in times.items()}, warmup
 
 
 def device_ms(run, new, dev):
@@ -325,8 +330,10 @@ def speculate_row(model, b, K, plain_s, spec_s, stats, N):
     )
 
 
-def bench_speculative(cfg):
-    """Plain and speculative decode per decode batch and K (see the module docstring)."""
+def bench_speculative(cfg, batch_done=lambda res, rows: None):
+    """Plain and speculative decode per decode batch and K (see the module docstring).
+    batch_done(result so far, the batch's rows) is called as each decode batch's rows are done,
+    the result then marked complete=False: a run stopped later keeps them."""
     dev, dt = resolve_device_dtype(SimpleNamespace(**cfg))
     autocast = autocast_context(dev, dt)
     model = load_bench_model(cfg, dev)
@@ -346,8 +353,10 @@ def bench_speculative(cfg):
                                            temp, cfg['draft_stop'], cfg['one_graph'], P)
                    for K, P in decodes}}
         with autocast:      # the figures of the timed decodes only (no compiling, no warm-up)
-            secs = decode_timings(runs, N, cfg, dev, lambda: [d.clear() for d in decodes.values()])
-        more = [speculate_row(model, b, K, secs[0], secs[K, P], pooled(decodes[K, P]), N)
+            secs, warmup = decode_timings(runs, N, cfg, dev,
+                                          lambda: [d.clear() for d in decodes.values()])
+        more = [dict(speculate_row(model, b, K, secs[0], secs[K, P], pooled(decodes[K, P]), N),
+                     plain_warmup_s=warmup[0], warmup_s=warmup[K, P])
                 for K, P in decodes]
         if cfg['profile']:          # once more a side, warm: how busy the GPU was
             with autocast:
@@ -358,6 +367,12 @@ def bench_speculative(cfg):
                     r[f'{side}_device_ms'] = busy[key]
                     r[f'{side}_device_share'] = None if busy[key] is None else busy[key] / ms
         rows += more
+        batch_done(result(cfg, model, dev, dt, n, N, source, rows, complete=False), more)
+    return result(cfg, model, dev, dt, n, N, source, rows, complete=True)
+
+
+def result(cfg, model, dev, dt, n, N, source, rows, complete):
+    """The JSON result of bench_speculative over rows; complete=False while batches remain."""
     return dict(
         kind='speculative', route=model.config.route, init_from=cfg['init_from'],
         device=str(dev),
@@ -369,7 +384,7 @@ def bench_speculative(cfg):
         temperature=cfg['temperature'],
         timing=(f"{sampling(cfg['temperature'])}, decode alone (generate of 1 + N tokens minus "
                 "generate of 1)"),
-        prompt_source=source, compiled=bool(cfg['compile']), rows=rows,
+        prompt_source=source, compiled=bool(cfg['compile']), complete=complete, rows=list(rows),
     )
 
 
@@ -387,15 +402,25 @@ def split_ms(r):
 
 
 def print_speculative(res):
+    print_header(res)
+    print_rows(res['rows'])
+    print_footer(res)
+
+
+def print_header(res):
     print(f"self-speculative decode, route={res['route']} {res['n_layer']}L d{res['n_embd']} "
           f"{res['dtype']} on {res['device']} ({res['threads']} threads), "
           f"{res['prompt_tokens']}-token prompts ({res['prompt_source']}), "
           f"{res['decode_tokens']} {sampling(res.get('temperature'))} tokens, decode alone"
           f"{', compiled steps' if res.get('compiled') else ''}")
     print('| batch | K | draft | plain tok/s | spec tok/s | speedup | predicted | tokens/pass '
-          '| kept per position | draft / verify (or whole) ms per pass | spread plain / spec |')
-    print('|---|---|---|---|---|---|---|---|---|---|---|')
-    for r in res['rows']:
+          '| kept per position | draft / verify (or whole) ms per pass | spread plain / spec '
+          '| warm-up s plain / spec |')
+    print('|---|---|---|---|---|---|---|---|---|---|---|---|')
+
+
+def print_rows(rows):
+    for r in rows:
         depth = f" E={r['draft_layers']}" if r['draft_layers'] is not None else ''
         kept = ' '.join('-' if a is None else f'{a:.2f}' for a in r['accept_rate'])
         predicted = '-' if r['predicted_speedup'] is None else f"{r['predicted_speedup']:.2f}"
@@ -403,7 +428,11 @@ def print_speculative(res):
               f"{r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f} | {predicted} "
               f"| {r['tokens_per_pass']:.2f} | {kept} "
               f"| {split_ms(r)} "
-              f"| {r['spreads'][0]:.0%} / {r['spreads'][1]:.0%}{' NOISY' if r['noisy'] else ''} |")
+              f"| {r['spreads'][0]:.0%} / {r['spreads'][1]:.0%}{' NOISY' if r['noisy'] else ''} "
+              f"| {r['plain_warmup_s']:.1f} / {r['warmup_s']:.1f} |", flush=True)
+
+
+def print_footer(res):
     for r in (r for r in res['rows'] if 'spec_device_ms' in r):
         print(f"GPU busy, batch {r['batch']}, K {r['K']}: " + (
             'measured on CUDA only' if r['spec_device_ms'] is None else '; '.join(

@@ -16,7 +16,7 @@ import bench
 import flops
 import train
 from configurator import ConfigError, load_config
-from conftest import run_group
+from conftest import finish, run_group, start
 from dataclasses import replace
 from model import FAMILIES, controlled_layer_ids
 
@@ -441,7 +441,7 @@ SPEC_KEYS = {'route', 'batch', 'K', 'speedup', 'draft', 'draft_layers', 'draft_s
              'passes_per_graph',
              'pass_ms',
              'draft_ms_per_pass', 'verify_ms_per_pass', 'draft_share', 'alpha',
-             'predicted_speedup', 'spreads', 'repeats', 'noisy'}
+             'predicted_speedup', 'spreads', 'repeats', 'noisy', 'plain_warmup_s', 'warmup_s'}
 
 
 def check_spec_rows(res, route, ks, batches, chains=(1,)):
@@ -499,6 +499,93 @@ def test_bench_speculate_json(tmp_path):
     assert all(r['draft'] == 'exit' for r in res['rows'])
     saved = json.load(open(out))
     assert saved['rows'] == res['rows'] and '--speculate=1,3,8' in saved['command']
+
+
+def test_bench_speculate_keeps_and_shows_each_batch_as_it_is_done(tmp_path, capsys, monkeypatch):
+    """Each decode batch's rows are printed and written to --out (complete: false) once timed, so
+    a run stopped in a later batch keeps them; a finished run's file says complete: true. Each row
+    carries the seconds of its sides' warm-up rounds: here every timed call takes 1 s (a stand-in
+    clock), and a round is a decode of 1 + N tokens and one of 1, so --bench_warmup=2 rounds are
+    4 s a side."""
+    import bench_speculative
+    out, timings = tmp_path / 'spec.json', bench_speculative.decode_timings
+
+    def one_second_each(fn, *args, **kw):
+        fn()
+        return 1.0
+    monkeypatch.setattr(bench, 'timed', one_second_each)
+    args = [*SPEC_TINY, '--route=exit', '--speculate=1,2', '--bench_warmup=2', f'--out={out}']
+    assert bench.main(args) == 0
+    done = json.loads(out.read_text())
+    assert done['complete'] is True and len(done['rows']) == 4
+    assert all(r['warmup_s'] == r['plain_warmup_s'] == 4.0 for r in done['rows'])
+    printed = capsys.readouterr().out
+    assert printed.count('| batch | K |') == 1 and printed.count('| 4.0 / 4.0 |') == 4
+
+    def stopped_in_the_second_batch(runs, *args, **kw):
+        if len(runs[0].args[0]) == 2:       # plain decoding's prompt: batch 2
+            raise KeyboardInterrupt
+        return timings(runs, *args, **kw)
+    monkeypatch.setattr(bench_speculative, 'decode_timings', stopped_in_the_second_batch)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(args)
+    kept = json.loads(out.read_text())
+    assert kept['complete'] is False and [r['batch'] for r in kept['rows']] == [1, 1]
+    assert [(r['batch'], r['K']) for r in kept['rows']] == [(1, 1), (1, 2)]
+    assert all(set(r) == SPEC_KEYS for r in kept['rows'])
+    assert '--speculate=1,2' in kept['command'] and not os.path.exists(f'{out}.part')
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split(' | ')[:2] for line in printed if line.startswith('| 1 |')] == [
+        ['| 1', '1'], ['| 1', '2']]
+
+
+COMPILE_AND_KEEP = """
+import sys, torch, bench
+from torch._dynamo.utils import counters
+path, names = sys.argv[1], sys.argv[2].split(',')
+bench.load_compile_cache(path)
+functions = {'affine': lambda x: x * 2 + 1, 'tanh': lambda x: torch.tanh(x) - x}
+for name in names:
+    torch.compile(functions[name])(torch.randn(8))
+bench.save_compile_cache(path)
+print(counters['inductor']['fxgraph_cache_hit'], counters['inductor']['fxgraph_cache_miss'])
+"""
+
+
+def test_compile_cache_keeps_every_run_s_compiled_code(tmp_path):
+    """--compile_cache's file, carried to a machine whose caches are empty (a fresh cache folder
+    each process here), spares it compiling what any earlier run compiled: torch saves only what a
+    process used, so a run that compiles one function must not drop another's code saved before,
+    and a run that used both leaves one blob holding them."""
+    cache = tmp_path / 'compiled.bin'
+
+    def run(names, folder):
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / folder),
+                   TORCHINDUCTOR_COMPILE_THREADS='1', PYTHONPATH=str(REPO))
+        r = finish(start([sys.executable, '-c', COMPILE_AND_KEEP, cache, names], env=env,
+                         cwd=REPO), timeout=240)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return tuple(int(n) for n in r.stdout.split()[-2:])
+    assert run('affine', 'a') == (0, 1)
+    assert run('tanh', 'b') == (0, 1)
+    assert len(bench.compile_cache_entries(cache)) == 2
+    assert run('affine,tanh', 'c') == (2, 0)
+    assert len(bench.compile_cache_entries(cache)) == 1
+    assert run('tanh,affine', 'd') == (2, 0)
+
+
+def test_compile_cache_refuses_a_file_that_is_not_one(tmp_path):
+    """A --compile_cache file torch cannot read is refused before any work and left as it was;
+    --compile_cache without --compile=True, or not a .bin, is refused by the option check."""
+    bad = tmp_path / 'compiled.bin'
+    bad.write_bytes(b'not a cache')
+    with pytest.raises(ConfigError, match='is not a compile cache that this torch reads'):
+        bench.main([*SPEC_TINY, '--speculate=2', '--compile=True', f'--compile_cache={bad}'])
+    assert bad.read_bytes() == b'not a cache'
+    with pytest.raises(ConfigError, match='--compile_cache keeps what --compile=True compiles'):
+        bench.parse_args([*SPEC_TINY, f'--compile_cache={bad}'])
+    with pytest.raises(ConfigError, match='must end in .bin'):
+        bench.parse_args([*SPEC_TINY, '--compile=True', f'--compile_cache={tmp_path}/c.zip'])
 
 
 def test_bench_speculate_draft_stop():

@@ -44,7 +44,8 @@ NEGATIVE_OK = {'halt_router_bias'}
 EMPTY_OK = {'data_dir', 'lm_thresholds', 'budgets', 'out', 'prompts_file', 'decode_batches',
             'prefill_shapes',
             'draft', 'speculate',       # '': the family's default draft; bench: no speculation
-            'log', 'wandb_run_name'}    # '': no logger besides metrics.jsonl; W&B names the run
+            'log', 'wandb_run_name',    # '': no logger besides metrics.jsonl; W&B names the run
+            'compile_cache'}            # '': bench keeps no compiled code
 FREE_TEXT = {'out_dir', 'data_dir', 'dataset', 'start', 'out', 'name',   # any text is a valid name
              'wandb_project', 'wandb_run_name'}
 
