@@ -1,0 +1,41 @@
+# Compiled self-speculative decoding of the trained 8-layer models on one GPU, in one command:
+#
+#   bash results/gpu_speculative.sh FOLDER [SECONDS]
+#
+# Each stage is one bench.py process (greedy, 60 tokens from 64-token prompts, 10 repeats a side,
+# both sides compiled) writing FOLDER/speculative_<stage>.json and its output to FOLDER/log.txt,
+# passes apart and 4 chained in one graph (--passes_per_graph=1,4) timed in the same process. The
+# stages run in order of what they tell, each stopped at its own limit or at what is left of
+# SECONDS (540), so a cold compile that runs long costs the last stages, not the first. Compiled
+# code is kept in $COMPILE_CACHE (out/compile_cache_gpu.bin) as each batch ends: a machine that
+# starts bare then compiles only what no earlier run kept.
+# Needs the checkpoints out/gpu/<name> (optimizer-free copies of the runs in docs/results.md) and
+# data/shakespeare_char (the prompts).
+set -u
+folder=${1:?usage: bash results/gpu_speculative.sh FOLDER [SECONDS]}
+end=${2:-540}
+cache=${COMPILE_CACHE:-out/compile_cache_gpu.bin}
+mkdir -p "$folder"
+log=$folder/log.txt
+export PYTHONUNBUFFERED=1
+stage() {
+  local name=$1 limit=$2; shift 2
+  local left=$((end - SECONDS)); [ $left -lt $limit ] && limit=$left
+  if [ $limit -lt 30 ]; then echo "=== $name: skipped, ${left} s left" | tee -a "$log"; return; fi
+  echo "=== $(date +%T) t=${SECONDS}s $name, limit ${limit} s" | tee -a "$log"
+  timeout -k 5 $limit python3 bench.py "$@" --decode_prompt=64 --decode_tokens=60 \
+    --bench_steps=10 --compile=True --compile_cache="$cache" --passes_per_graph=1,4 \
+    --out="$folder/speculative_$name.json" 2>&1 | tee -a "$log"
+  echo "=== $name: rc=${PIPESTATUS[0]} t=${SECONDS}s" | tee -a "$log"
+}
+echo "commit $(git rev-parse HEAD 2>/dev/null || echo unknown)" | tee -a "$log"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" 2>&1 | tee -a "$log"
+exit_model="--init_from=out/gpu/spec_exit_w4d2 --draft_layers=2"
+stage exit_b1_K2 150 $exit_model --speculate=2 --decode_batches=1 --profile=True
+stage exit_b1_K4 110 $exit_model --speculate=4 --decode_batches=1
+stage mod_b1_K4 120 --init_from=out/gpu/spec_mod --speculate=4 --decode_batches=1
+stage ffn_b1_K4 120 --init_from=out/gpu/ffn_distilled_drafter_shakespeare --speculate=4 \
+  --decode_batches=1
+stage exit_b8_K2 110 $exit_model --speculate=2 --decode_batches=8
+stage halt_b1_K2 120 --init_from=out/gpu/spec_halt --speculate=2 --decode_batches=1
