@@ -69,9 +69,11 @@ the draft/verify split and the speedup predicted from them; --draft/--draft_laye
 
 --compile_cache=FILE.bin (with --compile=True) keeps torch.compile's compiled code across
 processes and machines: read first where the file exists, then rewritten whole with what this run
-compiled or reused (after each --speculate batch, and at the end), keeping every earlier run's code
-this one did not use. A GPU machine that starts bare compiles again only what no run kept.
+compiled or reused (after each --speculate batch's warm-up and rows, and when the run ends, SIGTERM
+included), keeping every earlier run's code this one did not use. A GPU machine that starts bare
+compiles again only what no run kept.
 """
+import contextlib
 import inspect
 import json
 import os
@@ -902,46 +904,86 @@ def write_json_whole(path, obj):
     os.replace(path + '.part', path)
 
 
+def partial_json(path):
+    """Where --out's rows go while a run is under way: x.partial.json beside x.json, so that a run
+    stopped early leaves an earlier finished x.json as it was."""
+    return path[:-len('.json')] + '.partial.json'
+
+
 def load_compile_cache(path):
     """Fill torch.compile's caches from --compile_cache's file where it exists (a GPU machine that
-    starts bare then compiles only what no earlier run kept); ConfigError if it is no such file."""
+    starts bare then compiles only what no earlier run kept); ConfigError if it is no such file.
+    Code saved by another torch is left in the file, unread: it could never be reused here."""
     if not path or not os.path.exists(path):
         return
     try:
-        for _, blob in compile_cache_entries(path):
-            torch.compiler.load_cache_artifacts(blob)
+        for version, _, blob in compile_cache_entries(path):
+            if version == torch.__version__ and torch.compiler.load_cache_artifacts(blob) is None:
+                raise ValueError('a blob torch could not read')
     except Exception as e:      # what a foreign or truncated file raises is zipfile's or torch's
         raise ConfigError(f"compile_cache={path} is not a compile cache that this torch reads "
-                          f"({type(e).__name__}); delete it or name another file") from None
+                          f"({type(e).__name__}: {e}); delete it or name another file") from None
 
 
 def compile_cache_entries(path):
-    """[(artifact keys, torch.compiler.save_cache_artifacts bytes)] of a --compile_cache file: a
-    zip of such blobs and an index of their keys."""
+    """[(torch version, artifact keys, torch.compiler.save_cache_artifacts bytes)] of a
+    --compile_cache file: a zip of such blobs and an index of their versions and keys."""
     import zipfile
     with zipfile.ZipFile(path) as z:
-        return [(set(keys), z.read(f'{i}.bin'))
-                for i, keys in enumerate(json.loads(z.read('index.json')))]
+        return [(version, set(keys), z.read(f'{i}.bin'))
+                for i, (version, keys) in enumerate(json.loads(z.read('index.json')))]
+
+
+@contextlib.contextmanager
+def folder_locked(folder):
+    """An exclusive flock on the folder itself for the block (waiting for another holder): two runs
+    saving one compile cache take turns, and no lock file is left beside it."""
+    try:
+        import fcntl
+    except ImportError:     # Windows: no advisory locks
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def save_compile_cache(path):
     """Add what torch.compile compiled or reused in this process to --compile_cache's file, written
     whole. torch saves only the artifacts a process used, so the file keeps each earlier blob
-    holding one this process did not (a run of fewer variants loses nothing saved before)."""
+    holding one this process did not (a run of fewer variants loses nothing saved before; another
+    torch's blobs hold none this one makes)."""
     import zipfile
     saved = torch.compiler.save_cache_artifacts() if path else None
     if not saved:
         return
     blob, info = saved
     keys = {k for ks in info.artifacts.values() for k in ks}
-    kept = [(ks, b) for ks, b in (compile_cache_entries(path) if os.path.exists(path) else [])
-            if not ks <= keys]
-    entries = kept + [(keys, blob)]
-    with zipfile.ZipFile(path + '.part', 'w', compression=zipfile.ZIP_DEFLATED) as z:
-        z.writestr('index.json', json.dumps([sorted(ks) for ks, _ in entries]))
-        for i, (_, b) in enumerate(entries):
-            z.writestr(f'{i}.bin', b)
-    os.replace(path + '.part', path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with folder_locked(folder):
+        kept = [(v, ks, b) for v, ks, b in
+                (compile_cache_entries(path) if os.path.exists(path) else [])
+                if not ks <= keys]
+        entries = kept + [(torch.__version__, keys, blob)]
+        with zipfile.ZipFile(path + '.part', 'w', compression=zipfile.ZIP_DEFLATED) as z:
+            z.writestr('index.json', json.dumps([[v, sorted(ks)] for v, ks, _ in entries]))
+            for i, (_, _, b) in enumerate(entries):
+                z.writestr(f'{i}.bin', b)
+        os.replace(path + '.part', path)
+
+
+def stop_on_sigterm():
+    """SIGTERM (what `timeout` sends) as SystemExit, so that a run stopped so still runs its
+    finally blocks: the compile cache keeps what was compiled before the stop."""
+    import signal
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, stop)
 
 
 def main(argv):
@@ -951,30 +993,37 @@ def main(argv):
         return print_help(__doc__, 'python bench.py [CONFIG.py ...] [--key=value ...] [--json]',
                           [own, *train.help_groups()], flags={'--json': 'print one JSON object'})
     cfg, as_json, argv = parse_args(argv)
-    load_compile_cache(cfg['compile_cache'])
     if cfg['suite']:
         import bench_suite
-        rc = bench_suite.run(cfg, argv + ['--json'] * as_json)
-        save_compile_cache(cfg['compile_cache'])
-        return rc
+        return bench_suite.run(cfg, argv + ['--json'] * as_json)
+    load_compile_cache(cfg['compile_cache'])
     command = 'python bench.py ' + ' '.join(argv + ['--json'] * as_json)
 
     def save(res):      # the raw file behind a reported figure, with the command that made it
         if cfg['out']:
-            write_json_whole(cfg['out'], dict(res, command=command,
-                                              date=time.strftime('%Y-%m-%d')))
-        save_compile_cache(cfg['compile_cache'])
+            done = res.get('complete', True)
+            write_json_whole(cfg['out'] if done else partial_json(cfg['out']),
+                             dict(res, command=command, date=time.strftime('%Y-%m-%d')))
+            if done and os.path.exists(partial_json(cfg['out'])):
+                os.remove(partial_json(cfg['out']))
 
-    def batch_done(res, rows):      # --speculate: a batch's rows kept and shown as they are done
-        save(res)
+    def batch_done(res, rows):      # --speculate: a batch's rows shown and kept as they are done
         if not as_json:
             if len(res['rows']) == len(rows):
                 bench_speculative.print_header(res)
             bench_speculative.print_rows(rows)
+        save(res)
+        save_compile_cache(cfg['compile_cache'])
 
-    res = (bench_decode_vs_hf(cfg) if cfg['decode_vs_hf']
-           else bench_speculative.bench_speculative(cfg, batch_done) if cfg['speculate']
-           else bench_routed(cfg) if cfg['budgets'] else bench(cfg))
+    if cfg['compile_cache']:
+        stop_on_sigterm()
+    try:
+        res = (bench_decode_vs_hf(cfg) if cfg['decode_vs_hf']
+               else bench_speculative.bench_speculative(
+                   cfg, batch_done, warmed_up=lambda: save_compile_cache(cfg['compile_cache']))
+               if cfg['speculate'] else bench_routed(cfg) if cfg['budgets'] else bench(cfg))
+    finally:        # kept whatever stopped the run (a timeout's SIGTERM too): compiling is slow
+        save_compile_cache(cfg['compile_cache'])
     save(res)
     if as_json:
         print(json.dumps(res))

@@ -21,7 +21,8 @@ late (the pass that enters a new cache bucket, a last short window) may be recor
 repeat, which the median mostly hides. plain_warmup_s and warmup_s: the seconds of each side's
 warm-up rounds, compiling included (a cold compile of a chained variant can take minutes on a GPU
 machine: size a run's time limit by them). Each decode batch's rows are handed to bench.py as soon
-as they are timed, which prints them and writes --out (complete: false until the last batch).
+as they are timed, which prints them and writes them to x.partial.json beside --out=x.json
+(complete: false), x.json itself once the last batch is done.
 
 Per row: plain and speculative tokens/s and ms, speedup = plain_ms / spec_ms (= spec tokens/s over
 plain tokens/s), and, pooled over the timed decodes (bench.py's repeats: sampled decodes differ),
@@ -330,10 +331,11 @@ def speculate_row(model, b, K, plain_s, spec_s, stats, N):
     )
 
 
-def bench_speculative(cfg, batch_done=lambda res, rows: None):
+def bench_speculative(cfg, batch_done=lambda res, rows: None, warmed_up=lambda: None):
     """Plain and speculative decode per decode batch and K (see the module docstring).
     batch_done(result so far, the batch's rows) is called as each decode batch's rows are done,
-    the result then marked complete=False: a run stopped later keeps them."""
+    the result then marked complete=False: a run stopped later keeps them. warmed_up() is called
+    after each batch's warm-up rounds (everything compiled)."""
     dev, dt = resolve_device_dtype(SimpleNamespace(**cfg))
     autocast = autocast_context(dev, dt)
     model = load_bench_model(cfg, dev)
@@ -353,8 +355,8 @@ def bench_speculative(cfg, batch_done=lambda res, rows: None):
                                            temp, cfg['draft_stop'], cfg['one_graph'], P)
                    for K, P in decodes}}
         with autocast:      # the figures of the timed decodes only (no compiling, no warm-up)
-            secs, warmup = decode_timings(runs, N, cfg, dev,
-                                          lambda: [d.clear() for d in decodes.values()])
+            secs, warmup = decode_timings(
+                runs, N, cfg, dev, lambda: [warmed_up(), *(d.clear() for d in decodes.values())])
         more = [dict(speculate_row(model, b, K, secs[0], secs[K, P], pooled(decodes[K, P]), N),
                      plain_warmup_s=warmup[0], warmup_s=warmup[K, P])
                 for K, P in decodes]

@@ -3,12 +3,12 @@
 #   bash results/gpu_speculative.sh FOLDER [SECONDS]
 #
 # Each stage is one bench.py process (greedy, 60 tokens from 64-token prompts, 10 repeats a side,
-# both sides compiled) writing FOLDER/speculative_<stage>.json and its output to FOLDER/log.txt,
-# passes apart and 4 chained in one graph (--passes_per_graph=1,4) timed in the same process. The
-# stages run in order of what they tell, each stopped at its own limit or at what is left of
-# SECONDS (540), so a cold compile that runs long costs the last stages, not the first. Compiled
-# code is kept in $COMPILE_CACHE (out/compile_cache_gpu.bin) as each batch ends: a machine that
-# starts bare then compiles only what no earlier run kept.
+# both sides compiled), passes apart and 4 chained in one graph (--passes_per_graph=1,4) timed in
+# the same process, writing FOLDER/speculative_<stage>.json (.partial.json if stopped first) and
+# its output to FOLDER/log.txt. The stages run in order of what they tell, each stopped at its
+# own limit or at what is left of SECONDS (540), so a cold compile that runs long costs the last
+# stages, not the first. Compiled code is kept in $COMPILE_CACHE (out/compile_cache_gpu.bin), also
+# by a stage that is stopped: a machine that starts bare then compiles only what no run kept.
 # Needs the checkpoints out/gpu/<name> (optimizer-free copies of the runs in docs/results.md) and
 # data/shakespeare_char (the prompts).
 set -u
@@ -32,7 +32,7 @@ echo "commit $(git rev-parse HEAD 2>/dev/null || echo unknown)" | tee -a "$log"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" 2>&1 | tee -a "$log"
 exit_model="--init_from=out/gpu/spec_exit_w4d2 --draft_layers=2"
-stage exit_b1_K2 150 $exit_model --speculate=2 --decode_batches=1 --profile=True
+stage exit_b1_K2 180 $exit_model --speculate=2 --decode_batches=1 --profile=True
 stage exit_b1_K4 110 $exit_model --speculate=4 --decode_batches=1
 stage mod_b1_K4 120 --init_from=out/gpu/spec_mod --speculate=4 --decode_batches=1
 stage ffn_b1_K4 120 --init_from=out/gpu/ffn_distilled_drafter_shakespeare --speculate=4 \

@@ -529,14 +529,20 @@ def test_bench_speculate_keeps_and_shows_each_batch_as_it_is_done(tmp_path, caps
     monkeypatch.setattr(bench_speculative, 'decode_timings', stopped_in_the_second_batch)
     with pytest.raises(KeyboardInterrupt):
         bench.main(args)
-    kept = json.loads(out.read_text())
-    assert kept['complete'] is False and [r['batch'] for r in kept['rows']] == [1, 1]
+    # the finished run's file stays as it was; the stopped run's rows are beside it
+    assert json.loads(out.read_text()) == done
+    kept = json.loads((tmp_path / 'spec.partial.json').read_text())
+    assert kept['complete'] is False
     assert [(r['batch'], r['K']) for r in kept['rows']] == [(1, 1), (1, 2)]
     assert all(set(r) == SPEC_KEYS for r in kept['rows'])
     assert '--speculate=1,2' in kept['command'] and not os.path.exists(f'{out}.part')
     printed = capsys.readouterr().out.splitlines()
     assert [line.split(' | ')[:2] for line in printed if line.startswith('| 1 |')] == [
         ['| 1', '1'], ['| 1', '2']]
+    monkeypatch.setattr(bench_speculative, 'decode_timings', timings)
+    assert bench.main(args) == 0        # a finished run replaces both
+    assert json.loads(out.read_text())['complete'] is True
+    assert not (tmp_path / 'spec.partial.json').exists()
 
 
 COMPILE_AND_KEEP = """
@@ -556,8 +562,8 @@ def test_compile_cache_keeps_every_run_s_compiled_code(tmp_path):
     """--compile_cache's file, carried to a machine whose caches are empty (a fresh cache folder
     each process here), spares it compiling what any earlier run compiled: torch saves only what a
     process used, so a run that compiles one function must not drop another's code saved before,
-    and a run that used both leaves one blob holding them."""
-    cache = tmp_path / 'compiled.bin'
+    and a run that used both leaves one blob holding them. Its folder is made where missing."""
+    cache = tmp_path / 'new' / 'compiled.bin'
 
     def run(names, folder):
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / folder),
@@ -574,18 +580,86 @@ def test_compile_cache_keeps_every_run_s_compiled_code(tmp_path):
     assert run('tanh,affine', 'd') == (2, 0)
 
 
+def cache_file(path, version, blob):
+    """A --compile_cache file of one blob saved by torch `version`."""
+    import zipfile
+    with zipfile.ZipFile(path, 'w') as z:
+        z.writestr('index.json', json.dumps([[version, ['some-key']]]))
+        z.writestr('0.bin', blob)
+
+
 def test_compile_cache_refuses_a_file_that_is_not_one(tmp_path):
-    """A --compile_cache file torch cannot read is refused before any work and left as it was;
-    --compile_cache without --compile=True, or not a .bin, is refused by the option check."""
+    """A --compile_cache file this torch cannot read (no zip, or a blob of this torch's that it
+    cannot load) is refused before any work and left as it was; a blob saved by another torch is
+    not read, and a save keeps it. --compile_cache without --compile=True, or not a .bin, is
+    refused by the option check."""
     bad = tmp_path / 'compiled.bin'
     bad.write_bytes(b'not a cache')
-    with pytest.raises(ConfigError, match='is not a compile cache that this torch reads'):
-        bench.main([*SPEC_TINY, '--speculate=2', '--compile=True', f'--compile_cache={bad}'])
-    assert bad.read_bytes() == b'not a cache'
+    cache_file(tmp_path / 'unreadable.bin', torch.__version__, b'not torch artifacts')
+    for path in (bad, tmp_path / 'unreadable.bin'):
+        before = path.read_bytes()
+        with pytest.raises(ConfigError, match='is not a compile cache that this torch reads'):
+            bench.main([*SPEC_TINY, '--speculate=2', '--compile=True', f'--compile_cache={path}'])
+        assert path.read_bytes() == before
+    foreign = tmp_path / 'foreign.bin'
+    cache_file(foreign, '0.0.0', b'another torch artifacts')
+    bench.load_compile_cache(str(foreign))
+    torch.compile(lambda x: x * 3 - 1)(torch.randn(4))
+    bench.save_compile_cache(str(foreign))
+    saved = bench.compile_cache_entries(foreign)
+    assert saved[0] == ('0.0.0', {'some-key'}, b'another torch artifacts')
+    assert len(saved) == 2 and saved[1][0] == torch.__version__ and saved[1][1]
     with pytest.raises(ConfigError, match='--compile_cache keeps what --compile=True compiles'):
         bench.parse_args([*SPEC_TINY, f'--compile_cache={bad}'])
     with pytest.raises(ConfigError, match='must end in .bin'):
         bench.parse_args([*SPEC_TINY, '--compile=True', f'--compile_cache={tmp_path}/c.zip'])
+
+
+TRY_LOCK = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    print('free')
+except BlockingIOError:
+    print('busy')
+"""
+
+
+@pytest.mark.skipif(sys.platform == 'win32', reason='no advisory locks on Windows')
+def test_compile_cache_saves_take_turns(tmp_path):
+    """While one run saves a compile cache (bench.folder_locked on its folder), another process
+    cannot take the folder's lock, so two runs sharing the file cannot drop each other's code;
+    released, it can."""
+    def other_process():
+        r = finish(start([sys.executable, '-c', TRY_LOCK, tmp_path]), timeout=60)
+        return r.stdout.strip()
+    with bench.folder_locked(str(tmp_path)):
+        assert other_process() == 'busy'
+    assert other_process() == 'free'
+
+
+def test_a_stopped_run_still_saves_its_compiled_code(tmp_path, monkeypatch):
+    """With --compile_cache, SIGTERM (a timeout's) ends bench.py as SystemExit(143), and whatever
+    ends the run, the compile cache is saved on the way out: cold compiles are what a run cut
+    short would otherwise lose."""
+    import signal
+    import bench_speculative
+    saved = []
+    monkeypatch.setattr(bench, 'save_compile_cache', saved.append)
+
+    def terminated(cfg, *args, **kw):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError('SIGTERM did not stop the run')
+    monkeypatch.setattr(bench_speculative, 'bench_speculative', terminated)
+    handler = signal.getsignal(signal.SIGTERM)
+    cache = str(tmp_path / 'compiled.bin')
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            bench.main([*SPEC_TINY, '--speculate=2', '--compile=True', f'--compile_cache={cache}'])
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert stopped.value.code == 143 and saved == [cache]
 
 
 def test_bench_speculate_draft_stop():
