@@ -662,6 +662,51 @@ def test_a_stopped_run_still_saves_its_compiled_code(tmp_path, monkeypatch):
     assert stopped.value.code == 143 and saved == [cache]
 
 
+RECORD_ARGS = """#!/bin/sh
+# stands in for python3: records its arguments, one per line, each call ending in a blank line
+for a in "$@"; do printf '%s\\n' "$a"; done >> "$CALLS"
+printf '\\n' >> "$CALLS"
+"""
+SCRIPT_MODELS = {'spec_exit_w4d2': dict(route='exit'), 'spec_mod': dict(route='mod'),
+                 'spec_halt': dict(route='halt'),
+                 'ffn_distilled_drafter_shakespeare': dict(route='ffn', ffn_draft_rank=8)}
+
+
+def test_the_gpu_speculative_script_runs_only_options_bench_accepts(tmp_path):
+    """results/gpu_speculative.sh as written, with python3 standing in (recording its arguments):
+    every stage runs, in the order given, and each stage's bench.py command passes bench.py's
+    option check with its checkpoint made here (a small model of the family and block_size the
+    script's runs have), so a GPU run does not fail on an option once its machine has started."""
+    from dataclasses import asdict
+    from model import GPT, GPTConfig
+    fake = tmp_path / 'bin' / 'python3'
+    fake.parent.mkdir()
+    fake.write_text(RECORD_ARGS)
+    fake.chmod(0o755)
+    calls = tmp_path / 'calls.txt'
+    env = dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}", CALLS=str(calls),
+               COMPILE_CACHE=str(tmp_path / 'cache.bin'))
+    r = finish(start(['bash', os.path.join(REPO, 'results', 'gpu_speculative.sh'),
+                      tmp_path / 'out', '600'], env=env, cwd=REPO), timeout=60)
+    assert r.returncode == 0, r.stderr
+    commands = [c.split('\n') for c in calls.read_text().split('\n\n') if c.startswith('bench.py')]
+    stages = [next(a for a in argv if a.startswith('--out=')) for argv in commands]
+    assert [os.path.basename(o) for o in stages] == [
+        f'speculative_{name}.json' for name in ('exit_b1_K2', 'exit_b1_K4', 'mod_b1_K4',
+                                                'ffn_b1_K4', 'exit_b8_K2', 'halt_b1_K2')]
+    for argv in commands:
+        name = next(a for a in argv if a.startswith('--init_from=')).rpartition('/')[2]
+        run = tmp_path / 'runs' / name
+        run.mkdir(parents=True, exist_ok=True)
+        mcfg = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=128, vocab_size=65,
+                         **SCRIPT_MODELS[name])
+        torch.save(dict(model=GPT(mcfg).state_dict(), model_args=asdict(mcfg), config={}),
+                   run / 'ckpt.pt')
+        argv = [f'--init_from={run}' if a.startswith('--init_from=') else a for a in argv[1:]]
+        cfg, _, _ = bench.parse_args([*argv, '--device=cpu'])
+        assert cfg['compile'] and cfg['compile_cache'] == str(tmp_path / 'cache.bin')
+
+
 def test_bench_speculate_draft_stop():
     """--draft_stop=1: every pass stops drafting after its first token (no draft is that sure), so
     positions 2..K are never drafted, a pass makes at most 2 tokens, and the rows carry draft_stop
