@@ -73,7 +73,6 @@ compiled or reused (after each --speculate batch's warm-up and rows, and when th
 included), keeping every earlier run's code this one did not use. A GPU machine that starts bare
 compiles again only what no run kept.
 """
-import contextlib
 import inspect
 import json
 import os
@@ -90,6 +89,7 @@ import train
 from configurator import (ConfigError, asks_help, load_config, print_help, run_cli, smoke_caps,
                           source_group, writable_file)
 from device import autocast_context, cli_device, resolve_device_dtype
+from files import taking_turns, write_whole
 from model import FAMILIES, GPT
 from progress import progress
 from routing import exec_path
@@ -896,12 +896,10 @@ def parse_args(argv):
 
 
 def write_json_whole(path, obj):
-    """obj as JSON at path, written beside it and renamed: a reader (or a run stopped mid-write)
-    sees the old file or the new one, never part of one."""
+    """obj as JSON at path, written whole: a reader (or a run stopped mid-write) sees the old file
+    or the new one, never part of one."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + '.part', 'w') as f:
-        json.dump(obj, f, indent=1)
-    os.replace(path + '.part', path)
+    write_whole(path, lambda f: json.dump(obj, f, indent=1))
 
 
 def partial_json(path):
@@ -934,23 +932,6 @@ def compile_cache_entries(path):
                 for i, (version, keys) in enumerate(json.loads(z.read('index.json')))]
 
 
-@contextlib.contextmanager
-def folder_locked(folder):
-    """An exclusive flock on the folder itself for the block (waiting for another holder): two runs
-    saving one compile cache take turns, and no lock file is left beside it."""
-    try:
-        import fcntl
-    except ImportError:     # Windows: no advisory locks
-        yield
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 def save_compile_cache(path):
     """Add what torch.compile compiled or reused in this process to --compile_cache's file, written
     whole. torch saves only the artifacts a process used, so the file keeps each earlier blob
@@ -964,16 +945,18 @@ def save_compile_cache(path):
     keys = {k for ks in info.artifacts.values() for k in ks}
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    with folder_locked(folder):
+    with taking_turns(folder):
         kept = [(v, ks, b) for v, ks, b in
                 (compile_cache_entries(path) if os.path.exists(path) else [])
                 if not ks <= keys]
         entries = kept + [(torch.__version__, keys, blob)]
-        with zipfile.ZipFile(path + '.part', 'w', compression=zipfile.ZIP_DEFLATED) as z:
-            z.writestr('index.json', json.dumps([[v, sorted(ks)] for v, ks, _ in entries]))
-            for i, (_, _, b) in enumerate(entries):
-                z.writestr(f'{i}.bin', b)
-        os.replace(path + '.part', path)
+
+        def write(f):
+            with zipfile.ZipFile(f, 'w', compression=zipfile.ZIP_DEFLATED) as z:
+                z.writestr('index.json', json.dumps([[v, sorted(ks)] for v, ks, _ in entries]))
+                for i, (_, _, b) in enumerate(entries):
+                    z.writestr(f'{i}.bin', b)
+        write_whole(path, write, binary=True)
 
 
 def stop_on_sigterm():

@@ -58,6 +58,7 @@ from bench import (controller_g1_config, eval_model, prefill_flops_ratio, routed
                    time_train_step, timed)
 from configurator import SMOKE_ENV, ConfigError, writable_folder
 from device import autocast_context, cli_device
+from files import write_whole
 from model import DECODE_GRAPHS, FAMILIES, allow_graphs
 
 SUITES = ('gpu',)
@@ -229,10 +230,7 @@ class Record:
         self.res['seconds'] = time.monotonic() - self.t0
         for name, text in (('suite.json', json.dumps(self.res, indent=1)),
                            ('suite.md', markdown(self.res))):
-            tmp = os.path.join(self.folder, name + '.tmp')
-            with open(tmp, 'w') as f:
-                f.write(text + '\n')
-            os.replace(tmp, os.path.join(self.folder, name))
+            write_whole(os.path.join(self.folder, name), lambda f: f.write(text + '\n'))
 
 
 def say(text):

@@ -5,12 +5,12 @@ missing, truncated or foreign file into one clear error instead of a torch trace
     from checkpoint import save_checkpoint, load_checkpoint, load_model
 """
 import errno
-import glob
 import os
 
 import torch
 
 from configurator import UserError
+from files import write_whole
 from lora import apply_lora, has_lora_keys, merge_lora
 from model import GPT, GPTConfig
 
@@ -20,16 +20,10 @@ class CheckpointError(UserError):
 
 
 def save_checkpoint(path, state):
-    """Atomic: write path.tmp-<pid> in the same folder, fsync, then rename over the old checkpoint,
-    so a crash or a full disk at any moment leaves either the old or the new file, never a partial
-    one."""
-    tmp = f"{path}.tmp-{os.getpid()}"
+    """Written whole (files.write_whole), so a crash or a full disk at any moment leaves either the
+    old or the new checkpoint, never a partial one."""
     try:
-        with open(tmp, 'wb') as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_whole(path, lambda f: torch.save(state, f), binary=True)
     except (OSError, RuntimeError) as e:
         folder = os.path.dirname(os.path.abspath(path))
         first_line = str(e).splitlines()[0][:200] if str(e) else ''
@@ -43,9 +37,6 @@ def save_checkpoint(path, state):
         free = _free_bytes(folder)
         raise CheckpointError(f"{what}; {free / 2**20:.0f} MiB free on its disk: free some space "
                               f"and resume with --init_from=resume ({kept})") from None
-    finally:
-        if os.path.exists(tmp):           # the write failed: drop the partial file
-            os.remove(tmp)
 
 
 def _free_bytes(folder):
@@ -54,32 +45,6 @@ def _free_bytes(folder):
         return st.f_bavail * st.f_frsize
     except OSError:
         return float('nan')
-
-
-def remove_stale_temps(path):
-    """Delete path.tmp-<pid> files left by a process that was killed mid-write (SIGKILL, power loss)
-    and is no longer running. Returns the paths removed."""
-    removed = []
-    for tmp in glob.glob(glob.escape(path) + '.tmp-*'):
-        pid = tmp.rsplit('-', 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
-            continue                     # another live process is writing it right now
-        try:
-            os.remove(tmp)
-            removed.append(tmp)
-        except OSError:
-            pass
-    return removed
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def load_checkpoint(path, map_location='cpu'):

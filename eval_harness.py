@@ -43,6 +43,7 @@ from configurator import (ConfigError, UserError, asks_help, declared_defaults, 
                           source_group, writable_file)
 from data.loader import check_checkpoint_data, load_dataset_meta, load_tokenizer, open_splits
 from device import cli_device
+from files import write_whole
 from model import GPTConfig, read_stored_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -376,8 +377,7 @@ def main(argv):
     res.update(tasks=names, ckpt=args['ckpt'])
     text = json.dumps(res, indent=2, default=str)
     if args['out']:
-        with open(args['out'], 'w') as f:
-            f.write(text + '\n')
+        write_whole(args['out'], lambda f: f.write(text + '\n'))
     print(text)
     return 0
 

@@ -16,9 +16,10 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
-from checkpoint import load_checkpoint, remove_stale_temps
+from checkpoint import load_checkpoint
 from configurator import UserError
 from data.loader import check_data, data_identity, load_dataset_meta
+from files import remove_stale_temps, write_whole
 from runlock import FolderBusy, lock_folder
 from train_checks import TrainError, check_out_dir, check_run_files
 
@@ -91,7 +92,7 @@ def open_inputs(cfg, master):
     meta = load_dataset_meta(cfg, master)
     if master:                  # temp files of a writer that was killed mid-save (the checkpoint is
                                 # intact)
-        for tmp in remove_stale_temps(ckpt_path):
+        for tmp in remove_stale_temps(cfg.out_dir, 'ckpt.pt'):
             print(f"removed {tmp}, left by a checkpoint write that was killed")
     ckpt = None
     if cfg.init_from == 'resume':
@@ -160,9 +161,7 @@ def drop_records_after(path, iter_num):
     keep = [l if l.endswith('\n') else l + '\n' for l in lines
             if (r := parse_record(l)) is not None and r.get('iter', 0) <= iter_num]
     if keep != lines:
-        with open(path + '.tmp', 'w') as f:
-            f.writelines(keep)
-        os.replace(path + '.tmp', path)
+        write_whole(path, lambda f: f.writelines(keep))
 
 
 def parse_record(line):

@@ -113,6 +113,7 @@ import numpy as np
 
 from configurator import (SMOKE_ENV, ConfigError, UserError, asks_help, load_config, parse_value,
                           print_help, run_cli, source_group, writable_folder)
+from files import write_whole
 from plots import read_metrics, run_metrics, train_lm_curve, write_plots
 import progress
 from runlock import lock_folder
@@ -292,8 +293,7 @@ def measure_room(study, root):
                 )
                 continue
             cached = dict(json.loads(res.stdout), ckpt_mtime=os.path.getmtime(ckpt))
-            with open(path, 'w') as f:
-                json.dump(cached, f)
+            write_whole(path, lambda f: json.dump(cached, f))
         out[s] = cached
     return out
 
@@ -652,8 +652,7 @@ def score_run(study, out_dir, jobs=1):
             print(f"score: {shlex.join(argv)} failed (exit {res.returncode}): "
                   f"{res.stderr.strip()[-300:]}", file=sys.stderr)
             return {}
-        with open(path, 'w') as f:
-            json.dump(cached, f)
+        write_whole(path, lambda f: json.dump(cached, f))
     return {k: v for k, v in cached.items() if k in study['score_metrics']}
 
 
@@ -1036,11 +1035,9 @@ def sweep(argv, children):
         m.update(scored)
     summary = summarize(study, results, threshold, room=measure_room(study, root),
                         overrides=overrides)
-    with open(os.path.join(root, 'summary.json'), 'w') as f:
-        json.dump(summary, f, indent=2)
+    write_whole(os.path.join(root, 'summary.json'), lambda f: json.dump(summary, f, indent=2))
     md = markdown(summary)
-    with open(os.path.join(root, 'summary.md'), 'w') as f:
-        f.write(md + '\n')
+    write_whole(os.path.join(root, 'summary.md'), lambda f: f.write(md + '\n'))
     print(md)
     if not opts.get('--no_plots'):
         write_plots(root, arms=list(study['arms']), frontier=study.get('frontier'))

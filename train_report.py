@@ -16,6 +16,7 @@ import torch
 
 import eval as evaluation
 import flops
+from files import write_whole
 from run_state import drop_records_after, eval_rng, kept
 from train_checks import RUN_FILES, TrainError
 
@@ -26,10 +27,11 @@ def open_run_files(cfg, cfg_dict, proc, iter_num):
     """config.json and run_info.json, and metrics.jsonl open for appending (rank 0 only)."""
     os.makedirs(cfg.out_dir, exist_ok=True)
     if not (cfg.eval_only and cfg.init_from == 'resume'):     # an evaluation keeps the training's
-        with open(os.path.join(cfg.out_dir, 'config.json'), 'w') as f:
-            json.dump(cfg_dict, f, indent=2)
-        with open(os.path.join(cfg.out_dir, 'run_info.json'), 'w') as f:
-            json.dump(run_info(cfg, proc.dev, proc.dt, proc.world), f, indent=2)
+        write_whole(os.path.join(cfg.out_dir, 'config.json'),
+                    lambda f: json.dump(cfg_dict, f, indent=2))
+        info = run_info(cfg, proc.dev, proc.dt, proc.world)
+        write_whole(os.path.join(cfg.out_dir, 'run_info.json'),
+                    lambda f: json.dump(info, f, indent=2))
     if cfg.init_from != 'resume':      # --overwrite: the old run goes only now that every check has
                                        # passed
         for name in ('ckpt.pt', 'metrics.jsonl'):

@@ -21,7 +21,7 @@ meta.json is written last and lists every file with its byte size and sha256, so
 a meta.json, or whose files do not match it, is incomplete: check_prepared(folder) says so and
 prints the command to run; verify_checksums(folder) also compares the sha256s, check_token_ids the
 token ids with a vocabulary size. Every file is written to a temporary name and renamed into place,
-and prepares into one folder take turns (a lock on <out>/.prepare.lock, where fcntl exists); a
+and prepares into one folder take turns (an flock on the folder, where fcntl exists); a
 rerun with the same arguments and input gives byte-identical files (nothing time-based is stored).
 
 Documents (fineweb_edu, text with --tokenizer gpt2): a .parquet gives its `text` column, a .jsonl
@@ -57,14 +57,12 @@ class of the TARGET token i, i.e. how hard token i is to predict from tokens < i
     5 recall     the lookup values v (synthetic_lookup only): a function of the two letters before
 """
 import argparse
-import contextlib
 import hashlib
 import io
 import json
 import os
 import re
 import shlex
-import shutil
 import sys
 import urllib.request
 import zipfile
@@ -72,17 +70,12 @@ from pathlib import Path
 
 import numpy as np
 
-try:
-    import fcntl
-except ImportError:  # Windows: no advisory file locks, so prepares into one folder are not
-                     # serialised
-    fcntl = None
-
 DATA_DIR = Path(__file__).resolve().parent
 REPO_ROOT = DATA_DIR.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: the repository's modules are its parent's
     sys.path.append(str(REPO_ROOT))
 from configurator import ConfigError, writable_folder  # noqa: E402
+from files import remove_stale_temps, taking_turns, write_whole  # noqa: E402
 from progress import progress  # noqa: E402
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 SHAKESPEARE_URL = (
@@ -302,8 +295,7 @@ def ensure_tiktoken_cache():
             not (cache / key).is_file()
             or (cache / key).stat().st_size != (src / name).stat().st_size
         ):
-            shutil.copyfile(src / name, cache / f"{key}.tmp-{os.getpid()}")
-            os.replace(cache / f"{key}.tmp-{os.getpid()}", cache / key)
+            write_whole(cache / key, lambda f: f.write((src / name).read_bytes()), binary=True)
     os.environ["TIKTOKEN_CACHE_DIR"] = str(cache)
     return str(cache)
 
@@ -719,16 +711,8 @@ def to_array(ids, vocab_size, dtype="auto"):
 
 
 def write_file(path, data):
-    """Write bytes (or a contiguous array) to path.tmp-<pid>, then rename it into place."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write_chunks(f, memoryview(data).cast("B"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Write bytes (or a contiguous array) to path whole (files.write_whole)."""
+    write_whole(path, lambda f: write_chunks(f, memoryview(data).cast("B")), binary=True)
 
 
 def write_chunks(f, view, chunk=1 << 26):
@@ -772,8 +756,8 @@ def prepare(dataset, out_dir=None, quiet=False, **opts):
             **{f"{k}_tokens": len(v) for k, v in splits.items()}, "prepare_args": args,
             "command": command_for(dataset, args, out), "files": {}}
     out.mkdir(parents=True, exist_ok=True)
-    with folder_lock(out):  # a second prepare into out waits, then rewrites every file itself
-        remove_stale_tmp(out)
+    with taking_turns(out):  # a second prepare into out waits, then rewrites every file itself
+        remove_stale_temps(out)
         (out / "meta.json").unlink(missing_ok=True)  # the folder is incomplete until meta.json is
                                                      # back
         for name, arr in arrays.items():
@@ -817,40 +801,6 @@ def check_options(args, out_dir):
         writable_folder(str(out_dir) if out_dir is not None else str(DATA_DIR), "out_dir")
     except ConfigError as e:
         raise PrepareError(str(e)) from None
-
-
-@contextlib.contextmanager
-def folder_lock(out):
-    """Hold an exclusive flock on out/.prepare.lock. The lock file stays: deleting it would let a
-    waiter lock the old file while a newcomer locks a new one. The kernel drops it if we are
-    killed."""
-    if fcntl is None:
-        yield
-        return
-    with open(out / ".prepare.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield
-
-
-def pid_alive(pid):
-    if os.name != "posix":
-        return True  # os.kill(pid, 0) would signal the process on Windows; keep its files
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
-
-
-def remove_stale_tmp(out):
-    """Delete write_file's leftovers (<name>.tmp-<pid>) from processes that no longer exist (e.g.
-    killed)."""
-    for p in out.iterdir():
-        m = re.fullmatch(r".+\.tmp-(\d+)", p.name)
-        if m and p.is_file() and not pid_alive(int(m[1])):
-            p.unlink(missing_ok=True)
 
 
 def check_prepared(folder):

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import (CheckpointError, load_checkpoint, remove_stale_temps,
+from checkpoint import (CheckpointError, load_checkpoint,
                         save_checkpoint)
 from configurator import UserError
+from files import remove_stale_temps
 
 
 def failing_save(obj, f, *args, **kwargs):
@@ -93,7 +94,7 @@ def test_remove_stale_temps_removes_only_files_no_live_process_writes(tmp_path):
     dead, own, live = (f"{path}.tmp-{pid}" for pid in (2**22 + 1, os.getpid(), os.getppid()))
     for f in (path, dead, own, live, str(tmp_path / "other.pt.tmp-1")):
         Path(f).write_bytes(b"x")
-    assert sorted(remove_stale_temps(path)) == sorted([dead, own])
+    assert sorted(remove_stale_temps(tmp_path, 'ckpt.pt')) == sorted([dead, own])
     assert sorted(os.listdir(tmp_path)) == sorted(
         ["ckpt.pt", os.path.basename(live), "other.pt.tmp-1"]
     )

@@ -4,6 +4,7 @@ checksum and token-id checks."""
 import hashlib
 import io
 import json
+import os
 import re
 import sys
 import threading
@@ -18,6 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from conftest import run_group  # noqa: E402
 from data import prepare as P  # noqa: E402
+import files  # noqa: E402
+from files import pid_alive  # noqa: E402
 
 SHARED = REPO.parent / "shared" / "data"
 SHAKESPEARE = SHARED / "tinyshakespeare.txt"
@@ -487,7 +490,7 @@ def test_crash_inside_a_file_leaves_no_partial_file(tmp_path, monkeypatch):
     out = tmp_path / "synthetic"
     with pytest.raises(OSError, match="disk full"):
         P.prepare("synthetic", out, num_tokens=3000)
-    assert [p.name for p in out.iterdir() if p.name != ".prepare.lock"] == []
+    assert [p.name for p in out.iterdir()] == []
     with pytest.raises(P.PrepareError):
         P.check_prepared(out)
 
@@ -578,19 +581,18 @@ def test_two_prepares_into_one_folder_take_turns(tmp_path, monkeypatch):
 
 
 def test_prepare_without_fcntl(tmp_path, monkeypatch):
-    monkeypatch.setattr(P, "fcntl", None)
+    monkeypatch.setattr(files, "fcntl", None)
     P.prepare("synthetic", tmp_path / "s", num_tokens=3000)
     assert_consistent(tmp_path / "s")
-    assert not (tmp_path / "s" / ".prepare.lock").exists()
 
 
 def test_stale_tmp_files_of_dead_processes_are_removed(tmp_path):
     # a process that exited and was reaped: its pid no longer exists
     dead_pid = int(run_group([sys.executable, "-c", "import os; print(os.getpid())"], 60).stdout)
-    assert not P.pid_alive(dead_pid) and P.pid_alive(P.os.getpid())
+    assert not pid_alive(dead_pid) and pid_alive(os.getppid())
     out = tmp_path / "synthetic"
     out.mkdir()
-    stale, live = out / f"train.bin.tmp-{dead_pid}", out / f"input.txt.tmp-{P.os.getpid()}"
+    stale, live = out / f"train.bin.tmp-{dead_pid}", out / f"input.txt.tmp-{os.getppid()}"
     other = out / "notes.tmp-abc"
     for p in (stale, live, other):
         p.write_bytes(b"leftover")
@@ -788,7 +790,7 @@ def test_arith_is_deterministic_given_a_seed(tmp_path):
         P.prepare("arith", out_dir=tmp_path / name, num_problems=200, seed=seed)
     a, b = folder_bytes(tmp_path / "a"), folder_bytes(tmp_path / "b")
     meta = [json.loads(m.pop("meta.json")) for m in (a, b)]
-    assert a == b and len(a) == 7                  # 3 splits, 3 masks, the lock
+    assert a == b and len(a) == 6                  # 3 splits, 3 masks
     for m in meta:
         m.pop("command")                           # names the folder it was written to
     assert meta[0] == meta[1]
