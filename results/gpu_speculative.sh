@@ -8,7 +8,9 @@
 # its output to FOLDER/log.txt. The stages run in order of what they tell, each stopped at its
 # own limit or at what is left of SECONDS (540), so a cold compile that runs long costs the last
 # stages, not the first. Compiled code is kept in $COMPILE_CACHE (out/compile_cache_gpu.bin), also
-# by a stage that is stopped: a machine that starts bare then compiles only what no run kept.
+# by a stage that is stopped: a machine that starts bare then compiles only what no run kept. Time
+# left after the last stage goes to the stages stopped at their limit, in order, again: each then
+# starts from the code it compiled before its stop.
 # Needs the checkpoints out/gpu/<name> (optimizer-free copies of the runs in docs/results.md) and
 # data/shakespeare_char (the prompts).
 set -u
@@ -18,6 +20,7 @@ cache=${COMPILE_CACHE:-out/compile_cache_gpu.bin}
 mkdir -p "$folder"
 log=$folder/log.txt
 export PYTHONUNBUFFERED=1
+stopped=()
 stage() {
   local name=$1 limit=$2; shift 2
   local left=$((end - SECONDS)); [ $left -lt $limit ] && limit=$left
@@ -26,7 +29,9 @@ stage() {
   timeout -k 5 $limit python3 bench.py "$@" --decode_prompt=64 --decode_tokens=60 \
     --bench_steps=10 --compile=True --compile_cache="$cache" --passes_per_graph=1,4 \
     --out="$folder/speculative_$name.json" 2>&1 | tee -a "$log"
-  echo "=== $name: rc=${PIPESTATUS[0]} t=${SECONDS}s" | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: rc=$rc t=${SECONDS}s" | tee -a "$log"
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then stopped+=("$name 9999 $*"); fi
 }
 echo "commit $(git rev-parse HEAD 2>/dev/null || echo unknown)" | tee -a "$log"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
@@ -39,3 +44,8 @@ stage ffn_b1_K4 120 --init_from=out/gpu/ffn_distilled_drafter_shakespeare --spec
   --decode_batches=1
 stage exit_b8_K2 110 $exit_model --speculate=2 --decode_batches=8
 stage halt_b1_K2 120 --init_from=out/gpu/spec_halt --speculate=2 --decode_batches=1
+again=("${stopped[@]}")
+stopped=()
+for s in "${again[@]}"; do
+  stage $s        # (split into words on purpose: a stage's name, limit and options)
+done

@@ -640,9 +640,13 @@ def test_a_stopped_run_still_saves_its_compiled_code(tmp_path, monkeypatch):
 
 
 RECORD_ARGS = """#!/bin/sh
-# stands in for python3: records its arguments, one per line, each call ending in a blank line
+# stands in for python3: records its arguments, one per line, each call ending in a blank line;
+# the first call for $STOP_ONCE's output exits as if stopped at its time limit
 for a in "$@"; do printf '%s\\n' "$a"; done >> "$CALLS"
 printf '\\n' >> "$CALLS"
+case "$*" in *"speculative_$STOP_ONCE.json"*)
+  [ -e "$CALLS.stopped" ] || { touch "$CALLS.stopped"; exit 124; };;
+esac
 """
 SCRIPT_MODELS = {'spec_exit_w4d2': dict(route='exit'), 'spec_mod': dict(route='mod'),
                  'spec_halt': dict(route='halt'),
@@ -651,9 +655,10 @@ SCRIPT_MODELS = {'spec_exit_w4d2': dict(route='exit'), 'spec_mod': dict(route='m
 
 def test_the_gpu_speculative_script_runs_only_options_bench_accepts(tmp_path):
     """results/gpu_speculative.sh as written, with python3 standing in (recording its arguments):
-    every stage runs, in the order given, and each stage's bench.py command passes bench.py's
-    option check with its checkpoint made here (a small model of the family and block_size the
-    script's runs have), so a GPU run does not fail on an option once its machine has started."""
+    every stage runs, in the order given, a stage stopped at its limit (mod's) runs again after
+    the last, and each stage's bench.py command passes bench.py's option check with its
+    checkpoint made here (a small model of the family and block_size the script's runs have), so
+    a GPU run does not fail on an option once its machine has started."""
     from dataclasses import asdict
     from model import GPT, GPTConfig
     fake = tmp_path / 'bin' / 'python3'
@@ -662,7 +667,7 @@ def test_the_gpu_speculative_script_runs_only_options_bench_accepts(tmp_path):
     fake.chmod(0o755)
     calls = tmp_path / 'calls.txt'
     env = dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}", CALLS=str(calls),
-               COMPILE_CACHE=str(tmp_path / 'cache.bin'))
+               COMPILE_CACHE=str(tmp_path / 'cache.bin'), STOP_ONCE='mod_b1_K4')
     r = finish(start(['bash', os.path.join(REPO, 'results', 'gpu_speculative.sh'),
                       tmp_path / 'out', '600'], env=env, cwd=REPO), timeout=60)
     assert r.returncode == 0, r.stderr
@@ -670,7 +675,10 @@ def test_the_gpu_speculative_script_runs_only_options_bench_accepts(tmp_path):
     stages = [next(a for a in argv if a.startswith('--out=')) for argv in commands]
     assert [os.path.basename(o) for o in stages] == [
         f'speculative_{name}.json' for name in ('exit_b1_K2', 'exit_b1_K4', 'mod_b1_K4',
-                                                'ffn_b1_K4', 'exit_b8_K2', 'halt_b1_K2')]
+                                                'ffn_b1_K4', 'exit_b8_K2', 'halt_b1_K2',
+                                                'mod_b1_K4')]
+    assert commands[2] == commands[-1]
+    assert 'mod_b1_K4: rc=124' in r.stdout and 'mod_b1_K4: rc=0' in r.stdout
     for argv in commands:
         name = next(a for a in argv if a.startswith('--init_from=')).rpartition('/')[2]
         run = tmp_path / 'runs' / name
