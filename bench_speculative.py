@@ -435,10 +435,13 @@ def print_rows(rows):
 
 
 def print_footer(res):
-    for r in (r for r in res['rows'] if 'spec_device_ms' in r):
-        print(f"GPU busy, batch {r['batch']}, K {r['K']}: " + (
-            'measured on CUDA only' if r['spec_device_ms'] is None else '; '.join(
-                f"{side} {r[f'{side}_device_ms']:.2f} of {r[f'{side}_ms']:.2f} ms "
-                f"({r[f'{side}_device_share']:.0%})" for side in ('plain', 'spec'))))
+    busy = [r for r in res['rows'] if 'spec_device_ms' in r]
+    if any(r['spec_device_ms'] is None for r in busy):
+        print('GPU busy: measured on CUDA only')
+    for r in (r for r in busy if r['spec_device_ms'] is not None):
+        chained = f", {r['passes_per_graph']} passes a graph" if r['passes_per_graph'] > 1 else ''
+        print(f"GPU busy, batch {r['batch']}, K {r['K']}{chained}: " + '; '.join(
+            f"{side} {r[f'{side}_device_ms']:.2f} of {r[f'{side}_ms']:.2f} ms "
+            f"({r[f'{side}_device_share']:.0%})" for side in ('plain', 'spec')))
     from bench import noise_note
     print(noise_note(res['rows']))

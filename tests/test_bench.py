@@ -779,7 +779,8 @@ def test_bench_speculate_profile(capsys, monkeypatch):
     for r in res['rows']:
         assert r['plain_device_ms'] is None and r['spec_device_share'] is None
     assert bench.main([*SPEC_TINY, '--route=exit', '--speculate=2', '--profile=True']) == 0
-    assert 'GPU busy, batch 1, K 2: measured on CUDA only' in capsys.readouterr().out
+    assert [line for line in capsys.readouterr().out.splitlines() if 'GPU busy' in line] == [
+        'GPU busy: measured on CUDA only']
     seen = []
 
     def device_ms(run, new, dev):       # busy 0.5 ms a token plain (a partial), 0.25 speculative
@@ -796,6 +797,12 @@ def test_bench_speculate_profile(capsys, monkeypatch):
     for side, per_token in (('plain', 0.5), ('spec', 0.25)):
         assert r[f'{side}_device_ms'] == pytest.approx(per_token * N)
         assert r[f'{side}_device_share'] == pytest.approx(per_token * N / r[f'{side}_ms'])
+    assert bench.main([*SPEC_TINY, '--route=exit', '--speculate=2', '--decode_batches=1',
+                       '--profile=True', '--passes_per_graph=1,2']) == 0
+    busy = [line for line in capsys.readouterr().out.splitlines() if 'GPU busy' in line]
+    assert [line.partition(':')[0] for line in busy] == [
+        'GPU busy, batch 1, K 2', 'GPU busy, batch 1, K 2, 2 passes a graph']
+    assert all(re.search(r'plain \d+\.\d\d of \d+\.\d\d ms \(\d+%\); spec ', line) for line in busy)
 
 
 @pytest.mark.parametrize('route,option,chains,steps', [
