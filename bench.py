@@ -945,7 +945,7 @@ def save_compile_cache(path):
     keys = {k for ks in info.artifacts.values() for k in ks}
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    with taking_turns(folder):
+    with taking_turns(path + '.lock'):
         kept = [(v, ks, b) for v, ks, b in
                 (compile_cache_entries(path) if os.path.exists(path) else [])
                 if not ks <= keys]

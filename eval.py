@@ -59,6 +59,7 @@ from data.loader import (
     open_splits,
 )
 from device import cli_device
+from files import write_whole
 from model import GPTConfig, read_stored_config
 from routing import exec_path, overridden
 from plots import SKIPPED, pyplot
@@ -248,7 +249,8 @@ def draw_routing_map(path, grid, tokens, by_class=None):
 
 def save_figure(plt, fig, path):
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fmt = os.path.splitext(path)[1][1:] or 'png'
+    write_whole(path, lambda f: fig.savefig(f, format=fmt, dpi=110), binary=True)
     plt.close(fig)
     return path
 

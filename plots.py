@@ -40,6 +40,7 @@ import numpy as np
 import flops
 from checkpoint import CheckpointError, load_checkpoint
 from configurator import ConfigError, run_cli
+from files import write_whole
 from model import FAMILIES, GPTConfig
 
 SKIPPED = "plots skipped: matplotlib is not installed (pip install matplotlib)"
@@ -433,7 +434,8 @@ def write_plots(root, arms=None, out_dir=None, frontier=None):
             print(f"plots: skipped {name}: {fig}")
             continue
         path = os.path.join(out_dir, name)
-        fig.savefig(path, dpi=110, bbox_inches='tight')
+        write_whole(path, lambda f: fig.savefig(f, format='png', dpi=110, bbox_inches='tight'),
+                    binary=True)
         plt.close(fig)
         written.append(path)
     print(f"plots: wrote {len(written)} PNG files to {out_dir}/")

@@ -90,10 +90,10 @@ def open_inputs(cfg, master):
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
     check_out_dir(cfg, held=False)      # (the run files: rank 0 checked them, hold_out_dir)
     meta = load_dataset_meta(cfg, master)
-    if master:                  # temp files of a writer that was killed mid-save (the checkpoint is
-                                # intact)
-        for tmp in remove_stale_temps(cfg.out_dir, 'ckpt.pt'):
-            print(f"removed {tmp}, left by a checkpoint write that was killed")
+    if master:                  # temp files of writers killed mid-write (the files they were to
+                                # replace are intact)
+        for tmp in remove_stale_temps(cfg.out_dir):
+            print(f"removed {tmp}, left by a write that was killed")
     ckpt = None
     if cfg.init_from == 'resume':
         if not os.path.exists(ckpt_path):

@@ -21,8 +21,9 @@ meta.json is written last and lists every file with its byte size and sha256, so
 a meta.json, or whose files do not match it, is incomplete: check_prepared(folder) says so and
 prints the command to run; verify_checksums(folder) also compares the sha256s, check_token_ids the
 token ids with a vocabulary size. Every file is written to a temporary name and renamed into place,
-and prepares into one folder take turns (an flock on the folder, where fcntl exists); a
-rerun with the same arguments and input gives byte-identical files (nothing time-based is stored).
+and prepares into one folder take turns (a lock on <out>/.prepare.lock while one writes, where
+fcntl exists); a rerun with the same arguments and input gives byte-identical files (nothing
+time-based is stored).
 
 Documents (fineweb_edu, text with --tokenizer gpt2): a .parquet gives its `text` column, a .jsonl
 the `text` field of each line, a .txt file is split into documents at lines that hold only
@@ -756,7 +757,8 @@ def prepare(dataset, out_dir=None, quiet=False, **opts):
             **{f"{k}_tokens": len(v) for k, v in splits.items()}, "prepare_args": args,
             "command": command_for(dataset, args, out), "files": {}}
     out.mkdir(parents=True, exist_ok=True)
-    with taking_turns(out):  # a second prepare into out waits, then rewrites every file itself
+    with taking_turns(out / ".prepare.lock"):  # a second prepare into out waits, then rewrites
+                                               # every file itself
         remove_stale_temps(out)
         (out / "meta.json").unlink(missing_ok=True)  # the folder is incomplete until meta.json is
                                                      # back

@@ -44,8 +44,8 @@ stage ffn_b1_K4 120 --init_from=out/gpu/ffn_distilled_drafter_shakespeare --spec
   --decode_batches=1
 stage exit_b8_K2 110 $exit_model --speculate=2 --decode_batches=8
 stage halt_b1_K2 120 --init_from=out/gpu/spec_halt --speculate=2 --decode_batches=1
-again=("${stopped[@]}")
+again=(${stopped[@]+"${stopped[@]}"})      # (bash before 4.4 calls an empty array unbound)
 stopped=()
-for s in "${again[@]}"; do
+for s in ${again[@]+"${again[@]}"}; do
   stage $s        # (split into words on purpose: a stage's name, limit and options)
 done

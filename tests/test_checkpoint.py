@@ -87,14 +87,13 @@ def test_load_checkpoint_refuses_a_missing_or_foreign_file(tmp_path):
 
 
 def test_remove_stale_temps_removes_only_files_no_live_process_writes(tmp_path):
-    """A temp file of a dead writer (a pid above Linux's PID_MAX_LIMIT, 2**22, never runs) and
-    this process's own leftover go; a live process's (the parent's) stays, and so do other
-    files."""
+    """A temp file of a dead writer (a pid above Linux's PID_MAX_LIMIT, 2**22, never runs) goes;
+    a live process's (this one's, the parent's) stay, and so do other files."""
     path = str(tmp_path / "ckpt.pt")
     dead, own, live = (f"{path}.tmp-{pid}" for pid in (2**22 + 1, os.getpid(), os.getppid()))
     for f in (path, dead, own, live, str(tmp_path / "other.pt.tmp-1")):
         Path(f).write_bytes(b"x")
-    assert sorted(remove_stale_temps(tmp_path, 'ckpt.pt')) == sorted([dead, own])
+    assert remove_stale_temps(tmp_path, 'ckpt.pt') == [dead]
     assert sorted(os.listdir(tmp_path)) == sorted(
-        ["ckpt.pt", os.path.basename(live), "other.pt.tmp-1"]
+        ["ckpt.pt", os.path.basename(own), os.path.basename(live), "other.pt.tmp-1"]
     )

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import files
 from conftest import finish, start
 from files import pid_alive, remove_stale_temps, taking_turns, write_whole
 
@@ -47,7 +48,8 @@ write_whole(sys.argv[1], half_then_killed)
 
 
 @pytest.mark.skipif(sys.platform == 'win32', reason='no SIGKILL on Windows')
-def test_a_writer_killed_mid_write_leaves_the_old_file_and_a_temp_that_is_cleaned(tmp_path):
+def test_a_writer_killed_mid_write_leaves_the_old_file_and_a_temp_the_next_write_removes(
+        tmp_path):
     path = tmp_path / 'a.json'
     write_whole(path, lambda f: f.write('old'))
     r = finish(start([sys.executable, '-c', KILLED_MID_WRITE, path], cwd=REPO), timeout=60)
@@ -55,25 +57,30 @@ def test_a_writer_killed_mid_write_leaves_the_old_file_and_a_temp_that_is_cleane
     pid = int(r.stdout)
     tmp = tmp_path / f'a.json.tmp-{pid}'
     assert path.read_text() == 'old' and tmp.read_text() == 'ne' and not pid_alive(pid)
-    assert remove_stale_temps(tmp_path) == [str(tmp)]
-    assert os.listdir(tmp_path) == ['a.json']
+    write_whole(path, lambda f: f.write('newer'))      # the next write removes what it left
+    assert path.read_text() == 'newer' and os.listdir(tmp_path) == ['a.json']
 
 
 def test_remove_stale_temps_keeps_a_live_writer_s_and_other_names(tmp_path):
-    """A pid above Linux's PID_MAX_LIMIT (2**22) never runs; this process is not writing now; the
-    parent is alive. With a name, only that file's temporary files are looked at."""
+    """A pid above Linux's PID_MAX_LIMIT (2**22) never runs; this process and its parent are
+    alive (one of this process's threads may be writing). With a name, only that file's temporary
+    files are looked at."""
     dead, own, live = (f'x.bin.tmp-{pid}' for pid in (2**22 + 1, os.getpid(), os.getppid()))
     others = ['y.bin.tmp-4194305', 'x.bin.tmp-abc', 'x.bin']
     for name in (dead, own, live, *others):
         (tmp_path / name).write_text('x')
-    assert remove_stale_temps(tmp_path, 'x.bin') == sorted(str(tmp_path / n) for n in (dead, own))
-    assert sorted(os.listdir(tmp_path)) == sorted([live, *others])
+    assert remove_stale_temps(tmp_path, 'x.bin') == [str(tmp_path / dead)]
+    assert sorted(os.listdir(tmp_path)) == sorted([own, live, *others])
     assert remove_stale_temps(tmp_path) == [str(tmp_path / 'y.bin.tmp-4194305')]
 
 
 TRY_LOCK = """
 import fcntl, os, sys
-fd = os.open(sys.argv[1], os.O_RDONLY)
+try:
+    fd = os.open(sys.argv[1], os.O_RDONLY)
+except FileNotFoundError:
+    print('free')
+    sys.exit()
 try:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     print('free')
@@ -84,33 +91,63 @@ except BlockingIOError:
 
 @pytest.mark.skipif(sys.platform == 'win32', reason='no advisory locks on Windows')
 def test_writers_of_one_folder_take_turns(tmp_path):
-    """While one process holds taking_turns on a folder (a compile cache's save, a prepare),
-    another cannot take the folder's lock; released, it can. No lock file is left."""
+    """While one process holds taking_turns (a compile cache's save, a prepare), another cannot
+    take the lock; released, it can, and the lock file is gone."""
+    lock = tmp_path / 'x.lock'
+
     def other_process():
-        r = finish(start([sys.executable, '-c', TRY_LOCK, tmp_path]), timeout=60)
+        r = finish(start([sys.executable, '-c', TRY_LOCK, lock]), timeout=60)
         return r.stdout.strip()
-    with taking_turns(str(tmp_path)):
+    with taking_turns(lock):
         assert other_process() == 'busy'
     assert other_process() == 'free' and os.listdir(tmp_path) == []
 
 
-def writes_opened_outside_files_py():
-    """(file, line) of each open(..., 'w…') call in the repository's modules: a file they keep is
-    written through files.write_whole instead. The null device is no kept file."""
+@pytest.mark.skipif(sys.platform == 'win32', reason='no advisory locks on Windows')
+def test_a_waiter_whose_lock_file_was_removed_locks_the_path_anew(tmp_path, monkeypatch):
+    """A waiter that opened the lock file just before its holder removed it gets the lock on a
+    file no longer at the path, which a newcomer could lock too: it must see so and lock the file
+    at the path instead."""
+    lock, real_open, opened = str(tmp_path / 'x.lock'), os.open, []
+
+    def opened_then_removed_by_the_holder(path, flags, mode=0o777):
+        fd = real_open(path, flags, mode)
+        if not opened:
+            os.unlink(path)
+        opened.append(path)
+        return fd
+    monkeypatch.setattr(files.os, 'open', opened_then_removed_by_the_holder)
+    with taking_turns(lock):
+        assert len(opened) == 2 and os.path.exists(lock)
+    assert os.listdir(tmp_path) == []
+
+
+def writes_outside_files_py():
+    """(file, line) of each call in the repository's modules that writes a file in place: open()
+    with a 'w' mode, Path.write_text / write_bytes, or a figure saved to a path (savefig given a
+    name, not a file). A file they keep is written through files.write_whole instead. The null
+    device is no kept file."""
     found = []
     for path in sorted([*REPO.glob('*.py'), *REPO.glob('data/*.py')]):
         if path.name == 'files.py':
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if not (isinstance(node, ast.Call) and getattr(node.func, 'id', None) == 'open'):
+            if not isinstance(node, ast.Call):
                 continue
-            mode = node.args[1] if len(node.args) > 1 else next(
-                (k.value for k in node.keywords if k.arg == 'mode'), None)
-            if (isinstance(mode, ast.Constant) and str(mode.value).startswith('w')
-                    and 'devnull' not in ast.unparse(node.args[0])):
+            called = getattr(node.func, 'id', None) or getattr(node.func, 'attr', None)
+            first = ast.unparse(node.args[0]) if node.args else ''
+            if called == 'open':
+                mode = node.args[1] if len(node.args) > 1 else next(
+                    (k.value for k in node.keywords if k.arg == 'mode'), None)
+                writes = (isinstance(mode, ast.Constant) and str(mode.value).startswith('w')
+                          and 'devnull' not in first)
+            else:
+                writes = called in ('write_text', 'write_bytes') or (
+                    called == 'savefig' and first != 'f')
+            if writes:
                 found.append((path.name, node.lineno))
     return found
 
 
 def test_no_module_writes_a_kept_file_in_place():
-    assert writes_opened_outside_files_py() == []
+    assert writes_outside_files_py() == []
