@@ -2,6 +2,7 @@
 writer (an error, SIGKILL mid-write); the temporary files of dead writers are removed and a live
 writer's kept; writers of one folder take turns; and no module writes a kept file any other way."""
 import ast
+import json
 import os
 import signal
 import sys
@@ -59,6 +60,32 @@ def test_a_writer_killed_mid_write_leaves_the_old_file_and_a_temp_the_next_write
     assert path.read_text() == 'old' and tmp.read_text() == 'ne' and not pid_alive(pid)
     write_whole(path, lambda f: f.write('newer'))      # the next write removes what it left
     assert path.read_text() == 'newer' and os.listdir(tmp_path) == ['a.json']
+
+
+WRITE_OVER_AND_OVER = """
+import json, sys
+from files import write_whole
+path, tag = sys.argv[1], sys.argv[2]
+for i in range(200):
+    write_whole(path, lambda f: json.dump({'tag': tag, 'i': i, 'pad': tag * 200_000}, f))
+"""
+
+
+@pytest.mark.skipif(sys.platform == 'win32', reason='os.replace over an open file')
+def test_readers_never_see_part_of_a_file_while_two_processes_rewrite_it(tmp_path):
+    """Two processes rewrite one 200 kB JSON file 200 times each while this one reads it: every
+    read parses, and is one writer's whole file (a write in place would be read half done)."""
+    path = tmp_path / 'a.json'
+    write_whole(path, lambda f: json.dump({'tag': 'x', 'i': -1, 'pad': ''}, f))
+    writers = [start([sys.executable, '-c', WRITE_OVER_AND_OVER, path, tag], cwd=REPO)
+               for tag in 'ab']
+    reads = 0
+    while any(w.poll() is None for w in writers) or reads == 0:
+        got = json.loads(path.read_text())
+        assert got['pad'] == got['tag'] * (200_000 if got['i'] >= 0 else 0)
+        reads += 1
+    assert [finish(w, timeout=60).returncode for w in writers] == [0, 0]
+    assert reads > 10 and os.listdir(tmp_path) == ['a.json']
 
 
 def test_remove_stale_temps_keeps_a_live_writer_s_and_other_names(tmp_path):
