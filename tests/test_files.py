@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -79,8 +80,8 @@ def test_readers_never_see_part_of_a_file_while_two_processes_rewrite_it(tmp_pat
     write_whole(path, lambda f: json.dump({'tag': 'x', 'i': -1, 'pad': ''}, f))
     writers = [start([sys.executable, '-c', WRITE_OVER_AND_OVER, path, tag], cwd=REPO)
                for tag in 'ab']
-    reads = 0
-    while any(w.poll() is None for w in writers) or reads == 0:
+    reads, deadline = 0, time.monotonic() + 60
+    while (any(w.poll() is None for w in writers) or reads == 0) and time.monotonic() < deadline:
         got = json.loads(path.read_text())
         assert got['pad'] == got['tag'] * (200_000 if got['i'] >= 0 else 0)
         reads += 1
