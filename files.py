@@ -70,31 +70,49 @@ def pid_alive(pid):
     return True
 
 
-@contextlib.contextmanager
-def taking_turns(lock_path):
-    """An exclusive flock on the file lock_path for the block, waiting for another holder: writers
-    of one folder take turns. A lock file rather than the folder itself, since on NFS only a
-    file's lock holds across machines. The file is made for the block and removed, while still
-    held, at its end; a waiter that then holds the removed file sees so and locks the path anew.
-    The kernel drops the lock of a holder that is killed (its file is then locked and removed by
-    the next holder)."""
+def locked_fd(path, wait=True):
+    """An fd of the file at path (created where missing) holding its exclusive flock, waiting for
+    another holder where wait, else BlockingIOError; None where there is no flock (Windows, or a
+    file system without it: the caller runs unlocked). A holder removes the file while it still
+    holds it (unlock_and_remove), so a waiter that then holds the removed file sees so and locks
+    the file now at the path; the kernel drops the lock of a holder that is killed."""
     if fcntl is None:
-        yield
-        return
+        return None
     while True:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            if os.path.samestat(os.fstat(fd), os.stat(lock_path)):
-                break
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            raise
+        except OSError:
+            os.close(fd)
+            return None
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                return fd
         except FileNotFoundError:
             pass
         os.close(fd)          # the holder before removed it: lock the file now at the path
+
+
+def unlock_and_remove(fd, path):
+    """Remove the lock file while still holding it, then let it go (see locked_fd)."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass                  # removed by hand meanwhile
+    os.close(fd)
+
+
+@contextlib.contextmanager
+def taking_turns(lock_path):
+    """The lock file lock_path held for the block (locked_fd), waiting for another holder, and
+    removed at its end: writers of one folder take turns. A lock file rather than the folder
+    itself, since on NFS only a file's lock holds across machines."""
+    fd = locked_fd(lock_path)
     try:
         yield
     finally:
-        try:
-            os.unlink(lock_path)
-        except FileNotFoundError:
-            pass              # removed by hand meanwhile
-        os.close(fd)
+        if fd is not None:
+            unlock_and_remove(fd, lock_path)

@@ -14,11 +14,7 @@ import os
 import time
 
 from configurator import UserError
-
-try:
-    import fcntl
-except ImportError:   # Windows: no advisory file locks, so two writers are not kept apart there
-    fcntl = None
+from files import locked_fd, unlock_and_remove
 
 LOCK_NAME = '.lock'
 
@@ -43,13 +39,7 @@ class FolderLock:
     def release(self):
         if self.fd is None:
             return
-        # unlink while still holding it: a contender that opened the old file checks, once it has
-        # the lock, that the file is still the one at the path (see lock_folder)
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass
-        os.close(self.fd)
+        unlock_and_remove(self.fd, self.path)      # (see files.locked_fd)
         self.fd = None
         if self.created_folder:        # a run refused before it wrote anything leaves no folder
             try:
@@ -63,45 +53,34 @@ class FolderLock:
 
 def lock_folder(folder, option='out_dir'):
     """Take the exclusive lock on folder (created if missing): a FolderLock, or FolderBusy naming
-    the holder's PID, or a UserError if the folder or its lock file cannot be created."""
-    if fcntl is None:
-        return FolderLock(None, None, None)
+    the holder's PID, or a UserError if the folder or its lock file cannot be created. Where there
+    is no flock (Windows), two writers are not kept apart."""
     created = None if os.path.isdir(folder) else folder
     path = os.path.join(folder, LOCK_NAME)
     try:
         os.makedirs(folder, exist_ok=True)
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                pid = holder_pid(fd)
-                os.close(fd)
-                raise FolderBusy(folder, pid, option) from None
-            except OSError:            # a file system without flock: run unlocked, as on Windows
-                os.close(fd)
-                return FolderLock(None, None, None)
-            try:                       # the holder we waited on may have unlinked it meanwhile
-                if os.path.samestat(os.fstat(fd), os.stat(path)):
-                    break
-            except FileNotFoundError:
-                pass
-            os.close(fd)
-    except FolderBusy:
-        raise
+        fd = locked_fd(path, wait=False)
+    except BlockingIOError:
+        raise FolderBusy(folder, holder_pid(path), option) from None
     except OSError as e:
         raise UserError(f"cannot create the lock file {path} ({e.strerror}); choose an {option} "
                         f"you can write to") from None
+    if fd is None:                     # no flock here: run unlocked, as on Windows
+        return FolderLock(None, None, None)
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return FolderLock(fd, path, created)
 
 
-def holder_pid(fd, wait_s=0.5):
+def holder_pid(path, wait_s=0.5):
     """The PID the holder wrote into the lock file (written just after locking: wait a moment)."""
     deadline = time.time() + wait_s
     while True:
-        text = os.pread(fd, 32, 0).decode(errors='replace').strip()
+        try:
+            with open(path, 'rb') as f:
+                text = f.read(32).decode(errors='replace').strip()
+        except OSError:                # released and removed meanwhile
+            text = ''
         if text.isdigit():
             return int(text)
         if time.time() > deadline:

@@ -13,6 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+import files  # noqa: E402
 import runlock  # noqa: E402
 import sweep  # noqa: E402
 from conftest import (SESSION_TAG, leftover_processes, run_group, start,  # noqa: E402
@@ -73,14 +74,14 @@ def test_a_lock_file_unlinked_under_a_contender_is_not_shared(tmp_path, monkeypa
     an unlinked file: it must notice and lock the file at the path instead, or a third writer that
     creates a new lock file would hold the folder at the same time."""
     first = runlock.lock_folder(tmp_path)
-    real_flock, calls = runlock.fcntl.flock, []
+    real_flock, calls = files.fcntl.flock, []
 
     def flock_after_release(fd, op):          # the holder releases between our open() and flock()
         calls.append(fd)
         if len(calls) == 1:
             first.release()
         return real_flock(fd, op)
-    monkeypatch.setattr(runlock.fcntl, "flock", flock_after_release)
+    monkeypatch.setattr(files.fcntl, "flock", flock_after_release)
     second = runlock.lock_folder(tmp_path)
     assert len(calls) == 2                    # the first file was stale: it opened the path again
     assert os.path.samestat(os.fstat(second.fd), os.stat(tmp_path / runlock.LOCK_NAME))
