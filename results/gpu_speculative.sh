@@ -11,10 +11,23 @@
 # by a stage that is stopped: a machine that starts bare then compiles only what no run kept. Time
 # left after the last stage goes to the stages stopped at their limit, in order, again: each then
 # starts from the code it compiled before its stop.
-# Needs the checkpoints out/gpu/<name> (optimizer-free copies of the runs in docs/results.md) and
-# data/shakespeare_char (the prompts).
+# Needs the checkpoints out/gpu/<name> (optimizer-free copies of the runs in docs/results.md: bash
+# results/gpu_checkpoints.sh makes them on the CPU) and data/shakespeare_char (the prompts), and
+# stops before any work if one is missing.
 set -u
 folder=${1:?usage: bash results/gpu_speculative.sh FOLDER [SECONDS]}
+missing=
+for name in spec_exit_w4d2 spec_mod spec_halt ffn_distilled_drafter_shakespeare; do
+  [ -f "out/gpu/$name/ckpt.pt" ] || missing="$missing out/gpu/$name/ckpt.pt"
+done
+for name in val.bin meta.json; do
+  [ -f "data/shakespeare_char/$name" ] || missing="$missing data/shakespeare_char/$name"
+done
+if [ -n "$missing" ]; then
+  echo "gpu_speculative.sh: no$missing; make them with bash results/gpu_checkpoints.sh" \
+    "(on the CPU, about 25 minutes) and carry out/gpu and data/shakespeare_char" >&2
+  exit 2
+fi
 end=${2:-540}
 cache=${COMPILE_CACHE:-out/compile_cache_gpu.bin}
 mkdir -p "$folder"

@@ -653,25 +653,48 @@ SCRIPT_MODELS = {'spec_exit_w4d2': dict(route='exit'), 'spec_mod': dict(route='m
                  'ffn_distilled_drafter_shakespeare': dict(route='ffn', ffn_draft_rank=8)}
 
 
-def test_the_gpu_speculative_script_runs_only_options_bench_accepts(tmp_path):
-    """results/gpu_speculative.sh as written, with python3 standing in (recording its arguments):
-    every stage runs, in the order given, a stage stopped at its limit (mod's) runs again after
-    the last, and each stage's bench.py command passes bench.py's option check with its
-    checkpoint made here (a small model of the family and block_size the script's runs have), so
-    a GPU run does not fail on an option once its machine has started."""
+def script_checkpoints(root):
+    """out/gpu/<name> and data/shakespeare_char under root, as results/gpu_checkpoints.sh and
+    data/prepare.py leave them: small models of each family with the block_size of the real ones."""
     from dataclasses import asdict
     from model import GPT, GPTConfig
+    for name, fields in SCRIPT_MODELS.items():
+        run = root / 'out' / 'gpu' / name
+        run.mkdir(parents=True)
+        mcfg = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=128, vocab_size=65, **fields)
+        torch.save(dict(model=GPT(mcfg).state_dict(), model_args=asdict(mcfg), config={}),
+                   run / 'ckpt.pt')
+    data = root / 'data' / 'shakespeare_char'
+    data.mkdir(parents=True)
+    (data / 'val.bin').write_bytes(bytes(1000))
+    (data / 'meta.json').write_text('{"vocab_size": 65}')
+
+
+def gpu_script(tmp_path, *args, **env):
+    """results/gpu_speculative.sh run in tmp_path with python3 standing in (RECORD_ARGS): the
+    finished process and the bench.py calls it made, each call's argument list."""
     fake = tmp_path / 'bin' / 'python3'
     fake.parent.mkdir()
     fake.write_text(RECORD_ARGS)
     fake.chmod(0o755)
     calls = tmp_path / 'calls.txt'
-    env = dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}", CALLS=str(calls),
-               COMPILE_CACHE=str(tmp_path / 'cache.bin'), STOP_ONCE='mod_b1_K4')
-    r = finish(start(['bash', os.path.join(REPO, 'results', 'gpu_speculative.sh'),
-                      tmp_path / 'out', '600'], env=env, cwd=REPO), timeout=60)
+    env = {**os.environ, 'PATH': f"{fake.parent}:{os.environ['PATH']}", 'CALLS': str(calls),
+           'STOP_ONCE': '', **env}
+    r = finish(start(['bash', os.path.join(REPO, 'results', 'gpu_speculative.sh'), *args],
+                     env=env, cwd=tmp_path), timeout=60)
+    text = calls.read_text() if calls.exists() else ''
+    return r, [c.split('\n') for c in text.split('\n\n') if c.startswith('bench.py')]
+
+
+def test_the_gpu_speculative_script_runs_only_options_bench_accepts(tmp_path):
+    """results/gpu_speculative.sh as written: every stage runs, in the order given, a stage stopped
+    at its limit (mod's) runs again after the last, and each stage's bench.py command passes
+    bench.py's option check with the checkpoint it names, so a GPU run does not fail on an option
+    once its machine has started."""
+    script_checkpoints(tmp_path)
+    r, commands = gpu_script(tmp_path, tmp_path / 'results', '600',
+                             COMPILE_CACHE=str(tmp_path / 'cache.bin'), STOP_ONCE='mod_b1_K4')
     assert r.returncode == 0, r.stderr
-    commands = [c.split('\n') for c in calls.read_text().split('\n\n') if c.startswith('bench.py')]
     stages = [next(a for a in argv if a.startswith('--out=')) for argv in commands]
     assert [os.path.basename(o) for o in stages] == [
         f'speculative_{name}.json' for name in ('exit_b1_K2', 'exit_b1_K4', 'mod_b1_K4',
@@ -680,16 +703,90 @@ def test_the_gpu_speculative_script_runs_only_options_bench_accepts(tmp_path):
     assert commands[2] == commands[-1]
     assert 'mod_b1_K4: rc=124' in r.stdout and 'mod_b1_K4: rc=0' in r.stdout
     for argv in commands:
-        name = next(a for a in argv if a.startswith('--init_from=')).rpartition('/')[2]
-        run = tmp_path / 'runs' / name
-        run.mkdir(parents=True, exist_ok=True)
-        mcfg = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=128, vocab_size=65,
-                         **SCRIPT_MODELS[name])
-        torch.save(dict(model=GPT(mcfg).state_dict(), model_args=asdict(mcfg), config={}),
-                   run / 'ckpt.pt')
-        argv = [f'--init_from={run}' if a.startswith('--init_from=') else a for a in argv[1:]]
+        argv = [f'--init_from={tmp_path / a.partition("=")[2]}' if a.startswith('--init_from=')
+                else a for a in argv[1:]]
         cfg, _, _ = bench.parse_args([*argv, '--device=cpu'])
         assert cfg['compile'] and cfg['compile_cache'] == str(tmp_path / 'cache.bin')
+
+
+@pytest.mark.parametrize('remove', ['out/gpu/spec_halt/ckpt.pt', 'data/shakespeare_char/val.bin'])
+def test_the_gpu_speculative_script_stops_before_any_work_without_its_inputs(tmp_path, remove):
+    """A checkpoint or the prompts' data missing: exit 2 before the first stage (a GPU's time is
+    not spent on a run that would fail or decode random prompts), naming the file and the script
+    that makes it."""
+    script_checkpoints(tmp_path)
+    (tmp_path / remove).unlink()
+    r, commands = gpu_script(tmp_path, tmp_path / 'results', '600')
+    assert r.returncode == 2 and commands == []
+    assert f'no {remove};' in r.stderr and 'results/gpu_checkpoints.sh' in r.stderr
+    assert not (tmp_path / 'results').exists()
+
+
+FAKE_TRAIN = """
+import json, os, sys
+sys.path.insert(0, os.environ['REPO'])
+import torch
+with open(os.environ['CALLS'], 'a') as f:
+    f.write(json.dumps(sys.argv[1:]) + '\\n')
+if sys.argv[1] == 'train.py':          # the real config check, then a checkpoint in out_dir
+    import train
+    cfg, _ = train.read_config(sys.argv[2:])
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    torch.save(dict(model={'w': torch.full((3,), 2.0)}, optimizer={'m': torch.ones(3)},
+                    model_args={}, config={'out_dir': cfg.out_dir}), f'{cfg.out_dir}/ckpt.pt')
+elif sys.argv[1] == '-':               # the script's copying code, run as written
+    sys.argv = sys.argv[1:]
+    exec(sys.stdin.read())
+"""
+
+
+def test_the_gpu_checkpoints_script_trains_each_missing_model_once(tmp_path):
+    """results/gpu_checkpoints.sh with train.py standing in (its real config check, then a
+    checkpoint with optimizer state): each of the four models is trained with options train.py
+    accepts (the distilled one from the ffn run it needs, first), copied to out/gpu without its
+    optimizer state; a second run trains nothing; a model whose copy is gone is made again by
+    resuming its finished run, not by training it anew."""
+    (tmp_path / 'bin').mkdir()
+    fake = tmp_path / 'bin' / 'python3'
+    fake.write_text(f'#!/bin/sh\nexec {sys.executable} {tmp_path / "fake.py"} "$@"\n')
+    fake.chmod(0o755)
+    (tmp_path / 'fake.py').write_text(FAKE_TRAIN)
+    (tmp_path / 'config').symlink_to(os.path.join(REPO, 'config'))
+    data = tmp_path / 'data' / 'shakespeare_char'
+    data.mkdir(parents=True)
+    for name in ('train.bin', 'val.bin'):
+        (data / name).write_bytes(bytes(1000))
+    (data / 'meta.json').write_text('{"vocab_size": 65}')
+    calls = tmp_path / 'calls.jsonl'
+    env = {**os.environ, 'PATH': f"{fake.parent}:{os.environ['PATH']}", 'CALLS': str(calls),
+           'REPO': REPO}
+
+    def run_script():
+        calls.write_text('')
+        r = finish(start(['bash', os.path.join(REPO, 'results', 'gpu_checkpoints.sh')],
+                         env=env, cwd=tmp_path), timeout=170)
+        assert r.returncode == 0, (tmp_path / 'out' / 'gpu' / 'train_log.txt').read_text()
+        return [json.loads(line) for line in calls.read_text().splitlines()]
+
+    def trained(argvs):
+        return [a for a in argvs if a[0] == 'train.py']
+
+    names = ['spec_exit_w4d2', 'spec_mod', 'spec_halt', 'ffn_distilled_drafter_shakespeare']
+    first = trained(run_script())
+    assert len(first) == 5 and all(a[-1] == '--overwrite=True' for a in first)
+    outs = [next(o for o in a if o.startswith('--out_dir=')) if 'config/ffn_distilled' not in a[1]
+            else 'distilled' for a in first]
+    assert outs.index('--out_dir=out/spec_ffn') < outs.index('distilled')
+    assert outs.index('--out_dir=out/spec_exit_w4d2') < outs.index('--out_dir=out/spec_mod')
+    assert sorted(os.listdir(tmp_path / 'out' / 'gpu')) == sorted([*names, 'train_log.txt'])
+    for name in names:
+        copy = torch.load(tmp_path / 'out' / 'gpu' / name / 'ckpt.pt', weights_only=False)
+        assert copy['optimizer'] is None and torch.equal(copy['model']['w'], torch.full((3,), 2.))
+    assert trained(run_script()) == []
+    os.remove(tmp_path / 'out' / 'gpu' / 'spec_mod' / 'ckpt.pt')
+    again = trained(run_script())
+    assert len(again) == 1 and '--out_dir=out/spec_mod' in again[0]
+    assert again[0][-1] == '--init_from=resume'
 
 
 def test_bench_speculate_draft_stop():

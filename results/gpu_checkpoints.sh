@@ -1,0 +1,63 @@
+# The checkpoints results/gpu_speculative.sh decodes with, trained on this machine's CPU:
+#
+#   bash results/gpu_checkpoints.sh [LOG]
+#
+# The four trained 8-layer Shakespeare models of docs/results.md (exit, mod, halt, and ffn with a
+# draft distilled after training), trained with the commands their runs were trained with, two at
+# a time with a thread each (about 25 minutes on 2 cores), and copied without their optimizer
+# state to out/gpu/<name>, 26 MB in all, small enough to travel with the tree to a GPU machine
+# (`carry`). A model whose copy is already there is not trained again; a training stopped part
+# way resumes from its last checkpoint. Output goes to LOG (out/gpu/train_log.txt).
+set -eu
+mkdir -p out/gpu
+log=${1:-out/gpu/train_log.txt}
+python3 data/prepare.py shakespeare_char >> "$log" 2>&1
+base=config/exit_drafter_shakespeare.py
+
+# train NAME [train.py options]: out/NAME trained, then its optimizer-free copy in out/gpu/NAME
+train() {
+  local name=$1; shift
+  if [ -f "out/gpu/$name/ckpt.pt" ]; then echo "$name: out/gpu/$name is there" >> "$log"; return; fi
+  local start=--overwrite=True         # (a folder a stopped run left without a checkpoint)
+  [ -f "out/$name/ckpt.pt" ] && start=--init_from=resume     # (a finished run: just stops)
+  echo "=== $(date +%T) $name: python3 train.py $* $start" >> "$log"
+  OMP_NUM_THREADS=1 python3 train.py "$@" $start >> "$log" 2>&1
+  python3 - "out/$name" "out/gpu/$name" >> "$log" 2>&1 <<'EOF'
+import shutil, sys
+from pathlib import Path
+from checkpoint import load_checkpoint, save_checkpoint
+src, dst = Path(sys.argv[1]), Path(sys.argv[2])
+ckpt = load_checkpoint(src / 'ckpt.pt')
+ckpt['optimizer'] = None                  # (what run_state reads for a run without one)
+dst.mkdir(parents=True, exist_ok=True)
+for extra in ('config.json', 'run_info.json'):
+    if (src / extra).exists():
+        shutil.copy(src / extra, dst / extra)
+save_checkpoint(dst / 'ckpt.pt', ckpt)    # last: its presence says the copy is whole
+print(f"{dst}: copied without the optimizer state")
+EOF
+}
+
+# two chains side by side, each about 17-21 minutes on one core
+{
+  train spec_exit_w4d2 $base --exit_weight=4.0 --layer_dropout=0.2 --out_dir=out/spec_exit_w4d2
+  train spec_mod $base --route=mod --mod_capacity=0.125 --layer_dropout=0.0 --out_dir=out/spec_mod
+} &
+first=$!
+{
+  if [ ! -f out/gpu/ffn_distilled_drafter_shakespeare/ckpt.pt ]; then
+    train spec_ffn $base --route=ffn --ffn_gate=mlp --ffn_budget=0.5 --ffn_layers=all \
+      --layer_dropout=0.0 --out_dir=out/spec_ffn
+  fi
+  train ffn_distilled_drafter_shakespeare config/ffn_distilled_drafter_shakespeare.py \
+    --init_from=out/spec_ffn/ckpt.pt
+  train spec_halt $base --route=halt --halt_lambda=0.05 --layer_dropout=0.0 --out_dir=out/spec_halt
+} &
+second=$!
+status=0
+wait $first || status=$?
+wait $second || status=$?
+rm -rf out/gpu/spec_ffn          # (only the distilled model's copy is decoded)
+echo "=== $(date +%T) done, status $status" >> "$log"
+du -sh out/gpu/* >> "$log"
+exit $status
