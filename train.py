@@ -447,9 +447,12 @@ def model_under_draft(cfg, meta, ckpt):
 
 
 def draft_run_keys(family):
-    """The model fields a trainable='draft' run (fresh or resumed) shares with its checkpoint."""
+    """The model fields a trainable='draft' run (fresh or resumed) shares with its checkpoint: all
+    but the draft's own, dropout, and other families' options, which this family does not read (a
+    run may have set them in a config file shared across families)."""
+    inert = {k for f in FAMILIES.values() for k in f.options} - set(family.options)
     return tuple(f.name for f in fields(GPTConfig)
-                 if f.name not in (*family.draft_options, 'dropout'))
+                 if f.name not in (*family.draft_options, 'dropout', *inert))
 
 
 def gpt2_model(cfg, meta):

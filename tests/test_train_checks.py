@@ -80,3 +80,19 @@ def test_only_rank_0_judges_the_run_files_under_its_lock(tmp_path):
     with pytest.raises(TrainError, match=r"already holds a run \(config.json\)"):
         run_state.hold_out_dir(cfg, master)
     lock_folder(str(out)).release()                        # the refusal let the lock go
+
+
+def test_a_draft_run_ignores_other_families_options_but_not_its_models():
+    """trainable='draft' from an ffn checkpoint whose run set other families' options in a shared
+    config file (exit_weight, halt_lambda, mod_capacity: recorded, never read by route=ffn) starts
+    under this config's defaults for them; a field that shapes or routes the ffn model is still
+    refused by name."""
+    ffn = dict(**BASE, n_layer=4, route='ffn', ffn_layers='all', ffn_draft_rank=8)
+    margs = asdict(GPTConfig(**ffn, exit_weight=4.0, halt_lambda=0.05, mod_capacity=0.125))
+    ck = dict(model_args=margs, data_meta={}, config={})
+    keys = train.draft_run_keys(train.FAMILIES['ffn'])
+    cfg = SimpleNamespace(**{**train.DEFAULTS, **asdict(GPTConfig(**ffn))})
+    check_against_checkpoint(cfg, {}, ck, keys)
+    for field, value in (('ffn_budget', 0.25), ('ffn_cheap_rank', 7), ('n_embd', 64)):
+        with pytest.raises(TrainError, match=f"'{field}' differs"):
+            check_against_checkpoint(SimpleNamespace(**{**vars(cfg), field: value}), {}, ck, keys)
