@@ -190,6 +190,10 @@ def decode_prompts(run_cfg, vocab_size, b, n, g):
             starts = torch.randint(0, len(data) - n, (b,), generator=g).tolist()
             rows = np.stack([data[s:s + n].astype(np.int64) for s in starts])
             return torch.from_numpy(rows), f"{run_cfg['dataset']} val.bin"
+        # (said where it is read: a trained draft agrees less on random tokens)
+        return (torch.randint(0, vocab_size, (b, n), generator=g),
+                f"random tokens: no {val} or {meta} here (python data/prepare.py "
+                f"{run_cfg['dataset']})")
     return torch.randint(0, vocab_size, (b, n), generator=g), 'random tokens'
 
 

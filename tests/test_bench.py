@@ -1014,7 +1014,8 @@ def test_bench_speculate_init_from(tmp_path, capsys):
 
 def test_bench_speculate_prompts_are_windows_of_the_runs_val_split(tmp_path):
     """A trained run's prompts are seeded windows of its own val.bin (consecutive tokens of the
-    file here); a run whose data folder is absent, or none, gets random tokens."""
+    file here); a run whose data folder is absent gets random tokens, and the source says which
+    files were missing; no run, random tokens."""
     import numpy as np
     import torch
     from bench_speculative import decode_prompts
@@ -1029,9 +1030,13 @@ def test_bench_speculate_prompts_are_windows_of_the_runs_val_split(tmp_path):
     assert len(set(prompts[:, 0].tolist())) == 3 and int(prompts.max()) < 1000
     again, _ = decode_prompts(run_cfg, 50, 3, 16, torch.Generator().manual_seed(0))
     assert torch.equal(prompts, again)
-    for absent in (dict(run_cfg, dataset='elsewhere'), {}):
-        prompts, source = decode_prompts(absent, 50, 3, 16, torch.Generator().manual_seed(0))
-        assert source == 'random tokens' and int(prompts.max()) < 50
+    prompts, source = decode_prompts(dict(run_cfg, dataset='elsewhere'), 50, 3, 16,
+                                     torch.Generator().manual_seed(0))
+    missing = tmp_path / 'elsewhere' / 'val.bin'
+    assert source.startswith(f'random tokens: no {missing} ') and int(prompts.max()) < 50
+    assert source.endswith('(python data/prepare.py elsewhere)')
+    prompts, source = decode_prompts({}, 50, 3, 16, torch.Generator().manual_seed(0))
+    assert source == 'random tokens' and int(prompts.max()) < 50
 
 
 def test_bench_speculate_predicted():
