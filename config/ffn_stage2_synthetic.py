@@ -1,8 +1,10 @@
 # Stage 2, CPU-sized: gates only (controller-only training), backbone from stage 1 frozen.
 # The default arm is the seed paper's "standard recipe" for G1: util + rank supervision from
 # off-policy oracle labels (one controlled layer sampled per step). Arms override gate / weights:
-#   python train.py config/ffn_stage2_synthetic.py --ffn_gate=jepa                   # G3 standard
-#   python train.py config/ffn_stage2_synthetic.py --ffn_util_weight=0 --ffn_rank_weight=0   # A3
+#   python train.py config/ffn_stage2_synthetic.py --ffn_gate=jepa \
+#       --out_dir=out/ffn_stage2_synthetic_g3                                    # G3 standard
+#   python train.py config/ffn_stage2_synthetic.py --ffn_util_weight=0 --ffn_rank_weight=0 \
+#       --out_dir=out/ffn_stage2_synthetic_a3                                    # A3
 init_from = 'out/ffn_stage1_synthetic/ckpt.pt'
 out_dir = 'out/ffn_stage2_synthetic'
 dataset = 'synthetic'

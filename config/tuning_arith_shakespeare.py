@@ -3,6 +3,7 @@
 # reversed (07+35=240: data/prepare.py arith --pad=True --answer=reversed): the recipe every arm of
 # config/study_tuning.py shares; the arms choose what trains and their learning rates. Loss on the
 # answer tokens only; score with python arith.py --ckpt=<out_dir>/ckpt.pt.
+#   python data/prepare.py shakespeare_char && python train.py config/tuning_backbone_shakespeare.py
 #   python data/prepare.py arith --vocab_from=data/shakespeare_char --digits=2 --ops=+ \
 #       --num_problems=6000 --answer=reversed --pad=True --out_dir=data/arith_add2rp_sc
 #   python train.py config/tuning_arith_shakespeare.py --trainable=lora

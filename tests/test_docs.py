@@ -1,6 +1,7 @@
 """Every command the docs give works, in the order written: each ```bash block of README.md, then of
 docs/*.md (sorted), line by line, in one fresh copy of the repository (its tracked files; ../shared
-beside it is a link to this checkout's), as a new user would run them.
+beside it is a link to this checkout's), as a new user would run them; and, in another fresh copy,
+the commands in the config files' headers, file by file.
 
 How the commands are shortened (one mechanism): each runs exactly as written, with
 NANODEPTH_SMOKE=1 in its environment. Every script reads its options through
@@ -176,6 +177,88 @@ def test_every_documented_command_runs_in_order(tmp_path):
         ran.append(f"{time.time() - start:5.1f} s  {doc}: {command}")
     print('\n'.join(['ran:', *ran, 'skipped:', *skipped, f'total {time.time() - t0:.0f} s']))
     assert len(ran) >= 12
+
+
+def config_commands():
+    """(config file, command line) for each command in each config file's header (its leading `#`
+    lines; a command is indented by two spaces or more), files in name order: `\\` continuations
+    joined, `[...]` optional parts, a trailing `(...)` remark and comments dropped, `a && b`
+    split."""
+    out = []
+    for path in sorted((REPO / 'config').glob('*.py')):
+        lines = path.read_text().splitlines()
+        header = '\n'.join(line[1:] for line in lines[:next(
+            (i for i, line in enumerate(lines) if not line.startswith('#')), len(lines))])
+        for line in header.replace('\\\n', ' ').splitlines():
+            if not re.match(r'\s{2,}(python|torchrun|bash) ', line):
+                continue
+            line = re.sub(r'\s\(.*\)\s*$', '', re.sub(r'\[[^]]*\]', '', line))
+            words = shlex.split(line, comments=True)
+            while words:
+                cut = words.index('&&') if '&&' in words else len(words)
+                out.append((f'config/{path.name}', shlex.join(words[:cut])))
+                words = words[cut + 1:]
+    return out
+
+
+def config_skip_reason(command):
+    """Why a config file's command is not run here (None: it is)."""
+    if command.startswith('python sweep.py') and '--dry_run' not in command:
+        return ("a study: hours of runs; each arm's config is checked by tests/test_configs.py and "
+                "a study runs from the README above")
+    if 'fineweb' in command or command.startswith('torchrun'):
+        return 'FineWeb-Edu, downloaded, and (torchrun) 8 GPUs'
+    if 'config/ffn_paper_157m.py' in command:
+        return 'trains on FineWeb-Edu, downloaded above'
+    if 'gpt2' in command:
+        return "GPT-2's weights, downloaded"
+    if 'shakespeare' in command or 'arith_add2rp_sc' in command or 'tuning_' in command:
+        return None if HAVE_SHAKESPEARE else SKIP['python data/prepare.py shakespeare_char']
+    return skip_reason(command)
+
+
+def test_the_config_files_commands_are_found():
+    """The extraction from config headers: continuations joined, options kept whole, optional
+    parts and remarks dropped; every config file that documents a chain gives it whole."""
+    found = config_commands()
+    commands = [c for _, c in found]
+    distilled = [c for f, c in found if f == 'config/ffn_distilled_drafter_shakespeare.py']
+    assert distilled == [
+        'python data/prepare.py shakespeare_char',
+        'python train.py config/exit_drafter_shakespeare.py --route=ffn --ffn_gate=mlp '
+        '--ffn_budget=0.5 --ffn_layers=all --layer_dropout=0.0 --out_dir=out/ffn_shakespeare',
+        'python train.py config/ffn_distilled_drafter_shakespeare.py',
+        'python bench.py --init_from=out/ffn_distilled_drafter_shakespeare --speculate=1,2,3,4 '
+        '--decode_batches=1']
+    assert 'python train.py config/ffn_stage2_lookup.py' in commands
+    assert 'python sweep.py config/study_families.py --jobs=2' in commands
+    assert not any('#' in c or '[' in c or '(' in c for c in commands) and len(commands) >= 50
+    ran = [c for c in commands if not config_skip_reason(c)]
+    assert len(ran) >= (25 if HAVE_SHAKESPEARE else 10)
+
+
+@pytest.mark.slow
+def test_every_config_files_commands_run_in_order(tmp_path):
+    """The commands config files' headers give (config_commands), in one fresh copy, as
+    test_every_documented_command_runs_in_order runs the docs': a chain (a model trained, then
+    distilled, tuned or benchmarked from its checkpoint) must run as written. torch.compile
+    runs eagerly here (TORCHDYNAMO_DISABLE): a config's compile=True would spend a minute compiling
+    a 2-iteration run, and compiled execution has tests of its own."""
+    repo = fresh_copy(tmp_path)
+    env = {**os.environ, 'NANODEPTH_SMOKE': '1', 'OMP_NUM_THREADS': '1',
+           'PYTHONDONTWRITEBYTECODE': '1', 'TORCHDYNAMO_DISABLE': '1'}
+    t0, ran, skipped, seen = time.time(), [], [], set()
+    for config, command in config_commands():
+        why = config_skip_reason(command) or ('given above, ran there' if command in seen else None)
+        seen.add(command)
+        if why:
+            skipped.append(f"{config}: {command} ({why})")
+            continue
+        start = time.time()
+        code, out = run_command(command, repo, env)
+        assert code == 0, f"{config}: `{command}` exited {code}:\n{out[-3000:]}"
+        ran.append(f"{time.time() - start:5.1f} s  {config}: {command}")
+    print('\n'.join(['ran:', *ran, 'skipped:', *skipped, f'total {time.time() - t0:.0f} s']))
 
 
 def test_every_optional_import_is_listed_with_its_feature():
