@@ -3,7 +3,7 @@
 # without a GPU) in a virtual environment, with requirements.txt and each package of
 # requirements-extra.txt that installs beside it (torch held at VERSION), then the suite as CI
 # runs it. From the repo root:
-#   bash results/cpu_2026-11-27/torch_floor/run.sh VERSION     # e.g. 2.4.1, 2.10.0
+#   bash results/cpu_2026-11-27/torch_floor/run.sh VERSION     # e.g. 2.4.1, 2.9.1
 set -u
 v=${1:?usage: run.sh TORCH_VERSION}
 D=results/cpu_2026-11-27/torch_floor
@@ -11,7 +11,9 @@ V=/tmp/venv-torch-$v
 python -m venv $V
 $V/bin/pip install -q torch==$v
 echo "torch==$v" > $V/constraints.txt
-$V/bin/pip install -q -c $V/constraints.txt -r requirements.txt
+# (requirements.txt's own torch line is left out: it names the floor this checks)
+grep -v '^torch' requirements.txt > $V/requirements-but-torch.txt
+$V/bin/pip install -q -c $V/constraints.txt -r $V/requirements-but-torch.txt
 grep -o '^[A-Za-z0-9_.-]*' requirements-extra.txt | while read -r pkg; do
   [ -n "$pkg" ] && { $V/bin/pip install -q -c $V/constraints.txt "$pkg" || echo "$pkg: not installed"; }
 done
