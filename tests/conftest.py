@@ -572,3 +572,26 @@ def counted(fn):
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
         fn()
     return fc.get_total_flops()
+
+
+def grouped_mm_on_cpu():
+    """Whether this torch runs grouped_mm on the CPU (2.9 and later; 2.8 has it on CUDA only):
+    a test that forces the path on the CPU skips without it (needs_cpu_grouped_mm)."""
+    import torch
+    import kernels
+    return 'grouped_mm' in kernels.available_paths(torch.device('cpu'), torch.float32)
+
+
+NO_CPU_GROUPED_MM = 'torch before 2.9 has no CPU kernel for grouped_mm'
+
+
+def cpu_paths(*paths):
+    """paths as test parameters, grouped_mm's skipping where the CPU cannot run it."""
+    return [pytest.param(p, marks=pytest.mark.skipif(not grouped_mm_on_cpu(),
+                                                     reason=NO_CPU_GROUPED_MM))
+            if p == 'grouped_mm' else p for p in paths]
+
+
+def cpu_path_choices(*paths):
+    """paths less grouped_mm where the CPU cannot run it (Hypothesis's sampled_from)."""
+    return [p for p in paths if p != 'grouped_mm' or grouped_mm_on_cpu()]

@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import speculative
-from conftest import ROUTED_TOL, assert_greedy_traces_agree, greedy_trace
+from conftest import (NO_CPU_GROUPED_MM, ROUTED_TOL, assert_greedy_traces_agree,
+                      cpu_path_choices, greedy_trace, grouped_mm_on_cpu)
 from model import FAMILIES as REGISTRY, GPT
 from test_families import (CASES, SETTINGS, as_float, build, is_random, seeded,
                            speculative_trace_row, tokens)
@@ -50,6 +51,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.mark.skipif(not grouped_mm_on_cpu(), reason=NO_CPU_GROUPED_MM)
 @pytest.mark.parametrize('route', ROUTES)
 def test_grouped_mm_eval_and_decode_trace_without_graph_breaks_in_bf16(route):
     """The CPU's traced path under bf16 autocast (kernels.choose_path): the eval prefill and a
@@ -101,7 +103,7 @@ def test_static_execution_equals_compact_and_masked_dense(case, seed, T, B):
     idx = tokens(seed, B, T)
     with torch.no_grad():
         ref = seeded(lambda: model(idx, idx, sparse=False))
-        for mode in ('static', 'compact', 'grouped_mm'):
+        for mode in cpu_path_choices('static', 'compact', 'grouped_mm'):
             logits, _, aux = seeded(lambda: model(idx, idx, exec_mode=mode))
             torch.testing.assert_close(logits, ref[0], **ROUTED_TOL)
             assert aux.get('masks', {}).keys() == ref[2].get('masks', {}).keys()

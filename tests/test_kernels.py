@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import kernels
-from conftest import run_group
+from conftest import NO_CPU_GROUPED_MM, cpu_path_choices, cpu_paths, grouped_mm_on_cpu, run_group
 from routing import MLP
 
 pytestmark = pytest.mark.usefixtures('one_thread')
@@ -266,11 +266,12 @@ def test_default_path_here_and_forced(monkeypatch):
 
 def test_available_paths_on_this_cpu():
     cpu = torch.device('cpu')
+    grouped = ['grouped_mm'] if kernels.version_tuple(torch.__version__) >= (2, 9) else []
     eager = kernels.available_paths(cpu, torch.float32)
-    assert eager[-2:] == ['compact', 'reference'] and 'grouped_mm' in eager
+    assert eager[-2:] == ['compact', 'reference'] and eager[:len(grouped)] == grouped
     assert kernels.available_paths(cpu, torch.float32, compiling=True) == ['reference']
     assert kernels.available_paths(cpu, torch.bfloat16, compiling=True) == [
-        'grouped_mm', 'reference']
+        *grouped, 'reference']
 
 
 # --------------------------------------------------------------------------------------------------
@@ -300,7 +301,7 @@ PATH_FUNCTION = {'grouped_mm': 'mlp_rows_grouped', 'compact': 'mlp_rows_compact'
 
 
 @settings(max_examples=30, **SETTINGS)
-@given(c=cases(aligned=True), path=st.sampled_from(['grouped_mm', 'compact']))
+@given(c=cases(aligned=True), path=st.sampled_from(cpu_path_choices('grouped_mm', 'compact')))
 def test_every_path_writes_the_selected_rows_only(c, path):
     with torch.no_grad(), CountCalls(PATH_FUNCTION[path]) as ran:
         got, before, sel = check_rows(c, lambda *a: kernels.mlp_rows(*a, path=path))
@@ -309,7 +310,7 @@ def test_every_path_writes_the_selected_rows_only(c, path):
     torch.testing.assert_close(got, reference, **TOL[c.x.dtype])
 
 
-@pytest.mark.parametrize('path', ['grouped_mm', 'compact', 'reference'])
+@pytest.mark.parametrize('path', cpu_paths('grouped_mm', 'compact', 'reference'))
 @pytest.mark.parametrize('count', [0, 1, 39, 40])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 def test_every_path_at_the_edge_counts(path, count, dtype):
@@ -330,7 +331,7 @@ def test_every_path_at_the_edge_counts(path, count, dtype):
     torch.testing.assert_close(out, expected, **TOL[dtype])
 
 
-@pytest.mark.parametrize('path', ['grouped_mm', 'compact', 'reference'])
+@pytest.mark.parametrize('path', cpu_paths('grouped_mm', 'compact', 'reference'))
 @pytest.mark.parametrize('count', [0, 1, 23, 24])
 def test_prefix_linear_computes_the_packed_rows(path, count):
     torch.manual_seed(count)
@@ -341,6 +342,7 @@ def test_prefix_linear_computes_the_packed_rows(path, count):
     torch.testing.assert_close(got[:count], x[:count] @ w.T + b, **TOL[torch.float32])
 
 
+@pytest.mark.skipif(not grouped_mm_on_cpu(), reason=NO_CPU_GROUPED_MM)
 @pytest.mark.parametrize('width', [20, 24])
 @pytest.mark.parametrize('x_dtype', [torch.bfloat16, torch.float32])
 def test_grouped_mm_path_takes_column_major_weights(width, x_dtype):
@@ -368,6 +370,7 @@ def test_grouped_mm_path_takes_column_major_weights(width, x_dtype):
     torch.testing.assert_close(got[:10].float(), want.float(), **TOL[torch.bfloat16])
 
 
+@pytest.mark.skipif(not grouped_mm_on_cpu(), reason=NO_CPU_GROUPED_MM)
 def test_grouped_mm_path_compiles_without_graph_break_in_bf16():
     """The CPU's traced sparse eval in bf16: the routed layer through grouped_mm is one graph, and
     the compiled function equals eager."""

@@ -9,7 +9,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from conftest import ROUTED_TOL, SETTINGS, build, seeded, tokens
+from conftest import (NO_CPU_GROUPED_MM, ROUTED_TOL, SETTINGS, build, cpu_path_choices,
+                      grouped_mm_on_cpu, seeded, tokens)
 from model import controlled_layer_ids
 import route_mod
 from routing import RouteCtx
@@ -146,7 +147,7 @@ BF16_TOL = dict(rtol=3e-2, atol=3e-2)
 @given(seed=st.integers(0, 999), B=st.integers(1, 3), T=st.integers(1, 16),
        pos=st.sampled_from(['learned', 'rope']), router=st.sampled_from(['learned', 'random']),
        kinds=st.lists(st.sampled_from(['none', 'one', 'all', 'random']), max_size=3),
-       path=st.sampled_from(['reference', 'grouped_mm', 'compact']),
+       path=st.sampled_from(cpu_path_choices('reference', 'grouped_mm', 'compact')),
        dtype=st.sampled_from(['float32', 'bfloat16']))
 def test_mod_packed_equals_the_masked_dense_block_on_ragged_counts(
         seed, B, T, pos, router, kinds, path, dtype):
@@ -172,7 +173,7 @@ def test_mod_packed_equals_the_masked_dense_block_on_ragged_counts(
 
 @settings(**{**SETTINGS, 'max_examples': 8})
 @given(opt=st.integers(0, 2), seed=st.integers(0, 999), T=st.integers(1, 16), B=st.integers(1, 3),
-       mode=st.sampled_from(['reference', 'grouped_mm']))
+       mode=st.sampled_from(cpu_path_choices('reference', 'grouped_mm')))
 def test_mod_static_eval_packs_and_makes_the_masked_dense_decisions(opt, seed, T, B, mode):
     """The model's sparse eval on a static path runs the packed block (its attention is called
     once per routed layer) and makes the masked-dense reference's decisions exactly, its logits
@@ -195,7 +196,10 @@ def test_mod_static_eval_packs_and_makes_the_masked_dense_decisions(opt, seed, T
         assert torch.equal(aux['masks'][l], ref[2]['masks'][l]), l
 
 
-@pytest.mark.parametrize('mode,dtype', [('reference', 'float32'), ('grouped_mm', 'bfloat16')])
+@pytest.mark.parametrize('mode,dtype', [
+    ('reference', 'float32'),
+    pytest.param('grouped_mm', 'bfloat16', marks=pytest.mark.skipif(not grouped_mm_on_cpu(),
+                                                                     reason=NO_CPU_GROUPED_MM))])
 def test_mod_packed_eval_forward_compiles_without_graph_breaks(mode, dtype):
     """torch.compile(fullgraph=True) traces the packed eval forward in one graph (grouped_mm under
     bf16 autocast: its meta check takes bf16 only), and the traced forward makes the eager one's

@@ -16,7 +16,7 @@ sys.path.insert(0, str(REPO))
 import files  # noqa: E402
 import runlock  # noqa: E402
 import sweep  # noqa: E402
-from conftest import (SESSION_TAG, leftover_processes, run_group, start,  # noqa: E402
+from conftest import (leftover_processes, run_group, start,  # noqa: E402
                       started, stop, tagged_processes)
 HOLD = "import sys, time; sys.path.insert(0, {repo!r}); import runlock; " \
        "lock = runlock.lock_folder({folder!r}); print('held', flush=True); time.sleep(600)"
@@ -180,4 +180,4 @@ def test_session_check_fails_a_run_that_leaves_a_process(tmp_path):
     assert "1 process(es) started by the tests were still running at the end of the session" \
         in r.stdout
     assert "time.sleep(600)" in r.stdout
-    assert tagged_processes("NANODEPTH_TEST_SESSION", SESSION_TAG) == []
+    assert leftover_processes() == []       # (torch.compile's worker pool is not a leak)
