@@ -157,26 +157,34 @@ def test_a_command_not_run_for_its_twin_gives_options_its_script_has():
 
 @pytest.mark.slow
 def test_every_documented_command_runs_in_order(tmp_path):
+    twin = lambda command: (f'under smoke the same as `{SAME_UNDER_SMOKE[command]}`'
+                            if command in SAME_UNDER_SMOKE else None)
+    ran = run_in_order(tmp_path, documented_commands(),
+                       lambda command: skip_reason(command) or twin(command))
+    assert len(ran) >= 12
+
+
+def run_in_order(tmp_path, commands, why_not, **env):
+    """(source, command) pairs run one after another in one fresh copy under NANODEPTH_SMOKE, each
+    required to exit 0; skipped where why_not(command) gives a reason, or where it was given
+    above (a command given again redoes the same work on the same files). Prints what ran, with
+    times, and what was skipped, with why; returns the lines of what ran."""
     repo = fresh_copy(tmp_path)
     env = {**os.environ, 'NANODEPTH_SMOKE': '1', 'OMP_NUM_THREADS': '1',
-           'PYTHONDONTWRITEBYTECODE': '1'}
-    t0, ran, skipped = time.time(), [], []
-    seen = set()
-    for doc, command in documented_commands():
-        # a command given again (in another doc) redoes the same work on the same files
-        why = (skip_reason(command) or ('given above, ran there' if command in seen else None)
-               or (f'under smoke the same as `{SAME_UNDER_SMOKE[command]}`'
-                   if command in SAME_UNDER_SMOKE else None))
+           'PYTHONDONTWRITEBYTECODE': '1', **env}
+    t0, ran, skipped, seen = time.time(), [], [], set()
+    for source, command in commands:
+        why = why_not(command) or ('given above, ran there' if command in seen else None)
         seen.add(command)
         if why:
-            skipped.append(f"{doc}: {command} ({why})")
+            skipped.append(f"{source}: {command} ({why})")
             continue
         start = time.time()
         code, out = run_command(command, repo, env)
-        assert code == 0, f"{doc}: `{command}` exited {code}:\n{out[-3000:]}"
-        ran.append(f"{time.time() - start:5.1f} s  {doc}: {command}")
+        assert code == 0, f"{source}: `{command}` exited {code}:\n{out[-3000:]}"
+        ran.append(f"{time.time() - start:5.1f} s  {source}: {command}")
     print('\n'.join(['ran:', *ran, 'skipped:', *skipped, f'total {time.time() - t0:.0f} s']))
-    assert len(ran) >= 12
+    return ran
 
 
 def config_commands():
@@ -244,21 +252,7 @@ def test_every_config_files_commands_run_in_order(tmp_path):
     distilled, tuned or benchmarked from its checkpoint) must run as written. torch.compile
     runs eagerly here (TORCHDYNAMO_DISABLE): a config's compile=True would spend a minute compiling
     a 2-iteration run, and compiled execution has tests of its own."""
-    repo = fresh_copy(tmp_path)
-    env = {**os.environ, 'NANODEPTH_SMOKE': '1', 'OMP_NUM_THREADS': '1',
-           'PYTHONDONTWRITEBYTECODE': '1', 'TORCHDYNAMO_DISABLE': '1'}
-    t0, ran, skipped, seen = time.time(), [], [], set()
-    for config, command in config_commands():
-        why = config_skip_reason(command) or ('given above, ran there' if command in seen else None)
-        seen.add(command)
-        if why:
-            skipped.append(f"{config}: {command} ({why})")
-            continue
-        start = time.time()
-        code, out = run_command(command, repo, env)
-        assert code == 0, f"{config}: `{command}` exited {code}:\n{out[-3000:]}"
-        ran.append(f"{time.time() - start:5.1f} s  {config}: {command}")
-    print('\n'.join(['ran:', *ran, 'skipped:', *skipped, f'total {time.time() - t0:.0f} s']))
+    run_in_order(tmp_path, config_commands(), config_skip_reason, TORCHDYNAMO_DISABLE='1')
 
 
 def test_every_optional_import_is_listed_with_its_feature():
