@@ -179,6 +179,7 @@ def check_options(cfg, argv):
 def decode_prompts(run_cfg, vocab_size, b, n, g):
     """(b x n prompts, their source): seeded windows of the val.bin of the run whose config is
     run_cfg ({} without --init_from) when that run's data folder is here, else random tokens."""
+    source = 'random tokens'
     if run_cfg.get('dataset'):
         folder = dataset_folder(SimpleNamespace(dataset=run_cfg['dataset'],
                                                 data_dir=run_cfg.get('data_dir', '')))
@@ -191,10 +192,8 @@ def decode_prompts(run_cfg, vocab_size, b, n, g):
             rows = np.stack([data[s:s + n].astype(np.int64) for s in starts])
             return torch.from_numpy(rows), f"{run_cfg['dataset']} val.bin"
         # (said where it is read: a trained draft agrees less on random tokens)
-        return (torch.randint(0, vocab_size, (b, n), generator=g),
-                f"random tokens: no {val} or {meta} here (python data/prepare.py "
-                f"{run_cfg['dataset']})")
-    return torch.randint(0, vocab_size, (b, n), generator=g), 'random tokens'
+        source += f": no {val} or {meta} here (python data/prepare.py {run_cfg['dataset']})"
+    return torch.randint(0, vocab_size, (b, n), generator=g), source
 
 
 def load_bench_model(cfg, dev):

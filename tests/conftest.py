@@ -576,7 +576,7 @@ def counted(fn):
 
 def grouped_mm_on_cpu():
     """Whether this torch runs grouped_mm on the CPU (2.9 and later; 2.8 has it on CUDA only):
-    a test that forces the path on the CPU skips without it (needs_cpu_grouped_mm)."""
+    a test that forces the path on the CPU skips without it (NO_CPU_GROUPED_MM)."""
     import torch
     import kernels
     return 'grouped_mm' in kernels.available_paths(torch.device('cpu'), torch.float32)

@@ -665,19 +665,31 @@ def script_checkpoints(root):
         mcfg = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=128, vocab_size=65, **fields)
         torch.save(dict(model=GPT(mcfg).state_dict(), model_args=asdict(mcfg), config={}),
                    run / 'ckpt.pt')
+    shakespeare_data(root)
+
+
+def shakespeare_data(root):
+    """data/shakespeare_char under root, as data/prepare.py leaves it (contents made up)."""
     data = root / 'data' / 'shakespeare_char'
     data.mkdir(parents=True)
-    (data / 'val.bin').write_bytes(bytes(1000))
+    for name in ('train.bin', 'val.bin'):
+        (data / name).write_bytes(bytes(1000))
     (data / 'meta.json').write_text('{"vocab_size": 65}')
+
+
+def fake_python3(tmp_path, script):
+    """tmp_path/bin/python3, the shell script given, standing in for python3 on PATH."""
+    fake = tmp_path / 'bin' / 'python3'
+    fake.parent.mkdir()
+    fake.write_text(script)
+    fake.chmod(0o755)
+    return fake
 
 
 def gpu_script(tmp_path, *args, **env):
     """results/gpu_speculative.sh run in tmp_path with python3 standing in (RECORD_ARGS): the
     finished process and the bench.py calls it made, each call's argument list."""
-    fake = tmp_path / 'bin' / 'python3'
-    fake.parent.mkdir()
-    fake.write_text(RECORD_ARGS)
-    fake.chmod(0o755)
+    fake = fake_python3(tmp_path, RECORD_ARGS)
     calls = tmp_path / 'calls.txt'
     env = {**os.environ, 'PATH': f"{fake.parent}:{os.environ['PATH']}", 'CALLS': str(calls),
            'STOP_ONCE': '', **env}
@@ -747,17 +759,10 @@ def test_the_gpu_checkpoints_script_trains_each_missing_model_once(tmp_path):
     accepts (the distilled one from the ffn run it needs, first), copied to out/gpu without its
     optimizer state; a second run trains nothing; a model whose copy is gone is made again by
     resuming its finished run, not by training it anew."""
-    (tmp_path / 'bin').mkdir()
-    fake = tmp_path / 'bin' / 'python3'
-    fake.write_text(f'#!/bin/sh\nexec {sys.executable} {tmp_path / "fake.py"} "$@"\n')
-    fake.chmod(0o755)
+    fake = fake_python3(tmp_path, f'#!/bin/sh\nexec {sys.executable} {tmp_path / "fake.py"} "$@"\n')
     (tmp_path / 'fake.py').write_text(FAKE_TRAIN)
     (tmp_path / 'config').symlink_to(os.path.join(REPO, 'config'))
-    data = tmp_path / 'data' / 'shakespeare_char'
-    data.mkdir(parents=True)
-    for name in ('train.bin', 'val.bin'):
-        (data / name).write_bytes(bytes(1000))
-    (data / 'meta.json').write_text('{"vocab_size": 65}')
+    shakespeare_data(tmp_path)
     calls = tmp_path / 'calls.jsonl'
     env = {**os.environ, 'PATH': f"{fake.parent}:{os.environ['PATH']}", 'CALLS': str(calls),
            'REPO': REPO}

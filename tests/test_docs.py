@@ -81,11 +81,17 @@ def documented_commands():
     for doc in [REPO / 'README.md', *sorted((REPO / 'docs').glob('*.md'))]:
         for block in re.findall(r'^```bash\n(.*?)^```', doc.read_text(), re.S | re.M):
             for line in block.splitlines():
-                words = shlex.split(line, comments=True)
-                while words:
-                    cut = words.index('&&') if '&&' in words else len(words)
-                    out.append((doc.relative_to(REPO).as_posix(), shlex.join(words[:cut])))
-                    words = words[cut + 1:]
+                out += [(doc.relative_to(REPO).as_posix(), c) for c in split_commands(line)]
+    return out
+
+
+def split_commands(line):
+    """The commands of a shell line: its comment dropped, `a && b` split."""
+    words, out = shlex.split(line, comments=True), []
+    while words:
+        cut = words.index('&&') if '&&' in words else len(words)
+        out.append(shlex.join(words[:cut]))
+        words = words[cut + 1:]
     return out
 
 
@@ -201,11 +207,7 @@ def config_commands():
             if not re.match(r'\s{2,}(python|torchrun|bash) ', line):
                 continue
             line = re.sub(r'\s\(.*\)\s*$', '', re.sub(r'\[[^]]*\]', '', line))
-            words = shlex.split(line, comments=True)
-            while words:
-                cut = words.index('&&') if '&&' in words else len(words)
-                out.append((f'config/{path.name}', shlex.join(words[:cut])))
-                words = words[cut + 1:]
+            out += [(f'config/{path.name}', c) for c in split_commands(line)]
     return out
 
 
@@ -220,8 +222,8 @@ def config_skip_reason(command):
         return 'trains on FineWeb-Edu, downloaded above'
     if 'gpt2' in command:
         return "GPT-2's weights, downloaded"
-    if 'shakespeare' in command or 'arith_add2rp_sc' in command or 'tuning_' in command:
-        return None if HAVE_SHAKESPEARE else SKIP['python data/prepare.py shakespeare_char']
+    if 'shakespeare' in command and not HAVE_SHAKESPEARE:
+        return SKIP['python data/prepare.py shakespeare_char']
     return skip_reason(command)
 
 
