@@ -4,7 +4,7 @@
 #
 # The four trained 8-layer Shakespeare models of docs/results.md (exit, mod, halt, and ffn with a
 # draft distilled after training), trained with the commands their runs were trained with, two at
-# a time with a thread each (about 25 minutes on 2 cores), and copied without their optimizer
+# a time with a thread each (about 30 minutes on 2 cores), and copied without their optimizer
 # state to out/gpu/<name>, 26 MB in all, small enough to travel with the tree to a GPU machine
 # (`carry`). A model whose copy is already there is not trained again; a training stopped part
 # way resumes from its last checkpoint. Output goes to LOG (out/gpu/train_log.txt).
