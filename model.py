@@ -630,6 +630,7 @@ class GPT(nn.Module):
                 f"the longest prompt ({max(lengths)}) plus {max_new_tokens} new tokens exceeds "
                 f"block_size {self.config.block_size}"
             )
+        idx = idx[:, :max(lengths)]     # columns past the longest prompt hold padding alone
         step = self.decode_step_fn(dev, compile)
         cache = self.new_cache(B, dev, compile)
         n = torch.tensor(lengths, device=dev)

@@ -288,6 +288,8 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
             f"speculative decoding needs the longest prompt ({max(lengths)}) plus {max_new_tokens} "
             f"new tokens within block_size {cfg.block_size}; decode longer with speculate=0"
         )
+    idx = idx[:, :max(lengths)]     # columns past the longest prompt hold padding alone
+    T = idx.size(1)
     keep_masks = record is not None or trace is not None   # what nobody reads is not kept
     record = record or (lambda aux: None)
     rows = torch.arange(B, device=dev)

@@ -112,6 +112,21 @@ def test_decoding_attends_over_the_bucket_of_filled_slots(monkeypatch):
     model.generate(torch.zeros(2, 250, dtype=torch.long), 10, temperature=0, lengths=[250, 100])
     assert seen == [256] + [256] * 6 + [300] * 3
 
+
+@pytest.mark.parametrize('speculate', [0, 2])
+def test_ragged_prompts_padded_past_the_longest_decode_as_padded_to_it(speculate):
+    """lengths= allows any padded width >= the longest prompt: columns past it are padding alone,
+    whether they fit the output's width or even block_size (24) or not."""
+    model = tiny(1)
+    idx = torch.randint(0, 37, (2, 30), generator=torch.Generator().manual_seed(1))
+    want = model.generate(idx[:, :6], 5, temperature=0, lengths=[3, 6], speculate=speculate)
+    assert [len(t) for t in want] == [8, 11]
+    for width in (10, 30):
+        got = model.generate(idx[:, :width], 5, temperature=0, lengths=[3, 6],
+                             speculate=speculate)
+        assert [t.tolist() for t in got] == [t.tolist() for t in want], width
+
+
 def test_rope_depends_only_on_relative_positions():
     model = tiny(3, pos='rope')
     idx = torch.randint(0, 37, (2, 10))
