@@ -140,13 +140,16 @@ def read_prompts_file(path):
                           "per line")
     try:
         with open(path, encoding='utf-8') as f:
-            return f.read()
+            text = f.read()
     except UnicodeDecodeError as e:
         raise ConfigError(f"prompts_file {path!r} is not UTF-8 text (byte offset {e.start}); save "
                           "it as "
                           f"UTF-8 (e.g. iconv -f <its encoding> -t utf-8)") from None
     except OSError as e:
         raise ConfigError(f"prompts_file {path!r} cannot be read ({e.strerror})") from None
+    if not text.strip():            # known without the checkpoint: refused before it is read
+        raise ConfigError(f"prompts_file {path!r} has no prompts: give one prompt per line")
+    return text
 
 
 def main(argv):

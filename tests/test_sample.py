@@ -185,6 +185,13 @@ def test_sample_bad_options(tmp_path, arg, needle):
         sample.main([f"--out_dir={tmp_path}", arg])
 
 
+def test_sample_prompts_file_without_a_prompt_is_refused_before_the_checkpoint(tmp_path):
+    # blank lines are no prompts: out_dir holds no checkpoint, so the file is refused first
+    (tmp_path / "prompts.txt").write_text("\n   \n\n")
+    with pytest.raises(UserError, match=r"prompts\.txt' has no prompts: give one prompt per line"):
+        sample.main([f"--out_dir={tmp_path}", f"--prompts_file={tmp_path / 'prompts.txt'}"])
+
+
 def test_sample_help_lists_options_with_defaults_and_descriptions(capsys):
     """--help exits 0 before any check (no run needed), on stdout: every option as --key=default
     with its comment, nothing UNDOCUMENTED."""
