@@ -486,7 +486,14 @@ class GPT(nn.Module):
         softmax and no random draw."""
         if top_k == 1:
             temperature = 0
+        if lengths is not None:
+            if not use_cache:
+                raise ValueError("lengths (prompts of different lengths) needs use_cache=True")
+            lengths = [int(n) for n in lengths]         # a list or a tensor of lengths
         bs = self.config.block_size
+        if stats is not None:           # a dict filled by an earlier call: this call's figures
+            for k in ('full_frac', 'tlops_saved'):
+                stats.pop(k, None)
         record = (
             (
                 lambda aux: [
@@ -508,7 +515,7 @@ class GPT(nn.Module):
             )
         elif lengths is not None:
             idx = self.generate_ragged(
-                idx, list(lengths), max_new_tokens, temperature, top_k,
+                idx, lengths, max_new_tokens, temperature, top_k,
                 record if stats is not None else None, vocab_limit, compile
             )
         else:

@@ -77,12 +77,11 @@ def prompt_batch(cfg, encode, meta, block_size, dev):
         ), None
     prompts = [encode_prompt(encode, line, f"{cfg['prompts_file']} line {n}")
                for n, line in enumerate(cfg['prompts'].split('\n'), 1) if line.strip()]
-    if not prompts:
-        raise ConfigError(f"{cfg['prompts_file']} has no prompts")
-    lengths = [len(p) for p in prompts]
+    lengths = [len(p) for p in prompts]         # (read_prompts_file refused a file of none)
     if max(lengths) + cfg['max_new_tokens'] > block_size:
-        raise ConfigError(f"the longest prompt ({max(lengths)} tokens) plus max_new_tokens exceeds "
-                          f"block_size {block_size}")
+        raise ConfigError(f"the longest prompt ({max(lengths)} tokens) plus max_new_tokens "
+                          f"({cfg['max_new_tokens']}) exceeds block_size {block_size}: lower "
+                          f"--max_new_tokens or shorten that prompt")
     return torch.tensor(
         [p + [0] * (max(lengths) - len(p)) for p in prompts], dtype=torch.long, device=dev
     ), lengths
@@ -113,6 +112,12 @@ def check_config(argv):
     if cfg['seed'] < 0:
         raise ConfigError(f"seed must be >= 0, got {cfg['seed']}")
     if cfg['prompts_file']:
+        if not cfg['use_cache']:
+            raise ConfigError("--prompts_file decodes prompts of different lengths with the KV "
+                              "cache: leave --use_cache=False out")
+        if cfg['start'] != DEFAULTS['start'] or cfg['num_samples'] != DEFAULTS['num_samples']:
+            raise ConfigError("--start and --num_samples make a batch of one prompt; "
+                              "--prompts_file gives the batch itself: leave them out")
         cfg['prompts'] = read_prompts_file(cfg['prompts_file'])
     if not cfg['out_dir']:
         raise ConfigError("--out_dir is empty; name the run folder that holds ckpt.pt, e.g. "
@@ -213,7 +218,7 @@ def main(argv):
         print('---------------')
     print(
         f"{len(y) * cfg['max_new_tokens'] / dt:,.0f} tokens/s ({dev}, "
-        f"cache={cfg['use_cache'] or lengths is not None}, "
+        f"cache={cfg['use_cache']}, "
         f"{'compiled, ' if cfg['compile'] else ''}route={model.config.route})"
     )
     if 'full_frac' in stats:

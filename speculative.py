@@ -64,9 +64,10 @@ def resolve_draft(config, family, draft=None, depth=None):
 
 def next_probs(logits, temperature, top_k, vocab_limit=None):
     """The distribution GPT.sample_next draws from, (..., V'), V' = vocab_limit or V (a slice to
-    None keeps every column)."""
-    logits = logits[..., :vocab_limit] / temperature
-    if top_k is not None:
+    None keeps every column). In float32: half-precision logits over a small temperature overflow
+    to inf, and a softmax over two infs is NaN. top_k None or 0: every token."""
+    logits = logits[..., :vocab_limit].float() / temperature
+    if top_k:
         v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
         logits = logits.masked_fill(logits < v[..., [-1]], -float('inf'))
     return F.softmax(logits, dim=-1)

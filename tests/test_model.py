@@ -7,6 +7,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import flops
+import speculative
 from conftest import FP32_TOL, assert_greedy_traces_agree, greedy_trace
 from model import GPT, GPTConfig, KVCache
 
@@ -125,6 +126,41 @@ def test_ragged_prompts_padded_past_the_longest_decode_as_padded_to_it(speculate
         got = model.generate(idx[:, :width], 5, temperature=0, lengths=[3, 6],
                              speculate=speculate)
         assert [t.tolist() for t in got] == [t.tolist() for t in want], width
+
+
+def test_generate_takes_lengths_as_a_tensor_and_refuses_them_without_the_cache():
+    model = tiny(1)
+    idx = torch.randint(0, 37, (2, 6), generator=torch.Generator().manual_seed(2))
+    want = model.generate(idx, 4, temperature=0, lengths=[3, 6])
+    got = model.generate(idx, 4, temperature=0, lengths=torch.tensor([3, 6]))
+    assert [t.tolist() for t in got] == [t.tolist() for t in want]
+    with pytest.raises(ValueError, match="lengths .* needs use_cache=True"):
+        model.generate(idx, 4, temperature=0, lengths=[3, 6], use_cache=False)
+
+
+def test_a_stats_dict_given_again_gets_the_new_call_figures():
+    model = tiny(1, route='ffn', ffn_layers='all')
+    idx = torch.randint(0, 37, (2, 6), generator=torch.Generator().manual_seed(3))
+    fresh, reused = {}, {}
+    model.generate(idx[:, :2], 3, temperature=0, stats=reused)
+    first = reused['full_frac']
+    for stats in (fresh, reused):
+        model.generate(idx, 5, temperature=0, stats=stats)
+    assert reused['full_frac'] == fresh['full_frac'] != first
+
+
+def test_sampling_top_k_0_is_every_token_and_half_logits_at_a_small_temperature_stay_finite():
+    model = tiny(1)
+    idx = torch.randint(0, 37, (2, 6), generator=torch.Generator().manual_seed(4))
+    torch.manual_seed(5)
+    want = model.generate(idx, 6, temperature=0.9, top_k=None)
+    torch.manual_seed(5)
+    assert torch.equal(model.generate(idx, 6, temperature=0.9, top_k=0), want)
+    # 30 / 1e-4 overflows half precision: the distribution is still the argmax's one-hot
+    logits = torch.tensor([[30.0, 29.0, -5.0], [1.0, 2.0, 3.0]], dtype=torch.float16)
+    probs = speculative.next_probs(logits, 1e-4, None)
+    assert probs.dtype == torch.float32
+    assert torch.equal(probs, torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]]))
 
 
 def test_rope_depends_only_on_relative_positions():

@@ -158,6 +158,14 @@ def test_sample_unknown_prompts_file_characters_name_the_line(char_run, tmp_path
         sample.main(sample_args(char_run, f"--prompts_file={prompts}"))
 
 
+def test_sample_prompts_past_block_size_name_the_fix(char_run, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the\nthe lazy\n")          # 8 + 10 new tokens > block_size 16
+    with pytest.raises(UserError, match=r"longest prompt \(8 tokens\) plus max_new_tokens \(10\) "
+                                        r"exceeds block_size 16: lower --max_new_tokens"):
+        sample.main([*sample_args(char_run, f"--prompts_file={prompts}"), "--max_new_tokens=10"])
+
+
 def test_sample_synthetic_unknown_symbols_and_default_start(run, capsys):
     args = [f"--out_dir={run / 'out'}", "--max_new_tokens=5", "--num_samples=1", "--device=cpu"]
     with pytest.raises(UserError, match=r"'x', 'y'.*the synthetic vocabulary has 34 symbols: 0 1 "
@@ -190,6 +198,17 @@ def test_sample_prompts_file_without_a_prompt_is_refused_before_the_checkpoint(t
     (tmp_path / "prompts.txt").write_text("\n   \n\n")
     with pytest.raises(UserError, match=r"prompts\.txt' has no prompts: give one prompt per line"):
         sample.main([f"--out_dir={tmp_path}", f"--prompts_file={tmp_path / 'prompts.txt'}"])
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ("--use_cache=False", "--prompts_file decodes prompts of different lengths with the KV cache"),
+    ("--start=abc", "--start and --num_samples make a batch of one prompt"),
+    ("--num_samples=2", "--start and --num_samples make a batch of one prompt")])
+def test_sample_prompts_file_refuses_options_it_would_ignore(tmp_path, extra, needle):
+    # a batch of different lengths decodes with the cache alone, from the file's prompts alone
+    (tmp_path / "prompts.txt").write_text("ab\n")
+    with pytest.raises(UserError, match=needle):
+        sample.main([f"--out_dir={tmp_path}", f"--prompts_file={tmp_path / 'prompts.txt'}", extra])
 
 
 def test_sample_help_lists_options_with_defaults_and_descriptions(capsys):
