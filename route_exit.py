@@ -332,8 +332,8 @@ def exit_report(model, batches, autocast, evaluate, thresholds=(0.5, 0.7, 0.8, 0
                         h = model.embed(x)
                         for block in model.transformer.h[:d]:
                             h = block(h)
-                        vals.append(float(torch.nn.functional.cross_entropy(
-                            exit_logits(model, d, h).float().flatten(0, 1), y.flatten())))
+                        # the positions the LM loss counts (a task's targets -1 are not)
+                        vals.append(float(losses.lm_loss(exit_logits(model, d, h), y)))
                 per_exit[d] = float(np.mean(vals))
     return dict(thresholds=rows, per_exit_loss=per_exit)
 

@@ -161,3 +161,25 @@ def test_blocks_after_every_token_exited_write_only_their_kv(seed, opt, B, T0, n
     first = exit_depths(model.config)[0]
     assert writes == idle
     assert not everyone_exits or idle == (model.config.n_layer - first) * (1 + new)
+
+
+@pytest.mark.parametrize('opt', [0, 1])
+def test_each_exits_loss_counts_the_targets_the_lm_loss_counts(opt):
+    """The end-of-run report's loss of each exit head read alone is the LM loss of that exit on the
+    targets the LM loss counts: on a task whose loss counts answer tokens only (target -1 at the
+    prompt), the mean CE over the answer positions, as the validation loss beside it."""
+    from contextlib import nullcontext
+
+    from eval import evaluate
+    model = build('exit', opt, seed=2).eval()
+    x, y = tokens(3, 2, 12), tokens(4, 2, 12)
+    y[:, :5] = -1                       # prompt positions: not counted
+    report = route_exit.exit_report(model, [(x, y)], nullcontext(), evaluate, thresholds=(0.5,))
+    with torch.no_grad():
+        for d in model.exit_ids:
+            h = model.transformer.wte(x) + model.transformer.wpe(torch.arange(12))
+            for block in model.transformer.h[:d]:
+                h = block(h)
+            logits = route_exit.exit_logits(model, d, h)[:, 5:]
+            want = F.cross_entropy(logits.flatten(0, 1), y[:, 5:].flatten()).item()
+            assert report['per_exit_loss'][d] == pytest.approx(want, rel=1e-5, abs=1e-6)
