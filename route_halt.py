@@ -148,8 +148,12 @@ class TokenSelectiveAttention(Family):
         on the kept fraction full_frac (a float, or one per gated block) of the tokens only. On
         the compact path (options path='compact') a block no token keeps (fraction 0) runs not at
         all (Block.write_kv: with a KV cache it still projects the K/V, 2·d·3d per token, which
-        this forward without one leaves out); on the static paths it runs its attention."""
+        this forward without one leaves out); on the static paths it runs its attention. Soft
+        eval (halt_soft_eval) skips nothing: its fractions are soft shares, every block runs whole.
+        """
         c, L = flop_costs(config, T), config.n_layer
+        if mode == 'sparse' and config.halt_soft_eval:
+            mode = 'eval'
         idle_free = mode == 'sparse' and options.get('path') == 'compact'
         router = halt_router_flops(config)
         total = c['head']

@@ -239,3 +239,20 @@ def test_flops_match_flop_counter(seed, n_layer, T, trainable, lam):
         count(lambda: model(idx, idx)[1].backward())
         == 2 * flops.train_step_flops(cfg, T, trainable)['total']
     )
+
+
+def test_soft_eval_flops_at_its_fractions_are_what_runs():
+    """halt_soft_eval scales every update by (1 − p) and skips nothing: its eval forward, sparse or
+    not, runs every block on every token. Its reported fractions are the soft α's shares (about
+    0.4-0.9 here), so the sparse formula at them must still count every block whole: the masked
+    eval forward's FLOPs, as FlopCounterMode counts the forward."""
+    model = build(3, n_layer=4, halt_soft_eval=True).eval()
+    cfg, T = model.config, 12
+    idx = torch.randint(0, 29, (2, T), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
+        frac = model(idx, idx)[2]['full_frac'].tolist()
+    assert max(frac) < 0.99                 # soft shares: a formula reading them as kept
+                                            # fractions would count less than runs
+    for path in (None, 'compact'):
+        got = flops.forward_flops(cfg, T, 'sparse', full_frac=frac, path=path)
+        assert 2 * got == fc.get_total_flops() == 2 * flops.forward_flops(cfg, T, 'eval')
