@@ -28,14 +28,22 @@ def oracle_utility(ce_cheap, ce_full):
     return (ce_cheap - ce_full).detach()
 
 
-def utility_regression(score, utility):
-    """L_util = mean_t (s_t − U_t)²: the score regressed onto the raw label (no rescaling)."""
-    return (score.float() - utility).pow(2).mean()
+def utility_regression(score, utility, valid=None):
+    """L_util = mean_t (s_t − U_t)²: the score regressed onto the raw label (no rescaling), over
+    the positions valid (B, T) bool marks (None: all): where the target is −1 (a task's prompt)
+    there is no CE, so U_t = 0 would be a label nobody measured."""
+    sq = (score.float() - utility).pow(2)
+    if valid is None:
+        return sq.mean()
+    v = valid.float()
+    return (sq * v).sum() / v.sum().clamp(min=1)
 
 
-def pairwise_rank(score, utility, n_pairs, kind='logistic', margin=0.1, generator=None):
+def pairwise_rank(score, utility, n_pairs, kind='logistic', margin=0.1, generator=None,
+                  valid=None):
     """Pairs (i, j) drawn uniformly within each sequence (n_pairs per sequence, static shape),
-    ordered so that U_i > U_j (ties dropped). With δ = s_i − s_j:
+    ordered so that U_i > U_j (ties dropped, and pairs with a position valid (B, T) bool does not
+    mark: no label there). With δ = s_i − s_j:
         logistic: L_rank = mean log(1 + exp(−δ))
         margin:   L_rank = mean max(0, margin − δ)"""
     B, T = score.shape
@@ -45,8 +53,11 @@ def pairwise_rank(score, utility, n_pairs, kind='logistic', margin=0.1, generato
     sign = torch.sign(du)
     delta = sign * (score.float().gather(1, i) - score.float().gather(1, j))
     loss = F.softplus(-delta) if kind == 'logistic' else F.relu(margin - delta)
-    valid = (sign != 0).float()
-    return (loss * valid).sum() / valid.sum().clamp(min=1)
+    kept = sign != 0
+    if valid is not None:
+        kept = kept & valid.gather(1, i) & valid.gather(1, j)
+    kept = kept.float()
+    return (loss * kept).sum() / kept.sum().clamp(min=1)
 
 
 def jepa_alignment(pred, target):

@@ -157,6 +157,7 @@ def oracle_losses(model, ctx, layers, targets, aux):
             if later == 'full' and not token:
                 ce_full = ce_of(model, x, targets)
         mids = full_ctx.state.mid
+    labelled = targets != -1            # a task's prompt positions have no CE, so no label
     for l in layers:
         if token:
             base = torch.ones_like(ctx.masks[l]) if from_full else ctx.masks[l]
@@ -167,13 +168,15 @@ def oracle_losses(model, ctx, layers, targets, aux):
         if cfg.ffn_aux_grad == 'own':
             score = gate_score(model.transformer.h[l], cfg, ctx.state.gate_in[l])
         if cfg.ffn_util_weight > 0:
-            terms['util_loss'] = losses.utility_regression(score, U)
+            terms['util_loss'] = losses.utility_regression(score, U, labelled)
         if cfg.ffn_rank_weight > 0:
             terms['rank_loss'] = losses.pairwise_rank(
-                score, U, cfg.ffn_rank_pairs, cfg.ffn_rank_kind, cfg.ffn_rank_margin
+                score, U, cfg.ffn_rank_pairs, cfg.ffn_rank_kind, cfg.ffn_rank_margin,
+                valid=labelled,
             )
+        mean_U = (U * labelled).sum() / labelled.sum().clamp(min=1)
         # means over the sampled layers
-        for name, value in dict(terms, utility_mean=U.mean()).items():
+        for name, value in dict(terms, utility_mean=mean_U).items():
             aux[name] = aux.get(name, 0.0) + value / len(layers)
 
 

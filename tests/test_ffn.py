@@ -207,7 +207,9 @@ def logits_ref(model, x):
 
 
 def ce_ref(logits, targets):
-    return -torch.log_softmax(logits.double(), -1).gather(-1, targets[..., None]).squeeze(-1)
+    """Per-token CE, 0 where the target is -1 (no label there)."""
+    ce = -torch.log_softmax(logits.double(), -1).gather(-1, targets.clamp(min=0)[..., None])
+    return ce.squeeze(-1) * (targets != -1)
 
 
 def dense_twin(routed_model, seed):
@@ -812,10 +814,12 @@ def from_full_start(start, policy):
     return start == 'full' or (start == 'auto' and policy == 'off')
 
 
-def labelled_pass(model, seed, B, T, l):
+def labelled_pass(model, seed, B, T, l, masked=0):
     """One training forward with oracle labels at layer l: (idx, targets, loss, aux, the routed
-    state at l after attention, layer l's gate score on it)."""
+    state at l after attention, layer l's gate score on it). The first `masked` targets of each row
+    are -1, as a task's prompt is."""
     idx, tgt = tokens(seed, B, T, distinct_first=True), tokens(seed + 1, B, T)
+    tgt[:, :masked] = -1
     calls, handles = record_ln2(model, [l])
     _, loss, aux = model(idx, tgt, oracle_layers=(l,))
     for hnd in handles:
@@ -849,7 +853,9 @@ def test_util_loss_regresses_routed_score_onto_reference_labels(
         ffn_aux_grad=aux_grad,
         ffn_oracle_label='sequence',
     ).train()
-    idx, tgt, loss, aux, x_routed, score = labelled_pass(model, seed, B, T, l)
+    idx, tgt, loss, aux, x_routed, score = labelled_pass(
+        model, seed, B, T, l, masked=data.draw(st.integers(0, T - 1))
+    )
     budget = Fraction(1, 2)
     with torch.no_grad():
         x_mid = full_mid_ref(model, idx, l) if from_full_start(start, policy) else x_routed
@@ -859,10 +865,11 @@ def test_util_loss_regresses_routed_score_onto_reference_labels(
             y = x_mid + ffn_ref(model.transformer.h[l], x_mid, action)
             ce[action] = ce_ref(logits_ref(model, suffix_ref(model, y, l + 1, later, budget)), tgt)
         U_ref = (ce['cheap'] - ce['full']).float()
+    labelled = tgt != -1                # no CE at a -1 target: no label to regress onto
     torch.testing.assert_close(
-        aux['util_loss'].detach(), ((score - U_ref) ** 2).mean(), rtol=1e-5, atol=1e-5
+        aux['util_loss'].detach(), ((score - U_ref) ** 2)[labelled].mean(), rtol=1e-5, atol=1e-5
     )
-    torch.testing.assert_close(aux['utility_mean'], U_ref.mean(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(aux['utility_mean'], U_ref[labelled].mean(), rtol=0, atol=1e-5)
     torch.testing.assert_close(
         loss.detach(), aux['lm_loss'] + aux['util_loss'].detach(), rtol=1e-6, atol=1e-6
     )
@@ -932,7 +939,9 @@ def test_util_loss_regresses_onto_token_labels_from_either_start(
         ffn_oracle_start=start,
     ).train()
     assert model.config.ffn_oracle_label == 'token'
-    idx, tgt, _, aux, x_routed, score = labelled_pass(model, seed, B, T, l)
+    idx, tgt, _, aux, x_routed, score = labelled_pass(
+        model, seed, B, T, l, masked=data.draw(st.integers(0, T - 1))
+    )
     with torch.no_grad():
         if from_full_start(start, policy):
             x_mid = full_mid_ref(model, idx, l)
@@ -942,10 +951,11 @@ def test_util_loss_regresses_onto_token_labels_from_either_start(
         U_ref = token_labels_ref(
             model, l, x_mid, base, tgt, 'full' if policy == 'off' else 'policy', Fraction(1, 2)
         )
+    labelled = tgt != -1
     torch.testing.assert_close(
-        aux['util_loss'].detach(), ((score - U_ref) ** 2).mean(), rtol=1e-5, atol=1e-5
+        aux['util_loss'].detach(), ((score - U_ref) ** 2)[labelled].mean(), rtol=1e-5, atol=1e-5
     )
-    torch.testing.assert_close(aux['utility_mean'], U_ref.mean(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(aux['utility_mean'], U_ref[labelled].mean(), rtol=0, atol=1e-5)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -11,13 +11,13 @@ import losses
 SETTINGS = dict(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SEEDS = st.integers(0, 10_000)
 
-def rank_brute(score, U, i, j, kind, margin):
+def rank_brute(score, U, i, j, kind, margin, valid=None):
     vals = []
     for b in range(score.size(0)):
         for p in range(i.size(1)):
             a, c = i[b, p].item(), j[b, p].item()
             du = U[b, a].item() - U[b, c].item()
-            if du == 0:
+            if du == 0 or (valid is not None and not (valid[b, a] and valid[b, c])):
                 continue
             hi, lo = (a, c) if du > 0 else (c, a)
             d = score[b, hi].item() - score[b, lo].item()
@@ -40,6 +40,13 @@ def test_pairwise_rank_equals_brute_force(seed, B, T, n_pairs, kind, margin, lev
     j = torch.randint(0, T, (B, n_pairs), generator=g2)
     assert loss.item() == pytest.approx(
         rank_brute(score, U, i, j, kind, margin), rel=1e-5, abs=1e-6
+    )
+    # positions without a label (valid False) leave every pair they are in out
+    valid = torch.rand(B, T, generator=g) < 0.6
+    pairs = torch.Generator().manual_seed(seed)
+    loss = losses.pairwise_rank(score, U, n_pairs, kind, margin, generator=pairs, valid=valid)
+    assert loss.item() == pytest.approx(
+        rank_brute(score, U, i, j, kind, margin, valid), rel=1e-5, abs=1e-6
     )
 
 
@@ -74,3 +81,10 @@ def test_utility_regression_equals_brute_force(seed, B, T):
     )
     assert losses.utility_regression(s, U).item() == pytest.approx(brute, rel=1e-5, abs=1e-7)
     assert losses.utility_regression(U, U).item() == 0.0
+    valid = torch.rand(B, T, generator=g) < 0.6
+    kept = [(s[b, t].item() - U[b, t].item()) ** 2
+            for b in range(B) for t in range(T) if valid[b, t]]
+    brute = sum(kept) / len(kept) if kept else 0.0
+    assert losses.utility_regression(s, U, valid).item() == pytest.approx(
+        brute, rel=1e-5, abs=1e-7
+    )
