@@ -58,7 +58,7 @@ from data.loader import (
     load_tokenizer,
     open_splits,
 )
-from device import cli_device
+from device import autocast_context, cli_device
 from files import write_whole
 from model import GPTConfig, read_stored_config
 from routing import exec_path, overridden
@@ -365,7 +365,8 @@ def main(argv):
     args, as_json, routing, room_only = parse_args(argv)
     # asked before --json sends stdout to stderr: no bar when the real stdout is not a terminal
     quiet = not progress.shown(args['quiet'])
-    dev, _ = cli_device(args['device'], args['dtype'])
+    dev, dt = cli_device(args['device'], args['dtype'])
+    autocast = autocast_context(dev, dt)        # the passes run at --dtype
     ck = load_checkpoint(args['ckpt'])
     # with --json, stdout holds exactly the one JSON object: notes on the way go to stderr
     with redirect_stdout(sys.stderr) if as_json else nullcontext():
@@ -388,21 +389,22 @@ def main(argv):
         )
         if routing:
             res = routing_map_report(
-                model, tr, va, meta, eval_iters, calib_iters, eval_seed=cfg.eval_seed, quiet=quiet
+                model, tr, va, meta, eval_iters, calib_iters, autocast, eval_seed=cfg.eval_seed,
+                quiet=quiet
             )
             os.makedirs(os.path.dirname(os.path.abspath(args['out'])), exist_ok=True)
             res['png'] = draw_routing_map(args['out'], map_grid(res), res['tokens'],
                                           res.get('full_frac_by_class'))
         elif room_only:
             batches = [va.fetch(s) for s in va.eval_batches(eval_iters, 2, cfg.eval_seed)]
-            res = room(model, batches, quiet=quiet)
+            res = room(model, batches, autocast, quiet=quiet)
             for key in ('room', 'gate_room'):
                 if isinstance(res[key], dict):
                     why = res[key]['not_applicable']
                     print(f"note: {key}: not applicable: {why}", file=sys.stderr)
         else:
-            res = report(model, tr, va, meta, eval_iters, calib_iters, eval_seed=cfg.eval_seed,
-                         quiet=quiet)
+            res = report(model, tr, va, meta, eval_iters, calib_iters, autocast,
+                         eval_seed=cfg.eval_seed, quiet=quiet)
     res['ckpt'] = args['ckpt']
     if routing:
         print_routing_map(res, as_json)

@@ -72,6 +72,27 @@ def test_eval_json_stdout_is_one_object(run, capsys):
     assert res["val_loss"]["loss"] > 0 and res["ckpt"] == str(run / "out" / "ckpt.pt")
 
 
+@pytest.mark.parametrize("flag", [[], ["--room"], ["--routing_map"]])
+def test_eval_runs_its_passes_at_the_dtype_asked(run, tmp_path, monkeypatch, capsys, flag):
+    """--dtype=bfloat16 evaluates under bfloat16 autocast (each report's passes), not float32."""
+    seen = []
+
+    def spying(fn):         # records the precision context each pass runs under
+        def spy(*a, **k):
+            seen.extend(getattr(v, 'fast_dtype', None) for v in (*a, *k.values())
+                        if hasattr(v, '__enter__'))
+            return fn(*a, **k)
+        return spy
+    monkeypatch.setattr(ev, 'evaluate', spying(ev.evaluate))
+    monkeypatch.setattr(ev, 'routing_map', spying(ev.routing_map))
+    out = ["--json", f"--out={tmp_path / 'map.png'}"] if flag == ["--routing_map"] else ["--json"]
+    assert ev.main([f"--ckpt={run / 'out' / 'ckpt.pt'}", f"--data_dir={run / 'data'}",
+                    "--eval_iters=1", "--calib_iters=1", "--device=cpu", "--dtype=bfloat16",
+                    *flag, *out]) == 0
+    capsys.readouterr()
+    assert seen and set(seen) == {torch.bfloat16}, seen
+
+
 def test_eval_prepares_no_data_and_its_suggested_prepare_works(run, tmp_path, capsys):
     """A data folder without the run's corpus is refused, nothing is written there, and the command
     the error names prepares exactly what eval then accepts."""
