@@ -876,6 +876,13 @@ def parse_args(argv):
     cfg = load_config({**train.DEFAULTS, **BENCH_DEFAULTS}, argv)
     if cfg['quick']:
         cfg = quick_preset(cfg, argv)
+    given = {a[2:].partition('=')[0] for a in argv if a.startswith('--')}
+    if 'init_from' in given and cfg['init_from'] != 'scratch' and not cfg['speculate']:
+        # the other timings build a random model of the config's shape: the run would go unread
+        raise ConfigError(f"--init_from={cfg['init_from']}: bench.py times a run's checkpoint "
+                          "with --speculate alone, its other timings a random model of the "
+                          "config's shape; add --speculate=K or drop --init_from (and give the "
+                          "run's config for its shape)")
     # --speculate reads --init_from as the run to time (its folder or ckpt.pt), not to train from
     ns = SimpleNamespace(**(dict(cfg, init_from='scratch') if cfg['speculate'] else cfg))
     train.check_train_config(ns)

@@ -1089,6 +1089,17 @@ def test_bench_speculate_refused(argv, message):
         bench.parse_args([*SPEC_TINY, *argv])
 
 
+@pytest.mark.parametrize('extra', [[], ['--budgets=0.5'], ['--decode_vs_hf=True']])
+def test_bench_init_from_without_speculate_is_refused(tmp_path, extra):
+    """Only --speculate times a checkpoint's model; the other timings build a random model of the
+    config's shape, so an --init_from given beside them is refused, not silently ignored."""
+    (tmp_path / 'ckpt.pt').write_bytes(b'')
+    for init_from in (tmp_path, tmp_path / 'ckpt.pt'):
+        with pytest.raises(ConfigError, match=r'--init_from=.* add --speculate=K'):
+            bench.parse_args([*SPEC_TINY, *extra, f'--init_from={init_from}'])
+    assert bench.parse_args([*SPEC_TINY, *extra, '--init_from=scratch'])
+
+
 def test_bench_speculate_refused_before_any_work(capsys):
     """bench.main itself refuses (one UserError line and exit 2 from run_cli), printing nothing."""
     for extra, message in ((['--speculate=0'], 'speculate'),
