@@ -883,8 +883,12 @@ def parse_args(argv):
                           "with --speculate alone, its other timings a random model of the "
                           "config's shape; add --speculate=K or drop --init_from (and give the "
                           "run's config for its shape)")
-    # --speculate reads --init_from as the run to time (its folder or ckpt.pt), not to train from
-    ns = SimpleNamespace(**(dict(cfg, init_from='scratch') if cfg['speculate'] else cfg))
+    # bench.py trains from no checkpoint: a config's starting point (init_from, and
+    # trainable='draft' that needs one) is not train.py's to check here; --speculate reads
+    # init_from as the run to time
+    start = dict(init_from='scratch', trainable='all' if cfg['trainable'] == 'draft' else
+                 cfg['trainable'])
+    ns = SimpleNamespace(**dict(cfg, **start))
     train.check_train_config(ns)
     train.model_config(ns)
     check_bench_config(cfg)

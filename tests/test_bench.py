@@ -1100,6 +1100,23 @@ def test_bench_init_from_without_speculate_is_refused(tmp_path, extra):
     assert bench.parse_args([*SPEC_TINY, *extra, '--init_from=scratch'])
 
 
+@pytest.mark.parametrize('speculate', [[], ['--speculate=2']])
+def test_bench_takes_a_training_config_that_starts_from_a_checkpoint(tmp_path, speculate):
+    """A stage-2 or draft-distilling config names the checkpoint its training starts from; bench.py
+    trains from none, so it times the config's shape without that checkpoint being there, and
+    with --speculate times the run that config names (no such run: refused, naming it)."""
+    stage1 = tmp_path / 'stage1' / 'ckpt.pt'
+    for extra in ('', "trainable = 'draft'\nroute = 'ffn'\nffn_draft_rank = 8\n"):
+        conf = tmp_path / 'stage2.py'
+        conf.write_text(f"init_from = {str(stage1)!r}\n{extra}")
+        argv = [*SPEC_TINY, str(conf), *speculate]
+        if not speculate:
+            assert bench.parse_args(argv)[0]['init_from'] == str(stage1)
+            continue
+        with pytest.raises(ConfigError, match=re.escape(f'init_from={stage1}: no checkpoint at')):
+            bench.parse_args(argv)
+
+
 def test_bench_speculate_refused_before_any_work(capsys):
     """bench.main itself refuses (one UserError line and exit 2 from run_cli), printing nothing."""
     for extra, message in ((['--speculate=0'], 'speculate'),
