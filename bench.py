@@ -130,10 +130,16 @@ def numbers(cfg, key, kind):
     """The comma-separated values of a list option such as --budgets=1.0,0.5, each parsed by
     kind."""
     try:
-        return [kind(s) for s in str(cfg[key]).split(',') if s.strip()]
+        values = [kind(s) for s in str(cfg[key]).split(',') if s.strip()]
     except ValueError:
         raise ConfigError(f"{key} must be a comma-separated list of {kind.__name__} values such as "
                           f"{BENCH_EXAMPLES[key]}, got {cfg[key]!r}") from None
+    # as configurator refuses for an int key: torch takes 64-bit sizes, a larger one fails later
+    if any(isinstance(n, int) and not -2**63 <= n < 2**63
+           for v in values for n in (v if isinstance(v, tuple) else (v,))):
+        raise ConfigError(f"{key} is too large: {cfg[key]!r} holds a number that does not fit in "
+                          "64 bits")
+    return values
 
 
 def shape(text):

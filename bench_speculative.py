@@ -97,7 +97,7 @@ def positive_ints(cfg, key, what):
         values = [int(s) for s in str(cfg[key]).split(',') if s.strip()]
     except ValueError:
         values = [0]
-    if not values or min(values) < 1:
+    if not values or min(values) < 1 or max(values) >= 2**63:     # torch takes 64-bit sizes
         raise ConfigError(f"{key} must be {what}, got {cfg[key]!r}")
     return values
 
@@ -168,6 +168,10 @@ def check_options(cfg, argv):
         speculative.resolve_draft(mcfg, family, cfg['draft'] or None, cfg['draft_layers'] or None)
     except ValueError as e:
         raise ConfigError(f"--draft/--draft_layers: {e}") from None
+    K = max(draft_lengths(cfg))
+    if K > mcfg.block_size:         # a pass drafts within block_size; its buffers grow with K
+        raise ConfigError(f"speculate={cfg['speculate']}: K={K} exceeds the model's block_size="
+                          f"{mcfg.block_size}; give draft lengths up to it")
     n = prompt_tokens(cfg)
     if n + 1 + cfg['decode_tokens'] > mcfg.block_size:
         raise ConfigError(f"a {n}-token prompt plus 1 + decode_tokens={cfg['decode_tokens']} "

@@ -1082,6 +1082,13 @@ def test_bench_speculate_predicted():
     (['--speculate=2', '--temperature=-1'], "temperature must be >= 0 (0: greedy), got -1.0"),
     (['--speculate=2', '--init_from=no/such/run'], "init_from=no/such/run: no checkpoint at"),
     (['--speculate=2', '--decode_tokens=60'], "exceeds the model's block_size=64"),
+    (['--speculate=2,99999999999999999999'], "speculate must be draft lengths K >= 1"),
+    (['--speculate=2,65'], "speculate=2,65: K=65 exceeds the model's block_size=64"),
+    (['--speculate=2', '--passes_per_graph=1,99999999999999999999'],
+     "passes_per_graph must be passes per function"),
+    (['--decode_batches=1,99999999999999999999'], "decode_batches is too large"),
+    (['--budgets=0.5', '--prefill_shapes=1x8,99999999999999999999x8'],
+     "prefill_shapes is too large"),
 ])
 def test_bench_speculate_refused(argv, message):
     """Refused before any work with a ConfigError naming the option."""
