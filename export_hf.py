@@ -7,7 +7,9 @@ Export a trained dense nanodepth model as a Hugging Face transformers GPT-2 fold
 Writes config.json, model.safetensors and generation_config.json (what transformers'
 save_pretrained writes for GPT2LMHeadModel), then loads the folder back with
 AutoModelForCausalLM and prints the largest logit difference from nanodepth's forward on a random
-batch (--check=False skips that). The mapping is model.py's GPT.from_pretrained run backwards: the
+batch (--check=False skips that). A --to that holds files is refused unless --overwrite=True (files
+of the same names are replaced), and a run folder (one holding ckpt.pt, whose config.json is the
+run's own) always. The mapping is model.py's GPT.from_pretrained run backwards: the
 same names, and HF's Conv1D weights transposed. What GPT-2 cannot hold is mapped exactly or refused:
   bias=False   HF GPT-2 always has biases: they are written as zeros (the same function)
   gelu         'none' (exact) -> activation_function 'gelu'; 'tanh' -> 'gelu_new'
@@ -59,6 +61,10 @@ def check_config(argv):
     if not cfg['to']:
         raise ConfigError("--to is empty; name the folder to write, e.g. --to=hf/mymodel")
     writable_folder(cfg['to'], 'to')
+    if os.path.isfile(os.path.join(cfg['to'], 'ckpt.pt')):     # --overwrite or not
+        raise ConfigError(f"--to={cfg['to']} holds a training run (ckpt.pt), whose config.json "
+                          "the export would replace; export into a folder of its own, e.g. "
+                          f"--to={os.path.join(cfg['to'], 'hf')}")
     if os.path.isdir(cfg['to']) and os.listdir(cfg['to']) and not cfg['overwrite']:
         raise ConfigError(f"--to={cfg['to']} already holds files; pick another folder or pass "
                           "--overwrite=True (files of the same names are replaced)")

@@ -134,6 +134,17 @@ def test_overwrite_replaces_the_export_and_keeps_other_files(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith('.export-')]
 
 
+def test_a_run_folder_is_refused_as_the_export_folder_even_with_overwrite(tmp_path):
+    # the export writes config.json, which a run folder holds as its own
+    run, _ = save_run(tmp_path / 'run')
+    (run / 'config.json').write_text('{"out_dir": "the run\'s own"}')
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    for extra in ([], ['--overwrite=True']):
+        with pytest.raises(ConfigError, match=r"holds a training run \(ckpt\.pt\)"):
+            export_hf.main([f'--out_dir={run}', f'--to={run}', *extra])
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+
+
 def test_a_missing_checkpoint_is_refused(tmp_path):
     with pytest.raises(ConfigError, match='no checkpoint at'):
         export_hf.main([f'--out_dir={tmp_path}', f'--to={tmp_path / "hf"}'])
