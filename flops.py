@@ -13,6 +13,7 @@ paper's proxy, and holds the device peaks and MFU.
 """
 import os
 import re
+import sys
 
 import torch
 
@@ -183,8 +184,12 @@ def main(argv):
     cfg = load_config(defaults, argv)
     vocab = cfg['vocab_size']
     meta = os.path.join(cfg['data_dir'] or os.path.join(here, 'data'), cfg['dataset'], 'meta.json')
-    if not vocab:
-        vocab = json.load(open(meta))['vocab_size'] if os.path.exists(meta) else 50304
+    if not vocab and os.path.exists(meta):
+        vocab = json.load(open(meta))['vocab_size']
+    elif not vocab:     # the FLOPs of the LM head and embedding depend on it: say what was assumed
+        vocab = 50304
+        print(f"note: no {meta}: vocab_size taken as 50304 (GPT-2's, padded); prepare the data "
+              f"(python data/prepare.py {cfg['dataset']}) or give --vocab_size", file=sys.stderr)
     try:
         model_fields = {f.name: cfg[f.name] for f in fields(GPTConfig)}
         base = GPTConfig(**{**model_fields, 'vocab_size': vocab})

@@ -36,7 +36,7 @@ class ExitOptions:
     exit_head: str = 'shared'         # 'shared' final norm + LM head (LayerSkip), or 'own' norm +
                                       # projection
     exit_schedule: str = 'layerskip'  # exit-loss weights: 'uniform', 'calm' (∝ d), 'layerskip' (∝
-                                      # Σ_{i≤d} i), or 'mean' (mean CE over exits and final layer:
+                                      # Σ_{i≤d-1} i), or 'mean' (mean CE over exits and final layer:
                                       # TSA's baseline)
     exit_weight: float = 1.0          # Σ_d α_d (not used by 'mean')
     exit_rotation: int = 0            # rotational curriculum: only exits with d % R == step % R; 0

@@ -240,3 +240,14 @@ def test_flops_help_lists_the_config_keys_it_costs(capsys):
     assert out.startswith('The training-FLOPs breakdown') and err == ''
     assert 'UNDOCUMENTED' not in out and 'route=exit options (route_exit.py):' in out
     assert '  --trainable=all ' in out and '  --exit_threshold=0.9 ' in out
+
+
+def test_flops_cli_says_when_it_assumes_the_vocabulary(tmp_path, capsys):
+    # the LM head's FLOPs depend on the vocabulary: without the data's meta.json it is assumed
+    assert flops.main([f'--data_dir={tmp_path}']) == 0
+    out, err = capsys.readouterr()
+    assert 'vocab 50304' in out.splitlines()[0]
+    assert 'vocab_size taken as 50304' in err and '--vocab_size' in err
+    assert flops.main([f'--data_dir={tmp_path}', '--vocab_size=96']) == 0
+    out, err = capsys.readouterr()
+    assert 'vocab 96' in out.splitlines()[0] and err == ''
