@@ -29,10 +29,12 @@ A study file defines: base (a config file), overrides (for every run), arms {nam
 seeds, out_root, reference (the arm the others are compared with), and optionally before (train.py
 argument lists run once first, e.g. stage 1 of a two-stage recipe), threshold (see below) and skip
 (one line saying why the study cannot run on this machine: the sweep prints it and exits 0). Run r
-of arm a writes to out_root/a/seed<s>/. A finished run (its metrics.jsonl ends with a summary at
-max_iters) is skipped; an interrupted one (ckpt.pt but no summary) is resumed. --jobs=N runs N
-train.py processes at a time, each with cpu_count // N threads (OMP_NUM_THREADS, unless set);
-results do not depend on N (each run is its own process and seed).
+of arm a writes to out_root/a/seed<s>/ (a relative out_root, as every relative path in a study
+file, is relative to sweep.py's folder, wherever the sweep starts). A finished run (its
+metrics.jsonl ends with a summary at max_iters) is skipped; an interrupted one (ckpt.pt but no
+summary) is resumed. --jobs=N runs N train.py processes at a time, each with cpu_count // N
+threads (OMP_NUM_THREADS, unless set); results do not depend on N (each run is its own process and
+seed).
 
 The summary (summary.md, summary.json in out_root) gives per arm mean ± std over seeds of: avg LM,
 best val LM, final val loss, causal val loss and realised full-path fraction (routed families),
@@ -206,6 +208,15 @@ def load_study(path):
     return ns
 
 
+def in_here(path):
+    """A study's relative paths (out_root, a 'before' run's --out_dir, room_ckpt) name places in
+    this folder, where its runs start (train.py runs with cwd=HERE): the sweep looks for them
+    there too, from whatever folder it was started."""
+    if os.path.isabs(path) or os.path.realpath(os.getcwd()) == os.path.realpath(HERE):
+        return path                    # (as given: the lines it prints stay as the user wrote it)
+    return os.path.join(HERE, path)
+
+
 def with_seed(argv, seed):
     """A run's arguments with '{seed}' replaced: per-seed paths, e.g. each seed's own stage-1
     backbone."""
@@ -236,7 +247,7 @@ def run_before(stages, root, jobs, children):
     (or was stopped by a signal: the arms need them finished)."""
     def one(run):
         argv, log = run
-        out = next(a.split('=', 1)[1] for a in argv if a.startswith('--out_dir='))
+        out = in_here(next(a.split('=', 1)[1] for a in argv if a.startswith('--out_dir=')))
         print(f"before: {' '.join(argv)}", flush=True)
         return run_one([a for a in argv if not a.startswith('--out_dir=')], out,
                        os.path.join(root, log), jobs, children)
@@ -267,7 +278,7 @@ def measure_room(study, root):
     for s in study['seeds']:
         path, ckpt = (
             os.path.join(root, 'room', f'seed{s}.json'),
-            with_seed([study['room_ckpt']], s)[0],
+            in_here(with_seed([study['room_ckpt']], s)[0]),
         )
         if not os.path.exists(ckpt):
             continue
@@ -913,7 +924,7 @@ def parse_args(argv):
         print(f"note: {SMOKE_ENV} is set: a smoke run of seed {study['seeds'][0]} only",
               file=sys.stderr)
         study['seeds'] = study['seeds'][:1]
-    study['out_root'] = variant_root(study['out_root'], opts['overrides'])
+    study['out_root'] = in_here(variant_root(study['out_root'], opts['overrides']))
     if not opts.get('--dry_run') and not study['skip']:   # it writes every run, the summary and
                                                             # the plots there
         writable_folder(study['out_root'], 'out_root', label=f"out_root={study['out_root']!r} of "
@@ -1057,7 +1068,8 @@ def dry_run(study, grid, before, overrides):
     line's overrides are not applied to them) and an estimate of each run's time and the total,
     from its training FLOPs and one measured training step (see estimate_seconds)."""
     root = study['out_root']
-    runs = [('before', a, next(x.split('=', 1)[1] for x in a if x.startswith('--out_dir=')),
+    runs = [('before', a, in_here(next(x.split('=', 1)[1] for x in a
+                                       if x.startswith('--out_dir='))),
              [x for x in a if not x.startswith('--out_dir=')])
             for stage in before for a, _ in stage]
     runs += [(f'{arm} seed {s}', [*a, f'--out_dir={root}/{arm}/seed{s}'], f'{root}/{arm}/seed{s}',

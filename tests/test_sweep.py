@@ -283,6 +283,42 @@ def test_jobs_2_runs_two_at_once_and_summarises_as_sequential(tmp_path, monkeypa
     assert 'threshold_hit' in (tmp_path / 'par' / 'summary.md').read_text()
 
 
+def test_a_relative_out_root_is_the_same_folder_from_any_working_directory(tmp_path,
+                                                                           monkeypatch):
+    """The runs start in the sweep's folder (train.py's cwd), so a relative out_root, a 'before'
+    run's --out_dir and room_ckpt name places there: a sweep started elsewhere finds, locks and
+    summarises the runs where they are, and a second start skips the finished ones instead of
+    starting them over with --overwrite=True."""
+    here, elsewhere = tmp_path / 'repo', tmp_path / 'elsewhere'
+    here.mkdir()
+    elsewhere.mkdir()
+    (tmp_path / 'fake_train.py').write_text(FAKE_TRAIN)
+    monkeypatch.setattr(sweep, 'HERE', str(here))
+    monkeypatch.setattr(sweep, 'TRAIN', str(tmp_path / 'fake_train.py'))
+    monkeypatch.setattr(sweep, 'check_configs', lambda runs, made_later: None)
+    monkeypatch.delenv('FAKE_BARRIER', raising=False)
+    measured = []
+    monkeypatch.setattr(sweep.subprocess, 'run', lambda args, **kw: measured.append(args) or
+                        SimpleNamespace(returncode=0, stdout=json.dumps(dict(room=0.5)), stderr=''))
+    study = tmp_path / 'rel.py'
+    study.write_text("base = 'cfg.py'\nout_root = 'out/rel'\nseeds = [1]\n"
+                     "arms = {'A': []}\nbefore = [['cfg.py', '--seed=7', '--out_dir=out/bb']]\n"
+                     "room_ckpt = 'out/bb/ckpt.pt'\n")
+    monkeypatch.chdir(elsewhere)
+    for _ in range(2):
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert sweep.main([str(study), '--no_plots']) == 0
+    (here / 'out' / 'bb' / 'ckpt.pt').write_bytes(b'x')
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert sweep.main([str(study), '--no_plots']) == 0
+    run = here / 'out' / 'rel' / 'A' / 'seed1'
+    assert len(starts(run)) == 1 and len(starts(here / 'out' / 'bb')) == 1
+    summary = json.loads((here / 'out' / 'rel' / 'summary.json').read_text())
+    assert summary['table']['A']['avg_lm']['per_seed'] == [pytest.approx(2.51)]
+    assert len(measured) == 1 and summary['room']['values']['room']['mean'] == 0.5
+    assert not (elsewhere / 'out').exists()
+
+
 def test_sign_test_against_the_binomial_by_hand():
     assert sweep.sign_test(3, 0) == pytest.approx(2 / 8)          # 2 · P(3 of 3) = 2 · 1/8
     assert sweep.sign_test(0, 5) == pytest.approx(2 / 32)
