@@ -94,7 +94,9 @@ alone. On SIGINT or SIGTERM the sweep passes the signal on to the runs in flight
 and stops, as train.py does on a signal), starts no queued run, kills a run still alive
 STOP_GRACE_S (120 s) later with its whole group, and exits 130 (SIGINT) or 143 (SIGTERM) with one
 line on stderr giving the command that resumes the study (the same command: stopped runs resume
-from their checkpoints).
+from their checkpoints). A signal after the runs (while scoring, measuring the room, summarising or
+plotting) stops the sweep there, with the same exit codes and one line: what it wrote is whole, a
+summary it had not yet replaced is kept, and the same command writes the rest.
 """
 import contextlib
 import hashlib
@@ -266,11 +268,11 @@ def run_before(stages, root, jobs, children):
     return 0
 
 
-def measure_room(study, root):
+def measure_room(study, root, children=None):
     """eval.py --room on each seed's backbone (the study's room_ckpt, '{seed}' replaced), cached in
     out_root/room/seed<s>.json with the checkpoint's mtime (a retrained backbone is measured again);
     {seed: report} ({} when no seed could be measured), or None when the study names no
-    room_ckpt."""
+    room_ckpt. After a stop (children.signum) nothing more is measured."""
     if not study.get('room_ckpt'):
         return None
     os.makedirs(os.path.join(root, 'room'), exist_ok=True)
@@ -284,6 +286,8 @@ def measure_room(study, root):
             continue
         cached = json.load(open(path)) if os.path.exists(path) else {}
         if cached.get('ckpt_mtime') != os.path.getmtime(ckpt):
+            if stopping(children):
+                break
             res = subprocess.run(
                 [
                     sys.executable,
@@ -298,6 +302,8 @@ def measure_room(study, root):
                 cwd=HERE,
             )
             if res.returncode:
+                if stopping(children):     # the terminal's Ctrl-C reached it too: not a failure
+                    break
                 print(
                     f"room: eval.py --room failed on {ckpt}: {res.stderr.strip()[-300:]}",
                     file=sys.stderr,
@@ -369,6 +375,20 @@ class Children:
             if self.kill_at is not None and time.time() > self.kill_at:
                 for proc in self.running:
                     signal_group(proc, signal.SIGKILL)
+
+
+def stopping(children):
+    """Whether a signal asked the sweep to stop (children: the sweep's Children, or None)."""
+    return children is not None and children.signum is not None
+
+
+def stopped_summarising(children, argv):
+    """After the runs, a signal stops the sweep where it is (scores, room, summary, plots), in one
+    line: the files written so far are whole, and the same command writes the rest."""
+    name = signal.Signals(children.signum).name
+    print(f"stopped by {name} while summarising (no run was in flight); resume with: python "
+          f"sweep.py {shlex.join(argv)}", file=sys.stderr)
+    return EXIT_CODES[children.signum]
 
 
 def signal_group(proc, signum):
@@ -638,10 +658,11 @@ def matched_compute(study, results, ref_row, loss='final_val_loss'):
     )
 
 
-def score_run(study, out_dir, jobs=1):
+def score_run(study, out_dir, jobs=1, children=None):
     """The study's score command's JSON for a finished run (cached in <run>/score.json with the
     checkpoint's mtime); {} when the study has none, or with a note on stderr when it failed. jobs:
-    how many score commands run at once (their threads shared as train.py runs share them)."""
+    how many score commands run at once (their threads shared as train.py runs share them). After
+    a stop (children.signum) no score command starts."""
     if not study.get('score'):
         return {}
     path, ckpt = os.path.join(out_dir, 'score.json'), os.path.join(out_dir, 'ckpt.pt')
@@ -651,6 +672,8 @@ def score_run(study, out_dir, jobs=1):
     mtime = os.path.getmtime(ckpt) if os.path.exists(ckpt) else None
     cached = json.load(open(path)) if os.path.exists(path) else {}
     if cached.get('ckpt_mtime') != mtime or mtime is None:
+        if stopping(children):
+            return {}
         argv = [a.replace('{run}', out_dir).replace('{ckpt}', ckpt) for a in study['score']]
         if argv[0].endswith('.py'):
             argv = [sys.executable, os.path.join(HERE, argv[0]), *argv[1:]]
@@ -660,6 +683,8 @@ def score_run(study, out_dir, jobs=1):
         except json.JSONDecodeError:
             res.returncode = res.returncode or 1
         if res.returncode:
+            if stopping(children):         # the terminal's Ctrl-C reached it too: not a failure
+                return {}
             print(f"score: {shlex.join(argv)} failed (exit {res.returncode}): "
                   f"{res.stderr.strip()[-300:]}", file=sys.stderr)
             return {}
@@ -667,11 +692,12 @@ def score_run(study, out_dir, jobs=1):
     return {k: v for k, v in cached.items() if k in study['score_metrics']}
 
 
-def score_runs(study, out_dirs, jobs=1):
+def score_runs(study, out_dirs, jobs=1, children=None):
     """score_run of each of out_dirs, jobs at a time (a score command is a process of its own),
     in the order given."""
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(lambda out_dir: score_run(study, out_dir, jobs), out_dirs))
+        return list(pool.map(lambda out_dir: score_run(study, out_dir, jobs, children),
+                             out_dirs))
 
 
 def arms_room(study, table):
@@ -994,7 +1020,7 @@ def sweep(argv, children):
     before = before_runs(study, argv[0])
     if opts.get('--dry_run'):
         dry_run(study, grid, before, overrides)
-        return 0
+        return stopped_summarising(children, argv) if stopping(children) else 0
     failed = []
     if not opts.get('--summarize_only'):
         made_later = [a.split('=', 1)[1] for stage in before for argv_, _ in stage for a in argv_
@@ -1039,19 +1065,24 @@ def sweep(argv, children):
         if finished(f'{root}/{arm}/seed{s}')
     }
     threshold = lm_threshold(study, results)
-    scores = score_runs(study, [f'{root}/{arm}/seed{s}' for arm, s in results], int(jobs))
+    scores = score_runs(study, [f'{root}/{arm}/seed{s}' for arm, s in results], int(jobs),
+                        children)
+    room = measure_room(study, root, children)
+    if stopping(children):        # a summary already there is kept, not replaced by part of one
+        return stopped_summarising(children, argv)
     for ((arm, s), m), scored in zip(results.items(), scores):    # no threshold, no hit column
         if threshold[0] is not None:                               # (not a column of never-hits)
             m['threshold_hit'] = threshold_hit(f'{root}/{arm}/seed{s}', threshold[0])
         m.update(scored)
-    summary = summarize(study, results, threshold, room=measure_room(study, root),
-                        overrides=overrides)
+    summary = summarize(study, results, threshold, room=room, overrides=overrides)
     write_whole(os.path.join(root, 'summary.json'), lambda f: json.dump(summary, f, indent=2))
     md = markdown(summary)
     write_whole(os.path.join(root, 'summary.md'), lambda f: f.write(md + '\n'))
     print(md)
-    if not opts.get('--no_plots'):
+    if not opts.get('--no_plots') and not stopping(children):
         write_plots(root, arms=list(study['arms']), frontier=study.get('frontier'))
+    if stopping(children):
+        return stopped_summarising(children, argv)
     if failed:            # a failed run is not a user error: exit 1, after summarising what
                           # finished
         print(

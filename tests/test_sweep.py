@@ -814,6 +814,48 @@ def test_a_signal_stops_the_runs_in_flight_and_starts_none_of_the_queued(tmp_pat
     assert all(sweep.finished(str(run)) for run in runs)
 
 
+@pytest.mark.parametrize('signame,during', [('SIGTERM', 'score'), ('SIGINT', 'plots')])
+def test_a_signal_while_summarising_stops_the_sweep_in_one_line(tmp_path, monkeypatch, capsys,
+                                                                 signame, during):
+    """Every run finished: a signal while the runs are scored or the plots drawn ends the sweep
+    there, exit 143/130 with one line, the score commands not yet started never start, and a
+    summary already written is not replaced by one that lacks the scores."""
+    sig = getattr(signal, signame)
+    root = tmp_path / 'st'
+    for s in (1, 2, 3):
+        fake_run(root / 'A' / f'seed{s}', 4, summary=dict(iter=4, avg_lm=2.0))
+        (root / 'A' / f'seed{s}' / 'ckpt.pt').write_bytes(b'x')
+    (root / 'summary.json').write_text('{"kept": true}')
+    study = tmp_path / 'st.py'
+    study.write_text(f"base = 'cfg.py'\nout_root = {str(root)!r}\nseeds = [1, 2, 3]\n"
+                     "arms = {'A': []}\nscore = ['score.py', '{run}']\n"
+                     "score_metrics = {'acc': False}\n")
+    scored = []
+
+    def score(args, **kw):
+        scored.append(args)
+        if during == 'score':
+            os.kill(os.getpid(), sig)
+            children = signal.getsignal(sig).__self__      # the sweep's handler: Children.stop
+            deadline = time.time() + 10
+            while children.signum is None and time.time() < deadline:    # handled (main thread)
+                time.sleep(0.01)
+        return SimpleNamespace(returncode=0, stdout='{"acc": 1.0}', stderr='')
+
+    def plots(*a, **kw):
+        os.kill(os.getpid(), sig)
+
+    monkeypatch.setattr(sweep.subprocess, 'run', score)
+    monkeypatch.setattr(sweep, 'write_plots', plots)
+    code = sweep.main([str(study), '--summarize_only'])
+    err = capsys.readouterr().err
+    assert code == {'SIGTERM': 143, 'SIGINT': 130}[signame]
+    assert err.count('\n') == 1 and f'stopped by {signame}' in err, err
+    assert f'python sweep.py {study} --summarize_only' in err
+    if during == 'score':
+        assert len(scored) == 1 and (root / 'summary.json').read_text() == '{"kept": true}'
+
+
 def test_a_run_that_ignores_the_signal_is_killed_with_its_group_after_the_grace_period(tmp_path):
     proc, argv = start_fake_sweep(tmp_path, 1, grace=1, env={'FAKE_IGNORE': '1'})
     run = tmp_path / 'out' / 'A' / 'seed1'
