@@ -137,6 +137,7 @@ def start_progress(cfg, ckpt, optimizer, scaler, master):
             best_val=float('inf'),
             history=dict(train=[], eval=[]),
             flops_state=dict(exact=0.0, proxy_num=0.0, dense=0.0, wall_s=0.0),
+            interval=None,
         )
     if ckpt['optimizer'] is not None:         # (FSDP: loaded from the shards, sharding.py)
         optimizer.load_state_dict(ckpt['optimizer'])
@@ -149,6 +150,7 @@ def start_progress(cfg, ckpt, optimizer, scaler, master):
         best_val=ckpt['best_val_loss'],
         history=ckpt['history'],
         flops_state=ckpt['flops_state'],
+        interval=ckpt.get('interval'),       # (None in a checkpoint written before it was kept)
     )
 
 
@@ -192,6 +194,7 @@ def checkpoint_state(run, model=None, sharded=None):
         config=run.cfg_dict,
         history=run.history,
         flops_state=run.flops_state,
+        interval=interval_state(run.interval),
         rng=rng_state(),
         sampler=dict(
             kind='epoch-permutation',
@@ -201,6 +204,17 @@ def checkpoint_state(run, model=None, sharded=None):
         ),
         data_meta=data_identity(run.meta),
     )
+
+
+def interval_state(interval):
+    """The sums of the log interval a checkpoint cuts (train_report.new_interval), on the CPU: the
+    resumed run's next train record is then the mean over every step of the interval, as the run it
+    continues would have logged it. (Under DDP these are rank 0's sums.)"""
+    def cpu(v):
+        return v.detach().cpu() if torch.is_tensor(v) else v
+    return dict(interval, lm=cpu(interval['lm']), frac=cpu(interval['frac']),
+                ctrl_norm=cpu(interval['ctrl_norm']),
+                aux={k: cpu(v) for k, v in interval['aux'].items()})
 
 
 def kept(run):

@@ -121,7 +121,12 @@ def start_counters(run):
     run.seqs_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size
     # a full-only step, per sequence
     run.dense_step = 3 * flops.dense_forward_flops(run.raw_model.config, cfg.block_size)
-    run.step_costs, run.interval = {}, new_interval(run.dev)
+    run.step_costs = {}
+    saved = run.interval           # a resumed checkpoint's unfinished log interval, or None
+    run.interval = new_interval(run.dev) if saved is None else dict(
+        saved, **{k: saved[k].to(run.dev) for k in ('lm', 'frac', 'ctrl_norm')
+                  if saved[k] is not None},
+        aux={k: v.to(run.dev) if torch.is_tensor(v) else v for k, v in saved['aux'].items()})
     run.skipped, run.last_skipped, run.consecutive_skips = torch.zeros((), device=run.dev), 0, 0
     run.t_last, run.it_last, run.start_iter = time.time(), run.iter_num, run.iter_num
     run.t_run = time.time() - run.flops_state['wall_s']

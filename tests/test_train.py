@@ -6,7 +6,9 @@ test_run_state.py, test_train_report.py, test_train_checks.py.)
 Everything runs on CPU with a 2-layer, 32-wide model on a 60k-token synthetic corpus prepared once
 per session. Training runs are subprocesses (`python train.py ...`, OMP_NUM_THREADS=1 so runs are
 quick and bit-reproducible); the sampler, the schedule and input errors are tested in-process."""
+import contextlib
 import errno
+import io
 import json
 import math
 import os
@@ -251,6 +253,52 @@ def test_resume_is_bit_exact(synth, tmp_path, n, eval_interval, log_interval, ac
     lb = {m["iter"]: m["loss"] for m in read_metrics(b) if m["type"] == "train" and m["iter"] > n}
     assert la and la == lb
     assert f"iter {2 * n}" in r.stdout
+
+
+class Crash(Exception):
+    """A run dying at a chosen iteration (after its step, before the next checkpoint)."""
+
+
+def test_a_checkpoint_inside_a_log_interval_resumes_its_means(synth, tmp_path, monkeypatch):
+    """A checkpoint between two log steps (eval_interval 2, log_interval 3: at iteration 4) carries
+    the interval's sums: a run that dies after it and resumes logs the same train records (means
+    over every step of the interval) and the same summary as the run that never stopped."""
+    args = [*TINY, *data_args(synth), "--n_layer=1", "--block_size=16", "--batch_size=2",
+            "--eval_iters=1", "--calib_iters=1", "--max_iters=6", "--eval_interval=2",
+            "--log_interval=3", "--dropout=0.1"]
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    step = train.optimisation_step
+
+    def dies_at_5(run):
+        out = step(run)
+        if run.iter_num == 5:
+            raise Crash
+        return out
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert train.main([*args, f"--out_dir={tmp_path / 'a'}"]) == 0
+            monkeypatch.setattr(train, "optimisation_step", dies_at_5)
+            with pytest.raises(Crash):
+                train.main([*args, f"--out_dir={tmp_path / 'b'}"])
+            monkeypatch.setattr(train, "optimisation_step", step)
+            assert load_ckpt(tmp_path / "b")["iter_num"] == 4
+            assert train.main([*args, f"--out_dir={tmp_path / 'b'}", "--init_from=resume"]) == 0
+    finally:
+        torch.set_num_threads(old)
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    timing = ("ms_per_iter", "tokens_per_s", "mfu", "wall_s")
+
+    def records(out_dir, kind):
+        return [{k: v for k, v in r.items() if k not in timing}
+                for r in read_metrics(out_dir) if r["type"] == kind]
+
+    assert records(tmp_path / "a", "train") == records(tmp_path / "b", "train")
+    (sa,), (sb,) = records(tmp_path / "a", "summary"), records(tmp_path / "b", "summary")
+    assert sa == sb
 
 
 # --------------------------------------------------------------------------------------------------
