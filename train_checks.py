@@ -238,7 +238,9 @@ def check_against_checkpoint(cfg, meta, ckpt, keys, data_keys=None):
                           for v in (want, have))
         if have != want:
             raise TrainError(f"config field '{k}' differs from the checkpoint: checkpoint has "
-                             f"{margs.get(k)!r}, config has {getattr(cfg, k)!r}")
+                             f"{margs.get(k)!r}, config has {getattr(cfg, k)!r}; give "
+                             f"--{k}={margs.get(k, defaults.get(k))!r}, as the checkpoint's run "
+                             "had it")
     check_checkpoint_data(cfg, meta, ckpt, data_keys)
 
 

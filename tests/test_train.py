@@ -1050,7 +1050,8 @@ def bad_input_cases(synth, text_data, base_copy):
         "draft_of_another_budget": (
             [*TINY, *d, "--trainable=draft", "--ffn_draft_rank=4", "--ffn_budget=0.25",
              f"--init_from={base_copy / 'ckpt.pt'}"],
-            "'ffn_budget' differs from the checkpoint",
+            "'ffn_budget' differs from the checkpoint: checkpoint has 0.5, config has 0.25; "
+            "give --ffn_budget=0.5, as the checkpoint's run had it",
         ),
         "draft_of_another_gate_grad": (
             [*TINY, *d, "--trainable=draft", "--ffn_draft_rank=4", "--ffn_gate_grad=scale",
