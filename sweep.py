@@ -32,9 +32,11 @@ argument lists run once first, e.g. stage 1 of a two-stage recipe), threshold (s
 of arm a writes to out_root/a/seed<s>/ (a relative out_root, as every relative path in a study
 file, is relative to sweep.py's folder, wherever the sweep starts). A finished run (its
 metrics.jsonl ends with a summary at max_iters) is skipped; an interrupted one (ckpt.pt but no
-summary) is resumed. --jobs=N runs N train.py processes at a time, each with cpu_count // N
-threads (OMP_NUM_THREADS, unless set); results do not depend on N (each run is its own process and
-seed).
+summary) is resumed. A run folder whose config.json differs from what the study now gives, other
+than in where and how it runs (HOW_KEYS), refuses the study before any run starts: its results
+would be summarised as the study's. --jobs=N runs N train.py processes at a time, each with
+cpu_count // N threads (OMP_NUM_THREADS, unless set); results do not depend on N (each run is its
+own process and seed).
 
 The summary (summary.md, summary.json in out_root) gives per arm mean ± std over seeds of: avg LM,
 best val LM, final val loss, causal val loss and realised full-path fraction (routed families),
@@ -468,9 +470,38 @@ def check_configs(runs, made_later):
                 made = os.path.abspath(init_from).startswith(tuple(later))
                 if made and not os.path.exists(init_from):
                     argv = [*argv, '--init_from=scratch']    # checked as far as it can be
-                train.read_config(argv)
+                _, cfg = train.read_config(argv)
             except UserError as e:
                 raise ConfigError(f"{name}: {e}; fix the study file, no run was started") from None
+            changed = changed_since_ran(cfg)
+            if changed:
+                k, had, now = changed[0]
+                raise ConfigError(
+                    f"{name}: {cfg['out_dir']} ran with {k}={had!r}, the study now gives {now!r}"
+                    f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''}; its "
+                    "results would be summarised as the study's: remove that folder to run it "
+                    "again, or give the study another out_root"
+                )
+
+
+# options that say where or how a run runs, not what it computes: a resumed or summarised run may
+# differ in these from the study that made it
+HOW_KEYS = ('out_dir', 'init_from', 'overwrite', 'eval_only', 'log', 'wandb_project',
+            'wandb_run_name', 'data_dir', 'device', 'compile', 'ddp_timeout', 'verify_data')
+
+
+def changed_since_ran(cfg):
+    """[(key, value it ran with, value now)] for a run folder holding a checkpoint whose
+    config.json differs from the configuration cfg (train.py's, relative to HERE) in what the run
+    computes: a finished run would be skipped and an unfinished one resumed under other options,
+    and the summary would mix them. Keys its config.json lacks (an older run) are not compared."""
+    path = os.path.join(cfg['out_dir'], 'config.json')
+    if not (os.path.exists(os.path.join(cfg['out_dir'], 'ckpt.pt')) and os.path.exists(path)):
+        return []                       # nothing kept: the run starts over with these options
+    with open(path) as f:
+        ran = json.load(f)
+    now = json.loads(json.dumps(cfg))   # tuples as lists, as config.json holds them
+    return [(k, ran[k], now[k]) for k in now if k in ran and k not in HOW_KEYS and ran[k] != now[k]]
 
 
 def lm_threshold(study, results):

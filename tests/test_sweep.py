@@ -622,6 +622,39 @@ def test_a_bad_option_in_any_arm_refuses_the_study_before_any_run(tmp_path, monk
     assert sweep.main([str(study), '--dry_run']) == 0
 
 
+@pytest.mark.parametrize('finished_run', [True, False])
+def test_a_run_made_under_other_options_refuses_the_study_before_any_run(tmp_path, monkeypatch,
+                                                                         finished_run):
+    """A run folder whose config.json says it computed something else than the study now asks
+    (an arm's option edited since) would be skipped or resumed, and summarised as the study's: the
+    study is refused, naming the folder and the key. Where and how it runs may differ."""
+    import train
+    started = []
+    monkeypatch.setattr(sweep.subprocess, 'Popen', fake_popen(started))
+    out = tmp_path / 'out'
+    study = tmp_path / 'study.py'
+    study.write_text(f"base = 'config/mod_synthetic.py'\nout_root = {str(out)!r}\n"
+                     "seeds = [1]\narms = {'A': ['--mod_capacity=0.25']}\n")
+    argv = ['config/mod_synthetic.py', '--mod_capacity=0.25', '--seed=1',
+            f'--out_dir={out}/A/seed1']
+    with contextlib.chdir(REPO):
+        _, ran = train.read_config(argv)
+    fake_run(out / 'A' / 'seed1', ran['max_iters'],
+             summary=dict(iter=ran['max_iters']) if finished_run else None)
+    open(out / 'A' / 'seed1' / 'ckpt.pt', 'w').close()
+    config = out / 'A' / 'seed1' / 'config.json'
+    config.write_text(json.dumps(dict(ran, mod_capacity=0.5, device='cuda', init_from='resume')))
+    with pytest.raises(sweep.ConfigError, match=r"arm 'A' seed 1: .*A/seed1 ran with "
+                                                r"mod_capacity=0\.5, the study now gives 0\.25; "
+                                                r".*remove that folder"):
+        sweep.main([str(study), '--no_plots'])
+    assert started == []
+    # the options it computed with agree: only where and how it ran differ
+    config.write_text(json.dumps(dict(ran, device='cuda', init_from='resume')))
+    sweep.main([str(study), '--no_plots'])
+    assert len(started) == (0 if finished_run else 1)
+
+
 def test_a_bad_option_refuses_the_study_in_one_line(tmp_path):
     study = tmp_path / 'study.py'
     study.write_text(f"base = 'config/mod_synthetic.py'\nout_root = {str(tmp_path / 'out')!r}\n"
