@@ -138,6 +138,7 @@ def start_progress(cfg, ckpt, optimizer, scaler, master):
             history=dict(train=[], eval=[]),
             flops_state=dict(exact=0.0, proxy_num=0.0, dense=0.0, wall_s=0.0),
             interval=None,
+            fp16_skips=None,
         )
     if ckpt['optimizer'] is not None:         # (FSDP: loaded from the shards, sharding.py)
         optimizer.load_state_dict(ckpt['optimizer'])
@@ -151,6 +152,7 @@ def start_progress(cfg, ckpt, optimizer, scaler, master):
         history=ckpt['history'],
         flops_state=ckpt['flops_state'],
         interval=ckpt.get('interval'),       # (None in a checkpoint written before it was kept)
+        fp16_skips=ckpt.get('fp16_skips'),   # (likewise)
     )
 
 
@@ -195,6 +197,10 @@ def checkpoint_state(run, model=None, sharded=None):
         history=run.history,
         flops_state=run.flops_state,
         interval=interval_state(run.interval),
+        # the GradScaler's skipped steps: the summary counts them over the whole run, and the
+        # stop after max_fp16_skips in a row counts across a resume
+        fp16_skips=dict(skipped=int(run.skipped.item()), last=run.last_skipped,
+                        consecutive=run.consecutive_skips),
         rng=rng_state(),
         sampler=dict(
             kind='epoch-permutation',

@@ -127,7 +127,9 @@ def start_counters(run):
         saved, **{k: saved[k].to(run.dev) for k in ('lm', 'frac', 'ctrl_norm')
                   if saved[k] is not None},
         aux={k: v.to(run.dev) if torch.is_tensor(v) else v for k, v in saved['aux'].items()})
-    run.skipped, run.last_skipped, run.consecutive_skips = torch.zeros((), device=run.dev), 0, 0
+    skips = run.fp16_skips or dict(skipped=0, last=0, consecutive=0)    # a resumed run's, or none
+    run.skipped = torch.full((), float(skips['skipped']), device=run.dev)
+    run.last_skipped, run.consecutive_skips = skips['last'], skips['consecutive']
     run.t_last, run.it_last, run.start_iter = time.time(), run.iter_num, run.iter_num
     run.t_run = time.time() - run.flops_state['wall_s']
 

@@ -261,13 +261,20 @@ class Crash(Exception):
 
 def test_a_checkpoint_inside_a_log_interval_resumes_its_means(synth, tmp_path, monkeypatch):
     """A checkpoint between two log steps (eval_interval 2, log_interval 3: at iteration 4) carries
-    the interval's sums: a run that dies after it and resumes logs the same train records (means
-    over every step of the interval) and the same summary as the run that never stopped."""
+    the interval's sums and the count of skipped steps: a run that dies after it and resumes logs
+    the same train records (means over every step of the interval) and the same summary as the run
+    that never stopped."""
     args = [*TINY, *data_args(synth), "--n_layer=1", "--block_size=16", "--batch_size=2",
             "--eval_iters=1", "--calib_iters=1", "--max_iters=6", "--eval_interval=2",
             "--log_interval=3", "--dropout=0.1"]
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    step = train.optimisation_step
+    real_step = train.optimisation_step
+
+    def step(run):          # as if the fp16 GradScaler skipped the steps of iterations 2 and 3
+        out = real_step(run)
+        if run.iter_num in (2, 3):
+            run.skipped += 1
+        return out
 
     def dies_at_5(run):
         out = step(run)
@@ -279,6 +286,7 @@ def test_a_checkpoint_inside_a_log_interval_resumes_its_means(synth, tmp_path, m
     torch.set_num_threads(1)
     try:
         with contextlib.redirect_stdout(io.StringIO()):
+            monkeypatch.setattr(train, "optimisation_step", step)
             assert train.main([*args, f"--out_dir={tmp_path / 'a'}"]) == 0
             monkeypatch.setattr(train, "optimisation_step", dies_at_5)
             with pytest.raises(Crash):
@@ -298,7 +306,7 @@ def test_a_checkpoint_inside_a_log_interval_resumes_its_means(synth, tmp_path, m
 
     assert records(tmp_path / "a", "train") == records(tmp_path / "b", "train")
     (sa,), (sb,) = records(tmp_path / "a", "summary"), records(tmp_path / "b", "summary")
-    assert sa == sb
+    assert sa == sb and sa["skipped_steps"] == 2
 
 
 # --------------------------------------------------------------------------------------------------
