@@ -471,8 +471,9 @@ class GPT(nn.Module):
         prefill); returns a list of 1-D tensors. Needs the cache and max(lengths) + max_new_tokens
         <= block_size. stats: a dict to fill with the mean realised full-path fraction per routed
         layer over every forward ('full_frac') and the mean TLOps saved ('tlops_saved'), where the
-        family has them. vocab_limit: sample only ids < vocab_limit (the tokenizer's real
-        vocabulary; the model's is padded, and a padding id has no text). compile: run each cached
+        family has them (a padded prefill's over its real tokens). vocab_limit: sample only ids <
+        vocab_limit (the tokenizer's real vocabulary; the model's is padded, and a padding id has
+        no text). compile: run each cached
         decoding step (decode_step) through torch.compile(fullgraph=True), captured as a CUDA graph
         on CUDA (GPT.compiled), and with speculate each pass's draft and verification (their
         sampling too); the prefill and plain decoding's sampling stay eager. speculate=K > 0:
@@ -646,7 +647,8 @@ class GPT(nn.Module):
         logits, _, aux = self(
             idx, pos=torch.arange(T, device=dev).expand(B, T), cache=cache, last_only=False
         )
-        record(aux)
+        if routing_stats:
+            record(self.real_token_stats(aux, lengths))
         slot = torch.arange(cache.max_len, device=dev)[None, :]
         # forget what the padding wrote
         cache.kpos.masked_fill_((slot >= n[:, None]) & (slot < T), -1)
@@ -661,6 +663,19 @@ class GPT(nn.Module):
                 logits, aux = step(nxt, (n + i)[:, None], cache, routing_stats)
                 record(aux)
         return [out[b, :lengths[b] + max_new_tokens] for b in range(B)]
+
+    def real_token_stats(self, aux, lengths):
+        """The routing statistics of a forward over right-padded prompts of `lengths` (aux), over
+        their real tokens alone: the family's own statistics of the masks at those tokens, as one
+        row. The padding's decisions are no token's; a host sync, so only where they are read."""
+        if 'masks' not in aux:
+            return aux
+        masks, dev = aux['masks'], self.lm_head.weight.device
+        T = next(iter(masks.values())).size(1)
+        real = torch.arange(T, device=dev)[None, :] < torch.tensor(lengths, device=dev)[:, None]
+        out = {}
+        self.family.stats(self, RouteCtx(masks={l: m[real][None] for l, m in masks.items()}), out)
+        return out
 
     @staticmethod
     def sample_next(logits, temperature, top_k, vocab_limit=None):

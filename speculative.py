@@ -291,7 +291,8 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
         )
     idx = idx[:, :max(lengths)]     # columns past the longest prompt hold padding alone
     T = idx.size(1)
-    keep_masks = record is not None or trace is not None   # what nobody reads is not kept
+    recorded = record is not None
+    keep_masks = recorded or trace is not None      # what nobody reads is not kept
     record = record or (lambda aux: None)
     rows = torch.arange(B, device=dev)
     cache = model.new_cache(B, dev, compile)
@@ -308,7 +309,8 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     # the prefill, as plain decoding runs it (uniform prompts: the last position's logits only)
     pos = torch.arange(T, device=dev).expand(B, T)
     logits, _, aux = model(idx, pos=pos, cache=cache, last_only=None if uniform else False)
-    record(aux)
+    # (a padded prompt's statistics over its real tokens: the padding's decisions are no token's)
+    record(model.real_token_stats(aux, lengths) if recorded and not uniform else aux)
     slot = torch.arange(cache.max_len, device=dev)[None, :]
     if not uniform:                 # forget what the padding wrote
         lens = torch.tensor(lengths, device=dev)

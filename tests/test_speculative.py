@@ -719,3 +719,30 @@ def test_plain_decodings_step_returns_the_logits_alone_unless_statistics_are_rea
                 counts.clear()
                 model.generate(idx, 4, temperature=0, compile=True, lengths=lengths, stats=stats)
                 assert counts == {want}, (lengths, stats)
+
+
+@pytest.mark.parametrize('case', [c for c in CASES if not is_random(c)])
+@pytest.mark.parametrize('speculate', [0, 2])
+def test_a_padded_batch_reports_the_routing_of_its_real_tokens(case, speculate):
+    """The statistics of prompts of different lengths are their real tokens' alone: what fills the
+    padding changes nothing, and the prefill's full-path fraction is the token-weighted mean of
+    each prompt's own (decisions are causal per token: a prompt alone decides as in the batch)."""
+    model = build(*case).eval()
+    lengths, idx = [3, 7], tokens(5, 2, 7)
+
+    def stats(idx, new, **kw):
+        out = {}
+        model.generate(idx, new, temperature=0, stats=out, speculate=speculate, **kw)
+        return {k: out[k] for k in ('full_frac', 'tlops_saved') if k in out}   # (not timings)
+
+    alone = [stats(idx[b:b + 1, :n], 1) for b, n in enumerate(lengths)]
+    if 'full_frac' not in alone[0]:
+        pytest.skip(f"{case[0]} records no full-path fraction")
+    padded = [idx.clone().masked_fill_(torch.arange(7) >= torch.tensor(lengths)[:, None], v)
+              for v in (0, 9)]
+    for new in (1, 4):
+        got = [stats(p, new, lengths=lengths) for p in padded]
+        assert got[0] == got[1], new            # the padding's tokens are not counted
+    want = [sum(n * a['full_frac'][l] for n, a in zip(lengths, alone)) / sum(lengths)
+            for l in range(len(alone[0]['full_frac']))]
+    assert stats(padded[0], 1, lengths=lengths)['full_frac'] == pytest.approx(want, abs=1e-6)
