@@ -649,10 +649,17 @@ def test_a_run_made_under_other_options_refuses_the_study_before_any_run(tmp_pat
                                                 r".*remove that folder"):
         sweep.main([str(study), '--no_plots'])
     assert started == []
-    # the options it computed with agree: only where and how it ran differ
-    config.write_text(json.dumps(dict(ran, device='cuda', init_from='resume')))
+    # the options it computed with agree: only where and how it ran differ (and a stopped run's
+    # max_iters, to which train.py resumes it)
+    config.write_text(json.dumps(dict(ran, device='cuda', init_from='resume',
+                                      max_iters=ran['max_iters'] + (0 if finished_run else 5))))
     sweep.main([str(study), '--no_plots'])
     assert len(started) == (0 if finished_run else 1)
+    if finished_run:                # finished at fewer iterations than the study now gives
+        fake_run(out / 'A' / 'seed1', 5, summary=dict(iter=5))
+        config.write_text(json.dumps(dict(ran, max_iters=5)))
+        with pytest.raises(sweep.ConfigError, match=r"ran with max_iters=5, the study now gives"):
+            sweep.main([str(study), '--no_plots'])
 
 
 def test_a_bad_option_refuses_the_study_in_one_line(tmp_path):
