@@ -116,9 +116,9 @@ class Scorer:
     def pair_tokens(self, context, continuation):
         """(context ids, continuation ids) as the harness's own models split a pair: encoded whole
         and cut where the context's own encoding ends (a BPE merge across the seam stays in the
-        continuation), the context's trailing spaces moved to the continuation. An empty context
-        is the prefix token."""
-        stripped = context.rstrip(' ')
+        continuation), the context's trailing whitespace (spaces and newlines alike: the harness's
+        str.rstrip()) moved to the continuation. An empty context is the prefix token."""
+        stripped = context.rstrip()
         continuation = context[len(stripped):] + continuation
         if not stripped:
             return [self.prefix_id], self.encode(continuation, "a request's continuation")

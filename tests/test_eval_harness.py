@@ -64,6 +64,23 @@ def test_loglikelihood_equals_one_direct_forward_and_is_greedy_the_argmax(route)
     assert got[-2][1] is True and got[-1][1] is False
 
 
+def test_a_contexts_trailing_whitespace_is_scored_with_the_continuation():
+    """lm-evaluation-harness's models move all of a context's trailing whitespace (str.rstrip()),
+    newlines included, to the continuation: ('ab\\n', 'c') is scored as ('ab', '\\nc'), its
+    log-probability counting the newline's."""
+    s = scorer_for('none')
+    assert s.pair_tokens('ab\n\n', 'c') == (s.encode('ab'), s.encode('\n\nc'))
+    (lp, greedy), = s.loglikelihood([('ab\n', 'c')])
+    want = direct(s.model, s.encode('ab\nc'), 2)
+    assert lp == pytest.approx(want[0], rel=1e-5, abs=1e-5) and greedy == want[1]
+    alone = direct(s.model, s.encode('ab\nc'), 3)[0]          # the newline left out
+    assert abs(lp - alone) > 1e-2                              # the check can tell them apart
+    encode, decode = load_tokenizer(dict(tokenizer='gpt2'))
+    bpe = eh.Scorer(build('none', n_layer=1).eval(), encode, decode, 50257, eh.GPT2_EOT)
+    ctx, cont = bpe.pair_tokens('Question: 2+2?\nAnswer: \n', '4')
+    assert decode(ctx) == 'Question: 2+2?\nAnswer:' and decode(cont) == ' \n4'
+
+
 def test_an_empty_context_is_the_prefix_token():
     s = scorer_for('ffn')
     (lp, greedy), = s.loglikelihood([('', 'abc')])
