@@ -46,18 +46,39 @@ def split_problems(meta, split='test'):
     return [(runs[i].tolist(), runs[i + 1].tolist()) for i in range(0, len(runs) - 1, 2)]
 
 
+def fitting_batches(problems, batch_size, block_size):
+    """Consecutive problems, at most batch_size at a time, a batch closed early where its longest
+    prompt plus its longest answer would outgrow block_size: ragged generation decodes a whole
+    batch within one block, so two problems that each fit may not fit together."""
+    batch, prompt, answer = [], 0, 0
+    for p, a in problems:
+        if batch and (len(batch) == batch_size
+                      or max(prompt, len(p)) + max(answer, len(a)) > block_size):
+            yield batch
+            batch, prompt, answer = [], 0, 0
+        batch.append((p, a))
+        prompt, answer = max(prompt, len(p)), max(answer, len(a))
+    if batch:
+        yield batch
+
+
 @torch.no_grad()
 def exact_match(model, problems, decode, batch_size=64, vocab_limit=None, device='cpu'):
     """The share of problems whose greedy answer, up to and including the first newline (each
     answer's own last token), decodes to the true answer's text. A model generates as many tokens
     as the longest true answer of its batch: enough to tell a longer or shorter answer apart.
     Returns {'accuracy', 'correct', 'n'}."""
+    block_size = model.config.block_size
+    for p, a in problems:
+        if len(p) + len(a) > block_size:
+            raise ConfigError(f"a problem with a prompt of {len(p)} tokens and an answer of "
+                              f"{len(a)} does not fit the model's block_size {block_size}; score "
+                              f"a model of a longer block or a task of shorter problems")
     training = model.training
     model.eval()
     correct = 0
     try:
-        for i in range(0, len(problems), batch_size):
-            batch = problems[i:i + batch_size]
+        for batch in fitting_batches(problems, batch_size, block_size):
             lengths = [len(p) for p, _ in batch]
             x = torch.zeros(len(batch), max(lengths), dtype=torch.long, device=device)
             for row, (p, _) in enumerate(batch):

@@ -2,6 +2,7 @@
 (1 for an oracle, 0 for a wrong model), and a few training steps on the arith task whose reported
 loss is over the answer tokens only."""
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -32,6 +33,7 @@ class Answers(nn.Module):
         super().__init__()
         self.encode, self.decode = load_tokenizer(meta)
         self.wrong = wrong
+        self.config = SimpleNamespace(block_size=64)
 
     def generate(self, idx, max_new_tokens, temperature, lengths, vocab_limit=None):
         out = []
@@ -59,6 +61,46 @@ def test_exact_match_is_one_for_an_oracle_and_zero_for_a_wrong_model(task):
     assert arith.exact_match(Answers(meta), problems, decode, batch_size=7) == dict(
         accuracy=1.0, correct=30, n=30)
     assert arith.exact_match(Answers(meta, wrong=True), problems, decode)['accuracy'] == 0.0
+
+
+def greedy_alone(model, prompt, new, vocab):
+    """model's greedy continuation of one prompt, each token the argmax of a full forward of all
+    the tokens before it (no cache, no batch)."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(new):
+            seq.append(int(model(torch.tensor([seq]))[0][0, -1, :vocab].argmax()))
+    return seq[len(prompt):]
+
+
+def test_exact_match_scores_problems_that_fit_the_block_alone_whatever_their_batch():
+    """Problems near block_size: each fits (prompt + answer <= block_size) but a batch's longest
+    prompt with another problem's longest answer would not. Every problem is scored, as one greedy
+    decoding of it alone judges it; a problem that cannot fit is refused in one line."""
+    from conftest import V, build
+    model = build('none', n_layer=2, block_size=16).eval()
+    g = torch.Generator().manual_seed(0)
+    problems, want = [], 0
+    for i, (p, a) in enumerate([(11, 5), (3, 13), (10, 6), (4, 12), (12, 4), (2, 14)] * 2):
+        while True:              # an answer whose last token is its first of that value
+            prompt = torch.randint(0, V - 1, (p,), generator=g).tolist()
+            said = greedy_alone(model, prompt, a, V - 1)
+            if said[-1] not in said[:-1]:
+                break
+        answer = said if i % 3 else said[:-1] + [(said[-1] + 1) % (V - 1)]   # a third wrong
+        alone = greedy_alone(model, prompt, len(answer), V - 1)
+        alone = alone[:alone.index(answer[-1]) + 1] if answer[-1] in alone else alone
+        want += alone == answer
+        problems.append((prompt, answer))
+    decode = lambda ids: ' '.join(map(str, ids))
+    for batch_size in (1, 4, 64):
+        got = arith.exact_match(model, problems, decode, batch_size, vocab_limit=V - 1)
+        assert got == dict(accuracy=want / 12, correct=want, n=12), batch_size
+    assert want == 8                                     # the wrong third is wrong
+    with pytest.raises(UserError, match=r"prompt of 3 tokens and an answer of 14 .* block_size "
+                                        r"16") as e:
+        arith.exact_match(model, [*problems, ([0, 1, 2], list(range(14)))], decode)
+    assert '\n' not in str(e.value)
 
 
 def test_a_few_training_steps_report_the_loss_over_answer_tokens(task, tmp_path, capsys):
