@@ -15,7 +15,7 @@ A target names a projection by the end of its module name: 'attn.c_attn' adapts 
 of every block; 'h.3.mlp.c_fc' only block 3's. The state dict keeps the base weight under
 `<module>.base.weight` (bit-identical to the backbone's `<module>.weight`) beside `<module>.lora_A`
 and `<module>.lora_B`; checkpoint.load_model rebuilds the adapters from the run's config, loads
-and merges.
+and merges; a run started from such a checkpoint (train.py --init_from) takes that merged model.
 """
 import math
 
@@ -139,3 +139,4 @@ def merge_lora(model):
 
 def has_lora_keys(state):
     return any(k.endswith('.lora_A') for k in state)
+

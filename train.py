@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import torch
 
 import eval as evaluation
-from checkpoint import save_checkpoint
+from checkpoint import load_model, save_checkpoint
 from configurator import (ConfigError, asks_help, declared_defaults, load_config, model_groups,
                           print_help, run_cli, source_group)
 from data.loader import VOCAB_IDENTITY, DataError, open_splits
@@ -39,7 +39,7 @@ from model import FAMILIES, GPT, GPTConfig, allow_graphs, is_controller_key, is_
 from run_state import (StopFlag, checkpoint_state, end_ddp_process, eval_rng, finished_already,
                        hold_out_dir, kept, open_inputs, rng_state, seed_rngs, set_rng_state,
                        start_progress, stop_requested)
-from lora import apply_lora, lora_parameters
+from lora import apply_lora, has_lora_keys, lora_parameters
 from train_checks import (TRAINABLE, TrainError, check_against_checkpoint, check_family_options,
                           check_state_fits, check_train_config, model_config)
 from train_report import (accumulate, count_flops, count_params, finish_run, log_eval, log_progress,
@@ -421,7 +421,7 @@ def backbone_from_checkpoint(cfg, meta, ckpt):
     task = VOCAB_IDENTITY if meta.get('vocab_from') else None
     check_against_checkpoint(cfg, meta, ckpt, BACKBONE_KEYS, task)
     model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
-    backbone = {k: v for k, v in ckpt['model'].items()
+    backbone = {k: v for k, v in plain_state(ckpt).items()
                 if not (is_controller_key(k) or is_draft_key(k))}
     missing, unexpected = model.load_state_dict(backbone, strict=False)
     bad = [k for k in missing if not (is_controller_key(k) or is_draft_key(k))] + list(unexpected)
@@ -439,11 +439,19 @@ def model_under_draft(cfg, meta, ckpt):
     family = FAMILIES[cfg.route]
     check_against_checkpoint(cfg, meta, ckpt, draft_run_keys(family))
     model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
+    state = plain_state(ckpt)
     fresh = {k: v for k, v in model.state_dict().items()
-             if family.is_draft_key(k) and k not in ckpt['model']}
-    check_state_fits(model, {**ckpt['model'], **fresh}, cfg.init_from)   # (a draft's other rank)
-    model.load_state_dict(ckpt['model'], strict=False)
+             if family.is_draft_key(k) and k not in state}
+    check_state_fits(model, {**state, **fresh}, cfg.init_from)   # (a draft's other rank)
+    model.load_state_dict(state, strict=False)
     return model
+
+
+def plain_state(ckpt):
+    """A checkpoint's model state; a LoRA run's with its adapters merged into the projections, as
+    eval.py and sample.py load it (checkpoint.load_model)."""
+    state = ckpt['model']
+    return load_model(ckpt, 'cpu').state_dict() if has_lora_keys(state) else state
 
 
 def draft_run_keys(family):

@@ -13,6 +13,7 @@ from checkpoint import load_checkpoint, load_model
 from conftest import build, tokens
 from data import prepare as P
 from lora import DEFAULT_TARGETS, LoRALinear, apply_lora, lora_parameters, merge_lora
+from model import is_controller_key, is_draft_key
 
 pytestmark = pytest.mark.usefixtures('one_thread')      # tiny ops: see conftest.py
 
@@ -181,6 +182,33 @@ def test_lora_run_keeps_the_backbones_weights_bit_for_bit(backbone):
     with pytest.raises(train.TrainError, match="'lora_rank' differs"):
         train.main([*args, f'--out_dir={out}', '--init_from=resume', '--trainable=lora',
                     '--lora_rank=4', '--max_iters=5'])
+
+
+def test_a_lora_runs_checkpoint_starts_another_run_with_its_adapters_merged(backbone):
+    """init_from=<a LoRA run's ckpt.pt> (a controller on the tuned model, or its draft) starts from
+    the weights eval.py and sample.py load: every projection W + (alpha / r) · B A, bit for bit."""
+    root, args = backbone
+    routed = [*args, '--route=ffn', '--ffn_cheap_rank=2', '--max_iters=2']
+    lora_run = root / 'ffn_lora'
+    assert train.main([*routed, f'--out_dir={root / "ffn_base"}']) == 0
+    assert train.main([*routed, f'--init_from={root / "ffn_base" / "ckpt.pt"}',
+                       '--trainable=lora', '--lora_rank=2', '--learning_rate=1e-2',
+                       f'--out_dir={lora_run}']) == 0
+    tuned = load_checkpoint(str(lora_run / 'ckpt.pt'))
+    merged = load_model(tuned, 'cpu').state_dict()
+    assert any(not torch.equal(merged[k.replace('.lora_A', '.weight')],
+                               tuned['model'][k.replace('.lora_A', '.base.weight')])
+               for k in tuned['model'] if k.endswith('.lora_A'))       # the adapters moved W
+    init = f'--init_from={lora_run / "ckpt.pt"}'
+    for name, extra in (('on_lora_controller', ['--trainable=controller']),
+                        ('on_lora_draft', ['--trainable=draft', '--ffn_draft_rank=2'])):
+        out = root / name
+        assert train.main([*routed, init, *extra, f'--out_dir={out}']) == 0, name
+        state = load_checkpoint(str(out / 'ckpt.pt'))['model']
+        frozen = [k for k in merged if not (is_controller_key(k) or is_draft_key(k))]
+        assert any('.mlp.c_fc.weight' in k for k in frozen)
+        for k in frozen:                        # trained by neither: the LoRA model's, merged
+            assert torch.equal(state[k], merged[k]), (name, k)
 
 
 # --------------------------------------------------------------------------------------------------
