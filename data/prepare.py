@@ -375,7 +375,9 @@ def load_docs(path, max_docs):
     elif suffix == ".jsonl":
         lines = [
             (n, line)
-            for n, line in enumerate(decode_utf8(raw, path).splitlines(), 1)
+            # JSON Lines end at "\n" only: str.splitlines would also cut at U+2028, U+0085 etc.,
+            # which JSON strings may hold unescaped
+            for n, line in enumerate(decode_utf8(raw, path).split("\n"), 1)
             if line.strip()
         ]
         docs = [json_text(line, f"{path} line {n}") for n, line in lines[:max_docs]]

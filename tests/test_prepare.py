@@ -304,6 +304,19 @@ def test_fineweb_edu_jsonl_and_txt(tmp_path, tiktoken_cache):
         assert texts[0] == docs[0] + sep and texts[-1] == ""
 
 
+def test_jsonl_lines_end_at_newlines_only(tmp_path):
+    """JSON may hold U+2028, U+0085 or U+001C unescaped inside a string (json.dumps with
+    ensure_ascii=False writes them so): they are text, not line ends."""
+    docs = ["one\u2028two", "three\x85four", "five\x1csix", "seven"]
+    (tmp_path / "d.jsonl").write_bytes(
+        "".join(json.dumps({"text": d}, ensure_ascii=False) + "\r\n" for d in docs).encode()
+    )
+    assert P.load_docs(tmp_path / "d.jsonl", 10)[1] == docs
+    (tmp_path / "bad.jsonl").write_text('{"text": "a\u2028b"}\n\nnot json\n', encoding="utf-8")
+    with pytest.raises(P.PrepareError, match="bad.jsonl line 3: not a JSON object"):
+        P.load_docs(tmp_path / "bad.jsonl", 10)
+
+
 @pytest.mark.parametrize("tokenizer", ["char", "byte", "gpt2"])
 def test_text_each_tokenizer(tmp_path, tiktoken_cache, tokenizer):
     if tokenizer == "gpt2":
