@@ -356,7 +356,8 @@ def encode_docs(docs, quiet=False):
 
 
 def split_txt_docs(text):
-    docs = re.split(r"^<\|endoftext\|>[ \t]*$\n?", text, flags=re.M)
+    # "\r": a CRLF file's separator line is "<|endoftext|>\r\n" ($ matches before "\n" only)
+    docs = re.split(r"^<\|endoftext\|>[ \t\r]*$\n?", text, flags=re.M)
     return [d for d in docs if d.strip()]
 
 

@@ -317,6 +317,14 @@ def test_jsonl_lines_end_at_newlines_only(tmp_path):
         P.load_docs(tmp_path / "bad.jsonl", 10)
 
 
+def test_txt_documents_split_at_crlf_separator_lines(tmp_path):
+    (tmp_path / "d.txt").write_bytes(b"doc one\r\n<|endoftext|>\r\ndoc two\r\n<|endoftext|> \r\n"
+                                     b"doc three\r\n")
+    assert P.load_docs(tmp_path / "d.txt", 10)[1] == ["doc one\r\n", "doc two\r\n",
+                                                       "doc three\r\n"]
+    assert P.split_txt_docs("a\n<|endoftext|>\nb\n") == ["a\n", "b\n"]
+
+
 @pytest.mark.parametrize("tokenizer", ["char", "byte", "gpt2"])
 def test_text_each_tokenizer(tmp_path, tiktoken_cache, tokenizer):
     if tokenizer == "gpt2":
