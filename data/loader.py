@@ -137,7 +137,8 @@ class Batches:
         self.path, self.np_dtype, self.mask_path = path, np_dtype, mask_path
         self.T, self.B, self.seed, self.device = block_size, batch_size, seed, device
         n = len(np.memmap(path, dtype=np_dtype, mode='r'))
-        self.n_windows = (n - 1 - block_size) // block_size
+        # window k reads tokens k·T + shift .. k·T + shift + T, shift < T: n ≥ (k + 2)·T
+        self.n_windows = (n - block_size) // block_size
         if self.n_windows < 1:
             raise DataError(f"{path} holds {n} tokens, too few for block_size={block_size}")
         self._perm = {}

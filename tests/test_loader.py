@@ -23,7 +23,7 @@ def test_batches_epochs_ranks_and_shift(block_size, batch_size, seed, extra, wid
         cpu = torch.device("cpu")
         b = loader.Batches(path, dtype, block_size, batch_size, seed, cpu)
         n_win = b.n_windows
-        assert n_win == (n - 1 - block_size) // block_size >= 1
+        assert n_win == (n - block_size) // block_size >= 1
 
         # rows of 3 epochs: within an epoch, the starts are exactly {k*T + shift}, each once
         rows_needed = 3 * n_win
@@ -85,11 +85,29 @@ def test_batches_epochs_ranks_and_shift(block_size, batch_size, seed, extra, wid
 
 def test_batches_rejects_too_short_file(tmp_path):
     path = tmp_path / "tok.bin"
-    np.arange(64, dtype=np.uint16).tofile(path)
-    with pytest.raises(loader.DataError, match="too few"):
+    np.arange(63, dtype=np.uint16).tofile(path)
+    with pytest.raises(loader.DataError, match="holds 63 tokens, too few for block_size=32"):
         loader.Batches(str(path), np.uint16, 32, 4, 0, torch.device("cpu"))
-    # 64 - 1 - 31 = 32 -> 1 window
-    loader.Batches(str(path), np.uint16, 31, 4, 0, torch.device("cpu"))
+    # a window of T + 1 tokens at a shift of up to T - 1: 2T tokens hold one window
+    np.arange(64, dtype=np.uint16).tofile(path)
+    assert loader.Batches(str(path), np.uint16, 32, 4, 0, torch.device("cpu")).n_windows == 1
+
+
+@pytest.mark.parametrize("n, windows", [(12, 2), (13, 2), (15, 2), (16, 3)])
+def test_every_window_that_fits_every_shift_is_read(tmp_path, n, windows):
+    """n tokens, T = 4: k windows at starts k*T + shift (shift < T) read up to token k*T + 2T - 1,
+    so the file holds (n - T) // T of them: a file of 12 is read to its last token."""
+    path = tmp_path / "tok.bin"
+    np.arange(n, dtype=np.uint16).tofile(path)
+    b = loader.Batches(str(path), np.uint16, 4, 1, 0, torch.device("cpu"))
+    assert b.n_windows == windows
+    starts = np.concatenate([b.starts(j) for j in range(200 * windows)])
+    assert starts.max() + 4 + 1 <= n
+    read = set()
+    for s in starts.tolist():
+        read.update(range(s, s + 5))
+    assert max(read) == windows * 4 + 3                # the last window at the largest shift
+    assert (max(read) == n - 1) == (n % 4 == 0)
 
 
 def test_batches_seed_changes_order(tmp_path):
