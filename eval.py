@@ -99,7 +99,8 @@ def evaluate(model, batches, autocast=nullcontext(), force=None, quiet=True, des
         for x, y in progress.progress(batches, desc=desc, quiet=quiet):
             with autocast:
                 _, loss, aux = model(x, y, force=force)
-            losses.append(float(aux['lm_loss']))
+            if bool((y != -1).any()):      # a batch with no counted target has no loss
+                losses.append(float(aux['lm_loss']))
             if 'full_frac' in aux:
                 fracs.append(aux['full_frac'].float().cpu())
                 # e.g. MoD pads each row to the longest on the compact path
@@ -110,7 +111,7 @@ def evaluate(model, batches, autocast=nullcontext(), force=None, quiet=True, des
                 if k in aux:
                     extra.setdefault(k, []).append(float(aux[k]))
     full = torch.stack(fracs).mean(0).tolist() if fracs else None
-    return dict(loss=float(np.mean(losses)), full_frac=full,
+    return dict(loss=float(np.mean(losses)) if losses else float('nan'), full_frac=full,
                 exec_frac=torch.stack(execs).mean(0).tolist() if execs else full,
                 **{k: float(np.mean(v)) for k, v in extra.items()})
 

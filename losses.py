@@ -18,8 +18,10 @@ def per_token_ce(logits, targets):
 
 
 def lm_loss(logits, targets):
-    """L_LM = mean_t CE_t over positions whose target is not −1."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+    """L_LM = mean_t CE_t over positions whose target is not −1; 0 (no gradient) where none is,
+    e.g. a task's window that holds no answer, whose mean would be NaN."""
+    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+    return torch.where(targets.ne(-1).any(), ce, ce.new_zeros(()))
 
 
 def oracle_utility(ce_cheap, ce_full):

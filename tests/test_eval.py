@@ -152,6 +152,15 @@ def test_room_brackets_match_a_hand_computation(seed, B, T, budget):
     assert model.config.ffn_gate == 'mlp' and not model.training
 
 
+def test_eval_loss_is_the_mean_over_batches_that_count_a_target():
+    """A batch whose targets are all -1 (a task's window that holds no whole problem) has no loss:
+    the eval loss is the mean over the other batches, not NaN nor lowered by a 0."""
+    model = build(0, n_layer=2, ffn_gate='mlp', ffn_budget=0.5).eval()
+    batches = [(tokens(s, 2, 8), tokens(s + 1, 2, 8)) for s in range(2)]
+    empty = (tokens(5, 2, 8), torch.full((2, 8), -1))
+    assert ev.evaluate(model, batches + [empty])['loss'] == ev.evaluate(model, batches)['loss']
+
+
 # --------------------------------------------------------------------------------------------------
 # progress bars over eval.py's passes: on a terminal only, never changing a number
 

@@ -88,3 +88,19 @@ def test_utility_regression_equals_brute_force(seed, B, T):
     assert losses.utility_regression(s, U, valid).item() == pytest.approx(
         brute, rel=1e-5, abs=1e-7
     )
+
+
+def test_lm_loss_of_targets_all_ignored_is_zero_with_no_gradient():
+    """A task's window can hold no answer the loss counts (every target -1, e.g. arith at a short
+    block_size): its loss is 0, not the NaN of a mean over no tokens, and it moves nothing."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 7, generator=g, requires_grad=True)
+    none = torch.full((2, 5), -1)
+    loss = losses.lm_loss(logits, none)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(logits.grad, torch.zeros_like(logits))
+    some = none.clone()
+    some[1, 2], some[0, 4] = 3, 6
+    want = torch.nn.functional.cross_entropy(logits.detach().flatten(0, 1), some.flatten(),
+                                             ignore_index=-1)
+    assert torch.equal(losses.lm_loss(logits.detach(), some), want)      # unchanged otherwise
