@@ -328,13 +328,15 @@ def exit_report(model, batches, autocast, evaluate, thresholds=(0.5, 0.7, 0.8, 0
             for d in model.exit_ids:
                 vals = []
                 for x, y in batches:
+                    if not bool((y != -1).any()):      # no counted target: no loss (evaluate)
+                        continue
                     with autocast:
                         h = model.embed(x)
                         for block in model.transformer.h[:d]:
                             h = block(h)
                         # the positions the LM loss counts (a task's targets -1 are not)
                         vals.append(float(losses.lm_loss(exit_logits(model, d, h), y)))
-                per_exit[d] = float(np.mean(vals))
+                per_exit[d] = float(np.mean(vals)) if vals else float('nan')
     return dict(thresholds=rows, per_exit_loss=per_exit)
 
 
