@@ -140,7 +140,9 @@ class Batches:
         # window k reads tokens k·T + shift .. k·T + shift + T, shift < T: n ≥ (k + 2)·T
         self.n_windows = (n - block_size) // block_size
         if self.n_windows < 1:
-            raise DataError(f"{path} holds {n} tokens, too few for block_size={block_size}")
+            raise DataError(f"{path} holds {n} tokens, too few for block_size={block_size} "
+                            f"(a window at every shift needs {2 * block_size}): lower "
+                            "--block_size or prepare a larger split")
         self._perm = {}
 
     def _epoch(self, e):

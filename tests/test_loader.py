@@ -86,7 +86,8 @@ def test_batches_epochs_ranks_and_shift(block_size, batch_size, seed, extra, wid
 def test_batches_rejects_too_short_file(tmp_path):
     path = tmp_path / "tok.bin"
     np.arange(63, dtype=np.uint16).tofile(path)
-    with pytest.raises(loader.DataError, match="holds 63 tokens, too few for block_size=32"):
+    with pytest.raises(loader.DataError, match=r"holds 63 tokens, too few for block_size=32 "
+                       r"\(a window at every shift needs 64\): lower --block_size"):
         loader.Batches(str(path), np.uint16, 32, 4, 0, torch.device("cpu"))
     # a window of T + 1 tokens at a shift of up to T - 1: 2T tokens hold one window
     np.arange(64, dtype=np.uint16).tofile(path)
