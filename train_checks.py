@@ -70,6 +70,9 @@ def check_train_config(cfg):
     for key, lo in at_least.items():
         if getattr(cfg, key) < lo:
             raise TrainError(f"{key} must be >= {lo}, got {getattr(cfg, key)}")
+    for key in ('seed', 'eval_seed'):      # numpy's generators take 32-bit seeds
+        if getattr(cfg, key) >= 2**32:
+            raise TrainError(f"{key} must be < 2**32, got {getattr(cfg, key)}")
     for key in ('learning_rate', 'min_lr', 'weight_decay', 'grad_clip'):
         if not getattr(cfg, key) >= 0:         # also refuses NaN
             raise TrainError(f"{key} must be >= 0, got {getattr(cfg, key)}")
