@@ -165,7 +165,9 @@ def load_sharded(model, optimizer, out_dir, rel):
     when it was saved (none of their gradients seen yet) get none now either, as in a run that
     was never interrupted."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
     path = os.path.join(out_dir, rel)
     if not os.path.isdir(path):
         raise TrainError(f"ckpt.pt names the sharded checkpoint {path}, which is missing: restore "
@@ -178,8 +180,10 @@ def load_sharded(model, optimizer, out_dir, rel):
         del optim_sd['state'][k]
     state = {'model': model_sd, 'optimizer': optim_sd}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state['model'],
-                   optim_state_dict=state['optimizer'])
+    set_model_state_dict(model, state['model'])
+    # (strict refuses a trainable parameter without state: the stateless ones, on purpose)
+    set_optimizer_state_dict(model, optimizer, state['optimizer'],
+                             options=StateDictOptions(strict=not stateless))
     by_name = dict(model.named_parameters())
     for k in stateless:
         optimizer.state.pop(by_name[k], None)

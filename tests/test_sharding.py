@@ -85,6 +85,48 @@ def test_prune_keeps_only_the_folder_ckpt_names(tmp_path):
     assert os.listdir(tmp_path / sharding.SHARDED_DIR) == ['iter_0000004']
 
 
+@pytest.fixture
+def one_process_group():
+    """A gloo process group of one process (in this one): FSDP2 and DCP run as on one rank."""
+    import torch.distributed as dist
+    dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_parameter_without_optimizer_state_resumes_without_one(one_process_group, tmp_path):
+    """A parameter no step has given a gradient yet (an exit head out of its rotation) has no
+    AdamW state in the shards: loading them leaves it without state, as the run had it, instead
+    of refusing the checkpoint."""
+    def sharded():
+        torch.manual_seed(0)
+        m = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32))
+        m = sharding.shard_model(m, torch.device('cpu'))
+        return m, m.configure_optimizers(0.1, 1e-2, (0.9, 0.95), 'cpu')
+
+    model, opt = sharded()
+    x = torch.randint(0, 32, (2, 8))
+    model(x, x)[1].backward()
+    idle = dict(model.named_parameters())['transformer.h.1.mlp.c_fc.weight']
+    idle.grad = None
+    opt.step()
+    rel, _ = sharding.save_sharded(model, opt, tmp_path, 1, master=True)
+    again, opt2 = sharded()
+    sharding.load_sharded(again, opt2, tmp_path, rel)
+    by_name = dict(again.named_parameters())
+    assert by_name['transformer.h.1.mlp.c_fc.weight'] not in opt2.state
+    for name, p in model.named_parameters():
+        if p is idle:
+            continue
+        q = by_name[name]
+        torch.testing.assert_close(q.full_tensor(), p.full_tensor(), msg=name)
+        for k in ('exp_avg', 'exp_avg_sq'):
+            torch.testing.assert_close(opt2.state[q][k].full_tensor(),
+                                       opt.state[p][k].full_tensor(), msg=name)
+
+
 def test_routed_blocks_stay_in_the_root_unit():
     base = dict(n_layer=3, n_head=2, n_embd=16, block_size=8, vocab_size=32)
     for route, layers, own in [('none', {}, [0, 1, 2]), ('ffn', dict(ffn_layers='1'), [0, 2]),
