@@ -235,12 +235,24 @@ def train_loop(run, argv):
                 print(
                     f"stopped by signal at iteration {run.iter_num}; checkpoint saved to "
                     f"{run.ckpt_path}.\n"
-                    f"resume with: python train.py {shlex.join(argv)} --init_from=resume"
+                    f"resume with: {resume_command(run, argv)}"
                 )
             break
     if run.master or run.sharded:                 # FSDP: every rank joins the report's forward
         with evaluated(run):
             finish_run(run, stopped)
+
+
+def resume_command(run, argv):
+    """The command that continues a stopped run: under torchrun the same launch (FSDP's sharded
+    optimizer state resumes only there), else one process."""
+    launch = 'python'
+    if run.ddp:
+        per_node = int(os.environ.get('LOCAL_WORLD_SIZE', run.world))
+        launch = (f'torchrun --standalone --nproc_per_node={run.world}' if per_node == run.world
+                  else f'torchrun --nnodes={run.world // per_node} --nproc_per_node={per_node} '
+                       '(on each node, with its --node_rank and rendezvous as launched)')
+    return f"{launch} train.py {shlex.join(argv)} --init_from=resume"
 
 
 def setup(cfg, cfg_dict, proc, argv):

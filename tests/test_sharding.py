@@ -78,6 +78,22 @@ def test_a_checkpoint_resumes_under_the_mode_that_wrote_it(monkeypatch):
         sharding.check_resume(cfg(), {'sharded': 'ckpt_dcp/iter_0000004'})
 
 
+def test_a_stopped_run_prints_the_launch_that_resumes_it(monkeypatch):
+    """The resume command a signal prints: under torchrun the same launch (a sharded checkpoint
+    is refused by one process), one process otherwise."""
+    argv = ['--parallel=fsdp', '--out_dir=out/x']
+    monkeypatch.setenv('LOCAL_WORLD_SIZE', '2')
+    cmd = train.resume_command(SimpleNamespace(ddp=True, world=2), argv)
+    assert cmd == ('torchrun --standalone --nproc_per_node=2 train.py --parallel=fsdp '
+                   '--out_dir=out/x --init_from=resume')
+    monkeypatch.setenv('LOCAL_WORLD_SIZE', '8')
+    assert train.resume_command(SimpleNamespace(ddp=True, world=16), argv).startswith(
+        'torchrun --nnodes=2 --nproc_per_node=8 ')
+    monkeypatch.delenv('LOCAL_WORLD_SIZE')
+    assert train.resume_command(SimpleNamespace(ddp=False, world=1), argv) == (
+        'python train.py --parallel=fsdp --out_dir=out/x --init_from=resume')
+
+
 def test_prune_keeps_only_the_folder_ckpt_names(tmp_path):
     for it in (2, 4, 6):              # 6: a save killed midway, after ckpt.pt named 4
         (tmp_path / sharding.SHARDED_DIR / f'iter_{it:07d}').mkdir(parents=True)
