@@ -220,7 +220,28 @@ def interval_state(interval):
         return v.detach().cpu() if torch.is_tensor(v) else v
     return dict(interval, lm=cpu(interval['lm']), frac=cpu(interval['frac']),
                 ctrl_norm=cpu(interval['ctrl_norm']),
-                aux={k: cpu(v) for k, v in interval['aux'].items()})
+                aux={k: cpu(v) for k, v in interval['aux'].items()},
+                **({'lm_ranks': cpu(interval['lm_ranks'])} if 'lm_ranks' in interval else {}))
+
+
+def share_interval(run):
+    """DDP, before a checkpoint (every rank: a collective): every rank's LM sum of the open log
+    interval, which the log step averages over the ranks, so that the checkpoint rank 0 writes
+    keeps each rank's share and not only its own (restore_interval_lm)."""
+    parts = [torch.zeros_like(run.interval['lm']) for _ in range(run.world)]
+    torch.distributed.all_gather(parts, run.interval['lm'])
+    run.interval['lm_ranks'] = torch.stack(parts)
+
+
+def restore_interval_lm(saved, rank, world):
+    """This rank's LM sum of a resumed checkpoint's open log interval: its own share under the
+    same number of processes; else the mean over the ranks that wrote it (the log step averages
+    over the ranks, so every rank starting from the mean logs the same); a single process's (no
+    shares kept) as it is."""
+    ranks = saved.get('lm_ranks')
+    if ranks is None:
+        return saved['lm']
+    return ranks[rank] if len(ranks) == world else ranks.mean()
 
 
 def kept(run):

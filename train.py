@@ -38,7 +38,7 @@ import sharding
 from model import FAMILIES, GPT, GPTConfig, allow_graphs, is_controller_key, is_draft_key
 from run_state import (StopFlag, checkpoint_state, end_ddp_process, eval_rng, finished_already,
                        hold_out_dir, kept, open_inputs, rng_state, seed_rngs, set_rng_state,
-                       start_progress, stop_requested)
+                       share_interval, start_progress, stop_requested)
 from lora import apply_lora, has_lora_keys, lora_parameters
 from train_checks import (TRAINABLE, TrainError, check_against_checkpoint, check_family_options,
                           check_state_fits, check_train_config, model_config)
@@ -218,6 +218,8 @@ def train_loop(run, argv):
     stopped = False                   # by a signal to this process or, under DDP, to any process
     while True:
         if eval_due(run):
+            if run.ddp:                           # the checkpoint keeps every rank's interval
+                share_interval(run)
             if run.master or run.sharded:         # FSDP: every rank (forward and save gather)
                 evaluate_and_checkpoint(run)
             run.t_last, run.it_last = time.time(), run.iter_num

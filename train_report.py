@@ -17,7 +17,7 @@ import torch
 import eval as evaluation
 import flops
 from files import write_whole
-from run_state import drop_records_after, eval_rng, kept
+from run_state import drop_records_after, eval_rng, kept, restore_interval_lm
 from train_checks import RUN_FILES, TrainError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -127,6 +127,9 @@ def start_counters(run):
         saved, **{k: saved[k].to(run.dev) for k in ('lm', 'frac', 'ctrl_norm')
                   if saved[k] is not None},
         aux={k: v.to(run.dev) if torch.is_tensor(v) else v for k, v in saved['aux'].items()})
+    if saved is not None:              # (DDP: each rank's share, run_state.share_interval)
+        run.interval['lm'] = restore_interval_lm(saved, run.rank, run.world).to(run.dev)
+        run.interval.pop('lm_ranks', None)
     skips = run.fp16_skips or dict(skipped=0, last=0, consecutive=0)    # a resumed run's, or none
     run.skipped = torch.full((), float(skips['skipped']), device=run.dev)
     run.last_skipped, run.consecutive_skips = skips['last'], skips['consecutive']

@@ -476,6 +476,50 @@ def start_ddp_and_wait_for_training(synth, tmp, extra):
     return proc, out, pids
 
 
+CUT_WRAPPER = """\
+import os, sys
+sys.path.insert(0, {repo!r})
+import train
+step = train.optimisation_step
+def cut(run):                        # every rank ends here, as a kill would end it
+    if run.iter_num == {cut_at}:
+        sys.stdout.flush()
+        os._exit(0)
+    return step(run)
+train.optimisation_step = cut
+sys.argv = ['train.py'] + sys.argv[1:]
+train.run_cli(train.main)
+"""
+
+
+@pytest.mark.slow
+def test_ddp_resume_mid_log_interval_logs_what_the_uninterrupted_run_logs(synth, tmp_path):
+    """A checkpoint between two log steps (eval every 3, log every 2) of a 2-process run, cut at
+    iteration 4, then resumed: the record at 4 averages every rank's steps 3 and 4, as the run
+    that never stopped does (one process with the same global batch logs the same)."""
+    args = [*TINY, *data_args(synth), "--gradient_accumulation_steps=2", "--max_iters=6",
+            "--eval_interval=3", "--log_interval=2", "--decay_lr=False", "--dropout=0.0"]
+    wrapper = tmp_path / "cut.py"
+    wrapper.write_text(CUT_WRAPPER.format(repo=str(REPO), cut_at=4))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    single = start([sys.executable, "train.py", *args, f"--out_dir={whole}"], cwd=REPO, env=ENV)
+    try:
+        r = run_group([*torchrun, wrapper, *args, f"--out_dir={cut}"], 240, cwd=REPO, env=ENV)
+        require(r.returncode == 0 and load_ckpt(cut)["iter_num"] == 3, r.stderr[-2000:])
+        r = run_group([*torchrun, "train.py", *args, f"--out_dir={cut}", "--init_from=resume"],
+                      240, cwd=REPO, env=ENV)
+        require(r.returncode == 0, r.stderr[-2000:])
+    finally:
+        ok(finish(single, 240))
+    def train_lines(out):
+        return [(m["iter"], m["lm_loss"]) for m in read_metrics(out) if m["type"] == "train"]
+    resumed, uninterrupted = train_lines(cut), train_lines(whole)
+    assert [i for i, _ in resumed] == [i for i, _ in uninterrupted] == [2, 4, 6]
+    for (i, a), (_, b) in zip(resumed, uninterrupted):
+        assert a == pytest.approx(b, rel=1e-5), f"iter {i}"
+
+
 @pytest.mark.slow
 def test_ddp_signal_to_one_worker_stops_all_with_one_message(synth, tmp_path):
     """SIGTERM to rank 1 only: every rank stops at a common iteration, rank 0 saves and prints the
