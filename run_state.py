@@ -215,7 +215,8 @@ def checkpoint_state(run, model=None, sharded=None):
 def interval_state(interval):
     """The sums of the log interval a checkpoint cuts (train_report.new_interval), on the CPU: the
     resumed run's next train record is then the mean over every step of the interval, as the run it
-    continues would have logged it. (Under DDP these are rank 0's sums.)"""
+    continues would have logged it. (Under DDP rank 0's, with every rank's LM sum in lm_ranks:
+    share_interval; the rest is logged as rank 0's anyway.)"""
     def cpu(v):
         return v.detach().cpu() if torch.is_tensor(v) else v
     return dict(interval, lm=cpu(interval['lm']), frac=cpu(interval['frac']),
