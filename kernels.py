@@ -325,6 +325,7 @@ def choose_path(torch_version, device_type, capability, dtype, apis, compiling=F
     'triton') and whether torch.compile is tracing (which excludes the compact path's sync).
 
       NVIDIA sm_90/sm_100, bf16, torch >= 2.8    grouped_mm   CUTLASS reads the count on the device
+        (sm_100 from 2.9: 2.8's kernel is sm_90's alone)
       NVIDIA sm_80+ with triton                  triton       tiles that stop at the device count
       other NVIDIA (sm_7x), or no triton         compact      one sync, cuBLAS on the rows (eager)
       the CPU, eager                             compact      one sync is cheap on the CPU
@@ -333,7 +334,9 @@ def choose_path(torch_version, device_type, capability, dtype, apis, compiling=F
     """
     version, grouped = version_tuple(torch_version), 'grouped_mm' in apis
     if device_type == 'cuda' and capability is not None:
-        if capability[0] in (9, 10) and dtype == torch.bfloat16 and grouped and version >= (2, 8):
+        # 2.8 has the sm_90 CUTLASS kernel alone: it refuses sm_100
+        cutlass = (9,) if version < (2, 9) else (9, 10)
+        if capability[0] in cutlass and dtype == torch.bfloat16 and grouped and version >= (2, 8):
             return 'grouped_mm'
         if capability >= MIN_CAPABILITY and 'triton' in apis:
             return 'triton'
@@ -385,9 +388,12 @@ def available_paths(device, dtype, compiling=False):
     kind, capability = device_facts(device)
     version, apis = version_tuple(torch.__version__), installed_apis()
     paths = []
+    # 2.8's grouped_mm is the sm_90 CUTLASS kernel alone, bf16 only; 2.9 added the loop that
+    # runs the rest (sm_80+, fp16/fp32, the CPU)
     grouped_device = (kind == 'cpu' and version >= (2, 9)) or (
         kind == 'cuda' and (version >= (2, 9) and capability >= MIN_CAPABILITY
-                            or capability[0] in (9, 10)))
+                            or version >= (2, 8) and capability[0] == 9
+                            and dtype == torch.bfloat16))
     if 'grouped_mm' in apis and grouped_device and (dtype == torch.bfloat16 or not compiling):
         paths.append('grouped_mm')
     interpreted = triton is not None and _interpreted(_gather_fc_gelu_kernel)

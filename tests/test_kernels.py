@@ -200,6 +200,8 @@ PATH_TABLE = [
     ('2.11.0+cu130', 'cuda', (9, 0), BF, BOTH, True, 'grouped_mm'),
     ('2.13.0', 'cuda', (10, 0), BF, BOTH, False, 'grouped_mm'),        # B200
     ('2.8.0', 'cuda', (9, 0), BF, BOTH, False, 'grouped_mm'),          # its first release
+    ('2.8.0', 'cuda', (10, 0), BF, BOTH, False, 'triton'),             # 2.8: sm_90 only
+    ('2.8.0', 'cuda', (10, 0), BF, GROUPED, True, 'reference'),
     ('2.7.1', 'cuda', (9, 0), BF, TRITON, False, 'triton'),            # no grouped_mm yet
     ('2.11.0', 'cuda', (9, 0), HF, BOTH, False, 'triton'),             # CUTLASS is bf16 only
     ('2.11.0', 'cuda', (9, 0), FP, BOTH, True, 'triton'),
@@ -262,6 +264,20 @@ def test_default_path_here_and_forced(monkeypatch):
     monkeypatch.setenv('NANODEPTH_PATH', 'fast')
     with pytest.raises(ValueError, match='NANODEPTH_PATH must be one of'):
         kernels.default_path(torch.zeros(1))
+
+
+@pytest.mark.parametrize('capability,dtype,listed', [
+    ((9, 0), BF, True), ((9, 0), HF, False), ((9, 0), FP, False), ((10, 0), BF, False),
+    ((8, 0), BF, False)])
+def test_available_paths_on_torch_2_8_gpus(monkeypatch, capability, dtype, listed):
+    """torch 2.8's grouped_mm is the CUTLASS kernel alone: it refuses any GPU but compute
+    capability 9.x and any dtype but bf16 (the loop that widened both came in 2.9)."""
+    monkeypatch.setattr(torch, '__version__', '2.8.0+cu128')
+    monkeypatch.setattr(kernels, 'device_facts', lambda device: ('cuda', capability))
+    monkeypatch.setattr(kernels, 'installed_apis', lambda: GROUPED)
+    for compiling in (False, True):
+        paths = kernels.available_paths('cpu', dtype, compiling)
+        assert ('grouped_mm' in paths) == listed, (compiling, paths)
 
 
 def test_available_paths_on_this_cpu():
