@@ -549,12 +549,16 @@ def decode_seconds(m, prompt, new, dtype, compiled, plan):
     return max(t, 1e-9) / new
 
 
-def decode_ideal(m, base, prompt, new, dtype, compiled):
-    """Dense forward FLOPs of one position over m's at the fractions its decode realises."""
+def decode_ideal(m, base, prompt, new, dtype, compiled, path):
+    """Dense forward FLOPs of one position over m's at the fractions its decode realises on `path`
+    (the reference computes every row: all-full fractions, as prefill_ideal)."""
     stats = {}
     with autocast_context(prompt.device, dtype):
         m.generate(prompt, new, temperature=0, compile=compiled, stats=stats)
-    return 1 / prefill_flops_ratio(m.config, base, 1, stats['full_frac'])
+    fracs = stats['full_frac']
+    if path == 'reference':
+        fracs = [1.0] * len(fracs)
+    return 1 / prefill_flops_ratio(m.config, base, 1, fracs)
 
 
 def decode_section(rec, base, dev, plan, seed, dense, routed):
@@ -581,7 +585,7 @@ def decode_section(rec, base, dev, plan, seed, dense, routed):
                     m.exec_mode = path
                     torch.manual_seed(seed)
                     t = decode_seconds(m, prompt, new, dtype, compiled, plan)
-                    ideal = decode_ideal(m, base, prompt, new, dtype, compiled)
+                    ideal = decode_ideal(m, base, prompt, new, dtype, compiled, path)
                     return [row('decode', route, DECODE_BUDGET, b, path, dtype, compiled, t * 1e3,
                                 dense_s[key] * 1e3, ideal, tokens_per_s=b / t)]
                 rec.run(f"decode {route} b={DECODE_BUDGET} batch {b} {path} {dtype}", routed_row)

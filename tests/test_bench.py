@@ -377,6 +377,34 @@ def test_gpu_suite_check_catches_a_wrong_path(route, dtype, monkeypatch):
         check()
 
 
+@pytest.mark.parametrize('route', ['ffn', 'mod'])
+def test_gpu_suite_decode_ideal_counts_every_row_on_the_reference(route):
+    """Decode rows' ideal is the dense FLOPs over the routed FLOPs as executed, as for prefill: the
+    reference path computes every row (the all-full fractions), whatever the decisions were;
+    another path saves the realised fractions' rows."""
+    import bench_suite
+    from bench import eval_model
+    base = tiny_suite_base()
+    torch.manual_seed(0)
+    m = eval_model(bench_suite.check_config(base, route), torch.device('cpu'))
+    prompt = torch.randint(0, base.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    stats = {}
+    m.exec_mode = 'reference'
+    torch.manual_seed(0)
+    with torch.no_grad():
+        ideal = bench_suite.decode_ideal(m, base, prompt, 3, 'float32', False, 'reference')
+        m.generate(prompt, 3, temperature=0, stats=stats)
+    layers = len(stats['full_frac'])
+    assert 0 < min(stats['full_frac']) and max(stats['full_frac']) < 1
+    assert ideal == 1 / bench.prefill_flops_ratio(m.config, base, 1, [1.0] * layers)
+    assert ideal <= 1 + 1e-12
+    m.exec_mode = 'compact'
+    torch.manual_seed(0)
+    with torch.no_grad():
+        saved = bench_suite.decode_ideal(m, base, prompt, 3, 'float32', False, 'compact')
+    assert saved > 1
+
+
 def test_gpu_suite_mismatch_exits_1_with_one_line(tmp_path, monkeypatch, capsys):
     """A mismatch stops the suite before any row: one 'error:' line, exit code 1, the error kept in
     suite.json."""
