@@ -433,6 +433,8 @@ def mlp_rows_grouped(x, order, lo, hi, w_fc, b_fc, w_proj, b_proj, approximate, 
     (static N rows, wrapping past N), one group of hi - lo rows, then scattered back; the gathered
     rows past the group are garbage and only ever discarded."""
     N = x.size(0)
+    # a range past the last row must not wrap around to the first ones
+    lo, hi = lo.clamp(0, N), hi.clamp(0, N)
     i = torch.arange(N, device=x.device)
     rows = order.index_select(0, (i + lo) % max(N, 1))
     n = (hi - lo).clamp(0, N).to(torch.int32)

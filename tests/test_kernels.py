@@ -348,6 +348,21 @@ def test_every_path_at_the_edge_counts(path, count, dtype):
 
 
 @pytest.mark.parametrize('path', cpu_paths('grouped_mm', 'compact', 'reference'))
+@pytest.mark.parametrize('lo,hi', [(5, 15), (0, 40), (12, 13), (13, 20)])
+def test_every_path_stops_at_the_last_row(path, lo, hi):
+    """A range that ends past the N = 12 rows (hi > N, lo = N) covers the sorted positions up to
+    N - 1 only: no row outside [lo, N) is written, the others as by the per-row loop."""
+    mlp = make_mlp(16, 32, True, 'none', torch.float32, 0)
+    torch.manual_seed(lo)
+    x, out = torch.randn(12, 16), torch.randn(12, 16)
+    order, _ = kernels.sort_by_mask(torch.rand(12) < 0.5)
+    c = SimpleNamespace(x=x, order=order, lo=torch.tensor(lo), hi=torch.tensor(hi), mlp=mlp,
+                        out=out)
+    with torch.no_grad():
+        check_rows(c, lambda *a: kernels.mlp_rows(*a, path=path))
+
+
+@pytest.mark.parametrize('path', cpu_paths('grouped_mm', 'compact', 'reference'))
 @pytest.mark.parametrize('count', [0, 1, 23, 24])
 def test_prefix_linear_computes_the_packed_rows(path, count):
     torch.manual_seed(count)
