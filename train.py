@@ -583,7 +583,6 @@ def evaluate_and_checkpoint(run):
     if run.master:
         log_eval(run, res)
     if not run.cfg.eval_only and run.iter_num > 0:
-        run.flops_state['wall_s'] = time.time() - run.t_run
         save_run(run)
 
 
@@ -613,6 +612,9 @@ def save_run(run):
     """Everything an exact resume needs, written atomically; never a broken model over a good
     checkpoint. FSDP: every rank saves its shards (DCP), then rank 0 writes ckpt.pt with the whole
     model (what eval.py, sample.py and init_from read) naming the shards' folder."""
+    # every checkpoint, the one a signal makes too, keeps the time run so far: a resume goes on
+    # from it
+    run.flops_state['wall_s'] = time.time() - run.t_run
     if run.sharded:
         if not sharding.all_finite(list(run.raw_model.parameters())):
             raise TrainError(f"non-finite weights at iteration {run.iter_num}; {kept(run)}")

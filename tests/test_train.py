@@ -309,6 +309,37 @@ def test_a_checkpoint_inside_a_log_interval_resumes_its_means(synth, tmp_path, m
     assert sa == sb and sa["skipped_steps"] == 2
 
 
+def test_a_signal_checkpoint_keeps_the_wall_time_up_to_the_stop(synth, tmp_path, monkeypatch):
+    """A run stopped by a signal between evals checkpoints the wall time it ran up to the stop,
+    so that the resumed run's summary counts those steps' time too."""
+    args = [*TINY, *data_args(synth), "--n_layer=1", "--block_size=16", "--batch_size=2",
+            "--eval_iters=1", "--calib_iters=1", "--max_iters=3", "--eval_interval=100",
+            f"--out_dir={tmp_path}"]
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    real_step, pause = train.optimisation_step, 0.3
+
+    def slow_step(run):            # two slow steps after the first eval, then SIGTERM
+        out = real_step(run)
+        time.sleep(pause)
+        if run.iter_num == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            monkeypatch.setattr(train, "optimisation_step", slow_step)
+            assert train.main(args) == 0
+            assert load_ckpt(tmp_path)["iter_num"] == 2
+            assert load_ckpt(tmp_path)["flops_state"]["wall_s"] >= 2 * pause
+            monkeypatch.setattr(train, "optimisation_step", real_step)
+            assert train.main([*args, "--init_from=resume"]) == 0
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    summary = [r for r in read_metrics(tmp_path) if r["type"] == "summary"][-1]
+    assert summary["iter"] == 3 and summary["wall_s"] >= 2 * pause
+
+
 # --------------------------------------------------------------------------------------------------
 # 2. DDP (2 CPU processes, gloo) == 1 process with the same global batch
 
