@@ -126,8 +126,11 @@ from runlock import lock_folder
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(HERE, 'train.py')
-# two-sided 95% quantiles of Student's t for df = 1..10 (df > 10 uses the normal 1.96 as a bound)
-T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]
+# two-sided 95% quantiles of Student's t for df = 1..30; df > 30 uses df = 30's, a bound above the
+# true quantile (2.042 > 2.000 at df 60; the normal's 1.96 would be below every one)
+T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+       2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+       2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
 ROOM_FACTOR = 10           # arm differences count where the room is >= 10 × the reference arm's
                            # seed std
 THRESHOLD_FACTOR = 1.05     # default threshold: 1.05 × the reference arm's final train LM loss
@@ -542,7 +545,7 @@ def paired(arm_vals, ref_vals, lower_better):
         return None
     n, m = len(d), float(np.mean(d))
     half = (
-        (T95[n - 2] if n - 2 < len(T95) else 1.96) * float(np.std(d, ddof=1)) / math.sqrt(n)
+        T95[min(n - 2, len(T95) - 1)] * float(np.std(d, ddof=1)) / math.sqrt(n)
         if n > 1
         else float('nan')
     )

@@ -319,6 +319,22 @@ def test_a_relative_out_root_is_the_same_folder_from_any_working_directory(tmp_p
     assert not (elsewhere / 'out').exists()
 
 
+@pytest.mark.parametrize('n', [2, 3, 11, 12, 31, 32, 60])
+def test_paired_interval_is_students_t_never_narrower(n):
+    """The 95% half-width of the per-seed differences: Student's t at n - 1 degrees of freedom
+    (scipy's, to 3 decimals) up to 31 seeds, a wider bound beyond, never the normal's 1.96."""
+    stats = pytest.importorskip('scipy.stats')
+    d = [0.01 * ((7 * i) % 5 - 2) + 0.003 * i for i in range(n)]
+    got = sweep.paired([x + 1.0 for x in d], [1.0] * n, lower_better=True)
+    spread = float(np.std(d, ddof=1)) / math.sqrt(n)
+    t = float(stats.t.ppf(0.975, n - 1))
+    half = got['ci95'][1] - got['mean_diff']
+    if n <= 31:
+        assert half == pytest.approx(t * spread, abs=1e-3 * spread)
+    else:
+        assert t * spread <= half <= 1.03 * t * spread
+
+
 def test_sign_test_against_the_binomial_by_hand():
     assert sweep.sign_test(3, 0) == pytest.approx(2 / 8)          # 2 · P(3 of 3) = 2 · 1/8
     assert sweep.sign_test(0, 5) == pytest.approx(2 / 32)
