@@ -176,8 +176,9 @@ def count_flops(run, opts):
 
 
 def log_progress(run, lr, loss_sum, norm, step):
-    """Every log_interval steps: the interval's means (global under DDP), a stop if training
-    diverged, and (rank 0) one printed line and one 'train' record."""
+    """Every log_interval steps: the interval's means (the loss and LM loss global under DDP; the
+    routing fractions, grad norm and auxiliary terms rank 0's), a stop if training diverged, and
+    (rank 0) one printed line and one 'train' record."""
     iv = run.interval
     if run.ddp:                                # log the global mean, not rank 0's share
         both = torch.stack([loss_sum, iv['lm']])
