@@ -77,8 +77,9 @@ class TensorBoard:
         if not resumed:                     # the run this one replaces (as its metrics.jsonl)
             for old in glob.glob(os.path.join(glob.escape(cfg.out_dir), 'events.out.tfevents.*')):
                 os.remove(old)
-        self.writer = SummaryWriter(
-            cfg.out_dir, purge_step=iter_num + 1 if resumed and not cfg.eval_only else None)
+        # any resume, an eval-only one too, drops the killed run's records past the checkpoint
+        # from metrics.jsonl (train_report.open_run_files): hide the same steps here
+        self.writer = SummaryWriter(cfg.out_dir, purge_step=iter_num + 1 if resumed else None)
 
     def write(self, step, values):
         for tag, value in values.items():

@@ -88,6 +88,23 @@ def test_a_resume_shows_each_step_once_with_the_resumed_values(data_args, tmp_pa
                                                                        rel=1e-6)
 
 
+def test_an_eval_only_resume_hides_what_metrics_jsonl_drops(data_args, tmp_path):
+    """An evaluation of a killed run's checkpoint drops the records logged after it from
+    metrics.jsonl: TensorBoard hides the same steps."""
+    pytest.importorskip('tensorboard')
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    out = tmp_path / 'out'
+    args = [*TINY, *data_args, '--log=tensorboard', f'--out_dir={out}']
+    train.main([*args, '--max_iters=2'])
+    ckpt_at_2 = (out / 'ckpt.pt').read_bytes()
+    train.main([*args, '--max_iters=4', '--init_from=resume'])
+    (out / 'ckpt.pt').write_bytes(ckpt_at_2)           # as if killed before its checkpoint at 4
+    train.main([*args, '--max_iters=4', '--init_from=resume', '--eval_only=True'])
+    acc = EventAccumulator(str(out), size_guidance={'scalars': 0}).Reload()
+    want = expected(records(out), 'train', 'lr')
+    assert [e.step for e in acc.Scalars('train/lr')] == [s for s, _ in want] == [1, 2]
+
+
 def wandb_records(path):
     """The records of an offline W&B run file: a 7-byte header, then LevelDB-log chunks (32 KiB
     blocks; 7-byte chunk headers: crc, length, type FULL=1 / FIRST=2 / MIDDLE=3 / LAST=4) holding
