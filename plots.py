@@ -39,7 +39,7 @@ import numpy as np
 
 import flops
 from checkpoint import CheckpointError, load_checkpoint
-from configurator import ConfigError, run_cli
+from configurator import ConfigError, asks_help, print_help, run_cli
 from files import write_whole
 from model import FAMILIES, GPTConfig
 
@@ -443,6 +443,9 @@ def write_plots(root, arms=None, out_dir=None, frontier=None):
 
 
 def main(argv):
+    if asks_help(argv):
+        return print_help(__doc__, "python plots.py OUT_ROOT   (a study's out_root, as written by "
+                          "sweep.py)", [])
     if len(argv) != 1 or not os.path.isdir(argv[0]):
         raise ConfigError(
             "usage: python plots.py OUT_ROOT   (a study's out_root, as written by sweep.py)"

@@ -310,3 +310,14 @@ def test_frontier_plots_for_dense_sizes_and_a_routed_arm(tmp_path):
     assert isinstance(
         plots.plot_pareto(plots.pyplot(), runs, 'eval_flops', 'x', frontier=['small']), str
     )
+
+
+def test_help_gives_the_purpose_and_usage_and_exits_0(tmp_path, monkeypatch, capsys):
+    """--help and -h, as every script answers them: on stdout, exit 0, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    for flag in ('--help', '-h'):
+        assert plots.main([flag]) == 0
+        out, err = capsys.readouterr()
+        assert out.startswith('Plots of a study, as PNG files in OUT_ROOT/plots/') and err == ''
+        assert 'usage: python plots.py OUT_ROOT' in out
+    assert list(tmp_path.iterdir()) == []
