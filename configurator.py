@@ -405,7 +405,7 @@ def help_text(doc, usage, groups, flags=None):
     paragraphs = doc.strip().split('\n\n')
     purpose = ' '.join(paragraphs[0].split())
     examples = [line.strip() for line in doc.splitlines()
-                if line.startswith('    ') and line.split()[0] in ('python', 'torchrun')]
+                if line.startswith('    ') and line.split()[:1] in (['python'], ['torchrun'])]
     out = [textwrap.fill(purpose, 100), '', 'usage: ' + usage]
     if examples:
         out += ['', 'examples:', *('  ' + e for e in examples)]

@@ -351,3 +351,11 @@ def test_help_text_lists_defaults_descriptions_groups_and_flags_undocumented_one
     assert lines.index('x options:') < lines.index('other:')
     assert all(len(line) <= 100 for line in lines)
     assert asks_help(['--a=1', '-h']) and asks_help(['--help']) and not asks_help(['--helper=1'])
+
+
+def test_help_text_takes_a_docstring_with_an_indented_blank_line():
+    """A line of spaces alone in an indented example block is no example, and no crash."""
+    from configurator import help_text
+    text = help_text('Do a thing.\n\n    python x.py --a=1\n    \n    python x.py --a=2\n',
+                     'python x.py', [])
+    assert text.splitlines()[-2:] == ['  python x.py --a=1', '  python x.py --a=2']
