@@ -86,8 +86,8 @@ import torch
 import bench_speculative
 import flops
 import train
-from configurator import (ConfigError, asks_help, load_config, print_help, run_cli, smoke_caps,
-                          source_group, writable_file)
+from configurator import (ConfigError, asks_help, given_keys, load_config, print_help, run_cli,
+                          smoke_caps, source_group, writable_file)
 from device import autocast_context, cli_device, resolve_device_dtype
 from files import taking_turns, write_whole
 from model import FAMILIES, GPT
@@ -862,7 +862,7 @@ def print_decode_vs_hf(res):
 def quick_preset(cfg, argv):
     """cfg with the QUICK values for every key the command line does not set (a prompt and
     decode within the smaller context; smoke caps applied again on top)."""
-    given = {a[2:].partition('=')[0] for a in argv if a.startswith('--')}
+    given = given_keys(argv)
     quick = {k: v for k, v in QUICK.items() if k not in given}
     if 'block_size' in quick and 'block_size' not in given:
         quick['block_size'] = min(cfg['block_size'], QUICK['block_size'])
@@ -882,7 +882,7 @@ def parse_args(argv):
     cfg = load_config({**train.DEFAULTS, **BENCH_DEFAULTS}, argv)
     if cfg['quick']:
         cfg = quick_preset(cfg, argv)
-    given = {a[2:].partition('=')[0] for a in argv if a.startswith('--')}
+    given = given_keys(argv)
     if 'init_from' in given and cfg['init_from'] != 'scratch' and not cfg['speculate']:
         # the other timings build a random model of the config's shape: the run would go unread
         raise ConfigError(f"--init_from={cfg['init_from']}: bench.py times a run's checkpoint "

@@ -71,7 +71,7 @@ import torch
 
 import train
 from checkpoint import load_checkpoint, load_model
-from configurator import ConfigError
+from configurator import ConfigError, given_keys
 from data.loader import dataset_folder
 from device import autocast_context, resolve_device_dtype
 from model import FAMILIES, GPT, GPTConfig
@@ -133,7 +133,7 @@ def check_options(cfg, argv):
     """Refuse, before any work, what --speculate cannot time: K < 1, another mode beside it, a draft
     or depth the family lacks, a model that cannot generate, or a prompt plus decode_tokens past the
     model's block_size. Returns the model config, or None without --speculate."""
-    given = [a[2:].partition('=')[0] for a in argv if a.startswith('--')]
+    given = given_keys(argv)
     if not cfg['speculate']:
         for key in ('draft', 'draft_layers', 'draft_stop', 'temperature', 'one_graph',
                     'passes_per_graph'):

@@ -56,7 +56,7 @@ import kernels
 import train
 from bench import (controller_g1_config, eval_model, prefill_flops_ratio, routed_model,
                    time_train_step, timed)
-from configurator import SMOKE_ENV, ConfigError, writable_folder
+from configurator import SMOKE_ENV, ConfigError, given_keys, writable_folder
 from device import autocast_context, cli_device
 from files import write_whole
 from model import DECODE_GRAPHS, FAMILIES, allow_graphs
@@ -103,7 +103,7 @@ class PathMismatch(Exception):
 def check_options(cfg, argv):
     """Refuse, before any work, what the suite would not read: a suite name other than SUITES, a
     config file or another option beside --suite, or a suite option without --suite."""
-    given = [a[2:].partition('=')[0] for a in argv if a.startswith('--')]
+    given = given_keys(argv)
     if 'suite' in given and not cfg['suite']:
         raise ConfigError("--suite is empty; name a suite (--suite=gpu) or drop --suite")
     if not cfg['suite']:
@@ -600,7 +600,7 @@ def run(cfg, argv):
     """bench.py --suite=gpu: returns the exit code (0; 1 on a correctness mismatch or a failed
     row)."""
     plan = dict(PLANS['smoke' if smoke_plan(cfg) else 'real'])
-    given = {a[2:].partition('=')[0] for a in argv if a.startswith('--')}
+    given = given_keys(argv)
     for key in ('bench_steps', 'bench_warmup'):
         if key in given:
             plan[key] = cfg[key]

@@ -303,6 +303,11 @@ def load_config(defaults, argv):
 HELP_FLAGS = ('--help', '-h')
 
 
+def given_keys(argv):
+    """The keys argv sets on the command line (--key=value; a config file's are not among them)."""
+    return {a[2:].partition('=')[0] for a in argv if a.startswith('--')}
+
+
 def asks_help(argv):
     return any(a in HELP_FLAGS for a in argv)
 

@@ -15,6 +15,7 @@ from dataclasses import asdict
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_map_only
 
 from checkpoint import load_checkpoint
 from configurator import UserError
@@ -217,12 +218,7 @@ def interval_state(interval):
     resumed run's next train record is then the mean over every step of the interval, as the run it
     continues would have logged it. (Under DDP rank 0's, with every rank's LM sum in lm_ranks:
     share_interval; the rest is logged as rank 0's anyway.)"""
-    def cpu(v):
-        return v.detach().cpu() if torch.is_tensor(v) else v
-    return dict(interval, lm=cpu(interval['lm']), frac=cpu(interval['frac']),
-                ctrl_norm=cpu(interval['ctrl_norm']),
-                aux={k: cpu(v) for k, v in interval['aux'].items()},
-                **({'lm_ranks': cpu(interval['lm_ranks'])} if 'lm_ranks' in interval else {}))
+    return tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), interval)
 
 
 def share_interval(run):

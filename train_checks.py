@@ -12,7 +12,7 @@ import torch
 
 import loggers
 from checkpoint import CheckpointError, check_init_from
-from configurator import UserError, writable_folder
+from configurator import UserError, given_keys, writable_folder
 from data.loader import check_checkpoint_data, check_data_folder
 from lora import check_targets
 from model import FAMILIES, GPT, GPTConfig, read_stored_config
@@ -180,7 +180,7 @@ def check_family_options(cfg, argv, defaults):
     """Refuse another family's option given on the command line with a non-default value (e.g.
     --route=halt --ffn_gate=jepa); only note the ones a config file set, since a study's arms switch
     route on a shared base file (they are recorded in config.json but change nothing)."""
-    given = {a[2:].partition('=')[0] for a in argv if a.startswith('--')}
+    given = given_keys(argv)
     mine = set(FAMILIES[cfg.route].options)
     if cfg.trainable == 'last_layers':      # the dense fine-tuning baseline's number of last blocks
         mine.add(FAMILIES[cfg.route].last_layers_option)

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_map_only
 
 import eval as evaluation
 import flops
@@ -123,12 +124,11 @@ def start_counters(run):
     run.dense_step = 3 * flops.dense_forward_flops(run.raw_model.config, cfg.block_size)
     run.step_costs = {}
     saved = run.interval           # a resumed checkpoint's unfinished log interval, or None
-    run.interval = new_interval(run.dev) if saved is None else dict(
-        saved, **{k: saved[k].to(run.dev) for k in ('lm', 'frac', 'ctrl_norm')
-                  if saved[k] is not None},
-        aux={k: v.to(run.dev) if torch.is_tensor(v) else v for k, v in saved['aux'].items()})
-    if saved is not None:              # (DDP: each rank's share, run_state.share_interval)
-        run.interval['lm'] = restore_interval_lm(saved, run.rank, run.world).to(run.dev)
+    if saved is None:
+        run.interval = new_interval(run.dev)
+    else:                          # (DDP: each rank's share of the LM sum, share_interval)
+        run.interval = tree_map_only(torch.Tensor, lambda t: t.to(run.dev), saved)
+        run.interval['lm'] = restore_interval_lm(run.interval, run.rank, run.world)
         run.interval.pop('lm_ranks', None)
     skips = run.fp16_skips or dict(skipped=0, last=0, consecutive=0)    # a resumed run's, or none
     run.skipped = torch.full((), float(skips['skipped']), device=run.dev)
