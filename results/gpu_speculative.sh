@@ -5,10 +5,11 @@
 # Each stage is one bench.py process (greedy, 60 tokens from 64-token prompts, 10 repeats a side,
 # both sides compiled), passes apart and 4 chained in one graph (--passes_per_graph=1,4) timed in
 # the same process, writing FOLDER/speculative_<stage>.json (.partial.json if stopped first) and
-# its output to FOLDER/log.txt. The stages run in order of what they tell, each stopped at its
-# own limit or at what is left of SECONDS (540), so a cold compile that runs long costs the last
-# stages, not the first. Compiled code is kept in $COMPILE_CACHE (out/compile_cache_gpu.bin), also
-# by a stage that is stopped: a machine that starts bare then compiles only what no run kept. Time
+# its output to FOLDER/log.txt. The stages run in order of what they tell (what no GPU has
+# measured first), each stopped at its own limit or at what is left of SECONDS (540), so a cold
+# compile that runs long costs the last stages, not the first. Compiled code is kept in
+# $COMPILE_CACHE (out/compile_cache_gpu.bin), also by a stage that is stopped: a machine that
+# starts bare then compiles only what no run kept. Time
 # left after the last stage goes to the stages stopped at their limit, in order, again: each then
 # starts from the code it compiled before its stop.
 # Needs the checkpoints out/gpu/<name> (optimizer-free copies of the runs in docs/results.md: bash
@@ -50,13 +51,16 @@ echo "commit $(git rev-parse HEAD 2>/dev/null || echo unknown)" | tee -a "$log"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" 2>&1 | tee -a "$log"
 exit_model="--init_from=out/gpu/spec_exit_w4d2 --draft_layers=2"
-stage exit_b1_K2 180 $exit_model --speculate=2 --decode_batches=1 --profile=True
-stage exit_b1_K4 110 $exit_model --speculate=4 --decode_batches=1
-stage mod_b1_K4 120 --init_from=out/gpu/spec_mod --speculate=4 --decode_batches=1
-stage ffn_b1_K4 120 --init_from=out/gpu/ffn_distilled_drafter_shakespeare --speculate=4 \
+# first the stages no GPU has measured (results/h200_2026-11-27/gpu_speculative/ has the exit and
+# mod stages at batch 1), then those again; a cold stage took about 150 s there (a plain step's
+# warm-up 22 s, passes apart 20 s, 4 chained 83-101 s), so a limit below 170 s stops it unfinished
+stage ffn_b1_K4 170 --init_from=out/gpu/ffn_distilled_drafter_shakespeare --speculate=4 \
   --decode_batches=1
-stage exit_b8_K2 110 $exit_model --speculate=2 --decode_batches=8
-stage halt_b1_K2 120 --init_from=out/gpu/spec_halt --speculate=2 --decode_batches=1
+stage halt_b1_K4 170 --init_from=out/gpu/spec_halt --speculate=4 --decode_batches=1
+stage exit_b8_K2 170 $exit_model --speculate=2 --decode_batches=8
+stage exit_b1_K4 170 $exit_model --speculate=4 --decode_batches=1
+stage mod_b1_K4 170 --init_from=out/gpu/spec_mod --speculate=4 --decode_batches=1
+stage exit_b1_K2 180 $exit_model --speculate=2 --decode_batches=1 --profile=True
 again=(${stopped[@]+"${stopped[@]}"})      # (bash before 4.4 calls an empty array unbound)
 stopped=()
 for s in ${again[@]+"${again[@]}"}; do
