@@ -325,6 +325,28 @@ def test_traced_speculative_decoding_gives_plain_decodings_tokens(case, passes, 
             assert_greedy_traces_agree(spec, alone, ROUTED_TOL)
 
 
+@pytest.mark.skipif(not hasattr(torch.compiler, 'nested_compile_region'),
+                    reason='this torch has no hierarchical compilation: chained passes unroll')
+def test_chained_passes_hold_their_pass_once(monkeypatch):
+    """passes_per_graph=P: the graph of P chained passes calls one compiled pass P times, rather
+    than holding P copies of it, each compiled anew (a cold compile of 4 chained passes took 83-101
+    s on a GPU machine unrolled); the decode is plain decoding's (the test above)."""
+    chained = []
+
+    def compiled(step, device):
+        def backend(gm, example_inputs):
+            if step.__name__ == 'chained_passes':
+                chained.append([n.args[0].target for n in gm.graph.nodes
+                                if n.target is torch.ops.higher_order.invoke_subgraph])
+            return gm.forward
+        return torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
+    monkeypatch.setattr(GPT, 'compiled', staticmethod(compiled))
+    model = build('exit', seed=5).eval()
+    speculative.generate(model, tokens(5, 2, 6), 16, 2, temperature=0, compile=True,
+                         passes_per_graph=3)
+    assert len(chained) == 1 and len(chained[0]) == 3 and len(set(chained[0])) == 1, chained
+
+
 def test_traced_speculative_decoding_across_batches_buckets_and_short_windows(monkeypatch):
     """One process decoding compiled at batch 1 (K = 1) and 2 (K = 4), each decode crossing the
     attended buckets (64, then all 100 slots) and ending in passes whose window is cut short by
