@@ -52,13 +52,14 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" 2>&1 | tee -a "$log"
 exit_model="--init_from=out/gpu/spec_exit_w4d2 --draft_layers=2"
 # first the stages no GPU has measured (results/h200_2026-11-27/gpu_speculative/ has the exit and
-# mod stages at batch 1), then those again; a cold stage took about 150 s there (a plain step's
-# warm-up 22 s, passes apart 20 s, 4 chained 83-101 s), so a limit below 170 s stops it unfinished
+# mod stages at batch 1), then those again (exit at K = 4 with each pass one graph, --one_graph,
+# beside 4 chained); a cold stage took about 150 s there (a plain step's warm-up 22 s, passes
+# apart 20 s, 4 chained 83-101 s, unrolled then), so a limit below 170 s may stop it unfinished
 stage ffn_b1_K4 170 --init_from=out/gpu/ffn_distilled_drafter_shakespeare --speculate=4 \
   --decode_batches=1
 stage halt_b1_K4 170 --init_from=out/gpu/spec_halt --speculate=4 --decode_batches=1
 stage exit_b8_K2 170 $exit_model --speculate=2 --decode_batches=8
-stage exit_b1_K4 170 $exit_model --speculate=4 --decode_batches=1
+stage exit_b1_K4_one_graph 170 $exit_model --speculate=4 --decode_batches=1 --one_graph=True
 stage mod_b1_K4 170 --init_from=out/gpu/spec_mod --speculate=4 --decode_batches=1
 stage exit_b1_K2 180 $exit_model --speculate=2 --decode_batches=1 --profile=True
 again=(${stopped[@]+"${stopped[@]}"})      # (bash before 4.4 calls an empty array unbound)

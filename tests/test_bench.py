@@ -739,7 +739,8 @@ def test_the_gpu_speculative_script_runs_only_options_bench_accepts(tmp_path):
     stages = [next(a for a in argv if a.startswith('--out=')) for argv in commands]
     assert [os.path.basename(o) for o in stages] == [
         f'speculative_{name}.json' for name in ('ffn_b1_K4', 'halt_b1_K4', 'exit_b8_K2',
-                                                'exit_b1_K4', 'mod_b1_K4', 'exit_b1_K2',
+                                                'exit_b1_K4_one_graph', 'mod_b1_K4',
+                                                'exit_b1_K2',
                                                 'mod_b1_K4')]
     assert commands[4] == commands[-1]
     assert 'mod_b1_K4: rc=124' in r.stdout and 'mod_b1_K4: rc=0' in r.stdout
