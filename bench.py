@@ -1022,9 +1022,11 @@ def main(argv):
                else bench_speculative.bench_speculative(
                    cfg, batch_done, warmed_up=lambda: save_compile_cache(cfg['compile_cache']))
                if cfg['speculate'] else bench_routed(cfg) if cfg['budgets'] else bench(cfg))
-    finally:        # kept whatever stopped the run (a timeout's SIGTERM too): compiling is slow
+    except BaseException:   # kept whatever stopped the run (a timeout's SIGTERM too)
         save_compile_cache(cfg['compile_cache'])
-    save(res)
+        raise
+    save(res)           # first: a stop during the cache's save (seconds) leaves the figures whole
+    save_compile_cache(cfg['compile_cache'])
     if as_json:
         print(json.dumps(res))
     elif cfg['decode_vs_hf']:

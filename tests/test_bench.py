@@ -668,6 +668,24 @@ def test_a_stopped_run_still_saves_its_compiled_code(tmp_path, monkeypatch):
     assert stopped.value.code == 143 and saved == [cache]
 
 
+def test_a_run_stopped_while_saving_its_compiled_code_keeps_its_figures(tmp_path, monkeypatch):
+    """Saving a large compile cache takes seconds: a run stopped then (a timeout's SIGTERM after
+    the last row) has already written its final --out file, complete, with no partial beside it."""
+    import bench_speculative
+    out, cache = tmp_path / 'spec.json', str(tmp_path / 'compiled.bin')
+
+    def stopped_while_saving(path):
+        raise SystemExit(143)
+    monkeypatch.setattr(bench, 'save_compile_cache', stopped_while_saving)
+    monkeypatch.setattr(bench_speculative, 'bench_speculative',
+                        lambda cfg, *args, **kw: {'rows': [{'K': 2, 'speedup': 1.5}]})
+    with pytest.raises(SystemExit):
+        bench.main([*SPEC_TINY, '--speculate=2', '--compile=True', f'--compile_cache={cache}',
+                    f'--out={out}'])
+    assert json.loads(out.read_text())['rows'] == [{'K': 2, 'speedup': 1.5}]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['spec.json']
+
+
 RECORD_ARGS = """#!/bin/sh
 # stands in for python3: records its arguments, one per line, each call ending in a blank line;
 # the first call for $STOP_ONCE's output exits as if stopped at its time limit
