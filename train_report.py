@@ -6,6 +6,7 @@ every log_interval steps, and at the end the 'summary' record with the routing f
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import eval as evaluation
 import flops
 from files import write_whole
 from run_state import drop_records_after, eval_rng, kept, restore_interval_lm
+from sharding import SHARDED_DIR
 from train_checks import RUN_FILES, TrainError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -38,6 +40,10 @@ def open_run_files(cfg, cfg_dict, proc, iter_num):
         for name in ('ckpt.pt', 'metrics.jsonl'):
             if os.path.exists(os.path.join(cfg.out_dir, name)):
                 os.remove(os.path.join(cfg.out_dir, name))
+        # and its FSDP shards (DCP), which only the old ckpt.pt named: a run that is not FSDP,
+        # or one stopped before its first save, never prunes them (sharding.prune_sharded)
+        if os.path.isdir(os.path.join(cfg.out_dir, SHARDED_DIR)):
+            shutil.rmtree(os.path.join(cfg.out_dir, SHARDED_DIR))
     else:                              # records a killed run logged after its last checkpoint are
                                        # redone
         drop_records_after(os.path.join(cfg.out_dir, 'metrics.jsonl'), iter_num)

@@ -51,3 +51,24 @@ def test_run_summary_from_a_known_log():
 def test_count_params_counts_a_tied_weight_once():
     shared, bias = torch.nn.Parameter(torch.zeros(5, 4)), torch.nn.Parameter(torch.zeros(3))
     assert train_report.count_params([shared, bias, shared]) == 5 * 4 + 3
+
+
+@pytest.mark.parametrize("init_from", ["scratch", "resume"])
+def test_open_run_files_drops_the_old_runs_sharded_checkpoint(tmp_path, init_from):
+    """A fresh run (--overwrite=True) removes the old run's ckpt.pt, metrics.jsonl and its DCP
+    folder ckpt_dcp/ (its shards belong to the old run alone); a resume keeps all three."""
+    shards = tmp_path / "ckpt_dcp" / "iter_0000010"
+    shards.mkdir(parents=True)
+    (shards / ".metadata").write_bytes(b"old shards")
+    (tmp_path / "ckpt.pt").write_bytes(b"old checkpoint")
+    (tmp_path / "metrics.jsonl").write_text('{"type": "eval", "iter": 10}\n')
+    cfg = SimpleNamespace(out_dir=str(tmp_path), eval_only=False, init_from=init_from,
+                          overwrite=init_from != "resume")
+    proc = SimpleNamespace(dev=torch.device("cpu"), dt="float32", world=1)
+    train_report.open_run_files(cfg, {"out_dir": str(tmp_path)}, proc, 10).close()
+    fresh = init_from != "resume"
+    assert (tmp_path / "ckpt_dcp").exists() is not fresh
+    assert (tmp_path / "ckpt.pt").exists() is not fresh
+    assert (tmp_path / "metrics.jsonl").read_text() == (
+        "" if fresh else '{"type": "eval", "iter": 10}\n')
+    assert (tmp_path / "config.json").exists() and (tmp_path / "run_info.json").exists()
