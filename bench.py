@@ -155,14 +155,20 @@ def check_bench_config(cfg):
     for key, lo in at_least.items():
         if cfg[key] < lo:
             raise ConfigError(f"{key} must be >= {lo}, got {cfg[key]}")
-    if any(b < 1 for b in numbers(cfg, 'decode_batches', int)):
-        raise ConfigError(f"decode_batches must be batch sizes >= 1, got {cfg['decode_batches']!r}")
-    if any(not 0 < b <= 1 for b in numbers(cfg, 'budgets', float)):
-        raise ConfigError(f"budgets must be full-path fractions in (0, 1], got {cfg['budgets']!r}")
-    if any(min(s) < 1 for s in numbers(cfg, 'prefill_shapes', shape)):
-        raise ConfigError(
-            f"prefill_shapes must be BxT with B, T >= 1, got {cfg['prefill_shapes']!r}"
-        )
+    # a list that holds no value (',') would time nothing of its kind: refused as a bad value
+    batches = numbers(cfg, 'decode_batches', int)
+    if not batches or any(b < 1 for b in batches):
+        raise ConfigError(f"decode_batches must be batch sizes >= 1 such as "
+                          f"{BENCH_EXAMPLES['decode_batches']}, got {cfg['decode_batches']!r}")
+    budgets = numbers(cfg, 'budgets', float)       # (main: any text turns the routed timings on)
+    if (cfg['budgets'] and not budgets) or any(not 0 < b <= 1 for b in budgets):
+        raise ConfigError(f"budgets must be full-path fractions in (0, 1] such as "
+                          f"{BENCH_EXAMPLES['budgets']} ('': no routed timings), got "
+                          f"{cfg['budgets']!r}")
+    shapes = numbers(cfg, 'prefill_shapes', shape)
+    if (budgets and not shapes) or any(min(s) < 1 for s in shapes):
+        raise ConfigError(f"prefill_shapes must be BxT with B, T >= 1 such as "
+                          f"{BENCH_EXAMPLES['prefill_shapes']}, got {cfg['prefill_shapes']!r}")
     # decode is timed with the KV cache: past block_size, generate would recompute the cropped
     # window
     prompt = (cfg['decode_prompt'] if cfg['budgets'] else 0) or 1

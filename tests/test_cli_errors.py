@@ -72,6 +72,40 @@ def test_bench_bad_options(arg, needle):
         )
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--decode_batches=,"], "decode_batches must be batch sizes >= 1 such as '1,8', got ','"),
+    (["--decode_batches="], "decode_batches must be batch sizes >= 1 such as '1,8', got ''"),
+    (["--decode_vs_hf=True", "--decode_batches=,"],
+     "decode_batches must be batch sizes >= 1 such as '1,8', got ','"),
+    (["--budgets=,"], "budgets must be full-path fractions in (0, 1] such as '1.0,0.5' ('': no "
+                      "routed timings), got ','"),
+    (["--budgets=1.0", "--prefill_shapes=,"],
+     "prefill_shapes must be BxT with B, T >= 1 such as '8x512' (BxT), got ','"),
+    (["--speculate=,"], "speculate must be draft lengths K >= 1 such as '1,2,4,8', got ','"),
+    (["--speculate=2", "--passes_per_graph=,"],
+     "passes_per_graph must be passes per function >= 1 such as '1' or '1,4' (1: a pass at a "
+     "time), got ','"),
+])
+def test_bench_refuses_an_empty_list(args, message, monkeypatch):
+    """A list option that holds no value (',') is refused with one line naming it and an example,
+    before any timing, rather than timing nothing of its kind."""
+    for timing in ("bench", "bench_routed", "bench_decode_vs_hf"):
+        monkeypatch.setattr(bench, timing, lambda *a, **k: pytest.fail("timed"))
+    monkeypatch.setattr(bench.bench_speculative, "bench_speculative",
+                        lambda *a, **k: pytest.fail("timed"))
+    with pytest.raises(UserError) as e:
+        bench.main(["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32",
+                    "--vocab_size=50", "--decode_tokens=4", *args])
+    assert str(e.value) == message
+
+
+def test_bench_empty_decode_batches_exits_2_from_the_shell():
+    r = run_group([sys.executable, "bench.py", "--decode_batches=,"], 120, cwd=REPO, env=ENV)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == "error: decode_batches must be batch sizes >= 1 such as '1,8', got ','\n"
+    assert r.stdout == ""
+
+
 @pytest.mark.parametrize("args", [
     ["--decode_tokens=32"],                                   # a 1-token prompt + 32 new tokens >
                                                               # 32

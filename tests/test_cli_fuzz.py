@@ -41,7 +41,7 @@ def bad_values(default):
 
 # values that are legitimate for these keys (the validation step rightly accepts them)
 NEGATIVE_OK = {'halt_router_bias'}
-EMPTY_OK = {'data_dir', 'lm_thresholds', 'budgets', 'out', 'prompts_file', 'decode_batches',
+EMPTY_OK = {'data_dir', 'lm_thresholds', 'budgets', 'out', 'prompts_file',
             'prefill_shapes',
             'draft', 'speculate',       # '': the family's default draft; bench: no speculation
             'log', 'wandb_run_name',    # '': no logger besides metrics.jsonl; W&B names the run
