@@ -29,7 +29,8 @@ Plots of a study, as PNG files in OUT_ROOT/plots/, from each run's metrics.jsonl
 
 matplotlib is optional: without it write_plots prints one line saying the plots were skipped and how
 to install it, and returns []. The data helpers (read_metrics, run_metrics, find_runs, seed_band,
-pareto_front, arm_points) need only numpy; sweep.py takes its per-run numbers from run_metrics.
+pareto_front, arm_points, mean_std) need only numpy; sweep.py takes its per-run numbers from
+run_metrics and its spread over seeds from mean_std.
 """
 import json
 import os
@@ -213,9 +214,19 @@ def seed_band(dirs, kind, key):
     return np.array(iters), v.mean(0), v.min(0), v.max(0)
 
 
+def mean_std(values):
+    """(mean, sample std (ddof=1; 0.0 for one value)) of the values that are not None, or (None,
+    None) when none is: the spread over seeds of sweep.py's summary and of the figures' error
+    bars."""
+    v = [x for x in values if x is not None]
+    if not v:
+        return None, None
+    return float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else 0.0
+
+
 def arm_points(runs, xkey, ykey='final_val_loss'):
     """{arm: (x mean, x std, y mean, y std)} over the seeds where both of run_metrics' xkey and
-    ykey are present; arms with none are left out."""
+    ykey are present (std as mean_std: the summary's); arms with none are left out."""
     points = {}
     for arm, dirs in runs.items():
         ms = [run_metrics(d) for d in dirs.values()]
@@ -223,8 +234,8 @@ def arm_points(runs, xkey, ykey='final_val_loss'):
             (m[xkey], m[ykey]) for m in ms if m.get(xkey) is not None and m.get(ykey) is not None
         ]
         if pairs:
-            x, y = np.array(pairs, dtype=float).T
-            points[arm] = (x.mean(), x.std(), y.mean(), y.std())
+            x, y = zip(*pairs)
+            points[arm] = (*mean_std(x), *mean_std(y))
     return points
 
 

@@ -120,7 +120,7 @@ import numpy as np
 from configurator import (SMOKE_ENV, ConfigError, UserError, asks_help, load_config, parse_value,
                           print_help, run_cli, source_group, writable_folder)
 from files import write_whole
-from plots import read_metrics, run_metrics, train_lm_curve, write_plots
+from plots import mean_std, read_metrics, run_metrics, train_lm_curve, write_plots
 import progress
 from runlock import lock_folder
 
@@ -529,13 +529,6 @@ def lm_threshold(study, results):
 def threshold_hit(out_dir, threshold):
     """First logged iteration whose train LM loss is below threshold (None if never)."""
     return next((it for it, v in train_lm_curve(read_metrics(out_dir)) if v < threshold), None)
-
-
-def mean_std(values):
-    v = [x for x in values if x is not None]
-    if not v:
-        return None, None
-    return float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else 0.0
 
 
 def paired(arm_vals, ref_vals, lower_better):

@@ -86,10 +86,32 @@ def test_seed_band_and_arm_points_match_hand_computation(tmp_path):
     assert mean.shape == (4, 2) and mean[:, 1] == pytest.approx([0.415] * 4)
     assert plots.seed_band(runs['dense'], 'train', 'full_frac') is None
     points = plots.arm_points(runs, 'flops_proxy')
-    # x: flops_proxy 1.51, 1.52; y: final val loss 2.0 + 0.1·s
-    assert points['routed'] == pytest.approx((1.515, 0.005, 2.15, 0.05))
+    # x: flops_proxy 1.51, 1.52; y: final val loss 2.0 + 0.1·s; sample std (ddof=1), as sweep.py's
+    # summary: |a - b| / sqrt(2) for two seeds
+    assert points['routed'] == pytest.approx((1.515, 0.01 / 2**0.5, 2.15, 0.1 / 2**0.5))
     # dense never logs it
     assert set(plots.arm_points(runs, 'tlops_saved')) == {'routed'}
+
+
+@pytest.mark.parametrize("seeds", [(1, 2, 3), (1,)])
+def test_arm_points_spread_is_the_sweep_summarys_std(tmp_path, seeds):
+    """A figure's error bars and the summary table give the same std over seeds (the sample std;
+    0 for a single seed, where the summary has no spread to give)."""
+    fake_study(tmp_path, seeds=seeds)
+    runs = plots.find_runs(str(tmp_path))
+    results = {(arm, s): plots.run_metrics(d)
+               for arm, dirs in runs.items() for s, d in dirs.items()}
+    table = sweep.summarize(dict(arms={'routed': [], 'dense': []}, seeds=list(seeds),
+                                 reference='dense'), results)['table']
+    for arm in ('routed', 'dense'):
+        x_mean, x_std, y_mean, y_std = plots.arm_points(runs, 'flops_proxy')[arm]
+        assert (x_mean, x_std) == pytest.approx((table[arm]['flops_proxy']['mean'],
+                                                 table[arm]['flops_proxy']['std']), abs=1e-12)
+        assert (y_mean, y_std) == pytest.approx((table[arm]['final_val_loss']['mean'],
+                                                 table[arm]['final_val_loss']['std']), abs=1e-12)
+    # final val loss 2.0 + 0.1·s (routed): the sample std of 2.1, 2.2, 2.3 is 0.1; one seed: 0
+    _, _, _, y_std = plots.arm_points(runs, 'flops_proxy')['routed']
+    assert y_std == pytest.approx(0.1 if len(seeds) == 3 else 0.0, abs=1e-12)
 
 
 def test_write_plots_for_a_tiny_fake_study(tmp_path):
