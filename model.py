@@ -460,6 +460,7 @@ class GPT(nn.Module):
         draft=None,
         draft_layers=None,
         draft_stop=0.0,
+        passes_per_graph=1,
     ):
         """Sample max_new_tokens continuations of idx (B, T), routed as model.eval() routes. With
         use_cache, the prompt is prefilled once and each new token costs one single-position
@@ -482,7 +483,9 @@ class GPT(nn.Module):
         its default), and with draft_stop > 0 a pass drafting fewer where the draft is unsure
         (speculative.generate); the same output distribution, greedy the same tokens; needs the
         cache and the prompt plus max_new_tokens within block_size; stats also gets its acceptance
-        figures.
+        figures. passes_per_graph=P > 1 (without draft_stop): P passes chained as one function,
+        one graph when compiled, with one host round trip for P (speculative.chained_passes); the
+        same tokens.
         top_k=1 is greedy decoding, as temperature=0: an argmax (the first of tied tokens), with no
         softmax and no random draw."""
         if top_k == 1:
@@ -512,7 +515,7 @@ class GPT(nn.Module):
             idx = speculative.generate(
                 self, idx, max_new_tokens, speculate, draft, draft_layers, temperature, top_k,
                 lengths, record if stats is not None else None, vocab_limit, stats,
-                compile=compile, draft_stop=draft_stop,
+                compile=compile, draft_stop=draft_stop, passes_per_graph=passes_per_graph,
             )
         elif lengths is not None:
             idx = self.generate_ragged(

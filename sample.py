@@ -17,6 +17,9 @@ below P (0: off); greedy output is the plain decode's, sampled output has its di
 --compile=True: each cached decoding step (and with --speculate each pass's draft and verification)
 through torch.compile, a CUDA graph on a GPU, where an eager routed step is bound by kernel launches
 and host syncs; the first steps compile (seconds to minutes), and the tokens/s printed counts that.
+--passes_per_graph=P (with --speculate, without --draft_stop): P passes chained as one function,
+one graph when compiled, the host waiting once for P (on an H200, 4 chained decoded the trained
+exit model 2.07x faster than plain decoding, passes apart 1.28x); the same tokens.
 --start (default a newline; on the synthetic corpus, which has none, '|', a segment boundary) and
 every prompt must encode to at least one token, with no character outside a char or synthetic
 vocabulary. Only the tokenizer's real ids are sampled, never the padding of the model's vocabulary.
@@ -51,6 +54,7 @@ DEFAULTS = dict(
     draft='',                   # the family's draft to speculate with ('': its first)
     draft_layers=0,             # blocks the draft runs, where it has a depth (0: its default)
     draft_stop=0.0,             # stop a pass's drafting below this draft probability (0: off)
+    passes_per_graph=1,         # speculative passes chained as one function (one graph compiled)
     compile=False,              # compile each decoding step (a CUDA graph each on a GPU)
 )
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -91,7 +95,7 @@ def check_config(argv):
     """The options, each checked before any work; returns them (the prompts file read as text)."""
     cfg = load_config(DEFAULTS, argv)
     for key, lo in (('num_samples', 1), ('max_new_tokens', 1), ('top_k', 0), ('speculate', 0),
-                    ('draft_layers', 0)):
+                    ('draft_layers', 0), ('passes_per_graph', 1)):
         if cfg[key] < lo:
             raise ConfigError(
                 f"{key} must be >= {lo}, got {cfg[key]}"
@@ -99,9 +103,13 @@ def check_config(argv):
             )
     if not cfg['temperature'] >= 0:            # also refuses NaN
         raise ConfigError(f"temperature must be >= 0 (0: greedy), got {cfg['temperature']}")
-    if not cfg['speculate'] and (cfg['draft'] or cfg['draft_layers'] or cfg['draft_stop']):
-        raise ConfigError("--draft, --draft_layers and --draft_stop choose the draft of "
-                          "--speculate=K; give K >= 1 too")
+    if not cfg['speculate'] and (cfg['draft'] or cfg['draft_layers'] or cfg['draft_stop']
+                                 or cfg['passes_per_graph'] > 1):
+        raise ConfigError("--draft, --draft_layers, --draft_stop and --passes_per_graph choose "
+                          "how --speculate=K drafts; give K >= 1 too")
+    if cfg['passes_per_graph'] > 1 and cfg['draft_stop']:
+        raise ConfigError("--passes_per_graph chains whole passes, --draft_stop checks each draft "
+                          "step on the host: drop one of them")
     if not 0 <= cfg['draft_stop'] <= 1:         # also refuses NaN
         raise ConfigError(f"draft_stop must be in [0, 1] (0: off), got {cfg['draft_stop']}")
     if cfg['speculate'] and not cfg['use_cache']:
@@ -210,6 +218,7 @@ def main(argv):
         draft=draft and draft[0],
         draft_layers=draft and draft[1],
         draft_stop=cfg['draft_stop'],
+        passes_per_graph=cfg['passes_per_graph'],
         compile=cfg['compile'],
     )
     dt = time.time() - t0

@@ -185,12 +185,15 @@ def test_sample_synthetic_unknown_symbols_and_default_start(run, capsys):
     ("--max_new_tokens=0", "max_new_tokens"), ("--max_new_tokens=-3", "max_new_tokens"),
     ("--top_k=-1", "top_k"), ("--num_samples=0", "num_samples"),
     ("--draft_stop=0.5", "draft_stop"), ("--draft_stop=-0.1", "draft_stop"),
+    ("--passes_per_graph=0", "passes_per_graph must be >= 1"),
+    ("--passes_per_graph=2", "give K >= 1 too"),
+    ("--speculate=2 --passes_per_graph=2 --draft_stop=0.5", "drop one of them"),
     ("--prompts_file=/nonexistent/prompts.txt", "prompts_file"), ("--device=bogus", "device"),
     ("--device=mps", "device"), pytest.param("--device=cuda", "CUDA", marks=NO_CUDA)])
 def test_sample_bad_options(tmp_path, arg, needle):
     # out_dir holds no checkpoint: the option must be refused before the checkpoint is looked at
     with pytest.raises(UserError, match=needle):
-        sample.main([f"--out_dir={tmp_path}", arg])
+        sample.main([f"--out_dir={tmp_path}", *arg.split()])
 
 
 def test_sample_prompts_file_without_a_prompt_is_refused_before_the_checkpoint(tmp_path):

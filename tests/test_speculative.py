@@ -609,6 +609,29 @@ def test_sample_compiles_decoding_and_speculation(run, capsys, monkeypatch):
     assert sorted(set(made)) == ['decode_step', 'draft_pass', 'verify_pass']
 
 
+def test_sample_chains_passes(run, capsys, monkeypatch):
+    """sample.py --passes_per_graph=2 (compiled: here traced whole, run without code generation)
+    decodes in chained passes and gives plain greedy decoding's text."""
+    from model import GPT
+    made = []
+
+    def compiled(step, device):
+        made.append(step.__name__)
+        return torch.compile(step, backend='eager', fullgraph=True, dynamic=False)
+    monkeypatch.setattr(GPT, 'compiled', staticmethod(compiled))
+    args = [f"--out_dir={run / 'out'}", "--max_new_tokens=12", "--num_samples=2", "--device=cpu",
+            "--temperature=0"]
+    try:
+        assert sample.main(args) == 0
+        plain = capsys.readouterr().out.splitlines()
+        assert sample.main([*args, "--speculate=2", "--passes_per_graph=2", "--compile=True"]) == 0
+        chained = capsys.readouterr().out.splitlines()
+    finally:
+        torch._dynamo.reset()
+    assert chained[:4] == plain[:4] and len(plain[0]) == 13
+    assert 'chained_passes' in made, made
+
+
 @pytest.mark.parametrize('extra,needle', [
     (["--compile=True", "--use_cache=False"], "--compile compiles the cached decoding step"),
     (["--speculate=2", "--draft=bogus"], r"--draft/--draft_layers: draft 'bogus' is not one of "
