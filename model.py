@@ -383,7 +383,9 @@ class GPT(nn.Module):
         """idx (B, T) token ids. Returns (logits, loss, aux): logits for every position when targets
         are given (or last_only=False), else for the last position only; loss is the total training
         loss (LM + the family's weighted terms); aux holds the separate terms and routing statistics
-        as tensors (no host sync): 'lm_loss', '<name>_loss', 'full_frac' (per routed layer), 'masks'
+        as tensors (no host sync): 'lm_loss', 'lm_counted' (whether any target is not −1: else
+        lm_loss is 0 by definition, not a measured loss), '<name>_loss', 'full_frac' (per routed
+        layer), 'masks'
         {layer: (B, T), 1 = full path / block runs}, 'margins' {layer: (B, T), each causal
         decision's gate score minus its threshold: > 0 full path}, 'tlops_saved'. force,
         calibrate, sparse, exec_mode (None: self.exec_mode) and the family's per-step options
@@ -412,6 +414,7 @@ class GPT(nn.Module):
         if targets is not None:
             loss = losses.lm_loss(logits, targets)
             aux['lm_loss'] = loss.detach()
+            aux['lm_counted'] = targets.ne(-1).any()
             loss = self.family.loss(self, ctx, loss, targets, aux)
         for k, v in aux.items():            # statistics carry no graph; loss terms do
             if torch.is_tensor(v) and not k.endswith('_loss'):

@@ -222,22 +222,23 @@ def interval_state(interval):
 
 
 def share_interval(run):
-    """DDP, before a checkpoint (every rank: a collective): every rank's LM sum of the open log
-    interval, which the log step averages over the ranks, so that the checkpoint rank 0 writes
-    keeps each rank's share and not only its own (restore_interval_lm)."""
-    parts = [torch.zeros_like(run.interval['lm']) for _ in range(run.world)]
-    torch.distributed.all_gather(parts, run.interval['lm'])
-    run.interval['lm_ranks'] = torch.stack(parts)
+    """DDP, before a checkpoint (every rank: a collective): every rank's LM sums (lm, lm_w) of
+    the open log interval, which the log step adds over the ranks, so that the checkpoint rank 0
+    writes keeps each rank's share and not only its own (restore_interval_lm)."""
+    for key in ('lm', 'lm_w'):
+        parts = [torch.zeros_like(run.interval[key]) for _ in range(run.world)]
+        torch.distributed.all_gather(parts, run.interval[key])
+        run.interval[key + '_ranks'] = torch.stack(parts)
 
 
-def restore_interval_lm(saved, rank, world):
-    """This rank's LM sum of a resumed checkpoint's open log interval: its own share under the
-    same number of processes; else the mean over the ranks that wrote it (the log step averages
-    over the ranks, so every rank starting from the mean logs the same); a single process's (no
-    shares kept) as it is."""
-    ranks = saved.get('lm_ranks')
+def restore_interval_lm(saved, rank, world, key='lm'):
+    """This rank's LM sum `key` (lm or lm_w) of a resumed checkpoint's open log interval: its own
+    share under the same number of processes; else the mean over the ranks that wrote it (the log
+    step divides the sum of lm by that of lm_w, so every rank starting from the means logs the same
+    mean); a single process's (no shares kept) as it is."""
+    ranks = saved.get(key + '_ranks')
     if ranks is None:
-        return saved['lm']
+        return saved[key]
     return ranks[rank] if len(ranks) == world else ranks.mean()
 
 

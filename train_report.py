@@ -132,10 +132,13 @@ def start_counters(run):
     saved = run.interval           # a resumed checkpoint's unfinished log interval, or None
     if saved is None:
         run.interval = new_interval(run.dev)
-    else:                          # (DDP: each rank's share of the LM sum, share_interval)
+    else:                          # (DDP: each rank's share of the LM sums, share_interval)
         run.interval = tree_map_only(torch.Tensor, lambda t: t.to(run.dev), saved)
-        run.interval['lm'] = restore_interval_lm(run.interval, run.rank, run.world)
-        run.interval.pop('lm_ranks', None)
+        if 'lm_w' not in run.interval:     # a checkpoint from before lm_w: every step counted
+            run.interval['lm_w'] = torch.full((), float(run.interval['n']), device=run.dev)
+        for key in ('lm', 'lm_w'):
+            run.interval[key] = restore_interval_lm(run.interval, run.rank, run.world, key)
+            run.interval.pop(key + '_ranks', None)
     skips = run.fp16_skips or dict(skipped=0, last=0, consecutive=0)    # a resumed run's, or none
     run.skipped = torch.full((), float(skips['skipped']), device=run.dev)
     run.last_skipped, run.consecutive_skips = skips['last'], skips['consecutive']
@@ -144,9 +147,12 @@ def start_counters(run):
 
 
 def new_interval(dev):
-    """Sums over one log interval, kept on the device until the log step reads them."""
+    """Sums over one log interval, kept on the device until the log step reads them: lm the LM
+    losses, lm_w their weights (1/accum for each micro-batch that counted a target), whose ratio is
+    the logged LM mean."""
     return dict(
         lm=torch.zeros((), device=dev),
+        lm_w=torch.zeros((), device=dev),
         frac=None,
         ctrl_norm=torch.zeros((), device=dev),
         n=0,
@@ -156,8 +162,12 @@ def new_interval(dev):
 
 def accumulate(interval, aux, accum, stats):
     """Add one micro-batch's LM loss, auxiliary *_loss terms, the family's statistics `stats` and
-    its full-path fractions to the interval's sums."""
+    its full-path fractions to the interval's sums. A micro-batch with no counted target (lm_loss 0
+    by definition) adds no weight to the LM mean: the mean is over the micro-batches that have a
+    loss, each weighted 1/accum as in the training objective (and as eval.evaluate averages its
+    batches with a counted target)."""
     interval['lm'] += aux['lm_loss'].float() / accum
+    interval['lm_w'] += aux['lm_counted'].float() / accum
     for k, v in aux.items():
         if (k.endswith('_loss') and k != 'lm_loss') or k in stats:
             interval['aux'][k] = interval['aux'].get(k, 0.0) + v.detach().float() / accum
@@ -187,15 +197,16 @@ def log_progress(run, lr, loss_sum, norm, step):
     (rank 0) one printed line and one 'train' record."""
     iv = run.interval
     if run.ddp:                                # log the global mean, not rank 0's share
-        both = torch.stack([loss_sum, iv['lm']])
-        torch.distributed.all_reduce(both)
-        loss_sum, iv['lm'] = both[0] / run.world, both[1] / run.world
+        sums = torch.stack([loss_sum, iv['lm'], iv['lm_w']])
+        torch.distributed.all_reduce(sums)
+        loss_sum, iv['lm'], iv['lm_w'] = sums[0] / run.world, sums[1], sums[2]
     lossf = loss_sum.item()
     dtime = (time.time() - run.t_last) / max(1, run.iter_num - run.it_last)
     run.t_last, run.it_last = time.time(), run.iter_num
     n_skipped = check_divergence(run, lossf)
     n = max(1, iv['n'])
-    lm = iv['lm'].item() / n
+    lm_w = iv['lm_w'].item()      # 0: no micro-batch of the interval counted a target (None)
+    lm = iv['lm'].item() / lm_w if lm_w > 0 else None
     frac = (iv['frac'] / n).tolist() if iv['frac'] is not None else None
     ctrl_norm = iv['ctrl_norm'].item() / n if run.ctrl_params else None
     aux_means = {k: float(v) / n for k, v in iv['aux'].items()}
@@ -208,9 +219,8 @@ def log_progress(run, lr, loss_sum, norm, step):
     fs = run.flops_state
     proxy = fs['proxy_num'] / fs['dense']
     print(
-        f"iter {run.iter_num}: loss {lossf:.4f}, lm {lm:.4f}, lr {lr:.2e}, {dtime * 1000:.1f} "
-        "ms/iter, "
-        f"{tps:,.0f} tok/s"
+        f"iter {run.iter_num}: loss {lossf:.4f}, lm {'-' if lm is None else f'{lm:.4f}'}, "
+        f"lr {lr:.2e}, {dtime * 1000:.1f} ms/iter, {tps:,.0f} tok/s"
         + (f", mfu {mfu * 100:.1f}%" if mfu is not None else '')
         + (f", full {np.mean(frac):.3f}, flops proxy {proxy:.3f}x" if frac else '')
     )
@@ -232,7 +242,8 @@ def log_progress(run, lr, loss_sum, norm, step):
         skipped_steps=n_skipped,
     )
     rec.update(aux_means)            # auxiliary terms, averaged over the log interval
-    run.history['train'].append(dict(iter=run.iter_num, lm_loss=lm))
+    if lm is not None:               # the summary's LM metrics: over intervals that had a loss
+        run.history['train'].append(dict(iter=run.iter_num, lm_loss=lm))
     log(run, rec)
 
 

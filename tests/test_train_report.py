@@ -1,5 +1,7 @@
 """Tests for train_report.py: run_info's code version (a commit sha or none, also outside git), the
 summary's optimisation metrics from a known log, and parameters counted once when tied."""
+import io
+import json
 import re
 from types import SimpleNamespace
 
@@ -7,6 +9,7 @@ import pytest
 import torch
 
 import train_report
+from model import GPTConfig
 from conftest import run_group
 
 
@@ -72,3 +75,54 @@ def test_open_run_files_drops_the_old_runs_sharded_checkpoint(tmp_path, init_fro
     assert (tmp_path / "metrics.jsonl").read_text() == (
         "" if fresh else '{"type": "eval", "iter": 10}\n')
     assert (tmp_path / "config.json").exists() and (tmp_path / "run_info.json").exists()
+
+
+def _logged_lm(steps, accum, saved=None):
+    """The lm_loss of the train record log_progress writes after `steps`, each a list of accum
+    micro-batches (lm_loss, whether any target was counted), and of the history the summary
+    reads. saved: a checkpoint's open interval to resume (start_counters)."""
+    cfg = SimpleNamespace(block_size=4, max_fp16_skips=3, gradient_accumulation_steps=accum,
+                          batch_size=1)
+    run = SimpleNamespace(
+        cfg=cfg, dev=torch.device('cpu'), dt='float32', ddp=False, master=True, world=1,
+        interval=train_report.new_interval(torch.device('cpu')), iter_num=len(steps), it_last=0,
+        t_last=0.0, skipped=torch.zeros(()), last_skipped=0, consecutive_skips=0,
+        scaler=torch.amp.GradScaler('cpu', enabled=False), seqs_per_iter=accum, ctrl_params=[],
+        flops_state=dict(proxy_num=1.0, dense=1.0, exact=1.0), history=dict(train=[]),
+        metrics_f=io.StringIO(),
+    )
+    if saved is not None:
+        run.interval, run.rank, run.fp16_skips = saved, 0, None
+        run.raw_model = SimpleNamespace(config=GPTConfig(n_layer=1, n_head=1, n_embd=4))
+        run.flops_state['wall_s'] = 0.0
+        train_report.start_counters(run)
+    for step in steps:
+        for lm, counted in step:
+            aux = dict(lm_loss=torch.tensor(lm), lm_counted=torch.tensor(counted))
+            train_report.accumulate(run.interval, aux, accum, ())
+        run.interval['n'] += 1
+    train_report.log_progress(run, 1e-3, torch.tensor(1.0), 0.0, dict(total=1.0))
+    rec = json.loads(run.metrics_f.getvalue())
+    return rec['lm_loss'], [h['lm_loss'] for h in run.history['train']]
+
+
+def test_interval_lm_mean_leaves_out_micro_batches_without_a_counted_target():
+    """A micro-batch whose targets are all −1 has lm_loss 0 by definition, not a loss of 0: the
+    logged interval mean is over the micro-batches that counted a target (as eval.evaluate's mean
+    over batches), each weighted as the training objective weights it (1/accum)."""
+    # one step with no counted target between two that have one
+    assert _logged_lm([[(2.0, True)], [(0.0, False)], [(4.0, True)]], 1) == (3.0, [3.0])
+    # accumulation: the empty micro-batch of the second step is left out, not averaged in as 0
+    assert _logged_lm([[(2.0, True), (4.0, True)], [(3.0, True), (0.0, False)]], 2) == (3.0, [3.0])
+    # every micro-batch counted: the plain mean of the steps' means, as before
+    assert _logged_lm([[(2.0, True), (4.0, True)], [(1.0, True), (3.0, True)]], 2) == (2.5, [2.5])
+    # nothing counted in the whole interval: no LM loss to log (None, as plots and loggers skip),
+    # and none for the summary's avg/best LM
+    assert _logged_lm([[(0.0, False)], [(0.0, False)]], 1) == (None, [])
+
+
+def test_interval_lm_mean_resumes_an_interval_saved_without_its_weights():
+    """An open interval from a checkpoint that kept only the LM sum and the step count: every one
+    of its steps counted, so the resumed mean goes on over them."""
+    saved = dict(lm=torch.tensor(6.0), frac=None, ctrl_norm=torch.zeros(()), n=3, aux={})
+    assert _logged_lm([[(2.0, True)], [(0.0, False)]], 1, saved) == (2.0, [2.0])
