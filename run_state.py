@@ -113,8 +113,9 @@ def open_inputs(cfg, master):
 
 def finished_already(cfg, ckpt):
     """A resume (not eval-only) of a run whose checkpoint reached max_iters and whose metrics hold
-    the summary written at that iteration (a run killed between its last checkpoint and its
-    summary is not finished: resuming writes the summary)."""
+    the summary its training wrote at that iteration (a run killed between its last checkpoint and
+    its summary is not finished, nor made so by an eval-only run's summary: resuming writes the
+    summary)."""
     if cfg.init_from != 'resume' or cfg.eval_only or ckpt is None:
         return False
     if ckpt['iter_num'] < cfg.max_iters:
@@ -124,7 +125,8 @@ def finished_already(cfg, ckpt):
         return False
     with open(path) as f:
         records = [r for line in f if (r := parse_record(line)) is not None]
-    return any(r.get('type') == 'summary' and r.get('iter') == ckpt['iter_num'] for r in records)
+    return any(r.get('type') == 'summary' and r.get('iter') == ckpt['iter_num']
+               and not r.get('eval_only') for r in records)
 
 
 def start_progress(cfg, ckpt, optimizer, scaler, master):

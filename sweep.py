@@ -31,12 +31,12 @@ argument lists run once first, e.g. stage 1 of a two-stage recipe), threshold (s
 (one line saying why the study cannot run on this machine: the sweep prints it and exits 0). Run r
 of arm a writes to out_root/a/seed<s>/ (a relative out_root, as every relative path in a study
 file, is relative to sweep.py's folder, wherever the sweep starts). A finished run (its
-metrics.jsonl ends with a summary at max_iters) is skipped; an interrupted one (ckpt.pt but no
-summary) is resumed. A run folder whose config.json differs from what the study now gives, other
-than in where and how it runs (HOW_KEYS), refuses the study before any run starts: its results
-would be summarised as the study's. --jobs=N runs N train.py processes at a time, each with
-cpu_count // N threads (OMP_NUM_THREADS, unless set); results do not depend on N (each run is its
-own process and seed).
+metrics.jsonl ends with its training's summary at max_iters, eval-only records aside) is skipped;
+an interrupted one (ckpt.pt but no such summary) is resumed. A run folder whose config.json
+differs from what the study now gives, other than in where and how it runs (HOW_KEYS), refuses the
+study before any run starts: its results would be summarised as the study's. --jobs=N runs N
+train.py processes at a time, each with cpu_count // N threads (OMP_NUM_THREADS, unless set);
+results do not depend on N (each run is its own process and seed).
 
 The summary (summary.md, summary.json in out_root) gives per arm mean ± std over seeds of: avg LM,
 best val LM, final val loss, causal val loss and realised full-path fraction (routed families),
@@ -321,7 +321,11 @@ def measure_room(study, root, children=None):
 
 
 def finished(out_dir):
-    recs = read_metrics(out_dir)
+    """The training wrote its summary at max_iters and nothing after it but eval-only records: an
+    eval-only run (eval_only=True) of a checkpoint marks its eval and summary so, and neither says
+    that the training got there (a run killed between its last checkpoint and its summary is
+    resumed, and the resume writes it)."""
+    recs = [r for r in read_metrics(out_dir) if not r.get('eval_only')]
     cfg_path = os.path.join(out_dir, 'config.json')
     if not recs or recs[-1].get('type') != 'summary' or not os.path.exists(cfg_path):
         return False

@@ -5,13 +5,14 @@ import json
 import random
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from run_state import (StopFlag, drop_records_after, parse_record, rng_state, seed_rngs,
-                       set_rng_state)
+from run_state import (StopFlag, drop_records_after, finished_already, parse_record, rng_state,
+                       seed_rngs, set_rng_state)
 
 
 def read_metrics(out_dir):
@@ -76,3 +77,17 @@ def test_stop_flag_records_the_first_signal_and_a_second_ctrl_c_aborts():
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
+
+
+def test_an_eval_only_summary_does_not_finish_the_training(tmp_path):
+    """A resume to max_iters is already finished only when the training wrote its summary there;
+    the summary of an eval-only run of that checkpoint does not count, so the resume writes it."""
+    cfg = SimpleNamespace(init_from="resume", eval_only=False, max_iters=4, out_dir=str(tmp_path))
+    evaluated = [dict(type="eval", iter=4, val_loss=2.0, eval_only=True),
+                 dict(type="summary", iter=4, eval_only=True)]
+    lines = [json.dumps(r) for r in [dict(type="train", iter=4, lm_loss=2.1), *evaluated]]
+    Path(tmp_path, "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert finished_already(cfg, dict(iter_num=4)) is False
+    lines.insert(1, json.dumps(dict(type="summary", iter=4)))
+    Path(tmp_path, "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert finished_already(cfg, dict(iter_num=4)) is True

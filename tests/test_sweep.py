@@ -53,6 +53,22 @@ def test_finished_requires_a_summary_at_max_iters(tmp_path):
     assert not sweep.finished(str(tmp_path / 'missing'))
 
 
+def test_an_eval_only_summary_is_not_a_finished_training(tmp_path):
+    """An eval-only run of a checkpoint at max_iters (e.g. one killed between its last checkpoint
+    and its summary) appends an eval and a summary marked eval_only: the training is still
+    unfinished, so the sweep resumes it. After a training summary the same records change
+    nothing."""
+    evaluated = [dict(type='eval', iter=100, val_loss=2.0, eval_only=True),
+                 dict(type='summary', iter=100, eval_only=True)]
+    fake_run(tmp_path / 'killed', 100, evals=[2.5])
+    fake_run(tmp_path / 'done', 100, summary=dict(iter=100))
+    for run in ('killed', 'done'):
+        with open(tmp_path / run / 'metrics.jsonl', 'a') as f:
+            f.writelines(json.dumps(r) + '\n' for r in evaluated)
+    assert not sweep.finished(str(tmp_path / 'killed'))
+    assert sweep.finished(str(tmp_path / 'done'))
+
+
 def test_a_record_cut_short_is_skipped(tmp_path):
     """A run whose last metrics line was cut short (a full disk, a kill mid-write) reads as
     unfinished, not as a JSON error, so the sweep resumes it (train.py drops the line on resume)."""

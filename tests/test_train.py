@@ -999,6 +999,19 @@ def test_a_run_killed_before_its_summary_is_not_finished(base_run, tmp_path):
     assert recs[-1]["iter"] == 6 and "routing" in recs[-1]
 
 
+def test_an_eval_only_summary_does_not_finish_a_run_killed_before_its_summary(base_run, tmp_path):
+    """Checkpoint at max_iters, no summary, then an eval-only run (its eval and summary marked
+    eval_only): the training is still unfinished, and the resume writes its summary after them."""
+    out = copy_run(base_run, tmp_path)
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (out / "metrics.jsonl").write_text("".join(lines[:-1]))
+    ok(run_train([*base_run.args, f"--out_dir={out}", "--init_from=resume", "--eval_only=True"]))
+    r = ok(run_train([*base_run.args, f"--out_dir={out}", "--init_from=resume"]))
+    assert "done: 6 iterations" in r.stdout
+    summaries = [m for m in read_metrics(out) if m["type"] == "summary"]
+    assert [(m["iter"], m.get("eval_only")) for m in summaries] == [(6, True), (6, None)]
+
+
 def test_eval_only_resume_evaluates_once_and_records_it_once(base_run, synth, tmp_path):
     """--init_from=resume --eval_only=True: one eval of the checkpoint (the same losses the run's
     last eval measured), one 'eval' and one 'summary' record marked eval_only, appended; the
