@@ -77,8 +77,10 @@ def read_metrics(out_dir):
 
 
 def run_metrics(out_dir):
-    """The numbers one run contributes to sweep.py's summary (and to the Pareto plots)."""
-    recs = read_metrics(out_dir)
+    """The numbers one run contributes to sweep.py's summary (and to the Pareto plots): its
+    training's, not those of an eval-only run of its checkpoint appended after (another run, maybe
+    under other eval settings)."""
+    recs = [r for r in read_metrics(out_dir) if not r.get('eval_only')]
     summ = next((r for r in reversed(recs) if r.get('type') == 'summary'), {})
     evals = [r for r in recs if r.get('type') == 'eval']
     train = [r for r in recs if r.get('type') == 'train']

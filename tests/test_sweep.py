@@ -158,6 +158,22 @@ def test_run_metrics_reads_the_logs(tmp_path):
     assert m['causal_val_loss'] == 1.5 and m['realised_full_frac'] == pytest.approx(0.5)
 
 
+def test_run_metrics_are_the_trainings_not_a_later_eval_only_runs(tmp_path):
+    """An eval-only run of a finished run's checkpoint appends its eval and summary records
+    (marked eval_only): the run's numbers in the summary stay its training's."""
+    routing = dict(val_loss=dict(loss=1.5, full_frac=[0.4, 0.6]))
+    fake_run(tmp_path, 5, summary=dict(iter=5, avg_lm=2.0, best_val_lm=1.4, routing=routing),
+             evals=[1.8, 1.6])
+    with open(tmp_path / 'metrics.jsonl', 'a') as f:
+        for rec in (dict(type='eval', iter=5, val_loss=9.0, eval_only=True),
+                    dict(type='summary', iter=5, avg_lm=None, best_val_lm=9.0, eval_only=True,
+                         routing=dict(val_loss=dict(loss=9.5, full_frac=[1.0, 1.0])))):
+            f.write(json.dumps(rec) + '\n')
+    m = sweep.run_metrics(str(tmp_path))
+    assert (m['final_val_loss'], m['best_val_lm'], m['avg_lm']) == (1.6, 1.4, 2.0)
+    assert m['causal_val_loss'] == 1.5 and m['realised_full_frac'] == pytest.approx(0.5)
+
+
 def study_runs(study, path):
     """What sweep.main checks before the first run: (name, argv) of every run, and the folders the
     'before' runs write."""
