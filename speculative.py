@@ -34,6 +34,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kernels import version_tuple
 from routing import RouteCtx
 
 
@@ -191,9 +192,19 @@ def whole_pass(model, name, depth, tok, base_active, cache, k, temperature, top_
                        keep_logits, routing)
 
 
-# a chained call's passes are one computation repeated: compiled once and placed count times
-# (hierarchical compilation), not unrolled and compiled count times; eagerly a plain call
-repeated_pass = getattr(torch.compiler, 'nested_compile_region', lambda f: f)(whole_pass)
+def pass_region(torch_version, mark):
+    """whole_pass as chained_passes calls it: a chained call's passes are one computation repeated,
+    so where torch's nested_compile_region (`mark`) exists and its regions may write their inputs
+    (a pass writes the cache: torch 2.9 on; 2.8's refuses such a region when compiling) the pass is
+    marked as one, compiled once and placed count times (hierarchical compilation); else (or
+    eagerly) a plain call, its copies unrolled and compiled count times."""
+    if mark is None or version_tuple(torch_version) < (2, 9):
+        return whole_pass
+    return mark(whole_pass)
+
+
+repeated_pass = pass_region(torch.__version__, getattr(torch.compiler, 'nested_compile_region',
+                                                       None))
 
 
 def chained_passes(model, name, depth, tok, n_done, cache, k, temperature, top_k, vocab_limit,

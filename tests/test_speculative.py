@@ -166,6 +166,20 @@ def test_passes_chained_on_the_device_decode_as_passes_one_at_a_time(case, seed,
         assert chained['spec_calls'] < chained['spec_passes']
 
 
+@pytest.mark.parametrize('version,marked', [('2.8.0+cu128', False), ('2.9.1', True),
+                                             ('2.13.0+cpu', True), ('3.0.0', True)])
+def test_chained_passes_mark_their_pass_where_torch_compiles_a_region_that_writes_the_cache(
+        version, marked):
+    """Chained passes call their pass as one nested compile region only under a torch whose
+    regions may mutate their inputs (a pass writes the cache): torch 2.8 refuses such a region
+    when compiling ('input mutation during higher order op tracing'), so there, as where torch
+    has no such API, the pass is called plainly (unrolled when compiled)."""
+    mark = mock.Mock(side_effect=lambda f: ('region', f))
+    got = speculative.pass_region(version, mark)
+    assert got == (('region', speculative.whole_pass) if marked else speculative.whole_pass)
+    assert speculative.pass_region(version, None) is speculative.whole_pass
+
+
 @pytest.mark.parametrize('case', [c for c in DETERMINISTIC if c[1] == 0])
 def test_chained_passes_attend_over_every_window_they_write(case):
     """With block_size 160, prompts of 60 and 57 tokens and 60 new ones: a call of P chained
