@@ -199,9 +199,11 @@ def find_runs(root, arms=None):
 
 
 def curve(recs, kind, key):
-    """{iter: value} over the records of type `kind` that have `key` (a number or a per-layer
-    list)."""
-    return {r['iter']: r[key] for r in recs if r.get('type') == kind and r.get(key) is not None}
+    """{iter: value} over the training's records of type `kind` that have `key` (a number or a
+    per-layer list): an eval-only run's eval of the checkpoint, appended after at the same
+    iteration (maybe under other eval settings), is left out, as run_metrics leaves it out."""
+    return {r['iter']: r[key] for r in recs
+            if r.get('type') == kind and r.get(key) is not None and not r.get('eval_only')}
 
 
 def seed_band(dirs, kind, key):

@@ -93,6 +93,25 @@ def test_seed_band_and_arm_points_match_hand_computation(tmp_path):
     assert set(plots.arm_points(runs, 'tlops_saved')) == {'routed'}
 
 
+def test_figures_curves_leave_out_an_eval_only_runs_records(tmp_path):
+    """An eval-only run of a seed's checkpoint appends an eval (and a summary) at the checkpoint's
+    iteration: the figures' val curves keep the training's eval there, as run_metrics does."""
+    fake_study(tmp_path)
+    runs = plots.find_runs(str(tmp_path))
+    before = plots.seed_band(runs['routed'], 'eval', 'val_loss')
+    with open(os.path.join(runs['routed'][1], 'metrics.jsonl'), 'a') as f:
+        for r in (dict(type='eval', iter=40, val_loss=9.0, val_full_frac=[0.9, 0.9]),
+                  dict(type='summary', iter=40, avg_lm=9.0)):
+            f.write(json.dumps(dict(r, eval_only=True)) + '\n')
+    for key in ('val_loss', 'val_full_frac'):
+        after = plots.seed_band(runs['routed'], 'eval', key)
+        want = before if key == 'val_loss' else None
+        if want is not None:
+            assert all(np.array_equal(a, b) for a, b in zip(after, want)), (key, after)
+        else:
+            assert after[1][-1].tolist() == [0.45, 0.5], after
+
+
 @pytest.mark.parametrize("seeds", [(1, 2, 3), (1,)])
 def test_arm_points_spread_is_the_sweep_summarys_std(tmp_path, seeds):
     """A figure's error bars and the summary table give the same std over seeds (the sample std;
