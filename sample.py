@@ -18,8 +18,9 @@ below P (0: off); greedy output is the plain decode's, sampled output has its di
 through torch.compile, a CUDA graph on a GPU, where an eager routed step is bound by kernel launches
 and host syncs; the first steps compile (seconds to minutes), and the tokens/s printed counts that.
 --passes_per_graph=P (with --speculate, without --draft_stop): P passes chained as one function,
-one graph when compiled, the host waiting once for P (on an H200, 4 chained decoded the trained
-exit model 2.07x faster than plain decoding, passes apart 1.28x); the same tokens.
+one graph when compiled, the host waiting once for P (on an H200, 4 chained, unrolled in one graph
+then, decoded the trained exit model 2.07x faster than plain decoding, passes apart 1.28x); the
+same tokens.
 --start (default a newline; on the synthetic corpus, which has none, '|', a segment boundary) and
 every prompt must encode to at least one token, with no character outside a char or synthetic
 vocabulary. Only the tokenizer's real ids are sampled, never the padding of the model's vocabulary.
