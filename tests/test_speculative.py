@@ -598,34 +598,10 @@ def test_sample_speculates_and_prints_the_acceptance(run, capsys):
 
 
 def test_sample_compiles_decoding_and_speculation(run, capsys, monkeypatch):
-    """sample.py --compile=True gives eager decoding's greedy text, plain and speculative, and
-    compiles the decoding step and the draft pass and verifier pass (GPT.compiled; here traced
-    whole and run without code generation)."""
-    from model import GPT
-    made = []
-
-    def compiled(step, device):
-        made.append(step.__name__)
-        return torch.compile(step, backend='eager', fullgraph=True, dynamic=False)
-    monkeypatch.setattr(GPT, 'compiled', staticmethod(compiled))
-    args = [f"--out_dir={run / 'out'}", "--max_new_tokens=6", "--num_samples=2", "--device=cpu",
-            "--temperature=0"]
-    try:
-        for extra in ([], ["--speculate=3", "--draft=layers"]):
-            assert sample.main([*args, *extra]) == 0
-            eager = capsys.readouterr().out.splitlines()
-            assert sample.main([*args, *extra, "--compile=True"]) == 0
-            compiled_out = capsys.readouterr().out.splitlines()
-            assert compiled_out[:4] == eager[:4]
-            assert 'compiled, route=' in compiled_out[4]
-    finally:
-        torch._dynamo.reset()
-    assert sorted(set(made)) == ['decode_step', 'draft_pass', 'verify_pass']
-
-
-def test_sample_chains_passes(run, capsys, monkeypatch):
-    """sample.py --passes_per_graph=2 (compiled: here traced whole, run without code generation)
-    decodes in chained passes and gives plain greedy decoding's text."""
+    """sample.py --compile=True gives eager decoding's greedy text, plain, speculative and with
+    passes chained (--passes_per_graph=2), and compiles the decoding step, the draft pass and
+    verifier pass, and the chained passes (GPT.compiled; here traced whole and run without code
+    generation)."""
     from model import GPT
     made = []
 
@@ -635,15 +611,22 @@ def test_sample_chains_passes(run, capsys, monkeypatch):
     monkeypatch.setattr(GPT, 'compiled', staticmethod(compiled))
     args = [f"--out_dir={run / 'out'}", "--max_new_tokens=12", "--num_samples=2", "--device=cpu",
             "--temperature=0"]
+    texts = []
     try:
-        assert sample.main(args) == 0
-        plain = capsys.readouterr().out.splitlines()
-        assert sample.main([*args, "--speculate=2", "--passes_per_graph=2", "--compile=True"]) == 0
-        chained = capsys.readouterr().out.splitlines()
+        for extra in ([], ["--speculate=3", "--draft=layers"],
+                      ["--speculate=2", "--passes_per_graph=2"]):
+            assert sample.main([*args, *extra]) == 0
+            eager = capsys.readouterr().out.splitlines()
+            assert sample.main([*args, *extra, "--compile=True"]) == 0
+            compiled_out = capsys.readouterr().out.splitlines()
+            assert compiled_out[:4] == eager[:4] and len(eager[0]) == 13
+            assert 'compiled, route=' in compiled_out[4]
+            texts.append(eager[:4])
+        assert texts[1] == texts[2] == texts[0]        # speculative greedy: plain decoding's text
     finally:
         torch._dynamo.reset()
-    assert chained[:4] == plain[:4] and len(plain[0]) == 13
-    assert 'chained_passes' in made, made
+    assert sorted(set(made)) == ['chained_passes', 'decode_step', 'draft_pass', 'verify_pass',
+                                 'whole_pass']
 
 
 @pytest.mark.parametrize('extra,needle', [
