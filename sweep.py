@@ -362,7 +362,9 @@ class Children:
         with self.lock:
             if self.signum is not None:
                 return None
-            proc = subprocess.Popen(args, start_new_session=True, **kw)
+            # (a process group of its own, with no stdin: a background group that read the
+            # terminal would be stopped)
+            proc = subprocess.Popen(args, process_group=0, stdin=subprocess.DEVNULL, **kw)
             self.running.append(proc)
             return proc
 
