@@ -62,6 +62,10 @@ def pyplot():
 # data
 
 def read_metrics(out_dir):
+    """The run's records from its metrics.jsonl: its training's. An eval-only run of its checkpoint
+    (eval_only=True) appends an eval and a summary marked eval_only, which are left out: another
+    run, maybe under other eval settings, that neither finishes the training nor gives its
+    results."""
     path = os.path.join(out_dir, 'metrics.jsonl')
     if not os.path.exists(path):
         return []
@@ -69,18 +73,19 @@ def read_metrics(out_dir):
     with open(path) as f:
         for line in f:
             try:
-                out.append(json.loads(line))
+                rec = json.loads(line)
             except ValueError:      # a record cut short (a full disk, a kill mid-write): resume
                                     # drops it too
                 continue
+            if not rec.get('eval_only'):
+                out.append(rec)
     return out
 
 
 def run_metrics(out_dir):
     """The numbers one run contributes to sweep.py's summary (and to the Pareto plots): its
-    training's, not those of an eval-only run of its checkpoint appended after (another run, maybe
-    under other eval settings)."""
-    recs = [r for r in read_metrics(out_dir) if not r.get('eval_only')]
+    training's (read_metrics)."""
+    recs = read_metrics(out_dir)
     summ = next((r for r in reversed(recs) if r.get('type') == 'summary'), {})
     evals = [r for r in recs if r.get('type') == 'eval']
     train = [r for r in recs if r.get('type') == 'train']
@@ -199,11 +204,9 @@ def find_runs(root, arms=None):
 
 
 def curve(recs, kind, key):
-    """{iter: value} over the training's records of type `kind` that have `key` (a number or a
-    per-layer list): an eval-only run's eval of the checkpoint, appended after at the same
-    iteration (maybe under other eval settings), is left out, as run_metrics leaves it out."""
-    return {r['iter']: r[key] for r in recs
-            if r.get('type') == kind and r.get(key) is not None and not r.get('eval_only')}
+    """{iter: value} over the records of type `kind` that have `key` (a number or a per-layer
+    list)."""
+    return {r['iter']: r[key] for r in recs if r.get('type') == kind and r.get(key) is not None}
 
 
 def seed_band(dirs, kind, key):

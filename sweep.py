@@ -321,11 +321,10 @@ def measure_room(study, root, children=None):
 
 
 def finished(out_dir):
-    """The training wrote its summary at max_iters and nothing after it but eval-only records: an
-    eval-only run (eval_only=True) of a checkpoint marks its eval and summary so, and neither says
-    that the training got there (a run killed between its last checkpoint and its summary is
-    resumed, and the resume writes it)."""
-    recs = [r for r in read_metrics(out_dir) if not r.get('eval_only')]
+    """The training wrote its summary at max_iters (read_metrics leaves an eval-only run's records
+    out: a run killed between its last checkpoint and its summary is resumed, and the resume
+    writes it, however it was evaluated since)."""
+    recs = read_metrics(out_dir)
     cfg_path = os.path.join(out_dir, 'config.json')
     if not recs or recs[-1].get('type') != 'summary' or not os.path.exists(cfg_path):
         return False
