@@ -166,7 +166,9 @@ def check_bench_config(cfg):
                           f"{BENCH_EXAMPLES['budgets']} ('': no routed timings), got "
                           f"{cfg['budgets']!r}")
     shapes = numbers(cfg, 'prefill_shapes', shape)
-    if (budgets and not shapes) or any(min(s) < 1 for s in shapes):
+    # without --budgets no shape is timed, but a list of only commas is still refused as a typo
+    listed = budgets or str(cfg['prefill_shapes']).strip()
+    if (listed and not shapes) or any(min(s) < 1 for s in shapes):
         raise ConfigError(f"prefill_shapes must be BxT with B, T >= 1 such as "
                           f"{BENCH_EXAMPLES['prefill_shapes']}, got {cfg['prefill_shapes']!r}")
     # decode is timed with the KV cache: past block_size, generate would recompute the cropped

@@ -81,6 +81,8 @@ def test_bench_bad_options(arg, needle):
                       "routed timings), got ','"),
     (["--budgets=1.0", "--prefill_shapes=,"],
      "prefill_shapes must be BxT with B, T >= 1 such as '8x512' (BxT), got ','"),
+    (["--prefill_shapes=,"],
+     "prefill_shapes must be BxT with B, T >= 1 such as '8x512' (BxT), got ','"),
     (["--speculate=,"], "speculate must be draft lengths K >= 1 such as '1,2,4,8', got ','"),
     (["--speculate=2", "--passes_per_graph=,"],
      "passes_per_graph must be passes per function >= 1 such as '1' or '1,4' (1: a pass at a "
