@@ -219,7 +219,7 @@ def interval_state(interval):
     """The sums of the log interval a checkpoint cuts (train_report.new_interval), on the CPU: the
     resumed run's next train record is then the mean over every step of the interval, as the run it
     continues would have logged it. (Under DDP rank 0's, with every rank's LM sum in lm_ranks:
-    share_interval; the rest is logged as rank 0's anyway.)"""
+    share_interval; every rank resumes the rest of the cut interval from rank 0's sums.)"""
     return tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), interval)
 
 

@@ -192,14 +192,12 @@ def count_flops(run, opts):
 
 
 def log_progress(run, lr, loss_sum, norm, step):
-    """Every log_interval steps: the interval's means (the loss and LM loss global under DDP; the
-    routing fractions, grad norm and auxiliary terms rank 0's), a stop if training diverged, and
+    """Every log_interval steps: the interval's means (under DDP over every rank: the grad norms
+    are of the all-reduced gradient, the rest is averaged here), a stop if training diverged, and
     (rank 0) one printed line and one 'train' record."""
     iv = run.interval
     if run.ddp:                                # log the global mean, not rank 0's share
-        sums = torch.stack([loss_sum, iv['lm'], iv['lm_w']])
-        torch.distributed.all_reduce(sums)
-        loss_sum, iv['lm'], iv['lm_w'] = sums[0] / run.world, sums[1], sums[2]
+        loss_sum = share_means(run, loss_sum)
     lossf = loss_sum.item()
     dtime = (time.time() - run.t_last) / max(1, run.iter_num - run.it_last)
     run.t_last, run.it_last = time.time(), run.iter_num
@@ -245,6 +243,33 @@ def log_progress(run, lr, loss_sum, norm, step):
     if lm is not None:               # the summary's LM metrics: over intervals that had a loss
         run.history['train'].append(dict(iter=run.iter_num, lm_loss=lm))
     log(run, rec)
+
+
+def share_means(run, loss_sum):
+    """DDP (every rank: a collective): the interval's sums over the ranks. The LM sums add (their
+    ratio is the mean); the loss, routing fractions and auxiliary terms, each a mean over this
+    rank's micro-batches, are averaged (every rank runs the same number). Returns the loss."""
+    iv = run.interval
+    keys = sorted(iv['aux'])                   # the same keys on every rank: one model
+    frac = [] if iv['frac'] is None else [iv['frac'].reshape(-1)]
+    means = torch.cat([loss_sum.reshape(1).float(), *frac,
+                       *[torch.as_tensor(iv['aux'][k], device=run.dev).reshape(1) for k in keys]])
+    sums = torch.stack([iv['lm'], iv['lm_w']])
+    # the keys follow from the config and the step's options alone; were a rank to hold other
+    # terms, a mismatched all_reduce could hang, so the sizes are compared first
+    size = torch.tensor([len(means), -len(means)], device=run.dev)
+    torch.distributed.all_reduce(size, op=torch.distributed.ReduceOp.MAX)
+    if size.tolist() != [len(means), -len(means)]:
+        raise RuntimeError(f"DDP ranks logged different terms (this rank: {keys})")
+    torch.distributed.all_reduce(means)
+    torch.distributed.all_reduce(sums)
+    means = means / run.world
+    iv['lm'], iv['lm_w'] = sums[0], sums[1]
+    if iv['frac'] is not None:
+        iv['frac'] = means[1:1 + iv['frac'].numel()].reshape(iv['frac'].shape)
+    for i, k in enumerate(keys):
+        iv['aux'][k] = means[len(means) - len(keys) + i]
+    return means[0]
 
 
 def check_divergence(run, lossf):

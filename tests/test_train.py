@@ -454,7 +454,9 @@ def run_single_and_ddp(tmp, args):
 @pytest.mark.slow
 def test_ddp_matches_single_process_with_oracle_losses(ddp_runs, synth, tmp_path):
     """ffn_util_weight > 0 with 2 controlled layers and 1 oracle layer per step: the utility loss is
-    deterministic given the layer, so the runs should still agree to float tolerance."""
+    deterministic given the layer, so the runs should still agree to float tolerance, and so
+    should every train record's routing fractions and auxiliary terms (means over both ranks'
+    micro-batches, as the single process averages its two)."""
     args = [
         *TINY,
         *data_args(synth),
@@ -472,6 +474,13 @@ def test_ddp_matches_single_process_with_oracle_losses(ddp_runs, synth, tmp_path
     cs, cd = load_ckpt(single), load_ckpt(ddp)
     for k in cs["model"]:
         torch.testing.assert_close(cd["model"][k], cs["model"][k], rtol=1e-5, atol=1e-6, msg=k)
+    ms, md = ([m for m in read_metrics(d) if m["type"] == "train"] for d in (single, ddp))
+    assert len(ms) == len(md) == 4
+    for a, b in zip(ms, md):
+        assert {"util_loss", "utility_mean"} <= set(a) and set(a) == set(b)
+        assert b["full_frac"] == pytest.approx(a["full_frac"], rel=1e-5, abs=1e-6)
+        for k in ("loss", "lm_loss", "util_loss", "utility_mean"):
+            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (k, a["iter"])
 
 
 PID_WRAPPER = """\
