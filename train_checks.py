@@ -218,7 +218,8 @@ def check_run_files(cfg):
     """A fresh run (not a resume, not --overwrite) refuses an out_dir that holds a run's files."""
     if cfg.init_from == 'resume' or cfg.overwrite:
         return
-    held = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
+    # and an FSDP run's shards (sharding.SHARDED_DIR), which a fresh run removes with the rest
+    held = [f for f in (*RUN_FILES, 'ckpt_dcp') if os.path.exists(os.path.join(cfg.out_dir, f))]
     if held:
         raise TrainError(
             f"out_dir {cfg.out_dir} already holds a run ({', '.join(held)}); continue it with "

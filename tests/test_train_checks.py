@@ -62,6 +62,23 @@ def test_a_fresh_run_never_writes_over_a_run_in_out_dir(tmp_path):
     check_out_dir(SimpleNamespace(**{**vars(cfg), 'overwrite': True}))
 
 
+def test_a_folder_holding_only_sharded_checkpoints_holds_a_run(tmp_path):
+    """An FSDP run's DCP folder ckpt_dcp/ (its model and optimizer shards) is a run's: a fresh run
+    refuses it as it refuses ckpt.pt, since it would remove it (train_report.open_run_files)."""
+    from sharding import SHARDED_DIR
+    out = tmp_path / "run"
+    (out / SHARDED_DIR / "iter_0000010").mkdir(parents=True)
+    cfg = SimpleNamespace(**{**train.DEFAULTS, 'out_dir': str(out), 'dataset': 'synthetic',
+                             'data_dir': str(tmp_path / "data")})
+    with pytest.raises(TrainError) as e:
+        check_out_dir(cfg)
+    assert str(e.value) == (
+        f"out_dir {out} already holds a run ({SHARDED_DIR}); continue it with "
+        "--init_from=resume, pick another --out_dir, or replace it with --overwrite=True"
+    )
+    check_out_dir(SimpleNamespace(**{**vars(cfg), 'overwrite': True}))
+
+
 def test_only_rank_0_judges_the_run_files_under_its_lock(tmp_path):
     """Under DDP, rank 0 may write a fresh run's files before another rank reaches its checks: the
     run files are judged once, by rank 0 holding the lock (hold_out_dir), and every rank's own
