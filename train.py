@@ -378,9 +378,11 @@ def build_model(cfg, meta, ckpt):
         if cfg.trainable == 'draft':            # thresholds are never recalibrated: nothing moves
             check_against_checkpoint(cfg, meta, ckpt, draft_run_keys(FAMILIES[cfg.route]))
         sharding.check_resume(cfg, ckpt)           # fsdp's optimizer state is sharded
-        # data order, optimizer
+        # data order, what trains, and the optimizer's own settings (its saved state brings back
+        # the checkpoint's betas and weight decay over the config's)
         lora_keys = ('lora_rank', 'lora_alpha', 'lora_targets') if 'lora' in cfg.trainable else ()
-        for k in ('batch_size', 'gradient_accumulation_steps', 'seed', 'trainable', *lora_keys):
+        for k in ('batch_size', 'gradient_accumulation_steps', 'seed', 'trainable', 'weight_decay',
+                  'beta1', 'beta2', *lora_keys):
             if ckpt['config'].get(k) != getattr(cfg, k):
                 raise TrainError(
                     f"config field '{k}' differs from the checkpoint: checkpoint has "

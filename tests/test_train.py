@@ -1144,6 +1144,14 @@ def bad_input_cases(synth, text_data, base_copy):
             [*TINY, *d, "--init_from=resume", "--trainable=controller", f"--out_dir={base_copy}"],
             "trainable",
         ),
+        # the optimizer's state carries its betas and weight decay: a resume would keep the old
+        # ones while config.json recorded the new
+        "resume_changed_beta2": (
+            [*TINY, *d, "--init_from=resume", "--max_iters=7", "--weight_decay=0.05",
+             "--beta2=0.95", f"--out_dir={base_copy}"],
+            "config field 'beta2' differs from the checkpoint: checkpoint has 0.99, config has "
+            "0.95; resume with the run's original value",
+        ),
         "bad_lm_thresholds": ([*TINY, *d, "--lm_thresholds=2.5;2.0"], "lm_thresholds"),
         # a draft is distilled from a trained model, which it must not change
         "draft_from_scratch": ([*TINY, *d, "--trainable=draft", "--ffn_draft_rank=4"],
@@ -1256,6 +1264,7 @@ CASES = [
     "resume_changed_model",
     "resume_other_data",
     "resume_changed_trainable",
+    "resume_changed_beta2",
     "bad_lm_thresholds",
     "fresh_over_existing_run",
     "resume_same_vocab_other_data",
