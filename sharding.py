@@ -172,14 +172,20 @@ def load_sharded(model, optimizer, out_dir, rel):
     if not os.path.isdir(path):
         raise TrainError(f"ckpt.pt names the sharded checkpoint {path}, which is missing: restore "
                          "it, or start the run afresh with --overwrite=True")
-    saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    try:
+        saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    except Exception as e:      # no .metadata (a copy cut short), or not DCP's
+        raise damaged(path, e) from None
     model_sd, optim_sd = get_state_dict(model, optimizer)    # (creates state for every parameter)
     stateless = [k for k in optim_sd['state']
                  if not any(s.startswith(f'optimizer.state.{k}.') for s in saved)]
     for k in stateless:
         del optim_sd['state'][k]
     state = {'model': model_sd, 'optimizer': optim_sd}
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except (Exception, dcp.api.CheckpointException) as e:    # (not an Exception: a BaseException)
+        raise damaged(path, e) from None
     set_model_state_dict(model, state['model'])
     # (strict refuses a trainable parameter without state: the stateless ones, on purpose)
     set_optimizer_state_dict(model, optimizer, state['optimizer'],
@@ -187,3 +193,15 @@ def load_sharded(model, optimizer, out_dir, rel):
     by_name = dict(model.named_parameters())
     for k in stateless:
         optimizer.state.pop(by_name[k], None)
+
+
+def damaged(path, e):
+    """One line for a DCP folder that cannot be read: the first rank's error (DCP's
+    CheckpointException wraps each rank's), its type and first line."""
+    failures = getattr(e, 'failures', None)
+    if failures:
+        e = next(iter(failures.values()))[0]
+    first = str(e).splitlines()[0][:120] if str(e) else 'corrupt'
+    return TrainError(f"the sharded checkpoint {path} that ckpt.pt names is unreadable "
+                      f"({type(e).__name__}: {first}): it is truncated or corrupt; restore it, or "
+                      "start the run afresh with --overwrite=True")

@@ -143,6 +143,31 @@ def test_a_parameter_without_optimizer_state_resumes_without_one(one_process_gro
                                        opt.state[p][k].full_tensor(), msg=name)
 
 
+@pytest.mark.parametrize("damage", ["truncated_shard", "no_metadata"])
+def test_a_damaged_sharded_checkpoint_is_one_error(one_process_group, tmp_path, damage):
+    """The DCP folder ckpt.pt names, truncated or incompletely copied (no .metadata): one line
+    naming it and the fix, not DCP's traceback (CheckpointException is not an Exception)."""
+    torch.manual_seed(0)
+    model = sharding.shard_model(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8,
+                                               vocab_size=32)), torch.device('cpu'))
+    opt = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), 'cpu')
+    rel, _ = sharding.save_sharded(model, opt, tmp_path, 1, master=True)
+    folder = tmp_path / rel
+    if damage == "no_metadata":
+        (folder / ".metadata").unlink()
+    else:
+        shard = next(folder.glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+    with pytest.raises(TrainError) as e:
+        sharding.load_sharded(model, opt, tmp_path, rel)
+    msg = str(e.value)
+    assert "\n" not in msg and len(msg) < len(str(folder)) + 320, msg
+    assert msg.startswith(f"the sharded checkpoint {folder} that ckpt.pt names is unreadable "
+                          "("), msg
+    assert msg.endswith("): it is truncated or corrupt; restore it, or start the run afresh with "
+                        "--overwrite=True"), msg
+
+
 def test_routed_blocks_stay_in_the_root_unit():
     base = dict(n_layer=3, n_head=2, n_embd=16, block_size=8, vocab_size=32)
     for route, layers, own in [('none', {}, [0, 1, 2]), ('ffn', dict(ffn_layers='1'), [0, 2]),
