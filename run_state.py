@@ -145,7 +145,11 @@ def start_progress(cfg, ckpt, optimizer, scaler, master):
         )
     if ckpt['optimizer'] is not None:         # (FSDP: loaded from the shards, sharding.py)
         optimizer.load_state_dict(ckpt['optimizer'])
-    scaler.load_state_dict(ckpt['scaler'])
+    if ckpt['scaler'] or not scaler.is_enabled():
+        scaler.load_state_dict(ckpt['scaler'])
+    elif master:        # a run trained in bfloat16 or float32 resumed where dtype=auto is float16
+        print("note: the checkpoint has no GradScaler state (trained without float16): float16's "
+              "scaler starts afresh")
     if master and ckpt.get('rng') is not None:
         set_rng_state(ckpt['rng'])
     return dict(

@@ -91,3 +91,22 @@ def test_an_eval_only_summary_does_not_finish_the_training(tmp_path):
     lines.insert(1, json.dumps(dict(type="summary", iter=4)))
     Path(tmp_path, "metrics.jsonl").write_text("\n".join(lines) + "\n")
     assert finished_already(cfg, dict(iter_num=4)) is True
+
+
+def test_a_float16_resume_of_a_checkpoint_without_scaler_state_starts_the_scaler_afresh(capsys):
+    """A run trained in bfloat16 or float32 (its GradScaler disabled: state {}) resumed where
+    dtype=auto means float16 (a V100): the scaler starts at its initial scale, with a note, instead
+    of GradScaler.load_state_dict's RuntimeError (a traceback, or under DDP a false 'a DDP process
+    stopped responding')."""
+    from run_state import start_progress
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    ckpt = dict(optimizer=optimizer.state_dict(), scaler={}, iter_num=4, best_val_loss=2.5,
+                history=dict(train=[], eval=[]), flops_state=dict(exact=1.0), rng=None)
+    scaler = torch.amp.GradScaler('cpu', enabled=True)
+    progress = start_progress(SimpleNamespace(init_from='resume'), ckpt, optimizer, scaler, True)
+    assert progress['iter_num'] == 4 and progress['best_val'] == 2.5
+    assert scaler.get_scale() == 2.0 ** 16
+    assert capsys.readouterr().out == (
+        "note: the checkpoint has no GradScaler state (trained without float16): float16's "
+        "scaler starts afresh\n")
