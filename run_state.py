@@ -90,18 +90,18 @@ def open_inputs(cfg, master):
     checked against each other."""
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
     check_out_dir(cfg, held=False)      # (the run files: rank 0 checked them, hold_out_dir)
-    meta = load_dataset_meta(cfg, master)
     if master:                  # temp files of writers killed mid-write (the files they were to
                                 # replace are intact)
         for tmp in remove_stale_temps(cfg.out_dir):
             print(f"removed {tmp}, left by a write that was killed")
+    if cfg.init_from == 'resume' and not os.path.exists(ckpt_path):    # (before data is prepared)
+        raise TrainError(
+            f"init_from=resume but there is no checkpoint at {ckpt_path}; start the run afresh "
+            f"(with --overwrite=True if {cfg.out_dir} holds its other files)"
+        )
+    meta = load_dataset_meta(cfg, master)
     ckpt = None
     if cfg.init_from == 'resume':
-        if not os.path.exists(ckpt_path):
-            raise TrainError(
-                f"init_from=resume but there is no checkpoint at {ckpt_path}; start the run afresh "
-                f"(with --overwrite=True if {cfg.out_dir} holds its other files)"
-            )
         ckpt = load_checkpoint(ckpt_path)
         if finished_already(cfg, ckpt):            # nothing more to check: setup says so and stops
             return meta, ckpt

@@ -111,6 +111,18 @@ def test_train_refuses_an_unwritable_out_dir_before_any_work(tmp_path, out_dir, 
     assert not data.exists()                       # nothing prepared: refused before any work
 
 
+def test_a_resume_without_a_checkpoint_is_refused_before_preparing_data(tmp_path):
+    """--init_from=resume into a folder with no ckpt.pt: one line naming it, before the missing
+    synthetic corpus is prepared (nothing written under data_dir)."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    with pytest.raises(UserError) as e:
+        train.main([*TINY, f"--out_dir={out}", f"--data_dir={data}", "--init_from=resume"])
+    assert str(e.value) == (f"init_from=resume but there is no checkpoint at {out / 'ckpt.pt'}; "
+                            f"start the run afresh (with --overwrite=True if {out} holds its "
+                            "other files)")
+    assert not data.exists() and not out.exists()
+
+
 @LINUX
 def test_train_refuses_an_unwritable_data_folder_it_would_prepare(tmp_path):
     with pytest.raises(UserError, match="data_dir"):
