@@ -25,18 +25,22 @@ def save_checkpoint(path, state):
     try:
         write_whole(path, lambda f: torch.save(state, f), binary=True)
     except (OSError, RuntimeError) as e:
-        folder = os.path.dirname(os.path.abspath(path))
-        first_line = str(e).splitlines()[0][:200] if str(e) else ''
-        what = f"could not write checkpoint {path} ({type(e).__name__}: {first_line})"
-        kept = "the previous checkpoint, if any, is kept unchanged"
-        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise CheckpointError(f"{what}: {folder} is not writable by this user; make it "
-                                  f"writable (chmod u+w {folder}) and resume with "
-                                  f"--init_from=resume ({kept})") from None
-        # a full disk: ENOSPC, or torch's zip writer's RuntimeError
-        free = _free_bytes(folder)
-        raise CheckpointError(f"{what}; {free / 2**20:.0f} MiB free on its disk: free some space "
-                              f"and resume with --init_from=resume ({kept})") from None
+        raise write_failed(path, e, 'checkpoint', os.path.dirname(os.path.abspath(path))) from None
+
+
+def write_failed(path, e, what, folder):
+    """The CheckpointError of a failed checkpoint write (`what` at path, in folder): a folder this
+    user cannot write, or else a full disk (ENOSPC, or torch's zip writer's RuntimeError)."""
+    first_line = str(e).splitlines()[0][:200] if str(e) else ''
+    what = f"could not write {what} {path} ({type(e).__name__}: {first_line})"
+    kept = "the previous checkpoint, if any, is kept unchanged"
+    if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return CheckpointError(f"{what}: {folder} is not writable by this user; make it "
+                               f"writable (chmod u+w {folder}) and resume with "
+                               f"--init_from=resume ({kept})")
+    free = _free_bytes(folder)
+    return CheckpointError(f"{what}; {free / 2**20:.0f} MiB free on its disk: free some space "
+                           f"and resume with --init_from=resume ({kept})")
 
 
 def _free_bytes(folder):

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
+from checkpoint import write_failed
 from train_checks import PARALLEL, TrainError
 
 SHARDED_DIR = 'ckpt_dcp'         # out_dir/ckpt_dcp/iter_NNNNNNN: one DCP checkpoint per save
@@ -144,7 +145,10 @@ def save_sharded(model, optimizer, out_dir, iter_num, master):
         shutil.rmtree(path)
     torch.distributed.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({'model': model_sd, 'optimizer': optim_sd}, checkpoint_id=path)
+    try:
+        dcp.save({'model': model_sd, 'optimizer': optim_sd}, checkpoint_id=path)
+    except (Exception, dcp.api.CheckpointException) as e:    # (not an Exception: a BaseException)
+        raise write_failed(path, first_failure(e), 'the sharded checkpoint', out_dir) from None
     whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                  cpu_offload=True))
     return rel, whole
@@ -198,10 +202,14 @@ def load_sharded(model, optimizer, out_dir, rel):
 def damaged(path, e):
     """One line for a DCP folder that cannot be read: the first rank's error (DCP's
     CheckpointException wraps each rank's), its type and first line."""
-    failures = getattr(e, 'failures', None)
-    if failures:
-        e = next(iter(failures.values()))[0]
+    e = first_failure(e)
     first = str(e).splitlines()[0][:120] if str(e) else 'corrupt'
     return TrainError(f"the sharded checkpoint {path} that ckpt.pt names is unreadable "
                       f"({type(e).__name__}: {first}): it is truncated or corrupt; restore it, or "
                       "start the run afresh with --overwrite=True")
+
+
+def first_failure(e):
+    """The first rank's error that DCP's CheckpointException wraps (each rank's), else e."""
+    failures = getattr(e, 'failures', None)
+    return next(iter(failures.values()))[0] if failures else e

@@ -168,6 +168,38 @@ def test_a_damaged_sharded_checkpoint_is_one_error(one_process_group, tmp_path, 
                         "--overwrite=True"), msg
 
 
+def test_a_sharded_save_on_a_full_disk_is_one_error(one_process_group, tmp_path, monkeypatch):
+    """A full disk under DCP's writers (their OSError comes wrapped in DCP's CheckpointException,
+    not an Exception): one line naming the folder, the error and the fix, as a full disk under
+    ckpt.pt gives."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+    from checkpoint import CheckpointError
+    torch.manual_seed(0)
+    model = sharding.shard_model(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8,
+                                               vocab_size=32)), torch.device('cpu'))
+    opt = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), 'cpu')
+
+    def full_disk(*args, **kwargs):
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as e:
+            raise dcp.api.CheckpointException("ranks:dict_keys([0])",
+                                               {0: dcp.api._wrap_exception(e)}) from None
+    monkeypatch.setattr(dcp, "save", full_disk)
+    with pytest.raises(CheckpointError) as e:
+        sharding.save_sharded(model, opt, tmp_path, 3, master=True)
+    msg = str(e.value)
+    folder = tmp_path / sharding.SHARDED_DIR / "iter_0000003"
+    assert "\n" not in msg, msg
+    assert msg.startswith(f"could not write the sharded checkpoint {folder} (OSError: [Errno "
+                          f"{errno.ENOSPC}] No space left on device); "), msg
+    assert msg.endswith(" MiB free on its disk: free some space and resume with "
+                        "--init_from=resume (the previous checkpoint, if any, is kept "
+                        "unchanged)"), msg
+
+
 def test_routed_blocks_stay_in_the_root_unit():
     base = dict(n_layer=3, n_head=2, n_embd=16, block_size=8, vocab_size=32)
     for route, layers, own in [('none', {}, [0, 1, 2]), ('ffn', dict(ffn_layers='1'), [0, 2]),
