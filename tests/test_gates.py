@@ -27,8 +27,11 @@ about -0.04, the sign and order of the labels measured on the synthetic backbone
 Larger noise inflates the labels and with them util's gradient (it scales with |s - U|) against
 rank's (scale-free). The controllers keep their real initialisation.
 """
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import gates
@@ -275,3 +278,183 @@ def test_exit_heads_get_their_exit_losses(seed, B, T, n_embd, steps):
     for d, head in model.exit_heads.items():
         ratio = output_reach(terms['exit_loss'], list(head.parameters()), outs[d])
         assert ratio >= OUTPUT_REACH, (d, ratio)
+
+
+# --------------------------------------------------------------------------------------------------
+# every gradient, not only its reach: the whole training loss's gradient on every parameter equals
+# that of a hand-written forward of the papers' equations, with the stop-gradients where they say.
+# A detach added where a loss must train something, or dropped where it must not, changes some
+# parameter's gradient and fails these.
+
+def all_grads(model, loss):
+    params = list(model.parameters())
+    grads = torch.autograd.grad(loss, params, allow_unused=True, retain_graph=True)
+    return {n: torch.zeros_like(p) if g is None else g
+            for (n, p), g in zip(model.named_parameters(), grads)}
+
+
+def assert_same_grads(model, loss, ref):
+    got, want = all_grads(model, loss), all_grads(model, ref)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    for name in got:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, name=name: f'{name}: {m}')
+
+
+def embedded(model, idx):
+    return model.transformer.wte(idx) + model.transformer.wpe(torch.arange(idx.size(1)))
+
+
+def masked_ce(model, x, targets):
+    logits = model.lm_head(model.transformer.ln_f(x))
+    counted = targets != -1
+    return F.cross_entropy(logits[counted], targets[counted])
+
+
+@pytest.mark.parametrize('n_layer', [2, 4])
+def test_halting_gradients_equal_hand_written_tsa(n_layer):
+    """L = CE + λ·(1/(L−1))·Σ_l mean(1 − p_l), blocks l+1 scaled by (1 − p_l), p_l read after block
+    l: every gradient, routers and backbone, with a task's masked prompt."""
+    model = build(n_layer, 16, n_layer=n_layer, route='halt', halt_lambda=0.7)
+    idx, tgt = tokens(n_layer, 2, 9), tokens(n_layer + 1, 2, 9)
+    tgt[:, :3] = -1
+    loss = model(idx, tgt)[1]
+    x, reg = model.transformer.h[0](embedded(model, idx)), 0.0
+    for l, r in enumerate(model.halt):
+        p = torch.sigmoid(r.out(torch.relu(r.fc(x)))).squeeze(-1)
+        reg = reg + (1 - p).mean()
+        b = model.transformer.h[l + 1]
+        x = x + (1 - p)[..., None] * b.attn(b.ln_1(x))
+        x = x + (1 - p)[..., None] * b.mlp(b.ln_2(x))
+    assert_same_grads(model, loss, masked_ce(model, x, tgt) + 0.7 * reg / (n_layer - 1))
+
+
+@pytest.mark.parametrize('mix, r_in, distill, kl, teacher_lm', [
+    ('logit', 'mean', 'mixture', 'reverse', 0.5),
+    ('logprob', 'final', 'per_layer', 'forward', 0.0),
+    ('prob', 'mean', 'per_layer', 'forward', 0.5),
+    ('prob', 'final', 'mixture', 'reverse', 0.0),
+])
+def test_ensemble_gradients_equal_hand_written_mixture(mix, r_in, distill, kl, teacher_lm):
+    """G = softmax(sg(x)·W_g) mixes the last k layers' normed logits; the KL to the stop-gradient
+    final layer and the teacher's own LM loss: every gradient, router, norms and backbone, with a
+    task's masked prompt."""
+    k = 2
+    model = build(5, 16, n_layer=3, route='ensemble', ens_layers=k, ens_mix=mix,
+                  ens_router_input=r_in, ens_distill=distill, ens_kl=kl, ens_kl_weight=0.3,
+                  ens_teacher_lm_weight=teacher_lm)
+    with torch.no_grad():                   # a router away from its uniform init
+        model.ens_router.w.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(5))
+    idx, tgt = tokens(5, 2, 7), tokens(6, 2, 7)
+    tgt[:, :2] = -1
+    counted = tgt != -1
+    loss = model(idx, tgt)[1]
+    x, states = embedded(model, idx), []
+    for b in model.transformer.h:
+        x = b(x)
+        states.append(x)
+    normed = [n(h) for n, h in zip(model.ens_norms, states[-k:])]
+    router_in = model.transformer.ln_f(x) if r_in == 'final' else sum(normed) / k
+    g = F.softmax(router_in.detach() @ model.ens_router.w.weight.t(), -1)
+    per = [model.lm_head(h) for h in normed]
+    if mix == 'logit':
+        mixed = sum(g[..., j:j + 1] * per[j] for j in range(k))
+    elif mix == 'logprob':
+        mixed = sum(g[..., j:j + 1] * F.log_softmax(per[j], -1) for j in range(k))
+    else:
+        mixed = torch.log(sum(g[..., j:j + 1] * F.softmax(per[j], -1) for j in range(k)))
+    teacher = F.log_softmax(model.lm_head(model.transformer.ln_f(x)).detach(), -1)
+
+    def kl_to(student):
+        s = F.log_softmax(student, -1)
+        p, q = (teacher, s) if kl == 'forward' else (s, teacher)
+        return (p.exp() * (p - q)).sum(-1)[counted].mean()
+    distilled = kl_to(mixed) if distill == 'mixture' else sum(kl_to(lg) for lg in per) / k
+    ref = (F.cross_entropy(mixed[counted], tgt[counted]) + 0.3 * distilled
+           + teacher_lm * masked_ce(model, x, tgt))
+    assert_same_grads(model, loss, ref)
+
+
+def hand_gate_score(gate, h):
+    """G1 u = W2·GELU(W1·h + b1) + b2; G3 from d = P(h, full) − P(h, cheap), P(h, a) =
+    W2·GELU(W1·h + e_a): 'utility' an MLP on [h, d], 'linear' w·d + b, 'distance' ||d||²/latent."""
+    if isinstance(gate, gates.MLPGate):
+        return gate.out(F.gelu(gate.fc(h))).squeeze(-1)
+    d = torch.sub(*hand_forecasts(gate, h))
+    if gate.readout == 'utility':
+        return gate.head.out(F.gelu(gate.head.fc(torch.cat([h, d], -1)))).squeeze(-1)
+    if gate.readout == 'linear':
+        return gate.read(d).squeeze(-1)
+    return d.pow(2).sum(-1) / d.size(-1)
+
+
+def hand_forecasts(gate, h):
+    a = gate.fc(h)
+    return gate.out(F.gelu(a + gate.action[0])), gate.out(F.gelu(a + gate.action[1]))
+
+
+@pytest.mark.parametrize('gate, readout, aux_grad, gate_grad, outcome', [
+    ('mlp', 'utility', 'own', 'ste', 'delta'),
+    ('jepa', 'utility', 'own', 'ste', 'delta'),
+    ('jepa', 'linear', 'leak', 'scale', 'hidden'),
+    ('jepa', 'distance', 'own', 'none', 'delta'),
+])
+def test_ffn_gate_gradients_equal_hand_written_recipe(gate, readout, aux_grad, gate_grad, outcome):
+    """Top-k of the scores; the LM loss through the straight-through σ(s) ('ste'), σ(s)·full
+    ('scale') or not at all ('none'); util regression at the labelled layer onto U = CE(cheap at l,
+    rest full) − CE(all full), forked by hand, scored on the stop-gradient input under 'own'; the
+    JEPA alignment of both actions' forecasts to sg(T·outcome), on sg(h) under 'own': every
+    gradient, gates, cheap FFNs and backbone, with a task's masked prompt."""
+    T, layer = 9, 1
+    model = build(7, 16, n_layer=3, **dict(FFN, ffn_gate=gate, ffn_jepa_readout=readout,
+                                            ffn_rank_weight=0.0, ffn_util_weight=0.6,
+                                            ffn_jepa_weight=0.3, ffn_aux_grad=aux_grad,
+                                            ffn_gate_grad=gate_grad, ffn_jepa_outcome=outcome))
+    idx, tgt = tokens(7, 2, T), tokens(8, 2, T)
+    tgt[:, :2] = -1
+    counted = tgt != -1
+    loss = model(idx, tgt, oracle_layers=(layer,))[1]
+    blocks = model.transformer.h
+
+    def ce(x):
+        logits = model.lm_head(model.transformer.ln_f(x))
+        return F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), ignore_index=-1,
+                               reduction='none').view(tgt.shape)
+    with torch.no_grad():                   # the label: fork the all-full pass at `layer`
+        x = embedded(model, idx)
+        for b in blocks:
+            x = x + b.attn(b.ln_1(x))
+            if b.layer == layer:
+                mid = x
+            x = x + b.mlp(b.ln_2(x))
+        y = mid + blocks[layer].cheap(blocks[layer].ln_2(mid))
+        for b in blocks[layer + 1:]:
+            y = y + b.attn(b.ln_1(y))
+            y = y + b.mlp(b.ln_2(y))
+        U = ce(y) - ce(x)
+    x, jepa, util = embedded(model, idx), 0.0, 0.0
+    for b in blocks:
+        x = x + b.attn(b.ln_1(x))
+        h = b.ln_2(x)
+        full, cheap = b.mlp(h), b.cheap(h)
+        s = hand_gate_score(b.gate, h)
+        k = math.ceil(0.5 * T)
+        m = torch.zeros(2, T).scatter(-1, s.detach().topk(k, -1).indices, 1.0)[..., None]
+        if gate == 'jepa':
+            outs = (full, cheap) if outcome == 'delta' else (x + full, x + cheap)
+            preds = hand_forecasts(b.gate, h.detach() if aux_grad == 'own' else h)
+            jepa = jepa + sum((p - o.detach() @ b.gate.target.t()).pow(2).mean()
+                              for p, o in zip(preds, outs))
+        if b.layer == layer:
+            s_aux = hand_gate_score(b.gate, h.detach()) if aux_grad == 'own' else s
+            util = (s_aux - U).pow(2)[counted].mean()
+        if gate_grad == 'ste':
+            sig = torch.sigmoid(s)[..., None]
+            w = m + (sig - sig.detach())
+            x = x + w * full + (1 - w) * cheap
+        elif gate_grad == 'scale':
+            x = x + m * torch.sigmoid(s)[..., None] * full + (1 - m) * cheap
+        else:
+            x = x + m * full + (1 - m) * cheap
+    ref = masked_ce(model, x, tgt) + 0.6 * util + (0.3 * jepa if gate == 'jepa' else 0.0)
+    assert_same_grads(model, loss, ref)
