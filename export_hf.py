@@ -5,12 +5,14 @@ Export a trained dense nanodepth model as a Hugging Face transformers GPT-2 fold
     python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('hf/...')"
 
 Writes config.json, model.safetensors and generation_config.json (what transformers'
-save_pretrained writes for GPT2LMHeadModel), then loads the folder back with
-AutoModelForCausalLM and prints the largest logit difference from nanodepth's forward on a random
-batch (--check=False skips that). A --to that holds files is refused unless --overwrite=True (files
-of the same names are replaced), and a run folder (one holding ckpt.pt, whose config.json is the
-run's own) always. The mapping is model.py's GPT.from_pretrained run backwards: the
-same names, and HF's Conv1D weights transposed. What GPT-2 cannot hold is mapped exactly or refused:
+save_pretrained writes for GPT2LMHeadModel) into a temporary folder beside --to, loads them back
+with AutoModelForCausalLM and prints the largest logit difference from nanodepth's forward on a
+random batch (--check=False skips that), then moves them into --to; a difference past 1e-4 of the
+largest logit is an error that leaves --to as it was. A --to that holds files is refused unless
+--overwrite=True (files of the same names are replaced), and a run folder (one holding ckpt.pt,
+whose config.json is the run's own) always. The mapping is model.py's GPT.from_pretrained run
+backwards: the same names, and HF's Conv1D weights transposed. What GPT-2 cannot hold is mapped
+exactly or refused:
   bias=False   HF GPT-2 always has biases: they are written as zeros (the same function)
   gelu         'none' (exact) -> activation_function 'gelu'; 'tanh' -> 'gelu_new'
   pos='rope'   refused: GPT-2 has learned absolute positions only
@@ -125,9 +127,10 @@ def hf_state_dict(model, hf_keys):
     return out, sorted(k for k in sd if not DENSE_KEY.match(k))
 
 
-def export(model, to, tokenizer=None):
+def export(model, to, tokenizer=None, check=None):
     """Write model's dense backbone to folder `to` as a GPT-2 model; returns the names dropped.
-    Written in a temporary folder beside `to`, then moved in file by file."""
+    Written in a temporary folder beside `to`, then moved in file by file; check (optional): a
+    function of that folder called first, whose exception leaves `to` as it was."""
     transformers = import_transformers()
     hf = transformers.GPT2LMHeadModel(gpt2_config(transformers, model.config, tokenizer))
     state, dropped = hf_state_dict(model, list(hf.state_dict()))
@@ -135,10 +138,13 @@ def export(model, to, tokenizer=None):
     if unexpected or [k for k in missing if k != 'lm_head.weight']:     # lm_head: tied to wte
         raise RuntimeError(f"export_hf: GPT-2 did not take {missing + unexpected}")
     parent = os.path.dirname(os.path.abspath(to))
-    os.makedirs(to, exist_ok=True)
+    os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix='.export-', dir=parent)
     try:
         hf.save_pretrained(tmp, safe_serialization=True)
+        if check is not None:
+            check(tmp)
+        os.makedirs(to, exist_ok=True)
         for name in os.listdir(tmp):
             os.replace(os.path.join(tmp, name), os.path.join(to, name))
     finally:
@@ -172,19 +178,25 @@ def main(argv):
     import_transformers().utils.logging.disable_progress_bar()
     model = load_model(ckpt, 'cpu').float().eval()
     tokenizer = (ckpt.get('data_meta') or {}).get('tokenizer')
-    dropped = export(model, cfg['to'], tokenizer)
+    checked = []
+
+    def check(folder):          # before the files replace anything in --to
+        diff, scale = largest_difference(model, folder)
+        if diff > 1e-4 * max(1.0, scale):
+            raise RuntimeError(f"the exported model's logits differ from nanodepth's by {diff}; "
+                               f"--to={cfg['to']} is left as it was")
+        checked.append((diff, scale))
+
+    dropped = export(model, cfg['to'], tokenizer, check if cfg['check'] else None)
     print(f"wrote {cfg['to']} ({', '.join(sorted(os.listdir(cfg['to'])))}): GPT-2, "
           f"{model.config.n_layer} layers, d={model.config.n_embd}, "
           f"vocab {model.config.vocab_size}, n_positions {model.config.block_size}")
     if dropped:
         print(f"dense backbone of route={model.config.route}: dropped {len(dropped)} tensors of "
               f"its routing ({', '.join(dropped[:3])}{', ...' if len(dropped) > 3 else ''})")
-    if cfg['check']:
-        diff, scale = largest_difference(model, cfg['to'])
+    for diff, scale in checked:
         print(f"check: AutoModelForCausalLM loads it; max |logit difference| {diff:.2e} "
               f"(largest |logit| {scale:.1f})")
-        if diff > 1e-4 * max(1.0, scale):
-            raise RuntimeError(f"the exported model's logits differ from nanodepth's by {diff}")
     return 0
 
 

@@ -180,3 +180,22 @@ def test_help_lists_each_option_with_its_default_and_description(capsys):
     out = capsys.readouterr().out
     assert '--dense_backbone=False' in out and 'export its dense backbone' in out
     assert 'UNDOCUMENTED' not in out
+
+
+@pytest.mark.parametrize('earlier', [False, True])
+def test_an_export_whose_logits_differ_leaves_the_folder_as_it_was(tmp_path, monkeypatch,
+                                                                   earlier):
+    # the check reads the written files before they replace anything in --to
+    run, _ = save_run(tmp_path / 'run')
+    if earlier:
+        (tmp_path / 'hf').mkdir()
+        (tmp_path / 'hf' / 'config.json').write_text('{"n_layer": 7}')
+    monkeypatch.setattr(export_hf, 'largest_difference', lambda model, to: (0.01, 1.0))
+    with pytest.raises(RuntimeError, match='differ from nanodepth'):
+        export_hf.main([f'--out_dir={run}', f'--to={tmp_path / "hf"}', '--overwrite=True'])
+    if earlier:
+        assert [p.name for p in (tmp_path / 'hf').iterdir()] == ['config.json']
+        assert (tmp_path / 'hf' / 'config.json').read_text() == '{"n_layer": 7}'
+    else:
+        assert not (tmp_path / 'hf').exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['hf', 'run'][1 - earlier:]
