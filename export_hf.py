@@ -129,15 +129,17 @@ def hf_state_dict(model, hf_keys):
 
 def export(model, to, tokenizer=None, check=None):
     """Write model's dense backbone to folder `to` as a GPT-2 model; returns the names dropped.
-    Written in a temporary folder beside `to`, then moved in file by file; check (optional): a
-    function of that folder called first, whose exception leaves `to` as it was."""
+    Written in a temporary folder beside `to` (beside its target, where `to` is a link), then
+    moved in file by file; check (optional): a function of that folder called first, whose
+    exception leaves `to` as it was."""
     transformers = import_transformers()
     hf = transformers.GPT2LMHeadModel(gpt2_config(transformers, model.config, tokenizer))
     state, dropped = hf_state_dict(model, list(hf.state_dict()))
     missing, unexpected = hf.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if k != 'lm_head.weight']:     # lm_head: tied to wte
         raise RuntimeError(f"export_hf: GPT-2 did not take {missing + unexpected}")
-    parent = os.path.dirname(os.path.abspath(to))
+    # os.replace stays within one filesystem: beside the folder a link `to` names, not the link
+    parent = os.path.dirname(os.path.realpath(to))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix='.export-', dir=parent)
     try:

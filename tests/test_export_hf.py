@@ -5,6 +5,7 @@ decision forced open; bad options are one line before any work.
 
 Checkpoints are tiny models saved here (no training); weights are drawn at std 0.2 rather than
 GPT-2's 0.02, so that a wrong transpose, bias or activation moves the logits well past 1e-4."""
+import errno
 import os
 import re
 import sys
@@ -199,3 +200,28 @@ def test_an_export_whose_logits_differ_leaves_the_folder_as_it_was(tmp_path, mon
     else:
         assert not (tmp_path / 'hf').exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ['hf', 'run'][1 - earlier:]
+
+
+def test_a_to_that_links_to_another_filesystem_is_written_there(tmp_path, monkeypatch):
+    # files move by os.replace, which cannot cross filesystems: the temporary folder must be made
+    # beside the link's target, not beside the link
+    run, model = save_run(tmp_path / 'run')
+    other = os.path.realpath(tmp_path / 'scratch')          # stands for another filesystem
+    os.makedirs(os.path.join(other, 'hf'))
+    (tmp_path / 'hf').symlink_to(os.path.join(other, 'hf'))
+    real = os.replace
+
+    def replace(src, dst):
+        inside = [os.path.realpath(p).startswith(other + os.sep) for p in (src, dst)]
+        if inside[0] != inside[1]:
+            raise OSError(errno.EXDEV, 'Invalid cross-device link')
+        return real(src, dst)
+
+    monkeypatch.setattr(export_hf.os, 'replace', replace)
+    export_hf.main([f'--out_dir={run}', f'--to={tmp_path / "hf"}', '--check=False'])
+    assert sorted(os.listdir(os.path.join(other, 'hf'))) == [
+        'config.json', 'generation_config.json', 'model.safetensors']
+    assert sorted(os.listdir(other)) == ['hf']
+    idx = torch.randint(0, TINY['vocab_size'], (1, 8))
+    torch.testing.assert_close(hf_logits(tmp_path / 'hf', idx), ours(model, idx),
+                               rtol=0, atol=1e-4)
