@@ -100,12 +100,16 @@ class Scorer:
     """lm-evaluation-harness's three requests answered by `model` in eval mode (causal routing).
     encode / decode: the run's tokenizer (data.loader.load_tokenizer); vocab_limit: the
     tokenizer's vocabulary (the model's is padded: argmax and sampling skip the padding ids);
-    prefix_id: prefix_token(). Every forward's routing decisions on real (unpadded) positions add
-    to the realised full-path fraction routing() reports."""
+    prefix_id: prefix_token(); eos_id: the tokenizer's end-of-text token, where it has one, at
+    which generation stops whatever the request's stop strings (as the harness's own models do).
+    Every forward's routing decisions on real (unpadded) positions add to the realised full-path
+    fraction routing() reports."""
 
-    def __init__(self, model, encode, decode, vocab_limit, prefix_id, batch_size=16, device='cpu'):
+    def __init__(self, model, encode, decode, vocab_limit, prefix_id, batch_size=16, device='cpu',
+                 eos_id=None):
         self.model, self.encode, self.decode = model, encode, decode
         self.vocab_limit, self.prefix_id = vocab_limit, prefix_id
+        self.eos_text = None if eos_id is None else decode([eos_id])
         self.batch_size, self.device = batch_size, device
         self.block_size = model.config.block_size
         self.full_sums, self.tokens_run, self.generate_fracs = {}, 0, []
@@ -190,14 +194,15 @@ class Scorer:
 
     @torch.no_grad()
     def generate_until(self, requests, chunk=32):
-        """[text generated after context until the first of gen_kwargs['until'] (cut before it)
-        or max_gen_toks tokens (default 256)] for [(context, gen_kwargs)]; greedy unless
-        do_sample with a temperature > 0. Generated `chunk` tokens at a time, stopping once a stop
-        string appears."""
+        """[text generated after context until the first of gen_kwargs['until'] or the
+        end-of-text token (cut before it) or max_gen_toks tokens (default 256)] for
+        [(context, gen_kwargs)]; greedy unless do_sample with a temperature > 0. Generated `chunk`
+        tokens at a time, stopping once a stop string appears."""
         out = []
         for context, kwargs in requests:
             until = kwargs.get('until') or []
             until = [until] if isinstance(until, str) else list(until)
+            until += [self.eos_text] if self.eos_text else []
             budget = int(kwargs.get('max_gen_toks', 256))
             temperature = float(kwargs.get('temperature', 0.0)) if kwargs.get('do_sample') else 0.0
             ids = self.encode(context, "a request's context") if context else [self.prefix_id]
@@ -263,7 +268,7 @@ def load_scorer(ckpt, device='auto', data_dir='', calib_iters=0, batch_size=16):
         model.calibrate(torch.cat(calib))           # a no-op for gates without scores
     encode, decode = load_tokenizer(meta)
     return Scorer(model.eval(), encode, decode, meta['vocab_size'], prefix_token(meta, encode),
-                  batch_size, dev)
+                  batch_size, dev, eos_id=GPT2_EOT if meta.get('tokenizer') == 'gpt2' else None)
 
 
 HARNESS_MODEL = []          # the lm_eval model class, made and registered once

@@ -211,6 +211,25 @@ def test_gpt2_pairs_split_where_the_contexts_encoding_ends():
     assert eh.prefix_token(dict(tokenizer='gpt2'), encode) == eh.GPT2_EOT
 
 
+@pytest.mark.parametrize('until', [[], ['\n\n']])
+def test_gpt2_generation_stops_at_end_of_text(until):
+    """With GPT-2's tokenizer, generation ends at <|endoftext|> whether or not the request names
+    it (as the harness's own models add it), and the text is cut before it."""
+    encode, decode = load_tokenizer(dict(tokenizer='gpt2'))
+    model = build('none', n_layer=1).eval()
+    emitted = encode(' Paris') + [eh.GPT2_EOT] + encode(' and more text')
+
+    def generate(x, n, **kw):       # the same continuation for every call, n tokens of it
+        done = x.size(1) - len(encode('Q:'))
+        return torch.cat([x, torch.tensor([emitted[done:done + n]])], 1)
+    model.generate = generate
+    s = eh.Scorer(model, encode, decode, 50257, eh.GPT2_EOT, eos_id=eh.GPT2_EOT)
+    assert s.generate_until([('Q:', dict(until=until, max_gen_toks=9))], chunk=2) == [' Paris']
+    plain = eh.Scorer(model, encode, decode, 50257, eh.GPT2_EOT)      # no end-of-text token
+    assert plain.generate_until([('Q:', dict(until=until, max_gen_toks=4))]) == [
+        decode(emitted[:4])]
+
+
 def test_an_oracle_gate_is_refused_before_any_scoring():
     model = build('ffn', n_layer=2, ffn_gate='oracle').eval()
     encode, decode = load_tokenizer(META)
