@@ -71,11 +71,11 @@ DEFAULTS = dict(
 
 def score_windows(tokens, first, block_size):
     """The windows that score tokens[first:] (first >= 1: every scored token has one before it),
-    each token predicted once with as much context as fits: [(inputs, targets)], inputs at most
+    each token predicted once: [(inputs, targets)], inputs at most
     block_size tokens whose last len(targets) positions predict targets. A window predicts up to
     block_size tokens and sees the block_size tokens (or all there are) before the last one it
-    predicts, as lm-evaluation-harness's rolling windows do; a text within one block is one
-    window, one forward."""
+    predicts, as lm-evaluation-harness's rolling windows do (so a later window's first target
+    may see as little as one token); a text within one block is one window, one forward."""
     assert 1 <= first <= len(tokens), (first, len(tokens))
     out = []
     for a in range(first, len(tokens), block_size):
@@ -228,7 +228,8 @@ class Scorer:
     def routing(self):
         """The realised budget so far: per routed layer the full-path fraction over every real
         position the scoring forwards ran (and its mean), the budget the config asks for, and
-        generation's mean full-path fraction per layer over its forwards (model.generate's)."""
+        generation's full-path fraction per layer: the mean over its model.generate calls (each
+    one chunk of a request, weighted alike) of each call's mean over its forwards."""
         model = self.model
         layers = sorted(self.full_sums)
         per_layer = [self.full_sums[l] / max(1, self.tokens_run) for l in layers]
