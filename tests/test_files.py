@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import files
-from conftest import finish, start
+from conftest import finish, start, stop
 from files import pid_alive, remove_stale_temps, taking_turns, write_whole
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,14 +78,20 @@ def test_readers_never_see_part_of_a_file_while_two_processes_rewrite_it(tmp_pat
     read parses, and is one writer's whole file (a write in place would be read half done)."""
     path = tmp_path / 'a.json'
     write_whole(path, lambda f: json.dump({'tag': 'x', 'i': -1, 'pad': ''}, f))
-    writers = [start([sys.executable, '-c', WRITE_OVER_AND_OVER, path, tag], cwd=REPO)
-               for tag in 'ab']
-    reads, deadline = 0, time.monotonic() + 60
-    while (any(w.poll() is None for w in writers) or reads == 0) and time.monotonic() < deadline:
-        got = json.loads(path.read_text())
-        assert got['pad'] == got['tag'] * (200_000 if got['i'] >= 0 else 0)
-        reads += 1
-    assert [finish(w, timeout=60).returncode for w in writers] == [0, 0]
+    writers = []
+    try:
+        for tag in 'ab':
+            writers.append(start([sys.executable, '-c', WRITE_OVER_AND_OVER, path, tag], cwd=REPO))
+        reads, deadline = 0, time.monotonic() + 60
+        while ((any(w.poll() is None for w in writers) or reads == 0)
+               and time.monotonic() < deadline):
+            got = json.loads(path.read_text())
+            assert got['pad'] == got['tag'] * (200_000 if got['i'] >= 0 else 0)
+            reads += 1
+        assert [finish(w, timeout=60).returncode for w in writers] == [0, 0]
+    finally:                            # a failed read or a timeout leaves no writer running
+        for w in writers:
+            stop(w)
     assert reads > 10 and os.listdir(tmp_path) == ['a.json']
 
 

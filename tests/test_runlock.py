@@ -4,6 +4,7 @@ folder it created; sweep.py refuses an out_root another process holds before it 
 helpers that start processes (conftest) end everything they started, and the session check finds a
 process left running. train.py's own lock is tested in test_train.py."""
 import os
+import select
 import signal
 import sys
 import textwrap
@@ -16,7 +17,7 @@ sys.path.insert(0, str(REPO))
 import files  # noqa: E402
 import runlock  # noqa: E402
 import sweep  # noqa: E402
-from conftest import (leftover_processes, run_group, start,  # noqa: E402
+from conftest import (_signal_all, leftover_processes, run_group, start,  # noqa: E402
                       started, stop, tagged_processes)
 HOLD = "import sys, time; sys.path.insert(0, {repo!r}); import runlock; " \
        "lock = runlock.lock_folder({folder!r}); print('held', flush=True); time.sleep(600)"
@@ -25,14 +26,34 @@ HOLD = "import sys, time; sys.path.insert(0, {repo!r}); import runlock; " \
 def hold_in_another_process(folder):
     """A process holding folder's lock (started by conftest.start: end it with stop)."""
     proc = start([sys.executable, "-c", HOLD.format(repo=str(REPO), folder=str(folder))])
-    assert proc.stdout.readline().strip() == "held", proc.stderr.read()
+    expect_line(proc, "held")
     return proc
+
+
+def expect_line(proc, want, timeout=60):
+    """Wait up to timeout s for proc's first stdout line, which must be want; else proc and all it
+    started are ended and the test fails, showing its stderr (a process that hangs without
+    printing must not hang the test). The first read only: select sees the pipe, not the lines
+    a readline left in the buffer."""
+    line = None
+    try:
+        if select.select([proc.stdout], [], [], timeout)[0]:
+            line = proc.stdout.readline().strip()
+            if line == want:
+                return
+        _signal_all(proc, signal.SIGKILL)
+        err = proc.communicate(timeout=10)[1]
+    except BaseException:
+        stop(proc)
+        raise
+    stop(proc)
+    pytest.fail(f"{proc.args}: expected {want!r} within {timeout} s, got {line!r}; stderr: {err}")
 
 
 def test_second_lock_is_refused_naming_the_holder(tmp_path):
     hold = HOLD.format(repo=str(REPO), folder=str(tmp_path / "run"))
     with started([sys.executable, "-c", hold]) as holder:
-        assert holder.stdout.readline().strip() == "held"
+        expect_line(holder, "held")
         with pytest.raises(runlock.FolderBusy) as e:
             runlock.lock_folder(tmp_path / "run", "out_dir")
         assert e.value.pid == holder.pid
@@ -138,9 +159,11 @@ ESCAPES = ("import signal, subprocess, sys, time\n"
 def test_stop_ends_a_descendant_that_left_the_group_and_ignores_sigterm():
     """Like a hung torchrun worker: its own session, deaf to SIGTERM; stop() still ends it."""
     proc = start([sys.executable, "-c", ESCAPES])
-    assert proc.stdout.readline().strip() == "1"          # the descendant now ignores SIGTERM
-    assert len(tagged_processes("NANODEPTH_TEST_GROUP", proc.group_tag)) == 2
-    stop(proc, grace=1)
+    try:
+        expect_line(proc, "1")                            # the descendant now ignores SIGTERM
+        assert len(tagged_processes("NANODEPTH_TEST_GROUP", proc.group_tag)) == 2
+    finally:
+        stop(proc, grace=1)
     assert tagged_processes("NANODEPTH_TEST_GROUP", proc.group_tag) == []
 
 

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import sharding  # noqa: E402
 import train  # noqa: E402
-from conftest import _signal_all, finish, run_group, start, stop  # noqa: E402
+from conftest import _signal_all, finish, run_group, started  # noqa: E402
 from data import prepare  # noqa: E402
 from model import FAMILIES, GPT, GPTConfig, is_controller_key  # noqa: E402
 from train_checks import TrainError  # noqa: E402
@@ -258,20 +258,17 @@ def test_fsdp_matches_one_process_resumes_after_a_kill_and_trains_every_family(t
     fams = {n: [*family_args(n, x), f'--data_dir={data.parent}', f'--dataset={data.name}']
             for n, x in FAMILY_RUNS.items()}
     fsdp = [*common, '--parallel=fsdp']
-    single = start([sys.executable, 'train.py', *common, f'--out_dir={tmp_path / "single"}'],
-                   cwd=REPO, env=ENV)
-    driver = start([*TORCHRUN, 'tests/sharding_driver.py', tmp_path, json.dumps(fsdp),
-                    json.dumps(fams), KILL_AT], cwd=REPO, env=ENV)
-    try:
-        blocked = tmp_path / 'killed' / 'blocked'
-        deadline = time.time() + 1200   # (a hang; the check takes far less)
-        while not blocked.exists() and driver.poll() is None and time.time() < deadline:
-            time.sleep(0.2)
-        assert blocked.exists(), finish(driver, 30).stderr[-3000:]
-        _signal_all(driver, signal.SIGKILL)           # the whole group, mid-run
-    finally:
-        stop(driver)
-    r = finish(single, 300)
+    with started([sys.executable, 'train.py', *common, f'--out_dir={tmp_path / "single"}'],
+                 cwd=REPO, env=ENV) as single:
+        with started([*TORCHRUN, 'tests/sharding_driver.py', tmp_path, json.dumps(fsdp),
+                      json.dumps(fams), KILL_AT], cwd=REPO, env=ENV) as driver:
+            blocked = tmp_path / 'killed' / 'blocked'
+            deadline = time.time() + 1200   # (a hang; the check takes far less)
+            while not blocked.exists() and driver.poll() is None and time.time() < deadline:
+                time.sleep(0.2)
+            assert blocked.exists(), finish(driver, 30).stderr[-3000:]
+            _signal_all(driver, signal.SIGKILL)           # the whole group, mid-run
+        r = finish(single, 300)
     assert r.returncode == 0, r.stderr[-3000:]
     killed = tmp_path / 'killed'
     assert ckpt(killed)['iter_num'] == CKPT_EVERY

@@ -503,16 +503,20 @@ def start_ddp_and_wait_for_training(synth, tmp, extra):
     proc = start([*torchrun, wrapper, *TINY, *data_args(synth), "--gradient_accumulation_steps=2",
                   "--max_iters=1000000", "--eval_interval=1000000", f"--out_dir={out}", *extra],
                  cwd=REPO, env=ENV)
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        metrics = out / "metrics.jsonl"
-        if metrics.exists() and '"type": "train"' in metrics.read_text():
-            break
-        time.sleep(0.1)
-    if proc.poll() is not None:
-        r = finish(proc)
-        pytest.skip(f"torchrun/gloo did not start 2 CPU processes here: {r.stderr[-500:]}")
-    pids = {rank: int((tmp / f"pid{rank}").read_text()) for rank in (0, 1)}
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            metrics = out / "metrics.jsonl"
+            if metrics.exists() and '"type": "train"' in metrics.read_text():
+                break
+            time.sleep(0.1)
+        if proc.poll() is not None:
+            r = finish(proc)
+            pytest.skip(f"torchrun/gloo did not start 2 CPU processes here: {r.stderr[-500:]}")
+        pids = {rank: int((tmp / f"pid{rank}").read_text()) for rank in (0, 1)}
+    except BaseException:              # (a skip too) the caller gets no process to end
+        stop(proc)
+        raise
     return proc, out, pids
 
 
@@ -717,17 +721,17 @@ def signalled_runs(synth, tmp_path_factory):
     SIGTERM; then each is resumed with the command it printed (capped at 2 more iterations)."""
     tmp = tmp_path_factory.mktemp("signals")
     runs = {}
-    for name in SIGNALS:
-        out = tmp / name
-        args = [
-            *TINY,
-            *data_args(synth),
-            "--max_iters=1000000",
-            "--eval_interval=1000000",
-            f"--out_dir={out}",
-        ]
-        runs[name] = SimpleNamespace(out=out, proc=start_train(args))
     try:
+        for name in SIGNALS:
+            out = tmp / name
+            args = [
+                *TINY,
+                *data_args(synth),
+                "--max_iters=1000000",
+                "--eval_interval=1000000",
+                f"--out_dir={out}",
+            ]
+            runs[name] = SimpleNamespace(out=out, proc=start_train(args))
         deadline = time.time() + 90
         pending = set(runs)
         while pending and time.time() < deadline:
@@ -745,17 +749,24 @@ def signalled_runs(synth, tmp_path_factory):
     finally:
         for run in runs.values():
             stop(run.proc)
-    for run in runs.values():                      # resume both, side by side
-        run.ckpt = load_ckpt(run.out) if (run.out / "ckpt.pt").exists() else None
-        run.resume = None
-        line = next((l for l in run.result.stdout.splitlines() if "init_from=resume" in l), None)
-        if run.result.returncode == 0 and run.ckpt is not None and line:
-            cmd = shlex.split(line[line.index("python"):])
-            run.cmd = cmd
-            run.resume_proc = start_train([*cmd[2:], f"--max_iters={run.ckpt['iter_num'] + 2}"])
-    for run in runs.values():
-        if hasattr(run, "resume_proc"):
-            run.resume = finish(run.resume_proc)
+    try:
+        for run in runs.values():                      # resume both, side by side
+            run.ckpt = load_ckpt(run.out) if (run.out / "ckpt.pt").exists() else None
+            run.resume = None
+            line = next((l for l in run.result.stdout.splitlines() if "init_from=resume" in l),
+                        None)
+            if run.result.returncode == 0 and run.ckpt is not None and line:
+                cmd = shlex.split(line[line.index("python"):])
+                run.cmd = cmd
+                run.resume_proc = start_train([*cmd[2:],
+                                               f"--max_iters={run.ckpt['iter_num'] + 2}"])
+        for run in runs.values():
+            if hasattr(run, "resume_proc"):
+                run.resume = finish(run.resume_proc)
+    finally:                                           # one timing out leaves none running
+        for run in runs.values():
+            if hasattr(run, "resume_proc"):
+                stop(run.resume_proc)
     return runs
 
 
