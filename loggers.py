@@ -16,7 +16,9 @@ scalars named <type>/<key> (a list adds /<index>, a dict /<key>: 'train/loss', '
                online, log in first (`wandb login`). A resumed run is a new W&B run.
 
 Only rank 0 logs under DDP (it alone writes metrics.jsonl). The packages are optional: a --log
-naming one that is not installed is refused before any work, naming the pip install.
+naming one that is not installed is refused before any work, naming the pip install. A W&B run that
+W&B refuses to start (no login, a bad project, no network) is one error line, given before
+--overwrite=True removes the run in out_dir.
 """
 import glob
 import importlib.util
@@ -95,8 +97,15 @@ class WandB:
         import wandb
         folder = os.environ.get('WANDB_DIR') or cfg.out_dir
         os.makedirs(folder, exist_ok=True)
-        self.run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or None,
-                              config=cfg_dict, dir=folder)
+        try:
+            self.run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or None,
+                                  config=cfg_dict, dir=folder)
+        except Exception as e:         # no login, a bad project, no network: W&B's own errors
+            reason = (str(e).strip().splitlines() or [''])[0][:200]
+            raise ConfigError(f"--log=wandb: W&B could not start a run in project "
+                              f"{cfg.wandb_project!r} ({type(e).__name__}: {reason}); check the "
+                              f"project name and `wandb login`, or log offline with "
+                              f"WANDB_MODE=offline") from None
 
     def write(self, step, values):
         self.run.log(values, step=step)
@@ -106,12 +115,14 @@ class WandB:
 
 
 class Loggers:
-    """The sinks --log names, opened at the start of a run (rank 0): write(record) sends a metrics
-    record to each, close() ends them."""
+    """The sinks --log names, opened at the start of a run (rank 0) before the run it replaces is
+    removed: write(record) sends a metrics record to each, close() ends them."""
 
     def __init__(self, cfg, cfg_dict, iter_num):
-        kinds = dict(tensorboard=TensorBoard, wandb=WandB)
-        self.sinks = [kinds[n](cfg, cfg_dict, iter_num) for n in parse_log(cfg.log)]
+        # W&B first: it may refuse the run (ConfigError), and TensorBoard removes the old events
+        kinds = dict(wandb=WandB, tensorboard=TensorBoard)
+        names = parse_log(cfg.log)
+        self.sinks = [kind(cfg, cfg_dict, iter_num) for n, kind in kinds.items() if n in names]
 
     def write(self, record):
         values = scalars(record)

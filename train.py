@@ -306,8 +306,13 @@ def setup(cfg, cfg_dict, proc, argv):
                for s in train_data.eval_batches(cfg.calib_iters, 3, cfg.eval_seed)],
         ckpt_path=os.path.join(cfg.out_dir, 'ckpt.pt'), metrics_f=None, loggers=None)
     if run.master:
-        run.metrics_f = open_run_files(cfg, cfg_dict, proc, run.iter_num)
-        run.loggers = Loggers(cfg, cfg_dict, run.iter_num)     # --log: TensorBoard, W&B
+        # --log: W&B, TensorBoard; started before --overwrite removes the old run (W&B may refuse)
+        run.loggers = Loggers(cfg, cfg_dict, run.iter_num)
+        try:
+            run.metrics_f = open_run_files(cfg, cfg_dict, proc, run.iter_num)
+        except BaseException:
+            run.loggers.close()
+            raise
         print(
             f"model: {model.get_num_params() / 1e6:.2f}M parameters ({count_params(params):,} "
             "trainable) | data: "

@@ -167,6 +167,30 @@ def test_wandb_offline_run_holds_the_logged_values(data_args, tmp_path, monkeypa
     assert summary['summary/best_val_loss'] == pytest.approx(recs[-1]['best_val_loss'])
 
 
+def test_a_failed_wandb_start_is_one_line_and_keeps_the_run_it_would_replace(data_args, tmp_path,
+                                                                             monkeypatch):
+    """W&B refuses the run (no login, a bad project, no network): one error line naming the
+    project and W&B's reason, and --overwrite=True has not yet removed the old run's checkpoint,
+    metrics or TensorBoard events."""
+    pytest.importorskip('tensorboard')
+    wandb = pytest.importorskip('wandb')
+    out = tmp_path / 'out'
+    train.main([*TINY, *data_args, f'--out_dir={out}', '--log=tensorboard', '--max_iters=2'])
+    kept = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert {'ckpt.pt', 'metrics.jsonl'} <= set(kept) and len(glob.glob(str(out / 'events.*'))) == 1
+
+    def refuse(**kw):
+        raise wandb.errors.CommError('project tiny not found\n(more detail)')
+    monkeypatch.setattr(wandb, 'init', refuse)
+    with pytest.raises(train.TrainError) as e:
+        train.main([*TINY, *data_args, f'--out_dir={out}', '--log=tensorboard,wandb',
+                    '--wandb_project=tiny', '--overwrite=True'])
+    assert str(e.value) == ("--log=wandb: W&B could not start a run in project 'tiny' (CommError: "
+                            "project tiny not found); check the project name and `wandb login`, "
+                            "or log offline with WANDB_MODE=offline")
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == kept
+
+
 @pytest.mark.parametrize('value', ['tensorbord', 'tensorboard,mlflow', 'wandb;tensorboard'])
 def test_an_unknown_logger_is_refused_naming_the_valid_ones(data_args, tmp_path, value):
     with pytest.raises(train.TrainError, match=r"unknown logger .*tensorboard, wandb") as e:
