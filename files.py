@@ -70,14 +70,19 @@ def pid_alive(pid):
     return True
 
 
+class NoFlock(Exception):
+    """There is no flock here (Windows, or a file system without it): the caller runs unlocked.
+    str() says why."""
+
+
 def locked_fd(path, wait=True):
     """An fd of the file at path (created where missing) holding its exclusive flock, waiting for
-    another holder where wait, else BlockingIOError; None where there is no flock (Windows, or a
-    file system without it: the caller runs unlocked). A holder removes the file while it still
-    holds it (unlock_and_remove), so a waiter that then holds the removed file sees so and locks
-    the file now at the path; the kernel drops the lock of a holder that is killed."""
+    another holder where wait, else BlockingIOError; NoFlock where there is no flock. A holder
+    removes the file while it still holds it (unlock_and_remove), so a waiter that then holds the
+    removed file sees so and locks the file now at the path; the kernel drops the lock of a holder
+    that is killed."""
     if fcntl is None:
-        return None
+        raise NoFlock("this system has no flock")
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -85,9 +90,9 @@ def locked_fd(path, wait=True):
         except BlockingIOError:
             os.close(fd)
             raise
-        except OSError:
+        except OSError as e:
             os.close(fd)
-            return None
+            raise NoFlock(f"flock: {e.strerror}") from None
         try:
             if os.path.samestat(os.fstat(fd), os.stat(path)):
                 return fd
@@ -110,7 +115,10 @@ def taking_turns(lock_path):
     """The lock file lock_path held for the block (locked_fd), waiting for another holder, and
     removed at its end: writers of one folder take turns. A lock file rather than the folder
     itself, since on NFS only a file's lock holds across machines."""
-    fd = locked_fd(lock_path)
+    try:
+        fd = locked_fd(lock_path)
+    except NoFlock:
+        fd = None             # no flock here: writers do not take turns
     try:
         yield
     finally:

@@ -21,7 +21,7 @@ from checkpoint import load_checkpoint
 from configurator import UserError
 from data.loader import check_data, data_identity, load_dataset_meta
 from files import remove_stale_temps, write_whole
-from runlock import FolderBusy, lock_folder
+from runlock import LOCK_NAME, FolderBusy, holder, lock_folder
 from train_checks import TrainError, check_out_dir, check_run_files
 
 
@@ -72,8 +72,9 @@ def hold_out_dir(cfg, proc):
         status = torch.tensor([code], dtype=torch.int64, device=proc.dev)
         torch.distributed.broadcast(status, 0)
         code = int(status.item())
-        if refusal is None and code > 0:
-            refusal = FolderBusy(cfg.out_dir, code, 'out_dir')
+        if refusal is None and code > 0:         # its host: from the lock file, where seen here
+            pid, host = holder(os.path.join(cfg.out_dir, LOCK_NAME), wait_s=0)
+            refusal = FolderBusy(cfg.out_dir, code, 'out_dir', host if pid == code else None)
         elif refusal is None and code < 0:
             refusal = TrainError(f"rank 0 refused out_dir {cfg.out_dir} (its error is above)")
     if refusal is not None:

@@ -1,9 +1,10 @@
 """
 One writer per run folder: train.py holds an exclusive lock on its out_dir, sweep.py on its
 out_root, for as long as it runs. A second writer (a resume, a fresh run with --overwrite=True, a
-sweep into the same folder) is refused with one line naming the folder and the holder's PID, before
-it touches anything. The lock is an flock on <folder>/.lock, so the kernel drops it when its holder
-dies, even by SIGKILL; the file left behind is then simply locked again.
+sweep into the same folder) is refused with one line naming the folder and the holder's host and
+PID, before it touches anything. The lock is an flock on <folder>/.lock, so the kernel drops it when
+its holder dies, even by SIGKILL; the file left behind is then simply locked again. Where the file
+system has no flock, the run goes on unlocked after a note saying so.
 
     from runlock import lock_folder
     lock = lock_folder(cfg.out_dir, 'out_dir')     # FolderBusy (a UserError) if another holds it
@@ -11,10 +12,12 @@ dies, even by SIGKILL; the file left behind is then simply locked again.
     lock.release()                                 # or let the process end
 """
 import os
+import socket
+import sys
 import time
 
 from configurator import UserError
-from files import locked_fd, unlock_and_remove
+from files import NoFlock, locked_fd, unlock_and_remove
 
 LOCK_NAME = '.lock'
 
@@ -22,9 +25,10 @@ LOCK_NAME = '.lock'
 class FolderBusy(UserError):
     """Another live process holds the folder's lock."""
 
-    def __init__(self, folder, pid, option):
-        self.pid = pid
-        holder = f"PID {pid}" if pid else "a process whose PID it did not record"
+    def __init__(self, folder, pid, option, host=None):
+        self.pid, self.host = pid, host
+        holder = (f"PID {pid} on {host}" if pid and host else f"PID {pid}" if pid else
+                  "a process whose PID it did not record")
         super().__init__(f"{option} {folder} is in use by another run ({holder}, a train.py or "
                          f"sweep.py still writing there); wait for it to end or stop it, or choose "
                          f"another {option}")
@@ -53,36 +57,41 @@ class FolderLock:
 
 def lock_folder(folder, option='out_dir'):
     """Take the exclusive lock on folder (created if missing): a FolderLock, or FolderBusy naming
-    the holder's PID, or a UserError if the folder or its lock file cannot be created. Where there
-    is no flock (Windows), two writers are not kept apart."""
+    the holder's host and PID, or a UserError if the folder or its lock file cannot be created.
+    Where there is no flock (Windows, some network file systems), two writers are not kept apart:
+    a note on stderr says so."""
     created = None if os.path.isdir(folder) else folder
     path = os.path.join(folder, LOCK_NAME)
     try:
         os.makedirs(folder, exist_ok=True)
         fd = locked_fd(path, wait=False)
     except BlockingIOError:
-        raise FolderBusy(folder, holder_pid(path), option) from None
+        pid, host = holder(path)
+        raise FolderBusy(folder, pid, option, host) from None
+    except NoFlock as e:               # run unlocked, saying so
+        print(f"note: {option} {folder} could not be locked ({e}); a second run writing there at "
+              f"the same time would not be refused", file=sys.stderr)
+        return FolderLock(None, None, None)
     except OSError as e:
         raise UserError(f"cannot create the lock file {path} ({e.strerror}); choose an {option} "
                         f"you can write to") from None
-    if fd is None:                     # no flock here: run unlocked, as on Windows
-        return FolderLock(None, None, None)
     os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
+    os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
     return FolderLock(fd, path, created)
 
 
-def holder_pid(path, wait_s=0.5):
-    """The PID the holder wrote into the lock file (written just after locking: wait a moment)."""
+def holder(path, wait_s=0.5):
+    """(PID, host) the holder wrote into the lock file (just after locking: wait a moment for
+    it); (None, None) if none is there, host None in a file that names none."""
     deadline = time.time() + wait_s
     while True:
         try:
             with open(path, 'rb') as f:
-                text = f.read(32).decode(errors='replace').strip()
+                words = f.read(300).decode(errors='replace').split()
         except OSError:                # released and removed meanwhile
-            text = ''
-        if text.isdigit():
-            return int(text)
+            words = []
+        if words and words[0].isdigit():
+            return int(words[0]), (words[1] if len(words) > 1 else None)
         if time.time() > deadline:
-            return None
+            return None, None
         time.sleep(0.02)

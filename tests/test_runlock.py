@@ -1,11 +1,14 @@
-"""runlock: one writer per run folder. A held folder refuses a second lock naming the holder's PID;
-the kernel drops the lock of a holder killed by SIGKILL; a released lock leaves no lock file and no
-folder it created; sweep.py refuses an out_root another process holds before it runs anything. The
-helpers that start processes (conftest) end everything they started, and the session check finds a
-process left running. train.py's own lock is tested in test_train.py."""
+"""runlock: one writer per run folder. A held folder refuses a second lock naming the holder's host
+and PID; the kernel drops the lock of a holder killed by SIGKILL; a released lock leaves no lock
+file and no folder it created; a folder without flock is used unlocked, with a note; sweep.py
+refuses an out_root another process holds before it runs anything. The helpers that start processes
+(conftest) end everything they started, and the session check finds a process left running.
+train.py's own lock is tested in test_train.py."""
+import errno
 import os
 import select
 import signal
+import socket
 import sys
 import textwrap
 from pathlib import Path
@@ -56,10 +59,42 @@ def test_second_lock_is_refused_naming_the_holder(tmp_path):
         expect_line(holder, "held")
         with pytest.raises(runlock.FolderBusy) as e:
             runlock.lock_folder(tmp_path / "run", "out_dir")
-        assert e.value.pid == holder.pid
+        assert (e.value.pid, e.value.host) == (holder.pid, socket.gethostname())
         assert str(e.value) == (f"out_dir {tmp_path / 'run'} is in use by another run (PID "
-                                f"{holder.pid}, a train.py or sweep.py still writing there); "
-                                f"wait for it to end or stop it, or choose another out_dir")
+                                f"{holder.pid} on {socket.gethostname()}, a train.py or sweep.py "
+                                f"still writing there); wait for it to end or stop it, or choose "
+                                f"another out_dir")
+
+
+def test_a_holder_on_another_host_is_named_by_host_and_pid(tmp_path):
+    """On a shared file system the holder's PID alone names no process: the message names its
+    host too."""
+    fd = os.open(tmp_path / runlock.LOCK_NAME, os.O_RDWR | os.O_CREAT)
+    try:
+        files.fcntl.flock(fd, files.fcntl.LOCK_EX)
+        os.write(fd, b"4242 node-7.cluster\n")
+        with pytest.raises(runlock.FolderBusy) as e:
+            runlock.lock_folder(tmp_path)
+        assert (e.value.pid, e.value.host) == (4242, "node-7.cluster")
+        assert f"{tmp_path} is in use by another run (PID 4242 on node-7.cluster, " in str(e.value)
+    finally:
+        os.close(fd)
+
+
+def test_a_folder_that_cannot_be_locked_is_used_unlocked_with_a_note(tmp_path, monkeypatch,
+                                                                     capsys):
+    """A file system without flock (some NFS mounts): the run goes on, saying once that the folder
+    is not locked and why."""
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(files.fcntl, "flock", no_locks)
+    lock = runlock.lock_folder(tmp_path / "run", "out_dir")
+    assert lock.fd is None
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"note: out_dir {tmp_path / 'run'} could not be locked (flock: No "
+                                 f"locks available); a second run writing there at the same time "
+                                 f"would not be refused\n")
+    lock.release()
 
 
 def test_lock_is_released_when_the_holder_is_killed(tmp_path):
@@ -73,7 +108,7 @@ def test_lock_is_released_when_the_holder_is_killed(tmp_path):
         stop(holder)
     assert (tmp_path / runlock.LOCK_NAME).exists()      # left by the killed holder: reused
     lock = runlock.lock_folder(tmp_path)
-    assert (tmp_path / runlock.LOCK_NAME).read_text().strip() == str(os.getpid())
+    assert (tmp_path / runlock.LOCK_NAME).read_text() == f"{os.getpid()} {socket.gethostname()}\n"
     lock.release()
 
 
@@ -133,13 +168,13 @@ def test_sweep_refuses_an_out_root_another_process_holds(tmp_path, monkeypatch):
     holder = hold_in_another_process(root)
     try:
         before = sorted(p.name for p in root.iterdir())
-        busy = rf"out_root {root} is in use by another run \(PID {holder.pid},"
+        busy = rf"out_root {root} is in use by another run \(PID {holder.pid} on "
         with pytest.raises(runlock.FolderBusy, match=busy):
             sweep.main([str(study), "--no_plots"])
         r = run_group([sys.executable, "sweep.py", study, "--no_plots"], 120, cwd=REPO)
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
         assert r.stderr.startswith(f"error: out_root {root} is in use by another run "
-                                   f"(PID {holder.pid},")
+                                   f"(PID {holder.pid} on {socket.gethostname()},")
         assert runs == [] and sorted(p.name for p in root.iterdir()) == before
     finally:
         stop(holder)

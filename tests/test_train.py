@@ -16,6 +16,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -696,8 +697,9 @@ def test_ddp_every_rank_stops_when_rank_0_cannot_lock_the_folder(base_run, synth
                        "--ddp_timeout=600"], 240, cwd=REPO, env=ENV)
     finally:
         holder.release()
-    line = f"error: out_dir {out} is in use by another run (PID {os.getpid()},"
-    assert r.returncode != 0 and line in r.stderr, r.stderr[-3000:]
+    line = (f"error: out_dir {out} is in use by another run (PID {os.getpid()} on "
+            f"{socket.gethostname()},")
+    assert r.returncode != 0 and r.stderr.count(line) == 2, r.stderr[-3000:]    # both ranks
     assert f'File "{REPO / "train.py"}"' not in r.stderr          # no traceback of train.py's
     assert "stopped responding" not in r.stderr
     assert snapshot(out) == before
@@ -942,8 +944,8 @@ def held_run(base_run, tmp_path_factory):
 @pytest.mark.parametrize("second", ["resume", "overwrite_spelled_otherwise"])
 def test_a_second_writer_is_refused_while_a_run_holds_the_folder(held_run, base_run, synth, second):
     """While a run trains in out_dir, a resume or a fresh --overwrite=True run into it exits 2 with
-    one line naming the folder and the holder's PID, and touches nothing: the checkpoint and the
-    holder's metrics file (the same file, not a replaced one) are still there."""
+    one line naming the folder and the holder's host and PID, and touches nothing: the checkpoint
+    and the holder's metrics file (the same file, not a replaced one) are still there."""
     out, holder = held_run.out, held_run.proc
     args = {"resume": [*base_run.args, f"--out_dir={out}", "--init_from=resume", "--max_iters=100"],
             "overwrite_spelled_otherwise": [*TINY, *data_args(synth), f"--out_dir={out}/../out/",
@@ -953,7 +955,8 @@ def test_a_second_writer_is_refused_while_a_run_holds_the_folder(held_run, base_
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert r.stderr.count("\n") == 1 and r.stdout == "", r.stdout + r.stderr
     assert r.stderr.startswith(f"error: out_dir {out}"), r.stderr
-    assert f"is in use by another run (PID {holder.pid}," in r.stderr, r.stderr
+    assert f"is in use by another run (PID {holder.pid} on {socket.gethostname()}," in r.stderr, \
+        r.stderr
     assert holder.poll() is None                                  # the holder goes on
     assert (out / "ckpt.pt").read_bytes() == held_run.ckpt
     assert os.stat(out / "metrics.jsonl").st_ino == metrics_inode
