@@ -1,10 +1,10 @@
 """
 Files written whole. Every file nanodepth keeps (a checkpoint, a run's config and metrics, a sweep's
 summary and plots, a benchmark's JSON, a prepared dataset, the compile cache) is written beside its
-path as <name>.tmp-<pid>, flushed to disk and renamed over the path: a crash, a kill or a full disk
-at any moment leaves the old file or the new one, never part of one, and two processes writing one
-path never write into one temporary file. The next write of the path removes what a killed writer
-left.
+path as <name>.tmp-<host>-<pid>, flushed to disk and renamed over the path: a crash, a kill or a
+full disk at any moment leaves the old file or the new one, never part of one, and two processes
+writing one path never write into one temporary file. The next write of the path on the same host
+removes what a killed writer left (a PID says whether a process lives only on its own host).
 
     from files import write_whole
     write_whole('out/summary.json', lambda f: json.dump(summary, f))
@@ -12,6 +12,7 @@ left.
 import contextlib
 import os
 import re
+import socket
 
 try:
     import fcntl
@@ -25,7 +26,7 @@ def write_whole(path, write, binary=False):
     of path that dead writers left are removed first."""
     folder, name = os.path.split(os.path.abspath(path))
     remove_stale_temps(folder, name)
-    tmp = os.path.join(folder, f"{name}.tmp-{os.getpid()}")
+    tmp = os.path.join(folder, f"{name}.tmp-{host_name()}-{os.getpid()}")
     try:
         with open(tmp, 'wb' if binary else 'w') as f:
             write(f)
@@ -40,15 +41,16 @@ def write_whole(path, write, binary=False):
 def remove_stale_temps(folder, name=None):
     """Delete write_whole's temporary files in folder (of the file `name` only, unless None) whose
     writer is no longer running; returns the paths removed, sorted. A live process's, this one's
-    included, are kept: it may be writing them right now (another thread of this one, say)."""
+    included, are kept: it may be writing them right now (another thread of this one, say). So are
+    another host's, whose PIDs say nothing here (a name without a host is judged by its PID)."""
     removed = []
     if not os.path.isdir(folder):
         return removed
     for entry in os.scandir(folder):
-        m = re.fullmatch(r"(.+)\.tmp-(\d+)", entry.name)
+        m = re.fullmatch(r"(.+)\.tmp-(?:([A-Za-z0-9._-]+)-)?(\d+)", entry.name)
         if not m or (name is not None and m[1] != name) or not entry.is_file():
             continue
-        if pid_alive(int(m[2])):
+        if (m[2] is not None and m[2] != host_name()) or pid_alive(int(m[3])):
             continue
         try:
             os.remove(entry.path)
@@ -56,6 +58,11 @@ def remove_stale_temps(folder, name=None):
         except OSError:
             pass          # removed meanwhile by another cleaner
     return sorted(removed)
+
+
+def host_name():
+    """This host's name as temporary files carry it (letters, digits, '.', '_' and '-')."""
+    return re.sub(r'[^A-Za-z0-9._-]', '_', socket.gethostname()) or 'host'
 
 
 def pid_alive(pid):

@@ -28,6 +28,7 @@ sys.path.insert(0, str(REPO))
 from checkpoint import load_checkpoint  # noqa: E402
 from conftest import finish, start, stop  # noqa: E402
 from data import prepare as P  # noqa: E402
+from files import host_name  # noqa: E402
 
 ENV = {
     k: v
@@ -405,7 +406,7 @@ def test_sigkill_during_checkpoint_writes_then_resume_is_bit_exact(
             assert not orphan.exists()
         # the killed writer's temp file is there (with exactly the bytes it got to write), and only
         # it
-        orphan = out / f"ckpt.pt.tmp-{pid}"
+        orphan = out / f"ckpt.pt.tmp-{host_name()}-{pid}"
         assert info["tmp"] == str(orphan) and temps(out) == [orphan.name], (temps(out), info)
         assert orphan.stat().st_size == info["cut"]
         # the checkpoint from before the interrupted write is intact: unchanged and loadable

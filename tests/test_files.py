@@ -5,6 +5,7 @@ import ast
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -57,7 +58,7 @@ def test_a_writer_killed_mid_write_leaves_the_old_file_and_a_temp_the_next_write
     r = finish(start([sys.executable, '-c', KILLED_MID_WRITE, path], cwd=REPO), timeout=60)
     assert r.returncode == -signal.SIGKILL, r.stderr
     pid = int(r.stdout)
-    tmp = tmp_path / f'a.json.tmp-{pid}'
+    tmp = tmp_path / f'a.json.tmp-{socket.gethostname()}-{pid}'
     assert path.read_text() == 'old' and tmp.read_text() == 'ne' and not pid_alive(pid)
     write_whole(path, lambda f: f.write('newer'))      # the next write removes what it left
     assert path.read_text() == 'newer' and os.listdir(tmp_path) == ['a.json']
@@ -106,6 +107,19 @@ def test_remove_stale_temps_keeps_a_live_writer_s_and_other_names(tmp_path):
     assert remove_stale_temps(tmp_path, 'x.bin') == [str(tmp_path / dead)]
     assert sorted(os.listdir(tmp_path)) == sorted([own, live, *others])
     assert remove_stale_temps(tmp_path) == [str(tmp_path / 'y.bin.tmp-4194305')]
+
+
+def test_remove_stale_temps_leaves_another_host_s_temps_alone(tmp_path):
+    """On a shared file system a PID says whether a writer lives only on its own host: temporary
+    files named by another host are kept, this host's and unnamed ones judged by their PID."""
+    dead = 2**22 + 1
+    here, there = f'x.bin.tmp-{socket.gethostname()}-{dead}', f'x.bin.tmp-node-7.cluster-{dead}'
+    live_here, unnamed = f'x.bin.tmp-{socket.gethostname()}-{os.getpid()}', f'x.bin.tmp-{dead}'
+    for name in (here, there, live_here, unnamed):
+        (tmp_path / name).write_text('x')
+    removed = sorted(str(tmp_path / n) for n in (here, unnamed))
+    assert remove_stale_temps(tmp_path, 'x.bin') == removed
+    assert sorted(os.listdir(tmp_path)) == sorted([there, live_here])
 
 
 TRY_LOCK = """
