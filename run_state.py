@@ -56,19 +56,21 @@ def hold_out_dir(cfg, proc):
     """Rank 0 locks out_dir for the run's lifetime (runlock) and, holding it, checks that a fresh
     run finds no run there (check_run_files: before any rank writes, so no rank mistakes rank 0's
     new files for an old run); under DDP every rank learns the verdict, so that all of them stop
-    with the same error if another process holds the folder or it holds a run."""
+    with the same error if another process holds the folder or it holds a run, and at once if rank 0
+    fails otherwise (an I/O error: a peer waiting on a dead rank 0 may wait until ddp_timeout)."""
     lock, refusal = None, None
     if proc.master:
         try:
             lock = lock_folder(cfg.out_dir, 'out_dir')
             check_run_files(cfg)
-        except UserError as e:
+        except Exception as e:        # a UserError or not: raised once every rank knows
             refusal = e
             if lock is not None:
                 lock.release()
                 lock = None
     if proc.ddp:              # 0: locked; the holder's PID; -1: another error (rank 0 prints it)
-        code = 0 if refusal is None else (getattr(refusal, 'pid', None) or -1)
+        busy = isinstance(refusal, FolderBusy) and refusal.pid
+        code = 0 if refusal is None else busy or -1
         status = torch.tensor([code], dtype=torch.int64, device=proc.dev)
         torch.distributed.broadcast(status, 0)
         code = int(status.item())

@@ -678,6 +678,34 @@ def test_outputs(base_run, synth):
 # --------------------------------------------------------------------------------------------------
 # 5. Ctrl-C / SIGTERM
 
+RANK0_LOCK_FAILS = """\
+import errno, sys
+sys.path.insert(0, {repo!r})
+import run_state
+def lock_folder(folder, option):            # (rank 0 alone locks) an I/O error, not the user's
+    raise OSError(errno.EIO, 'Input/output error')
+run_state.lock_folder = lock_folder
+import train
+sys.argv = ['train.py'] + sys.argv[1:]
+train.run_cli(train.main)
+"""
+
+
+@pytest.mark.slow
+def test_ddp_every_rank_learns_of_rank_0_failing_to_lock_with_another_error(synth, tmp_path):
+    """Rank 0's lock failing with an error that is not a UserError: rank 0 shows its traceback and
+    the other rank stops with rank 0's verdict, sent in the broadcast it waits on (not by losing
+    the connection, which a dead peer under NCCL does not break before ddp_timeout)."""
+    wrapper, out = tmp_path / "lock_fails.py", tmp_path / "out"
+    wrapper.write_text(RANK0_LOCK_FAILS.format(repo=str(REPO)))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    r = run_group([*torchrun, wrapper, *TINY, *data_args(synth), f"--out_dir={out}",
+                   "--gradient_accumulation_steps=2", "--ddp_timeout=600"], 120, cwd=REPO, env=ENV)
+    assert r.returncode != 0 and "OSError: [Errno 5] Input/output error" in r.stderr, r.stderr
+    assert f"error: rank 0 refused out_dir {out} (its error is above)\n" in r.stderr, r.stderr
+    assert "stopped responding" not in r.stderr, r.stderr
+
+
 SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM}
 
 
