@@ -493,6 +493,8 @@ class GPT(nn.Module):
         softmax and no random draw."""
         if top_k == 1:
             temperature = 0
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if lengths is not None:
             if not use_cache:
                 raise ValueError("lengths (prompts of different lengths) needs use_cache=True")

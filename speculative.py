@@ -292,6 +292,8 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
         temperature = 0
     if not 0.0 <= draft_stop <= 1.0:
         raise ValueError(f"draft_stop must be in [0, 1] (0: off), got {draft_stop}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     K = int(speculate)
     if K < 1:
         raise ValueError(f"speculate must be >= 1 (0: plain decoding), got {speculate}")

@@ -584,6 +584,22 @@ def test_generate_refuses_speculation_without_the_cache():
         model.generate(idx, 21, speculate=2)
 
 
+@pytest.mark.parametrize('speculate', [0, 2])
+@pytest.mark.parametrize('lengths', [None, [4, 2]])
+def test_generate_refuses_a_negative_token_count(speculate, lengths):
+    """max_new_tokens < 0 is refused whatever the decoding: speculation returned the prompt less
+    its last token for -1 and failed on an index for -3, and ragged plain decoding on a shape."""
+    model = build('exit').eval()
+    idx = tokens(0, 2, 4)
+    for new in (-1, -3):
+        with pytest.raises(ValueError, match=f'max_new_tokens must be >= 0, got {new}'):
+            model.generate(idx, new, temperature=0, speculate=speculate, lengths=lengths)
+    if speculate:
+        with pytest.raises(ValueError, match='max_new_tokens must be >= 0, got -1'):
+            speculative.generate(model, idx, -1, speculate, temperature=0)
+    assert model.generate(idx, 0, temperature=0, speculate=speculate).tolist() == idx.tolist()
+
+
 def test_sample_speculates_and_prints_the_acceptance(run, capsys):
     """sample.py --speculate=K gives plain greedy decoding's text and reports the draft's
     figures."""
