@@ -488,13 +488,22 @@ class GPT(nn.Module):
         cache and the prompt plus max_new_tokens within block_size; stats also gets its acceptance
         figures. passes_per_graph=P > 1 (without draft_stop): P passes chained as one function,
         one graph when compiled, with one host round trip for P (speculative.chained_passes); the
-        same tokens.
+        same tokens. draft, draft_layers, draft_stop and passes_per_graph without speculate are
+        refused.
         top_k=1 is greedy decoding, as temperature=0: an argmax (the first of tied tokens), with no
         softmax and no random draw."""
         if top_k == 1:
             temperature = 0
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if not speculate:               # how speculation drafts: nothing for plain decoding to use
+            for key, value, off in (('draft', draft, (None, '')),
+                                    ('draft_layers', draft_layers, (None, 0)),
+                                    ('draft_stop', draft_stop, (0,)),
+                                    ('passes_per_graph', passes_per_graph, (1,))):
+                if value not in off:
+                    raise ValueError(f"{key}={value!r} needs speculate=K >= 1 (0: plain "
+                                     "decoding)")
         if lengths is not None:
             if not use_cache:
                 raise ValueError("lengths (prompts of different lengths) needs use_cache=True")

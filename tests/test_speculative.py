@@ -584,6 +584,21 @@ def test_generate_refuses_speculation_without_the_cache():
         model.generate(idx, 21, speculate=2)
 
 
+@pytest.mark.parametrize('option', [dict(draft='nope'), dict(draft='exit'),
+                                    dict(draft_layers=2), dict(draft_stop=0.5),
+                                    dict(passes_per_graph=4)])
+def test_generate_refuses_draft_options_without_speculation(option):
+    """A draft option given to plain decoding (speculate=0) is refused, as sample.py refuses it,
+    not silently dropped; the defaults sample.py passes without --speculate are plain decoding."""
+    model = build('exit').eval()
+    idx = tokens(0, 2, 4)
+    with pytest.raises(ValueError, match=f'{next(iter(option))}=.* needs speculate=K >= 1'):
+        model.generate(idx, 3, temperature=0, **option)
+    plain = model.generate(idx, 3, temperature=0)
+    assert torch.equal(model.generate(idx, 3, temperature=0, draft=None, draft_layers=None,
+                                      draft_stop=0.0, passes_per_graph=1), plain)
+
+
 @pytest.mark.parametrize('speculate', [0, 2])
 @pytest.mark.parametrize('lengths', [None, [4, 2]])
 def test_generate_refuses_a_negative_token_count(speculate, lengths):
