@@ -288,11 +288,12 @@ def pooled(decodes):
 
 
 def predicted_speedup(accept_rate, plain_step_s, draft_pass_s, verify_pass_s):
-    """(alpha, speedup) of the formula in the module docstring, over the positions some pass
-    drafted (an eager decode of few tokens may never draft the last ones: their rate is None)."""
-    accept_rate = [r for r in accept_rate if r is not None]
+    """(alpha, speedup) of the formula in the module docstring for a pass of K = len(accept_rate)
+    drafts (as its cost is), alpha over the positions some pass drafted (an eager decode of few
+    tokens may never draft the last ones: their rate is None)."""
     K = len(accept_rate)
-    if K == 0:
+    accept_rate = [r for r in accept_rate if r is not None]
+    if not accept_rate:
         return 0.0, plain_step_s / max(draft_pass_s + verify_pass_s, 1e-12)
     kept, stopped = sum(accept_rate), 1 - accept_rate[-1]
     alpha = kept / (kept + stopped) if kept + stopped > 0 else 1.0

@@ -1102,6 +1102,11 @@ def test_bench_speculate_predicted():
     assert predicted_speedup([0.5, 0.25], 1.0, 0.5, 0.5) == pytest.approx((0.5, 1.75))
     assert predicted_speedup([1.0, 1.0, 1.0], 1.0, 1.0, 1.0) == pytest.approx((1.0, 2.0))
     assert predicted_speedup([0.0], 1.0, 0.1, 0.9) == pytest.approx((0.0, 1.0))
+    # K = 4 where no pass drafted positions 3 and 4 (an eager decode of few tokens): a from the
+    # positions drafted, the tokens of a pass of all K drafts, (1 - 0.5^5) / 0.5, as its cost is
+    assert predicted_speedup([0.5, 0.25, None, None], 1.0, 0.25, 0.75) == pytest.approx(
+        (0.5, 1.9375))
+    assert predicted_speedup([None, None], 1.0, 0.5, 0.5) == pytest.approx((0.0, 1.0))
 
 
 @pytest.mark.parametrize('argv,message', [
