@@ -306,7 +306,9 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     if max(lengths) + max_new_tokens > cfg.block_size:
         raise ValueError(
             f"speculative decoding needs the longest prompt ({max(lengths)}) plus {max_new_tokens} "
-            f"new tokens within block_size {cfg.block_size}; decode longer with speculate=0"
+            f"new tokens within block_size {cfg.block_size}"
+            # (plain decoding crops the context of uniform prompts; it refuses ragged ones too)
+            + ("; decode longer with speculate=0" if uniform else '')
         )
     idx = idx[:, :max(lengths)]     # columns past the longest prompt hold padding alone
     T = idx.size(1)

@@ -584,6 +584,21 @@ def test_generate_refuses_speculation_without_the_cache():
         model.generate(idx, 21, speculate=2)
 
 
+def test_a_ragged_batch_past_block_size_is_not_sent_to_plain_decoding():
+    """Past block_size, uniform prompts are told that plain decoding decodes longer (it crops the
+    context); prompts of different lengths are not, since plain decoding refuses them too."""
+    model = build('none').eval()
+    idx = tokens(0, 2, 4)
+    with pytest.raises(ValueError, match='; decode longer with speculate=0$'):
+        model.generate(idx, 21, speculate=2)
+    with pytest.raises(ValueError, match='exceeds block_size 24'):
+        model.generate(idx, 21, lengths=[4, 2])
+    with pytest.raises(ValueError) as refused:
+        model.generate(idx, 21, speculate=2, lengths=[4, 2])
+    assert str(refused.value) == ('speculative decoding needs the longest prompt (4) plus 21 new '
+                                  'tokens within block_size 24')
+
+
 @pytest.mark.parametrize('option', [dict(draft='nope'), dict(draft='exit'),
                                     dict(draft_layers=2), dict(draft_stop=0.5),
                                     dict(passes_per_graph=4)])
