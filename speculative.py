@@ -279,8 +279,9 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     verification (the forward, the acceptance rule and the cache's rollback) compiled as one graph
     each (pass_step); the prefill and the placing of the kept tokens after the last pass stay
     eager, and between passes the host reads the kept counts (one sync per pass; with stats, a
-    second between draft and verification times them apart). one_graph (without draft_stop): each
-    pass's draft and verification as one function (whole_pass), one graph a pass when compiled;
+    second between draft and verification times them apart). one_graph (refused with
+    draft_stop): each pass's draft and verification as one function (whole_pass), one graph a pass
+    when compiled;
     stats then time the pass whole (spec_draft_s 0, spec_one_graph True). passes_per_graph=P > 1
     (implies one_graph): while the neediest row still needs P passes' tokens at the rate passes
     have made them so far (K + 1 a pass before any: the first P never outrun it), and P windows
@@ -321,7 +322,10 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     if P < 1 or (P > 1 and draft_stop):
         raise ValueError(f"passes_per_graph must be >= 1, and 1 with draft_stop (a step at a "
                          f"time), got {passes_per_graph}")
-    one_graph = (bool(one_graph) or P > 1) and not draft_stop
+    if one_graph and draft_stop:
+        raise ValueError("one_graph drafts whole passes, draft_stop a step at a time: drop one of "
+                         "them")
+    one_graph = bool(one_graph) or P > 1
     if one_graph:
         whole = pass_step(model, dev, compile, whole_pass)
         chained = pass_step(model, dev, compile, chained_passes) if P > 1 else None

@@ -310,6 +310,17 @@ def test_draft_stop_is_checked():
             speculative.generate(model, tokens(0, 1, 4), 4, 2, draft_stop=bad)
 
 
+def test_one_graph_beside_draft_stop_is_refused():
+    """A whole pass as one function and a draft checked a step at a time exclude each other:
+    one_graph with draft_stop is refused (as passes_per_graph > 1 is), not dropped."""
+    model = build('exit').eval()
+    with pytest.raises(ValueError, match='one_graph drafts whole passes, draft_stop a step at'):
+        speculative.generate(model, tokens(0, 1, 4), 4, 2, draft_stop=0.5, one_graph=True)
+    stats = {}
+    speculative.generate(model, tokens(0, 1, 4), 4, 2, draft_stop=0.5, stats=stats)
+    assert stats['spec_one_graph'] is False
+
+
 @pytest.mark.parametrize('stop', [0.8, 0.95])
 def test_a_draft_that_stops_early_still_samples_plain_samplings_distribution(stop):
     """Sampling with draft_stop on a 3-token vocabulary: the four tokens after a prompt (the first
