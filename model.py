@@ -492,6 +492,8 @@ class GPT(nn.Module):
         refused.
         top_k=1 is greedy decoding, as temperature=0: an argmax (the first of tied tokens), with no
         softmax and no random draw."""
+        if not temperature >= 0:    # (NaN too) a negative one favours the least likely tokens
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
         if top_k == 1:
             temperature = 0
         if max_new_tokens < 0:

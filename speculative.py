@@ -289,6 +289,8 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     trip for P passes), the rest one at a time; the same tokens. A chained pass that runs after
     every row is done counts in spec_passes_run and in the time, not in spec_passes."""
     cfg, family, dev = model.config, model.family, idx.device
+    if not temperature >= 0:    # (NaN too) a negative one favours the least likely tokens
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
     if top_k == 1:                  # greedy, as in model.generate: an argmax, no random draw
         temperature = 0
     if not 0.0 <= draft_stop <= 1.0:

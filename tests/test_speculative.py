@@ -4,6 +4,7 @@ only, sampling follows the rejection rule of Leviathan et al. (arXiv 2211.17192)
 plain sampling's exact distribution, and bad drafts are refused in one line. Greedy exactness for
 every family is a shared promise in test_families.py."""
 import math
+import re
 from unittest import mock
 
 import pytest
@@ -623,6 +624,25 @@ def test_generate_refuses_draft_options_without_speculation(option):
     plain = model.generate(idx, 3, temperature=0)
     assert torch.equal(model.generate(idx, 3, temperature=0, draft=None, draft_layers=None,
                                       draft_stop=0.0, passes_per_graph=1), plain)
+
+
+@pytest.mark.parametrize('speculate', [0, 2])
+@pytest.mark.parametrize('lengths', [None, [4, 2]])
+def test_generate_refuses_a_negative_or_nan_temperature(speculate, lengths):
+    """A temperature below 0 sampled the least likely tokens first (logits over a negative
+    number), and NaN sampled from NaN probabilities, plain or speculative: both are refused, as
+    sample.py and bench.py refuse them."""
+    model = build('exit').eval()
+    idx = tokens(0, 2, 4)
+    for bad in (-0.5, float('nan')):
+        with pytest.raises(ValueError, match=re.escape(f'must be >= 0 (0: greedy), got {bad}')):
+            model.generate(idx, 3, temperature=bad, speculate=speculate, lengths=lengths)
+    if speculate:
+        with pytest.raises(ValueError, match='temperature must be >= 0'):
+            speculative.generate(model, idx, 3, speculate, temperature=-1.0)
+    plain = model.generate(idx, 3, temperature=0, lengths=lengths)
+    assert [r.tolist() for r in model.generate(idx, 3, temperature=0.0, speculate=speculate,
+                                               lengths=lengths)] == [r.tolist() for r in plain]
 
 
 @pytest.mark.parametrize('speculate', [0, 2])
