@@ -179,6 +179,10 @@ def main(argv):
     refusal = family.cannot_generate(stored) if family is not None else None
     if refusal:
         raise ConfigError(refusal)
+    # a pass drafts within block_size, and its buffers grow with K
+    if cfg['speculate'] > margs['block_size']:
+        raise ConfigError(f"--speculate={cfg['speculate']} exceeds the model's block_size="
+                          f"{margs['block_size']}; give K up to it")
     draft = None
     if cfg['speculate'] and family is not None:
         try:

@@ -298,8 +298,9 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     K = int(speculate)
-    if K < 1:
-        raise ValueError(f"speculate must be >= 1 (0: plain decoding), got {speculate}")
+    if not 1 <= K <= cfg.block_size:    # a pass drafts within block_size; its buffers grow with K
+        raise ValueError(f"speculate must be >= 1 (0: plain decoding) and at most block_size "
+                         f"{cfg.block_size}, got {speculate}")
     name, depth = resolve_draft(cfg, family, draft, draft_layers)
     B, T = idx.shape
     uniform = lengths is None
