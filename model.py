@@ -494,6 +494,8 @@ class GPT(nn.Module):
         softmax and no random draw."""
         if not temperature >= 0:    # (NaN too) a negative one favours the least likely tokens
             raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+        if top_k is not None and top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 or None: every token), got {top_k}")
         if top_k == 1:
             temperature = 0
         if max_new_tokens < 0:

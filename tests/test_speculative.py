@@ -659,6 +659,8 @@ def test_generate_refuses_a_negative_token_count(speculate, lengths):
         with pytest.raises(ValueError, match='max_new_tokens must be >= 0, got -1'):
             speculative.generate(model, idx, -1, speculate, temperature=0)
     assert model.generate(idx, 0, temperature=0, speculate=speculate).tolist() == idx.tolist()
+    with pytest.raises(ValueError, match='top_k must be >= 0'):     # not torch.topk's own error
+        model.generate(idx, 2, temperature=1.0, top_k=-1, speculate=speculate, lengths=lengths)
 
 
 def test_sample_speculates_and_prints_the_acceptance(run, capsys):
@@ -672,6 +674,17 @@ def test_sample_speculates_and_prints_the_acceptance(run, capsys):
     spec = capsys.readouterr().out.splitlines()
     assert spec[:4] == plain[:4]
     assert "speculative decoding (draft 'layers', E=1, K=3)" in spec[-1], spec[-1]
+
+
+def test_a_draft_longer_than_the_block_is_refused(run):
+    """K > block_size is refused before any buffer of K is made (a huge K ran out of memory)."""
+    model = build('exit').eval()
+    K = model.config.block_size + 1
+    with pytest.raises(ValueError, match=f'at most block_size {K - 1}, got {K}'):
+        model.generate(tokens(0, 1, 4), 2, temperature=0, speculate=K)
+    with pytest.raises(UserError, match=r"--speculate=1000000000 exceeds the model's block_size="):
+        sample.main([f"--out_dir={run / 'out'}", "--max_new_tokens=2", "--device=cpu",
+                     "--speculate=1000000000"])
 
 
 def test_sample_compiles_decoding_and_speculation(run, capsys, monkeypatch):
