@@ -203,10 +203,21 @@ def load_study(path):
         raise ConfigError(f"study {path}: skip must be one line saying why the study cannot run "
                           "here (or None)")
     room_arms = ns.setdefault('room_arms', None)
-    if room_arms is not None and (len(room_arms) != 3
+    if room_arms is not None and (not isinstance(room_arms, (list, tuple)) or len(room_arms) != 3
                                   or any(a not in ns['arms'] for a in room_arms[:2])):
         raise ConfigError(f"study {path}: room_arms must be (low arm, high arm, metric) with both "
                           f"arms among {list(ns['arms'])}")
+    if room_arms is not None and room_arms[2] not in (*METRICS, *metrics):
+        raise ConfigError(f"study {path}: room_arms' metric {room_arms[2]!r} is not a column of "
+                          f"the summary; name one of {[*METRICS, *metrics]}")
+    # read only when the runs are summarised: checked here, before any of them
+    threshold = ns.setdefault('threshold', None)
+    if threshold is not None and not (isinstance(threshold, (int, float))
+                                      and not isinstance(threshold, bool)
+                                      and math.isfinite(threshold) and threshold > 0):
+        raise ConfigError(f"study {path}: threshold must be a finite number > 0 (a train LM "
+                          f"loss), or None for {THRESHOLD_FACTOR} × the reference arm's; got "
+                          f"{threshold!r}")
     stray = [a for a in ns.get('frontier') or [] if a not in ns['arms']]
     if stray:
         raise ConfigError(

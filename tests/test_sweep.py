@@ -1293,3 +1293,32 @@ def test_a_smoke_run_of_a_study_runs_its_first_seed_only(tmp_path, monkeypatch, 
     assert ran == {('A', 1): 1, ('B', 1): 1, ('A', 2): 0, ('B', 2): 0}
     assert 'smoke run of seed 1 only' in capsys.readouterr().err
     assert json.loads((tmp_path / 'st' / 'summary.json').read_text())['seeds'] == [1]
+
+
+@pytest.mark.parametrize('line,needle', [
+    ("threshold = 'low'", 'threshold must be a finite number > 0'),
+    ("threshold = True", 'threshold must be a finite number > 0'),
+    ("threshold = float('nan')", 'threshold must be a finite number > 0'),
+    ("threshold = 0", 'threshold must be a finite number > 0'),
+    ("room_arms = ('a', 'b', 'acuracy')", "room_arms' metric 'acuracy' is not a column"),
+    ("room_arms = 5", 'room_arms must be'),
+])
+def test_a_bad_threshold_or_room_metric_is_refused_before_any_run(tmp_path, line, needle):
+    """The summary reads these only after every run: a bad one must refuse the study at once."""
+    path = tmp_path / 'study.py'
+    path.write_text(f"base = 'x.py'\narms = {{'a': [], 'b': []}}\nseeds = [1]\nout_root = 'o'\n"
+                    f"{line}\n")
+    with pytest.raises(sweep.ConfigError, match=needle):
+        sweep.load_study(str(path))
+
+
+def test_a_good_threshold_and_room_metric_are_taken(tmp_path):
+    path = tmp_path / 'study.py'
+    path.write_text("base = 'x.py'\narms = {'a': [], 'b': []}\nseeds = [1]\nout_root = 'o'\n"
+                    "threshold = 2\nscore_metrics = {'accuracy': False}\n"
+                    "room_arms = ('a', 'b', 'accuracy')\n")
+    study = sweep.load_study(str(path))
+    assert sweep.lm_threshold(study, {}) == (2.0, 'study file')
+    path.write_text("base = 'x.py'\narms = {'a': [], 'b': []}\nseeds = [1]\nout_root = 'o'\n"
+                    "room_arms = ['a', 'b', 'final_val_loss']\n")
+    assert sweep.load_study(str(path))['room_arms'] == ['a', 'b', 'final_val_loss']
