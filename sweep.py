@@ -172,7 +172,8 @@ def load_study(path):
     missing = [k for k in ('base', 'arms', 'seeds', 'out_root') if k not in ns]
     if missing:
         raise ConfigError(f"study {path} must define {', '.join(missing)}")
-    if not isinstance(ns['arms'], dict) or not ns['arms'] or not ns['seeds']:
+    if (not isinstance(ns['arms'], dict) or not ns['arms']
+            or not isinstance(ns['seeds'], (list, tuple, range)) or not ns['seeds']):
         raise ConfigError(
             f"study {path}: arms must be a non-empty dict {{name: [overrides]}} and seeds a "
             f"non-empty list"
@@ -183,7 +184,20 @@ def load_study(path):
     whole = [isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**63 for s in ns['seeds']]
     if not all(whole):
         raise ConfigError(f"study {path}: seeds must be whole numbers >= 0, got {ns['seeds']!r}")
-    ns.setdefault('overrides', [])
+    twice = next((s for i, s in enumerate(ns['seeds']) if s in ns['seeds'][:i]), None)
+    if twice is not None:            # one run, counted as two seeds in every mean and std
+        raise ConfigError(f"study {path}: seeds must differ: {twice} is given twice")
+
+    def argv_list(v):                # (a string would be spread into one argument per character)
+        return isinstance(v, (list, tuple)) and all(isinstance(a, str) for a in v)
+    bad = next((a for a, ov in ns['arms'].items() if not argv_list(ov)), None)
+    if bad is not None:
+        raise ConfigError(f"study {path}: arm {bad!r} must be a list of train.py arguments, e.g. "
+                          f"{{{bad!r}: ['--max_iters=100']}}; got {ns['arms'][bad]!r}")
+    for key, script in (('overrides', 'train.py'), ('room_args', 'eval.py')):
+        if not argv_list(ns.setdefault(key, [])):
+            raise ConfigError(f"study {path}: {key} must be a list of {script} arguments, e.g. "
+                              f"['--eval_iters=20']; got {ns[key]!r}")
     ns.setdefault('before', [])
     ns.setdefault('reference', next(iter(ns['arms'])))
     if ns['reference'] not in ns['arms']:

@@ -1322,3 +1322,20 @@ def test_a_good_threshold_and_room_metric_are_taken(tmp_path):
     path.write_text("base = 'x.py'\narms = {'a': [], 'b': []}\nseeds = [1]\nout_root = 'o'\n"
                     "room_arms = ['a', 'b', 'final_val_loss']\n")
     assert sweep.load_study(str(path))['room_arms'] == ['a', 'b', 'final_val_loss']
+
+
+@pytest.mark.parametrize('line,needle', [
+    ("seeds = 3", 'seeds a non-empty list'),
+    ("seeds = [1, 1]", r'seeds must differ: 1 is given twice'),
+    ("arms = {'a': '--lr=1e-3'}", r"arm 'a' must be a list of train.py arguments"),
+    ("arms = {'a': None}", r"arm 'a' must be a list of train.py arguments"),
+    ("overrides = '--max_iters=5'", 'overrides must be a list of train.py arguments'),
+    ("room_args = '--eval_iters=2'", 'room_args must be a list of eval.py arguments'),
+])
+def test_a_study_field_of_the_wrong_shape_is_refused(tmp_path, line, needle):
+    """A string where a list is meant would be spread into one argument per character, a seed
+    given twice would count one run as two seeds, and seeds = 3 crashed."""
+    path = tmp_path / 'study.py'
+    path.write_text(f"base = 'x.py'\narms = {{'a': []}}\nseeds = [1]\nout_root = 'o'\n{line}\n")
+    with pytest.raises(sweep.ConfigError, match=needle):
+        sweep.load_study(str(path))
