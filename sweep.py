@@ -524,19 +524,22 @@ HOW_KEYS = ('out_dir', 'init_from', 'overwrite', 'eval_only', 'log', 'wandb_proj
 
 
 def changed_since_ran(cfg):
-    """[(key, value it ran with, value now)] for a run folder holding a checkpoint whose
-    config.json differs from the configuration cfg (train.py's, relative to HERE) in what the run
-    computes: a finished run would be skipped and an unfinished one resumed under other options,
+    """[(key, value it ran with, value now)] for a run folder holding a checkpoint or a finished
+    run (one of 0 steps saves no checkpoint) whose config.json differs from the configuration cfg
+    (train.py's, relative to HERE) in what the run computes: a finished run would be skipped and an
+    unfinished one resumed under other options,
     and the summary would mix them. Keys its config.json lacks (an older run) are not compared, nor
     an unfinished run's max_iters (it resumes to the study's)."""
     path = os.path.join(cfg['out_dir'], 'config.json')
-    if not (os.path.exists(os.path.join(cfg['out_dir'], 'ckpt.pt')) and os.path.exists(path)):
+    done = finished(cfg['out_dir'])
+    if not ((done or os.path.exists(os.path.join(cfg['out_dir'], 'ckpt.pt')))
+            and os.path.exists(path)):
         return []                       # nothing kept: the run starts over with these options
     with open(path) as f:
         ran = json.load(f)
     now = json.loads(json.dumps(cfg))   # tuples as lists, as config.json holds them
     # train.py resumes a stopped run to another max_iters; a finished one would be skipped
-    skip = HOW_KEYS + (() if finished(cfg['out_dir']) else ('max_iters',))
+    skip = HOW_KEYS + (() if done else ('max_iters',))
     return [(k, ran[k], now[k]) for k in now if k in ran and k not in skip and ran[k] != now[k]]
 
 

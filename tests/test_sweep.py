@@ -1339,3 +1339,28 @@ def test_a_study_field_of_the_wrong_shape_is_refused(tmp_path, line, needle):
     path.write_text(f"base = 'x.py'\narms = {{'a': []}}\nseeds = [1]\nout_root = 'o'\n{line}\n")
     with pytest.raises(sweep.ConfigError, match=needle):
         sweep.load_study(str(path))
+
+
+def test_a_finished_run_of_0_steps_made_under_other_options_refuses_the_study(tmp_path,
+                                                                               monkeypatch):
+    """A run of 0 steps (a zero-shot arm) saves no checkpoint but is finished, so it is skipped
+    and summarised: its config.json is compared as any finished run's is."""
+    import train
+    started = []
+    monkeypatch.setattr(sweep.subprocess, 'Popen', fake_popen(started))
+    out = tmp_path / 'out'
+    study = tmp_path / 'study.py'
+    study.write_text(f"base = 'config/mod_synthetic.py'\nout_root = {str(out)!r}\n"
+                     "seeds = [1]\narms = {'A': ['--max_iters=0', '--eval_iters=3']}\n")
+    argv = ['config/mod_synthetic.py', '--max_iters=0', '--eval_iters=3', '--seed=1',
+            f'--out_dir={out}/A/seed1']
+    with contextlib.chdir(REPO):
+        _, ran = train.read_config(argv)
+    fake_run(out / 'A' / 'seed1', 0, summary=dict(iter=0))
+    config = out / 'A' / 'seed1' / 'config.json'
+    config.write_text(json.dumps(dict(ran, eval_iters=7)))
+    with pytest.raises(sweep.ConfigError, match=r"arm 'A' seed 1: .*A/seed1 ran with "
+                                                r"eval_iters=7, the study now gives 3"):
+        sweep.main([str(study), '--no_plots'])
+    config.write_text(json.dumps(ran))          # the same options: skipped, not run again
+    assert sweep.main([str(study), '--no_plots']) == 0 and started == []
