@@ -885,10 +885,15 @@ def markdown(summary):
     return '\n'.join(lines)
 
 
+def mean_text(e, n):
+    """mean ± std of n values; one value has no spread to show (mean_std's 0.0 is not one)."""
+    return f"{e['mean']:.4g}" + (f" ± {e['std']:.2g}" if n > 1 else '')
+
+
 def cell_text(e):
     if 'runs' in e:                  # a threshold hit: censored
-        cell = f"{e['hits']}/{e['runs']} hit" + (f", {e['mean']:.4g} ± "
-                                                 f"{e['std']:.2g}" if e['mean'] is not None else '')
+        cell = f"{e['hits']}/{e['runs']} hit" + (f", {mean_text(e, e['hits'])}"
+                                                 if e['mean'] is not None else '')
         vs = e.get('vs_reference')
         return cell + (
             f" ({vs['wins']}–{vs['losses']}–{vs['ties']}, p={vs['sign_p']:.2g})" if vs else ''
@@ -896,7 +901,9 @@ def cell_text(e):
     if e['mean'] is None:
         return '—'
     vs = e.get('vs_reference')
-    return f"{e['mean']:.4g} ± {e['std']:.2g}" + (
+    n, seeds = sum(v is not None for v in e['per_seed']), len(e['per_seed'])
+    # the note under the table says 'over seeds [...]': a failed or missing run is named here
+    return mean_text(e, n) + (f" ({n} of {seeds} seeds)" if n < seeds else '') + (
         f" (wins {vs['wins']}/{vs['n']}, Δ {vs['mean_diff']:+.3g})" if vs else ''
     )
 

@@ -1364,3 +1364,17 @@ def test_a_finished_run_of_0_steps_made_under_other_options_refuses_the_study(tm
         sweep.main([str(study), '--no_plots'])
     config.write_text(json.dumps(ran))          # the same options: skipped, not run again
     assert sweep.main([str(study), '--no_plots']) == 0 and started == []
+
+
+def test_a_mean_over_fewer_seeds_than_the_study_says_how_many():
+    """The table's note says 'mean ± std over seeds [1, 2, 3]': a cell whose runs did not all
+    finish (a failed seed) says over how many it is, and one value is not a spread of 0."""
+    results = {('ref', s): dict(avg_lm=v, code='x') for s, v in ((1, 2.0), (2, 3.0), (3, 2.5))}
+    results[('arm', 1)] = dict(avg_lm=1.5, code='x')
+    summ = sweep.summarize(dict(arms={'ref': [], 'arm': []}, seeds=[1, 2, 3], reference='ref'),
+                           results)
+    md = sweep.markdown(dict(summ, code_versions=['x']))
+    row = [line for line in md.splitlines() if line.startswith('| arm |')][1]   # (the header's)
+    assert row.split(' | ')[1] == '1.5 (1 of 3 seeds) (wins 1/1, Δ -0.5) |'
+    row = next(line for line in md.splitlines() if line.startswith('| ref |'))
+    assert row.split(' | ')[1] == '2.5 ± 0.5 |'
