@@ -178,6 +178,9 @@ def _check_type(key, value, default, where):
         ok = isinstance(default, bool) and isinstance(value, bool)
     elif isinstance(default, float):
         ok = isinstance(value, (int, float))
+        if ok and isinstance(value, int) and abs(value) >= 2**1024:    # float() would overflow
+            raise ConfigError(f"config key '{key}' from {where} must be a finite number, got "
+                              f"{_whole(value)}")
         value = float(value) if ok else value
     else:
         ok = isinstance(value, type(default))
@@ -186,11 +189,19 @@ def _check_type(key, value, default, where):
                           f"got {type(value).__name__} {value!r}")
     # torch and numpy take 64-bit numbers: a larger int or a non-finite float can only fail later
     if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**63:
-        raise ConfigError(f"config key '{key}' from {where} is too large: {value} does not fit in "
-                          "64 bits")
+        raise ConfigError(f"config key '{key}' from {where} is too large: {_whole(value)} does not "
+                          "fit in 64 bits")
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"config key '{key}' from {where} must be a finite number, got {value!r}")
     return value
+
+
+def _whole(value):
+    """A whole number as an error names it: its digits, or their count where they are too many to
+    print (str() refuses past 4300 digits)."""
+    if value.bit_length() < 1000:
+        return str(value)
+    return f"a whole number of about {int(value.bit_length() * 0.30103) + 1} digits"
 
 
 def _traceback_frames(e):

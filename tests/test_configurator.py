@@ -359,3 +359,31 @@ def test_help_text_takes_a_docstring_with_an_indented_blank_line():
     text = help_text('Do a thing.\n\n    python x.py --a=1\n    \n    python x.py --a=2\n',
                      'python x.py', [])
     assert text.splitlines()[-2:] == ['  python x.py --a=1', '  python x.py --a=2']
+
+
+@pytest.mark.parametrize('where', ['argv', 'file'])
+def test_an_int_too_large_for_a_float_key_is_one_config_error(tmp_path, where):
+    """A whole number past float's range for a float key was an OverflowError (a traceback): it is
+    refused as any non-finite number is, naming the key."""
+    huge = '1' + '0' * 400
+    if where == 'file':
+        path = tmp_path / 'c.py'
+        path.write_text(f'learning_rate = {huge}\n')
+        argv = [str(path)]
+    else:
+        argv = [f'--learning_rate={huge}']
+    with pytest.raises(ConfigError, match=r"config key 'learning_rate' from .* must be a finite "
+                                          r"number, got a whole number of about 401 digits"):
+        load_config(DEFAULTS, argv)
+    assert load_config(DEFAULTS, ['--learning_rate=3'])['learning_rate'] == 3.0
+
+
+def test_an_int_too_large_to_print_is_one_config_error(tmp_path):
+    """str() refuses a whole number of more than 4300 digits: the error names it by its length."""
+    path = tmp_path / 'c.py'
+    path.write_text('n_layer = 10 ** 5000\n')
+    with pytest.raises(ConfigError, match=r"config key 'n_layer' from .* is too large: a whole "
+                                          r"number of about 5001 digits does not fit in 64 bits"):
+        load_config(DEFAULTS, [str(path)])
+    with pytest.raises(ConfigError, match=r"is too large: 9223372036854775808 does not fit"):
+        load_config(DEFAULTS, ['--n_layer=9223372036854775808'])
