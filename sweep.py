@@ -198,7 +198,10 @@ def load_study(path):
         if not argv_list(ns.setdefault(key, [])):
             raise ConfigError(f"study {path}: {key} must be a list of {script} arguments, e.g. "
                               f"['--eval_iters=20']; got {ns[key]!r}")
-    ns.setdefault('before', [])
+    before = ns.setdefault('before', [])
+    if not isinstance(before, (list, tuple)) or not all(argv_list(a) for a in before):
+        raise ConfigError(f"study {path}: before must be a list of train.py argument lists, e.g. "
+                          f"[['config/stage1.py', '--out_dir=out/stage1']]; got {before!r}")
     ns.setdefault('reference', next(iter(ns['arms'])))
     if ns['reference'] not in ns['arms']:
         raise ConfigError(
@@ -232,7 +235,11 @@ def load_study(path):
         raise ConfigError(f"study {path}: threshold must be a finite number > 0 (a train LM "
                           f"loss), or None for {THRESHOLD_FACTOR} × the reference arm's; got "
                           f"{threshold!r}")
-    stray = [a for a in ns.get('frontier') or [] if a not in ns['arms']]
+    frontier = ns.get('frontier')
+    if frontier is not None and (not isinstance(frontier, (list, tuple)) or len(frontier) < 2):
+        raise ConfigError(f"study {path}: frontier must be a list of 2 or more dense arms of "
+                          f"several sizes, e.g. ['dense_d64', 'dense_d128']; got {frontier!r}")
+    stray = [a for a in frontier or [] if a not in ns['arms']]
     if stray:
         raise ConfigError(
             f"study {path}: frontier arm(s) {stray} are not among the arms {list(ns['arms'])}"

@@ -1378,3 +1378,22 @@ def test_a_mean_over_fewer_seeds_than_the_study_says_how_many():
     assert row.split(' | ')[1] == '1.5 (1 of 3 seeds) (wins 1/1, Δ -0.5) |'
     row = next(line for line in md.splitlines() if line.startswith('| ref |'))
     assert row.split(' | ')[1] == '2.5 ± 0.5 |'
+
+
+@pytest.mark.parametrize('line,needle', [
+    ("before = [['--out_dir=x', 5]]", r"before must be a list of train.py argument lists"),
+    ("before = ['--out_dir=x']", r"before must be a list of train.py argument lists"),
+    ("frontier = 'ab'", r"frontier must be a list of 2 or more dense arms"),
+    ("frontier = ['a']", r"frontier must be a list of 2 or more dense arms"),
+])
+def test_a_bad_before_or_frontier_is_refused(tmp_path, line, needle):
+    """frontier = 'ab' was read as the arms 'a' and 'b', and a frontier of one arm was dropped
+    from the summary without a word; a 'before' run with a non-string argument crashed."""
+    path = tmp_path / 'study.py'
+    path.write_text("base = 'x.py'\narms = {'a': [], 'b': []}\nseeds = [1]\nout_root = 'o'\n"
+                    f"{line}\n")
+    with pytest.raises(sweep.ConfigError, match=needle):
+        sweep.load_study(str(path))
+    path.write_text("base = 'x.py'\narms = {'a': [], 'b': []}\nseeds = [1]\nout_root = 'o'\n"
+                    "frontier = ['a', 'b']\nbefore = [['--out_dir=x']]\n")
+    assert sweep.load_study(str(path))['frontier'] == ['a', 'b']
