@@ -3,6 +3,7 @@ object on stdout; a data folder without the run's corpus is refused and the comm
 prepares it; eval.room's brackets against a hand computation."""
 import io
 import json
+import math
 import re
 import shlex
 import sys
@@ -69,7 +70,22 @@ def test_eval_json_stdout_is_one_object(run, capsys):
                     "--eval_iters=1", "--calib_iters=1", "--device=cpu"]) == 0
     out, err = capsys.readouterr()
     res = json.loads(out)                                   # the whole of stdout
-    assert res["val_loss"]["loss"] > 0 and res["ckpt"] == str(run / "out" / "ckpt.pt")
+    assert res["ckpt"] == str(run / "out" / "ckpt.pt")
+    # the model untrained past 2 steps: near the uniform loss ln(vocab) of the synthetic corpus
+    assert 0.8 * math.log(34) < res["val_loss"]["loss"] < 1.2 * math.log(34)
+
+
+def test_eval_loss_is_the_runs_own_last_eval(run, capsys):
+    """eval.py with the run's own eval_iters and calibration gives the val loss train.py logged
+    at the step its checkpoint holds: two processes and code paths, the same batches and
+    thresholds, so the same number to float rounding."""
+    assert ev.main([f"--ckpt={run / 'out' / 'ckpt.pt'}", "--json", f"--data_dir={run / 'data'}",
+                    "--device=cpu"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    lines = (run / "out" / "metrics.jsonl").read_text().splitlines()
+    last = [r for r in map(json.loads, lines) if r["type"] == "eval"][-1]
+    assert last["iter"] == 2
+    assert res["val_loss"]["loss"] == pytest.approx(last["val_loss"], rel=1e-6)
 
 
 @pytest.mark.parametrize("flag", [[], ["--room"], ["--routing_map"]])
