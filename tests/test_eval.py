@@ -128,7 +128,9 @@ def test_eval_prepares_no_data_and_its_suggested_prepare_works(run, tmp_path, ca
     assert P.main(words[2:]) == 0                          # the suggested command, as written
     capsys.readouterr()
     assert ev.main(args + [f"--data_dir={empty}"]) == 0
-    assert json.loads(capsys.readouterr().out)["val_loss"]["loss"] > 0
+    fresh = json.loads(capsys.readouterr().out)["val_loss"]["loss"]
+    assert ev.main(args + [f"--data_dir={run / 'data'}"]) == 0     # the corpus the run trained on
+    assert fresh == json.loads(capsys.readouterr().out)["val_loss"]["loss"]
 
 
 # --------------------------------------------------------------------------------------------------
