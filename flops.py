@@ -161,7 +161,8 @@ def estimate_mfu(config, tokens_per_s, device, dtype, seq_len=None):
 def main(argv):
     """The training-FLOPs breakdown of a config (python flops.py CONFIG [--key=value ...]).
     route=ffn: for G1 and G3 with util/rank on and off, averaged over the uniformly sampled oracle
-    layer; any other route: one row, the config as it is. A bench.py config's model is costed too
+    layer; route=exit with a rotational curriculum: one row averaged over the R steps of its
+    rotation; any other route: one row, the config as it is. A bench.py config's model is costed too
     (its own keys are inert here); a study file is refused with the command that costs one of its
     runs."""
     import json
@@ -211,13 +212,20 @@ def main(argv):
                      [dict(oracle_layers=(l,)) for l in ids] if on and oracle
                      else [dict(oracle_layers=())])
                     for gate in ('mlp', 'jepa') for on in (True, False)]
+    elif base.route == 'exit' and base.exit_rotation > 0:
+        # the rotational curriculum trains other exits at each of R steps in turn (train.py counts
+        # each step at its own exits): the mean over R steps
+        from train_checks import shape_only_model
+        model = shape_only_model(base)
+        variants = [(base, '—', '—', [family_of(base).step_options(model, step)
+                                      for step in range(base.exit_rotation)])]
     else:     # no FFN gates to vary (another family, or the dense model): the config as it is
         variants = [(base, '—', '—', [{}])]
     for c, gate, util, option_sets in variants:
         avg = lambda f: sum(f(o) for o in option_sets) / len(option_sets)
         step = avg(lambda o: train_step_flops(c, T, cfg['trainable'], **o)['total'])
         print(f"| {gate} | {util} "
-              f"| {forward_flops(c, T, mode='train') / dense:.3f} "
+              f"| {avg(lambda o: forward_flops(c, T, mode='train', **o)) / dense:.3f} "
               f"| {avg(lambda o: oracle_flops(c, T, **o)) / dense:.3f} "
               f"| {avg(lambda o: flops_proxy(c, T, **o)):.3f} "
               f"| {step / (3 * dense):.3f} |")

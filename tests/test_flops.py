@@ -251,3 +251,23 @@ def test_flops_cli_says_when_it_assumes_the_vocabulary(tmp_path, capsys):
     assert flops.main([f'--data_dir={tmp_path}', '--vocab_size=96']) == 0
     out, err = capsys.readouterr()
     assert 'vocab 96' in out.splitlines()[0] and err == ''
+
+
+def test_flops_cli_averages_the_exit_rotation(tmp_path, capsys):
+    """route=exit with exit_rotation=R trains other exits at each of R steps (train.py counts each
+    step at its own exits): the row is the mean over the rotation, not every exit at every step."""
+    args = [f'--data_dir={tmp_path}', '--vocab_size=50', '--n_layer=4', '--n_head=2',
+            '--n_embd=16', '--block_size=16', '--route=exit', '--exit_layers=every',
+            '--exit_rotation=2']
+    assert flops.main(args) == 0
+    rows = [l.split('|') for l in capsys.readouterr().out.splitlines() if l.startswith('| —')]
+    cfg = GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=16, vocab_size=50, route='exit',
+                    exit_layers='every', exit_rotation=2)
+    dense = flops.dense_forward_flops(cfg, 16)
+    steps = [(2,), (1, 3)]                      # d % 2 == step % 2
+    fwd = sum(flops.forward_flops(cfg, 16, 'train', exits=e) for e in steps) / 2
+    step = sum(flops.train_step_flops(cfg, 16, exits=e)['total'] for e in steps) / 2
+    assert len(rows) == 1
+    assert rows[0][3].strip() == f"{fwd / dense:.3f}" == "1.079"
+    assert rows[0][6].strip() == f"{step / (3 * dense):.3f}"
+    assert f"{flops.forward_flops(cfg, 16, 'train') / dense:.3f}" == "1.159"    # every exit
