@@ -127,7 +127,10 @@ class MixtureOfDepths(Family):
         float64, so that it equals count / T exactly as a Python float and rounds to the same
         float32). The static paths' packed block (mod_packed) pads nothing: its matmuls run the
         selected rows only on 'grouped_mm' and 'triton' (the mean fraction: None), its attention
-        Σ n_b² scores with varlen_attn (the formula's B·mean² is a lower bound of that)."""
+        Σ n_b² scores with varlen_attn (the formula's B·mean² is a lower bound of that). The
+        reference path computes every row (static shapes, saving nothing): 1 at every layer."""
+        if path == 'reference':
+            return torch.ones(len(masks), dtype=torch.float64)
         if path != 'compact':
             return None
         return torch.stack([m.sum(1).max().double() / m.size(1) for _, m in sorted(masks.items())])
