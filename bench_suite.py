@@ -346,14 +346,12 @@ def prefill_masks(m, x, seed, dtype):
 
 def prefill_ideal(m, base, T, masks, path):
     """Dense forward FLOPs over m's as executed on `path` (last-position logits): the reference
-    computes every row (all-full fractions: nothing saved), the other paths the fractions the
-    family says they run (Family.executed_fracs: compact MoD pads each row to the longest)."""
-    if path == 'reference':
-        fracs = [1.0] * len(masks)
-    else:
-        executed = m.family.executed_fracs(masks, path)
-        fracs = (executed.tolist() if executed is not None
-                 else [v.float().mean().item() for _, v in sorted(masks.items())])
+    computes every path on every row (the masked forward's FLOPs: nothing saved), the other paths
+    the fractions the family says they run (Family.executed_fracs: compact MoD pads each row to
+    the longest)."""
+    executed = m.family.executed_fracs(masks, path)
+    fracs = (executed.tolist() if executed is not None
+             else [v.float().mean().item() for _, v in sorted(masks.items())])
     return 1 / prefill_flops_ratio(m.config, base, T, fracs, path)
 
 

@@ -89,13 +89,14 @@ OLD_SPELLINGS = {'--routing-map': '--routing_map'}
 @torch.no_grad()
 def evaluate(model, batches, autocast=nullcontext(), force=None, quiet=True, desc=None):
     """Mean loss over batches [(x, y), ...] in eval mode (causal, hard routing), the mean realised
-    full-path fraction per controlled layer (None for a dense model), and exec_frac: the fraction
-    sparse execution runs (compact MoD: the longest row's, each row padded to it; else full).
+    full-path fraction per controlled layer (None for a dense model), exec_frac: the fraction
+    sparse execution runs (compact MoD: the longest row's, each row padded to it; the reference
+    path: 1; else full), and exec_path: the path it ran on (kernels.PATHS).
     quiet=False: a progress bar over the batches named desc, on a terminal (eval.py's command
     line; train.py's periodic evals keep the default, between its log lines)."""
     desc = desc or (f'val loss, forced {force}' if force else 'val loss')
     with model.mode(training=False):
-        losses, fracs, execs, extra = [], [], [], {}
+        losses, fracs, execs, extra, path = [], [], [], {}, None
         for x, y in progress.progress(batches, desc=desc, quiet=quiet):
             with autocast:
                 _, loss, aux = model(x, y, force=force)
@@ -104,7 +105,8 @@ def evaluate(model, batches, autocast=nullcontext(), force=None, quiet=True, des
             if 'full_frac' in aux:
                 fracs.append(aux['full_frac'].float().cpu())
                 # e.g. MoD pads each row to the longest on the compact path
-                run = model.family.executed_fracs(aux['masks'], exec_path(x, model.exec_mode))
+                path = exec_path(x, model.exec_mode)
+                run = model.family.executed_fracs(aux['masks'], path)
                 if run is not None:
                     execs.append(run.float().cpu())
             for k in model.family.eval_stats:     # e.g. TLOps saved, MoD's causal-rule accuracy
@@ -112,7 +114,7 @@ def evaluate(model, batches, autocast=nullcontext(), force=None, quiet=True, des
                     extra.setdefault(k, []).append(float(aux[k]))
     full = torch.stack(fracs).mean(0).tolist() if fracs else None
     return dict(loss=float(np.mean(losses)) if losses else float('nan'), full_frac=full,
-                exec_frac=torch.stack(execs).mean(0).tolist() if execs else full,
+                exec_frac=torch.stack(execs).mean(0).tolist() if execs else full, exec_path=path,
                 **{k: float(np.mean(v)) for k, v in extra.items()})
 
 

@@ -78,7 +78,10 @@ def forward_flops(config, T, mode='train', full_frac=None, **options):
                   the rest; path='compact' where it runs on that path (halt and exit then run no
                   block that no token runs).
     options: the family's step options (Family.step_options), and path. The terms: its
-    forward_flops."""
+    forward_flops. Sparse execution on path='reference' computes every path on every row: it
+    costs what 'eval' does, whatever the fractions."""
+    if mode == 'sparse' and options.get('path') == 'reference':
+        mode, full_frac = 'eval', None
     return family_of(config).forward_flops(config, T, mode, full_frac, **options)
 
 

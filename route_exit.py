@@ -181,11 +181,6 @@ class EarlyExit(Family):
 
     references, by_class = ('full',), True
 
-    def executed_fracs(self, masks, path='compact'):
-        """The reference path runs every block's FFN and every exit head on every row (static
-        shapes, saving nothing): 1 at every layer. The other paths run the running tokens."""
-        return torch.ones(len(masks), dtype=torch.float64) if path == 'reference' else None
-
     def report(self, model, batches, autocast, evaluate):
         return dict(exit=exit_report(model, batches, autocast, evaluate))
 

@@ -129,10 +129,8 @@ class MixtureOfDepths(Family):
         selected rows only on 'grouped_mm' and 'triton' (the mean fraction: None), its attention
         Σ n_b² scores with varlen_attn (the formula's B·mean² is a lower bound of that). The
         reference path computes every row (static shapes, saving nothing): 1 at every layer."""
-        if path == 'reference':
-            return torch.ones(len(masks), dtype=torch.float64)
         if path != 'compact':
-            return None
+            return super().executed_fracs(masks, path)
         return torch.stack([m.sum(1).max().double() / m.size(1) for _, m in sorted(masks.items())])
 
     def option_meaning(self, config, key):

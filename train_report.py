@@ -383,8 +383,10 @@ def routing_summary(run):
         ('eval_flops_vs_dense', 'full_frac'),
         ('eval_flops_executed_vs_dense', 'exec_frac'),
     ):
-        frac = out['routing']['val_loss'][frac_key]
-        out[key] = flops.forward_flops(mcfg, cfg.block_size, 'sparse', full_frac=frac) / dense_fwd
+        val = out['routing']['val_loss']
+        path = val.get('exec_path') if frac_key == 'exec_frac' else None     # as executed
+        out[key] = (flops.forward_flops(mcfg, cfg.block_size, 'sparse', full_frac=val[frac_key],
+                                        path=path) / dense_fwd)
     return out
 
 

@@ -592,11 +592,12 @@ def test_family_budget_api():
             REGISTRY[route].with_budget(GPTConfig(route=route), 0.5)
 
 
-@pytest.mark.parametrize('case', [('mod', 0), ('exit', 2)])
+@pytest.mark.parametrize('case', [('mod', 0), ('exit', 2), ('ffn', 0), ('halt', 0)])
 def test_executed_fractions_on_the_reference_path_are_what_it_runs(case):
     """The reference path computes every row (static shapes, saving nothing): the fractions
-    eval.evaluate reports as executed there cost, by the sparse formula, what FlopCounterMode
-    counts, the masked forward's FLOPs, not the savings of the realised routing."""
+    eval.evaluate reports as executed there are all 1, and the sparse formula on that path costs
+    what FlopCounterMode counts, the masked forward's FLOPs (ffn: both FFNs on every row), not
+    the savings of the realised routing."""
     from eval import evaluate
     model = build(*case, seed=3).eval()
     model.exec_mode = 'reference'
@@ -606,7 +607,7 @@ def test_executed_fractions_on_the_reference_path_are_what_it_runs(case):
         got = counted(lambda: model(idx, idx))
     r = evaluate(model, [(idx, idx)])
     assert min(r['full_frac']) < 0.6                    # the routing would save something
-    assert r['exec_frac'] == [1.0] * len(r['full_frac'])
-    assert got == 2 * flops.forward_flops(cfg, 12, 'sparse', full_frac=r['exec_frac'],
+    assert r['exec_frac'] == [1.0] * len(r['full_frac']) and r['exec_path'] == 'reference'
+    assert got == 2 * flops.forward_flops(cfg, 12, 'sparse', full_frac=r['full_frac'],
                                           path='reference')
     assert got == 2 * flops.forward_flops(cfg, 12, 'eval')

@@ -126,3 +126,28 @@ def test_interval_lm_mean_resumes_an_interval_saved_without_its_weights():
     of its steps counted, so the resumed mean goes on over them."""
     saved = dict(lm=torch.tensor(6.0), frac=None, ctrl_norm=torch.zeros(()), n=3, aux={})
     assert _logged_lm([[(2.0, True)], [(0.0, False)]], 1, saved) == (2.0, [2.0])
+
+
+@pytest.mark.parametrize('path', ['reference', 'compact'])
+def test_executed_eval_flops_follow_the_path_the_eval_ran_on(path, monkeypatch):
+    """The summary's executed eval FLOPs are the sparse forward's at the executed fractions on the
+    path the eval ran: on the reference (every row computed) the masked forward's, whatever the
+    routing; on compact the fractions' savings."""
+    import flops
+    from conftest import build
+    model = build('ffn', 0, n_layer=2)
+    mcfg, T = model.config, 16
+    val = dict(loss=2.0, full_frac=[0.5, 0.25], exec_frac=[0.5, 0.25], exec_path=path)
+    monkeypatch.setattr(train_report.evaluation, 'report', lambda *a, **k: dict(val_loss=val))
+    run = SimpleNamespace(cfg=SimpleNamespace(eval_seed=0, block_size=T, eval_iters=1,
+                                              calib_iters=1, trainable='all'),
+                          raw_model=model, train_data=None, val_data=None, meta={},
+                          autocast=None, dev=torch.device('cpu'), master=False)
+    out = train_report.routing_summary(run)
+    dense = flops.dense_forward_flops(mcfg, T)
+    routed = flops.forward_flops(mcfg, T, 'sparse', full_frac=[0.5, 0.25])
+    assert out['eval_flops_vs_dense'] == routed / dense
+    masked = flops.forward_flops(mcfg, T, 'eval')
+    assert masked > 1.2 * routed                   # room for the two to be told apart
+    executed = masked if path == 'reference' else routed
+    assert out['eval_flops_executed_vs_dense'] == executed / dense
