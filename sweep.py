@@ -57,12 +57,13 @@ the summary. Runs that never get there are counted as such (see Room below), nev
 
 Room: a study file may name room_ckpt, the backbone its arms start from ('{seed}' in it, in a
 'before' run or in an override is replaced by the run's seed, so each seed can train its own
-backbone). sweep.py runs `eval.py --room` on each seed's backbone (out_root/room/seed<s>.json) and
-puts the room (room_key, default gate_room = random − oracle routing loss, else room = all-cheap −
-all-full) beside the reference arm's seed std of its endpoint: below ROOM_FACTOR (10) × that std the
-summary says "no room" and that the arm differences are not evidence. Threshold hits are censored,
-not dropped: k/n runs hit, the mean over those that did, and a per-seed comparison with never = ∞
-(wins–losses–ties and the exact sign test's p).
+backbone). sweep.py runs `eval.py --room` on each seed's backbone (out_root/room/seed<s>.json,
+measured again for a retrained backbone or other room_args) and puts the room (room_key, default
+gate_room = random − oracle routing loss, else room = all-cheap − all-full) beside the reference
+arm's seed std of its endpoint: below ROOM_FACTOR (10) × that std the summary says "no room" and
+that the arm differences are not evidence. Threshold hits are censored, not dropped: k/n runs
+hit, the mean over those that did, and a per-seed comparison with never = ∞ (wins–losses–ties and
+the exact sign test's p).
 
 Matched compute: a study file may name `frontier`, dense arms of several sizes. Each other arm is
 then compared, per seed, with that seed's frontier interpolated (linear in log FLOPs, never
@@ -74,7 +75,8 @@ Scores: a study file may name `score`, a command run on each finished run with '
 by the run's folder and '{ckpt}' by its checkpoint (its init_from when a 0-step run saved none:
 e.g. a zero-shot arm, ['--max_iters=0']), e.g. ['arith.py', '--ckpt={ckpt}', '--json'] (a
 leading .py file runs with this Python, from this folder), printing one JSON object; it is cached
-in <run>/score.json with the checkpoint's mtime (a retrained run is scored again). --jobs=N
+in <run>/score.json with the checkpoint's mtime and the command (a retrained run, or one the study
+now scores with another command, is scored again). --jobs=N
 scores N runs at a time.
 `score_metrics` {key: lower is better?} names which of its numbers join the summary's table, each
 with its paired comparison.
@@ -307,7 +309,8 @@ def run_before(stages, root, jobs, children):
 
 def measure_room(study, root, children=None):
     """eval.py --room on each seed's backbone (the study's room_ckpt, '{seed}' replaced), cached in
-    out_root/room/seed<s>.json with the checkpoint's mtime (a retrained backbone is measured again);
+    out_root/room/seed<s>.json with the checkpoint's mtime and eval.py's arguments (a retrained
+    backbone, or other room_args, is measured again);
     {seed: report} ({} when no seed could be measured), or None when the study names no
     room_ckpt. After a stop (children.signum) nothing more is measured."""
     if not study.get('room_ckpt'):
@@ -322,18 +325,12 @@ def measure_room(study, root, children=None):
         if not os.path.exists(ckpt):
             continue
         cached = json.load(open(path)) if os.path.exists(path) else {}
-        if cached.get('ckpt_mtime') != os.path.getmtime(ckpt):
+        args = [f'--ckpt={ckpt}', '--room', '--json', *study.get('room_args', [])]
+        if cached.get('ckpt_mtime') != os.path.getmtime(ckpt) or cached.get('eval_args') != args:
             if stopping(children):
                 break
             res = subprocess.run(
-                [
-                    sys.executable,
-                    os.path.join(HERE, 'eval.py'),
-                    f'--ckpt={ckpt}',
-                    '--room',
-                    '--json',
-                    *study.get('room_args', []),
-                ],
+                [sys.executable, os.path.join(HERE, 'eval.py'), *args],
                 capture_output=True,
                 text=True,
                 cwd=HERE,
@@ -346,7 +343,8 @@ def measure_room(study, root, children=None):
                     file=sys.stderr,
                 )
                 continue
-            cached = dict(json.loads(res.stdout), ckpt_mtime=os.path.getmtime(ckpt))
+            cached = dict(json.loads(res.stdout), ckpt_mtime=os.path.getmtime(ckpt),
+                          eval_args=args)
             write_whole(path, lambda f: json.dump(cached, f))
         out[s] = cached
     return out
@@ -730,26 +728,30 @@ def matched_compute(study, results, ref_row, loss='final_val_loss'):
 
 def score_run(study, out_dir, jobs=1, children=None):
     """The study's score command's JSON for a finished run (cached in <run>/score.json with the
-    checkpoint's mtime); {} when the study has none, or with a note on stderr when it failed. jobs:
-    how many score commands run at once (their threads shared as train.py runs share them). After
-    a stop (children.signum) no score command starts."""
+    checkpoint's mtime and the command: a retrained run, or another command, is scored again); {}
+    when the study has none, or with a note on stderr when it failed. jobs: how many score
+    commands run at once (their threads shared as train.py runs share them). After a stop
+    (children.signum) no score command starts."""
     if not study.get('score'):
         return {}
     path, ckpt = os.path.join(out_dir, 'score.json'), os.path.join(out_dir, 'ckpt.pt')
     if not os.path.exists(ckpt):        # a run of 0 steps saves nothing: it is its start model
         with open(os.path.join(out_dir, 'config.json')) as f:
             ckpt = json.load(f).get('init_from') or ckpt
+    # (an init_from that is not a file, e.g. a hub name, has no mtime: its name and the command
+    # key the cache)
     mtime = os.path.getmtime(ckpt) if os.path.exists(ckpt) else None
+    command = [a.replace('{run}', out_dir).replace('{ckpt}', ckpt) for a in study['score']]
     cached = json.load(open(path)) if os.path.exists(path) else {}
-    if cached.get('ckpt_mtime') != mtime or mtime is None:
+    if cached.get('ckpt_mtime') != mtime or cached.get('score_command') != command:
         if stopping(children):
             return {}
-        argv = [a.replace('{run}', out_dir).replace('{ckpt}', ckpt) for a in study['score']]
+        argv = command
         if argv[0].endswith('.py'):
             argv = [sys.executable, os.path.join(HERE, argv[0]), *argv[1:]]
         res = subprocess.run(argv, capture_output=True, text=True, cwd=HERE, env=child_env(jobs))
         try:
-            cached = dict(json.loads(res.stdout), ckpt_mtime=mtime)
+            cached = dict(json.loads(res.stdout), ckpt_mtime=mtime, score_command=command)
         except json.JSONDecodeError:
             res.returncode = res.returncode or 1
         if res.returncode:

@@ -1397,3 +1397,34 @@ def test_a_bad_before_or_frontier_is_refused(tmp_path, line, needle):
     path.write_text("base = 'x.py'\narms = {'a': [], 'b': []}\nseeds = [1]\nout_root = 'o'\n"
                     "frontier = ['a', 'b']\nbefore = [['--out_dir=x']]\n")
     assert sweep.load_study(str(path))['frontier'] == ['a', 'b']
+
+
+def test_room_and_scores_are_computed_again_when_their_command_changes(tmp_path, monkeypatch):
+    """The room cache and score.json hold what computed them: other room_args or another score
+    command measure again (the checkpoint unchanged); a 0-step run whose init_from is not a file
+    (a hub name) is scored once, not on every sweep."""
+    calls = []
+
+    def fake(args, **kw):
+        calls.append(args)
+        return SimpleNamespace(returncode=0, stderr='', stdout=json.dumps(
+            dict(full=1.0, room=0.5 if '--eval_iters=2' in args else 0.25, accuracy=len(calls))))
+    monkeypatch.setattr(sweep.subprocess, 'run', fake)
+    (tmp_path / 'bb.pt').write_bytes(b'x')
+    study = dict(room_ckpt=str(tmp_path / 'bb.pt'), seeds=[1], room_args=['--eval_iters=2'])
+    assert sweep.measure_room(study, str(tmp_path))[1]['room'] == 0.5
+    assert sweep.measure_room(study, str(tmp_path))[1]['room'] == 0.5 and len(calls) == 1
+    assert sweep.measure_room(dict(study, room_args=[]), str(tmp_path))[1]['room'] == 0.25
+    assert len(calls) == 2
+    run, zero = tmp_path / 'a' / 'seed1', tmp_path / 'zero' / 'seed1'
+    fake_run(run, 10, summary=dict(iter=10))
+    (run / 'ckpt.pt').write_bytes(b'y')
+    fake_run(zero, 0, summary=dict(iter=0))
+    (zero / 'config.json').write_text(json.dumps(dict(max_iters=0, init_from='gpt2')))
+    study = dict(score=['arith.py', '--ckpt={ckpt}'], score_metrics={'accuracy': False})
+    assert sweep.score_run(study, str(run)) == dict(accuracy=3)
+    assert sweep.score_run(study, str(run)) == dict(accuracy=3) and len(calls) == 3
+    other = dict(study, score=['arith.py', '--ckpt={ckpt}', '--split=test'])
+    assert sweep.score_run(other, str(run)) == dict(accuracy=4) and calls[-1][-1] == '--split=test'
+    assert sweep.score_run(study, str(zero)) == dict(accuracy=5) and calls[-1][-1] == '--ckpt=gpt2'
+    assert sweep.score_run(study, str(zero)) == dict(accuracy=5) and len(calls) == 5
