@@ -28,11 +28,12 @@ tqdm bar under the lines as well (--quiet=True: the lines only).
 A study file defines: base (a config file), overrides (for every run), arms {name: [overrides]},
 seeds, out_root, reference (the arm the others are compared with), and optionally before (train.py
 argument lists run once first, e.g. stage 1 of a two-stage recipe), threshold (see below) and skip
-(one line saying why the study cannot run on this machine: the sweep prints it and exits 0). Run r
-of arm a writes to out_root/a/seed<s>/ (a relative out_root, as every relative path in a study
-file, is relative to sweep.py's folder, wherever the sweep starts). A finished run (its
-metrics.jsonl ends with its training's summary at max_iters, eval-only records aside) is skipped;
-an interrupted one (ckpt.pt but no such summary) is resumed. A run folder whose config.json
+(one line saying why the study cannot run on this machine: the sweep prints it and exits 0); any
+other lower-case name is refused as a misspelt field (helpers: UPPER_CASE or _names, imports and
+functions). Run r of arm a writes to out_root/a/seed<s>/ (a relative out_root, as every relative
+path in a study file, is relative to sweep.py's folder, wherever the sweep starts). A finished
+run (its metrics.jsonl ends with its training's summary at max_iters, eval-only records aside) is
+skipped; an interrupted one (ckpt.pt but no such summary) is resumed. A run folder whose config.json
 differs from what the study now gives, other than in where and how it runs (HOW_KEYS), refuses the
 study before any run starts: its results would be summarised as the study's. --jobs=N runs N
 train.py processes at a time, each with cpu_count // N threads (OMP_NUM_THREADS, unless set);
@@ -103,6 +104,7 @@ plotting) stops the sweep there, with the same exit codes and one line: what it 
 summary it had not yet replaced is kept, and the same command writes the rest.
 """
 import contextlib
+import difflib
 import hashlib
 import io
 import json
@@ -116,6 +118,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
+from types import ModuleType
 
 import numpy as np
 
@@ -160,6 +163,12 @@ METRICS = {
 }
 
 
+# the fields a study file may set; other lower-case names are refused (a misspelt field)
+STUDY_FIELDS = ('base', 'arms', 'seeds', 'out_root', 'overrides', 'reference', 'before',
+                'threshold', 'skip', 'room_ckpt', 'room_key', 'room_args', 'frontier', 'score',
+                'score_metrics', 'room_arms')
+
+
 def load_study(path):
     if not os.path.isfile(path):
         raise ConfigError(f"study file not found: {path}")
@@ -171,6 +180,13 @@ def load_study(path):
         raise ConfigError(f"study {path}, line {e.lineno}: {e.msg}; fix the file") from None
     except (Exception, SystemExit) as e:     # a runtime error or an exit() in the file
         raise ConfigError(f"study {path}: {type(e).__name__}: {e}; fix the file") from None
+    stray = [k for k, v in ns.items() if k.islower() and not k.startswith('_')
+             and k not in STUDY_FIELDS and not callable(v) and not isinstance(v, ModuleType)]
+    if stray:                        # a misspelt field would be ignored without a word
+        close = difflib.get_close_matches(stray[0], STUDY_FIELDS, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ''
+        raise ConfigError(f"study {path}: unknown field '{stray[0]}'{hint}; the fields are "
+                          f"{', '.join(STUDY_FIELDS)} (helpers: UPPER_CASE or _names)")
     missing = [k for k in ('base', 'arms', 'seeds', 'out_root') if k not in ns]
     if missing:
         raise ConfigError(f"study {path} must define {', '.join(missing)}")

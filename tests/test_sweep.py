@@ -1428,3 +1428,24 @@ def test_room_and_scores_are_computed_again_when_their_command_changes(tmp_path,
     assert sweep.score_run(other, str(run)) == dict(accuracy=4) and calls[-1][-1] == '--split=test'
     assert sweep.score_run(study, str(zero)) == dict(accuracy=5) and calls[-1][-1] == '--ckpt=gpt2'
     assert sweep.score_run(study, str(zero)) == dict(accuracy=5) and len(calls) == 5
+
+
+@pytest.mark.parametrize('line,name,close', [
+    ('treshold = 2.0', 'treshold', 'threshold'), ('seed = [1]', 'seed', 'seeds'),
+    ('room_arg = []', 'room_arg', 'room_args'), ('zzz = 1', 'zzz', None)])
+def test_a_misspelt_field_is_refused_naming_it_and_the_close_match(tmp_path, line, name, close):
+    """A misspelt lower-case field was ignored without a word (the study ran on the default);
+    UPPER_CASE and _names, imported modules and functions stay allowed as helpers."""
+    body = "base = 'x.py'\narms = {'a': []}\nseeds = [1]\nout_root = 'o'\n"
+    path = tmp_path / 'study.py'
+    path.write_text(body + line + '\n')
+    with pytest.raises(sweep.ConfigError) as e:
+        sweep.load_study(str(path))
+    hint = f" (did you mean '{close}'?)" if close else ''
+    assert f"unknown field '{name}'{hint}; the fields are base, arms, seeds" in str(e.value)
+    assert 'threshold' in str(e.value) and '\n' not in str(e.value)
+    path.write_text("import os\nfrom math import sqrt\n" + body.replace('seeds = [1]', '')
+                    + "LR = ['--learning_rate=1e-3']\n_n = 2\nseeds = list(range(1, _n))\n"
+                    "def helper(x):\n    return x\n")
+    study = sweep.load_study(str(path))
+    assert study['seeds'] == [1] and study['LR'] == ['--learning_rate=1e-3']
