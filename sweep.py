@@ -62,9 +62,9 @@ backbone). sweep.py runs `eval.py --room` on each seed's backbone (out_root/room
 measured again for a retrained backbone or other room_args) and puts the room (room_key, default
 gate_room = random − oracle routing loss, else room = all-cheap − all-full) beside the reference
 arm's seed std of its endpoint: below ROOM_FACTOR (10) × that std the summary says "no room" and
-that the arm differences are not evidence. Threshold hits are censored, not dropped: k/n runs
-hit, the mean over those that did, and a per-seed comparison with never = ∞ (wins–losses–ties and
-the exact sign test's p).
+that the arm differences are not evidence; a std of 0 (one seed) or none gives "unknown".
+Threshold hits are censored, not dropped: k/n runs hit, the mean over those that did, and a
+per-seed comparison with never = ∞ (wins–losses–ties and the exact sign test's p).
 
 Matched compute: a study file may name `frontier`, dense arms of several sizes. Each other arm is
 then compared, per seed, with that seed's frontier interpolated (linear in log FLOPs, never
@@ -790,12 +790,13 @@ def score_runs(study, out_dirs, jobs=1, children=None):
 
 def arms_room(study, table):
     """The room measured by two arms (the study's room_arms: low, high, metric): the high arm's
-    mean minus the low arm's, against ROOM_FACTOR × the reference arm's seed std of the metric."""
+    mean minus the low arm's, against ROOM_FACTOR × the reference arm's seed std of the metric;
+    'unknown' where that std is not measured or is 0 (one seed has no spread), as room_verdict."""
     low, high, metric = study['room_arms']
     lo, hi, ref = table[low][metric], table[high][metric], table[study['reference']][metric]
     size = None if lo['mean'] is None or hi['mean'] is None else hi['mean'] - lo['mean']
     spread = ref['std']
-    enough = None if size is None or spread is None else abs(size) >= ROOM_FACTOR * spread
+    enough = None if size is None or not spread else abs(size) >= ROOM_FACTOR * spread
     return dict(
         values={f'{low} {metric}': dict(mean=lo['mean'], std=lo['std']),
                 f'{high} {metric}': dict(mean=hi['mean'], std=hi['std'])},

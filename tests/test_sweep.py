@@ -1449,3 +1449,20 @@ def test_a_misspelt_field_is_refused_naming_it_and_the_close_match(tmp_path, lin
                     "def helper(x):\n    return x\n")
     study = sweep.load_study(str(path))
     assert study['seeds'] == [1] and study['LR'] == ['--learning_rate=1e-3']
+
+
+def test_a_room_against_one_seed_is_unknown_whichever_way_it_is_measured():
+    """One seed has no spread (mean_std's 0.0 is not a measured one): room_arms said 'room' for
+    any difference while room_verdict says 'unknown'; both say 'unknown' now."""
+    results = {('zero', 1): dict(accuracy=0.0), ('full', 1): dict(accuracy=0.8),
+               ('lora', 1): dict(accuracy=0.5)}
+    study = dict(arms={'lora': [], 'zero': [], 'full': []}, seeds=[1], reference='lora',
+                 score_metrics={'accuracy': False}, room_arms=('zero', 'full', 'accuracy'))
+    room = sweep.summarize(study, results)['room']
+    assert room['size'] == pytest.approx(0.8) and room['seed_std'] == 0.0
+    assert room['verdict'] == 'unknown'
+    assert sweep.room_markdown(room).startswith('**Room: unknown.**')
+    ref_row = dict(causal_val_loss=dict(mean=1.0, std=0.0, per_seed=[1.0]),
+                   final_val_loss=dict(mean=None, std=None, per_seed=[None]))
+    backbone = {1: dict(full=0.9, random=1.5, oracle=1.0, gate_room=0.5)}
+    assert sweep.room_verdict(dict(seeds=[1]), backbone, ref_row)['verdict'] == 'unknown'
