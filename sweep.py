@@ -35,9 +35,9 @@ path in a study file, is relative to sweep.py's folder, wherever the sweep start
 run (its metrics.jsonl ends with its training's summary at max_iters, eval-only records aside) is
 skipped; an interrupted one (ckpt.pt but no such summary) is resumed. A run folder whose config.json
 differs from what the study now gives, other than in where and how it runs (HOW_KEYS), refuses the
-study before any run starts: its results would be summarised as the study's. --jobs=N runs N
-train.py processes at a time, each with cpu_count // N threads (OMP_NUM_THREADS, unless set);
-results do not depend on N (each run is its own process and seed).
+study before any run starts (--summarize_only as well): its results would be summarised as the
+study's. --jobs=N runs N train.py processes at a time, each with cpu_count // N threads
+(OMP_NUM_THREADS, unless set); results do not depend on N (each run is its own process and seed).
 
 The summary (summary.md, summary.json in out_root) gives per arm mean ± std over seeds of: avg LM,
 best val LM, final val loss, causal val loss and realised full-path fraction (routed families),
@@ -1118,12 +1118,12 @@ def sweep(argv, children):
         dry_run(study, grid, before, overrides)
         return stopped_summarising(children, argv) if stopping(children) else 0
     failed = []
-    if not opts.get('--summarize_only'):
-        made_later = [a.split('=', 1)[1] for stage in before for argv_, _ in stage for a in argv_
-                      if a.startswith('--out_dir=')]
-        check_configs([(f"'before' run {' '.join(a)}", a) for stage in before for a, _ in stage]
-                      + [(f"arm {arm!r} seed {s}", [*a, f'--out_dir={root}/{arm}/seed{s}'])
-                         for arm, s, a in grid], made_later)
+    # (--summarize_only too: runs made under other options would be summarised as the study's)
+    made_later = [a.split('=', 1)[1] for stage in before for argv_, _ in stage for a in argv_
+                  if a.startswith('--out_dir=')]
+    check_configs([(f"'before' run {' '.join(a)}", a) for stage in before for a, _ in stage]
+                  + [(f"arm {arm!r} seed {s}", [*a, f'--out_dir={root}/{arm}/seed{s}'])
+                     for arm, s, a in grid], made_later)
     _lock = lock_folder(root, 'out_root')   # one sweep per folder, held until this returns
     if overrides:
         print(f"overrides on every run: {' '.join(overrides)}; runs in {root}", flush=True)

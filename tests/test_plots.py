@@ -153,9 +153,10 @@ def test_write_plots_for_a_tiny_fake_study(tmp_path):
 def test_sweep_plots_after_its_summary_and_no_plots_skips(tmp_path):
     pytest.importorskip('matplotlib')
     fake_study(tmp_path / 'out')
+    (tmp_path / 'cfg.py').write_text('max_iters = 40\n')       # what the runs were made with
     study = tmp_path / 'study.py'
-    study.write_text(f"base = 'cfg.py'\nout_root = {str(tmp_path / 'out')!r}\nseeds = [1, 2]\n"
-                     "arms = {'routed': [], 'dense': []}\nreference = 'dense'\n")
+    study.write_text(f"base = {str(tmp_path / 'cfg.py')!r}\nout_root = {str(tmp_path / 'out')!r}\n"
+                     "seeds = [1, 2]\narms = {'routed': [], 'dense': []}\nreference = 'dense'\n")
     assert sweep.main([str(study), '--summarize_only', '--no_plots']) == 0
     assert (tmp_path / 'out' / 'summary.json').exists() and not (
         tmp_path / 'out' / 'plots'

@@ -914,8 +914,10 @@ def test_a_signal_while_summarising_stops_the_sweep_in_one_line(tmp_path, monkey
         fake_run(root / 'A' / f'seed{s}', 4, summary=dict(iter=4, avg_lm=2.0))
         (root / 'A' / f'seed{s}' / 'ckpt.pt').write_bytes(b'x')
     (root / 'summary.json').write_text('{"kept": true}')
+    (tmp_path / 'cfg.py').write_text('max_iters = 4\n')       # what the runs were made with
     study = tmp_path / 'st.py'
-    study.write_text(f"base = 'cfg.py'\nout_root = {str(root)!r}\nseeds = [1, 2, 3]\n"
+    study.write_text(f"base = {str(tmp_path / 'cfg.py')!r}\nout_root = {str(root)!r}\n"
+                     "seeds = [1, 2, 3]\n"
                      "arms = {'A': []}\nscore = ['score.py', '{run}']\n"
                      "score_metrics = {'acc': False}\n")
     scored = []
@@ -1466,3 +1468,24 @@ def test_a_room_against_one_seed_is_unknown_whichever_way_it_is_measured():
                    final_val_loss=dict(mean=None, std=None, per_seed=[None]))
     backbone = {1: dict(full=0.9, random=1.5, oracle=1.0, gate_room=0.5)}
     assert sweep.room_verdict(dict(seeds=[1]), backbone, ref_row)['verdict'] == 'unknown'
+
+
+def test_summarize_only_refuses_runs_made_under_other_options(tmp_path, capsys):
+    """--summarize_only skipped the check that the runs were made under the study's options, so
+    runs made under others were summarised as the study's: it refuses them as a sweep does."""
+    out = tmp_path / 'out'
+    (tmp_path / 'cfg.py').write_text('max_iters = 4\n')
+    study = tmp_path / 'study.py'
+    study.write_text(f"base = {str(tmp_path / 'cfg.py')!r}\nout_root = {str(out)!r}\n"
+                     "seeds = [1]\narms = {'A': ['--eval_iters=3']}\n")
+    fake_run(out / 'A' / 'seed1', 4, summary=dict(iter=4, avg_lm=2.0))
+    config = out / 'A' / 'seed1' / 'config.json'
+    config.write_text(json.dumps(dict(max_iters=4, eval_iters=7)))
+    with pytest.raises(sweep.ConfigError, match=r"arm 'A' seed 1: .*A/seed1 ran with "
+                                                r"eval_iters=7, the study now gives 3"):
+        sweep.main([str(study), '--summarize_only', '--no_plots'])
+    assert not (out / 'summary.json').exists()
+    config.write_text(json.dumps(dict(max_iters=4, eval_iters=3, device='cuda')))
+    assert sweep.main([str(study), '--summarize_only', '--no_plots']) == 0
+    summary = json.loads((out / 'summary.json').read_text())
+    assert summary['table']['A']['avg_lm']['per_seed'] == [2.0]
