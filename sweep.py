@@ -103,6 +103,7 @@ from their checkpoints). A signal after the runs (while scoring, measuring the r
 plotting) stops the sweep there, with the same exit codes and one line: what it wrote is whole, a
 summary it had not yet replaced is kept, and the same command writes the rest.
 """
+import collections
 import contextlib
 import difflib
 import hashlib
@@ -1221,7 +1222,8 @@ def estimate_seconds(runs, measured):
     """Seconds each run (train.py arguments without --out_dir) would take, and a sentence saying
     what that was estimated from: the run's FLOPs (flops.py: max_iters training steps of
     batch_size x gradient_accumulation_steps sequences at its trainable setting, plus its evals'
-    forwards) over the FLOP/s of one training step of runs[measured] timed here (the median of 3
+    forwards; each step with its family's step options, such as oracle layers or an exit
+    rotation) over the FLOP/s of one training step of runs[measured] timed here (the median of 3
     after 1 warm-up, random tokens, its model at its shape on its device). None where a run's
     config cannot be read or costed without its data."""
     from types import SimpleNamespace
@@ -1230,6 +1232,7 @@ def estimate_seconds(runs, measured):
     import flops
     import train
     from device import autocast_context, resolve_device_dtype
+    from train_checks import shape_only_model
 
     def costed(argv):
         with contextlib.chdir(HERE), contextlib.redirect_stdout(io.StringIO()), \
@@ -1241,9 +1244,17 @@ def estimate_seconds(runs, measured):
                                           if os.path.exists(meta) else 50304)
             mcfg = train.model_config(SimpleNamespace(**cfg), vocab_size=vocab)
         T, seqs = cfg['block_size'], cfg['batch_size'] * cfg['gradient_accumulation_steps']
-        step = flops.train_step_flops(mcfg, T, cfg['trainable'])['total']
+        step = flops.train_step_flops(mcfg, T, cfg['trainable'])['total']    # as timed: no options
+        # the run's own steps carry the family's step options (oracle layers, an exit rotation):
+        # their mean cost over its first steps (the options repeat or are drawn uniformly)
+        model, run = shape_only_model(mcfg), SimpleNamespace(**cfg)
+        drawn = collections.Counter(
+            tuple(sorted(flops.family_of(mcfg).step_options(model, s, run).items()))
+            for s in range(min(cfg['max_iters'], 64)))
+        mean_step = (sum(n * flops.train_step_flops(mcfg, T, cfg['trainable'], **dict(o))['total']
+                         for o, n in drawn.items()) / sum(drawn.values())) if drawn else step
         evals = (cfg['max_iters'] // max(1, cfg['eval_interval']) + 1) * 2 * cfg['eval_iters']
-        total = cfg['max_iters'] * seqs * step + evals * cfg['batch_size'] * \
+        total = cfg['max_iters'] * seqs * mean_step + evals * cfg['batch_size'] * \
             flops.forward_flops(mcfg, T, 'train')
         return cfg, mcfg, step, total
 

@@ -1489,3 +1489,30 @@ def test_summarize_only_refuses_runs_made_under_other_options(tmp_path, capsys):
     assert sweep.main([str(study), '--summarize_only', '--no_plots']) == 0
     summary = json.loads((out / 'summary.json').read_text())
     assert summary['table']['A']['avg_lm']['per_seed'] == [2.0]
+
+
+def test_estimates_cost_each_run_with_its_step_options(monkeypatch):
+    """A run whose steps add oracle passes (ffn util labels on 1 of its 2 routed layers a step) is
+    estimated at the mean cost of its steps, against a plain step timed at a fixed 0.1 s."""
+    import bench
+    import flops
+    import train
+    from configurator import load_config
+    from model import GPTConfig
+    monkeypatch.setattr(bench, 'time_train_step', lambda *a, **k: 0.1)
+    shape = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=16', '--batch_size=2',
+             '--vocab_size=40', '--max_iters=10', '--eval_interval=100', '--eval_iters=1',
+             '--device=cpu', '--route=ffn', '--ffn_layers=all']
+    oracle = [*shape, '--ffn_util_weight=0.5', '--ffn_oracle_layers_per_step=1']
+    (plain_s, oracle_s), _ = sweep.estimate_seconds([shape, oracle], 0)
+    mcfg = train.model_config(SimpleNamespace(**load_config(train.DEFAULTS, oracle)))
+    per_layer = [flops.train_step_flops(mcfg, 16, 'all', oracle_layers=(l,))['total']
+                 for l in (0, 1)]
+    plain = flops.train_step_flops(GPTConfig(**{**vars(mcfg), 'ffn_util_weight': 0.0}), 16,
+                                   'all')['total']
+    evals = 2 * 2 * flops.forward_flops(mcfg, 16, 'train')       # 2 evals x 2 splits, batch 2
+    # both layers are drawn over 10 steps, each about half the time: within their spread
+    want = (10 * 2 * min(per_layer) + evals, 10 * 2 * max(per_layer) + evals)
+    rate = plain * 2 / 0.1
+    assert want[0] / rate <= oracle_s <= want[1] / rate
+    assert oracle_s > 1.3 * plain_s              # the oracle passes: room to tell them apart
