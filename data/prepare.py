@@ -816,6 +816,8 @@ def check_prepared(folder):
         meta = json.loads((folder / "meta.json").read_text())
         files = meta["files"]
         cmd = prepare_command(folder, meta)
+        if not isinstance(files, dict):
+            raise TypeError(f"its 'files' is {type(files).__name__}, not a listing of the files")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise PrepareError(
             f"{folder} is not a prepared dataset (meta.json missing or unreadable: {e}); run: {cmd}"

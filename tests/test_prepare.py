@@ -546,6 +546,17 @@ def test_check_prepared_messages(tmp_path, monkeypatch):
         P.check_prepared(folder)
 
 
+@pytest.mark.parametrize("files", [None, [], ["train.bin", "val.bin"], "train.bin", 7,
+                                   {"train.bin": 4, "val.bin": [4]}])
+def test_check_prepared_refuses_a_meta_json_whose_files_are_not_a_listing(tmp_path, files):
+    """A meta.json that parses but whose `files` is no {name: {bytes, sha256}} mapping is a folder
+    to re-prepare (PrepareError with the command), not a crash."""
+    (tmp_path / "meta.json").write_text(json.dumps({"dataset": "synthetic", "files": files}))
+    with pytest.raises(P.PrepareError, match="run: python data/prepare.py") as e:
+        P.check_prepared(tmp_path)
+    assert str(tmp_path) in str(e.value)
+
+
 def test_ensure_tiktoken_cache(tmp_path, monkeypatch, tiktoken_cache):
     need_gpt2(tiktoken_cache)
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "/some/where")
