@@ -373,6 +373,10 @@ def load_docs(path, max_docs):
                 f"{path}: cannot read a `text` column from this parquet file ({e})"
             ) from None
         docs = [t for t in table.column("text").slice(0, max_docs).to_pylist() if t]
+        wrong = next((t for t in docs if not isinstance(t, str)), None)
+        if wrong is not None:
+            raise PrepareError(f"{path}: its `text` column holds {type(wrong).__name__}, not "
+                               "strings")
     elif suffix == ".jsonl":
         lines = [
             (n, line)

@@ -304,6 +304,22 @@ def test_fineweb_edu_jsonl_and_txt(tmp_path, tiktoken_cache):
         assert texts[0] == docs[0] + sep and texts[-1] == ""
 
 
+def test_parquet_text_column_of_non_strings_is_refused(tmp_path):
+    """A parquet `text` column of numbers or bytes is bad input (PrepareError naming the file),
+    as a .jsonl line without a string 'text' is; not a TypeError inside the tokenizer."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    for name, column in (("ints", [1, 2, 3]), ("bytes", [b"ab", b"cd", b"ef"])):
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.table({"text": column}), path)
+        with pytest.raises(P.PrepareError, match=f"{name}.parquet: its `text` column holds "
+                           f"{type(column[0]).__name__}, not strings"):
+            P.load_docs(path, 10)
+    path = tmp_path / "ok.parquet"
+    pq.write_table(pa.table({"text": ["one", None, "", "two"]}), path)
+    assert P.load_docs(path, 10)[1] == ["one", "two"]
+
+
 def test_jsonl_lines_end_at_newlines_only(tmp_path):
     """JSON may hold U+2028, U+0085 or U+001C unescaped inside a string (json.dumps with
     ensure_ascii=False writes them so): they are text, not line ends."""
