@@ -130,13 +130,17 @@ STRUCT, TRIVIAL, NOISE, HARD, HEADER, RECALL = range(6)
 
 def parse_mix(mix):
     """'copy=0.3,count=0.2,...' -> probabilities in KINDS order (missing kinds get 0)."""
-    weights = dict.fromkeys(KINDS, 0.0)
+    weights, given = dict.fromkeys(KINDS, 0.0), set()
     for item in filter(None, (s.strip() for s in str(mix).split(","))):
         key, _, value = item.partition("=")
         if key.strip() not in weights:
             raise PrepareError(
                 f"--mix: unknown segment kind {key.strip()!r}; kinds are {', '.join(KINDS)}"
             )
+        if key.strip() in given:
+            raise PrepareError(f"--mix: kind {key.strip()!r} is given twice in {mix!r}; give "
+                               "each kind once")
+        given.add(key.strip())
         try:
             weights[key.strip()] = float(value)
         except ValueError:

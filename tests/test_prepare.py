@@ -208,6 +208,14 @@ def test_synthetic_mix():
             P.parse_mix(bad)
 
 
+def test_a_mix_naming_a_kind_twice_is_refused():
+    """copy=0.3,...,copy=0.5 is a slip (which share was meant?): refused, not the last one kept."""
+    for bad in ["copy=1,noise=1,copy=0", "add=0.5, add=0.5"]:
+        with pytest.raises(P.PrepareError, match=r"--mix: kind '(copy|add)' is given twice"):
+            P.parse_mix(bad)
+    assert list(P.parse_mix("copy=1,noise=1")) == [0.5, 0, 0.5, 0, 0]
+
+
 def test_synthetic_default_is_fast_enough():
     tokens, _ = P.generate_synthetic(200_000, 1337)
     assert len(tokens) >= 200_000
