@@ -479,14 +479,14 @@ def build_text(a, default_input=None, url=None):
     ids, vocab, extra = tokenize_text(raw, path or url, tokenizer, byte_option="tokenizer" in a,
                                       quiet=a.get("_quiet", False))
     splits = split_tokens(ids, a.get("val_fraction", 0.1), source)
-    pct = round(100 * (1 - float(a.get("val_fraction", 0.1))))
+    val_pct = 100 * float(a.get("val_fraction", 0.1))
     meta = {
         "tokenizer": tokenizer,
         "vocab_size": vocab,
         **extra,
         "source": source,
         "source_sha256": hashlib.sha256(raw).hexdigest(),
-        "split": f"{pct}/{100 - pct} by "
+        "split": f"{100 - val_pct:.6g}/{val_pct:.6g} by "
                  f"{'characters' if tokenizer == 'char' else tokenizer + ' tokens'}",
     }
     return splits, {}, meta

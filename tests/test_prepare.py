@@ -383,6 +383,18 @@ def test_text_name_sets_default_folder_and_command(tmp_path, monkeypatch):
     assert meta["split"] == "80/20 by characters"
 
 
+@pytest.mark.parametrize("fraction, split", [(0.005, "99.5/0.5"), (0.004, "99.6/0.4"),
+                                              (0.1, "90/10"), (0.3, "70/30"), (0.125, "87.5/12.5")])
+def test_text_split_in_meta_states_the_fraction_given(tmp_path, fraction, split):
+    """meta.json's split names the shares --val_fraction made, not a rounding of them to whole
+    percents (0.005 held out is not '100/0')."""
+    (tmp_path / "in.txt").write_text("abcdefghij" * 100)
+    meta = P.prepare("text", tmp_path / "out", input=str(tmp_path / "in.txt"),
+                     val_fraction=fraction)
+    assert meta["split"] == f"{split} by characters"
+    assert meta["val_tokens"] == 1000 - int(1000 * (1 - fraction))
+
+
 # ----------------------------------------------------------------------------- dtype
 def test_dtype_choice():
     ids = np.array([0, 65535, 69999])
