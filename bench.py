@@ -373,7 +373,7 @@ def bench_routed(cfg):
     torch.manual_seed(cfg['seed'])
     dense = eval_model(replace(base, route='none'), dev)
     state = dense.state_dict()
-    d_pre, d_dec = time_model(dense, cfg, xs, g, base, dev, autocast)
+    d_pre, d_dec = time_model(dense, cfg, xs, base, dev, autocast)
     rows, profile, trained = [], None, {}
     dense_train_ms = time_train_step(cfg, replace(base, route='none'), dev, autocast)
     for budget in progress(numbers(cfg, 'budgets', float), desc='budgets', quiet=cfg['quiet']):
@@ -383,9 +383,9 @@ def bench_routed(cfg):
                                              # budget
             trained[budget] = mcfg
             rows.append(train_row(cfg, mcfg, base, budget, dev, autocast, dense_train_ms))
-        r_pre, r_dec = time_model(m, cfg, xs, g, base, dev, autocast)
+        r_pre, r_dec = time_model(m, cfg, xs, base, dev, autocast)
         # dense again, in the same window
-        d_pre = time_model(dense, cfg, xs, g, base, dev, autocast, decode=False)[0]
+        d_pre = time_model(dense, cfg, xs, base, dev, autocast, decode=False)[0]
         rows += prefill_rows(cfg, m, base, budget, xs, r_pre, d_pre, autocast)
         rows += [
             dict(
@@ -487,11 +487,13 @@ def no_grad_forward(m, x, sparse):
     return call
 
 
-def time_model(m, cfg, xs, g, base, dev, autocast, decode=True):
+def time_model(m, cfg, xs, base, dev, autocast, decode=True):
     """{shape: Timing} of m's prefill of each batch in xs (compiled with --compile) and {batch:
-    Timing} of its eager KV-cached decode of decode_tokens tokens, on prompts drawn from g. Decode
-    alone: (prefill + 1 + N steps) minus (prefill + 1), paired per repeat."""
+    Timing} of its eager KV-cached decode of decode_tokens tokens, on prompts drawn from the seed
+    (the same prompts for every model timed). Decode alone: (prefill + 1 + N steps) minus
+    (prefill + 1), paired per repeat."""
     steps, warm = cfg['bench_steps'], cfg['bench_warmup']
+    g = torch.Generator().manual_seed(cfg['seed'])
     fwd = torch.compile(m, dynamic=False) if cfg['compile'] else m
     pre = {}
     for s, x in xs.items():

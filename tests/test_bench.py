@@ -1270,3 +1270,39 @@ def test_quick_preset_shrinks_what_the_command_line_does_not_set():
     assert quick['decode_prompt'] == 32 and quick['n_embd'] == full['n_embd'] == 512
     small, _, _ = bench.parse_args(['--block_size=64', '--quick=True'])   # never past the context
     assert small['block_size'] == 64 and small['prefill_shapes'] == '4x64'
+
+
+def fixed_timers(monkeypatch, decode_calls=True):
+    """bench's timers made instant: timed returns 0.1 s repeats without calling fn; a timed
+    difference calls long() once (when decode_calls) and returns 0.05 s repeats."""
+    monkeypatch.setattr(bench, 'timed', lambda fn, steps, warmup, dev: bench.Timing([0.1] * 3))
+
+    def difference(long, short, steps, warmup, dev):
+        if decode_calls:
+            long()
+        return bench.Timing([0.05] * 3)
+    monkeypatch.setattr(bench, 'timed_difference', difference)
+
+
+@pytest.mark.parametrize('route', ['ffn', 'halt'])
+def test_bench_routed_decodes_the_same_prompts_routed_and_dense(route, monkeypatch):
+    """A decode time ratio compares the routed and the dense model on the same prompts (a halted
+    or routed token depends on what it reads): each batch's prompt is the dense one's."""
+    from model import GPT
+    prompts = []
+    generate = GPT.generate
+
+    def spy(self, idx, *args, **kwargs):
+        prompts.append((self.config.route, idx.shape[0], idx.clone()))
+        return generate(self, idx, *args, **kwargs)
+    monkeypatch.setattr(GPT, 'generate', spy)
+    fixed_timers(monkeypatch)
+    monkeypatch.setattr(bench, 'time_train_step', lambda *a, **k: bench.Timing([0.1] * 3))
+    bench_json(['--n_layer=2', '--n_head=2', '--n_embd=16', '--block_size=16', '--batch_size=1',
+                '--vocab_size=50', '--bench_steps=3', '--decode_tokens=2', '--decode_batches=1,2',
+                f'--route={route}', '--budgets=1.0,0.5', '--prefill_shapes=1x8',
+                '--ffn_cheap_rank=4', '--json'])
+    dense = {b: p for r, b, p in prompts if r == 'none'}
+    routed = [(b, p) for r, b, p in prompts if r == route]
+    assert sorted(dense) == [1, 2] and len(routed) == 4        # 2 budgets x 2 batches
+    assert all(torch.equal(p, dense[b]) for b, p in routed)
