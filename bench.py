@@ -160,6 +160,9 @@ def check_bench_config(cfg):
     if not batches or any(b < 1 for b in batches):
         raise ConfigError(f"decode_batches must be batch sizes >= 1 such as "
                           f"{BENCH_EXAMPLES['decode_batches']}, got {cfg['decode_batches']!r}")
+    if cfg['decode_vs_hf'] and cfg['budgets']:     # main would time decode_vs_hf alone
+        raise ConfigError("--decode_vs_hf times dense decode alone, --budgets routed vs dense; "
+                          "drop one of them")
     budgets = numbers(cfg, 'budgets', float)       # (main: any text turns the routed timings on)
     if (cfg['budgets'] and not budgets) or any(not 0 < b <= 1 for b in budgets):
         raise ConfigError(f"budgets must be full-path fractions in (0, 1] such as "

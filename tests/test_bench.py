@@ -1306,3 +1306,11 @@ def test_bench_routed_decodes_the_same_prompts_routed_and_dense(route, monkeypat
     routed = [(b, p) for r, b, p in prompts if r == route]
     assert sorted(dense) == [1, 2] and len(routed) == 4        # 2 budgets x 2 batches
     assert all(torch.equal(p, dense[b]) for b, p in routed)
+
+
+def test_bench_decode_vs_hf_with_budgets_is_refused(capsys):
+    """--decode_vs_hf times dense decode alone: --budgets beside it (whose routed table would not
+    be made) is refused before any work, not dropped."""
+    with pytest.raises(ConfigError, match='--budgets'):
+        bench.main(['--decode_vs_hf=True', '--budgets=1.0,0.5'])
+    assert capsys.readouterr().out == ''
