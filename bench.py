@@ -8,7 +8,7 @@ Takes every key of train.py (model shape, batch_size, block_size, device, dtype,
 bench_steps / bench_warmup / decode_tokens / decode_batches. Random tokens, so no data is needed.
 Reports medians over bench_steps timed repeats after bench_warmup untimed ones; decode is decode
 alone (generate of 1 + decode_tokens tokens minus generate of 1: the prefill is not counted), from a
-prompt of block_size - decode_tokens tokens; with --json prints
+prompt of decode_prompt tokens (block_size - decode_tokens when 0); with --json prints
 exactly one JSON object, which records the device, torch version and git commit (git_sha,
 git_dirty).
 
@@ -176,7 +176,8 @@ def check_bench_config(cfg):
                           f"{BENCH_EXAMPLES['prefill_shapes']}, got {cfg['prefill_shapes']!r}")
     # decode is timed with the KV cache: past block_size, generate would recompute the cropped
     # window
-    prompt = (cfg['decode_prompt'] if cfg['budgets'] else 0) or 1
+    # (--speculate checks its own prompt against its model's block_size)
+    prompt = (cfg['decode_prompt'] if not cfg['speculate'] else 0) or 1
     if cfg['decode_vs_hf']:
         prompt = hf_prompt_len(cfg)
     if prompt + cfg['decode_tokens'] > cfg['block_size']:
@@ -278,9 +279,8 @@ def bench(cfg):
     t_prefill = timed(prefill, cfg['bench_steps'], cfg['bench_warmup'], dev)
     decode = {}
     for db in numbers(cfg, 'decode_batches', int):
-        prompt = torch.randint(
-            0, mcfg.vocab_size, (db, max(1, T - cfg['decode_tokens'])), device=dev
-        )
+        n = cfg['decode_prompt'] or max(1, T - cfg['decode_tokens'])
+        prompt = torch.randint(0, mcfg.vocab_size, (db, n), device=dev)
 
         gen = lambda k: (lambda: model.generate(prompt, k, temperature=0, use_cache=True))
         with autocast:          # decode alone: (prefill + 1 + N steps) minus (prefill + 1)

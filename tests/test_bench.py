@@ -1314,3 +1314,23 @@ def test_bench_decode_vs_hf_with_budgets_is_refused(capsys):
     with pytest.raises(ConfigError, match='--budgets'):
         bench.main(['--decode_vs_hf=True', '--budgets=1.0,0.5'])
     assert capsys.readouterr().out == ''
+
+
+def test_bench_decodes_from_a_decode_prompt_token_prompt(monkeypatch):
+    """The plain bench's decode timing starts from --decode_prompt tokens, as the routed one's
+    (block_size - decode_tokens when 0), and a prompt that leaves no room is refused."""
+    from model import GPT
+    lengths = []
+    generate = GPT.generate
+
+    def spy(self, idx, *args, **kwargs):
+        lengths.append(idx.shape)
+        return generate(self, idx, *args, **kwargs)
+    monkeypatch.setattr(GPT, 'generate', spy)
+    fixed_timers(monkeypatch)
+    tiny = [a for a in TINY if not a.startswith('--decode_batches')] + ['--decode_batches=2']
+    bench_json([*tiny, '--decode_prompt=5'])
+    bench_json(tiny)
+    assert lengths == [(2, 5), (2, 32 - 4)]
+    with pytest.raises(ConfigError, match='decode_tokens=4 plus a 29-token prompt'):
+        bench.main([*tiny, '--decode_prompt=29'])
