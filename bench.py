@@ -168,6 +168,10 @@ def check_bench_config(cfg):
         raise ConfigError(f"budgets must be full-path fractions in (0, 1] such as "
                           f"{BENCH_EXAMPLES['budgets']} ('': no routed timings), got "
                           f"{cfg['budgets']!r}")
+    if cfg['profile'] and not cfg['speculate'] and not any(abs(b - 0.5) < 1e-9 for b in budgets):
+        raise ConfigError("--profile profiles the routed prefill at budget 0.5 (with --budgets "
+                          "holding 0.5) or a --speculate decode; add one of them or drop "
+                          "--profile")
     shapes = numbers(cfg, 'prefill_shapes', shape)
     # without --budgets no shape is timed, but a list of only commas is still refused as a typo
     listed = budgets or str(cfg['prefill_shapes']).strip()

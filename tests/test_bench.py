@@ -1334,3 +1334,12 @@ def test_bench_decodes_from_a_decode_prompt_token_prompt(monkeypatch):
     assert lengths == [(2, 5), (2, 32 - 4)]
     with pytest.raises(ConfigError, match='decode_tokens=4 plus a 29-token prompt'):
         bench.main([*tiny, '--decode_prompt=29'])
+
+
+@pytest.mark.parametrize('extra', [[], ['--budgets=1.0,0.25'], ['--decode_vs_hf=True']])
+def test_bench_profile_with_nothing_to_profile_is_refused(extra, capsys):
+    """--profile profiles the routed prefill at budget 0.5 or a --speculate decode: without
+    either it would time everything and profile nothing, so it is refused before any work."""
+    with pytest.raises(ConfigError, match='--profile'):
+        bench.main([*TINY, '--profile=True', *extra])
+    assert capsys.readouterr().out == ''
