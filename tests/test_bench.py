@@ -1343,3 +1343,78 @@ def test_bench_profile_with_nothing_to_profile_is_refused(extra, capsys):
     with pytest.raises(ConfigError, match='--profile'):
         bench.main([*TINY, '--profile=True', *extra])
     assert capsys.readouterr().out == ''
+
+
+def closure(fn, name):
+    """The value of free variable `name` of function fn."""
+    return fn.__closure__[fn.__code__.co_freevars.index(name)].cell_contents
+
+
+def test_bench_routed_figures_are_their_formulas_on_fixed_timings(monkeypatch):
+    """Every figure of the routed table from fixed timings, by hand: ms, time ratio = routed /
+    dense, ideal realised = FLOPs ratio / time ratio, tokens/s = batch x decode_tokens / decode
+    time, spreads = (max - min) / median and noisy past SPREAD_LIMIT."""
+    dense_pre, routed_pre = [0.30, 0.32, 0.34], [0.10, 0.20, 0.12]
+    dense_dec, routed_dec = [0.08, 0.08, 0.08], [0.04, 0.05, 0.045]
+    monkeypatch.setattr(bench, 'timed', lambda fn, steps, warmup, dev: bench.Timing(
+        dense_pre if closure(fn, 'm').config.route == 'none' else routed_pre))
+    monkeypatch.setattr(bench, 'timed_difference', lambda long, short, steps, warmup, dev:
+                        bench.Timing(dense_dec if closure(long, 'm').config.route == 'none'
+                                     else routed_dec))
+    steps = {('none', False): [2.0, 2.0, 2.0], ('ffn', False): [1.5, 1.6, 1.7],
+             ('ffn', True): [1.0, 1.0, 1.1]}
+    monkeypatch.setattr(bench, 'time_train_step', lambda cfg, mcfg, dev, autocast, controller=False:
+                        bench.Timing(steps[mcfg.route, controller]))
+    res = bench_json(['--n_layer=2', '--n_head=2', '--n_embd=16', '--block_size=16',
+                      '--batch_size=1', '--vocab_size=50', '--bench_steps=3', '--decode_tokens=4',
+                      '--decode_batches=1,3', '--route=ffn', '--budgets=0.5',
+                      '--prefill_shapes=2x8', '--ffn_cheap_rank=4', '--json'])
+    pre, dec1, dec3, tr = ([r for r in res['rows'] if r['kind'] == 'prefill'][0],
+                           *[r for r in res['rows'] if r['kind'] == 'decode'],
+                           [r for r in res['rows'] if r['kind'] == 'train'][0])
+    assert (pre['dense_ms'], pre['routed_ms']) == pytest.approx((320.0, 120.0))
+    assert pre['time_ratio'] == pytest.approx(0.375)
+    assert pre['ideal_realised'] == pytest.approx(pre['flops_ratio'] / 0.375)
+    assert pre['spreads'] == pytest.approx([0.8333, 0.125], abs=1e-4) and pre['noisy']
+    assert (dec1['batch'], dec3['batch']) == (1, 3)
+    assert (dec1['dense_tokens_per_s'], dec1['routed_tokens_per_s']) == pytest.approx((50, 88.89),
+                                                                                       abs=0.01)
+    assert (dec3['dense_tokens_per_s'], dec3['routed_tokens_per_s']) == pytest.approx((150, 266.67),
+                                                                                       abs=0.01)
+    assert dec3['time_ratio'] == pytest.approx(0.5625)
+    assert dec3['spreads'] == pytest.approx([0.2222, 0.0], abs=1e-4) and not dec3['noisy']
+    assert (tr['dense_ms'], tr['routed_ms'], tr['time_ratio']) == pytest.approx((2000, 1600, 0.8))
+    assert tr['ideal_realised'] == pytest.approx(tr['flops_ratio'] / 0.8) and not tr['noisy']
+    t = res['train']
+    assert (t['dense_joint_ms'], t['g1_controller_ms'], t['ratio']) == pytest.approx((2000, 1000,
+                                                                                      0.5))
+    assert t['spreads'] == pytest.approx([0.1, 0.0]) and not t['noisy']
+
+
+def test_gpu_suite_figures_are_their_formulas_on_fixed_timings(monkeypatch):
+    """A suite row: speedup = dense_ms / ms, realised = speedup / ideal; a decode step = (median
+    of 1 + N tokens minus median of 1) / N, tokens/s = batch / step."""
+    import bench_suite
+    r = bench_suite.row('prefill', 'ffn', 0.5, '2x8', 'compact', 'float32', False, 40.0, 50.0,
+                        1.6)
+    assert (r['speedup'], r['realised'], r['shape']) == (1.25, pytest.approx(0.78125), '2x8')
+    times = {5: [0.50, 0.52, 0.60], 1: [0.10, 0.12, 0.11]}      # 1 + 4 tokens, and 1
+    monkeypatch.setattr(bench_suite, 'timed', lambda fn, steps, warmup, dev: bench.Timing(
+        times[closure(fn, 'k')]))
+    prompt = torch.zeros(3, 4, dtype=torch.long)
+    step = bench_suite.decode_seconds(None, prompt, 4, 'float32', False, dict(decode_steps=3))
+    assert step == pytest.approx((0.52 - 0.11) / 4)
+    d = bench_suite.row('decode', 'none', 1.0, 3, None, 'float32', False, step * 1e3, step * 1e3,
+                        1.0, tokens_per_s=3 / step)
+    assert d['tokens_per_s'] == pytest.approx(3 / 0.1025) and d['batch'] == 3
+
+
+def test_bench_figures_are_their_formulas_on_fixed_timings(monkeypatch):
+    """The plain bench from fixed timings (0.1 s a step or prefill, 0.05 s a decode): tokens/s =
+    batch x tokens / median seconds."""
+    fixed_timers(monkeypatch, decode_calls=False)
+    res = bench_json(TINY)          # batch 2 x 32 tokens; decode batches 1, 2 of 4 tokens
+    assert res['train_ms_per_step'] == pytest.approx(100.0)
+    assert (res['train_tokens_per_s'], res['prefill_tokens_per_s']) == pytest.approx((640, 640))
+    assert res['decode_tokens_per_s'] == pytest.approx({'1': 80.0, '2': 160.0})
+    assert res['spread'] == dict(train=0.0, prefill=0.0, decode={'1': 0.0, '2': 0.0})
