@@ -55,7 +55,7 @@ import flops
 import kernels
 import train
 from bench import (controller_g1_config, eval_model, prefill_flops_ratio, routed_model,
-                   time_train_step, timed)
+                   time_train_step, timed, timed_difference)
 from configurator import SMOKE_ENV, ConfigError, given_keys, writable_folder
 from device import autocast_context, cli_device
 from files import write_whole
@@ -539,11 +539,11 @@ def decode_paths(dev):
 
 def decode_seconds(m, prompt, new, dtype, compiled, plan):
     """Seconds of one decode step of the whole batch: (prefill + 1 + new steps) minus (prefill +
-    1), over new (bench.time_model's subtraction)."""
+    1), paired per repeat, over new (bench.time_model's subtraction)."""
     gen = lambda k: (lambda: m.generate(prompt, k, temperature=0, compile=compiled))
     steps = plan['decode_steps']
     with autocast_context(prompt.device, dtype):
-        t = timed(gen(1 + new), steps, 1, prompt.device) - timed(gen(1), steps, 1, prompt.device)
+        t = timed_difference(gen(1 + new), gen(1), steps, 1, prompt.device)
     return max(t, 1e-9) / new
 
 
