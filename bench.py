@@ -528,7 +528,8 @@ def prefill_rows(cfg, m, base, budget, xs, r_pre, d_pre, autocast):
         with torch.no_grad(), autocast:
             masks = m(x, sparse=cfg['sparse'])[2].get('masks', {})
         frac = [int(v.sum()) / v.numel() for _, v in sorted(masks.items())]
-        path = exec_path(x, m.exec_mode)
+        # masked-dense (--sparse=False) runs every path on every token, as the reference path
+        path = exec_path(x, m.exec_mode) if cfg['sparse'] else 'reference'
         executed = m.family.executed_fracs(masks, path) if masks else None
         run_frac = executed.tolist() if executed is not None else frac
         f_ratio, exec_ratio = (prefill_flops_ratio(m.config, base, s[1], frac),

@@ -1432,3 +1432,23 @@ def test_gpu_suite_decode_step_is_paired_per_repeat(monkeypatch):
     step = bench_suite.decode_seconds(Clocked(), prompt, 4, 'float32', False,
                                       dict(decode_steps=3))
     assert step == pytest.approx(2.0 / 4)
+
+
+@pytest.mark.parametrize('route', ['ffn', 'mod'])
+def test_bench_routed_masked_dense_executes_every_path_on_every_token(route, monkeypatch):
+    """--sparse=False times the masked-dense forward, which runs every path on every token: its
+    executed fractions are all 1 and its executed FLOPs ratio the masked forward's ('eval') over
+    dense, not the sparse execution's savings."""
+    fixed_timers(monkeypatch, decode_calls=False)
+    monkeypatch.setattr(bench, 'time_train_step', lambda *a, **k: bench.Timing([0.1] * 3))
+    args = ['--n_layer=2', '--n_head=2', '--n_embd=16', '--block_size=16', '--batch_size=1',
+            '--vocab_size=50', '--bench_steps=3', '--decode_tokens=2', '--decode_batches=1',
+            f'--route={route}', '--budgets=0.5', '--prefill_shapes=2x8', '--ffn_cheap_rank=4',
+            '--sparse=False', '--json']
+    pre = [r for r in bench_json(args)['rows'] if r['kind'] == 'prefill'][0]
+    mcfg = FAMILIES[route].bench_config(bench.routed_base(bench.parse_args(args)[0])[0], 0.5)
+    head = 7 * 2 * 16 * 50                          # the logits of all but the last position
+    want = ((flops.forward_flops(mcfg, 8, 'eval') - head)
+            / (flops.dense_forward_flops(mcfg, 8) - head))
+    assert pre['executed_fracs'] == [1.0] * len(pre['layer_fracs'])
+    assert pre['executed_flops_ratio'] == pytest.approx(want, rel=1e-9)
