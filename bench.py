@@ -104,8 +104,8 @@ BENCH_DEFAULTS = dict(
     sparse=True,            # routed eval runs sparse (else masked-dense: every path on every token)
     profile=False,          # with --budgets: where the routed prefill at 0.5 spends its time;
                             # with --speculate: how busy the GPU is in each side's decode
-    decode_prompt=0,        # prompt tokens before a timed decode (0: block_size - decode_tokens
-                            # - 1; 64 with --decode_vs_hf)
+    decode_prompt=0,        # prompt tokens before a timed decode (0: block_size - decode_tokens,
+                            # one fewer with --budgets; 64 with --decode_vs_hf or --speculate)
     decode_vs_hf=False,     # dense decode beside transformers' GPT-2 (needs transformers)
     out='',                 # also write the JSON result to this .json file
     suite='',               # 'gpu': the GPU suite of bench_suite.py (its options below)

@@ -1452,3 +1452,12 @@ def test_bench_routed_masked_dense_executes_every_path_on_every_token(route, mon
             / (flops.dense_forward_flops(mcfg, 8) - head))
     assert pre['executed_fracs'] == [1.0] * len(pre['layer_fracs'])
     assert pre['executed_flops_ratio'] == pytest.approx(want, rel=1e-9)
+
+
+def test_bench_help_says_what_prompt_each_timing_decodes_from(capsys):
+    """--decode_prompt=0's prompt as each timing takes it: block_size - decode_tokens (the plain
+    bench), one fewer (--budgets), 64 (--decode_vs_hf and --speculate)."""
+    bench.main(['--help'])
+    text = ' '.join(capsys.readouterr().out.split())
+    assert ('(0: block_size - decode_tokens, one fewer with --budgets; 64 with --decode_vs_hf or '
+            '--speculate)') in text
