@@ -492,14 +492,9 @@ class GPT(nn.Module):
         refused.
         top_k=1 is greedy decoding, as temperature=0: an argmax (the first of tied tokens), with no
         softmax and no random draw."""
-        if not temperature >= 0:    # (NaN too) a negative one favours the least likely tokens
-            raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
-        if top_k is not None and top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 or None: every token), got {top_k}")
+        speculative.check_decoding(max_new_tokens, temperature, top_k)
         if top_k == 1:
             temperature = 0
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if not speculate:               # how speculation drafts: nothing for plain decoding to use
             for key, value, off in (('draft', draft, (None, '')),
                                     ('draft_layers', draft_layers, (None, 0)),

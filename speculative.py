@@ -97,6 +97,17 @@ def drafted_prob(logits, tok, q, vocab_limit):
     return q.gather(-1, tok[:, None])[:, 0]
 
 
+def check_decoding(max_new_tokens, temperature, top_k):
+    """ValueError for what no decoding can take: a negative token count, a negative or NaN
+    temperature (a negative one favours the least likely tokens), a negative top_k."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 or None: every token), got {top_k}")
+
+
 def pick(logits, temperature, top_k, vocab_limit):
     """(token (B,), its distribution (B, V') or None when greedy)."""
     if temperature == 0:
@@ -289,14 +300,11 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     trip for P passes), the rest one at a time; the same tokens. A chained pass that runs after
     every row is done counts in spec_passes_run and in the time, not in spec_passes."""
     cfg, family, dev = model.config, model.family, idx.device
-    if not temperature >= 0:    # (NaN too) a negative one favours the least likely tokens
-        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+    check_decoding(max_new_tokens, temperature, top_k)
     if top_k == 1:                  # greedy, as in model.generate: an argmax, no random draw
         temperature = 0
     if not 0.0 <= draft_stop <= 1.0:
         raise ValueError(f"draft_stop must be in [0, 1] (0: off), got {draft_stop}")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     K = int(speculate)
     if not 1 <= K <= cfg.block_size:    # a pass drafts within block_size; its buffers grow with K
         raise ValueError(f"speculate must be >= 1 (0: plain decoding) and at most block_size "
