@@ -252,19 +252,18 @@ def share_means(run, loss_sum):
     iv = run.interval
     keys = sorted(iv['aux'])                   # the same keys on every rank: one model
     frac = [] if iv['frac'] is None else [iv['frac'].reshape(-1)]
-    means = torch.cat([loss_sum.reshape(1).float(), *frac,
+    parts = torch.cat([iv['lm'].reshape(1).float(), iv['lm_w'].reshape(1).float(),
+                       loss_sum.reshape(1).float(), *frac,
                        *[torch.as_tensor(iv['aux'][k], device=run.dev).reshape(1) for k in keys]])
-    sums = torch.stack([iv['lm'], iv['lm_w']])
     # the keys follow from the config and the step's options alone; were a rank to hold other
     # terms, a mismatched all_reduce could hang, so the sizes are compared first
-    size = torch.tensor([len(means), -len(means)], device=run.dev)
+    size = torch.tensor([len(parts), -len(parts)], device=run.dev)
     torch.distributed.all_reduce(size, op=torch.distributed.ReduceOp.MAX)
-    if size.tolist() != [len(means), -len(means)]:
+    if size.tolist() != [len(parts), -len(parts)]:
         raise RuntimeError(f"DDP ranks logged different terms (this rank: {keys})")
-    torch.distributed.all_reduce(means)
-    torch.distributed.all_reduce(sums)
-    means = means / run.world
-    iv['lm'], iv['lm_w'] = sums[0], sums[1]
+    torch.distributed.all_reduce(parts)
+    iv['lm'], iv['lm_w'] = parts[0], parts[1]            # summed
+    means = parts[2:] / run.world                        # averaged
     if iv['frac'] is not None:
         iv['frac'] = means[1:1 + iv['frac'].numel()].reshape(iv['frac'].shape)
     for i, k in enumerate(keys):
