@@ -229,7 +229,7 @@ class Scorer:
         """The realised budget so far: per routed layer the full-path fraction over every real
         position the scoring forwards ran (and its mean), the budget the config asks for, and
         generation's full-path fraction per layer: the mean over its model.generate calls (each
-    one chunk of a request, weighted alike) of each call's mean over its forwards."""
+        one chunk of a request, weighted alike) of each call's mean over its forwards."""
         model = self.model
         layers = sorted(self.full_sums)
         per_layer = [self.full_sums[l] / max(1, self.tokens_run) for l in layers]
