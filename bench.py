@@ -76,6 +76,7 @@ compiles again only what no run kept.
 """
 import inspect
 import json
+import math
 import os
 import statistics
 import time
@@ -205,7 +206,8 @@ class Timing(float):
     @property
     def spread(self):
         """(max - min) / |median| of the repeats: 0.2 = the repeats lie within 20% of the median's
-        size of each other (0 for one repeat, which says nothing: see noise)."""
+        size of each other (0 for one repeat, which says nothing: see noise; infinite for a median
+        of 0 s, null in the JSON)."""
         return (max(self.times) - min(self.times)) / abs(self) if self else float('inf')
 
 
@@ -931,11 +933,30 @@ def parse_args(argv):
     return cfg, as_json, argv
 
 
+def json_ready(obj, spread=False):
+    """obj with every non-finite spread (the spread of repeats over a median of 0 s, infinite in
+    memory so that the ratio reads as noisy) as None: JSON has no Infinity."""
+    if isinstance(obj, dict):
+        return {k: json_ready(v, spread or k in ('spread', 'spreads')) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_ready(v, spread) for v in obj]
+    if spread and isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def json_text(obj, **kw):
+    """A result as JSON text; any other non-finite figure raises ValueError rather than writing
+    the Infinity or NaN that JSON parsers refuse."""
+    return json.dumps(json_ready(obj), allow_nan=False, **kw)
+
+
 def write_json_whole(path, obj):
-    """obj as JSON at path, written whole: a reader (or a run stopped mid-write) sees the old file
-    or the new one, never part of one."""
+    """obj as JSON at path (json_text), written whole: a reader (or a run stopped mid-write) sees
+    the old file or the new one, never part of one."""
+    text = json_text(obj, indent=1)     # first: a figure JSON cannot hold leaves the old file
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    write_whole(path, lambda f: json.dump(obj, f, indent=1))
+    write_whole(path, lambda f: f.write(text))
 
 
 def partial_json(path):
@@ -1047,7 +1068,7 @@ def main(argv):
     save(res)           # first: a stop during the cache's save (seconds) leaves the figures whole
     save_compile_cache(cfg['compile_cache'])
     if as_json:
-        print(json.dumps(res))
+        print(json_text(res))
     elif cfg['decode_vs_hf']:
         print_decode_vs_hf(res)
     elif cfg['speculate']:

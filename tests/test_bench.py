@@ -1461,3 +1461,40 @@ def test_bench_help_says_what_prompt_each_timing_decodes_from(capsys):
     text = ' '.join(capsys.readouterr().out.split())
     assert ('(0: block_size - decode_tokens, one fewer with --budgets; 64 with --decode_vs_hf or '
             '--speculate)') in text
+
+
+def strict_json(text):
+    """text parsed as JSON proper: Python's json reads Infinity and NaN, which JSON has not."""
+    def refuse(name):
+        raise ValueError(f'{name} is not JSON')
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_spread_over_a_zero_median_is_null_in_the_json(tmp_path, monkeypatch):
+    """A decode whose long and short runs take equally long has a median of 0 s: its spread (over
+    that median) has no finite value, so the JSON printed and written says null, not Infinity;
+    the table still flags a ratio with such a side noisy."""
+    monkeypatch.setattr(bench, 'timed', lambda fn, steps, warmup, dev: bench.Timing([0.1] * 3))
+    monkeypatch.setattr(bench, 'timed_difference', lambda long, short, steps, warmup, dev:
+                        bench.Timing([-0.01, 0.0, 0.01]))
+    out = tmp_path / 'b.json'
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert bench.main([*TINY, f'--out={out}']) == 0
+    for res in (strict_json(printed.getvalue()), strict_json(out.read_text())):
+        assert res['spread'] == dict(train=0.0, prefill=0.0, decode={'1': None, '2': None})
+    n = bench.noise(bench.Timing([-0.01, 0.0, 0.01]), bench.Timing([0.1] * 3))
+    assert n['noisy'] and bench.spread_cell(n).startswith('**NOISY**')
+
+
+def test_the_json_writers_refuse_a_value_json_cannot_hold(tmp_path, capsys, monkeypatch):
+    """Any other non-finite figure stops the run with an error (ValueError) instead of printing or
+    writing Infinity or NaN; an earlier file at --out is left as it was."""
+    out = tmp_path / 'b.json'
+    out.write_text('{"earlier": 1}')
+    monkeypatch.setattr(bench, 'bench', lambda cfg: dict(train_tokens_per_s=float('nan')))
+    with pytest.raises(ValueError):
+        bench.main([*TINY, f'--out={out}'])
+    assert json.loads(out.read_text()) == {'earlier': 1} and capsys.readouterr().out == ''
+    with pytest.raises(ValueError):
+        bench.main(TINY)
+    assert capsys.readouterr().out == ''
