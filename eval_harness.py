@@ -272,6 +272,26 @@ def load_scorer(ckpt, device='auto', data_dir='', calib_iters=0, batch_size=16):
                   batch_size, dev, eos_id=GPT2_EOT if meta.get('tokenizer') == 'gpt2' else None)
 
 
+def harness_batch_size(batch_size):
+    """The Scorer's batch size for the harness model's batch_size: a positive integer (an int or
+    its digits), or 'auto' (lm_eval's 'auto:N' too) or None (lm_eval's create_from_arg_obj
+    passes an unset one on): 16, since no memory probe is run. Anything else is a one-line
+    ValueError, before a checkpoint loads."""
+    if batch_size is None:
+        return 16
+    if isinstance(batch_size, str):
+        text = batch_size.strip()
+        auto = text.removeprefix('auto:')
+        if text == 'auto' or (auto != text and auto.isdecimal() and int(auto) > 0):
+            return 16
+        if text.isdecimal() and int(text) > 0:      # (isdigit would pass '²', which int refuses)
+            return int(text)
+    elif isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size > 0:
+        return batch_size
+    raise ValueError(f"batch_size must be a positive integer or 'auto' (lm_eval's 'auto:N' "
+                     f"too), not {batch_size!r}")
+
+
 HARNESS_MODEL = []          # the lm_eval model class, made and registered once
 
 
@@ -289,10 +309,10 @@ def register():
         def __init__(self, ckpt='', scorer=None, data_dir='', calib_iters=0, batch_size=16,
                      device='auto', **_):
             super().__init__()
+            size = harness_batch_size(batch_size)
             if scorer is None and not ckpt:
                 raise UserError("model 'nanodepth' needs model_args ckpt=PATH (a checkpoint file)")
             if scorer is None:
-                size = int(batch_size) if str(batch_size).isdigit() else 16   # 'auto': 16
                 scorer = load_scorer(ckpt, device or 'auto', data_dir, int(calib_iters), size)
             self.scorer = scorer
 

@@ -327,3 +327,57 @@ def test_lm_evals_simple_evaluate_runs_the_offline_tasks_through_the_scorer():
     assert got['nanodepth_arith']['exact_match,none'] == pytest.approx(exact)
     assert 1.5 < got['nanodepth_arith_ppl']['byte_perplexity,none'] < 40   # ~15 untrained
     assert res['routing']['tokens_scored'] > 8 * 4 * 5 and 0 < res['routing']['full_frac_mean'] < 1
+
+
+# --------------------------------------------------------------------------------------------------
+# the harness's model from Python: its batch_size
+
+
+@pytest.mark.parametrize('value,size', [(8, 8), ('8', 8), (' 3 ', 3), ('auto', 16),
+                                        ('auto:4', 16), (None, 16)])
+def test_a_harness_batch_size_is_a_positive_integer_or_auto(value, size):
+    assert eh.harness_batch_size(value) == size
+
+
+BAD_BATCH_SIZES = [0, '0', -3, '-3', 'x', '', 2.5, '2.5', True, 'auto:0', '²']
+
+
+@pytest.mark.parametrize('value', BAD_BATCH_SIZES)
+def test_a_bad_harness_batch_size_is_one_line_naming_it(value):
+    """Refused in one line, not read as 16 (-3, 'x') or left to fail in range() (0, '0')."""
+    with pytest.raises(ValueError, match=r"^batch_size must be a positive integer or 'auto'") as e:
+        eh.harness_batch_size(value)
+    assert '\n' not in str(e.value) and repr(value) in str(e.value)
+
+
+@pytest.fixture
+def stub_lm_eval(monkeypatch):
+    """register() against a stand-in for lm_eval's LM base class and registry (lm_eval itself is
+    large and optional), its class made afresh."""
+    import sys
+    import types
+    api = types.ModuleType('lm_eval.api')
+    api.model = types.SimpleNamespace(LM=type('LM', (), {}))
+    api.registry = types.SimpleNamespace(register_model=lambda name: (lambda cls: cls))
+    for name, module in (('lm_eval', types.ModuleType('lm_eval')), ('lm_eval.api', api),
+                         ('lm_eval.api.model', api.model), ('lm_eval.api.registry', api.registry)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(eh, 'HARNESS_MODEL', [])
+    return eh.register()
+
+
+@pytest.mark.parametrize('value', [0, '0', -3, 'x'])
+def test_the_harness_model_refuses_a_bad_batch_size_before_loading(value, stub_lm_eval,
+                                                                   monkeypatch):
+    monkeypatch.setattr(eh, 'load_scorer', lambda *a, **k: pytest.fail('loaded the checkpoint'))
+    with pytest.raises(ValueError, match='batch_size'):
+        stub_lm_eval(ckpt='out/x/ckpt.pt', batch_size=value)
+
+
+def test_the_harness_model_passes_its_batch_size_to_the_scorer(stub_lm_eval, monkeypatch):
+    sizes = []
+    monkeypatch.setattr(eh, 'load_scorer', lambda ckpt, device, data_dir, calib, size:
+                        sizes.append(size) or 'scorer')
+    for value in ('4', 4, 'auto'):
+        assert stub_lm_eval(ckpt='out/x/ckpt.pt', batch_size=value).scorer == 'scorer'
+    assert sizes == [4, 4, 16]
