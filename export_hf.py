@@ -5,7 +5,8 @@ Export a trained dense nanodepth model as a Hugging Face transformers GPT-2 fold
     python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('hf/...')"
 
 Writes config.json, model.safetensors and generation_config.json (what transformers'
-save_pretrained writes for GPT2LMHeadModel) into a temporary folder beside --to, loads them back
+save_pretrained writes for GPT2LMHeadModel) into a temporary folder beside --to (inside it where
+it is a mount point: the files move in by os.replace, within one filesystem), loads them back
 with AutoModelForCausalLM and prints the largest logit difference from nanodepth's forward on a
 random batch (--check=False skips that), then moves them into --to; a difference past 1e-4 of the
 largest logit is an error that leaves --to as it was. A --to that holds files is refused unless
@@ -60,21 +61,37 @@ GPT2_EOS = 50256                    # '<|endoftext|>' of the GPT-2 tokenizer
 def check_config(argv):
     """The options, each checked before any work: the checkpoint exists, --to can be written."""
     cfg = load_config(DEFAULTS, argv)
-    if not cfg['to']:
+    to = cfg['to']
+    if not to:
         raise ConfigError("--to is empty; name the folder to write, e.g. --to=hf/mymodel")
-    writable_folder(cfg['to'], 'to')
-    if os.path.isfile(os.path.join(cfg['to'], 'ckpt.pt')):     # --overwrite or not
-        raise ConfigError(f"--to={cfg['to']} holds a training run (ckpt.pt), whose config.json "
+    if os.path.islink(to) and not os.path.exists(to):
+        raise ConfigError(f"--to={to} is a link to {os.readlink(to)}, a path that does not "
+                          "exist; create that folder or name another --to")
+    writable_folder(to, 'to')
+    # export() writes first in a temporary folder there: a writable --to is not enough
+    writable_folder(staging_folder(to), 'to',
+                    label=f"--to={to} (written first in a temporary folder beside it)")
+    if os.path.isfile(os.path.join(to, 'ckpt.pt')):     # --overwrite or not
+        raise ConfigError(f"--to={to} holds a training run (ckpt.pt), whose config.json "
                           "the export would replace; export into a folder of its own, e.g. "
-                          f"--to={os.path.join(cfg['to'], 'hf')}")
-    if os.path.isdir(cfg['to']) and os.listdir(cfg['to']) and not cfg['overwrite']:
-        raise ConfigError(f"--to={cfg['to']} already holds files; pick another folder or pass "
+                          f"--to={os.path.join(to, 'hf')}")
+    if os.path.isdir(to) and os.listdir(to) and not cfg['overwrite']:
+        raise ConfigError(f"--to={to} already holds files; pick another folder or pass "
                           "--overwrite=True (files of the same names are replaced)")
     path = os.path.join(cfg['out_dir'], 'ckpt.pt')
     if not os.path.isfile(path):
         raise ConfigError(f"no checkpoint at {path}; --out_dir names a run folder, e.g. "
                           "--out_dir=out/quickstart")
     return cfg
+
+
+def staging_folder(to):
+    """Where export() makes its temporary folder: on the filesystem of `to`, as os.replace, which
+    moves the files in, cannot cross filesystems. Beside the folder `to` names (beside a link's
+    target, not the link), or inside it where it is a mount point, beside which lies another
+    filesystem."""
+    real = os.path.realpath(to)
+    return real if os.path.ismount(real) else os.path.dirname(real)
 
 
 def import_transformers():
@@ -129,8 +146,8 @@ def hf_state_dict(model, hf_keys):
 
 def export(model, to, tokenizer=None, check=None):
     """Write model's dense backbone to folder `to` as a GPT-2 model; returns the names dropped.
-    Written in a temporary folder beside `to` (beside its target, where `to` is a link), then
-    moved in file by file; check (optional): a function of that folder called first, whose
+    Written in a temporary folder on the filesystem of `to` (staging_folder), then moved in file
+    by file; check (optional): a function of that folder called first, whose
     exception leaves `to` as it was."""
     transformers = import_transformers()
     hf = transformers.GPT2LMHeadModel(gpt2_config(transformers, model.config, tokenizer))
@@ -138,8 +155,7 @@ def export(model, to, tokenizer=None, check=None):
     missing, unexpected = hf.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if k != 'lm_head.weight']:     # lm_head: tied to wte
         raise RuntimeError(f"export_hf: GPT-2 did not take {missing + unexpected}")
-    # os.replace stays within one filesystem: beside the folder a link `to` names, not the link
-    parent = os.path.dirname(os.path.realpath(to))
+    parent = staging_folder(to)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix='.export-', dir=parent)
     try:

@@ -225,3 +225,60 @@ def test_a_to_that_links_to_another_filesystem_is_written_there(tmp_path, monkey
     idx = torch.randint(0, TINY['vocab_size'], (1, 8))
     torch.testing.assert_close(hf_logits(tmp_path / 'hf', idx), ours(model, idx),
                                rtol=0, atol=1e-4)
+
+
+def test_a_to_that_links_to_a_missing_path_is_refused_before_any_work(tmp_path, monkeypatch):
+    run, _ = save_run(tmp_path / 'run')
+    (tmp_path / 'hf').symlink_to(tmp_path / 'gone' / 'hf')
+    monkeypatch.setattr(export_hf, 'load_checkpoint', lambda *a: pytest.fail('loaded'))
+    with pytest.raises(ConfigError, match=r'--to=\S+ is a link to \S+, a path that does not '
+                                          'exist') as e:
+        export_hf.main([f'--out_dir={run}', f'--to={tmp_path / "hf"}'])
+    assert '\n' not in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['hf', 'run']
+
+
+@pytest.mark.parametrize('exists', [True, False])
+def test_a_to_whose_parent_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch,
+                                                                        exists):
+    # the temporary folder is made beside --to: a writable --to in a read-only folder is not
+    # enough. Tests run as root, which ignores mode bits: os.access stands for them
+    run, _ = save_run(tmp_path / 'run')
+    parent = tmp_path / 'parent'
+    (parent / 'hf').mkdir(parents=True) if exists else parent.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, 'access', lambda p, mode, **kw:
+                        os.path.realpath(p) != str(parent) and real(p, mode, **kw))
+    monkeypatch.setattr(export_hf, 'load_checkpoint', lambda *a: pytest.fail('loaded'))
+    with pytest.raises(ConfigError, match=r'--to=\S+( \(written first in a temporary folder beside '
+                                          f'it\\))?: cannot write in {re.escape(str(parent))} '
+                                          r'\(permission denied\)') as e:
+        export_hf.main([f'--out_dir={run}', f'--to={parent / "hf"}'])
+    assert '\n' not in str(e.value)
+    assert [p.name for p in parent.iterdir()] == (['hf'] if exists else [])
+
+
+def test_a_to_that_is_a_mount_point_is_written_through_a_temporary_folder_inside_it(
+        tmp_path, monkeypatch):
+    # beside a mount point is another filesystem, which os.replace cannot cross: the temporary
+    # folder is made inside --to instead (a mount point and EXDEV simulated: no mount here)
+    run, model = save_run(tmp_path / 'run')
+    mount = os.path.realpath(tmp_path / 'hf')
+    os.makedirs(mount)
+    real_ismount, real_replace = os.path.ismount, os.replace
+
+    def replace(src, dst):
+        inside = [os.path.realpath(p).startswith(mount + os.sep) for p in (src, dst)]
+        if inside[0] != inside[1]:
+            raise OSError(errno.EXDEV, 'Invalid cross-device link')
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os.path, 'ismount', lambda p: os.path.realpath(p) == mount
+                        or real_ismount(p))
+    monkeypatch.setattr(os, 'replace', replace)
+    export_hf.main([f'--out_dir={run}', f'--to={tmp_path / "hf"}', '--check=False'])
+    assert sorted(os.listdir(mount)) == ['config.json', 'generation_config.json',
+                                         'model.safetensors']
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['hf', 'run']
+    idx = torch.randint(0, TINY['vocab_size'], (1, 8))
+    torch.testing.assert_close(hf_logits(mount, idx), ours(model, idx), rtol=0, atol=1e-4)
