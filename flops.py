@@ -17,8 +17,9 @@ import sys
 
 import torch
 
+from lora import DEFAULT_TARGETS
 from model import FAMILIES, controlled_layer_ids
-from routing import flop_costs
+from routing import LORA_MODES, adapters_of, flop_costs
 
 
 def dense_forward_flops(config, T):
@@ -100,16 +101,11 @@ def _last_layers_step_flops(config, T):
     return dict(forward=fwd, backward=bwd, oracle=0, total=fwd + bwd)
 
 
-def _lora_backward_flops(config, T, trainable, **options):
-    """An estimate for LoRA on every block (lora.py): the frozen body and head compute input
-    gradients only (1x each matmul; 2x the attention core, whose q, k and v all carry adapted
-    inputs), plus the controller's backward under 'controller+lora'. The adapters' own matmuls,
-    rank/width of the projections', are not counted."""
-    c = flop_costs(config, T)
-    body = T * (config.n_layer * (c['attn_proj'] + 2 * c['attn_core'] + c['full']) + c['head'])
-    if trainable == 'controller+lora':
-        body += family_of(config).backward_flops(config, T, 'controller', **options)
-    return body
+def lora_options(run):
+    """train_step_flops' LoRA keywords from a training config (train.py's keys: a dict or a
+    namespace)."""
+    get = run.get if isinstance(run, dict) else lambda k: getattr(run, k)
+    return dict(lora_rank=get('lora_rank'), lora_targets=get('lora_targets'))
 
 
 def oracle_flops(config, T, **options):
@@ -118,20 +114,25 @@ def oracle_flops(config, T, **options):
     return family_of(config).oracle_flops(config, T, **options)
 
 
-def train_step_flops(config, T, trainable='all', **options):
+def train_step_flops(config, T, trainable='all', lora_rank=8, lora_targets=DEFAULT_TARGETS,
+                     **options):
     """FLOPs of one training step on one sequence: forward, backward and oracle passes, counted the
     way autograd runs them. trainable='all' (joint), 'controller' (frozen backbone: the backward
-    computes activation gradients only, and nothing below the first router in the loss graph) or
-    'last_layers' (the dense fine-tuning baseline). options: the family's step options."""
+    computes activation gradients only, and nothing below the first router in the loss graph),
+    'lora' or 'controller+lora' (frozen backbone with LoRA adapters of lora_rank on the block
+    projections lora_targets names, as lora.apply_lora puts them: their matmuls, and the input
+    gradients from the first one up) or 'last_layers' (the dense fine-tuning baseline). options:
+    the family's step options."""
     if trainable == 'last_layers':
         return _last_layers_step_flops(config, T)
     family = family_of(config)
     fwd = family.forward_flops(config, T, 'train', **options)
-    if trainable in ('lora', 'controller+lora'):
-        bwd = _lora_backward_flops(config, T, trainable, **options)
-    else:
-        bwd = family.backward_flops(config, T, trainable, **options)
-    orc = family.oracle_flops(config, T, **options)
+    adapters = None
+    if trainable in LORA_MODES:
+        adapters = adapters_of(config, lora_rank, lora_targets)
+        fwd += family.adapter_forward_flops(config, T, adapters, **options)
+    bwd = family.backward_flops(config, T, trainable, adapters=adapters, **options)
+    orc = family.oracle_flops(config, T, adapters=adapters, **options)
     return dict(forward=fwd, backward=bwd, oracle=orc, total=fwd + bwd + orc)
 
 
@@ -226,7 +227,8 @@ def main(argv):
         variants = [(base, '—', '—', [{}])]
     for c, gate, util, option_sets in variants:
         avg = lambda f: sum(f(o) for o in option_sets) / len(option_sets)
-        step = avg(lambda o: train_step_flops(c, T, cfg['trainable'], **o)['total'])
+        step = avg(lambda o: train_step_flops(c, T, cfg['trainable'], **lora_options(cfg),
+                                              **o)['total'])
         print(f"| {gate} | {util} "
               f"| {avg(lambda o: forward_flops(c, T, mode='train', **o)) / dense:.3f} "
               f"| {avg(lambda o: oracle_flops(c, T, **o)) / dense:.3f} "

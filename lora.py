@@ -89,11 +89,15 @@ def parse_targets(targets):
     return names
 
 
+def names_target(name, target):
+    """A module matches a target when its name is the target or ends with '.' + target."""
+    return name == target or name.endswith('.' + target)
+
+
 def matching(model, targets):
-    """{target: [module names it matches]}: a module matches a target when its name is the target
-    or ends with '.' + target."""
+    """{target: [module names it matches]}."""
     names = projection_names(model)
-    return {t: [n for n in names if n == t or n.endswith('.' + t)] for t in parse_targets(targets)}
+    return {t: [n for n in names if names_target(n, t)] for t in parse_targets(targets)}
 
 
 def check_targets(model, targets):

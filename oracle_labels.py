@@ -29,7 +29,7 @@ import torch.nn as nn
 
 import losses
 from gates import capacity, topk_mask
-from routing import Family, RouteCtx, training_flags
+from routing import BLOCK_PROJECTIONS, Family, RouteCtx, adapter_flops, training_flags
 
 
 def no_dropout(model):
@@ -185,18 +185,23 @@ def suffix_flops(config, l, c):
     return (config.n_layer - 1 - l) * (c['attn_proj'] + c['attn_core'] + c['full']) + c['head']
 
 
-def oracle_flops(family, config, T, c, oracle_layers):
+def oracle_flops(family, config, T, c, oracle_layers, adapters=None):
     """The labels at the sampled layers, without gradients: from the all-full state, one all-full
     forward first (its CE too when 'sequence' labels run all full after it); then per layer both
     actions at l and two suffixes (the switched one's attention costs what a causal one does), all
     full or routed by the gates (masked dense), except that 'sequence' labels all full from the
-    all-full state reuse that forward's CE: the cheap action and one suffix."""
+    all-full state reuse that forward's CE: the cheap action and one suffix. LoRA adapters
+    (routing.Adapters) run wherever their projections do (every block's, full or routed)."""
     if not oracle_layers:
         return 0
+    lora = [adapter_flops(config, adapters, layer, BLOCK_PROJECTIONS, 1)
+            for layer in range(config.n_layer)]
+    lora_mlp = [adapter_flops(config, adapters, layer, BLOCK_PROJECTIONS[2:], 1)
+                for layer in range(config.n_layer)]
     later_full, from_full = config.ffn_oracle_policy == 'off', oracle_start(config) == 'full'
     reuse = from_full and later_full and config.ffn_oracle_label == 'sequence'
     total = (
-        (Family.forward_flops(family, config, T) / T - (0 if reuse else c['head']))
+        (Family.forward_flops(family, config, T) / T - (0 if reuse else c['head']) + sum(lora))
         if from_full
         else 0
     )
@@ -212,6 +217,8 @@ def oracle_flops(family, config, T, c, oracle_layers):
             per_layer[layer] = (family.forward_flops(one, T, mode='policy') if layer in ids else
                                 Family.forward_flops(family, one, T, mode='policy')) / T
         suffix = [sum(per_layer[l + 1:]) + c['head'] for l in range(config.n_layer)]
+    suffix = [s + sum(lora[l + 1:]) for l, s in enumerate(suffix)]
     for l in oracle_layers:
-        total += c['cheap'] + suffix[l] if reuse else c['full'] + c['cheap'] + 2 * suffix[l]
+        total += (c['cheap'] + suffix[l] if reuse
+                  else c['full'] + lora_mlp[l] + c['cheap'] + 2 * suffix[l])
     return T * total

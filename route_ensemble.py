@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 import losses
 from gates import EnsembleRouter
-from routing import (LAYERS_DRAFT, Family, add_weighted, check_at_least, check_choices,
-                     first_blocks_logits, flop_costs)
+from routing import (LAYERS_DRAFT, Family, add_weighted, block_backward, check_at_least,
+                     check_choices, first_blocks_logits, flop_costs)
 
 
 @dataclass
@@ -190,9 +190,11 @@ class DepthEnsemble(Family):
             + 2 * d * k
         )
 
-    def backward_flops(self, config, T, trainable='all', **options):
+    def backward_flops(self, config, T, trainable='all', adapters=None, **options):
         """The router's input is detached (weight gradient only). Controller-only: the frozen head
-        computes input gradients for the trainable norms before it."""
+        computes input gradients for the trainable norms before it. Under LoRA, the input
+        gradients from the first adapter up, through every late layer's head (and the teacher's,
+        given its own LM loss); the norms and the router train only under 'controller+lora'."""
         c, L, d, k = flop_costs(config, T), config.n_layer, config.n_embd, config.ens_layers
         if trainable == 'all':           # (+ the teacher's head when it has an LM loss of its own)
             heads = k + (config.ens_teacher_lm_weight > 0)
@@ -200,7 +202,17 @@ class DepthEnsemble(Family):
                 2 * T * (L * (c['attn_proj'] + c['attn_core'] + c['full']) + heads * c['head'])
                 + T * 2 * d * k
             )
-        return T * k * c['head'] + T * 2 * d * k
+        controller_trains = trainable != 'lora'
+        stream, total = False, 0
+        for layer in range(L):
+            cost, stream = block_backward(config, layer, T, c['attn_core'], stream, 1, adapters)
+            total += cost
+            if layer + 1 > L - k:       # a late layer's head: its input needs a gradient where
+                                        # its norm trains or the stream needs one
+                total += T * c['head'] * (controller_trains or stream)
+        if config.ens_teacher_lm_weight > 0 and stream:
+            total += T * c['head']
+        return total + (T * 2 * d * k if controller_trains else 0)
 
 
 FAMILY = DepthEnsemble()

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import losses
-from routing import (LAYERS_DRAFT, Family, check_at_least, check_choices, exec_path,
+from routing import (LAYERS_DRAFT, Family, block_backward, check_at_least, check_choices, exec_path,
                      first_blocks_logits, flop_costs, overridden, parse_layer_list, split_apply,
                      tlops_saved)
 
@@ -222,15 +222,22 @@ class EarlyExit(Family):
                 total += f * T * c['head']
         return total
 
-    def backward_flops(self, config, T, trainable='all', exits=None, **options):
+    def backward_flops(self, config, T, trainable='all', exits=None, adapters=None, **options):
         """Joint: twice the training forward. Controller-only: own exit heads only (the trainable
-        norm before each projection makes it 2x); shared heads leave nothing to train."""
+        norm before each projection makes it 2x); shared heads leave nothing to train. Under LoRA,
+        the input gradients from the first adapter up, through every trained exit's head too."""
         if trainable == 'all':
             return 2 * self.forward_flops(config, T, 'train', exits=exits)
+        c = flop_costs(config, T)
         trained = exit_depths(config) if exits is None else exits
-        return (
-            2 * len(trained) * T * flop_costs(config, T)['head'] if config.exit_head == 'own' else 0
-        )
+        heads_train = config.exit_head == 'own' and trainable != 'lora'
+        stream, total = False, 0
+        for layer in range(config.n_layer):
+            cost, stream = block_backward(config, layer, T, c['attn_core'], stream, 1, adapters)
+            total += cost
+            if layer + 1 in trained:
+                total += T * c['head'] * (2 if heads_train else stream)
+        return total + (T * c['head'] if stream else 0)
 
 
 def exit_depths(config):

@@ -55,16 +55,21 @@ from oracle_labels import (
     token_fork_utility,
 )
 from routing import (
+    BLOCK_PROJECTIONS,
     LAYERS_DRAFT,
+    LORA_MODES,
     MLP,
     Family,
+    adapter_flops,
     add_weighted,
+    attention_backward,
     check_at_least,
     check_choices,
     check_fraction,
     cheap_path_logits,
     flop_costs,
     layer_ids,
+    mlp_backward,
     split_apply,
 )
 
@@ -409,31 +414,41 @@ class FFNRouting(Family):
             total += draft_forward_flops(config, c, ids)   # the distilled draft, for L_draft
         return T * total
 
-    def backward_flops(self, config, T, trainable='all', oracle_layers=(), **options):
+    def backward_flops(self, config, T, trainable='all', oracle_layers=(), adapters=None,
+                       **options):
         """Controller-only: activation gradients only, and nothing below the first gate in the
-        LM-loss graph; the gate's input needs a gradient only once the stream does."""
+        LM-loss graph; the gate's input needs a gradient only once the stream does. Under LoRA, the
+        input gradients from the first adapter up too, and the gates and predictors train only
+        under 'controller+lora'."""
         c, ids = ffn_costs(config, T), self.routed_layers(config)
         if config.ffn_draft_rank > 0 and trainable in ('all', 'draft'):
             draft = T * draft_backward_flops(config, c, ids, trainable)
             if trainable == 'draft':        # nothing else trains: the model is frozen
                 return draft
+        elif config.ffn_draft_rank > 0 and trainable in LORA_MODES:
+            draft = draft_backward_under_lora(config, c, ids, T, adapters)
         else:
             draft = 0
-        joint = trainable == 'all'
+        joint, gates_train = trainable == 'all', trainable != 'lora'
         leak, own = config.ffn_aux_grad == 'leak', config.ffn_aux_grad == 'own'
         stream = joint                      # does the residual stream entering this layer need a
                                             # gradient?
         w = 2 if joint else 1               # backbone matmuls: input grad (+ weight grad when
                                             # trainable)
-        bwd = 0
+        bwd, body = 0, 0                    # per token (cheap FFNs, gates, head); blocks: all
         for layer in range(config.n_layer):
             kind = config.ffn_gate if layer in ids else 'static_full'
-            if stream:
-                ffn = c[STATIC[kind]] if kind in STATIC else c['full'] + c['cheap']
-                bwd += w * (c['attn_proj'] + ffn) + 2 * c['attn_core']
+            attn, mid = attention_backward(config, layer, T, c['attn_core'], stream, w, adapters)
+            body, after = body + attn, mid
+            if kind != 'static_cheap':      # the full FFN
+                mlp, after = mlp_backward(config, layer, T, mid, w, adapters)
+                body += mlp
+            if kind != 'static_full':       # the cheap FFN
+                bwd += (w if mid else w - 1) * c['cheap']
             if kind not in STATIC and joint and mimic_reruns(config):
                 # its weight grads, and the gradient into its hidden layer (its input is detached)
                 bwd += 1.5 * c['cheap']
+            stream = after
             if kind not in ('mlp', 'jepa'):     # a static or the oracle gate: nothing trainable
                 continue
             oracle_here = aux_on_score(config) and layer in oracle_layers
@@ -442,14 +457,20 @@ class FFNRouting(Family):
                 leak and kind == 'jepa' and config.ffn_jepa_weight > 0
             )
             n_out = 2 if kind == 'jepa' else 1
+            if not gates_train:             # frozen: input gradients where the gate's input (the
+                if preds_in_graph and mid:  # stream after attention) needs them
+                    bwd += c['gate_fc'] + n_out * c['gate_out']
+                if score_in_graph and mid:
+                    bwd += c['gate_read']
+                continue
             # on the detached input: weight grads
             if own and kind == 'jepa' and config.ffn_jepa_weight > 0:
                 bwd += c['gate_fc'] + 2 * 2 * c['gate_out']
             if own and oracle_here:
                 bwd += c['gate_fc'] + 2 * n_out * c['gate_out'] + 2 * c['gate_read']
-            if preds_in_graph:              # gate weights always trainable; its input needs grad
-                                            # only if the stream does
-                bwd += (2 if stream else 1) * c['gate_fc'] + 2 * n_out * c['gate_out']
+            if preds_in_graph:              # gate weights train; its input needs grad only if the
+                                            # stream after attention does
+                bwd += (2 if mid else 1) * c['gate_fc'] + 2 * n_out * c['gate_out']
             if score_in_graph:
                 bwd += 2 * c['gate_read']
             if config.ffn_infer_rule == 'predictor' and config.ffn_predictor_weight > 0:
@@ -458,11 +479,32 @@ class FFNRouting(Family):
                 stream = True               # the mixed update now depends on trainable gate weights
         if stream:
             bwd += w * c['head']
-        return bwd * T + draft
+        return bwd * T + body + draft
 
-    def oracle_flops(self, config, T, oracle_layers=(), **options):
+    def oracle_flops(self, config, T, oracle_layers=(), adapters=None, **options):
         """The oracle labels at the sampled controlled layers (oracle_labels.oracle_flops)."""
-        return oracle_flops(self, config, T, ffn_costs(config, T), oracle_layers)
+        return oracle_flops(self, config, T, ffn_costs(config, T), oracle_layers, adapters)
+
+    def adapter_forward_flops(self, config, T, adapters, **options):
+        """Each block's attention adapters and its full FFN's where that runs; the oracle gate's
+        forks (the full action at l, then two all-full suffixes) and the distilled draft's passes
+        (the model's K/V again, then the draft's blocks, whose routed FFNs are the draft's) run
+        them again."""
+        ids, L = self.routed_layers(config), config.n_layer
+        attn = [adapter_flops(config, adapters, layer, BLOCK_PROJECTIONS[:2], T) for layer in
+                range(L)]
+        mlp = [adapter_flops(config, adapters, layer, BLOCK_PROJECTIONS[2:], T) for layer in
+               range(L)]
+        total = 0
+        for layer in range(L):
+            kind = config.ffn_gate if layer in ids else 'static_full'
+            total += attn[layer] + (mlp[layer] if kind != 'static_cheap' else 0)
+            if kind == 'oracle':
+                total += mlp[layer] + 2 * (sum(attn[layer + 1:]) + sum(mlp[layer + 1:]))
+            if config.ffn_draft_rank > 0:
+                total += (adapter_flops(config, adapters, layer, ('attn.c_attn',), T)
+                          + attn[layer] + (0 if layer in ids else mlp[layer]))
+        return total
 
 
 def distilled_draft_logits(model, idx, pos, cache):
@@ -499,6 +541,22 @@ def draft_backward_flops(config, c, ids, trainable):
         ffn = 2 * c['draft'] if layer in ids else c['full']
         bwd += c['attn_proj'] + 2 * 2 * c['attn_core'] + ffn
     return bwd
+
+
+def draft_backward_under_lora(config, c, ids, T, adapters):
+    """L_draft's backward on a frozen model with LoRA adapters: input gradients from the first
+    adapter up (the attention core over 2T keys, the frozen draft FFNs, the head), and the
+    adapters' own (the model's K/V are constants)."""
+    stream, total = False, 0
+    for layer in range(config.n_layer):
+        attn, mid = attention_backward(config, layer, T, 2 * c['attn_core'], stream, 1, adapters)
+        total += attn
+        if layer in ids:
+            total, stream = total + T * c['draft'] * mid, mid
+        else:
+            mlp, stream = mlp_backward(config, layer, T, mid, 1, adapters)
+            total += mlp
+    return total + (T * c['head'] if stream else 0)
 
 
 def model_kv(model, ctx):

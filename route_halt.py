@@ -20,8 +20,9 @@ import torch
 import torch.nn as nn
 
 from gates import HaltingRouter
-from routing import (LAYERS_DRAFT, Family, RouteCtx, add_weighted, check_at_least, exec_path,
-                     flop_costs, overridden, split_apply, tlops_saved)
+from routing import (LAYERS_DRAFT, Family, RouteCtx, add_weighted, attention_backward,
+                     check_at_least, exec_path, flop_costs, mlp_backward, overridden, split_apply,
+                     tlops_saved)
 
 
 @dataclass
@@ -166,32 +167,36 @@ class TokenSelectiveAttention(Family):
             total += (c['attn_proj'] + c['attn_core'] + f * c['full']) if f or not idle_free else 0
         return T * total
 
-    def backward_flops(self, config, T, trainable='all', **options):
-        """x + keep·Δattn(x), then + keep·Δffn(·): the routers are trainable, so from router 0 on
-        the stream needs a gradient even on a frozen backbone."""
+    def backward_flops(self, config, T, trainable='all', adapters=None, **options):
+        """x + keep·Δattn(x), then + keep·Δffn(·): where the routers train, from router 0 on the
+        stream needs a gradient even on a frozen backbone. Under LoRA, from the first adapter on
+        too, and the routers train only under 'controller+lora'."""
         c, L = flop_costs(config, T), config.n_layer
         hidden = max(16, config.n_embd // 4)
         fc, out = 2 * config.n_embd * hidden, 2 * hidden        # the router's two layers
         joint = trainable == 'all'
         w = 2 if joint else 1           # backbone matmuls: input grad (+ weight grad when
                                         # trainable)
+        routers_train = trainable != 'lora'
         stream = joint                  # does the residual stream entering this layer need a
                                         # gradient?
-        bwd = 0
+        bwd, body = 0, 0               # per token (routers, head); the blocks' in all
         for layer in range(L):
+            keep = False                # does keep = 1 − p need a gradient?
             if layer > 0:
-                bwd += (2 if stream else 1) * fc + 2 * out          # the router is trainable
-                if stream:              # Δattn reads x: a gradient only if x already needs one
-                    bwd += w * c['attn_proj'] + 2 * c['attn_core']
-                bwd += w * c['full']    # the FFN reads x + keep·Δattn, which depends on trainable p
-                stream = True
-                continue
-            if stream:
-                bwd += w * c['attn_proj'] + 2 * c['attn_core']
-                bwd += w * c['full']
+                if routers_train:       # weight grads, and the input's where the stream needs one
+                    bwd += (2 if stream else 1) * fc + 2 * out
+                elif stream:            # frozen: input grads only
+                    bwd += fc + out
+                keep = routers_train or stream
+            attn, mid = attention_backward(config, layer, T, c['attn_core'], stream, w, adapters)
+            # the FFN reads x + keep·Δattn, which depends on p where keep needs a gradient
+            mlp, after = mlp_backward(config, layer, T, mid or keep, w, adapters)
+            body += attn + mlp
+            stream = after or keep
         if stream:
             bwd += (2 if joint else 1) * c['head']
-        return bwd * T
+        return bwd * T + body
 
 
 def halt_router_flops(config):

@@ -21,9 +21,12 @@ from gates import MembershipPredictor, ModRouter, capacity, random_mask, topk_ma
 from kernels import matmul_dtype, mlp_rows, prefix_linear, sort_by_mask
 from packed_attention import packed_causal_attention
 from routing import (
+    BLOCK_PROJECTIONS,
     LAYERS_DRAFT,
     Family,
+    adapter_flops,
     add_weighted,
+    block_backward,
     check_at_least,
     check_fraction,
     cheap_path_logits,
@@ -184,24 +187,35 @@ class MixtureOfDepths(Family):
                 total += T * (c['pred_fc'] + c['pred_out'])
         return total
 
-    def backward_flops(self, config, T, trainable='all', **options):
+    def backward_flops(self, config, T, trainable='all', adapters=None, **options):
         """Controller-only: the router's weight gradient, and the blocks' input gradients from the
-        first router up (σ(r) multiplies the update from there on)."""
+        first router up (σ(r) multiplies the update from there on). Under LoRA, the blocks' input
+        gradients from the first adapter up too, and the routers' weights train only under
+        'controller+lora'."""
         c, L, d = mod_costs(config, T), config.n_layer, config.n_embd
         joint = trainable == 'all'
-        w = 2 if joint else 1
+        w, routers_train = (2 if joint else 1), trainable != 'lora'
         ids, router = self.routed_layers(config), config.mod_router == 'learned'
         stream, bwd = joint, 0
         for l in range(L):
             n = capacity(config.mod_capacity, T) if l in ids else T
-            if stream:                  # the block (on its n tokens) needs input grads at least
-                bwd += n * w * (c['attn_proj'] + c['full']) + 2 * 4 * n * n * d
-            if l in ids and router:     # r = wᵀx: weight grad, and input grad once x needs one
-                bwd += T * 2 * d * (2 if stream else 1)
-                if config.mod_infer_rule == 'predictor' and config.mod_predictor_weight > 0:
+            cost, out = block_backward(config, l, n, 4 * n * d, stream, w, adapters)
+            bwd += cost
+            if l in ids and router:     # r = wᵀx: weight grad where it trains, input grad where x
+                bwd += T * 2 * d * (routers_train + stream)                   # needs one
+                if (routers_train and config.mod_infer_rule == 'predictor'
+                        and config.mod_predictor_weight > 0):
                     bwd += T * (c['pred_fc'] + 2 * c['pred_out'])      # its input is detached
-                stream = True           # σ(r) multiplies the update from here on
+            # σ(r) multiplies the update from here on, where r needs a gradient
+            stream = out or (l in ids and router and (routers_train or stream))
         return bwd + (T * w * c['head'] if stream else 0)
+
+    def adapter_forward_flops(self, config, T, adapters, **options):
+        """A routed block's adapters run on its capacity's tokens."""
+        ids = self.routed_layers(config)
+        return sum(adapter_flops(config, adapters, layer, BLOCK_PROJECTIONS,
+                                 capacity(config.mod_capacity, T) if layer in ids else T)
+                   for layer in range(config.n_layer))
 
 
 def mod_costs(config, T):

@@ -17,8 +17,10 @@ the core (every family defines these; tests/test_families.py checks it):
     loss(model, ctx, lm_loss, targets, aux)   the training loss: LM plus its named, weighted terms
     is_controller_key(name)   its controller's parameters (what trainable='controller' trains)
     forward_flops(config, T, mode='train', full_frac=None, **options)   analytic FLOPs of a forward,
-    backward_flops(config, T, trainable='all', **options)   and of a training step's backward
-                         (flops.py sums them; the tests compare them with FlopCounterMode)
+    backward_flops(config, T, trainable='all', adapters=None, **options)   and of a training
+                         step's backward, the backbone trained or frozen (with LoRA `adapters`:
+                         block_backward below counts a block's) (flops.py sums them; the tests
+                         compare them with FlopCounterMode)
 
 and, only where it needs them, the optional hooks, whose defaults in Family do nothing (or the
 dense thing):
@@ -31,7 +33,8 @@ dense thing):
     training   step_options(model, step, run) (per-step options, a dict only it interprets, handed
                to the forward and to the FLOPs hooks), logged_stats, last_layers_option,
                ddp_find_unused(config), no_gradient(config), calibrate(model, idx) (causal
-               thresholds on held-out data), oracle_flops(config, T, **options) (no-grad passes)
+               thresholds on held-out data), oracle_flops(config, T, **options) (no-grad passes),
+               adapter_forward_flops(config, T, adapters, **options) (where LoRA adapters run)
     budget     budget_field, budget(config), with_budget(config, b): the fraction of tokens on the
                expensive path; bench_config(config, b), bench_knob(config): what bench.py times
     resuming   backbone_options, layers_option, resume_options, spelled_options,
@@ -143,16 +146,24 @@ class Family:
             total += c['attn_proj'] + c['attn_core'] + c['full']
         return T * total
 
-    def backward_flops(self, config, T, trainable='all', **options):
+    def backward_flops(self, config, T, trainable='all', adapters=None, **options):
         """The backward of one training step, as autograd runs it: a matmul costs 2x its forward
         when its input and weight both need gradients, 1x when only one does. trainable 'all'
-        (joint) or 'controller' (frozen backbone: the dense model has no controller, so nothing
-        runs)."""
-        if trainable != 'all':
-            return 0
-        c = flop_costs(config, T)
-        block = 2 * c['attn_proj'] + 2 * c['attn_core'] + 2 * c['full']
-        return T * (config.n_layer * block + 2 * c['head'])
+        (joint), 'controller' (frozen backbone: the dense model has no controller, so nothing
+        runs), 'lora' or 'controller+lora' (frozen backbone, LoRA `adapters`: input gradients from
+        the first adapter up, and the adapters')."""
+        c, w = flop_costs(config, T), 2 if trainable == 'all' else 1
+        stream, total = trainable == 'all', 0
+        for layer in range(config.n_layer):
+            cost, stream = block_backward(config, layer, T, c['attn_core'], stream, w, adapters)
+            total += cost
+        return total + (T * w * c['head'] if stream else 0)
+
+    def adapter_forward_flops(self, config, T, adapters, **options):
+        """Forward FLOPs of the LoRA adapters (lora.py) in a training step's forward, no-grad passes
+        beside it included (oracle_flops' leave them to this): each block's on every token."""
+        return sum(adapter_flops(config, adapters, layer, BLOCK_PROJECTIONS, T)
+                   for layer in range(config.n_layer))
 
     # ---------------------------------------------------------------------------------------------
     # optional hooks: config
@@ -393,6 +404,94 @@ def flop_costs(config, T):
     d = config.n_embd
     return dict(attn_proj=2 * d * 3 * d + 2 * d * d, attn_core=4 * T * d, full=2 * 2 * d * 4 * d,
                 head=2 * d * config.vocab_size)
+
+
+# --------------------------------------------------------------------------------------------------
+# the backward of a block, as autograd runs it, when its weights train (w=2), are frozen (w=1), or
+# are frozen with LoRA adapters (lora.py) on some of its projections: the shared pieces of the
+# families' backward_flops
+
+LORA_MODES = ('lora', 'controller+lora')
+BLOCK_PROJECTIONS = ('attn.c_attn', 'attn.c_proj', 'mlp.c_fc', 'mlp.c_proj')
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """LoRA as the FLOPs hooks see it: the adapters' rank, and per block the projections (of
+    BLOCK_PROJECTIONS) they adapt. Adapters on other modules (a gate, an exit head) are not
+    counted."""
+    rank: int
+    adapted: tuple      # one frozenset of projection names per block
+
+
+def adapters_of(config, rank, targets):
+    """The Adapters that lora.apply_lora(model, rank, ..., targets) puts on a model of config."""
+    from lora import names_target, parse_targets
+    wanted = parse_targets(targets)
+    return Adapters(rank, tuple(
+        frozenset(p for p in BLOCK_PROJECTIONS
+                  if any(names_target(f'transformer.h.{layer}.{p}', t) for t in wanted))
+        for layer in range(config.n_layer)))
+
+
+def adapted_at(adapters, layer):
+    """The projections of block `layer` that adapters (None: no LoRA) adapt."""
+    return adapters.adapted[layer] if adapters else frozenset()
+
+
+def projection_shape(config, name):
+    """(in, out) features of a block projection."""
+    d = config.n_embd
+    return dict(zip(BLOCK_PROJECTIONS, ((d, 3 * d), (d, d), (d, 4 * d), (4 * d, d))))[name]
+
+
+def adapter_flops(config, adapters, layer, names, rows, input_grad=None):
+    """FLOPs of the adapters (A: r x in, B: out x r) of block `layer`'s projections `names` (those
+    adapted) on `rows` tokens: their forward (input_grad None), or their backward: B's weight and
+    input gradients, A's weight gradient and, where the projection's input needs a gradient
+    (input_grad[name]), A's input gradient."""
+    total = 0
+    for name in set(names) & adapted_at(adapters, layer):
+        fan_in, fan_out = projection_shape(config, name)
+        if input_grad is None:
+            total += 2 * rows * adapters.rank * (fan_in + fan_out)
+        else:
+            total += 2 * rows * adapters.rank * (2 * fan_out + fan_in * (1 + input_grad[name]))
+    return total
+
+
+def attention_backward(config, layer, rows, core, stream, w, adapters=None):
+    """Backward FLOPs of block `layer`'s attention on `rows` tokens (`core`: its core's forward
+    FLOPs per token) whose input needs a gradient if `stream`; w: 2 where its weights train, else
+    1. Returns (flops, whether the residual after it needs a gradient). Each projection costs w x
+    its forward where its input needs a gradient, w − 1 x where not; the core twice where q, k and
+    v need gradients."""
+    d, here = config.n_embd, adapted_at(adapters, layer)
+    qkv = stream or 'attn.c_attn' in here
+    total = rows * ((w if stream else w - 1) * 2 * d * 3 * d + (w if qkv else w - 1) * 2 * d * d)
+    total += 2 * rows * core if qkv else 0
+    total += adapter_flops(config, adapters, layer, BLOCK_PROJECTIONS[:2], rows,
+                           {'attn.c_attn': stream, 'attn.c_proj': qkv})
+    return total, stream or bool(here & set(BLOCK_PROJECTIONS[:2]))
+
+
+def mlp_backward(config, layer, rows, stream, w, adapters=None):
+    """Backward FLOPs of block `layer`'s dense FFN on `rows` tokens whose input needs a gradient if
+    `stream` (w as attention_backward), and whether its output needs one."""
+    d, here = config.n_embd, adapted_at(adapters, layer)
+    hidden = stream or 'mlp.c_fc' in here
+    total = rows * ((w if stream else w - 1) + (w if hidden else w - 1)) * 2 * d * 4 * d
+    total += adapter_flops(config, adapters, layer, BLOCK_PROJECTIONS[2:], rows,
+                           {'mlp.c_fc': stream, 'mlp.c_proj': hidden})
+    return total, stream or bool(here & set(BLOCK_PROJECTIONS[2:]))
+
+
+def block_backward(config, layer, rows, core, stream, w, adapters=None):
+    """attention_backward then mlp_backward: (flops, whether the block's output needs a
+    gradient)."""
+    attn, mid = attention_backward(config, layer, rows, core, stream, w, adapters)
+    mlp, out = mlp_backward(config, layer, rows, mid, w, adapters)
+    return attn + mlp, out
 
 
 @contextmanager

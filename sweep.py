@@ -1244,14 +1244,17 @@ def estimate_seconds(runs, measured):
                                           if os.path.exists(meta) else 50304)
             mcfg = train.model_config(SimpleNamespace(**cfg), vocab_size=vocab)
         T, seqs = cfg['block_size'], cfg['batch_size'] * cfg['gradient_accumulation_steps']
-        step = flops.train_step_flops(mcfg, T, cfg['trainable'])['total']    # as timed: no options
+        lora = flops.lora_options(cfg)
+        step = flops.train_step_flops(mcfg, T, cfg['trainable'], **lora)['total']  # as timed: no
+                                                                                   # options
         # the run's own steps carry the family's step options (oracle layers, an exit rotation):
         # their mean cost over its first steps (the options repeat or are drawn uniformly)
         model, run = shape_only_model(mcfg), SimpleNamespace(**cfg)
         drawn = collections.Counter(
             tuple(sorted(flops.family_of(mcfg).step_options(model, s, run).items()))
             for s in range(min(cfg['max_iters'], 64)))
-        mean_step = (sum(n * flops.train_step_flops(mcfg, T, cfg['trainable'], **dict(o))['total']
+        mean_step = (sum(n * flops.train_step_flops(mcfg, T, cfg['trainable'], **lora,
+                                                    **dict(o))['total']
                          for o, n in drawn.items()) / sum(drawn.values())) if drawn else step
         evals = (cfg['max_iters'] // max(1, cfg['eval_interval']) + 1) * 2 * cfg['eval_iters']
         total = cfg['max_iters'] * seqs * mean_step + evals * cfg['batch_size'] * \

@@ -182,7 +182,8 @@ def count_flops(run, opts):
     key = tuple(sorted(opts.items()))
     if key not in run.step_costs:
         mcfg, T = run.raw_model.config, run.cfg.block_size
-        run.step_costs[key] = (flops.train_step_flops(mcfg, T, run.cfg.trainable, **opts),
+        run.step_costs[key] = (flops.train_step_flops(mcfg, T, run.cfg.trainable,
+                                                      **flops.lora_options(run.cfg), **opts),
                                flops.flops_proxy(mcfg, T, **opts))
     step, proxy_step = run.step_costs[key]
     run.flops_state['exact'] += run.seqs_per_iter * step['total']

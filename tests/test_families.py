@@ -256,6 +256,47 @@ def test_family_flops_match_counter(case, seed, T, B, budget, pw, trainable, kl,
     )
 
 
+# LoRA adapters on the block projections, as lora_targets names them: kinds in every block, or
+# named blocks' projections
+LORA_TARGETS = ['attn.c_attn,attn.c_proj,mlp.c_fc,mlp.c_proj', 'attn.c_attn', 'attn.c_proj',
+                'mlp.c_fc', 'mlp.c_proj,attn.c_proj', 'h.1.mlp.c_fc',
+                'h.2.attn.c_attn,h.0.mlp.c_proj', 'h.3.attn.c_proj']
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=st.sampled_from(ALL_CASES), seed=st.integers(0, 99), T=st.integers(2, 16),
+       B=st.integers(1, 2), budget=st.floats(0.05, 1.0), rank=st.integers(1, 4),
+       targets=st.sampled_from(LORA_TARGETS),
+       trainable=st.sampled_from(['lora', 'controller+lora']), data=st.data())
+def test_lora_step_flops_match_counter(case, seed, T, B, budget, rank, targets, trainable, data):
+    """A training step with LoRA adapters on a frozen backbone (the controller frozen too, or
+    trained beside them) costs what flops.train_step_flops says: the adapters' matmuls at the rows
+    their projections run on (MoD: its capacity), and the input gradients from the first adapter
+    (or trained router) up, not below."""
+    from lora import apply_lora
+    route, opt = case
+    model = build(route, opt, seed=seed, ffn_budget=budget, mod_capacity=budget)
+    cfg = model.config
+    ctrl = {id(p) for p in model.controller_parameters()}
+    apply_lora(model, rank, 2.0 * rank, 0.0, targets)
+    for p in model.parameters():
+        if id(p) in ctrl:
+            p.requires_grad_(trainable == 'controller+lora')
+    exits = None
+    if 'exit_layers' in model.family.options and data.draw(st.booleans()):
+        exits = tuple(sorted(data.draw(st.sets(st.sampled_from(exit_depths(cfg))))))
+    idx = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+    model.train()
+
+    def step():
+        loss = seeded(lambda: model(idx, idx, exits=exits)[1])
+        if loss.requires_grad:
+            loss.backward()
+    expect = flops.train_step_flops(cfg, T, trainable, lora_rank=rank, lora_targets=targets,
+                                    exits=exits)
+    assert counted(step) == B * expect['total'], expect
+
+
 @pytest.mark.parametrize('route', ['halt', 'exit'])
 def test_sparse_flops_count_no_block_that_every_token_skips(route):
     """Where every token skips a block (halt: routers' bias +20; exit: threshold 0, so every token

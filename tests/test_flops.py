@@ -1,6 +1,6 @@
 """Analytic FLOPs (flops.py) against torch's FlopCounterMode, for random routed configs: the
-forward, and a whole training step (forward, backward, oracle passes) with the backbone trainable or
-frozen."""
+forward, and a whole training step (forward, backward, oracle passes) with the backbone trainable,
+frozen, or frozen with LoRA adapters."""
 import math
 from dataclasses import replace
 from types import SimpleNamespace
@@ -12,6 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import flops
+from lora import apply_lora, lora_parameters
 from model import GPT, GPTConfig, controlled_layer_ids
 
 
@@ -88,9 +89,10 @@ def test_forward_flops_match_counter(cfg, T, B, seed):
         )
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(cfg=routed_configs(), T=st.integers(2, 16), B=st.integers(1, 2), seed=st.integers(0, 99),
-       trainable=st.sampled_from(['all', 'controller', 'draft']), data=st.data())
+       trainable=st.sampled_from(['all', 'controller', 'draft', 'lora', 'controller+lora']),
+       data=st.data())
 def test_train_step_flops_match_counter(cfg, T, B, seed, trainable, data):
     if trainable == 'draft' and cfg.ffn_draft_rank == 0:
         cfg = replace(cfg, ffn_draft_rank=2)           # trainable='draft' needs a draft FFN
@@ -99,6 +101,16 @@ def test_train_step_flops_match_counter(cfg, T, B, seed, trainable, data):
     ctrl = {id(p) for p in model.controller_parameters()}
     if trainable == 'draft':
         ctrl = {id(p) for n, p in model.named_parameters() if model.family.is_draft_key(n)}
+    lora = {}
+    if 'lora' in trainable:         # adapters on some block projections; the controller frozen or
+                                    # trained beside them
+        lora = dict(lora_rank=data.draw(st.integers(1, 3)), lora_targets=data.draw(
+            st.sampled_from(['attn.c_attn,attn.c_proj,mlp.c_fc,mlp.c_proj', 'mlp.c_fc',
+                             'attn.c_proj', f'h.{cfg.n_layer - 1}.attn.c_attn'])))
+        apply_lora(model, lora['lora_rank'], 2.0, 0.0, lora['lora_targets'])
+        if trainable == 'lora':
+            ctrl = set()
+        ctrl |= {id(p) for p in lora_parameters(model)}
     if trainable != 'all':
         for p in model.parameters():
             p.requires_grad_(id(p) in ctrl)
@@ -114,7 +126,7 @@ def test_train_step_flops_match_counter(cfg, T, B, seed, trainable, data):
         loss = model(idx, idx, oracle_layers=oracle_layers)[1]
         if loss.requires_grad:
             loss.backward()
-    expect = flops.train_step_flops(cfg, T, trainable, oracle_layers=oracle_layers)
+    expect = flops.train_step_flops(cfg, T, trainable, oracle_layers=oracle_layers, **lora)
     assert counted(step) == B * expect['total'], expect
 
 
