@@ -126,12 +126,14 @@ def check_checkpoint_data(cfg, meta, ckpt, keys=None):
 
 
 class Batches:
-    """Stateless, exactly reproducible sampler. Training windows are the non-overlapping
-    (block_size+1) slices of the token file, visited in a fresh random order each epoch (plus a
-    random shift per epoch); micro-batch j takes rows j·B .. j·B+B-1 of that endless sequence. Since
-    a batch is a pure function of (seed, j), resume needs only the iteration number, and DDP rank r
-    at micro-step m of iteration i reads j = (i·accum + m)·world + r: ranks read disjoint windows,
-    and 1 process with accumulation 2 reads the same batches as 2 processes with accumulation 1."""
+    """Stateless, exactly reproducible sampler. Training windows are the (block_size+1)-token
+    slices of the token file that start every block_size tokens (their inputs are disjoint; one
+    window's last target is the next one's first input), visited in a fresh random order each
+    epoch (plus a random shift per epoch); micro-batch j takes rows j·B .. j·B+B-1 of that endless
+    sequence. Since a batch is a pure function of (seed, j), resume needs only the iteration
+    number, and DDP rank r at micro-step m of iteration i reads j = (i·accum + m)·world + r: ranks
+    read disjoint windows, and 1 process with accumulation 2 reads the same batches as 2 processes
+    with accumulation 1."""
 
     def __init__(self, path, np_dtype, block_size, batch_size, seed, device, mask_path=None):
         self.path, self.np_dtype, self.mask_path = path, np_dtype, mask_path

@@ -366,7 +366,8 @@ def split_txt_docs(text):
 
 
 def load_docs(path, max_docs):
-    """Documents (strings) from a .parquet, .jsonl or .txt file, at most max_docs of them."""
+    """Documents (strings) from a .parquet, .jsonl or .txt file: the first max_docs that hold more
+    than whitespace, in every format (an empty one is skipped, not counted)."""
     raw, suffix = read_input(path), Path(path).suffix.lower()
     if suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -376,23 +377,28 @@ def load_docs(path, max_docs):
             raise PrepareError(
                 f"{path}: cannot read a `text` column from this parquet file ({e})"
             ) from None
-        docs = [t for t in table.column("text").slice(0, max_docs).to_pylist() if t]
-        wrong = next((t for t in docs if not isinstance(t, str)), None)
-        if wrong is not None:
-            raise PrepareError(f"{path}: its `text` column holds {type(wrong).__name__}, not "
-                               "strings")
+        texts = (t for chunk in table.column("text").chunks for t in chunk.to_pylist()
+                 if t is not None)      # a null is an empty document
+        wrong = lambda t: f"{path}: its `text` column holds {type(t).__name__}, not strings"
     elif suffix == ".jsonl":
-        lines = [
-            (n, line)
+        texts = (
+            json_text(line, f"{path} line {n}")
             # JSON Lines end at "\n" only: str.splitlines would also cut at U+2028, U+0085 etc.,
             # which JSON strings may hold unescaped
             for n, line in enumerate(decode_utf8(raw, path).split("\n"), 1)
             if line.strip()
-        ]
-        docs = [json_text(line, f"{path} line {n}") for n, line in lines[:max_docs]]
+        )
+        wrong = None
     else:
-        docs = split_txt_docs(decode_utf8(raw, path))[:max_docs]
-    docs = [d for d in docs if d]
+        texts, wrong = split_txt_docs(decode_utf8(raw, path)), None
+    docs = []
+    for text in texts:
+        if len(docs) == max_docs:
+            break
+        if not isinstance(text, str):
+            raise PrepareError(wrong(text))
+        if text.strip():
+            docs.append(text)
     if not docs:
         raise PrepareError(f"{path} holds no documents")
     return raw, docs

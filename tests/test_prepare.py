@@ -328,6 +328,21 @@ def test_parquet_text_column_of_non_strings_is_refused(tmp_path):
     assert P.load_docs(path, 10)[1] == ["one", "two"]
 
 
+def test_max_docs_counts_only_documents_with_text_in_every_format(tmp_path):
+    """--max_docs takes the first N documents that hold more than whitespace: an empty or blank
+    document (a null, "", "  ") is skipped and not counted, whatever the file's format."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    column = ["", None, "  \n", "one", "", "two", "three"]
+    pq.write_table(pa.table({"text": column}), tmp_path / "d.parquet")
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t or ""}) + "\n"
+                                              for t in column))
+    (tmp_path / "d.txt").write_text("".join((t or "") + "\n<|endoftext|>\n" for t in column))
+    for name in ("d.parquet", "d.jsonl", "d.txt"):
+        docs = [d.strip() for d in P.load_docs(tmp_path / name, 2)[1]]
+        assert docs == ["one", "two"], name
+
+
 def test_jsonl_lines_end_at_newlines_only(tmp_path):
     """JSON may hold U+2028, U+0085 or U+001C unescaped inside a string (json.dumps with
     ensure_ascii=False writes them so): they are text, not line ends."""
