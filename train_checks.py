@@ -16,6 +16,7 @@ from configurator import UserError, given_keys, writable_folder
 from data.loader import check_checkpoint_data, check_data_folder
 from lora import check_targets
 from model import FAMILIES, GPT, GPTConfig, read_stored_config
+from routing import adapters_of
 
 RUN_FILES = ('ckpt.pt', 'metrics.jsonl', 'config.json', 'run_info.json')    # what a run writes
 TRAINABLE = ('all', 'controller', 'last_layers', 'lora', 'controller+lora', 'draft')
@@ -109,10 +110,18 @@ def check_lora_options(cfg):
         raise TrainError(f"lora_alpha must be > 0 and finite, got {cfg.lora_alpha}")
     if not 0 <= cfg.lora_dropout < 1:
         raise TrainError(f"lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
+    config = model_config(cfg, vocab_size=64)
     try:
-        check_targets(shape_only_model(model_config(cfg, vocab_size=64)), cfg.lora_targets)
+        check_targets(shape_only_model(config), cfg.lora_targets)
     except ValueError as e:
         raise TrainError(str(e)) from None
+    # where the adapters run, as the FLOPs count it: nowhere means a loss that reaches no adapter
+    adapters = adapters_of(config, cfg.lora_rank, cfg.lora_targets)
+    if 'lora' in cfg.trainable.split('+') and not FAMILIES[config.route].adapter_forward_flops(
+            config, config.block_size, adapters):
+        raise TrainError(f"lora_targets={cfg.lora_targets!r} adapts only projections this model "
+                         "never runs in training (e.g. the full FFN under ffn_gate="
+                         "'static_cheap'): name projections that run, e.g. 'attn.c_attn'")
 
 
 def check_drafts(cfg):

@@ -115,6 +115,20 @@ def test_train_refuses_bad_lora_options_before_any_work(tmp_path, arg, needle):
     assert '\n' not in str(e.value) and not out.exists()
 
 
+@pytest.mark.parametrize('trainable', ['lora', 'controller+lora'])
+def test_train_refuses_adapters_only_on_projections_that_never_run(tmp_path, trainable):
+    """Under ffn_gate='static_cheap' the full FFN never runs: adapters on it alone would leave a
+    loss that reaches nothing (a traceback at the first backward). Refused before any work; an
+    attention target, which runs, is not."""
+    out = tmp_path / 'out'
+    args = ['--route=ffn', '--ffn_gate=static_cheap', f'--trainable={trainable}',
+            f'--out_dir={out}', '--device=cpu']
+    with pytest.raises(train.TrainError, match="adapts only projections this model never runs"):
+        train.main([*args, '--lora_targets=mlp.c_fc,mlp.c_proj'])
+    assert not out.exists()
+    train.read_config([*args, '--lora_targets=mlp.c_fc,attn.c_proj'])      # checked, accepted
+
+
 # --------------------------------------------------------------------------------------------------
 # a LoRA run from a backbone checkpoint
 
