@@ -7,7 +7,9 @@ Speed of a config: training step, prefill and KV-cached decode, as tokens/s and 
 Takes every key of train.py (model shape, batch_size, block_size, device, dtype, compile) plus
 bench_steps / bench_warmup / decode_tokens / decode_batches. Random tokens, so no data is needed.
 Reports medians over bench_steps timed repeats after bench_warmup untimed ones (decode: after one
-untimed decode of each length); decode is decode
+untimed decode of each length); prefill is the no-grad eval forward of batch_size x block_size
+tokens without targets (no loss; the last position's logits only, as generation's prefill and
+--budgets' prefill); decode is decode
 alone (generate of 1 + decode_tokens tokens minus generate of 1: the prefill is not counted), from a
 prompt of decode_prompt tokens (block_size - decode_tokens when 0); with --json prints
 exactly one JSON object, which records the device, torch version and git commit (git_sha,
@@ -281,8 +283,10 @@ def bench(cfg):
     model.eval()
 
     def prefill():
+        # inference prefill, as --budgets times it: no targets, so no loss and the last
+        # position's logits only
         with torch.no_grad(), autocast:
-            fwd(x, y)
+            fwd(x)
     t_prefill = timed(prefill, cfg['bench_steps'], cfg['bench_warmup'], dev)
     decode = {}
     for db in numbers(cfg, 'decode_batches', int):

@@ -39,6 +39,9 @@ fractions, MoD's rows padded to the longest; decode: the same at one position; t
 flops.train_step_flops), realised = speedup / ideal; decode rows add tokens_per_s.
 Rows not started within --suite_seconds (420 on the real suite) are listed under `skipped`, rows
 that raised under `failed` (exit 1 after writing both files).
+Repeats: each figure is the median of --bench_steps timed repeats, after --bench_warmup untimed
+ones (decode: after one untimed round). Left unset: prefill and train 10 after 3, decode 3 (each
+repeat is two whole generations); with --smoke 1 of each kind, prefill and train unwarmed.
 """
 import json
 import os
@@ -539,7 +542,8 @@ def decode_paths(dev):
 
 def decode_seconds(m, prompt, new, dtype, compiled, plan):
     """Seconds of one decode step of the whole batch: (prefill + 1 + new steps) minus (prefill +
-    1), paired per repeat, over new (bench.time_model's subtraction)."""
+    1), paired per repeat, over new (bench.time_model's subtraction); the median of
+    plan['decode_steps'] repeats (--bench_steps when given) after one untimed round."""
     gen = lambda k: (lambda: m.generate(prompt, k, temperature=0, compile=compiled))
     steps = plan['decode_steps']
     with autocast_context(prompt.device, dtype):
@@ -602,6 +606,8 @@ def run(cfg, argv):
     for key in ('bench_steps', 'bench_warmup'):
         if key in given:
             plan[key] = cfg[key]
+    if 'bench_steps' in given:          # every timing's repeats, decode's too
+        plan['decode_steps'] = cfg['bench_steps']
     dev, _ = cli_device(cfg['device'])
     if dev.type == 'cuda':
         torch.backends.cuda.matmul.allow_tf32 = True

@@ -1416,6 +1416,29 @@ def test_bench_figures_are_their_formulas_on_fixed_timings(monkeypatch):
     assert res['spread'] == dict(train=0.0, prefill=0.0, decode={'1': 0.0, '2': 0.0})
 
 
+def test_bench_plain_prefill_times_what_budgets_prefill_times(monkeypatch):
+    """The plain bench's prefill is inference prefill, as --budgets times it: the eval forward
+    without targets (no loss) keeping the last position's logits only, not a training forward in
+    eval mode."""
+    from model import GPT
+    calls = []
+    forward = GPT.forward
+
+    def spy(self, idx, targets=None, *args, **kwargs):
+        out = forward(self, idx, targets, *args, **kwargs)
+        if not self.training:
+            calls.append((targets, out[0].shape, out[1]))
+        return out
+    monkeypatch.setattr(GPT, 'forward', spy)
+    fixed_timers(monkeypatch, decode_calls=False)
+    monkeypatch.setattr(bench, 'timed', lambda fn, steps, warmup, dev: (
+        fn(), bench.Timing([0.1] * 3))[1])                      # each timed function run once
+    bench_json(TINY)                # batch 2 x 32 tokens, vocab 50
+    assert calls
+    for targets, shape, loss in calls:
+        assert targets is None and loss is None and tuple(shape) == (2, 1, 50)
+
+
 def test_gpu_suite_decode_step_is_paired_per_repeat(monkeypatch):
     """The suite's decode step is bench.time_model's subtraction: (1 + N tokens) minus (1 token)
     in each repeat, then the median, so load that hits one repeat's pair cancels (the difference
@@ -1432,6 +1455,31 @@ def test_gpu_suite_decode_step_is_paired_per_repeat(monkeypatch):
     step = bench_suite.decode_seconds(Clocked(), prompt, 4, 'float32', False,
                                       dict(decode_steps=3))
     assert step == pytest.approx(2.0 / 4)
+
+
+def test_gpu_suite_decode_repeats_follow_bench_steps(tmp_path, monkeypatch):
+    """--bench_steps sets the decode rows' repeats as it sets prefill's and training's: every
+    decode timing of the suite runs that many paired repeats (after one untimed round); without
+    it, the plan's decode_steps."""
+    import bench_suite
+    repeats = []
+
+    def difference(long, short, steps, warmup, dev):
+        repeats.append((steps, warmup))
+        return bench.Timing([0.01] * steps)
+    monkeypatch.setattr(bench_suite, 'timed_difference', difference)
+    monkeypatch.setattr(bench_suite, 'check_paths', lambda *a, **k: [])
+    monkeypatch.setattr(bench_suite, 'prefill_section',
+                        lambda *a: (None, {'ffn': SimpleNamespace(exec_mode=None)}))
+    monkeypatch.setattr(bench_suite, 'decode_ideal', lambda *a: 1.0)
+    monkeypatch.setattr(bench_suite, 'train_section', lambda *a: None)
+    argv = ['--suite=gpu', '--smoke=True', '--device=cpu', f'--out_dir={tmp_path}',
+            '--overwrite=True']
+    for extra, steps in (([], bench_suite.PLANS['smoke']['decode_steps']),
+                         (['--bench_steps=2'], 2), (['--bench_steps=5'], 5)):
+        repeats.clear()
+        assert bench.main(argv + extra) == 0
+        assert repeats and set(repeats) == {(steps, 1)}, extra
 
 
 @pytest.mark.parametrize('route', ['ffn', 'mod'])
