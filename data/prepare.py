@@ -296,11 +296,9 @@ def ensure_tiktoken_cache():
     cache = Path.home() / ".cache" / "nanodepth" / "tiktoken"
     cache.mkdir(parents=True, exist_ok=True)
     for name, key in TIKTOKEN_FILES.items():  # file names are sha1(url) of tiktoken's download urls
-        if (
-            not (cache / key).is_file()
-            or (cache / key).stat().st_size != (src / name).stat().st_size
-        ):
-            write_whole(cache / key, lambda f: f.write((src / name).read_bytes()), binary=True)
+        data = (src / name).read_bytes()        # ~1 MB each: compared whole, not by size
+        if not (cache / key).is_file() or (cache / key).read_bytes() != data:
+            write_whole(cache / key, lambda f: f.write(data), binary=True)
     os.environ["TIKTOKEN_CACHE_DIR"] = str(cache)
     return str(cache)
 

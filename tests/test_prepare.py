@@ -619,6 +619,12 @@ def test_ensure_tiktoken_cache(tmp_path, monkeypatch, tiktoken_cache):
     assert P.os.environ["TIKTOKEN_CACHE_DIR"] == str(cache)
     for name, key in P.TIKTOKEN_FILES.items():
         assert (cache / key).read_bytes() == (P.SHARED_DATA / "gpt2" / name).read_bytes()
+    # a cached copy damaged in place (same size, other bytes) is written again from the source
+    key = P.TIKTOKEN_FILES["vocab.bpe"]
+    good = (cache / key).read_bytes()
+    (cache / key).write_bytes(bytes([good[0] ^ 1]) + good[1:])
+    monkeypatch.delenv("TIKTOKEN_CACHE_DIR")
+    assert P.ensure_tiktoken_cache() == str(cache) and (cache / key).read_bytes() == good
     monkeypatch.setattr(P, "SHARED_DATA", tmp_path / "absent")
     monkeypatch.delenv("TIKTOKEN_CACHE_DIR")
     assert P.ensure_tiktoken_cache() is None and "TIKTOKEN_CACHE_DIR" not in P.os.environ
