@@ -4,7 +4,8 @@ out_root, for as long as it runs. A second writer (a resume, a fresh run with --
 sweep into the same folder) is refused with one line naming the folder and the holder's host and
 PID, before it touches anything. The lock is an flock on <folder>/.lock, so the kernel drops it when
 its holder dies, even by SIGKILL; the file left behind is then simply locked again. Where the file
-system has no flock, the run goes on unlocked after a note saying so.
+system has no flock, the run goes on unlocked after a note saying so; its .lock file, which names
+it, is still removed at release unless another run has rewritten or replaced it since.
 
     from runlock import lock_folder
     lock = lock_folder(cfg.out_dir, 'out_dir')     # FolderBusy (a UserError) if another holds it
@@ -35,16 +36,21 @@ class FolderBusy(UserError):
 
 
 class FolderLock:
-    """A held lock; release() (or the end of the process, or this object being freed) drops it."""
+    """A held lock; release() (or the end of the process, or this object being freed) drops it.
+    Without flock (fd None) it holds nothing, but release() still removes the lock file while it is
+    the one this process wrote (`mine`: its device, inode and contents)."""
 
-    def __init__(self, fd, path, created_folder):
-        self.fd, self.path, self.created_folder = fd, path, created_folder
+    def __init__(self, fd, path, created_folder, mine=None):
+        self.fd, self.path, self.created_folder, self.mine = fd, path, created_folder, mine
 
     def release(self):
-        if self.fd is None:
+        if self.path is None:
             return
-        unlock_and_remove(self.fd, self.path)      # (see files.locked_fd)
-        self.fd = None
+        if self.fd is not None:
+            unlock_and_remove(self.fd, self.path)      # (see files.locked_fd)
+        else:
+            remove_if_mine(self.path, self.mine)
+        self.fd = self.path = None
         if self.created_folder:        # a run refused before it wrote anything leaves no folder
             try:
                 os.rmdir(self.created_folder)
@@ -71,13 +77,39 @@ def lock_folder(folder, option='out_dir'):
     except NoFlock as e:               # run unlocked, saying so
         print(f"note: {option} {folder} could not be locked ({e}); a second run writing there at "
               f"the same time would not be refused", file=sys.stderr)
-        return FolderLock(None, None, None)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)    # (locked_fd made it, then closed it)
+        try:
+            stamp, st = sign(fd), os.fstat(fd)
+        finally:
+            os.close(fd)
+        return FolderLock(None, path, created, mine=(st.st_dev, st.st_ino, stamp))
     except OSError as e:
         raise UserError(f"cannot create the lock file {path} ({e.strerror}); choose an {option} "
                         f"you can write to") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+    sign(fd)
     return FolderLock(fd, path, created)
+
+
+def sign(fd):
+    """Write this process's PID and host into the lock file (what holder() reads); the bytes."""
+    stamp = f"{os.getpid()} {socket.gethostname()}\n".encode()
+    os.ftruncate(fd, 0)
+    os.write(fd, stamp)
+    return stamp
+
+
+def remove_if_mine(path, mine):
+    """Remove the unlocked lock file at path if it is still the one this process signed (mine:
+    device, inode, contents): with no flock another run may have rewritten or replaced it since,
+    and its file is its own to remove."""
+    dev, ino, stamp = mine
+    try:
+        with open(path, 'rb') as f:
+            st = os.fstat(f.fileno())
+            if (st.st_dev, st.st_ino) == (dev, ino) and f.read(len(stamp) + 1) == stamp:
+                os.unlink(path)
+    except OSError:
+        pass                           # removed meanwhile, or unreadable: not ours to decide
 
 
 def holder(path, wait_s=0.5):

@@ -97,6 +97,35 @@ def test_a_folder_that_cannot_be_locked_is_used_unlocked_with_a_note(tmp_path, m
     lock.release()
 
 
+def test_release_without_flock_removes_the_lock_file_while_it_is_ours(tmp_path, monkeypatch):
+    """Without flock the lock file is still made, naming this process: release removes it, and a
+    folder the lock made and left empty, as with flock; a lock file that another writer (unlocked
+    too) has since rewritten or replaced is left to it."""
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(files.fcntl, "flock", no_locks)
+    mine = f"{os.getpid()} {socket.gethostname()}\n"
+    lock = runlock.lock_folder(tmp_path / "new", "out_dir")
+    assert (tmp_path / "new" / runlock.LOCK_NAME).read_text() == mine
+    lock.release()
+    assert not (tmp_path / "new").exists()
+    kept = tmp_path / "kept"
+    lock = runlock.lock_folder(kept)
+    (kept / "metrics.jsonl").write_text("{}\n")
+    lock.release()
+    lock.release()                                      # (a second release does nothing)
+    assert os.listdir(kept) == ["metrics.jsonl"]
+    lock = runlock.lock_folder(kept)
+    (kept / runlock.LOCK_NAME).write_text("4242 node-7.cluster\n")     # rewritten by another
+    lock.release()
+    assert (kept / runlock.LOCK_NAME).read_text() == "4242 node-7.cluster\n"
+    lock = runlock.lock_folder(kept)                    # and a file put in its place (made
+    (kept / "new.lock").write_text(mine)                # first: its inode is not the old one's)
+    os.replace(kept / "new.lock", kept / runlock.LOCK_NAME)
+    lock.release()
+    assert (kept / runlock.LOCK_NAME).read_text() == mine
+
+
 def test_lock_is_released_when_the_holder_is_killed(tmp_path):
     holder = hold_in_another_process(tmp_path)
     try:
