@@ -18,7 +18,8 @@ scalars named <type>/<key> (a list adds /<index>, a dict /<key>: 'train/loss', '
 Only rank 0 logs under DDP (it alone writes metrics.jsonl). The packages are optional: a --log
 naming one that is not installed is refused before any work, naming the pip install. A W&B run that
 W&B refuses to start (no login, a bad project, no network) is one error line, given before
---overwrite=True removes the run in out_dir.
+--overwrite=True removes the run in out_dir; under DDP every rank stops at once, the others saying
+that rank 0's error is above (train.setup).
 """
 import glob
 import importlib.util

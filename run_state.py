@@ -84,6 +84,20 @@ def hold_out_dir(cfg, proc):
     return lock
 
 
+def share_rank0_outcome(proc, error, what):
+    """Raise error, rank 0's exception in a step only it does (None: it succeeded), on every rank
+    at once: under DDP one broadcast tells the others, which raise a TrainError naming `what` rank 0
+    could not do. Left to find out in their next collective, they would stop only when rank 0's
+    connection drops (under NCCL, at ddp_timeout), blaming an unresponsive process."""
+    if proc.ddp:
+        status = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=proc.dev)
+        torch.distributed.broadcast(status, 0)
+        if error is None and status.item():
+            error = TrainError(f"rank 0 could not {what} (its error is above)")
+    if error is not None:
+        raise error
+
+
 # --------------------------------------------------------------------------------------------------
 # where a run starts: its inputs, whether a resume has anything left to do, what it picks up
 # and the records it redoes

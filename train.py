@@ -38,7 +38,7 @@ import sharding
 from model import FAMILIES, GPT, GPTConfig, allow_graphs, is_controller_key, is_draft_key
 from run_state import (StopFlag, checkpoint_state, end_ddp_process, eval_rng, finished_already,
                        hold_out_dir, kept, open_inputs, rng_state, seed_rngs, set_rng_state,
-                       share_interval, start_progress, stop_requested)
+                       share_interval, share_rank0_outcome, start_progress, stop_requested)
 from lora import apply_lora, has_lora_keys, lora_parameters
 from train_checks import (TRAINABLE, TrainError, check_against_checkpoint, check_family_options,
                           check_state_fits, check_train_config, model_config)
@@ -260,8 +260,9 @@ def resume_command(run, argv):
 def setup(cfg, cfg_dict, proc, argv):
     """Everything the loop shares, in one namespace: the config, this process (DDP rank and world,
     device, dtype), the model (raw, and wrapped for the steps), optimizer, data, fixed eval batches,
-    the iteration and totals to start from; rank 0 also opens the run files. None for a resumed run
-    that is already finished (it says so, and writes nothing)."""
+    the iteration and totals to start from; rank 0 also starts the loggers and opens the run files
+    (under DDP every rank stops at once if that fails). None for a resumed run that is already
+    finished (it says so, and writes nothing)."""
     meta, ckpt = open_inputs(cfg, proc.master)     # the data's meta.json, the checkpoint to start
                                                    # from
     if finished_already(cfg, ckpt):
@@ -305,14 +306,20 @@ def setup(cfg, cfg_dict, proc, argv):
         calib=[train_data.fetch(s)[0]
                for s in train_data.eval_batches(cfg.calib_iters, 3, cfg.eval_seed)],
         ckpt_path=os.path.join(cfg.out_dir, 'ckpt.pt'), metrics_f=None, loggers=None)
+    failed = None
     if run.master:
-        # --log: W&B, TensorBoard; started before --overwrite removes the old run (W&B may refuse)
-        run.loggers = Loggers(cfg, cfg_dict, run.iter_num)
         try:
-            run.metrics_f = open_run_files(cfg, cfg_dict, proc, run.iter_num)
-        except BaseException:
-            run.loggers.close()
-            raise
+            # --log (W&B, TensorBoard): before --overwrite removes the old run, as W&B may refuse
+            run.loggers = Loggers(cfg, cfg_dict, run.iter_num)
+            try:
+                run.metrics_f = open_run_files(cfg, cfg_dict, proc, run.iter_num)
+            except BaseException:
+                run.loggers.close()
+                raise
+        except Exception as e:        # raised once every rank knows
+            failed = e
+    share_rank0_outcome(proc, failed, 'start its loggers or run files')
+    if run.master:
         print(
             f"model: {model.get_num_params() / 1e6:.2f}M parameters ({count_params(params):,} "
             "trainable) | data: "

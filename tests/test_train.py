@@ -706,6 +706,49 @@ def test_ddp_every_rank_learns_of_rank_0_failing_to_lock_with_another_error(synt
     assert "stopped responding" not in r.stderr, r.stderr
 
 
+RANK0_OUTPUTS_FAIL = """\
+import errno, sys
+sys.path.insert(0, {repo!r})
+import train
+log = []
+if {what!r} == 'wandb':                   # W&B refuses the run (only rank 0 starts it)
+    import wandb
+    def init(**kw):
+        raise wandb.errors.CommError('project tiny not found')
+    wandb.init = init
+    log = ['--log=wandb', '--wandb_project=tiny']    # (torchrun reads --log=... as its --log-dir)
+else:                                     # rank 0 alone opens the run files: an I/O error
+    def open_run_files(*a):
+        raise OSError(errno.EIO, 'Input/output error')
+    train.open_run_files = open_run_files
+sys.argv = ['train.py'] + sys.argv[1:] + log
+train.run_cli(train.main)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["wandb", "run_files"])
+def test_ddp_every_rank_learns_of_rank_0_failing_to_start_its_loggers(synth, tmp_path, what):
+    """Rank 0 alone starts the loggers and opens the run files: when that fails, the other rank
+    stops at once with rank 0's verdict, sent in a broadcast, naming where the real error is
+    (not as a lost connection, nor at ddp_timeout under NCCL), and the launch ends promptly."""
+    wrapper, out = tmp_path / "outputs_fail.py", tmp_path / "out"
+    wrapper.write_text(RANK0_OUTPUTS_FAIL.format(repo=str(REPO), what=what))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    t0 = time.time()
+    r = run_group([*torchrun, wrapper, *TINY, *data_args(synth), f"--out_dir={out}",
+                   "--gradient_accumulation_steps=2", "--ddp_timeout=600"], 120, cwd=REPO,
+                  env=ENV)
+    assert time.time() - t0 < 110                # (ddp_timeout is 600)
+    rank0 = ("error: --log=wandb: W&B could not start a run in project 'tiny' (CommError: project "
+             "tiny not found)" if what == "wandb" else "OSError: [Errno 5] Input/output error")
+    assert r.returncode != 0 and r.stderr.count(rank0) == 1, r.stderr[-3000:]
+    assert r.stderr.count("error: rank 0 could not start its loggers or run files (its error is "
+                          "above)\n") == 1, r.stderr[-3000:]
+    assert "stopped responding" not in r.stderr, r.stderr[-3000:]
+    assert not (out / "metrics.jsonl").exists()
+
+
 SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM}
 
 
