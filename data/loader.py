@@ -138,7 +138,7 @@ class Batches:
     def __init__(self, path, np_dtype, block_size, batch_size, seed, device, mask_path=None):
         self.path, self.np_dtype, self.mask_path = path, np_dtype, mask_path
         self.T, self.B, self.seed, self.device = block_size, batch_size, seed, device
-        n = len(np.memmap(path, dtype=np_dtype, mode='r'))
+        self.n = n = len(np.memmap(path, dtype=np_dtype, mode='r'))
         # window k reads tokens k·T + shift .. k·T + shift + T, shift < T: n ≥ (k + 2)·T
         self.n_windows = (n - block_size) // block_size
         if self.n_windows < 1:
@@ -194,10 +194,11 @@ class Batches:
 
     def eval_batches(self, n, split_seed, eval_seed=1337):
         """n fixed random batches, the same at every eval and, for a given eval_seed, in every run
-        whatever its training seed, so evals and runs are comparable."""
+        whatever its training seed, so evals and runs are comparable. Their windows start anywhere
+        a (block_size+1)-token window fits, so every token of the split can be a target."""
         g = torch.Generator().manual_seed(eval_seed * 7919 + split_seed)
-        hi = (self.n_windows - 1) * self.T + 1
-        return [torch.randint(0, hi, (self.B,), generator=g).numpy() for _ in range(n)]
+        return [torch.randint(0, self.n - self.T, (self.B,), generator=g).numpy()
+                for _ in range(n)]
 
 
 def open_splits(meta, block_size, batch_size, seed, device):

@@ -94,6 +94,20 @@ def test_batches_rejects_too_short_file(tmp_path):
     assert loader.Batches(str(path), np.uint16, 32, 4, 0, torch.device("cpu")).n_windows == 1
 
 
+@pytest.mark.parametrize("n", [8, 11, 12, 13, 40])
+def test_eval_windows_start_wherever_a_window_fits(tmp_path, n):
+    """T = 4: eval starts cover 0 .. n - T - 1, every start whose T + 1 tokens fit, so every token
+    can be a target; a split of one training window's worth (n < 3T) is not evaluated on one
+    window again and again."""
+    path = tmp_path / "tok.bin"
+    np.arange(n, dtype=np.uint16).tofile(path)
+    b = loader.Batches(str(path), np.uint16, 4, 64, 0, torch.device("cpu"))
+    starts = np.concatenate(b.eval_batches(20, 2))
+    assert sorted(set(starts.tolist())) == list(range(n - 4))
+    x, y = b.fetch(starts)
+    assert int(y.max()) == n - 1 and torch.equal(x[:, 1:], y[:, :-1])
+
+
 @pytest.mark.parametrize("n, windows", [(12, 2), (13, 2), (15, 2), (16, 3)])
 def test_every_window_that_fits_every_shift_is_read(tmp_path, n, windows):
     """n tokens, T = 4: k windows at starts k*T + shift (shift < T) read up to token k*T + 2T - 1,
