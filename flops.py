@@ -103,9 +103,9 @@ def _last_layers_step_flops(config, T):
 
 def lora_options(run):
     """train_step_flops' LoRA keywords from a training config (train.py's keys: a dict or a
-    namespace)."""
-    get = run.get if isinstance(run, dict) else lambda k: getattr(run, k)
-    return dict(lora_rank=get('lora_rank'), lora_targets=get('lora_targets'))
+    namespace; a key it lacks takes train.py's default)."""
+    run = run if isinstance(run, dict) else vars(run)
+    return {k: run.get(k, default) for k, default in LORA_DEFAULTS.items()}
 
 
 def oracle_flops(config, T, **options):
@@ -114,8 +114,11 @@ def oracle_flops(config, T, **options):
     return family_of(config).oracle_flops(config, T, **options)
 
 
-def train_step_flops(config, T, trainable='all', lora_rank=8, lora_targets=DEFAULT_TARGETS,
-                     **options):
+LORA_DEFAULTS = dict(lora_rank=8, lora_targets=DEFAULT_TARGETS)     # train.py's
+
+
+def train_step_flops(config, T, trainable='all', lora_rank=LORA_DEFAULTS['lora_rank'],
+                     lora_targets=LORA_DEFAULTS['lora_targets'], **options):
     """FLOPs of one training step on one sequence: forward, backward and oracle passes, counted the
     way autograd runs them. trainable='all' (joint), 'controller' (frozen backbone: the backward
     computes activation gradients only, and nothing below the first router in the loss graph),

@@ -435,7 +435,7 @@ class FFNRouting(Family):
                                             # gradient?
         w = 2 if joint else 1               # backbone matmuls: input grad (+ weight grad when
                                             # trainable)
-        bwd, body = 0, 0                    # per token (cheap FFNs, gates, head); blocks: all
+        bwd, body = 0, 0                    # per token (cheap FFNs, gates, head); body: all T
         for layer in range(config.n_layer):
             kind = config.ffn_gate if layer in ids else 'static_full'
             attn, mid = attention_backward(config, layer, T, c['attn_core'], stream, w, adapters)

@@ -180,7 +180,7 @@ class TokenSelectiveAttention(Family):
         routers_train = trainable != 'lora'
         stream = joint                  # does the residual stream entering this layer need a
                                         # gradient?
-        bwd, body = 0, 0               # per token (routers, head); the blocks' in all
+        bwd, body = 0, 0                # per token (routers, head); body: the blocks', all T
         for layer in range(L):
             keep = False                # does keep = 1 − p need a gradient?
             if layer > 0:

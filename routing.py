@@ -160,8 +160,8 @@ class Family:
         return total + (T * w * c['head'] if stream else 0)
 
     def adapter_forward_flops(self, config, T, adapters, **options):
-        """Forward FLOPs of the LoRA adapters (lora.py) in a training step's forward, no-grad passes
-        beside it included (oracle_flops' leave them to this): each block's on every token."""
+        """Forward FLOPs of the LoRA adapters (lora.py) in the passes forward_flops(mode='train')
+        counts (oracle_flops counts them in its own): each block's on every token."""
         return sum(adapter_flops(config, adapters, layer, BLOCK_PROJECTIONS, T)
                    for layer in range(config.n_layer))
 
@@ -418,8 +418,7 @@ BLOCK_PROJECTIONS = ('attn.c_attn', 'attn.c_proj', 'mlp.c_fc', 'mlp.c_proj')
 @dataclass(frozen=True)
 class Adapters:
     """LoRA as the FLOPs hooks see it: the adapters' rank, and per block the projections (of
-    BLOCK_PROJECTIONS) they adapt. Adapters on other modules (a gate, an exit head) are not
-    counted."""
+    BLOCK_PROJECTIONS) they adapt (train.py refuses targets that name other modules)."""
     rank: int
     adapted: tuple      # one frozenset of projection names per block
 

@@ -14,9 +14,9 @@ import loggers
 from checkpoint import CheckpointError, check_init_from
 from configurator import UserError, given_keys, writable_folder
 from data.loader import check_checkpoint_data, check_data_folder
-from lora import check_targets
+from lora import check_targets, matching
 from model import FAMILIES, GPT, GPTConfig, read_stored_config
-from routing import adapters_of
+from routing import BLOCK_PROJECTIONS, adapters_of
 
 RUN_FILES = ('ckpt.pt', 'metrics.jsonl', 'config.json', 'run_info.json')    # what a run writes
 TRAINABLE = ('all', 'controller', 'last_layers', 'lora', 'controller+lora', 'draft')
@@ -103,7 +103,8 @@ def check_train_config(cfg):
 
 def check_lora_options(cfg):
     """LoRA's rank, alpha and dropout ranges, and targets that name projections this model has
-    (checked on a shape-only copy of the model: nothing is allocated), whatever `trainable`."""
+    (checked on a shape-only copy of the model: nothing is allocated), whatever `trainable`; under
+    LoRA, targets that name block projections only, some of which run in training."""
     if not 1 <= cfg.lora_rank <= 8192:
         raise TrainError(f"lora_rank must be in 1..8192, got {cfg.lora_rank}")
     if not 0 < cfg.lora_alpha < float('inf'):
@@ -111,14 +112,28 @@ def check_lora_options(cfg):
     if not 0 <= cfg.lora_dropout < 1:
         raise TrainError(f"lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
     config = model_config(cfg, vocab_size=64)
+    model = shape_only_model(config)
     try:
-        check_targets(shape_only_model(config), cfg.lora_targets)
+        check_targets(model, cfg.lora_targets)
     except ValueError as e:
         raise TrainError(str(e)) from None
+    if 'lora' not in cfg.trainable.split('+'):
+        return
+    # LoRA adapts the backbone: the blocks' four projections, which the FLOPs count; a family's own
+    # modules (gates, routers, cheap FFNs, exit heads) are its controller's to train
+    block = {f'transformer.h.{layer}.{p}' for layer in range(config.n_layer)
+             for p in BLOCK_PROJECTIONS}
+    others = sorted({n for hits in matching(model, cfg.lora_targets).values() for n in hits}
+                    - block)
+    if others:
+        raise TrainError(f"lora_targets={cfg.lora_targets!r} names {others[0]}"
+                         f"{f' and {len(others) - 1} more' if len(others) > 1 else ''}, not a "
+                         f"block projection: LoRA adapts {', '.join(BLOCK_PROJECTIONS)} (e.g. "
+                         "'mlp.c_fc', not 'c_fc'); a family's own modules train with "
+                         "trainable=controller or controller+lora")
     # where the adapters run, as the FLOPs count it: nowhere means a loss that reaches no adapter
     adapters = adapters_of(config, cfg.lora_rank, cfg.lora_targets)
-    if 'lora' in cfg.trainable.split('+') and not FAMILIES[config.route].adapter_forward_flops(
-            config, config.block_size, adapters):
+    if not FAMILIES[config.route].adapter_forward_flops(config, config.block_size, adapters):
         raise TrainError(f"lora_targets={cfg.lora_targets!r} adapts only projections this model "
                          "never runs in training (e.g. the full FFN under ffn_gate="
                          "'static_cheap'): name projections that run, e.g. 'attn.c_attn'")

@@ -107,6 +107,9 @@ def test_a_target_that_names_nothing_is_refused_with_the_names_there_are():
     ('--lora_alpha=0', 'lora_alpha must be > 0'),
     ('--lora_dropout=1.0', 'lora_dropout must be in'),
     ('--trainable=loRA', 'trainable must be one of'),
+    # (the default route is ffn: its cheap FFNs' c_fc and its gates are no block projections)
+    ('--lora_targets=c_fc', "names transformer.h.0.cheap.c_fc and 3 more, not a block projection"),
+    ('--lora_targets=mlp.c_fc,gate.fc', 'names transformer.h.0.gate.fc and 3 more'),
 ])
 def test_train_refuses_bad_lora_options_before_any_work(tmp_path, arg, needle):
     out = tmp_path / 'out'
@@ -264,6 +267,7 @@ def test_lora_step_flops_equal_the_counter():
     run = dict(train.DEFAULTS, lora_rank=5, lora_targets='attn.c_proj,mlp.c_fc')
     assert 2 * flops.train_step_flops(model.config, 24, 'lora',
                                       **flops.lora_options(run))['total'] == exact
+    assert flops.LORA_DEFAULTS == {k: train.DEFAULTS[k] for k in flops.LORA_DEFAULTS}
     other = 2 * flops.train_step_flops(model.config, 24, 'lora', lora_rank=5)['total']
     assert abs(other - exact) > 0.05 * exact        # the targets matter: every projection's
     frozen = 2 * flops.train_step_flops(model.config, 24, 'controller')['total']   # no backward
