@@ -389,6 +389,15 @@ def load_docs(path, max_docs):
         wrong = None
     else:
         texts, wrong = split_txt_docs(decode_utf8(raw, path)), None
+    docs = first_documents(texts, max_docs, wrong)
+    if not docs:
+        raise PrepareError(f"{path} holds no documents")
+    return raw, docs
+
+
+def first_documents(texts, max_docs, wrong=None):
+    """The first max_docs of texts that hold more than whitespace (the --max_docs rule of every
+    source); a text that is not a string: PrepareError(wrong(text))."""
     docs = []
     for text in texts:
         if len(docs) == max_docs:
@@ -397,9 +406,7 @@ def load_docs(path, max_docs):
             raise PrepareError(wrong(text))
         if text.strip():
             docs.append(text)
-    if not docs:
-        raise PrepareError(f"{path} holds no documents")
-    return raw, docs
+    return docs
 
 
 def json_text(line, where):
@@ -424,7 +431,8 @@ def stream_fineweb_edu(max_docs):
     ds = load_dataset(
         "HuggingFaceFW/fineweb-edu", name="sample-10BT", split="train", streaming=True
     )
-    docs = [row["text"] for _, row in zip(range(max_docs), ds)]
+    docs = first_documents((row["text"] for row in ds if row["text"] is not None), max_docs,
+                           lambda t: f"fineweb-edu: a `text` of {type(t).__name__}, not a string")
     return "\n<|endoftext|>\n".join(docs).encode("utf-8"), docs
 
 

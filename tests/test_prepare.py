@@ -343,6 +343,16 @@ def test_max_docs_counts_only_documents_with_text_in_every_format(tmp_path):
         assert docs == ["one", "two"], name
 
 
+def test_max_docs_counts_only_documents_with_text_when_streamed(monkeypatch):
+    """The hub stream (fineweb_edu without --input) takes --max_docs by the same rule."""
+    import types
+    rows = [{"text": t} for t in ["", None, " \n", "one", "two", "three"]]
+    stub = types.SimpleNamespace(load_dataset=lambda *a, **k: iter(rows))
+    monkeypatch.setitem(sys.modules, "datasets", stub)
+    raw, docs = P.stream_fineweb_edu(2)
+    assert docs == ["one", "two"] and raw == b"one\n<|endoftext|>\ntwo"
+
+
 def test_jsonl_lines_end_at_newlines_only(tmp_path):
     """JSON may hold U+2028, U+0085 or U+001C unescaped inside a string (json.dumps with
     ensure_ascii=False writes them so): they are text, not line ends."""
