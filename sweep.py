@@ -125,6 +125,7 @@ import numpy as np
 
 from configurator import (SMOKE_ENV, ConfigError, UserError, asks_help, load_config, parse_value,
                           print_help, run_cli, source_group, writable_folder)
+from data.loader import EVAL_WINDOWS
 from files import write_whole
 from plots import mean_std, read_metrics, run_metrics, train_lm_curve, write_plots
 import progress
@@ -326,8 +327,8 @@ def run_before(stages, root, jobs, children):
 
 def measure_room(study, root, children=None):
     """eval.py --room on each seed's backbone (the study's room_ckpt, '{seed}' replaced), cached in
-    out_root/room/seed<s>.json with the checkpoint's mtime and eval.py's arguments (a retrained
-    backbone, or other room_args, is measured again);
+    out_root/room/seed<s>.json with the checkpoint's mtime, eval.py's arguments and the eval
+    windows' version (a retrained backbone, other room_args or other windows: measured again);
     {seed: report} ({} when no seed could be measured), or None when the study names no
     room_ckpt. After a stop (children.signum) nothing more is measured."""
     if not study.get('room_ckpt'):
@@ -343,7 +344,8 @@ def measure_room(study, root, children=None):
             continue
         cached = json.load(open(path)) if os.path.exists(path) else {}
         args = [f'--ckpt={ckpt}', '--room', '--json', *study.get('room_args', [])]
-        if cached.get('ckpt_mtime') != os.path.getmtime(ckpt) or cached.get('eval_args') != args:
+        if (cached.get('ckpt_mtime') != os.path.getmtime(ckpt) or cached.get('eval_args') != args
+                or cached.get('eval_windows') != EVAL_WINDOWS):
             if stopping(children):
                 break
             res = subprocess.run(
@@ -361,7 +363,7 @@ def measure_room(study, root, children=None):
                 )
                 continue
             cached = dict(json.loads(res.stdout), ckpt_mtime=os.path.getmtime(ckpt),
-                          eval_args=args)
+                          eval_args=args, eval_windows=EVAL_WINDOWS)
             write_whole(path, lambda f: json.dump(cached, f))
         out[s] = cached
     return out
@@ -745,7 +747,8 @@ def matched_compute(study, results, ref_row, loss='final_val_loss'):
 
 def score_run(study, out_dir, jobs=1, children=None):
     """The study's score command's JSON for a finished run (cached in <run>/score.json with the
-    checkpoint's mtime and the command: a retrained run, or another command, is scored again); {}
+    checkpoint's mtime, the command and the eval windows' version: a retrained run, another command
+    or other windows is scored again); {}
     when the study has none, or with a note on stderr when it failed. jobs: how many score
     commands run at once (their threads shared as train.py runs share them). After a stop
     (children.signum) no score command starts."""
@@ -760,7 +763,8 @@ def score_run(study, out_dir, jobs=1, children=None):
     mtime = os.path.getmtime(ckpt) if os.path.exists(ckpt) else None
     command = [a.replace('{run}', out_dir).replace('{ckpt}', ckpt) for a in study['score']]
     cached = json.load(open(path)) if os.path.exists(path) else {}
-    if cached.get('ckpt_mtime') != mtime or cached.get('score_command') != command:
+    if (cached.get('ckpt_mtime') != mtime or cached.get('score_command') != command
+            or cached.get('eval_windows') != EVAL_WINDOWS):
         if stopping(children):
             return {}
         argv = command
@@ -768,7 +772,8 @@ def score_run(study, out_dir, jobs=1, children=None):
             argv = [sys.executable, os.path.join(HERE, argv[0]), *argv[1:]]
         res = subprocess.run(argv, capture_output=True, text=True, cwd=HERE, env=child_env(jobs))
         try:
-            cached = dict(json.loads(res.stdout), ckpt_mtime=mtime, score_command=command)
+            cached = dict(json.loads(res.stdout), ckpt_mtime=mtime, score_command=command,
+                          eval_windows=EVAL_WINDOWS)
         except json.JSONDecodeError:
             res.returncode = res.returncode or 1
         if res.returncode:
@@ -820,7 +825,7 @@ def room_verdict(study, room, ref_row):
             k
             for r in room.values()
             for k, v in r.items()
-            if isinstance(v, (int, float)) and k != 'ckpt_mtime'
+            if isinstance(v, (int, float)) and k not in ('ckpt_mtime', 'eval_windows')
         }
     )
     out = {k: dict(zip(('mean', 'std'), mean_std([room[s].get(k) for s in measured])),
@@ -1245,8 +1250,8 @@ def estimate_seconds(runs, measured):
             mcfg = train.model_config(SimpleNamespace(**cfg), vocab_size=vocab)
         T, seqs = cfg['block_size'], cfg['batch_size'] * cfg['gradient_accumulation_steps']
         lora = flops.lora_options(cfg)
-        step = flops.train_step_flops(mcfg, T, cfg['trainable'], **lora)['total']  # as timed: no
-                                                                                   # options
+        # as timed: without the family's step options
+        step = flops.train_step_flops(mcfg, T, cfg['trainable'], **lora)['total']
         # the run's own steps carry the family's step options (oracle layers, an exit rotation):
         # their mean cost over its first steps (the options repeat or are drawn uniformly)
         model, run = shape_only_model(mcfg), SimpleNamespace(**cfg)

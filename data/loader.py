@@ -125,6 +125,11 @@ def check_checkpoint_data(cfg, meta, ckpt, keys=None):
             )
 
 
+# which windows Batches.eval_batches draws: raised when that changes, so that an eval figure cached
+# under another value (sweep.py's room and score caches) is computed again
+EVAL_WINDOWS = 2
+
+
 class Batches:
     """Stateless, exactly reproducible sampler. Training windows are the (block_size+1)-token
     slices of the token file that start every block_size tokens (their inputs are disjoint; one

@@ -1430,6 +1430,15 @@ def test_room_and_scores_are_computed_again_when_their_command_changes(tmp_path,
     assert sweep.score_run(other, str(run)) == dict(accuracy=4) and calls[-1][-1] == '--split=test'
     assert sweep.score_run(study, str(zero)) == dict(accuracy=5) and calls[-1][-1] == '--ckpt=gpt2'
     assert sweep.score_run(study, str(zero)) == dict(accuracy=5) and len(calls) == 5
+    # eval figures drawn from other eval windows (another EVAL_WINDOWS) are computed again
+    monkeypatch.setattr(sweep, 'EVAL_WINDOWS', sweep.EVAL_WINDOWS + 1)
+    assert sweep.score_run(study, str(zero)) == dict(accuracy=6) and len(calls) == 6
+    room = sweep.measure_room(dict(study, room_ckpt=str(tmp_path / 'bb.pt'), seeds=[1]),
+                              str(tmp_path))[1]
+    assert len(calls) == 7 and 'eval_windows' in room
+    no_metric = {m: dict(mean=None) for m in ('causal_val_loss', 'final_val_loss')}
+    assert 'eval_windows' not in sweep.room_verdict(dict(seeds=[1]), {1: room},
+                                                    no_metric)['values']
 
 
 @pytest.mark.parametrize('line,name,close', [
