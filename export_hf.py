@@ -69,13 +69,18 @@ def check_config(argv):
                           "exist; create that folder or name another --to")
     writable_folder(to, 'to')
     # export() writes first in a temporary folder there: a writable --to is not enough
-    writable_folder(staging_folder(to), 'to',
-                    label=f"--to={to} (written first in a temporary folder beside it)")
+    staging = staging_folder(to)
+    where = 'inside' if staging == os.path.realpath(to) else 'beside'     # (a mount point: inside)
+    writable_folder(staging, 'to', label=f"--to={to} (written first in a temporary folder {where} "
+                                         "it)")
     if os.path.isfile(os.path.join(to, 'ckpt.pt')):     # --overwrite or not
         raise ConfigError(f"--to={to} holds a training run (ckpt.pt), whose config.json "
                           "the export would replace; export into a folder of its own, e.g. "
                           f"--to={os.path.join(to, 'hf')}")
-    if os.path.isdir(to) and os.listdir(to) and not cfg['overwrite']:
+    # (an export stopped in a mount point leaves its temporary folder there: not the user's files)
+    held = [n for n in os.listdir(to) if not n.startswith(STAGING_PREFIX)] if os.path.isdir(to) \
+        else []
+    if held and not cfg['overwrite']:
         raise ConfigError(f"--to={to} already holds files; pick another folder or pass "
                           "--overwrite=True (files of the same names are replaced)")
     path = os.path.join(cfg['out_dir'], 'ckpt.pt')
@@ -83,6 +88,9 @@ def check_config(argv):
         raise ConfigError(f"no checkpoint at {path}; --out_dir names a run folder, e.g. "
                           "--out_dir=out/quickstart")
     return cfg
+
+
+STAGING_PREFIX = '.export-'          # export()'s temporary folder
 
 
 def staging_folder(to):
@@ -157,7 +165,7 @@ def export(model, to, tokenizer=None, check=None):
         raise RuntimeError(f"export_hf: GPT-2 did not take {missing + unexpected}")
     parent = staging_folder(to)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix='.export-', dir=parent)
+    tmp = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=parent)
     try:
         hf.save_pretrained(tmp, safe_serialization=True)
         if check is not None:

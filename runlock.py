@@ -77,11 +77,15 @@ def lock_folder(folder, option='out_dir'):
     except NoFlock as e:               # run unlocked, saying so
         print(f"note: {option} {folder} could not be locked ({e}); a second run writing there at "
               f"the same time would not be refused", file=sys.stderr)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)    # (locked_fd made it, then closed it)
-        try:
-            stamp, st = sign(fd), os.fstat(fd)
-        finally:
-            os.close(fd)
+        try:                           # sign the file anyway, so that release() knows it
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                stamp, st = sign(fd), os.fstat(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise UserError(f"cannot create the lock file {path} ({e.strerror}); choose an "
+                            f"{option} you can write to") from None
         return FolderLock(None, path, created, mine=(st.st_dev, st.st_ino, stamp))
     except OSError as e:
         raise UserError(f"cannot create the lock file {path} ({e.strerror}); choose an {option} "

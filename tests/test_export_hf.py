@@ -276,9 +276,11 @@ def test_a_to_that_is_a_mount_point_is_written_through_a_temporary_folder_inside
     monkeypatch.setattr(os.path, 'ismount', lambda p: os.path.realpath(p) == mount
                         or real_ismount(p))
     monkeypatch.setattr(os, 'replace', replace)
+    # an earlier export killed mid-write left its temporary folder there: not files of the user's
+    os.makedirs(os.path.join(mount, export_hf.STAGING_PREFIX + 'killed'))
     export_hf.main([f'--out_dir={run}', f'--to={tmp_path / "hf"}', '--check=False'])
-    assert sorted(os.listdir(mount)) == ['config.json', 'generation_config.json',
-                                         'model.safetensors']
+    assert sorted(os.listdir(mount)) == [export_hf.STAGING_PREFIX + 'killed', 'config.json',
+                                         'generation_config.json', 'model.safetensors']
     assert sorted(p.name for p in tmp_path.iterdir()) == ['hf', 'run']
     idx = torch.randint(0, TINY['vocab_size'], (1, 8))
     torch.testing.assert_close(hf_logits(mount, idx), ours(model, idx), rtol=0, atol=1e-4)
