@@ -26,7 +26,7 @@ import torch
 from checkpoint import load_checkpoint, load_model
 from configurator import (ConfigError, asks_help, declared_defaults, load_config, print_help,
                           refuse_spaced_values, require_checkpoint_file, run_cli, source_group)
-from data.loader import (VOCAB_IDENTITY, check_checkpoint_data, load_dataset_meta,
+from data.loader import (VOCAB_IDENTITY, check_checkpoint_data, check_data, load_dataset_meta,
                          load_tokenizer)
 from device import cli_device
 from model import FAMILIES, read_stored_config
@@ -118,6 +118,9 @@ def parse_args(argv):
         raise ConfigError(f"--split must be val or test, got {args['split']!r}")
     if args['limit'] < 0 or args['batch_size'] < 1:
         raise ConfigError("--limit must be >= 0 (0: every problem) and --batch_size >= 1")
+    if args['data_dir'] and not os.path.isdir(args['data_dir']):
+        raise ConfigError(f"--data_dir={args['data_dir']} is not a folder; give the folder that "
+                          "holds the prepared task (arith.py prepares no data)")
     cli_device(args['device'])
     return args, as_json
 
@@ -137,6 +140,9 @@ def main(argv):
     meta = load_dataset_meta(cfg, master=True, prepare_missing=False)   # only training prepares
     # another task: only its token ids must mean what they meant in training
     check_checkpoint_data(cfg, meta, ck, keys=VOCAB_IDENTITY if args['dataset'] else None)
+    # intact, as eval.py checks: a token id past the vocabulary would crash the model, and a changed
+    # loss mask would silently score other problems
+    check_data(cfg, meta, ck, skip_option=False)
     if not meta.get('loss_mask') or f"{args['split']}.bin" not in meta['files']:
         raise ConfigError(f"data/{cfg.dataset} has no {args['split']} problems with answers; "
                           f"exact match needs a task such as python data/prepare.py arith")

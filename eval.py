@@ -246,8 +246,12 @@ def draw_routing_map(path, grid, tokens, by_class=None):
         ax.set_xticks(range(len(layers)), [f'L{l}' for l in layers])
         ax.set_yticks(range(len(by_class)), list(by_class))
         ax.set_title('full-path fraction per class of the target token', fontsize=9)
-        paths.append(save_figure(plt, fig, os.path.splitext(path)[0] + '_by_class.png'))
+        paths.append(save_figure(plt, fig, by_class_path(path)))
     return paths
+
+
+def by_class_path(path):
+    return os.path.splitext(path)[0] + '_by_class.png'
 
 
 def save_figure(plt, fig, path):
@@ -352,6 +356,11 @@ def parse_args(argv):
     if routing:             # the PNG, where named or beside the checkpoint: a writable .png path
         args['out'] = args['out'] or os.path.join(os.path.dirname(args['ckpt']), 'routing_map.png')
         writable_file(args['out'], 'out', suffix='.png')
+        by_class = by_class_path(args['out'])        # the second PNG, written after the first
+        if os.path.isdir(by_class) or (os.path.exists(by_class)
+                                       and not os.access(by_class, os.W_OK)):
+            raise ConfigError(f"--out={args['out']}: {by_class}, where the per-class PNG goes, is "
+                              "a folder or not writable; choose another --out")
     cli_device(args['device'], args['dtype'])
     if not os.path.isfile(args['ckpt']):         # after the options: their errors come first
         raise ConfigError(f"--ckpt={args['ckpt']} is not a checkpoint file; name one, e.g. "
@@ -380,7 +389,7 @@ def main(argv):
         cfg.data_dir = args['data_dir'] or cfg.data_dir
         meta = load_dataset_meta(cfg, master=True, prepare_missing=False)   # only training prepares
         check_checkpoint_data(cfg, meta, ck)      # the data must be the run's (names the field)
-        check_data(cfg, meta, ck)                 # and intact: sha256 and token ids
+        check_data(cfg, meta, ck, skip_option=False)   # and intact: sha256 and token ids
         model = load_model(ck, dev)
         tr, va = open_splits(
             meta, cfg.block_size, args['batch_size'] or cfg.batch_size, cfg.seed, dev

@@ -77,16 +77,18 @@ def load_dataset_meta(cfg, master, prepare_missing=True):
     return meta
 
 
-def check_data(cfg, meta, ckpt):
+def check_data(cfg, meta, ckpt, skip_option=True):
     """Token ids within the vocabulary and, with verify_data, the files' bytes equal to meta.json's
-    sha256 (a same-size corruption or a half-finished re-prepare passes the size check alone)."""
+    sha256 (a same-size corruption or a half-finished re-prepare passes the size check alone).
+    skip_option: the caller takes --verify_data (train.py), so the error may offer it."""
     if not cfg.verify_data:
         return
     try:
         prep.verify_checksums(meta['folder'], meta)
         prep.check_token_ids(meta['folder'], meta, meta['vocab_size'], "meta.json's vocab_size")
     except prep.PrepareError as e:
-        raise DataError(f"{e} (or skip this check with --verify_data=False)") from None
+        skip = ' (or skip this check with --verify_data=False)' if skip_option else ''
+        raise DataError(f"{e}{skip}") from None
 
 
 def data_identity(meta):

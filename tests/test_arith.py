@@ -174,3 +174,40 @@ def test_a_backbone_fine_tunes_on_the_task_written_in_its_vocabulary(tmp_path):
         arith.main([f'--ckpt={tmp_path / "backbone" / "ckpt.pt"}', '--dataset=own', *score])
     with pytest.raises(UserError, match="has no test problems"):
         arith.main([f'--ckpt={tmp_path / "backbone" / "ckpt.pt"}', *score])
+
+
+def task_checkpoint(root, meta, path):
+    """A hand-made checkpoint of a tiny dense model on the task in root (no training)."""
+    from model import GPT, GPTConfig
+    margs = dict(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=meta['vocab_size'],
+                 route='none')
+    torch.save(dict(model=GPT(GPTConfig(**margs)).state_dict(), model_args=margs,
+                    config=dict(dataset='arith', data_dir=str(root))), path)
+    return path
+
+
+@pytest.mark.parametrize('damage', ['token_past_vocab', 'mask_cleared'])
+def test_cli_refuses_damaged_task_data_in_one_line(task, tmp_path, damage):
+    """A test split changed since it was prepared is refused by its sha256, naming the file, as
+    eval.py refuses it: neither an IndexError deep in the model nor a score of 0 problems."""
+    import shutil
+    import numpy as np
+    root, meta = task
+    shutil.copytree(root / 'arith', tmp_path / 'data' / 'arith')
+    folder = tmp_path / 'data' / 'arith'
+    ckpt = task_checkpoint(tmp_path / 'data', meta, tmp_path / 'ckpt.pt')
+    name, dtype = (('test.bin', meta['dtype']) if damage == 'token_past_vocab'
+                   else ('test_loss_mask.bin', np.uint8))
+    values = np.fromfile(folder / name, dtype=dtype)
+    values[:] = 60000 if damage == 'token_past_vocab' else 0     # same size: only sha256 tells
+    values.tofile(folder / name)
+    with pytest.raises(UserError, match=f"{name} does not match its sha256") as e:
+        arith.main([f'--ckpt={ckpt}', '--device=cpu', '--json'])
+    assert '\n' not in str(e.value) and 'verify_data' not in str(e.value)   # not its option
+
+
+def test_cli_refuses_a_data_dir_that_is_not_a_folder(task, tmp_path):
+    root, meta = task
+    ckpt = task_checkpoint(root, meta, tmp_path / 'ckpt.pt')
+    with pytest.raises(UserError, match=r'--data_dir=.*ckpt.pt is not a folder'):
+        arith.main([f'--ckpt={ckpt}', f'--data_dir={ckpt}', '--device=cpu'])

@@ -222,3 +222,16 @@ def test_eval_json_on_a_terminal_is_the_same_object_with_a_bar_beside_it(run, mo
         results[quiet] = json.loads(sys.stdout.getvalue())     # the whole of stdout
         assert ('val loss:   0%' in sys.stderr.getvalue()) == (quiet == 'False')
     assert results['False'] == results['True']
+
+
+def test_routing_map_refuses_a_folder_where_its_per_class_png_goes(tmp_path):
+    """--routing_map writes <out>_by_class.png after <out>: a folder there is refused before any
+    work, not met after the first PNG is written."""
+    ckpt = tmp_path / 'ckpt.pt'
+    ckpt.write_bytes(b'not read by the option checks')
+    (tmp_path / 'map_by_class.png').mkdir()
+    with pytest.raises(UserError, match=r"map_by_class.png, where the per-class PNG goes, is a "
+                                        r"folder") as e:
+        ev.parse_args([f'--ckpt={ckpt}', '--routing_map', f"--out={tmp_path / 'map.png'}",
+                       '--device=cpu'])
+    assert '\n' not in str(e.value) and not (tmp_path / 'map.png').exists()
