@@ -40,7 +40,7 @@ import numpy as np
 
 import flops
 from checkpoint import CheckpointError, load_checkpoint
-from configurator import ConfigError, asks_help, print_help, run_cli
+from configurator import ConfigError, asks_help, print_help, run_cli, writable_folder
 from files import write_whole
 from model import FAMILIES, GPTConfig
 
@@ -77,7 +77,7 @@ def read_metrics(out_dir):
             except ValueError:      # a record cut short (a full disk, a kill mid-write): resume
                                     # drops it too
                 continue
-            if not rec.get('eval_only'):
+            if isinstance(rec, dict) and not rec.get('eval_only'):    # a non-object: as resume
                 out.append(rec)
     return out
 
@@ -113,15 +113,28 @@ def run_metrics(out_dir):
         # under eval (hard) routing
         out['eval_tlops_saved'] = routing['val_loss'].get('tlops_saved')
     out.update(absolute_flops(out_dir, summ, out))
-    try:
-        with open(os.path.join(out_dir, 'run_info.json')) as f:
-            info = json.load(f)
-        out['code'] = (
-            f"{(info.get('git_sha') or 'unknown')[:10]}{'+dirty' if info.get('git_dirty') else ''}"
-        )
-    except FileNotFoundError:
-        out['code'] = 'unknown'
+    info = read_json_object(os.path.join(out_dir, 'run_info.json'))
+    out['code'] = (
+        'unknown' if info is None else
+        f"{(info.get('git_sha') or 'unknown')[:10]}{'+dirty' if info.get('git_dirty') else ''}"
+    )
     return out
+
+
+def read_json_object(path):
+    """The JSON object in a run's file, None where there is no file; a file that is no JSON object
+    (hand-edited, damaged) is one ConfigError naming it."""
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        value = e
+    if not isinstance(value, dict):
+        why = value if isinstance(value, ValueError) else f'a JSON {type(value).__name__}'
+        raise ConfigError(f"{path} is not a JSON object ({why}); restore or remove it")
+    return value
 
 
 def absolute_flops(out_dir, summ, metrics):
@@ -131,12 +144,8 @@ def absolute_flops(out_dir, summ, metrics):
     per token, at the realised routing: the summary's, or for an older summary computed from
     config.json with the vocabulary the checkpoint was built with). Nothing for a run without a
     stored route."""
-    try:
-        with open(os.path.join(out_dir, 'config.json')) as f:
-            stored = json.load(f)
-    except FileNotFoundError:
-        return {}
-    if not summ or stored.get('route') not in FAMILIES:
+    stored = read_json_object(os.path.join(out_dir, 'config.json'))
+    if stored is None or not summ or stored.get('route') not in FAMILIES:
         return {}
     out = (
         {}
@@ -187,8 +196,11 @@ def find_runs(root, arms=None):
     if arms is None:
         try:
             with open(os.path.join(root, 'summary.json')) as f:
-                arms = list(json.load(f)['table'])
-        except (FileNotFoundError, KeyError, ValueError):
+                table = json.load(f)['table']
+            arms = list(table) if isinstance(table, dict) else None
+        except (FileNotFoundError, KeyError, TypeError, ValueError):
+            arms = None
+        if arms is None:        # no summary to order by, or not one sweep.py wrote
             arms = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
     runs = {}
     for arm in arms:
@@ -468,6 +480,10 @@ def main(argv):
         raise ConfigError(
             "usage: python plots.py OUT_ROOT   (a study's out_root, as written by sweep.py)"
         )
+    plots_dir = os.path.join(argv[0], 'plots')      # where the PNGs go: checked before any work
+    if os.path.exists(plots_dir) and not os.path.isdir(plots_dir):
+        raise ConfigError(f"{plots_dir} is a file, where the plots' folder goes; move it away")
+    writable_folder(plots_dir, 'plots', label=f"the plots' folder {plots_dir}")
     write_plots(argv[0])
     return 0
 

@@ -14,6 +14,7 @@ import torch
 import eval as ev
 import plots
 import sweep
+from configurator import ConfigError
 from data import prepare as P
 from model import GPT, GPTConfig
 
@@ -174,6 +175,39 @@ def test_missing_matplotlib_skips_plots_with_one_line(tmp_path, monkeypatch, cap
     out = capsys.readouterr().out
     assert out.strip() == plots.SKIPPED and 'pip install matplotlib' in out
     assert not (tmp_path / 'plots').exists()
+
+
+def test_cli_refuses_a_file_where_the_plots_folder_goes(tmp_path):
+    """OUT_ROOT/plots a file: one line naming it, before any plot, and the file kept."""
+    fake_study(tmp_path)
+    (tmp_path / 'plots').write_text('kept')
+    with pytest.raises(ConfigError, match=r"plots is a file, where the plots' folder goes"):
+        plots.main([str(tmp_path)])
+    assert (tmp_path / 'plots').read_text() == 'kept'
+
+
+@pytest.mark.parametrize('name,text', [('config.json', '{bad'), ('run_info.json', '{bad'),
+                                       ('config.json', '[1, 2]')])
+def test_a_damaged_run_file_is_one_line_naming_it(tmp_path, name, text):
+    fake_study(tmp_path)
+    bad = tmp_path / 'dense' / 'seed1' / name
+    bad.write_text(text)
+    with pytest.raises(ConfigError, match=f"{bad} is not a JSON object") as e:
+        plots.run_metrics(str(bad.parent))
+    assert '\n' not in str(e.value)
+
+
+def test_records_and_summaries_that_are_not_json_objects_are_left_out(tmp_path):
+    """A metrics line that is JSON but no record is dropped, as resume drops it; a summary.json
+    that is no sweep summary orders nothing."""
+    fake_study(tmp_path)
+    metrics = tmp_path / 'dense' / 'seed1' / 'metrics.jsonl'
+    want = plots.read_metrics(str(metrics.parent))
+    metrics.write_text(metrics.read_text() + '[1, 2]\n"x"\nnull\n')
+    assert plots.read_metrics(str(metrics.parent)) == want
+    for summary in ('[1]', '{"table": "dense"}'):
+        (tmp_path / 'summary.json').write_text(summary)
+        assert list(plots.find_runs(str(tmp_path))) == ['dense', 'routed']
 
 
 # --------------------------------------------------------------------------------------------------
