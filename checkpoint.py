@@ -72,7 +72,22 @@ def load_checkpoint(path, map_location='cpu'):
     ]
     if missing:
         raise CheckpointError(f"{path} is not a nanodepth checkpoint (no {', '.join(missing)})")
+    wrong = [k for k in ('model', 'model_args', 'config') if not isinstance(ckpt[k], dict)]
+    if wrong:
+        raise CheckpointError(f"{path} is not a nanodepth checkpoint (its {', '.join(wrong)} "
+                              "not a mapping)")
+    try:                              # what its model_args describe must build here
+        GPTConfig.from_dict(ckpt['model_args'])
+    except (TypeError, ValueError, KeyError) as e:
+        if isinstance(e, UserError):  # (old option names: its own line)
+            raise
+        raise CheckpointError(f"{path}: its model_args describe no model this code builds "
+                              f"({first_line(e)}); use another checkpoint") from None
     return ckpt
+
+
+def first_line(e):
+    return (str(e).splitlines() or [type(e).__name__])[0][:160]
 
 
 def check_init_from(init_from):
@@ -110,12 +125,17 @@ def load_model(ckpt, device):
     device. A LoRA run's adapters (lora.py) are rebuilt from its config, loaded and merged into
     the projections: the model returned is plain, its merged weights W + (alpha / r) · B A."""
     model = GPT(GPTConfig.from_dict(ckpt['model_args']))
-    if has_lora_keys(ckpt['model']):
-        c = ckpt['config']
-        apply_lora(model, c['lora_rank'], c['lora_alpha'], 0.0, c['lora_targets'])
-        model.load_state_dict(ckpt['model'])
-        merge_lora(model)
-        model.requires_grad_(True)         # as a plain checkpoint's model: nothing frozen
-    else:
-        model.load_state_dict(ckpt['model'])
+    try:
+        if has_lora_keys(ckpt['model']):
+            c = ckpt['config']
+            apply_lora(model, c['lora_rank'], c['lora_alpha'], 0.0, c['lora_targets'])
+            model.load_state_dict(ckpt['model'])
+            merge_lora(model)
+            model.requires_grad_(True)         # as a plain checkpoint's model: nothing frozen
+        else:
+            model.load_state_dict(ckpt['model'])
+    except (RuntimeError, KeyError, ValueError) as e:    # weights of another shape or model
+        raise CheckpointError(f"the checkpoint's weights do not fit the model its model_args "
+                              f"describe ({first_line(e)}); use the checkpoint its run saved") \
+            from None
     return model.to(device)

@@ -86,6 +86,42 @@ def test_load_checkpoint_refuses_a_missing_or_foreign_file(tmp_path):
     assert load_checkpoint(str(path))["config"] == {"seed": 3}
 
 
+def tiny_checkpoint():
+    from model import GPT, GPTConfig
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=11))
+    return {"model": model.state_dict(), "model_args": dict(vars(model.config)), "config": {}}
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda c: c.update(config=None), r"is not a nanodepth checkpoint \(its config not a mapping"),
+    (lambda c: c.update(model=[1]), r"\(its model not a mapping\)"),
+    (lambda c: c["model_args"].update(route="bogus"), "its model_args describe no model"),
+    (lambda c: c["model_args"].update(n_layer=-1), "its model_args describe no model"),
+])
+def test_load_checkpoint_refuses_fields_no_model_is_built_from(tmp_path, damage, needle):
+    """Hand-made or foreign checkpoints whose fields are not what a run saves are one line naming
+    the file, not a TypeError or ValueError from deep in the model."""
+    ckpt = tiny_checkpoint()
+    damage(ckpt)
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    with pytest.raises(CheckpointError, match=needle) as e:
+        load_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert str(tmp_path / "ckpt.pt") in str(e.value) and "\n" not in str(e.value)
+
+
+def test_load_model_refuses_weights_of_another_model_in_one_line():
+    """A state dict of another shape, or with torch.compile's '_orig_mod.' prefixes: one line."""
+    from checkpoint import load_model
+    ckpt = tiny_checkpoint()
+    load_model(ckpt, "cpu")                                     # as saved: loads
+    prefixed = dict(ckpt, model={"_orig_mod." + k: v for k, v in ckpt["model"].items()})
+    wider = dict(ckpt, model_args=dict(ckpt["model_args"], n_embd=16, n_head=2))
+    for bad in (prefixed, wider):
+        with pytest.raises(CheckpointError, match="weights do not fit the model") as e:
+            load_model(bad, "cpu")
+        assert "\n" not in str(e.value)
+
+
 def test_remove_stale_temps_removes_only_files_no_live_process_writes(tmp_path):
     """A temp file of a dead writer (a pid above Linux's PID_MAX_LIMIT, 2**22, never runs) goes;
     a live process's (this one's, the parent's) stay, and so do other files."""
