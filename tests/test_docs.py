@@ -163,10 +163,14 @@ def test_a_command_not_run_for_its_twin_gives_options_its_script_has():
 
 @pytest.mark.slow
 def test_every_documented_command_runs_in_order(tmp_path):
+    """torch.compile runs eagerly here (TORCHDYNAMO_DISABLE), as in the config files' chain: a
+    --compile=True command would spend most of its time compiling a 2-step run, and compiled
+    execution has tests of its own (tests/test_compile.py)."""
     twin = lambda command: (f'under smoke the same as `{SAME_UNDER_SMOKE[command]}`'
                             if command in SAME_UNDER_SMOKE else None)
     ran = run_in_order(tmp_path, documented_commands(),
-                       lambda command: skip_reason(command) or twin(command))
+                       lambda command: skip_reason(command) or twin(command),
+                       TORCHDYNAMO_DISABLE='1')
     assert len(ran) >= 12
 
 
