@@ -31,8 +31,7 @@ def save_checkpoint(path, state):
 def write_failed(path, e, what, folder):
     """The CheckpointError of a failed checkpoint write (`what` at path, in folder): a folder this
     user cannot write, or else a full disk (ENOSPC, or torch's zip writer's RuntimeError)."""
-    first_line = str(e).splitlines()[0][:200] if str(e) else ''
-    what = f"could not write {what} {path} ({type(e).__name__}: {first_line})"
+    what = f"could not write {what} {path} ({type(e).__name__}: {first_line(e, 200)})"
     kept = "the previous checkpoint, if any, is kept unchanged"
     if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return CheckpointError(f"{what}: {folder} is not writable by this user; make it "
@@ -64,7 +63,7 @@ def load_checkpoint(path, map_location='cpu'):
                               f"readable (chmod u+r {path}) or run as its owner") from None
     except Exception as e:           # truncated zip, random bytes, pickle errors, ...
         raise CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:160] if str(e) else 'corrupt'}); it is "
+                              f"{first_line(e) or 'corrupt'}); it is "
                               "truncated or "
                               f"corrupt: use another checkpoint or retrain") from None
     missing = [
@@ -82,12 +81,14 @@ def load_checkpoint(path, map_location='cpu'):
         if isinstance(e, UserError):  # (old option names: its own line)
             raise
         raise CheckpointError(f"{path}: its model_args describe no model this code builds "
-                              f"({first_line(e)}); use another checkpoint") from None
+                              f"({first_line(e) or type(e).__name__}); use another checkpoint") \
+            from None
     return ckpt
 
 
-def first_line(e):
-    return (str(e).splitlines() or [type(e).__name__])[0][:160]
+def first_line(e, limit=160):
+    """The first line of an exception's message, cut to `limit` characters ('' for none)."""
+    return (str(e).splitlines() or [''])[0][:limit]
 
 
 def check_init_from(init_from):
@@ -136,6 +137,7 @@ def load_model(ckpt, device):
             model.load_state_dict(ckpt['model'])
     except (RuntimeError, KeyError, ValueError) as e:    # weights of another shape or model
         raise CheckpointError(f"the checkpoint's weights do not fit the model its model_args "
-                              f"describe ({first_line(e)}); use the checkpoint its run saved") \
+                              f"describe ({first_line(e) or type(e).__name__}); use the checkpoint "
+                              "its run saved") \
             from None
     return model.to(device)

@@ -29,7 +29,7 @@ import torch.nn as nn
 
 import losses
 from gates import capacity, topk_mask
-from routing import BLOCK_PROJECTIONS, Family, RouteCtx, adapter_flops, training_flags
+from routing import BLOCK_PROJECTIONS, Family, RouteCtx, adapter_flops_per_layer, training_flags
 
 
 def no_dropout(model):
@@ -194,10 +194,8 @@ def oracle_flops(family, config, T, c, oracle_layers, adapters=None):
     (routing.Adapters) run wherever their projections do (every block's, full or routed)."""
     if not oracle_layers:
         return 0
-    lora = [adapter_flops(config, adapters, layer, BLOCK_PROJECTIONS, 1)
-            for layer in range(config.n_layer)]
-    lora_mlp = [adapter_flops(config, adapters, layer, BLOCK_PROJECTIONS[2:], 1)
-                for layer in range(config.n_layer)]
+    lora = adapter_flops_per_layer(config, adapters, BLOCK_PROJECTIONS, 1)
+    lora_mlp = adapter_flops_per_layer(config, adapters, BLOCK_PROJECTIONS[2:], 1)
     later_full, from_full = config.ffn_oracle_policy == 'off', oracle_start(config) == 'full'
     reuse = from_full and later_full and config.ffn_oracle_label == 'sequence'
     total = (

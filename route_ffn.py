@@ -61,6 +61,7 @@ from routing import (
     MLP,
     Family,
     adapter_flops,
+    adapter_flops_per_layer,
     add_weighted,
     attention_backward,
     check_at_least,
@@ -491,10 +492,8 @@ class FFNRouting(Family):
         (the model's K/V again, then the draft's blocks, whose routed FFNs are the draft's) run
         them again."""
         ids, L = self.routed_layers(config), config.n_layer
-        attn = [adapter_flops(config, adapters, layer, BLOCK_PROJECTIONS[:2], T) for layer in
-                range(L)]
-        mlp = [adapter_flops(config, adapters, layer, BLOCK_PROJECTIONS[2:], T) for layer in
-               range(L)]
+        attn = adapter_flops_per_layer(config, adapters, BLOCK_PROJECTIONS[:2], T)
+        mlp = adapter_flops_per_layer(config, adapters, BLOCK_PROJECTIONS[2:], T)
         total = 0
         for layer in range(L):
             kind = config.ffn_gate if layer in ids else 'static_full'

@@ -162,8 +162,7 @@ class Family:
     def adapter_forward_flops(self, config, T, adapters, **options):
         """Forward FLOPs of the LoRA adapters (lora.py) in the passes forward_flops(mode='train')
         counts (oracle_flops counts them in its own): each block's on every token."""
-        return sum(adapter_flops(config, adapters, layer, BLOCK_PROJECTIONS, T)
-                   for layer in range(config.n_layer))
+        return sum(adapter_flops_per_layer(config, adapters, BLOCK_PROJECTIONS, T))
 
     # ---------------------------------------------------------------------------------------------
     # optional hooks: config
@@ -429,8 +428,13 @@ def adapters_of(config, rank, targets):
     wanted = parse_targets(targets)
     return Adapters(rank, tuple(
         frozenset(p for p in BLOCK_PROJECTIONS
-                  if any(names_target(f'transformer.h.{layer}.{p}', t) for t in wanted))
+                  if any(names_target(projection_name(layer, p), t) for t in wanted))
         for layer in range(config.n_layer)))
+
+
+def projection_name(layer, name):
+    """The module name of block `layer`'s projection `name` (of BLOCK_PROJECTIONS)."""
+    return f'transformer.h.{layer}.{name}'
 
 
 def adapted_at(adapters, layer):
@@ -457,6 +461,11 @@ def adapter_flops(config, adapters, layer, names, rows, input_grad=None):
         else:
             total += 2 * rows * adapters.rank * (2 * fan_out + fan_in * (1 + input_grad[name]))
     return total
+
+
+def adapter_flops_per_layer(config, adapters, names, rows):
+    """adapter_flops' forward of projections `names` in every block, one figure per block."""
+    return [adapter_flops(config, adapters, layer, names, rows) for layer in range(config.n_layer)]
 
 
 def attention_backward(config, layer, rows, core, stream, w, adapters=None):

@@ -16,7 +16,7 @@ from configurator import UserError, given_keys, writable_folder
 from data.loader import check_checkpoint_data, check_data_folder
 from lora import check_targets, matching
 from model import FAMILIES, GPT, GPTConfig, read_stored_config
-from routing import BLOCK_PROJECTIONS, adapters_of
+from routing import BLOCK_PROJECTIONS, adapters_of, projection_name
 
 RUN_FILES = ('ckpt.pt', 'metrics.jsonl', 'config.json', 'run_info.json')    # what a run writes
 TRAINABLE = ('all', 'controller', 'last_layers', 'lora', 'controller+lora', 'draft')
@@ -121,7 +121,7 @@ def check_lora_options(cfg):
         return
     # LoRA adapts the backbone: the blocks' four projections, which the FLOPs count; a family's own
     # modules (gates, routers, cheap FFNs, exit heads) are its controller's to train
-    block = {f'transformer.h.{layer}.{p}' for layer in range(config.n_layer)
+    block = {projection_name(layer, p) for layer in range(config.n_layer)
              for p in BLOCK_PROJECTIONS}
     others = sorted({n for hits in matching(model, cfg.lora_targets).values() for n in hits}
                     - block)
