@@ -152,7 +152,7 @@ def main(argv):
         raise ConfigError(refusal)
     problems = split_problems(meta, args['split'])
     problems = problems[:args['limit']] if args['limit'] else problems
-    model = load_model(ck, dev)
+    model = load_model(ck, dev, args['ckpt'])
     res = exact_match(model, problems, load_tokenizer(meta)[1], args['batch_size'],
                       vocab_limit=meta['vocab_size'], device=dev)
     res.update(split=args['split'], ckpt=args['ckpt'])

@@ -204,7 +204,7 @@ def load_bench_model(cfg, dev):
     """The trained model of --init_from, or a random one of the config's shape; eval mode."""
     path = checkpoint_file(cfg['init_from'])
     if path:
-        return load_model(load_checkpoint(path), dev).eval()
+        return load_model(load_checkpoint(path), dev, path).eval()
     torch.manual_seed(cfg['seed'])
     mcfg = train.model_config(SimpleNamespace(**cfg), vocab_size=cfg['vocab_size'] or 50304)
     return GPT(mcfg).to(dev).eval()

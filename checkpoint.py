@@ -121,10 +121,11 @@ def check_init_from(init_from):
                           f"or a local HF GPT-2 directory; {init_from!r} is none of these")
 
 
-def load_model(ckpt, device):
+def load_model(ckpt, device, path=None):
     """The model a loaded checkpoint holds (built from its model_args, its weights loaded) on
     device. A LoRA run's adapters (lora.py) are rebuilt from its config, loaded and merged into
-    the projections: the model returned is plain, its merged weights W + (alpha / r) · B A."""
+    the projections: the model returned is plain, its merged weights W + (alpha / r) · B A.
+    `path`, the file it was loaded from, names it in the error when its weights do not fit."""
     model = GPT(GPTConfig.from_dict(ckpt['model_args']))
     try:
         if has_lora_keys(ckpt['model']):
@@ -136,7 +137,8 @@ def load_model(ckpt, device):
         else:
             model.load_state_dict(ckpt['model'])
     except (RuntimeError, KeyError, ValueError) as e:    # weights of another shape or model
-        raise CheckpointError(f"the checkpoint's weights do not fit the model its model_args "
+        where = f"checkpoint {path}" if path else "the checkpoint"
+        raise CheckpointError(f"{where}: its weights do not fit the model its model_args "
                               f"describe ({first_line(e) or type(e).__name__}); use the checkpoint "
                               "its run saved") \
             from None

@@ -390,7 +390,7 @@ def main(argv):
         meta = load_dataset_meta(cfg, master=True, prepare_missing=False)   # only training prepares
         check_checkpoint_data(cfg, meta, ck)      # the data must be the run's (names the field)
         check_data(cfg, meta, ck, skip_option=False)   # and intact: sha256 and token ids
-        model = load_model(ck, dev)
+        model = load_model(ck, dev, args['ckpt'])
         tr, va = open_splits(
             meta, cfg.block_size, args['batch_size'] or cfg.batch_size, cfg.seed, dev
         )

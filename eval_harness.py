@@ -258,7 +258,7 @@ def load_scorer(ckpt, device='auto', data_dir='', calib_iters=0, batch_size=16):
         cfg.data_dir = data_dir or cfg.data_dir
         meta = load_dataset_meta(cfg, master=True, prepare_missing=False)   # only training prepares
         check_checkpoint_data(cfg, meta, ck)      # the tokenizer must be the run's
-        model = load_model(ck, dev)
+        model = load_model(ck, dev, ckpt)
         refusal = model.family.cannot_generate(model.config)
         if refusal:
             raise UserError(refusal)

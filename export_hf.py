@@ -196,13 +196,14 @@ def main(argv):
         return print_help(__doc__, 'python export_hf.py --out_dir=RUN --to=DIR [--key=value ...]',
                           [source_group('export_hf.py options', DEFAULTS, (__file__, 'DEFAULTS'))])
     cfg = check_config(argv)
-    ckpt = load_checkpoint(os.path.join(cfg['out_dir'], 'ckpt.pt'))
+    ckpt_path = os.path.join(cfg['out_dir'], 'ckpt.pt')
+    ckpt = load_checkpoint(ckpt_path)
     refusal = check_exportable(ckpt['model_args'], cfg['dense_backbone'])
     if refusal:
         raise ConfigError(refusal)
     # before any work: a missing package is one line; its progress bars would only add noise here
     import_transformers().utils.logging.disable_progress_bar()
-    model = load_model(ckpt, 'cpu').float().eval()
+    model = load_model(ckpt, 'cpu', ckpt_path).float().eval()
     tokenizer = (ckpt.get('data_meta') or {}).get('tokenizer')
     checked = []
 

@@ -172,7 +172,8 @@ def main(argv):
                           [source_group('sample.py options', DEFAULTS, (__file__, 'DEFAULTS'))])
     cfg = check_config(argv)
     dev, _ = cli_device(cfg['device'])
-    ckpt = load_checkpoint(os.path.join(cfg['out_dir'], 'ckpt.pt'))
+    ckpt_path = os.path.join(cfg['out_dir'], 'ckpt.pt')
+    ckpt = load_checkpoint(ckpt_path)
     margs, tcfg = ckpt['model_args'], ckpt['config']
     family = FAMILIES.get(margs.get('route'))
     stored = SimpleNamespace(**read_stored_config(margs))
@@ -204,7 +205,7 @@ def main(argv):
     if cfg['speculate'] and x.size(1) + cfg['max_new_tokens'] > margs['block_size']:
         raise ConfigError(f"--speculate needs the prompt ({x.size(1)} tokens) plus max_new_tokens "
                           f"within block_size {margs['block_size']}; lower --max_new_tokens")
-    model = load_model(ckpt, dev).eval().decode_layout()
+    model = load_model(ckpt, dev, ckpt_path).eval().decode_layout()
     torch.manual_seed(cfg['seed'])
     stats = {}
     t0 = time.time()

@@ -120,6 +120,8 @@ def test_load_model_refuses_weights_of_another_model_in_one_line():
         with pytest.raises(CheckpointError, match="weights do not fit the model") as e:
             load_model(bad, "cpu")
         assert "\n" not in str(e.value)
+        with pytest.raises(CheckpointError, match=r"^checkpoint runs/a/ckpt.pt: its weights"):
+            load_model(bad, "cpu", "runs/a/ckpt.pt")
 
 
 def test_remove_stale_temps_removes_only_files_no_live_process_writes(tmp_path):

@@ -49,6 +49,21 @@ def test_corrupt_checkpoint_is_a_one_line_error(run, tmp_path, kind):
         ev.main([f"--ckpt={bad}", "--device=cpu"])
 
 
+def test_misfitting_weights_are_one_line_naming_the_file(run, tmp_path):
+    """A checkpoint that loads but whose weights are not its model's (here saved from a compiled
+    model: '_orig_mod.' prefixes) is one line naming the file in sample.py and eval.py."""
+    ckpt = torch.load(run / "out" / "ckpt.pt", map_location="cpu", weights_only=False)
+    ckpt["model"] = {"_orig_mod." + k: v for k, v in ckpt["model"].items()}
+    bad = tmp_path / "out" / "ckpt.pt"
+    bad.parent.mkdir()
+    torch.save(ckpt, bad)
+    with pytest.raises(CheckpointError, match="weights do not fit") as e:
+        sample.main([f"--out_dir={bad.parent}", "--device=cpu", "--max_new_tokens=2"])
+    assert str(e.value).startswith(f"checkpoint {bad}:") and "\n" not in str(e.value)
+    with pytest.raises(CheckpointError, match=f"checkpoint {bad}: its weights do not fit"):
+        ev.main([f"--ckpt={bad}", "--device=cpu"])
+
+
 @pytest.mark.parametrize("arg,needle", [
     ("--bench_steps=0", "bench_steps"), ("--bench_warmup=-1", "bench_warmup"),
     ("--block_size=0", "block_size"), ("--batch_size=0", "batch_size"),
