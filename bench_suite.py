@@ -34,9 +34,12 @@ exact command, the date and the path kernels.default_path picks here.
 Row: kind, route ('none' for dense), budget, shape ('BxT') or batch, path (null: training, and
 dense decode), dtype, compiled, ms (prefill: one forward; decode: one step of the whole batch;
 train: one step), dense_ms (the baseline's, `baseline` says which), speedup = dense_ms / ms, ideal
-= dense FLOPs / routed FLOPs as executed (prefill: bench.prefill_flops_ratio at the executed
-fractions, MoD's rows padded to the longest; decode: the same at one position; train:
-flops.train_step_flops), realised = speedup / ideal; decode rows add tokens_per_s.
+= dense FLOPs / routed FLOPs (prefill: as executed, bench.prefill_flops_ratio at the executed
+fractions, MoD's rows padded to the longest; decode: the FLOPs-ideal, the same ratio at one
+position at the mean realised fractions, which a batched step may not reach: compact MoD runs a
+block for the whole batch when any row takes it, and the static paths' cached MoD step projects
+every row's attention; train: flops.train_step_flops), realised = speedup / ideal; decode rows add
+tokens_per_s.
 Rows not started within --suite_seconds (420 on the real suite) are listed under `skipped`, rows
 that raised under `failed` (exit 1 after writing both files).
 Repeats: each figure is the median of --bench_steps timed repeats, after --bench_warmup untimed
@@ -552,8 +555,13 @@ def decode_seconds(m, prompt, new, dtype, compiled, plan):
 
 
 def decode_ideal(m, base, prompt, new, dtype, compiled, path):
-    """Dense forward FLOPs of one position over m's at the fractions its decode realises on `path`
-    (the reference computes every row: all-full fractions, as prefill_ideal)."""
+    """Dense forward FLOPs of one position over m's at the mean fractions its decode realises (the
+    reference computes every row: all-full fractions, as prefill_ideal). The FLOPs-ideal, not the
+    executed count: a batched step pads (compact MoD runs a block for every row when any row takes
+    it; the static paths' cached MoD step projects attention on every row), so `realised` says how
+    much of the routing's saving a path turns into time. Attention over the cache is costed at
+    length 1 on both sides: its real 4·L·d per layer over L cached keys is 3.5% of a 124M block's
+    24·d² at the suite's mean L of 160."""
     stats = {}
     with autocast_context(prompt.device, dtype):
         m.generate(prompt, new, temperature=0, compile=compiled, stats=stats)
