@@ -91,7 +91,7 @@ import bench_speculative
 import flops
 import train
 from configurator import (ConfigError, asks_help, given_keys, load_config, print_help, run_cli,
-                          smoke_caps, source_group, writable_file)
+                          replaceable_result, smoke_caps, source_group, writable_file)
 from device import autocast_context, cli_device, resolve_device_dtype
 from files import taking_turns, write_whole
 from model import FAMILIES, GPT
@@ -111,7 +111,7 @@ BENCH_DEFAULTS = dict(
     decode_prompt=0,        # prompt tokens before a timed decode (0: block_size - decode_tokens,
                             # one fewer with --budgets; 64 with --decode_vs_hf or --speculate)
     decode_vs_hf=False,     # dense decode beside transformers' GPT-2 (needs transformers)
-    out='',                 # also write the JSON result to this .json file
+    out='',                 # also write the JSON result to this .json file (new, or a bench result)
     suite='',               # 'gpu': the GPU suite of bench_suite.py (its options below)
     smoke=False,            # --suite on tiny shapes, on any device
     suite_seconds=420,      # --suite: rows not started within this many seconds are skipped
@@ -929,6 +929,8 @@ def parse_args(argv):
     bench_speculative.check_options(cfg, argv)
     if cfg['out']:
         writable_file(cfg['out'], 'out', suffix='.json')
+        replaceable_result(cfg['out'], 'out', 'bench.py',
+                           lambda res: str(res.get('command', '')).startswith('python bench.py'))
     if cfg['compile_cache']:
         if not cfg['compile']:
             raise ConfigError("--compile_cache keeps what --compile=True compiles; add "

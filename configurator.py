@@ -24,6 +24,7 @@ the docs this way.
 import ast
 import difflib
 import functools
+import json
 import math
 import os
 
@@ -85,6 +86,24 @@ def writable_file(path, key, suffix=''):
     _check_folder(os.path.dirname(os.path.abspath(path)), f"--{key}={path}")
     if os.path.exists(path) and not (os.access(path, os.W_OK) and _can_open_for_append(path)):
         raise ConfigError(f"--{key}={path} exists and is not writable; choose another file")
+
+
+def replaceable_result(path, key, script, is_result):
+    """Refuse (ConfigError naming --key) an existing file at path that is not an earlier result of
+    `script` (is_result(its JSON) false, or no JSON object at all): --key names where a result
+    goes, and a run's config.json or a dataset's meta.json given there by mistake is not this
+    script's to replace."""
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path, encoding='utf-8') as f:
+            obj = json.load(f)
+        ours = isinstance(obj, dict) and is_result(obj)
+    except (OSError, UnicodeDecodeError, ValueError):
+        ours = False
+    if not ours:
+        raise ConfigError(f"--{key}={path} holds a file that is not a result of {script}, which "
+                          "this run would replace; name a new file, or move that one away")
 
 
 def _can_open_for_append(path):

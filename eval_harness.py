@@ -39,8 +39,8 @@ import torch.nn.functional as F
 
 from checkpoint import load_checkpoint, load_model
 from configurator import (ConfigError, UserError, asks_help, declared_defaults, load_config,
-                          print_help, refuse_spaced_values, require_checkpoint_file, run_cli,
-                          source_group, writable_file)
+                          print_help, refuse_spaced_values, replaceable_result,
+                          require_checkpoint_file, run_cli, source_group, writable_file)
 from data.loader import check_checkpoint_data, load_dataset_meta, load_tokenizer, open_splits
 from device import cli_device
 from files import write_whole
@@ -61,7 +61,8 @@ DEFAULTS = dict(
     calib_iters=0,          # train-split batches calibrating the causal thresholds (0: the run's)
     device='auto',          # 'auto', 'cpu', 'cuda' or 'cuda:N'
     data_dir='',            # the folder holding the run's prepared dataset ('': the run's own)
-    out='',                 # also write the JSON object to this file ('': print it only)
+    out='',                 # also write the JSON object to this file ('': print it only; new, or an
+                            # earlier result of this script)
 )
 
 
@@ -366,6 +367,8 @@ def parse_args(argv):
                           "holds the run's prepared dataset")
     if args['out']:
         writable_file(args['out'], 'out', suffix='.json')
+        replaceable_result(args['out'], 'out', 'eval_harness.py',
+                           lambda res: {'tasks', 'ckpt'} <= res.keys())
     cli_device(args['device'])
     return args
 

@@ -87,6 +87,45 @@ def test_bench_bad_options(arg, needle):
         )
 
 
+BENCH_TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--vocab_size=50",
+              "--decode_tokens=4", "--bench_steps=1", "--bench_warmup=0", "--decode_batches=1",
+              "--device=cpu"]
+
+
+def test_bench_out_replaces_only_an_earlier_bench_result(tmp_path, capsys):
+    """--out names where the result goes: a run's config.json or a dataset's meta.json given there
+    by mistake is refused before any work and left as it was; an earlier result is replaced."""
+    for name, text in [("config.json", '{"n_layer": 4}'), ("meta.json", '{"files": {}}'),
+                       ("notes.json", "not json"), ("list.json", "[1, 2]")]:
+        other = tmp_path / name
+        other.write_text(text)
+        with pytest.raises(UserError, match=f"^--out={other} holds a file that is not a "
+                                            "result of bench.py"):
+            bench.main([*BENCH_TINY, f"--out={other}"])
+        assert other.read_text() == text
+    out = tmp_path / "bench.json"
+    bench.main([*BENCH_TINY, f"--out={out}"])
+    first = json.loads(out.read_text())
+    bench.main([*BENCH_TINY, "--seed=2", f"--out={out}"])
+    assert json.loads(out.read_text())["command"] != first["command"]
+    capsys.readouterr()
+
+
+def test_eval_harness_out_replaces_only_an_earlier_harness_result(tmp_path):
+    """eval_harness.py's --out check runs before lm_eval is needed (parse_args)."""
+    import eval_harness
+    ckpt = tmp_path / "ckpt.pt"
+    ckpt.write_bytes(b"x")
+    base = [f"--ckpt={ckpt}", "--tasks=nanodepth_arith", "--device=cpu"]
+    meta = tmp_path / "meta.json"
+    meta.write_text('{"files": {}}')
+    with pytest.raises(UserError, match="is not a result of eval_harness.py"):
+        eval_harness.parse_args([*base, f"--out={meta}"])
+    earlier = tmp_path / "harness.json"
+    earlier.write_text('{"results": {}, "tasks": ["nanodepth_arith"], "ckpt": "x"}')
+    assert eval_harness.parse_args([*base, f"--out={earlier}"])["out"] == str(earlier)
+
+
 @pytest.mark.parametrize("args,message", [
     (["--decode_batches=,"], "decode_batches must be batch sizes >= 1 such as '1,8', got ','"),
     (["--decode_batches="], "decode_batches must be batch sizes >= 1 such as '1,8', got ''"),
