@@ -25,11 +25,12 @@ and process start-up are not counted. Progress: one line per run as it ends, "do
 elapsed, ETA]", the ETA from the time per run of the runs this sweep ran so far; on a terminal a
 tqdm bar under the lines as well (--quiet=True: the lines only).
 
-A study file defines: base (a config file), overrides (for every run), arms {name: [overrides]},
-seeds, out_root, reference (the arm the others are compared with), and optionally before (train.py
-argument lists run once first, e.g. stage 1 of a two-stage recipe), threshold (see below) and skip
-(one line saying why the study cannot run on this machine: the sweep prints it and exits 0); any
-other lower-case name is refused as a misspelt field (helpers: UPPER_CASE or _names, imports and
+A study file defines: base (a config file), overrides (for every run), arms {name: [overrides]}
+(a name is its folder: letters, digits and ._=+-, a letter or digit first), seeds, out_root,
+reference (the arm the others are compared with), and optionally before (train.py argument lists
+run once first, e.g. stage 1 of a two-stage recipe), threshold (see below) and skip (one line
+saying why the study cannot run on this machine: the sweep prints it and exits 0); any other
+lower-case name is refused as a misspelt field (helpers: UPPER_CASE or _names, imports and
 functions). Run r of arm a writes to out_root/a/seed<s>/ (a relative out_root, as every relative
 path in a study file, is relative to sweep.py's folder, wherever the sweep starts). A finished
 run (its metrics.jsonl ends with its training's summary at max_iters, eval-only records aside) is
@@ -113,6 +114,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -171,6 +173,9 @@ STUDY_FIELDS = ('base', 'arms', 'seeds', 'out_root', 'overrides', 'reference', '
                 'score_metrics', 'room_arms')
 
 
+ARM_NAME = re.compile(r'[A-Za-z0-9][A-Za-z0-9._=+-]*')
+
+
 def load_study(path):
     if not os.path.isfile(path):
         raise ConfigError(f"study file not found: {path}")
@@ -201,6 +206,14 @@ def load_study(path):
     if not isinstance(ns['out_root'], str) or not ns['out_root']:
         raise ConfigError(f"study {path}: out_root must name a folder, e.g. out_root = "
                           "'out/study_x'")
+    if not isinstance(ns['base'], str) or not ns['base']:
+        raise ConfigError(f"study {path}: base must name a config file, e.g. base = "
+                          f"'config/families_synthetic.py'; got {ns['base']!r}")
+    # an arm is a folder of out_root: '../x', 'a/b' or '' would put its runs elsewhere
+    odd = next((a for a in ns['arms'] if not (isinstance(a, str) and ARM_NAME.fullmatch(a))), None)
+    if odd is not None:
+        raise ConfigError(f"study {path}: arm name {odd!r} must be letters, digits and ._=+- "
+                          "(not first), e.g. 'G1_b0.5': it names the arm's folder in out_root")
     whole = [isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**63 for s in ns['seeds']]
     if not all(whole):
         raise ConfigError(f"study {path}: seeds must be whole numbers >= 0, got {ns['seeds']!r}")
@@ -232,6 +245,15 @@ def load_study(path):
                                   and all(isinstance(a, str) for a in score)):
         raise ConfigError(f"study {path}: score must be a command as a list of strings, e.g. "
                           "['arith.py', '--ckpt={ckpt}', '--json']")
+    if score is not None and not (os.path.isfile(os.path.join(HERE, score[0]))
+                                  if score[0].endswith('.py') else shutil.which(score[0])):
+        raise ConfigError(f"study {path}: score's command {score[0]!r} is no script of this "
+                          "repository and no program on PATH; e.g. ['arith.py', "
+                          "'--ckpt={ckpt}', '--json']")
+    for key in ('room_ckpt', 'room_key'):
+        value = ns.setdefault(key, None)
+        if value is not None and not (isinstance(value, str) and value):
+            raise ConfigError(f"study {path}: {key} must be a string or None; got {value!r}")
     if not isinstance(metrics, dict) or not all(isinstance(v, bool) for v in metrics.values()):
         raise ConfigError(f"study {path}: score_metrics must be {{key: lower_is_better}}, e.g. "
                           "{'accuracy': False}")
@@ -539,6 +561,18 @@ def check_configs(runs, made_later):
                     "results would be summarised as the study's: remove that folder to run it "
                     "again, or give the study another out_root"
                 )
+
+
+def check_room_args(study):
+    """The study's room_args through eval.py's own option parsing, before the first run (they are
+    used after the last)."""
+    if not study.get('room_ckpt'):
+        return
+    import eval as ev        # torch: only where runs are started
+    try:
+        load_config(ev.DEFAULTS, [a for a in study['room_args'] if a not in ev.FLAGS])
+    except UserError as e:
+        raise ConfigError(f"room_args: {e}; fix the study file, no run was started") from None
 
 
 # options that say where or how a run runs, not what it computes: a resumed or summarised run may
@@ -1130,6 +1164,7 @@ def sweep(argv, children):
     check_configs([(f"'before' run {' '.join(a)}", a) for stage in before for a, _ in stage]
                   + [(f"arm {arm!r} seed {s}", [*a, f'--out_dir={root}/{arm}/seed{s}'])
                      for arm, s, a in grid], made_later)
+    check_room_args(study)
     _lock = lock_folder(root, 'out_root')   # one sweep per folder, held until this returns
     if overrides:
         print(f"overrides on every run: {' '.join(overrides)}; runs in {root}", flush=True)

@@ -3,10 +3,12 @@ mixed-code-version flag, threshold hits, and --jobs. Runs are faked as folders o
 training); the --jobs test runs a fake train.py (a few lines of Python, no torch) as real
 processes."""
 import contextlib
+import glob
 import io
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -918,7 +920,7 @@ def test_a_signal_while_summarising_stops_the_sweep_in_one_line(tmp_path, monkey
     study = tmp_path / 'st.py'
     study.write_text(f"base = {str(tmp_path / 'cfg.py')!r}\nout_root = {str(root)!r}\n"
                      "seeds = [1, 2, 3]\n"
-                     "arms = {'A': []}\nscore = ['score.py', '{run}']\n"
+                     "arms = {'A': []}\nscore = ['arith.py', '{run}']\n"
                      "score_metrics = {'acc': False}\n")
     scored = []
 
@@ -1314,6 +1316,28 @@ def test_a_bad_threshold_or_room_metric_is_refused_before_any_run(tmp_path, line
         sweep.load_study(str(path))
 
 
+def test_every_arm_name_of_the_studies_shipped_is_a_folder_name():
+    """The arm-name rule admits every arm the config files' studies use."""
+    for path in sorted(glob.glob(os.path.join(REPO, 'config', 'study_*.py'))):
+        sweep.load_study(path)
+
+
+def test_bad_room_args_refuse_the_study_before_any_run(tmp_path, monkeypatch):
+    """room_args go to eval.py after the last run: eval.py's parsing checks them before the first
+    (a typo, a value of the wrong type), naming the field; no run starts."""
+    started = []
+    monkeypatch.setattr(sweep.subprocess, 'Popen', fake_popen(started))
+    study = tmp_path / 'study.py'
+    for bad, key in ((['--bogus=1'], 'bogus'), (['--eval_iters=many'], 'eval_iters')):
+        study.write_text(f"base = 'config/mod_synthetic.py'\nout_root = "
+                         f"{str(tmp_path / 'out')!r}\nseeds = [1]\narms = {{'a': []}}\n"
+                         f"room_ckpt = 'out/backbone/ckpt.pt'\nroom_args = {bad!r}\n")
+        with pytest.raises(sweep.ConfigError, match=f"^room_args: .*{key}") as e:
+            sweep.main([str(study), '--no_plots'])
+        assert 'no run was started' in str(e.value)
+        assert started == [] and not (tmp_path / 'out').exists()
+
+
 def test_a_good_threshold_and_room_metric_are_taken(tmp_path):
     path = tmp_path / 'study.py'
     path.write_text("base = 'x.py'\narms = {'a': [], 'b': []}\nseeds = [1]\nout_root = 'o'\n"
@@ -1333,6 +1357,14 @@ def test_a_good_threshold_and_room_metric_are_taken(tmp_path):
     ("arms = {'a': None}", r"arm 'a' must be a list of train.py arguments"),
     ("overrides = '--max_iters=5'", 'overrides must be a list of train.py arguments'),
     ("room_args = '--eval_iters=2'", 'room_args must be a list of eval.py arguments'),
+    ("base = 123", "base must name a config file"),
+    ("base = ''", "base must name a config file"),
+    ("room_ckpt = 5", "room_ckpt must be a string or None"),
+    ("room_key = ['gate_room']", "room_key must be a string or None"),
+    ("score = ['no_such_script.py', '--ckpt={ckpt}']", "'no_such_script.py' is no script"),
+    ("score = ['no-such-program-here', '{ckpt}']", "'no-such-program-here' is no script"),
+    *[(f"arms = {{{name!r}: []}}", f"arm name {re.escape(repr(name))} must be letters")
+      for name in ('../../escape', 'a/b', '', '.', '..', '.hidden', '-x', 'a b', 5)],
 ])
 def test_a_study_field_of_the_wrong_shape_is_refused(tmp_path, line, needle):
     """A string where a list is meant would be spread into one argument per character, a seed
