@@ -102,9 +102,10 @@ def share_rank0_outcome(proc, error, what):
 # where a run starts: its inputs, whether a resume has anything left to do, what it picks up
 # and the records it redoes
 
-def open_inputs(cfg, master):
+def open_inputs(cfg, master, check_fields):
     """The dataset's meta.json and the checkpoint the run starts from (None from scratch or GPT-2),
-    checked against each other."""
+    checked against each other; check_fields(cfg, ckpt) compares the config with the checkpoint
+    first, before the data is read or prepared."""
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
     check_out_dir(cfg, held=False)      # (the run files: rank 0 checked them, hold_out_dir)
     if master:                  # temp files of writers killed mid-write (the files they were to
@@ -116,14 +117,17 @@ def open_inputs(cfg, master):
             f"init_from=resume but there is no checkpoint at {ckpt_path}; start the run afresh "
             f"(with --overwrite=True if {cfg.out_dir} holds its other files)"
         )
-    meta = load_dataset_meta(cfg, master)
     ckpt = None
     if cfg.init_from == 'resume':
         ckpt = load_checkpoint(ckpt_path)
-        if finished_already(cfg, ckpt):            # nothing more to check: setup says so and stops
-            return meta, ckpt
     elif os.path.isfile(cfg.init_from):
         ckpt = load_checkpoint(cfg.init_from)
+    done = finished_already(cfg, ckpt)
+    if ckpt is not None and not done:
+        check_fields(cfg, ckpt)
+    meta = load_dataset_meta(cfg, master)
+    if done:                            # nothing more to check: setup says so and stops
+        return meta, ckpt
     check_data(cfg, meta, ckpt)
     return meta, ckpt
 

@@ -263,8 +263,8 @@ def setup(cfg, cfg_dict, proc, argv):
     the iteration and totals to start from; rank 0 also starts the loggers and opens the run files
     (under DDP every rank stops at once if that fails). None for a resumed run that is already
     finished (it says so, and writes nothing)."""
-    meta, ckpt = open_inputs(cfg, proc.master)     # the data's meta.json, the checkpoint to start
-                                                   # from
+    # the data's meta.json and the checkpoint to start from, its fields checked before the data
+    meta, ckpt = open_inputs(cfg, proc.master, check_start_fields)
     if finished_already(cfg, ckpt):
         if proc.master:
             print(f"the run in {cfg.out_dir} is already finished (iteration {ckpt['iter_num']}, "
@@ -381,26 +381,38 @@ def start_process_group(cfg, proc):
         torch.backends.cudnn.allow_tf32 = True
 
 
+def check_start_fields(cfg, ckpt):
+    """The config's fields against the checkpoint the run starts from, before any data is read or
+    prepared (run_state.open_inputs; build_model checks them again beside the data): a resume's
+    model, what trains, the data order and the optimizer's own settings (its saved state brings
+    back the checkpoint's betas and weight decay over the config's); a draft's model; a new run's
+    backbone."""
+    family = FAMILIES[cfg.route]
+    if cfg.init_from != 'resume':
+        keys = draft_run_keys(family) if cfg.trainable == 'draft' else BACKBONE_KEYS
+        return check_against_checkpoint(cfg, None, ckpt, keys)
+    check_against_checkpoint(cfg, None, ckpt, RESUME_KEYS)
+    if cfg.trainable == 'draft':            # thresholds are never recalibrated: nothing moves
+        check_against_checkpoint(cfg, None, ckpt, draft_run_keys(family))
+    sharding.check_resume(cfg, ckpt)           # fsdp's optimizer state is sharded
+    lora_keys = ('lora_rank', 'lora_alpha', 'lora_targets') if 'lora' in cfg.trainable else ()
+    for k in ('batch_size', 'gradient_accumulation_steps', 'seed', 'trainable', 'weight_decay',
+              'beta1', 'beta2', *lora_keys):
+        if ckpt['config'].get(k) != getattr(cfg, k):
+            raise TrainError(
+                f"config field '{k}' differs from the checkpoint: checkpoint has "
+                f"{ckpt['config'].get(k)!r}, config has {getattr(cfg, k)!r}; resume with the "
+                f"run's original value"
+            )
+
+
 def build_model(cfg, meta, ckpt):
     """Model from scratch, from a checkpoint (resume: everything; a checkpoint file: the backbone,
     with fresh gates), or from GPT-2 weights, with the checks that the data and the checkpoint
     agree."""
     if ckpt is not None and cfg.init_from == 'resume':
-        check_against_checkpoint(cfg, meta, ckpt, RESUME_KEYS)
-        if cfg.trainable == 'draft':            # thresholds are never recalibrated: nothing moves
-            check_against_checkpoint(cfg, meta, ckpt, draft_run_keys(FAMILIES[cfg.route]))
-        sharding.check_resume(cfg, ckpt)           # fsdp's optimizer state is sharded
-        # data order, what trains, and the optimizer's own settings (its saved state brings back
-        # the checkpoint's betas and weight decay over the config's)
-        lora_keys = ('lora_rank', 'lora_alpha', 'lora_targets') if 'lora' in cfg.trainable else ()
-        for k in ('batch_size', 'gradient_accumulation_steps', 'seed', 'trainable', 'weight_decay',
-                  'beta1', 'beta2', *lora_keys):
-            if ckpt['config'].get(k) != getattr(cfg, k):
-                raise TrainError(
-                    f"config field '{k}' differs from the checkpoint: checkpoint has "
-                    f"{ckpt['config'].get(k)!r}, config has {getattr(cfg, k)!r}; resume with the "
-                    f"run's original value"
-                )
+        check_start_fields(cfg, ckpt)
+        check_against_checkpoint(cfg, meta, ckpt, ())          # and the data is its own
         model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
         add_adapters(model, cfg)                   # a LoRA run's state holds its adapters
         check_state_fits(model, ckpt['model'], cfg.init_from)

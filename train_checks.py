@@ -5,6 +5,7 @@ config, the run folder, and a checkpoint against the config that resumes or exte
 
     from train_checks import TrainError, check_train_config, model_config
 """
+import math
 import os
 from dataclasses import fields
 
@@ -36,10 +37,12 @@ def check_train_config(cfg):
     except CheckpointError as e:    # a bad value of this run's own key: the run's own error
         raise TrainError(str(e)) from None
     try:
-        [float(t) for t in str(cfg.lm_thresholds).split(',') if t.strip()]
+        thresholds = [float(t) for t in str(cfg.lm_thresholds).split(',') if t.strip()]
     except ValueError:
+        thresholds = [math.nan]
+    if not all(math.isfinite(t) and t > 0 for t in thresholds):   # a loss no run ever goes below
         raise TrainError(
-            "lm_thresholds must be comma-separated numbers such as '2.5,2.0', got "
+            "lm_thresholds must be comma-separated losses > 0 such as '2.5,2.0', got "
             f"{cfg.lm_thresholds!r}"
         ) from None
     loggers.check_options(cfg)      # --log: known loggers, their packages installed
@@ -47,6 +50,7 @@ def check_train_config(cfg):
         raise TrainError(f"trainable must be one of {', '.join(TRAINABLE)}; got {cfg.trainable!r}")
     check_lora_options(cfg)
     check_drafts(cfg)
+    check_trainable_family(cfg)
     if cfg.parallel not in PARALLEL:
         raise TrainError(f"parallel must be one of {', '.join(PARALLEL)}; got {cfg.parallel!r}")
     if cfg.dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
@@ -99,6 +103,23 @@ def check_train_config(cfg):
             raise TrainError(
                 f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {cfg.device!r}"
             )
+
+
+def check_trainable_family(cfg):
+    """What trainable needs of the family, where the config alone says it (train.py's
+    trainable_parameters checks the model built, e.g. the layer count a checkpoint gives)."""
+    family = FAMILIES[cfg.route]
+    if cfg.trainable == 'last_layers':
+        key = family.last_layers_option
+        # (the layer count is the config's unless GPT-2's weights set it)
+        known = cfg.init_from in ('scratch', 'resume') or os.path.isfile(cfg.init_from)
+        if family.routes or not 1 <= getattr(cfg, key) <= (cfg.n_layer if known else math.inf):
+            raise TrainError(f"trainable=last_layers fine-tunes the last {key} (1..n_layer) blocks "
+                             f"of a dense model (route='none'); got route={cfg.route!r}, "
+                             f"{key}={getattr(cfg, key)}")
+    if cfg.trainable in ('controller', 'controller+lora') and not family.routes:
+        raise TrainError(f"trainable={cfg.trainable} trains a routing controller, which "
+                         f"route={cfg.route!r} has none of; use trainable=all, lora or last_layers")
 
 
 def check_lora_options(cfg):
@@ -253,7 +274,8 @@ def check_run_files(cfg):
 
 def check_against_checkpoint(cfg, meta, ckpt, keys, data_keys=None):
     """The config's fields `keys` agree with the checkpoint's model_args, and the data is its
-    own (data_keys: only these fields of its identity, see check_checkpoint_data)."""
+    own (data_keys: only these fields of its identity, see check_checkpoint_data; meta None: the
+    fields alone, before the data is read)."""
     margs = read_stored_config(ckpt['model_args'])      # as it ran (stored_before)
     family = FAMILIES[margs.get('route', GPTConfig.route)]
     defaults = {f.name: f.default for f in fields(GPTConfig)}
@@ -269,7 +291,8 @@ def check_against_checkpoint(cfg, meta, ckpt, keys, data_keys=None):
                              f"{margs.get(k)!r}, config has {getattr(cfg, k)!r}; give "
                              f"--{k}={margs.get(k, defaults.get(k))!r}, as the checkpoint's run "
                              "had it")
-    check_checkpoint_data(cfg, meta, ckpt, data_keys)
+    if meta is not None:
+        check_checkpoint_data(cfg, meta, ckpt, data_keys)
 
 
 def check_state_fits(model, state, source):

@@ -1233,12 +1233,15 @@ def bad_input_cases(synth, text_data, base_copy):
             [*TINY, *d, "--init_from=resume", "--n_layer=3", f"--out_dir={base_copy}"],
             "n_layer",
         ),
+        # (the base run's optimizer settings given: the data is all that differs)
         "resume_other_data": (
             [
                 *TINY,
                 f"--data_dir={text_data.parent}",
                 f"--dataset={text_data.name}",
                 "--init_from=resume",
+                "--weight_decay=0.05",
+                "--beta2=0.99",
                 f"--out_dir={base_copy}",
             ],
             ("vocab_size", "dataset"),
@@ -1302,6 +1305,8 @@ def bad_input_cases(synth, text_data, base_copy):
                 f"--data_dir={synth.parent}",
                 "--dataset=syn_other",
                 "--init_from=resume",
+                "--weight_decay=0.05",
+                "--beta2=0.99",
                 f"--out_dir={base_copy}",
             ],
             "sha256",
@@ -1430,6 +1435,31 @@ def test_bad_input_in_process(case, synth, synth_other, text_data, base_run, tmp
         assert "n_layers" in msg                   # names the bad key and the close match
     assert not fresh.exists()
     assert snapshot(base_copy) == before
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--route=ffn", "--trainable=last_layers"], "(route='none'); got route='ffn'"),
+    (["--route=none", "--trainable=last_layers", "--ens_layers=5"],       # of 2 layers
+     "got route='none', ens_layers=5"),
+    (["--route=none", "--trainable=controller"], "=controller trains a routing controller"),
+    (["--route=none", "--trainable=controller+lora"], "+lora trains a routing controller"),
+    (["--lm_thresholds=2.5,nan"], "lm_thresholds must be comma-separated losses > 0"),
+    (["--lm_thresholds=0"], "lm_thresholds must be comma-separated losses > 0"),
+    (["--init_from={ckpt}", "--n_embd=64"], "config field 'n_embd' differs from the checkpoint"),
+    (["--init_from=resume", "--out_dir={run}", "--n_embd=64"], "config field 'n_embd' differs"),
+    (["--init_from=resume", "--out_dir={run}", "--batch_size=3"],
+     "config field 'batch_size' differs"),
+])
+def test_a_run_refused_by_its_options_prepares_no_data(args, needle, base_run, tmp_path):
+    """Options the config (or the checkpoint it starts from) refuses are refused before the data is
+    prepared: a fresh --data_dir stays without a corpus."""
+    run = copy_run(base_run, tmp_path)
+    fresh = tmp_path / "data"
+    args = [a.format(ckpt=base_run.out / "ckpt.pt", run=run) for a in args]
+    with pytest.raises(train.TrainError, match=re.escape(needle)):
+        train.main([*TINY, f"--data_dir={fresh}", "--dataset=synthetic",
+                    f"--out_dir={tmp_path / 'o'}", *args])
+    assert not (fresh / "synthetic").exists()
 
 
 @pytest.mark.parametrize("case", ["unknown_key", "resume_other_data", "fresh_over_existing_run",
