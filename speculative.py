@@ -65,9 +65,12 @@ def resolve_draft(config, family, draft=None, depth=None):
 
 def next_probs(logits, temperature, top_k, vocab_limit=None):
     """The distribution GPT.sample_next draws from, (..., V'), V' = vocab_limit or V (a slice to
-    None keeps every column). In float32: half-precision logits over a small temperature overflow
-    to inf, and a softmax over two infs is NaN. top_k None or 0: every token."""
-    logits = logits[..., :vocab_limit].float() / temperature
+    None keeps every column). In float32, and each row's largest logit subtracted before the
+    division: a logit over a small temperature (half precision's, or any over a subnormal one)
+    overflows to inf, and a softmax over two infs is NaN; shifted, the largest is 0 and the
+    others at most 0, -inf where they underflow. top_k None or 0: every token."""
+    logits = logits[..., :vocab_limit].float()
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k:
         v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
         logits = logits.masked_fill(logits < v[..., [-1]], -float('inf'))

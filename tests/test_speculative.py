@@ -472,6 +472,20 @@ def test_sampled_speculative_decoding_has_plain_samplings_distribution(
     assert (stats['spec_calls'] < stats['spec_passes']) == (chain > 1), stats
 
 
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
+def test_a_tiny_temperature_samples_the_argmax_and_a_huge_one_every_token(dtype):
+    """Logits over a subnormal temperature overflow float32 unless each row's largest is taken off
+    first (a softmax over two infs is NaN, and drawing from NaN failed): near 0 the distribution is
+    the argmax's (split evenly between tied maxima), near infinity uniform."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, -4.0], [7.0, -1.0, 7.0, 0.5]], dtype=dtype)
+    for t in (1e-45, 1e-38, 1e-30):
+        p = speculative.next_probs(logits, t, None)
+        assert torch.equal(p, torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.5, 0.0, 0.5, 0.0]])), (t, p)
+        assert speculative.draw(p)[0] == 1
+    p = speculative.next_probs(logits, 1e30, 3)
+    assert torch.equal(p, torch.tensor([[1 / 3, 1 / 3, 1 / 3, 0.0], [1 / 3, 0.0, 1 / 3, 1 / 3]]))
+
+
 def test_draw_follows_each_rows_distribution_and_never_draws_a_zero():
     """speculative.draw on rows with zeros first, inside and last, unnormalised: 200000 draws per
     row follow the row's distribution (Pearson's chi-square below its 1e-4 quantile, with power:
