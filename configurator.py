@@ -59,6 +59,9 @@ def writable_folder(path, key, label=None):
         raise ConfigError(f"{label}: empty; name a folder, e.g. --{key}=out/myrun")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{label} is a file, not a folder; choose a folder")
+    if os.path.islink(path) and not os.path.exists(path):
+        raise ConfigError(f"{label} is a link to {os.readlink(path)}, which does not exist; "
+                          "create that folder or choose another")
     _check_folder(path, label)
 
 

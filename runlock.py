@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 
-from configurator import UserError
+from configurator import UserError, writable_folder
 from files import NoFlock, locked_fd, unlock_and_remove
 
 LOCK_NAME = '.lock'
@@ -66,6 +66,7 @@ def lock_folder(folder, option='out_dir'):
     the holder's host and PID, or a UserError if the folder or its lock file cannot be created.
     Where there is no flock (Windows, some network file systems), two writers are not kept apart:
     a note on stderr says so."""
+    writable_folder(folder, option)        # (a file on the way, a dangling link: named as such)
     created = None if os.path.isdir(folder) else folder
     path = os.path.join(folder, LOCK_NAME)
     try:

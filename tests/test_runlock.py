@@ -66,6 +66,24 @@ def test_second_lock_is_refused_naming_the_holder(tmp_path):
                                 f"another out_dir")
 
 
+def test_a_folder_that_cannot_be_one_is_named_for_what_it_is(tmp_path):
+    """A path through a file, a link to nowhere and an empty name are refused as such, before the
+    lock file is tried (whose error, 'cannot create the lock file ... (File exists)', named none of
+    them), and nothing is created."""
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    for folder, message in [
+        (tmp_path / "afile" / "run", f"--out_dir={tmp_path / 'afile' / 'run'} cannot be created: "
+                                     f"{tmp_path / 'afile'} is a file"),
+        (tmp_path / "dangling", f"--out_dir={tmp_path / 'dangling'} is a link to "
+                                f"{tmp_path / 'nowhere'}, which does not exist"),
+        ("", "--out_dir=: empty; name a folder")]:
+        with pytest.raises(runlock.UserError) as e:
+            runlock.lock_folder(str(folder), 'out_dir')
+        assert str(e.value).startswith(message), str(e.value)
+    assert sorted(os.listdir(tmp_path)) == ["afile", "dangling"]
+
+
 def test_a_holder_on_another_host_is_named_by_host_and_pid(tmp_path):
     """On a shared file system the holder's PID alone names no process: the message names its
     host too."""
