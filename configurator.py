@@ -40,13 +40,31 @@ class ConfigError(UserError, ValueError):
 
 def run_cli(main):
     """The scripts' entry point: sys.exit(main(sys.argv[1:])), a UserError as one line and exit
-    2."""
+    2; running out of memory (the host's or a GPU's) as one line and exit 1."""
     import sys
     try:
         sys.exit(main(sys.argv[1:]))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except (MemoryError, RuntimeError) as e:
+        if not out_of_memory(e):
+            raise
+        print(f"error: out of memory ({type(e).__name__}: {out_of_memory(e)}); ask for less at "
+              "once: a smaller batch, fewer samples or tokens", file=sys.stderr)
+        sys.exit(1)
+
+
+def out_of_memory(e):
+    """The line of an exception that says an allocation failed ('' where none does): torch's
+    (CPU: 'DefaultCPUAllocator: can't allocate memory', CUDA: 'CUDA out of memory') or Python's
+    own MemoryError."""
+    if isinstance(e, MemoryError):
+        return str(e) or 'MemoryError'
+    lines = str(e).splitlines()
+    said = next((line for line in lines if "can't allocate memory" in line
+                 or 'out of memory' in line.lower()), '')
+    return said.split('DefaultCPUAllocator: ')[-1][:160]
 
 
 def writable_folder(path, key, label=None):

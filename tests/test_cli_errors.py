@@ -268,3 +268,31 @@ def test_cli_exit_code_and_one_line(run, tmp_path, script, args, needle):
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert needle in r.stderr and r.stdout == "" and os.listdir(cwd) == []
+
+
+def test_running_out_of_memory_is_one_line_and_exit_1(run):
+    """A request no machine holds (10^12 samples: 8 TB of token ids) fails its first allocation:
+    one 'error: out of memory' line and exit 1, not torch's traceback."""
+    r = run_group([sys.executable, str(REPO / "sample.py"), f"--out_dir={run / 'out'}",
+                   "--device=cpu", f"--num_samples={10**12}"], 180, cwd=REPO, env=ENV)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith("error: out of memory (RuntimeError: can't allocate memory: ")
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_only_an_allocation_failure_is_taken_for_running_out_of_memory(monkeypatch, capsys):
+    from configurator import out_of_memory, run_cli
+    cuda = RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB (GPU 0; 79 GiB total)")
+    assert out_of_memory(cuda).startswith("CUDA out of memory. Tried to allocate 20.00 GiB")
+    assert out_of_memory(MemoryError()) == "MemoryError"
+    assert out_of_memory(RuntimeError("shape mismatch")) == ""
+    monkeypatch.setattr(sys, "argv", ["x.py"])
+    for error, code in ((cuda, 1), (MemoryError("numpy"), 1)):
+        def main(argv, error=error):
+            raise error
+        with pytest.raises(SystemExit) as e:
+            run_cli(main)
+        assert e.value.code == code
+        assert capsys.readouterr().err.startswith("error: out of memory (")
+    with pytest.raises(RuntimeError, match="shape mismatch"):     # any other error is a bug: shown
+        run_cli(lambda argv: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
