@@ -62,6 +62,9 @@ def load_checkpoint(path, map_location='cpu'):
                               "make it "
                               f"readable (chmod u+r {path}) or run as its owner") from None
     except Exception as e:           # truncated zip, random bytes, pickle errors, ...
+        if _is_text(path):             # e.g. the run's config.json given for its ckpt.pt
+            raise CheckpointError(f"{path} is a text file, not a checkpoint (a file torch.save "
+                                  "wrote); give the ckpt.pt a run saved") from None
         raise CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: "
                               f"{first_line(e) or 'corrupt'}); it is "
                               "truncated or "
@@ -84,6 +87,16 @@ def load_checkpoint(path, map_location='cpu'):
                               f"({first_line(e) or type(e).__name__}); use another checkpoint") \
             from None
     return ckpt
+
+
+def _is_text(path):
+    """Does the file begin with printable text (no control bytes but tab and line ends)?"""
+    try:
+        with open(path, 'rb') as f:
+            head = f.read(512)
+    except OSError:
+        return False
+    return bool(head) and not any(b < 9 or 13 < b < 32 or b == 127 for b in head)
 
 
 def first_line(e, limit=160):

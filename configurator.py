@@ -305,6 +305,9 @@ def load_config(defaults, argv):
                 raise ConfigError(
                     f"expected a config file ending in .py or --key=value, got '{arg}'"
                 )
+            if os.path.isdir(arg):
+                raise ConfigError(f"config file {arg} is a folder; name a config file in it, "
+                                  f"e.g. config/shakespeare_char.py")
             if not os.path.isfile(arg):
                 raise ConfigError(f"config file not found: {arg}")
             namespace = {}

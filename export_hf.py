@@ -83,6 +83,9 @@ def check_config(argv):
     if held and not cfg['overwrite']:
         raise ConfigError(f"--to={to} already holds files; pick another folder or pass "
                           "--overwrite=True (files of the same names are replaced)")
+    if os.path.isfile(cfg['out_dir']):        # e.g. the checkpoint file itself
+        raise ConfigError(f"--out_dir={cfg['out_dir']} is a file; --out_dir names the run's "
+                          f"folder: --out_dir={os.path.dirname(cfg['out_dir']) or '.'}")
     path = os.path.join(cfg['out_dir'], 'ckpt.pt')
     if not os.path.isfile(path):
         raise ConfigError(f"no checkpoint at {path}; --out_dir names a run folder, e.g. "

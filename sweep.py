@@ -177,6 +177,9 @@ ARM_NAME = re.compile(r'[A-Za-z0-9][A-Za-z0-9._=+-]*')
 
 
 def load_study(path):
+    if os.path.isdir(path):
+        raise ConfigError(f"study file {path} is a folder; name a study file in it, e.g. "
+                          "config/study_a3.py")
     if not os.path.isfile(path):
         raise ConfigError(f"study file not found: {path}")
     ns = {}

@@ -839,8 +839,10 @@ def check_prepared(folder):
         if not isinstance(files, dict):
             raise TypeError(f"its 'files' is {type(files).__name__}, not a listing of the files")
     except (OSError, ValueError, KeyError, TypeError) as e:
+        why = f"it lists no {e}" if isinstance(e, KeyError) else str(e)    # (KeyError: the key)
         raise PrepareError(
-            f"{folder} is not a prepared dataset (meta.json missing or unreadable: {e}); run: {cmd}"
+            f"{folder} is not a prepared dataset (meta.json missing or unreadable: {why}); run: "
+            f"{cmd}"
         ) from None
     problems = [f"{n} not listed in meta.json" for n in ("train.bin", "val.bin") if n not in files]
     for n, info in files.items():
@@ -982,7 +984,7 @@ def main(argv=None):
     try:
         meta = prepare(**a)
     except PrepareError as e:
-        print(f"prepare.py: error: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)   # as every script says it
         return 2
     counts = ", ".join(
         f"{s} {meta[s + '_tokens']:,}" for s in ("train", "val", "test") if s + "_tokens" in meta

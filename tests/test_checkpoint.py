@@ -109,6 +109,20 @@ def test_load_checkpoint_refuses_fields_no_model_is_built_from(tmp_path, damage,
     assert str(tmp_path / "ckpt.pt") in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_text_file_given_for_a_checkpoint_is_named_as_one(tmp_path):
+    """A run's config.json (or any text) given where a checkpoint goes is not 'truncated or
+    corrupt': it is a text file; binary garbage still is."""
+    for name, data in [("config.json", b'{\n  "n_layer": 4\n}\n'), ("notes.txt", b"plain text\t")]:
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(CheckpointError) as e:
+            load_checkpoint(str(tmp_path / name))
+        assert str(e.value) == (f"{tmp_path / name} is a text file, not a checkpoint (a file "
+                                "torch.save wrote); give the ckpt.pt a run saved")
+    (tmp_path / "bin").write_bytes(bytes(range(256)))
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        load_checkpoint(str(tmp_path / "bin"))
+
+
 def test_load_model_refuses_weights_of_another_model_in_one_line():
     """A state dict of another shape, or with torch.compile's '_orig_mod.' prefixes: one line."""
     from checkpoint import load_model

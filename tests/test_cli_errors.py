@@ -240,6 +240,18 @@ def test_sweep_bad_input(tmp_path, argv, text, needle):
 def test_sweep_missing_study_file(tmp_path):
     with pytest.raises(UserError, match="study file not found"):
         sweep.main([str(tmp_path / "missing_study.py")])
+    (tmp_path / "folder.py").mkdir()
+    with pytest.raises(UserError, match=f"^study file {tmp_path / 'folder.py'} is a folder; "):
+        sweep.main([str(tmp_path / "folder.py")])
+
+
+def test_a_config_file_that_is_a_folder_is_named_as_one(tmp_path):
+    from configurator import load_config
+    with pytest.raises(UserError, match="config file not found"):
+        load_config({'x': 1}, [str(tmp_path / "missing.py")])
+    (tmp_path / "folder.py").mkdir()
+    with pytest.raises(UserError, match=f"^config file {tmp_path / 'folder.py'} is a folder; "):
+        load_config({'x': 1}, [str(tmp_path / "folder.py")])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -253,7 +265,8 @@ def test_sweep_missing_study_file(tmp_path):
     ("sweep.py", ["STUDY", "--jobz=2"], "--jobz"),
     ("flops.py", ["--n_layers=3"], "n_layer"),
     ("plots.py", ["NO_SUCH_STUDY"], "OUT_ROOT"),
-    ("data/prepare.py", ["synthetic", "--seed=abc"], "seed")])
+    ("data/prepare.py", ["synthetic", "--seed=abc"], "seed"),
+    ("data/prepare.py", ["nosuch"], "unknown dataset 'nosuch'")])
 def test_cli_exit_code_and_one_line(run, tmp_path, script, args, needle):
     """From the shell, in a folder of its own: exit 2, one 'error: ' line naming the option, nothing
     on stdout, nothing written."""

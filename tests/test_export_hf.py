@@ -149,6 +149,10 @@ def test_a_run_folder_is_refused_as_the_export_folder_even_with_overwrite(tmp_pa
 def test_a_missing_checkpoint_is_refused(tmp_path):
     with pytest.raises(ConfigError, match='no checkpoint at'):
         export_hf.main([f'--out_dir={tmp_path}', f'--to={tmp_path / "hf"}'])
+    (tmp_path / 'ckpt.pt').write_bytes(b'x')       # the checkpoint file given for its run folder
+    with pytest.raises(ConfigError, match=f"is a file; --out_dir names the run's folder: "
+                                          f"--out_dir={tmp_path}$"):
+        export_hf.main([f'--out_dir={tmp_path / "ckpt.pt"}', f'--to={tmp_path / "hf"}'])
 
 
 @pytest.mark.slow

@@ -605,6 +605,10 @@ def test_check_prepared_messages(tmp_path, monkeypatch):
     (folder / "meta.json").write_text("{not json")
     with pytest.raises(P.PrepareError, match="python data/prepare.py synthetic"):
         P.check_prepared(folder)
+    (folder / "meta.json").write_text('{"dataset": "synthetic"}')    # no file listing
+    with pytest.raises(P.PrepareError, match=r"\(meta.json missing or unreadable: it lists no "
+                                             r"'files'\); run: "):
+        P.check_prepared(folder)
 
 
 @pytest.mark.parametrize("files", [None, [], ["train.bin", "val.bin"], "train.bin", 7,
