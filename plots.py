@@ -484,6 +484,9 @@ def main(argv):
     if os.path.exists(plots_dir) and not os.path.isdir(plots_dir):
         raise ConfigError(f"{plots_dir} is a file, where the plots' folder goes; move it away")
     writable_folder(plots_dir, 'plots', label=f"the plots' folder {plots_dir}")
+    if not find_runs(argv[0]):       # (sweep.py's summary of runs not yet made plots nothing)
+        raise ConfigError(f"{argv[0]} holds no runs (no <arm>/seed<s>/metrics.jsonl): give a "
+                          "study's out_root, as written by sweep.py")
     write_plots(argv[0])
     return 0
 

@@ -177,6 +177,15 @@ def test_missing_matplotlib_skips_plots_with_one_line(tmp_path, monkeypatch, cap
     assert not (tmp_path / 'plots').exists()
 
 
+def test_cli_refuses_a_folder_without_runs(tmp_path):
+    """An out_root with no <arm>/seed<s>/metrics.jsonl (a typo, a study not run yet): one line and
+    exit 2 rather than 'plots skipped' and exit 0; nothing written."""
+    (tmp_path / 'arm' / 'seed1').mkdir(parents=True)       # a run folder without its metrics
+    with pytest.raises(ConfigError, match=f"^{tmp_path} holds no runs"):
+        plots.main([str(tmp_path)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['arm']
+
+
 def test_cli_refuses_a_file_where_the_plots_folder_goes(tmp_path):
     """OUT_ROOT/plots a file: one line naming it, before any plot, and the file kept."""
     fake_study(tmp_path)
