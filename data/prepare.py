@@ -13,7 +13,8 @@
         [--name=NAME]
     common options: --out_dir=DIR (default data/<dataset>, or data/<name>),
         --dtype=auto|uint16|uint32, --quiet=True (no progress bar over the tokenisation; there is
-        none off a terminal either)
+        none off a terminal either), --overwrite=True (replace a dataset in the folder that other
+        options prepared; the same options just rewrite the same files)
 
 Writes train.bin, val.bin (and test.bin for enwik8): raw little-endian token ids, uint16 unless
 vocab_size > 65535 (then uint32); read with np.memmap(path, dtype=meta["dtype"], mode="r").
@@ -757,10 +758,12 @@ def output_dir(dataset, out_dir=None, name=None):
     return Path(out_dir) if out_dir else DATA_DIR / (name or dataset)
 
 
-def prepare(dataset, out_dir=None, quiet=False, **opts):
+def prepare(dataset, out_dir=None, quiet=False, overwrite=False, **opts):
     """Build `dataset` in memory, check it, then write it atomically to out_dir. Returns meta.
     quiet: no progress bar over the tokenisation (there is none off a terminal either); not an
-    option of the data, so not in meta.json."""
+    option of the data, so not in meta.json. A folder holding a dataset prepared with other
+    options is replaced only with overwrite (runs trained on it would then refuse it); the same
+    options rewrite the same files."""
     if dataset not in BUILDERS:
         raise PrepareError(f"unknown dataset {dataset!r}; valid datasets: {', '.join(BUILDERS)}")
     args = {**COMMON_DEFAULTS, **DEFAULTS[dataset]}
@@ -773,6 +776,8 @@ def prepare(dataset, out_dir=None, quiet=False, **opts):
     args.update({k: v for k, v in opts.items() if v is not None})
     check_options(args, out_dir)
     out = output_dir(dataset, out_dir, args.get("name"))
+    if not overwrite:
+        check_replaces_nothing(out, dataset, args)
     splits, extra, meta = BUILDERS[dataset]({**args, "_out": out, "_quiet": quiet})
     arrays = {k: to_array(v, meta["vocab_size"], args["dtype"]) for k, v in splits.items()}
     arrays.update(extra)
@@ -793,6 +798,22 @@ def prepare(dataset, out_dir=None, quiet=False, **opts):
             }
         write_file(out / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
     return meta
+
+
+def check_replaces_nothing(out, dataset, args):
+    """Refuse to write into a folder whose meta.json records another dataset or other options (the
+    checkpoints of runs trained on it record its hashes, not its command)."""
+    try:
+        old = json.loads((out / "meta.json").read_text())
+    except (OSError, ValueError):       # nothing there, or an incomplete folder: nothing to keep
+        return
+    if not isinstance(old, dict) or (old.get("dataset"), old.get("prepare_args")) == (dataset,
+                                                                                       args):
+        return
+    made_by = prepare_command(out, old)
+    raise PrepareError(f"{out} holds a dataset prepared with other options ({made_by}); runs "
+                       "trained on it would no longer read it: give another --out_dir, or "
+                       "--overwrite=True to replace it")
 
 
 MAX_TOKENS = 10**10     # the corpus is built in memory
@@ -980,6 +1001,8 @@ def main(argv=None):
         p.add_argument(f"--{key}", type=kind, help=text + (f" ({'; '.join(used)})" if used else ""))
     p.add_argument("--quiet", type=true_or_false, default=False,
                    help="True: no progress bar (there is none off a terminal either)")
+    p.add_argument("--overwrite", type=true_or_false, default=False,
+                   help="True: replace a dataset the folder holds that other options prepared")
     a = vars(p.parse_args(argv))
     try:
         meta = prepare(**a)

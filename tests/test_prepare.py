@@ -544,6 +544,28 @@ def test_idempotent(tmp_path):
         assert not [p for p in out.iterdir() if ".tmp-" in p.name]
 
 
+def test_a_dataset_of_other_options_is_replaced_only_with_overwrite(tmp_path):
+    """The same options rewrite the same files; others are refused before any work, naming the
+    command that made the folder, unless --overwrite=True (runs trained on a replaced dataset
+    refuse it by its hashes, and their checkpoints do not record its command)."""
+    out = tmp_path / "syn"
+    meta = P.prepare("synthetic", out, num_tokens=3000, seed=1)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert P.prepare("synthetic", out, num_tokens=3000, seed=1)["files"] == meta["files"]
+    for other in (dict(num_tokens=3000, seed=2), dict(num_tokens=4000, seed=1)):
+        with pytest.raises(P.PrepareError) as e:
+            P.prepare("synthetic", out, **other)
+        assert str(e.value) == (
+            f"{out} holds a dataset prepared with other options (python data/prepare.py synthetic "
+            f"--seed=1 --num_tokens=3000 --out_dir={out}); runs trained on it would no longer "
+            "read it: give another --out_dir, or --overwrite=True to replace it")
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    with pytest.raises(P.PrepareError, match="holds a dataset prepared with other options"):
+        P.prepare("synthetic_lookup", out, num_tokens=3000, seed=1)
+    assert P.prepare("synthetic", out, num_tokens=3000, seed=2, overwrite=True)["files"] != \
+        meta["files"]
+
+
 def test_crash_between_files_leaves_nothing_acceptable(tmp_path, monkeypatch):
     out = tmp_path / "synthetic"
     P.prepare("synthetic", out, num_tokens=3000, seed=1)  # an older complete dataset in the folder
@@ -556,7 +578,7 @@ def test_crash_between_files_leaves_nothing_acceptable(tmp_path, monkeypatch):
         real(path, data)
     monkeypatch.setattr(P, "write_file", crashing)
     with pytest.raises(RuntimeError, match="simulated"):
-        P.prepare("synthetic", out, num_tokens=3000, seed=2)
+        P.prepare("synthetic", out, num_tokens=3000, seed=2, overwrite=True)
     assert calls == ["train.bin", "val.bin"]
     assert not (out / "meta.json").exists()
     with pytest.raises(P.PrepareError, match="python data/prepare.py synthetic"):
