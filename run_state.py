@@ -35,8 +35,8 @@ def end_ddp_process(run_checked, argv):
     code = 1
     try:
         code = run_checked(argv)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except UserError as e:    # one write: print's two (text, then '\n') let another rank's
+        sys.stderr.write(f"error: {e}\n")     # output in between, on the same terminal
         code = 2
     except SystemExit as e:    # as the interpreter does: sys.exit(message) prints it, exits 1
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1

@@ -1123,10 +1123,10 @@ def test_aux_loss_gradients_reach_only_their_own_gate(seed, T, gate, aux_grad):
     only the gates; 'leak': both also move the backbone below, and the util loss layer 0's gate,
     through layer 1's input (the straight-through mix at layer 0). Gates at their real
     initialisation (only the backbone is moved off its init): a gradient that must not reach a
-    module is exactly zero; one that must reaches the backbone with at least 1e-2 of its norm on
-    layer 1's gate, and layer 0's gate with at least 1e-6 of it (a second-order path: through layer
-    1's gate input, whose Jacobian is the product of two layers initialised at std 0.02; measured
-    ~2e-4)."""
+    module is exactly zero; one that must reaches the backbone with at least 1e-3 of its norm on
+    layer 1's gate (300 random draws: at least 0.007, 0.5% of them below 0.01), and layer 0's gate
+    with at least 1e-6 of it (a second-order path: through layer 1's gate input, whose Jacobian is
+    the product of two layers initialised at std 0.02; measured ~2e-4)."""
     model = build(seed, 2, noise=0.0, ffn_gate=gate, ffn_budget=0.5, ffn_util_weight=1.0,
                   ffn_jepa_weight=1.0, ffn_aux_grad=aux_grad).train()
     g = torch.Generator().manual_seed(seed + 7)
@@ -1152,7 +1152,7 @@ def test_aux_loss_gradients_reach_only_their_own_gate(seed, T, gate, aux_grad):
             below['gate 0'] = norm(model.transformer.h[0].gate.parameters())
         for name, value in below.items():
             if aux_grad == 'leak':
-                floor = 1e-2 if name == 'backbone' else 1e-6
+                floor = 1e-3 if name == 'backbone' else 1e-6
                 assert value >= floor * own, (term, name, value, own)
             else:
                 assert value == 0.0, (term, name, value)
