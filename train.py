@@ -411,8 +411,8 @@ def build_model(cfg, meta, ckpt):
     with fresh gates), or from GPT-2 weights, with the checks that the data and the checkpoint
     agree."""
     if ckpt is not None and cfg.init_from == 'resume':
-        check_start_fields(cfg, ckpt)
-        check_against_checkpoint(cfg, meta, ckpt, ())          # and the data is its own
+        # (its fields: check_start_fields, which open_inputs ran before the data was read)
+        check_against_checkpoint(cfg, meta, ckpt, ())          # the data is its own
         model = GPT(model_config(cfg, vocab_size=ckpt['model_args']['vocab_size']))
         add_adapters(model, cfg)                   # a LoRA run's state holds its adapters
         check_state_fits(model, ckpt['model'], cfg.init_from)
