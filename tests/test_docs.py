@@ -8,8 +8,15 @@ NANODEPTH_SMOKE=1 in its environment. Every script reads its options through
 configurator.load_config, which then caps the counts of iterations, steps, batches and tokens and
 the model's width and vocabulary (configurator.SMOKE_CAPS and SMOKE_VALUES), so a training run is 2
 iterations and a benchmark one step on a small model; sweep.py's train.py runs inherit it, and a
-study runs its first seed only. The
-commands' numbers mean nothing here: this checks that they run.
+study runs its first seed only. The commands' numbers mean nothing here: this checks that they
+run.
+
+How they are started: `python SCRIPT ...` runs in a fork of tests/warm_python.py, a process that
+has imported torch (and torch._dynamo, which torch's optimizers load), as a fresh `python SCRIPT
+...` would run it otherwise (its own session, argv, sys.path, __main__, exit status; the project's
+modules imported by the script): importing torch is 3-4 s of each such command on a 2-core machine,
+most of its time under smoke. tests/test_warm_python.py checks the fork against a real process.
+Other commands (bash, the processes a script starts) start as they are.
 
 Not run (SKIP, each with its reason): `pip install` (the environment is given), the test suite
 itself, `torchrun` (DDP over 8 GPUs on FineWeb-Edu), Tiny Shakespeare when its text is not in
@@ -17,8 +24,10 @@ itself, `torchrun` (DDP over 8 GPUs on FineWeb-Edu), Tiny Shakespeare when its t
 not installed. A skipped command is printed, never silently dropped.
 """
 import importlib.util
+import json
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -28,6 +37,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import start, stop
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / 'shared'
@@ -114,10 +124,13 @@ def fresh_copy(dest):
     return dest / 'repo'
 
 
-def run_command(command, cwd, env):
+def run_command(command, cwd, env, warm=None):
     """The command in its own process group, ended as a whole (SIGTERM, then SIGKILL) if it
-    overruns."""
+    overruns: `python SCRIPT ...` in a fork of `warm` (a WarmPython) where one is given, anything
+    else as a process of its own. (exit status, its output)."""
     argv = shlex.split(command)
+    if warm is not None and argv[0] == 'python' and argv[1:2] and argv[1].endswith('.py'):
+        return warm.run(argv[1:], cwd, command)
     if argv[0] == 'python':
         argv[0] = sys.executable
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
@@ -125,15 +138,64 @@ def run_command(command, cwd, env):
     try:
         out, _ = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
-            time.sleep(1)
+        end_group(proc.pid)
         out, _ = proc.communicate()
         pytest.fail(f"{command} ran past {TIMEOUT_S} s:\n{out[-3000:]}")
     return proc.returncode, out
+
+
+def end_group(pid):
+    """SIGTERM to the process group, a second, then SIGKILL."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            pass
+        time.sleep(1)
+
+
+class WarmPython:
+    """tests/warm_python.py started with the commands' environment: `python SCRIPT ...` run in a
+    fork of a process that has imported torch, sparing each command the 2-3 s of that import
+    (most of a smoke-sized command's time). The script runs as a fresh `python SCRIPT ...` would
+    (its own session, sys.argv, sys.path[0], __main__, exit status), with only torch imported
+    before it. End it with close()."""
+
+    def __init__(self, folder, env):
+        self.folder, self.buffer, self.count = folder, b'', 0
+        self.proc = start([sys.executable, str(Path(__file__).with_name('warm_python.py'))],
+                          env=env, cwd=folder, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=None, text=False)
+
+    def line(self, timeout):
+        """The next line the process writes, or None after `timeout` seconds without one."""
+        deadline = time.time() + timeout
+        while b'\n' not in self.buffer:
+            left = deadline - time.time()
+            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                return None
+            chunk = os.read(self.proc.stdout.fileno(), 4096)
+            assert chunk, f'tests/warm_python.py exited ({self.proc.wait()})'
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b'\n')
+        return line.decode()
+
+    def run(self, argv, cwd, command):
+        self.count += 1
+        out = Path(self.folder) / f'command{self.count}.log'
+        request = dict(argv=argv, cwd=str(cwd), out=str(out))
+        self.proc.stdin.write((json.dumps(request) + '\n').encode())
+        self.proc.stdin.flush()
+        pid = int(self.line(60))
+        status = self.line(TIMEOUT_S)
+        if status is None:
+            end_group(pid)
+            self.line(60)
+            pytest.fail(f"{command} ran past {TIMEOUT_S} s:\n{out.read_text()[-3000:]}")
+        return int(status), out.read_text()
+
+    def close(self):
+        stop(self.proc)
 
 
 def test_the_commands_are_found():
@@ -182,17 +244,22 @@ def run_in_order(tmp_path, commands, why_not, **env):
     repo = fresh_copy(tmp_path)
     env = {**os.environ, 'NANODEPTH_SMOKE': '1', 'OMP_NUM_THREADS': '1',
            'PYTHONDONTWRITEBYTECODE': '1', **env}
+    (tmp_path / 'logs').mkdir()
+    warm = WarmPython(tmp_path / 'logs', env)
     t0, ran, skipped, seen = time.time(), [], [], set()
-    for source, command in commands:
-        why = why_not(command) or ('given above, ran there' if command in seen else None)
-        seen.add(command)
-        if why:
-            skipped.append(f"{source}: {command} ({why})")
-            continue
-        start = time.time()
-        code, out = run_command(command, repo, env)
-        assert code == 0, f"{source}: `{command}` exited {code}:\n{out[-3000:]}"
-        ran.append(f"{time.time() - start:5.1f} s  {source}: {command}")
+    try:
+        for source, command in commands:
+            why = why_not(command) or ('given above, ran there' if command in seen else None)
+            seen.add(command)
+            if why:
+                skipped.append(f"{source}: {command} ({why})")
+                continue
+            began = time.time()
+            code, out = run_command(command, repo, env, warm)
+            assert code == 0, f"{source}: `{command}` exited {code}:\n{out[-3000:]}"
+            ran.append(f"{time.time() - began:5.1f} s  {source}: {command}")
+    finally:
+        warm.close()
     print('\n'.join(['ran:', *ran, 'skipped:', *skipped, f'total {time.time() - t0:.0f} s']))
     return ran
 
