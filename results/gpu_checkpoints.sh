@@ -4,7 +4,7 @@
 #
 # The four trained 8-layer Shakespeare models of docs/results.md (exit, mod, halt, and ffn with a
 # draft distilled after training), trained with the commands their runs were trained with, two at
-# a time with a thread each (about 30 minutes on 2 cores), and copied without their optimizer
+# a time with a thread each (30-45 minutes on 2 cores), and copied without their optimizer
 # state to out/gpu/<name>, 26 MB in all, small enough to travel with the tree to a GPU machine
 # (`carry`). A model whose copy is already there is not trained again; a training stopped part
 # way resumes from its last checkpoint. Output goes to LOG (out/gpu/train_log.txt).
@@ -38,7 +38,7 @@ print(f"{dst}: copied without the optimizer state")
 EOF
 }
 
-# two chains side by side, each about 17-21 minutes on one core
+# two chains side by side, 17-45 minutes each on one core (results/cpu_2026-11-2[78]/)
 {
   train spec_exit_w4d2 $base --exit_weight=4.0 --layer_dropout=0.2 --out_dir=out/spec_exit_w4d2
   train spec_mod $base --route=mod --mod_capacity=0.125 --layer_dropout=0.0 --out_dir=out/spec_mod

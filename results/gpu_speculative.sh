@@ -26,7 +26,7 @@ for name in val.bin meta.json; do
 done
 if [ -n "$missing" ]; then
   echo "gpu_speculative.sh: no$missing; make them with bash results/gpu_checkpoints.sh" \
-    "(on the CPU, about 30 minutes) and carry out/gpu and data/shakespeare_char" >&2
+    "(on the CPU, 30-45 minutes) and carry out/gpu and data/shakespeare_char" >&2
   exit 2
 fi
 end=${2:-540}
