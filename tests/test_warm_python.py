@@ -1,9 +1,9 @@
 """tests/warm_python.py, which runs the documented commands for tests/test_docs.py, against the
 independent reference it stands in for: the same script run by a fresh `python SCRIPT ARGS...`.
 What a script can see of how it was started (argv, sys.path[0], __name__, __file__, the working
-folder, its session, stdin, the project's modules not yet imported) and how it ends (exit status,
-traceback, atexit handlers, non-daemon threads) must be the same, and an overrunning script must
-be ended with everything it started."""
+folder, its session, stdin, its open files, the project's modules not yet imported) and how it
+ends (exit status, traceback, atexit handlers, non-daemon threads) must be the same, and an
+overrunning script must be ended with everything it started."""
 import os
 import subprocess
 import sys
@@ -21,6 +21,7 @@ print('name', __name__, 'file', __file__)
 print('cwd', os.getcwd())
 print('own session', os.getsid(0) == os.getpid())
 print('stdin', repr(sys.stdin.read()))
+print('open files', sorted(int(fd) for fd in os.listdir('/proc/self/fd')))
 print('project modules', sorted(m for m in ('model', 'train', 'configurator') if m in sys.modules))
 import helper                                   # from the script's folder, as python puts it first
 print('helper', helper.WHERE)

@@ -38,6 +38,8 @@ def run_script(argv, cwd, out):
     os.dup2(null, 0)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    os.close(null)
+    os.close(log)
     os.chdir(cwd)
     # as the interpreter runs a script: __file__ the working folder joined to argv[0] (not
     # normalised), argv[0] as given, a fresh __main__ module (runpy.run_path would set argv[0]
