@@ -23,7 +23,7 @@ print('own session', os.getsid(0) == os.getpid())
 print('stdin', repr(sys.stdin.read()))
 print('open files', sorted(int(fd) for fd in os.listdir('/proc/self/fd')))
 print('project modules', sorted(m for m in ('model', 'train', 'configurator') if m in sys.modules))
-import helper                                   # from the script's folder, as python puts it first
+helper = __import__('helper')     # from the script's folder, which python puts first on the path
 print('helper', helper.WHERE)
 atexit.register(lambda: print('atexit ran', flush=True))
 threading.Thread(target=lambda: (time.sleep(0.3), print('thread ended', flush=True))).start()
