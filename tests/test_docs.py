@@ -156,10 +156,10 @@ def end_group(pid):
 
 class WarmPython:
     """tests/warm_python.py started with the commands' environment: `python SCRIPT ...` run in a
-    fork of a process that has imported torch, sparing each command the 2-3 s of that import
-    (most of a smoke-sized command's time). The script runs as a fresh `python SCRIPT ...` would
-    (its own session, sys.argv, sys.path[0], __main__, exit status), with only torch imported
-    before it. End it with close()."""
+    fork of a process that has imported torch and torch._dynamo, sparing each command the 3-4 s
+    of those imports (most of a smoke-sized command's time). The script runs as a fresh `python
+    SCRIPT ...` would (its own session, sys.argv, sys.path[0], __main__, exit status), with only
+    those imported before it. End it with close()."""
 
     def __init__(self, folder, env):
         self.folder, self.buffer, self.count = folder, b'', 0
@@ -186,7 +186,9 @@ class WarmPython:
         request = dict(argv=argv, cwd=str(cwd), out=str(out))
         self.proc.stdin.write((json.dumps(request) + '\n').encode())
         self.proc.stdin.flush()
-        pid = int(self.line(60))
+        pid = self.line(120)            # (the first one waits for the imports)
+        assert pid is not None, f'tests/warm_python.py did not start {command}'
+        pid = int(pid)
         status = self.line(TIMEOUT_S)
         if status is None:
             end_group(pid)
