@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import start, stop
+from conftest import GROUP_VAR, start, stop, tagged_processes
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / 'shared'
@@ -194,7 +194,23 @@ class WarmPython:
             end_group(pid)
             self.line(60)
             pytest.fail(f"{command} ran past {TIMEOUT_S} s:\n{out.read_text()[-3000:]}")
+        # a command that exits leaves nothing running (a fresh process's pipe would stay open)
+        left, deadline = self.left_running(), time.time() + 5
+        while left and time.time() < deadline:
+            time.sleep(0.1)
+            left = self.left_running()
+        if left:
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            pytest.fail(f"{command} exited ({status}) but left {left} running (killed)")
         return int(status), out.read_text()
+
+    def left_running(self):
+        """The live processes the commands started (they carry this process's tag), not it."""
+        return [p for p in tagged_processes(GROUP_VAR, self.proc.group_tag) if p != self.proc.pid]
 
     def close(self):
         stop(self.proc)

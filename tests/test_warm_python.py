@@ -32,6 +32,11 @@ if how == 'raise':
     raise ValueError('probe failed')
 if how == 'message':
     sys.exit('a message to stderr')
+if how == 'leave':                  # a process the script starts and leaves running
+    import subprocess
+    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])
+    print('child', child.pid, flush=True)
+    sys.exit(0)
 if how == 'child':                  # a process the script starts, left running: ended with it
     import subprocess
     child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])
@@ -90,3 +95,18 @@ def test_an_overrunning_script_is_ended_with_what_it_started(probe, monkeypatch)
         ')')[-1].split()[0] == 'Z'
     status, out = warm.run([str(script), '0'], work, 'probe again')
     assert status == 0 and 'atexit ran' in out
+
+
+def test_a_script_that_leaves_a_process_running_fails(probe):
+    """A script that exits 0 but leaves a process it started running fails (a fresh process's
+    output pipe would stay open until that one ended), and the process is ended."""
+    script, work, warm = probe
+    with pytest.raises(pytest.fail.Exception, match=r'probe leave exited \(0\) but left') as e:
+        warm.run([str(script), 'leave'], work, 'probe leave')
+    child = int(str(e.value).split('[')[1].split(']')[0].split(',')[0])
+    deadline = time.time() + 10
+    while os.path.exists(f'/proc/{child}') and open(f'/proc/{child}/stat').read().split(
+            ')')[-1].split()[0] != 'Z' and time.time() < deadline:
+        time.sleep(0.1)
+    assert time.time() < deadline
+    assert warm.run([str(script), '0'], work, 'probe again')[0] == 0
