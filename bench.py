@@ -81,6 +81,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from dataclasses import replace
 from types import SimpleNamespace
@@ -1024,12 +1025,17 @@ def save_compile_cache(path):
 
 def stop_on_sigterm():
     """SIGTERM (what `timeout` sends) as SystemExit, so that a run stopped so still runs its
-    finally blocks: the compile cache keeps what was compiled before the stop."""
+    finally blocks: the compile cache keeps what was compiled before the stop. Returns a list that
+    holds the signal once one came: raised inside torch.compile, the SystemExit can come out as a
+    compiler error (inductor wraps what its passes raise), which the run must not report."""
     import signal
+    came = []
 
     def stop(signum, frame):
+        came.append(signum)
         raise SystemExit(128 + signum)
     signal.signal(signal.SIGTERM, stop)
+    return came
 
 
 def main(argv):
@@ -1061,15 +1067,19 @@ def main(argv):
         save(res)
         save_compile_cache(cfg['compile_cache'])
 
-    if cfg['compile_cache']:
-        stop_on_sigterm()
+    stopped = stop_on_sigterm() if cfg['compile_cache'] else []
     try:
         res = (bench_decode_vs_hf(cfg) if cfg['decode_vs_hf']
                else bench_speculative.bench_speculative(
                    cfg, batch_done, warmed_up=lambda: save_compile_cache(cfg['compile_cache']))
                if cfg['speculate'] else bench_routed(cfg) if cfg['budgets'] else bench(cfg))
-    except BaseException:   # kept whatever stopped the run (a timeout's SIGTERM too)
+    except BaseException as e:  # kept whatever stopped the run (a timeout's SIGTERM too)
         save_compile_cache(cfg['compile_cache'])
+        if stopped and not isinstance(e, SystemExit):
+            print(f"bench.py: stopped by SIGTERM (a time limit's?), which surfaced as "
+                  f"{type(e).__name__}; compiled code kept in {cfg['compile_cache']}",
+                  file=sys.stderr)
+            raise SystemExit(128 + stopped[0]) from None
         raise
     save(res)           # first: a stop during the cache's save (seconds) leaves the figures whole
     save_compile_cache(cfg['compile_cache'])

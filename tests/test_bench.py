@@ -645,27 +645,60 @@ def test_compile_cache_refuses_a_file_that_is_not_one(tmp_path):
         bench.parse_args([*SPEC_TINY, '--compile=True', f'--compile_cache={tmp_path}/c.zip'])
 
 
+def bench_run_with_cache(tmp_path, monkeypatch, speculative, raises=SystemExit):
+    """bench.main --speculate with --compile_cache, bench_speculative replaced by `speculative`
+    and the cache's save recorded, SIGTERM's handler restored after: (the exception info of
+    what ended it, the paths saved to, the cache's path)."""
+    import signal
+    import bench_speculative
+    saved = []
+    monkeypatch.setattr(bench, 'save_compile_cache', saved.append)
+    monkeypatch.setattr(bench_speculative, 'bench_speculative', speculative)
+    handler = signal.getsignal(signal.SIGTERM)
+    cache = str(tmp_path / 'compiled.bin')
+    try:
+        with pytest.raises(raises) as ended:
+            bench.main([*SPEC_TINY, '--speculate=2', '--compile=True', f'--compile_cache={cache}'])
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    return ended, saved, cache
+
+
 def test_a_stopped_run_still_saves_its_compiled_code(tmp_path, monkeypatch):
     """With --compile_cache, SIGTERM (a timeout's) ends bench.py as SystemExit(143), and whatever
     ends the run, the compile cache is saved on the way out: cold compiles are what a run cut
     short would otherwise lose."""
     import signal
-    import bench_speculative
-    saved = []
-    monkeypatch.setattr(bench, 'save_compile_cache', saved.append)
 
     def terminated(cfg, *args, **kw):
         os.kill(os.getpid(), signal.SIGTERM)
         raise AssertionError('SIGTERM did not stop the run')
-    monkeypatch.setattr(bench_speculative, 'bench_speculative', terminated)
-    handler = signal.getsignal(signal.SIGTERM)
-    cache = str(tmp_path / 'compiled.bin')
-    try:
-        with pytest.raises(SystemExit) as stopped:
-            bench.main([*SPEC_TINY, '--speculate=2', '--compile=True', f'--compile_cache={cache}'])
-    finally:
-        signal.signal(signal.SIGTERM, handler)
+    stopped, saved, cache = bench_run_with_cache(tmp_path, monkeypatch, terminated)
     assert stopped.value.code == 143 and saved == [cache]
+
+
+def test_a_stop_inside_a_compile_is_reported_as_a_stop(tmp_path, monkeypatch, capsys):
+    """SIGTERM raised inside torch.compile can come out as a compiler error (inductor wraps what
+    its passes raise; seen on a GPU as BackendCompilerFailed after a timeout): bench.py still
+    ends as the stop it was, SystemExit(143) with one line saying so, the cache saved."""
+    import signal
+
+    def compiling(cfg, *args, **kw):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+        except BaseException as e:
+            raise RuntimeError('trying to set the current FakeTensorMode, but one already '
+                               'exists') from e
+    stopped, saved, cache = bench_run_with_cache(tmp_path, monkeypatch, compiling)
+    assert stopped.value.code == 143 and saved == [cache]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f'bench.py: stopped by SIGTERM (a time limit\'s?), which surfaced as '
+                   f'RuntimeError; compiled code kept in {cache}']
+
+    def failing(cfg, *args, **kw):      # a compiler error with no stop is the error it is
+        raise RuntimeError('a real compiler error')
+    failed, saved, cache = bench_run_with_cache(tmp_path, monkeypatch, failing, RuntimeError)
+    assert 'a real compiler error' in str(failed.value) and saved == [cache]
 
 
 def test_a_run_stopped_while_saving_its_compiled_code_keeps_its_figures(tmp_path, monkeypatch):
