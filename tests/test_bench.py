@@ -747,13 +747,13 @@ def script_checkpoints(root):
     shakespeare_data(root)
 
 
-def shakespeare_data(root):
-    """data/shakespeare_char under root, as data/prepare.py leaves it (contents made up)."""
-    data = root / 'data' / 'shakespeare_char'
+def shakespeare_data(root, name='shakespeare_char', vocab_size=65):
+    """data/<name> under root, as data/prepare.py leaves it (contents made up)."""
+    data = root / 'data' / name
     data.mkdir(parents=True)
-    for name in ('train.bin', 'val.bin'):
-        (data / name).write_bytes(bytes(1000))
-    (data / 'meta.json').write_text('{"vocab_size": 65}')
+    for split in ('train.bin', 'val.bin'):
+        (data / split).write_bytes(bytes(1000))
+    (data / 'meta.json').write_text(json.dumps({'vocab_size': vocab_size}))
 
 
 def fake_python3(tmp_path, script):
@@ -789,11 +789,10 @@ def test_the_gpu_speculative_script_runs_only_options_bench_accepts(tmp_path):
     assert r.returncode == 0, r.stderr
     stages = [next(a for a in argv if a.startswith('--out=')) for argv in commands]
     assert [os.path.basename(o) for o in stages] == [
-        f'speculative_{name}.json' for name in ('ffn_b1_K4', 'halt_b1_K4', 'exit_b8_K2',
-                                                'exit_b1_K4_one_graph', 'mod_b1_K4',
-                                                'exit_b1_K2',
-                                                'mod_b1_K4')]
-    assert commands[4] == commands[-1]
+        f'speculative_{name}.json' for name in ('mod_b1_K4', 'exit_b1_K2', 'ffn_b1_K4',
+                                                'halt_b1_K4', 'exit_b8_K2',
+                                                'exit_b1_K4_one_graph', 'mod_b1_K4')]
+    assert commands[0] == commands[-1]
     assert 'mod_b1_K4: rc=124' in r.stdout and 'mod_b1_K4: rc=0' in r.stdout
     for argv in commands:
         argv = [f'--init_from={tmp_path / a.partition("=")[2]}' if a.startswith('--init_from=')
@@ -873,6 +872,68 @@ def test_the_gpu_checkpoints_script_trains_each_missing_model_once(tmp_path):
     again = trained(run_script())
     assert len(again) == 1 and '--out_dir=out/spec_mod' in again[0]
     assert again[0][-1] == '--init_from=resume'
+
+
+FAKE_TRAIN_124M = """
+import json, os, sys
+sys.path.insert(0, os.environ['REPO'])
+with open(os.environ['CALLS'], 'a') as f:
+    f.write(json.dumps(sys.argv[1:]) + '\\n')
+if sys.argv[1] == 'train.py':          # the real config check, then a small model of its routing
+    from dataclasses import asdict
+    import torch
+    import train
+    from model import GPT, GPTConfig
+    cfg, _ = train.read_config(sys.argv[2:])
+    mcfg = GPTConfig(n_layer=cfg.n_layer, n_head=2, n_embd=32, block_size=cfg.block_size,
+                     vocab_size=50257, route=cfg.route, exit_layers=cfg.exit_layers)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    torch.save(dict(model=GPT(mcfg).state_dict(), model_args=asdict(mcfg),
+                    config={'dataset': cfg.dataset}), f'{cfg.out_dir}/ckpt.pt')
+    open(f'{cfg.out_dir}/metrics.jsonl', 'w').write('{}\\n')
+"""
+
+
+def test_the_gpu_124m_script_trains_then_runs_only_options_bench_accepts(tmp_path):
+    """results/gpu_124m.sh with python3 standing in (train.py's real config check, then a small
+    model with the config's depth and exits): the 124M config trained once, its metrics copied,
+    then each stage's bench.py command passes bench.py's option check with that checkpoint (the
+    drafts of 6 and 2 blocks are exits of it); a second run trains nothing; without the data it
+    stops with exit 2 before any work, naming the command that makes it."""
+    fake = fake_python3(tmp_path, f'#!/bin/sh\nexec {sys.executable} {tmp_path / "fake.py"} "$@"\n')
+    (tmp_path / 'fake.py').write_text(FAKE_TRAIN_124M)
+    (tmp_path / 'config').symlink_to(os.path.join(REPO, 'config'))
+    calls = tmp_path / 'calls.jsonl'
+    env = {**os.environ, 'PATH': f"{fake.parent}:{os.environ['PATH']}", 'CALLS': str(calls),
+           'REPO': REPO, 'COMPILE_CACHE': str(tmp_path / 'cache.bin')}
+
+    def run_script(folder):
+        calls.write_text('')
+        r = finish(start(['bash', os.path.join(REPO, 'results', 'gpu_124m.sh'), str(folder),
+                          '600'], env=env, cwd=tmp_path), timeout=120)
+        return r, [json.loads(line) for line in calls.read_text().splitlines()]
+
+    r, argvs = run_script(tmp_path / 'none')
+    assert r.returncode == 2 and argvs == [] and not (tmp_path / 'none').exists()
+    assert 'no data/fineweb_edu/train.bin' in r.stderr
+    assert 'python data/prepare.py fineweb_edu --input=../shared/data/' in r.stderr
+    shakespeare_data(tmp_path, 'fineweb_edu', 50257)
+    r, argvs = run_script(tmp_path / 'r')
+    assert r.returncode == 0, r.stdout + r.stderr
+    trained = [a for a in argvs if a[0] == 'train.py']
+    assert trained == [['train.py', 'config/exit_drafter_124m_fineweb.py']]
+    assert (tmp_path / 'r' / 'metrics.jsonl').exists()
+    benches = [a for a in argvs if a[0] == 'bench.py']
+    assert [next(o for o in a if o.startswith('--out=')).rsplit('/', 1)[1] for a in benches] == [
+        f'speculative_exit124m_{name}.json' for name in ('E6_b1_K4', 'E2_b1_K4', 'E6_b1_K2')]
+    for argv in benches:
+        argv = [f'--init_from={tmp_path / a.partition("=")[2]}' if a.startswith('--init_from=')
+                else a for a in argv[1:]]
+        cfg, _, _ = bench.parse_args([*argv, '--device=cpu'])
+        assert cfg['compile'] and cfg['draft_layers'] in (2, 6)
+    r, argvs = run_script(tmp_path / 'r2')
+    assert r.returncode == 0 and not [a for a in argvs if a[0] == 'train.py']
+    assert len([a for a in argvs if a[0] == 'bench.py']) == 3
 
 
 def test_bench_speculate_draft_stop():

@@ -1,0 +1,44 @@
+# Sourced by results/gpu_speculative.sh and results/gpu_124m.sh, which set `folder` (where the
+# JSON and log.txt go), `end` (the second of the script's clock, bash's SECONDS, by which every
+# stage must be done) and `cache` (the compile cache's file):
+#
+#   stage NAME LIMIT BENCH_OPTIONS...   one bench.py --speculate process: greedy, 60 tokens from
+#                                       64-token prompts, 10 repeats a side, both sides compiled,
+#                                       passes apart and 4 chained in one graph timed in the same
+#                                       process, writing $folder/speculative_NAME.json
+#                                       (.partial.json if stopped first), stopped at LIMIT seconds
+#                                       or at what is left before `end`, skipped under 30
+#   stages_again                        the stages stopped at their limit, again, in order, with
+#                                       the time left: each starts from the code it compiled
+#   describe_machine                    the commit, torch and the GPU, into the log
+#
+# Compiled code is kept in $cache by every stage, also one that is stopped (bench.py saves it on
+# SIGTERM): a machine that starts bare then compiles only what no run kept.
+mkdir -p "$folder"
+log=$folder/log.txt
+export PYTHONUNBUFFERED=1
+stopped=()
+stage() {
+  local name=$1 limit=$2; shift 2
+  local left=$((end - SECONDS)); [ $left -lt $limit ] && limit=$left
+  if [ $limit -lt 30 ]; then echo "=== $name: skipped, ${left} s left" | tee -a "$log"; return; fi
+  echo "=== $(date +%T) t=${SECONDS}s $name, limit ${limit} s" | tee -a "$log"
+  timeout -k 5 $limit python3 bench.py "$@" --decode_prompt=64 --decode_tokens=60 \
+    --bench_steps=10 --compile=True --compile_cache="$cache" --passes_per_graph=1,4 \
+    --out="$folder/speculative_$name.json" 2>&1 | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: rc=$rc t=${SECONDS}s" | tee -a "$log"
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then stopped+=("$name 9999 $*"); fi
+}
+stages_again() {
+  local again=(${stopped[@]+"${stopped[@]}"})   # (bash before 4.4 calls an empty array unbound)
+  stopped=()
+  for s in ${again[@]+"${again[@]}"}; do
+    stage $s      # (split into words on purpose: a stage's name, limit and options)
+  done
+}
+describe_machine() {
+  echo "commit $(git rev-parse HEAD 2>/dev/null || echo unknown)" | tee -a "$log"
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" 2>&1 | tee -a "$log"
+}
