@@ -1,8 +1,9 @@
 """
 The device and precision a script runs on, from its --device / --dtype options.
 
-    from device import autocast_context, resolve_device_dtype
+    from device import autocast_context, check_batch_fits, resolve_device_dtype
 """
+import os
 from contextlib import nullcontext
 from types import SimpleNamespace
 
@@ -62,3 +63,23 @@ def autocast_context(dev, dt):
     return torch.autocast(
         device_type=dev.type, dtype={'bfloat16': torch.bfloat16, 'float16': torch.float16}[dt]
     )
+
+
+def memory_bytes(dev):
+    """What one process could fill on dev: a GPU's whole memory, else the host's physical memory."""
+    if dev.type == 'cuda':
+        return torch.cuda.get_device_properties(dev).total_memory
+    return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+
+
+def check_batch_fits(batch_size, block_size, vocab_size, dev, key='batch_size'):
+    """Refuse (ConfigError naming --key) a batch whose logits alone, at 2 bytes each, would fill
+    more than dev's memory: no run of it can finish, and building its batches first takes minutes
+    (a lower bound: a batch that passes may still run out of memory, which the scripts report)."""
+    need = batch_size * block_size * vocab_size * 2
+    have = memory_bytes(dev)
+    if need > have:
+        raise ConfigError(
+            f"{key}={batch_size}: one batch's logits alone ({batch_size} x {block_size} tokens x "
+            f"{vocab_size} in the vocabulary, 2 bytes each) are {need / 2**30:,.2f} GiB, more "
+            f"than the {have / 2**30:,.2f} GiB of {dev}; lower --{key}")

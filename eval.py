@@ -58,7 +58,7 @@ from data.loader import (
     load_tokenizer,
     open_splits,
 )
-from device import autocast_context, cli_device
+from device import autocast_context, check_batch_fits, cli_device
 from files import write_whole
 from model import GPTConfig, read_stored_config
 from routing import exec_path, overridden
@@ -390,6 +390,8 @@ def main(argv):
         meta = load_dataset_meta(cfg, master=True, prepare_missing=False)   # only training prepares
         check_checkpoint_data(cfg, meta, ck)      # the data must be the run's (names the field)
         check_data(cfg, meta, ck, skip_option=False)   # and intact: sha256 and token ids
+        check_batch_fits(args['batch_size'] or cfg.batch_size, cfg.block_size,
+                         meta['vocab_size'], dev)
         model = load_model(ck, dev, args['ckpt'])
         tr, va = open_splits(
             meta, cfg.block_size, args['batch_size'] or cfg.batch_size, cfg.seed, dev

@@ -32,7 +32,7 @@ from checkpoint import load_model, save_checkpoint
 from configurator import (ConfigError, asks_help, declared_defaults, load_config, model_groups,
                           print_help, run_cli, source_group)
 from data.loader import VOCAB_IDENTITY, DataError, open_splits
-from device import autocast_context, resolve_device_dtype
+from device import autocast_context, check_batch_fits, resolve_device_dtype
 from loggers import Loggers
 import sharding
 from model import FAMILIES, GPT, GPTConfig, allow_graphs, is_controller_key, is_draft_key
@@ -271,6 +271,7 @@ def setup(cfg, cfg_dict, proc, argv):
                   f"max_iters={cfg.max_iters}, its summary recorded): nothing to do. Train it "
                   f"further with a larger --max_iters, or evaluate it with --eval_only=True")
         return None
+    check_batch_fits(cfg.batch_size, cfg.block_size, meta['vocab_size'], proc.dev)
     seed_rngs(cfg.seed + proc.rank)
     model = build_model(cfg, meta, ckpt)
     if proc.sharded and proc.rank > 0:   # FSDP, unlike DDP, copies no weights from rank 0: build

@@ -1,6 +1,6 @@
 """Tests for device.py: the device and dtype a script runs on from --device / --dtype ('auto' by
 what the machine has), the refusals (a missing GPU or GPU index, float16 on CPU, an unknown dtype or
-device), and the autocast context each dtype gives."""
+device), the autocast context each dtype gives, and the refusal of a batch no memory holds."""
 import re
 from contextlib import nullcontext
 from types import SimpleNamespace
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from configurator import ConfigError
-from device import autocast_context, cli_device, resolve_device_dtype
+import device
+from device import autocast_context, check_batch_fits, cli_device, resolve_device_dtype
 
 
 def test_cuda_index_beyond_the_machine_is_refused(monkeypatch):
@@ -66,3 +67,26 @@ def test_autocast_context_casts_only_below_float32():
         assert (a @ b).dtype == torch.float32
     with autocast_context(cpu, "bfloat16"):
         assert (a @ b).dtype == torch.bfloat16
+
+
+def test_host_memory_is_what_the_kernel_reports():
+    """The CPU's memory_bytes against /proc/meminfo's MemTotal (kB), read independently: the
+    kernel keeps a little for itself, so within 2%."""
+    with open('/proc/meminfo') as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith('MemTotal:'))
+    have = device.memory_bytes(torch.device('cpu'))
+    assert 0.98 * have <= total <= have
+
+
+def test_a_batch_whose_logits_fill_more_than_the_memory_is_refused(monkeypatch):
+    """The bound is the logits at 2 bytes each: a batch of exactly the memory passes, one token
+    row more is refused, naming the key, the sizes and the fix."""
+    monkeypatch.setattr(device, 'memory_bytes', lambda dev: 2**30)
+    check_batch_fits(2**13, 2**8, 2**8, torch.device('cpu'))
+    with pytest.raises(ConfigError) as e:
+        check_batch_fits(2**14, 2**8, 2**8, torch.device('cpu'), key='eval_batch')
+    assert str(e.value) == ("eval_batch=16384: one batch's logits alone (16384 x 256 tokens x 256 "
+                            "in the vocabulary, 2 bytes each) are 2.00 GiB, more than the 1.00 "
+                            "GiB of cpu; lower --eval_batch")
+    with pytest.raises(ConfigError):
+        check_batch_fits(2**13 + 1, 2**8, 2**8, torch.device('cpu'))
