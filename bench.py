@@ -20,9 +20,9 @@ git_dirty).
 Repeats and noise: every timing keeps its bench_steps repeats (Timing: the median, and the spread
 (max - min) / median); decode alone is the difference long minus short taken within each repeat, so
 load that comes and goes cancels. Each routed/dense (and ours/theirs) ratio records both sides'
-spreads and is marked noisy (NOISY in the tables, with a count under them) when a side has fewer
-than MIN_REPEATS (3) repeats or spreads by more than SPREAD_LIMIT (25%) of its median: the ratio
-could then be off by about that much. --quick=True: the QUICK preset (128-token context, batch 1,
+spreads (and, as repeats_ms, each side's repeats in order) and is marked noisy (NOISY in the
+tables, with a count under them) when a side has fewer than MIN_REPEATS (3) repeats or spreads by
+more than SPREAD_LIMIT (25%) of its median: the ratio could then be off by about that much. --quick=True: the QUICK preset (128-token context, batch 1,
 prefill 4x128, decode batches 1 and 8 of 16 tokens, 3 repeats after 1 warm-up) for every one of
 those keys the command line does not set, so the README's CPU commands take minutes on 2 cores; a
 progress bar over budgets (and decode repeats) on a terminal, off with --quiet=True.
@@ -217,11 +217,14 @@ class Timing(float):
 def noise(*timings):
     """The spreads of the timings a ratio is made of, and whether that ratio is noisy (means
     little): a side has fewer than MIN_REPEATS repeats, or its repeats spread by more than
-    SPREAD_LIMIT of its median, so the ratio could be off by about as much."""
+    SPREAD_LIMIT of its median, so the ratio could be off by about as much. repeats_ms keeps each
+    side's repeats in order (ms), so that a spread can be read afterwards: one slow repeat (a
+    recompile, a collection) or a drift."""
     spreads = [t.spread for t in timings]
     repeats = min(len(t.times) for t in timings)
     return dict(spreads=[round(x, 4) for x in spreads], repeats=repeats,
-                noisy=repeats < MIN_REPEATS or max(spreads) > SPREAD_LIMIT)
+                noisy=repeats < MIN_REPEATS or max(spreads) > SPREAD_LIMIT,
+                repeats_ms=[[round(x * 1e3, 4) for x in t.times] for t in timings])
 
 
 def timed(fn, steps, warmup, dev):

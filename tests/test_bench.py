@@ -95,7 +95,7 @@ def test_bench_decode_vs_hf(tmp_path):
     for row in res['rows']:
         assert set(row) == {'batch', 'ours', 'ours_tokens_per_s', 'hf_tokens_per_s', 'ratio',
                             'weights_floor_tokens_per_s', 'best_ratio_possible', 'spreads',
-                            'repeats', 'noisy'}
+                            'repeats', 'noisy', 'repeats_ms'}
         assert row['ours_tokens_per_s'] > 0 and row['hf_tokens_per_s'] > 0
         assert row['best_ratio_possible'] == pytest.approx(
             row['weights_floor_tokens_per_s'] / row['hf_tokens_per_s'], rel=1e-12)
@@ -470,7 +470,8 @@ SPEC_KEYS = {'route', 'batch', 'K', 'speedup', 'draft', 'draft_layers', 'draft_s
              'passes_per_graph',
              'pass_ms',
              'draft_ms_per_pass', 'verify_ms_per_pass', 'draft_share', 'alpha',
-             'predicted_speedup', 'spreads', 'repeats', 'noisy', 'plain_warmup_s', 'warmup_s'}
+             'predicted_speedup', 'spreads', 'repeats', 'noisy', 'repeats_ms', 'plain_warmup_s',
+             'warmup_s'}
 
 
 def check_spec_rows(res, route, ks, batches, chains=(1,)):
@@ -1339,6 +1340,7 @@ def test_a_ratio_is_noisy_when_a_side_spreads_past_the_limit_or_has_too_few_repe
             (max(x) - min(x)) / (sum(sorted(x)[len(x) // 2 - 1:len(x) // 2 + 1]) / 2)
             for x in (a, b)]
     assert n['spreads'] == pytest.approx(want, abs=1e-4)
+    assert n['repeats_ms'] == [pytest.approx([x * 1e3 for x in side]) for side in (a, b)]
     cell = bench.spread_cell(n)
     assert cell.startswith('**NOISY**') == noisy and f"{want[0] * 100:.0f}%" in cell
 
