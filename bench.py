@@ -22,10 +22,11 @@ Repeats and noise: every timing keeps its bench_steps repeats (Timing: the media
 load that comes and goes cancels. Each routed/dense (and ours/theirs) ratio records both sides'
 spreads (and, as repeats_ms, each side's repeats in order) and is marked noisy (NOISY in the
 tables, with a count under them) when a side has fewer than MIN_REPEATS (3) repeats or spreads by
-more than SPREAD_LIMIT (25%) of its median: the ratio could then be off by about that much. --quick=True: the QUICK preset (128-token context, batch 1,
-prefill 4x128, decode batches 1 and 8 of 16 tokens, 3 repeats after 1 warm-up) for every one of
-those keys the command line does not set, so the README's CPU commands take minutes on 2 cores; a
-progress bar over budgets (and decode repeats) on a terminal, off with --quiet=True.
+more than SPREAD_LIMIT (25%) of its median: the ratio could then be off by about that much.
+--quick=True: the QUICK preset (128-token context, batch 1, prefill 4x128, decode batches 1 and 8
+of 16 tokens, 3 repeats after 1 warm-up) for every one of those keys the command line does not
+set, so the README's CPU commands take minutes on 2 cores; a progress bar over budgets (and decode
+repeats) on a terminal, off with --quiet=True.
 
 Routed vs dense: with --budgets=1.0,0.75,0.5,0.25,0.125 the config's routed model (route=ffn or mod
 at that budget; route=halt or exit with its eval threshold bisected on the benchmark batch until the
