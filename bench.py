@@ -1042,6 +1042,13 @@ def stop_on_sigterm():
     return came
 
 
+def note_sigterm(came):
+    """From here SIGTERM is only noted in came, not raised: a save under way (the compile cache's)
+    finishes, and the error being reported is not replaced by a silent exit."""
+    import signal
+    signal.signal(signal.SIGTERM, lambda signum, frame: came.append(signum))
+
+
 def main(argv):
     if asks_help(argv):
         own = source_group('bench.py options', BENCH_DEFAULTS, (__file__, 'BENCH_DEFAULTS'),
@@ -1078,14 +1085,19 @@ def main(argv):
                    cfg, batch_done, warmed_up=lambda: save_compile_cache(cfg['compile_cache']))
                if cfg['speculate'] else bench_routed(cfg) if cfg['budgets'] else bench(cfg))
     except BaseException as e:  # kept whatever stopped the run (a timeout's SIGTERM too)
+        stopped_first = bool(stopped)       # (not a SIGTERM that comes during the save below)
+        if cfg['compile_cache']:
+            note_sigterm(stopped)
         save_compile_cache(cfg['compile_cache'])
-        if stopped and not isinstance(e, SystemExit):
+        if stopped_first and not isinstance(e, SystemExit):
             print(f"bench.py: stopped by SIGTERM (a time limit's?), which surfaced as "
                   f"{type(e).__name__}; compiled code kept in {cfg['compile_cache']}",
                   file=sys.stderr)
             raise SystemExit(128 + stopped[0]) from None
         raise
     save(res)           # first: a stop during the cache's save (seconds) leaves the figures whole
+    if cfg['compile_cache']:
+        note_sigterm(stopped)
     save_compile_cache(cfg['compile_cache'])
     if as_json:
         print(json_text(res))

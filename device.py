@@ -66,10 +66,14 @@ def autocast_context(dev, dt):
 
 
 def memory_bytes(dev):
-    """What one process could fill on dev: a GPU's whole memory, else the host's physical memory."""
+    """What one process could fill on dev: a GPU's whole memory, else the host's physical memory
+    (None where the system does not say: no os.sysconf on Windows)."""
     if dev.type == 'cuda':
         return torch.cuda.get_device_properties(dev).total_memory
-    return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    try:
+        return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def check_batch_fits(batch_size, block_size, vocab_size, dev, key='batch_size'):
@@ -78,7 +82,7 @@ def check_batch_fits(batch_size, block_size, vocab_size, dev, key='batch_size'):
     (a lower bound: a batch that passes may still run out of memory, which the scripts report)."""
     need = batch_size * block_size * vocab_size * 2
     have = memory_bytes(dev)
-    if need > have:
+    if have is not None and need > have:
         raise ConfigError(
             f"{key}={batch_size}: one batch's logits alone ({batch_size} x {block_size} tokens x "
             f"{vocab_size} in the vocabulary, 2 bytes each) are {need / 2**30:,.2f} GiB, more "

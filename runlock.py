@@ -40,8 +40,8 @@ class FolderLock:
     Without flock (fd None) it holds nothing, but release() still removes the lock file while it is
     the one this process wrote (`mine`: its device, inode and contents)."""
 
-    def __init__(self, fd, path, created_folders, mine=None):
-        self.fd, self.path, self.created_folders, self.mine = fd, path, created_folders, mine
+    def __init__(self, fd, path, created_folder, mine=None):
+        self.fd, self.path, self.created_folder, self.mine = fd, path, created_folder, mine
 
     def release(self):
         if self.path is None:
@@ -51,13 +51,13 @@ class FolderLock:
         else:
             remove_if_mine(self.path, self.mine)
         self.fd = self.path = None
-        # a run refused before it wrote anything leaves no folder, nor the parents made for it
-        for folder in self.created_folders:        # the deepest first
+        # a run refused before it wrote anything leaves no folder (parents made for it stay: another
+        # process may be about to write under them)
+        if self.created_folder:
             try:
-                os.rmdir(folder)
+                os.rmdir(self.created_folder)
             except OSError:
-                break                  # not empty: the run (or another) wrote files there
-        self.created_folders = []
+                pass                   # not empty: the run wrote its files
 
     def __del__(self):
         self.release()
@@ -69,10 +69,7 @@ def lock_folder(folder, option='out_dir'):
     Where there is no flock (Windows, some network file systems), two writers are not kept apart:
     a note on stderr says so."""
     writable_folder(folder, option)        # (a file on the way, a dangling link: named as such)
-    created, missing = [], os.path.abspath(folder)
-    while not os.path.isdir(missing):              # the folders makedirs is about to create
-        created.append(missing)
-        missing = os.path.dirname(missing)
+    created = None if os.path.isdir(folder) else folder
     path = os.path.join(folder, LOCK_NAME)
     try:
         os.makedirs(folder, exist_ok=True)

@@ -6,9 +6,9 @@
 # First trains config/exit_drafter_124m_fineweb.py (12 layers, d = 768, GPT-2 BPE, exits after
 # {2, 6, 9} blocks) on the FineWeb sample into out/exit_drafter_124m_fineweb, its output in
 # FOLDER/train_log.txt and its metrics.jsonl and config.json copied to FOLDER (the checkpoint, 1.5
-# GB with its optimizer state, stays). The training gets TRAIN_SECONDS (270) and, stopped then,
-# saves where it is (train.py stops on SIGTERM with a checkpoint); a checkpoint already there is
-# not trained again. Then the stages of results/speculative_stages.sh on it, batch 1, greedy:
+# GB with its optimizer state, stays). The training gets TRAIN_SECONDS (270; less where SECONDS
+# leaves less) and, stopped then, saves where it is (train.py stops on SIGTERM with a checkpoint);
+# a checkpoint already there is not trained again. Then the stages of results/speculative_stages.sh on it, batch 1, greedy:
 # the draft of 6 blocks at K = 4, the draft of 2 blocks at K = 4, 6 blocks at K = 2, each stopped
 # at its limit or at what is left of SECONDS (560). Compiled code is kept in $COMPILE_CACHE
 # (out/compile_cache_gpu.bin).
@@ -34,8 +34,10 @@ run=out/exit_drafter_124m_fineweb
 if [ -f "$run/ckpt.pt" ]; then
   echo "=== $run/ckpt.pt is there: not trained again" | tee -a "$log"
 else
-  echo "=== $(date +%T) t=${SECONDS}s training, limit ${TRAIN_SECONDS:-270} s" | tee -a "$log"
-  timeout -k 60 "${TRAIN_SECONDS:-270}" python3 train.py config/exit_drafter_124m_fineweb.py \
+  limit=${TRAIN_SECONDS:-270}; left=$((end - SECONDS - 60)); [ $left -lt $limit ] && limit=$left
+  echo "=== $(date +%T) t=${SECONDS}s training, limit ${limit} s" | tee -a "$log"
+  # (--overwrite: a run killed before its first checkpoint left its other files, no ckpt.pt)
+  timeout -k 60 $limit python3 train.py config/exit_drafter_124m_fineweb.py --overwrite=True \
     > "$folder/train_log.txt" 2>&1
   rc=$?
   tail -n 4 "$folder/train_log.txt" | tee -a "$log"

@@ -23,12 +23,18 @@ stage() {
   local left=$((end - SECONDS)); [ $left -lt $limit ] && limit=$left
   if [ $limit -lt 30 ]; then echo "=== $name: skipped, ${left} s left" | tee -a "$log"; return; fi
   echo "=== $(date +%T) t=${SECONDS}s $name, limit ${limit} s" | tee -a "$log"
+  local json=$folder/speculative_$name.json started=$folder/.started_$name
+  touch "$started"
   timeout -k 5 $limit python3 bench.py "$@" --decode_prompt=64 --decode_tokens=60 \
     --bench_steps=10 --compile=True --compile_cache="$cache" --passes_per_graph=1,4 \
-    --out="$folder/speculative_$name.json" 2>&1 | tee -a "$log"
+    --out="$json" 2>&1 | tee -a "$log"
   local rc=${PIPESTATUS[0]}
   echo "=== $name: rc=$rc t=${SECONDS}s" | tee -a "$log"
-  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then stopped+=("$name 9999 $*"); fi
+  # stopped at its limit, unless only while saving the compile cache after its final JSON
+  if { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && ! [ "$json" -nt "$started" ]; then
+    stopped+=("$name 9999 $*")
+  fi
+  rm -f "$started"
 }
 stages_again() {
   local again=(${stopped[@]+"${stopped[@]}"})   # (bash before 4.4 calls an empty array unbound)

@@ -701,6 +701,21 @@ def test_a_stop_inside_a_compile_is_reported_as_a_stop(tmp_path, monkeypatch, ca
     failed, saved, cache = bench_run_with_cache(tmp_path, monkeypatch, failing, RuntimeError)
     assert 'a real compiler error' in str(failed.value) and saved == [cache]
 
+    def stopped_while_saving(path):     # ... also when a SIGTERM comes while the cache is saved,
+        os.kill(os.getpid(), signal.SIGTERM)        # which finishes
+        saved.append(path)
+    monkeypatch.setattr(bench, 'save_compile_cache', stopped_while_saving)
+    import bench_speculative
+    monkeypatch.setattr(bench_speculative, 'bench_speculative', failing)
+    handler = signal.getsignal(signal.SIGTERM)
+    saved.clear()
+    try:
+        with pytest.raises(RuntimeError, match='a real compiler error'):
+            bench.main([*SPEC_TINY, '--speculate=2', '--compile=True', f'--compile_cache={cache}'])
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert saved == [cache] and 'stopped by SIGTERM' not in capsys.readouterr().err
+
 
 def test_a_run_stopped_while_saving_its_compiled_code_keeps_its_figures(tmp_path, monkeypatch):
     """Saving a large compile cache takes seconds: a run stopped then (a timeout's SIGTERM after
@@ -722,11 +737,16 @@ def test_a_run_stopped_while_saving_its_compiled_code_keeps_its_figures(tmp_path
 
 RECORD_ARGS = """#!/bin/sh
 # stands in for python3: records its arguments, one per line, each call ending in a blank line;
-# the first call for $STOP_ONCE's output exits as if stopped at its time limit
+# the first call for $STOP_ONCE's output exits as if stopped at its time limit;
+# $SAVED_THEN_STOPPED's writes its output, then exits so (stopped while saving its compile cache)
 for a in "$@"; do printf '%s\\n' "$a"; done >> "$CALLS"
 printf '\\n' >> "$CALLS"
 case "$*" in *"speculative_$STOP_ONCE.json"*)
   [ -e "$CALLS.stopped" ] || { touch "$CALLS.stopped"; exit 124; };;
+esac
+case "$*" in *"speculative_$SAVED_THEN_STOPPED.json"*)
+  for a in "$@"; do case "$a" in --out=*) echo '{"command": "python bench.py"}' > "${a#--out=}";;
+  esac; done; exit 124;;
 esac
 """
 SCRIPT_MODELS = {'spec_exit_w4d2': dict(route='exit'), 'spec_mod': dict(route='mod'),
@@ -772,7 +792,7 @@ def gpu_script(tmp_path, *args, **env):
     fake = fake_python3(tmp_path, RECORD_ARGS)
     calls = tmp_path / 'calls.txt'
     env = {**os.environ, 'PATH': f"{fake.parent}:{os.environ['PATH']}", 'CALLS': str(calls),
-           'STOP_ONCE': '', **env}
+           'STOP_ONCE': '', 'SAVED_THEN_STOPPED': '', **env}
     r = finish(start(['bash', os.path.join(REPO, 'results', 'gpu_speculative.sh'), *args],
                      env=env, cwd=tmp_path), timeout=60)
     text = calls.read_text() if calls.exists() else ''
@@ -781,12 +801,14 @@ def gpu_script(tmp_path, *args, **env):
 
 def test_the_gpu_speculative_script_runs_only_options_bench_accepts(tmp_path):
     """results/gpu_speculative.sh as written: every stage runs, in the order given, a stage stopped
-    at its limit (mod's) runs again after the last, and each stage's bench.py command passes
+    at its limit (mod's) runs again after the last, one stopped after writing its JSON (halt's,
+    stopped while saving its compile cache) does not, and each stage's bench.py command passes
     bench.py's option check with the checkpoint it names, so a GPU run does not fail on an option
     once its machine has started."""
     script_checkpoints(tmp_path)
     r, commands = gpu_script(tmp_path, tmp_path / 'results', '600',
-                             COMPILE_CACHE=str(tmp_path / 'cache.bin'), STOP_ONCE='mod_b1_K4')
+                             COMPILE_CACHE=str(tmp_path / 'cache.bin'), STOP_ONCE='mod_b1_K4',
+                             SAVED_THEN_STOPPED='halt_b1_K4')
     assert r.returncode == 0, r.stderr
     stages = [next(a for a in argv if a.startswith('--out=')) for argv in commands]
     assert [os.path.basename(o) for o in stages] == [
@@ -795,6 +817,8 @@ def test_the_gpu_speculative_script_runs_only_options_bench_accepts(tmp_path):
                                                 'exit_b1_K4_one_graph', 'mod_b1_K4')]
     assert commands[0] == commands[-1]
     assert 'mod_b1_K4: rc=124' in r.stdout and 'mod_b1_K4: rc=0' in r.stdout
+    assert 'halt_b1_K4: rc=124' in r.stdout and r.stdout.count('halt_b1_K4, limit') == 1
+    assert not [f for f in os.listdir(tmp_path / 'results') if f.startswith('.started')]
     for argv in commands:
         argv = [f'--init_from={tmp_path / a.partition("=")[2]}' if a.startswith('--init_from=')
                 else a for a in argv[1:]]
@@ -922,7 +946,7 @@ def test_the_gpu_124m_script_trains_then_runs_only_options_bench_accepts(tmp_pat
     r, argvs = run_script(tmp_path / 'r')
     assert r.returncode == 0, r.stdout + r.stderr
     trained = [a for a in argvs if a[0] == 'train.py']
-    assert trained == [['train.py', 'config/exit_drafter_124m_fineweb.py']]
+    assert trained == [['train.py', 'config/exit_drafter_124m_fineweb.py', '--overwrite=True']]
     assert (tmp_path / 'r' / 'metrics.jsonl').exists()
     benches = [a for a in argvs if a[0] == 'bench.py']
     assert [next(o for o in a if o.startswith('--out=')).rsplit('/', 1)[1] for a in benches] == [

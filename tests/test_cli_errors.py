@@ -260,7 +260,8 @@ def test_a_config_file_that_is_a_folder_is_named_as_one(tmp_path):
 @pytest.mark.parametrize("script,args,needle", [
     ("train.py", ["--batch_size=-1"], "batch_size"),
     ("sample.py", ["--temperature=-1"], "temperature"),
-    ("train.py", ["--batch_size=100000000"], "batch_size=100000000: one batch's logits alone"),
+    ("train.py", ["--batch_size=100000000", "--data_dir=DATA", "--out_dir=out"],
+     "batch_size=100000000: one batch's logits alone"),
     ("eval.py", ["--ckpt=CORRUPT", "--device=cpu"], "truncated or corrupt"),
     ("eval.py", ["--ckpt=CKPT", "--device=cpu", "--batch_size=100000000"], "lower --batch_size"),
     ("bench.py", ["--budgets=a,b"], "budgets"),
@@ -277,7 +278,8 @@ def test_cli_exit_code_and_one_line(run, tmp_path, script, args, needle):
         study_file(tmp_path),
     )
     args = [a.replace("CORRUPT", str(bad)).replace("STUDY", study)
-            .replace("CKPT", str(run / "out" / "ckpt.pt")) for a in args]
+            .replace("CKPT", str(run / "out" / "ckpt.pt")).replace("DATA", str(run / "data"))
+            for a in args]
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     r = run_group([sys.executable, str(REPO / script), *args], 180, cwd=cwd, env=ENV)

@@ -1,6 +1,7 @@
 """Tests for device.py: the device and dtype a script runs on from --device / --dtype ('auto' by
 what the machine has), the refusals (a missing GPU or GPU index, float16 on CPU, an unknown dtype or
 device), the autocast context each dtype gives, and the refusal of a batch no memory holds."""
+import os
 import re
 from contextlib import nullcontext
 from types import SimpleNamespace
@@ -69,6 +70,7 @@ def test_autocast_context_casts_only_below_float32():
         assert (a @ b).dtype == torch.bfloat16
 
 
+@pytest.mark.skipif(not os.path.exists('/proc/meminfo'), reason='reads Linux /proc/meminfo')
 def test_host_memory_is_what_the_kernel_reports():
     """The CPU's memory_bytes against /proc/meminfo's MemTotal (kB), read independently: the
     kernel keeps a little for itself, so within 2%."""
@@ -90,3 +92,5 @@ def test_a_batch_whose_logits_fill_more_than_the_memory_is_refused(monkeypatch):
                             "GiB of cpu; lower --eval_batch")
     with pytest.raises(ConfigError):
         check_batch_fits(2**13 + 1, 2**8, 2**8, torch.device('cpu'))
+    monkeypatch.setattr(device, 'memory_bytes', lambda dev: None)   # a system that does not say
+    check_batch_fits(2**40, 2**8, 2**8, torch.device('cpu'))
