@@ -390,12 +390,10 @@ def main(argv):
         meta = load_dataset_meta(cfg, master=True, prepare_missing=False)   # only training prepares
         check_checkpoint_data(cfg, meta, ck)      # the data must be the run's (names the field)
         check_data(cfg, meta, ck, skip_option=False)   # and intact: sha256 and token ids
-        check_batch_fits(args['batch_size'] or cfg.batch_size, cfg.block_size,
-                         meta['vocab_size'], dev)
+        batch_size = args['batch_size'] or cfg.batch_size
+        check_batch_fits(batch_size, cfg.block_size, meta['vocab_size'], dev)
         model = load_model(ck, dev, args['ckpt'])
-        tr, va = open_splits(
-            meta, cfg.block_size, args['batch_size'] or cfg.batch_size, cfg.seed, dev
-        )
+        tr, va = open_splits(meta, cfg.block_size, batch_size, cfg.seed, dev)
         torch.manual_seed(cfg.eval_seed)
         eval_iters, calib_iters = (
             args['eval_iters'] or cfg.eval_iters,

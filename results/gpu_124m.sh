@@ -1,5 +1,5 @@
 # A trained exit drafter at the GPT-2 124M shape and its compiled self-speculative decoding on one
-# GPU, in one command (about 9 minutes on an H200, unmeasured):
+# GPU, in one command (about 9 minutes on an H200: an estimate, never run on a GPU yet):
 #
 #   bash results/gpu_124m.sh FOLDER [SECONDS]
 #
@@ -8,28 +8,23 @@
 # FOLDER/train_log.txt and its metrics.jsonl and config.json copied to FOLDER (the checkpoint, 1.5
 # GB with its optimizer state, stays). The training gets TRAIN_SECONDS (270; less where SECONDS
 # leaves less) and, stopped then, saves where it is (train.py stops on SIGTERM with a checkpoint);
-# a checkpoint already there is not trained again. Then the stages of results/speculative_stages.sh on it, batch 1, greedy:
-# the draft of 6 blocks at K = 4, the draft of 2 blocks at K = 4, 6 blocks at K = 2, each stopped
-# at its limit or at what is left of SECONDS (560). Compiled code is kept in $COMPILE_CACHE
+# a checkpoint already there is not trained again. Then the stages of
+# results/speculative_stages.sh on it, batch 1, greedy: the draft of 6 blocks at K = 4, the draft
+# of 2 blocks at K = 4, 6 blocks at K = 2, each stopped at its limit or at what is left of SECONDS
+# (560). Compiled code is kept in $COMPILE_CACHE
 # (out/compile_cache_gpu.bin).
 # Needs data/fineweb_edu, made here (no network) with
 #   python data/prepare.py fineweb_edu --input=../shared/data/fineweb_sample_legal.parquet
 # (8.7 MB: carry it), and stops before any work without it.
 set -u
 folder=${1:?usage: bash results/gpu_124m.sh FOLDER [SECONDS]}
-missing=
-for name in train.bin val.bin meta.json; do
-  [ -f "data/fineweb_edu/$name" ] || missing="$missing data/fineweb_edu/$name"
-done
-if [ -n "$missing" ]; then
-  echo "gpu_124m.sh: no$missing; make it with python data/prepare.py fineweb_edu" \
-    "--input=../shared/data/fineweb_sample_legal.parquet and carry data/fineweb_edu" >&2
-  exit 2
-fi
+source "$(dirname "$0")/speculative_stages.sh"
+require_files "make it with python data/prepare.py fineweb_edu \
+--input=../shared/data/fineweb_sample_legal.parquet and carry data/fineweb_edu" \
+  data/fineweb_edu/{train.bin,val.bin,meta.json}
 end=${2:-560}
 cache=${COMPILE_CACHE:-out/compile_cache_gpu.bin}
-source "$(dirname "$0")/speculative_stages.sh"
-describe_machine
+start_log
 run=out/exit_drafter_124m_fineweb
 if [ -f "$run/ckpt.pt" ]; then
   echo "=== $run/ckpt.pt is there: not trained again" | tee -a "$log"

@@ -17,22 +17,14 @@
 # stops before any work if one is missing.
 set -u
 folder=${1:?usage: bash results/gpu_speculative.sh FOLDER [SECONDS]}
-missing=
-for name in spec_exit_w4d2 spec_mod spec_halt ffn_distilled_drafter_shakespeare; do
-  [ -f "out/gpu/$name/ckpt.pt" ] || missing="$missing out/gpu/$name/ckpt.pt"
-done
-for name in val.bin meta.json; do
-  [ -f "data/shakespeare_char/$name" ] || missing="$missing data/shakespeare_char/$name"
-done
-if [ -n "$missing" ]; then
-  echo "gpu_speculative.sh: no$missing; make them with bash results/gpu_checkpoints.sh" \
-    "(on the CPU, 30-45 minutes) and carry out/gpu and data/shakespeare_char" >&2
-  exit 2
-fi
+source "$(dirname "$0")/speculative_stages.sh"
+require_files "make them with bash results/gpu_checkpoints.sh (on the CPU, 30-45 minutes) and \
+carry out/gpu and data/shakespeare_char" \
+  out/gpu/{spec_exit_w4d2,spec_mod,spec_halt,ffn_distilled_drafter_shakespeare}/ckpt.pt \
+  data/shakespeare_char/{val.bin,meta.json}
 end=${2:-540}
 cache=${COMPILE_CACHE:-out/compile_cache_gpu.bin}
-source "$(dirname "$0")/speculative_stages.sh"
-describe_machine
+start_log
 exit_model="--init_from=out/gpu/spec_exit_w4d2 --draft_layers=2"
 # first what no GPU has measured (mod chained on these checkpoints; exit at K = 2 with the GPU's
 # busy time), then the stages measured on 2026-11-27 and 2026-11-28 (results/h200_2026-11-2*/

@@ -1,7 +1,11 @@
 # Sourced by results/gpu_speculative.sh and results/gpu_124m.sh, which set `folder` (where the
 # JSON and log.txt go), `end` (the second of the script's clock, bash's SECONDS, by which every
-# stage must be done) and `cache` (the compile cache's file):
+# stage must be done) and `cache` (the compile cache's file); sourcing it defines these and does
+# nothing else:
 #
+#   require_files HOW FILE...           exit 2 before any work, naming the missing FILEs and HOW
+#                                       to make them, where one is missing
+#   start_log                           FOLDER made; the commit, torch and the GPU into its log.txt
 #   stage NAME LIMIT BENCH_OPTIONS...   one bench.py --speculate process: greedy, 60 tokens from
 #                                       64-token prompts, 10 repeats a side, both sides compiled,
 #                                       passes apart and 4 chained in one graph timed in the same
@@ -10,13 +14,22 @@
 #                                       or at what is left before `end`, skipped under 30
 #   stages_again                        the stages stopped at their limit, again, in order, with
 #                                       the time left: each starts from the code it compiled
-#   describe_machine                    the commit, torch and the GPU, into the log
 #
 # Compiled code is kept in $cache by every stage, also one that is stopped (bench.py saves it on
 # SIGTERM): a machine that starts bare then compiles only what no run kept.
-mkdir -p "$folder"
-log=$folder/log.txt
-export PYTHONUNBUFFERED=1
+require_files() {
+  local how=$1 missing= f; shift
+  for f in "$@"; do [ -f "$f" ] || missing="$missing $f"; done
+  if [ -n "$missing" ]; then echo "$(basename "$0"): no$missing; $how" >&2; exit 2; fi
+}
+start_log() {
+  mkdir -p "$folder"
+  log=$folder/log.txt
+  export PYTHONUNBUFFERED=1
+  echo "commit $(git rev-parse HEAD 2>/dev/null || echo unknown)" | tee -a "$log"
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" 2>&1 | tee -a "$log"
+}
 stopped=()
 stage() {
   local name=$1 limit=$2; shift 2
@@ -42,9 +55,4 @@ stages_again() {
   for s in ${again[@]+"${again[@]}"}; do
     stage $s      # (split into words on purpose: a stage's name, limit and options)
   done
-}
-describe_machine() {
-  echo "commit $(git rev-parse HEAD 2>/dev/null || echo unknown)" | tee -a "$log"
-  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
-torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" 2>&1 | tee -a "$log"
 }
