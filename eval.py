@@ -87,17 +87,22 @@ OLD_SPELLINGS = {'--routing-map': '--routing_map'}
 
 
 @torch.no_grad()
-def evaluate(model, batches, autocast=nullcontext(), force=None, quiet=True, desc=None):
+def evaluate(model, batches, autocast=nullcontext(), force=None, quiet=True, desc=None,
+             abandon=None):
     """Mean loss over batches [(x, y), ...] in eval mode (causal, hard routing), the mean realised
     full-path fraction per controlled layer (None for a dense model), exec_frac: the fraction
     sparse execution runs (compact MoD: the longest row's, each row padded to it; the reference
     path: 1; else full), and exec_path: the path it ran on (kernels.PATHS).
     quiet=False: a progress bar over the batches named desc, on a terminal (eval.py's command
-    line; train.py's periodic evals keep the default, between its log lines)."""
+    line; train.py's periodic evals keep the default, between its log lines).
+    abandon: a function asked before each batch; where it says True, None is returned at once
+    (train.py's stop on a signal)."""
     desc = desc or (f'val loss, forced {force}' if force else 'val loss')
     with model.mode(training=False):
         losses, fracs, execs, extra, path = [], [], [], {}, None
         for x, y in progress.progress(batches, desc=desc, quiet=quiet):
+            if abandon is not None and abandon():
+                return None
             with autocast:
                 _, loss, aux = model(x, y, force=force)
             if bool((y != -1).any()):      # a batch with no counted target has no loss

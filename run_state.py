@@ -136,7 +136,7 @@ def finished_already(cfg, ckpt):
     """A resume (not eval-only) of a run whose checkpoint reached max_iters and whose metrics hold
     the summary its training wrote at that iteration (a run killed between its last checkpoint and
     its summary is not finished, nor made so by an eval-only run's summary: resuming writes the
-    summary)."""
+    summary; nor is one whose summary says a signal stopped it, during its final eval)."""
     if cfg.init_from != 'resume' or cfg.eval_only or ckpt is None:
         return False
     if ckpt['iter_num'] < cfg.max_iters:
@@ -147,7 +147,7 @@ def finished_already(cfg, ckpt):
     with open(path) as f:
         records = [r for line in f if (r := parse_record(line)) is not None]
     return any(r.get('type') == 'summary' and r.get('iter') == ckpt['iter_num']
-               and not r.get('eval_only') for r in records)
+               and not r.get('eval_only') and not r.get('stopped') for r in records)
 
 
 def start_progress(cfg, ckpt, optimizer, scaler, master):

@@ -395,12 +395,13 @@ def measure_room(study, root, children=None):
 
 
 def finished(out_dir):
-    """The training wrote its summary at max_iters (read_metrics leaves an eval-only run's records
-    out: a run killed between its last checkpoint and its summary is resumed, and the resume
-    writes it, however it was evaluated since)."""
+    """The training wrote its summary at max_iters, not stopped by a signal in its final eval
+    (read_metrics leaves an eval-only run's records out: a run killed between its last checkpoint
+    and its summary is resumed, and the resume writes it, however it was evaluated since)."""
     recs = read_metrics(out_dir)
     cfg_path = os.path.join(out_dir, 'config.json')
-    if not recs or recs[-1].get('type') != 'summary' or not os.path.exists(cfg_path):
+    if (not recs or recs[-1].get('type') != 'summary' or recs[-1].get('stopped')
+            or not os.path.exists(cfg_path)):
         return False
     with open(cfg_path) as f:
         return recs[-1]['iter'] >= json.load(f)['max_iters']

@@ -9,8 +9,8 @@ Writes into out_dir: metrics.jsonl (one JSON object per log line and per eval), 
 resolved config), run_info.json (code version, torch, device), ckpt.pt (written atomically: model,
 optimizer, scaler, RNG states, iteration, best val loss, config, sampler state).
 `--init_from=resume` continues exactly where ckpt.pt left off (a finished run says so and writes
-nothing). Ctrl-C / SIGTERM finishes the current step, saves, exits 0. One run at a time per out_dir
-(runlock.py).
+nothing). Ctrl-C / SIGTERM finishes the current step (one process: or stops an evaluation), saves,
+exits 0. One run at a time per out_dir (runlock.py).
 
 The file reads as a run: the config defaults, main, setup, the loop, one optimisation step. The
 checks live in train_checks.py, what carries a run across processes, signals and resumes in
@@ -216,12 +216,19 @@ def train_loop(run, argv):
     stop = StopFlag()                 # from here, a first Ctrl-C / SIGTERM ends the run with a
                                       # checkpoint
     stopped = False                   # by a signal to this process or, under DDP, to any process
+    # a lone process abandons an evaluation a signal lands in: a long eval would outlast a
+    # scheduler's grace period. (DDP and FSDP processes finish theirs: they agree on a stop at a
+    # log step. An eval-only run has no checkpoint to save instead.)
+    abandon = None if run.ddp or run.cfg.eval_only else lambda: stop.signum is not None
     while True:
         if eval_due(run):
             if run.ddp:                           # the checkpoint keeps every rank's interval
                 share_interval(run)
             if run.master or run.sharded:         # FSDP: every rank (forward and save gather)
-                evaluate_and_checkpoint(run)
+                if not evaluate_and_checkpoint(run, abandon):
+                    stopped = True
+                    stop_with_checkpoint(run, argv, 'during the evaluation at')
+                    break
             run.t_last, run.it_last = time.time(), run.iter_num
         if run.iter_num >= run.cfg.max_iters or run.cfg.eval_only:
             break
@@ -231,18 +238,24 @@ def train_loop(run, argv):
             log_progress(run, lr, loss_sum, norm, step)
         if run.iter_num < run.cfg.max_iters and stop_requested(run, stop, logged):   # else: finish
             stopped = True
-            if run.master or run.sharded:
-                save_run(run)
-            if run.master:
-                print(
-                    f"stopped by signal at iteration {run.iter_num}; checkpoint saved to "
-                    f"{run.ckpt_path}.\n"
-                    f"resume with: {resume_command(run, argv)}"
-                )
+            stop_with_checkpoint(run, argv, 'at')
             break
     if run.master or run.sharded:                 # FSDP: every rank joins the report's forward
         with evaluated(run):
             finish_run(run, stopped)
+
+
+def stop_with_checkpoint(run, argv, when):
+    """A signal's stop: the checkpoint (at an eval's iteration without its record: the resumed run
+    evaluates first) and, on rank 0, the command that resumes."""
+    if run.master or run.sharded:
+        save_run(run)
+    if run.master:
+        print(
+            f"stopped by signal {when} iteration {run.iter_num}; checkpoint saved to "
+            f"{run.ckpt_path}.\n"
+            f"resume with: {resume_command(run, argv)}"
+        )
 
 
 def resume_command(run, argv):
@@ -588,18 +601,23 @@ def wrap_model(raw_model, cfg, proc):
 
 def eval_due(run):
     cfg = run.cfg
-    # by the run this one resumes (an eval-only run evaluates the checkpoint once, whatever it has)
-    logged_already = run.resumed and run.iter_num == run.start_iter and not cfg.eval_only
+    # by the run this one resumes, if its checkpoint has the record: one saved by a signal at an
+    # eval's iteration has not (an eval-only run evaluates the checkpoint once, whatever it has)
+    logged_already = (run.resumed and run.iter_num == run.start_iter and not cfg.eval_only
+                      and any(e['iter'] == run.iter_num for e in run.history['eval']))
     return (
         run.iter_num % cfg.eval_interval == 0 or run.iter_num >= cfg.max_iters or cfg.eval_only
     ) and not logged_already
 
 
-def evaluate_and_checkpoint(run):
+def evaluate_and_checkpoint(run, abandon=None):
     """Rank 0 (FSDP: every rank): train and val loss on the fixed eval batches, one 'eval' record
-    (rank 0), and a checkpoint."""
+    (rank 0), and a checkpoint. False, with none of them, where `abandon` says True before one of
+    the batches (evaluation.evaluate)."""
     with evaluated(run):
-        res = estimate_loss(run)
+        res = estimate_loss(run, abandon)
+    if res is None:
+        return False
     if not all(math.isfinite(res[s]['loss']) for s in res):
         raise TrainError(
             f"eval loss is not finite at iteration {run.iter_num} (train {res['train']['loss']}, "
@@ -611,6 +629,7 @@ def evaluate_and_checkpoint(run):
         log_eval(run, res)
     if not run.cfg.eval_only and run.iter_num > 0:
         save_run(run)
+    return True
 
 
 def evaluated(run):
@@ -619,20 +638,22 @@ def evaluated(run):
     return sharding.gathered(run.raw_model) if run.sharded else nullcontext()
 
 
-def estimate_loss(run):
+def estimate_loss(run, abandon=None):
     """LM loss on fixed train/val batches in eval mode: causal routing, thresholds calibrated first
     on separate train-split batches (never on val), except under trainable='draft', which leaves
-    the checkpoint's model, thresholds included, as it was."""
+    the checkpoint's model, thresholds included, as it was. None where `abandon` says True before
+    a batch."""
+    res = {}
     with eval_rng(run.dev, run.cfg.eval_seed):
         if run.cfg.trainable != 'draft':
             with run.autocast:
                 run.raw_model.calibrate(torch.cat(run.calib))
-        return {
-            split: evaluation.evaluate(
-                run.raw_model, [batches.fetch(s) for s in starts], run.autocast
-            )
-            for split, (batches, starts) in run.eval_sets.items()
-        }
+        for split, (batches, starts) in run.eval_sets.items():
+            res[split] = evaluation.evaluate(run.raw_model, [batches.fetch(s) for s in starts],
+                                             run.autocast, abandon=abandon)
+            if res[split] is None:
+                return None
+    return res
 
 
 def save_run(run):

@@ -299,7 +299,7 @@ def check_divergence(run, lossf):
 def finish_run(run, stopped):
     """Rank 0 (FSDP: every rank, rank 0 alone writing): the 'summary' record (and, for a routing
     family after a complete run, its routing report). An eval-only run's summary is marked
-    eval_only and keeps the training's wall time."""
+    eval_only and keeps the training's wall time; a run stopped by a signal's, stopped."""
     cfg = run.cfg
     if not cfg.eval_only:
         run.flops_state['wall_s'] = time.time() - run.t_run
@@ -315,6 +315,8 @@ def finish_run(run, stopped):
     )
     if cfg.eval_only:
         summary['eval_only'] = True
+    if stopped:                        # by a signal: its resume writes the run's summary
+        summary['stopped'] = True
     if not stopped and run.raw_model.family.routes:
         summary.update(routing_summary(run))
     if not run.master:                 # FSDP: the other ranks joined the report's forward

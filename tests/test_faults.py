@@ -56,14 +56,16 @@ import torch
 import train
 from configurator import run_cli
 
-MODE = os.environ["FAULT_MODE"]      # kill_in_save | sigint_in_save | sigterm_at_iter
-# the AT-th checkpoint write of this process (1-based) / iteration
+# kill_in_save | sigint_in_save | sigterm_at_iter | sigterm_in_eval
+MODE = os.environ["FAULT_MODE"]
+# the AT-th checkpoint write of this process (1-based) / iteration / evaluation of a split
 AT = int(os.environ["FAULT_AT"])
 FRAC = float(os.environ.get("FAULT_FRAC", "0.5"))   # where in the file's bytes the fault strikes
 RECORD = os.environ["FAULT_RECORD"]
 COPY = os.environ.get("FAULT_COPY")
 _torch_save, _save_checkpoint, _lr_at = torch.save, train.save_checkpoint, train.lr_at
-saves, signalled, copied = 0, False, False
+_evaluate = train.evaluation.evaluate
+saves, signalled, copied, evals = 0, False, False, 0
 
 
 def record(**kw):
@@ -125,9 +127,19 @@ def lr_at(cfg, it):
     return _lr_at(cfg, it)
 
 
+def evaluate(model, batches, *args, **kwargs):
+    global evals
+    evals += 1
+    if MODE == "sigterm_in_eval" and evals == AT:   # before the split's first batch
+        record(pid=os.getpid(), evaluation=evals, batches=len(batches))
+        os.kill(os.getpid(), signal.SIGTERM)
+    return _evaluate(model, batches, *args, **kwargs)
+
+
 torch.save = faulty_save
 train.save_checkpoint = save_checkpoint
 train.lr_at = lr_at
+train.evaluation.evaluate = evaluate
 run_cli(train.main)
 '''
 
@@ -190,6 +202,12 @@ def assert_identical(a, b, where="ckpt"):
         assert np.array_equal(a, b), where
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def eval_records(out):
+    """The run's 'eval' records in metrics.jsonl, in order."""
+    lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["type"] == "eval"]
 
 
 def assert_same_final_state(out, reference):
@@ -272,6 +290,52 @@ def test_sigterm_mid_step_then_resume_is_bit_exact(reference, data_dir, wrapper,
     assert temps(out) == []
     r2 = ok(run_train([*args, "--init_from=resume"]))
     assert "done:" in r2.stdout
+    assert_same_final_state(out, reference)
+
+
+@pytest.mark.xdist_group('faults_reference')
+def test_sigterm_in_the_step_before_an_eval_keeps_that_eval(reference, data_dir, wrapper,
+                                                            tmp_path):
+    """Stopped after step 3 -> 4, the run saves at iteration 4 before the eval of iteration 4: the
+    resumed run evaluates iteration 4 first, so its metrics hold every eval of the uninterrupted
+    run, equal to the bit."""
+    out, rec = tmp_path / "out", tmp_path / "sigterm.json"
+    args = [*CFG, *data_args(data_dir), f"--out_dir={out}"]
+    r, pid = run_py(wrapper, args, fault_env("sigterm_at_iter", 3, rec))
+    ok(r)
+    assert json.loads(rec.read_text()) == {"pid": pid, "iter": 3}, "the SIGTERM was never sent"
+    assert "stopped by signal at iteration 4" in r.stdout, r.stdout[-2000:]
+    assert [e["iter"] for e in eval_records(out)] == [0, 2]
+    ok(run_train([*args, "--init_from=resume"]))
+    reference.ckpt()
+    assert eval_records(out) == eval_records(reference.out)
+    assert [e["iter"] for e in eval_records(out)] == list(range(0, MAX_ITERS + 1, EVAL_INTERVAL))
+    assert_same_final_state(out, reference)
+
+
+@pytest.mark.xdist_group('faults_reference')
+@pytest.mark.parametrize("at_iter", [0, MAX_ITERS])     # before any checkpoint; the final eval
+def test_sigterm_during_an_eval_stops_before_it_ends(reference, data_dir, wrapper, tmp_path,
+                                                     at_iter):
+    """SIGTERM at the start of the val split's evaluation at iteration at_iter: the lone process
+    abandons the evaluation (a long eval would outlast a scheduler's grace period), saves at that
+    iteration without the eval's record, and exits 0; the resumed run evaluates that iteration
+    again (the final one too: a checkpoint at max_iters without its eval is not a finished run)
+    and ends bit-equal to the uninterrupted run, with the same eval records."""
+    out, rec = tmp_path / "out", tmp_path / "sigterm.json"
+    args = [*CFG, *data_args(data_dir), f"--out_dir={out}"]
+    nth = 2 * (at_iter // EVAL_INTERVAL) + 2          # (each eval: the train split, then val)
+    r, pid = run_py(wrapper, args, fault_env("sigterm_in_eval", nth, rec))
+    ok(r)
+    assert json.loads(rec.read_text()) == {"pid": pid, "evaluation": nth, "batches": 1}
+    assert f"stopped by signal during the evaluation at iteration {at_iter}" in r.stdout, r.stdout
+    assert f"iter {at_iter}: train loss" not in r.stdout      # no eval line: it was abandoned
+    assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == at_iter
+    assert [e["iter"] for e in eval_records(out)] == list(range(0, at_iter, EVAL_INTERVAL))
+    assert temps(out) == []
+    r2 = ok(run_train([*args, "--init_from=resume"]))
+    assert "done:" in r2.stdout
+    assert eval_records(out) == eval_records(reference.out)
     assert_same_final_state(out, reference)
 
 

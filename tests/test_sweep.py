@@ -49,9 +49,12 @@ def test_finished_requires_a_summary_at_max_iters(tmp_path):
     fake_run(tmp_path / 'a', 100, summary=dict(iter=100))
     fake_run(tmp_path / 'b', 100, summary=dict(iter=40))          # stopped by a signal
     fake_run(tmp_path / 'c', 100)                                 # killed: no summary
+    # stopped by a signal during its final eval: its checkpoint at 100 has no final eval yet
+    fake_run(tmp_path / 'd', 100, summary=dict(iter=100, stopped=True))
     assert sweep.finished(str(tmp_path / 'a'))
     assert not sweep.finished(str(tmp_path / 'b'))
     assert not sweep.finished(str(tmp_path / 'c'))
+    assert not sweep.finished(str(tmp_path / 'd'))
     assert not sweep.finished(str(tmp_path / 'missing'))
 
 
