@@ -184,14 +184,28 @@ def start_progress(cfg, ckpt, optimizer, scaler, master):
     )
 
 
-def drop_records_after(path, iter_num):
-    """Keep the metrics records up to the resumed iteration: the steps after it run again."""
+def evaluated_at(history, iter_num):
+    """Does a checkpoint's history hold the eval of iteration iter_num? (A signal can save at an
+    eval's iteration before the eval, or during it.)"""
+    return any(e['iter'] == iter_num for e in history['eval'])
+
+
+def drop_records_after(path, iter_num, evaluated=True):
+    """Keep the metrics records up to the resumed iteration: the steps after it run again, and
+    where the checkpoint lacks that iteration's eval (evaluated False), so does the eval: a
+    record of it was logged by a run killed before its save."""
     if not os.path.exists(path):
         return
+
+    def kept(r):
+        it = r.get('iter', 0)
+        return it < iter_num or it == iter_num and (
+            evaluated or r.get('type') != 'eval' or bool(r.get('eval_only')))
+
     with open(path) as f:
         lines = [l for l in f if l.strip()]
     keep = [l if l.endswith('\n') else l + '\n' for l in lines
-            if (r := parse_record(l)) is not None and r.get('iter', 0) <= iter_num]
+            if (r := parse_record(l)) is not None and kept(r)]
     if keep != lines:
         write_whole(path, lambda f: f.writelines(keep))
 

@@ -36,9 +36,10 @@ from device import autocast_context, check_batch_fits, resolve_device_dtype
 from loggers import Loggers
 import sharding
 from model import FAMILIES, GPT, GPTConfig, allow_graphs, is_controller_key, is_draft_key
-from run_state import (StopFlag, checkpoint_state, end_ddp_process, eval_rng, finished_already,
-                       hold_out_dir, kept, open_inputs, rng_state, seed_rngs, set_rng_state,
-                       share_interval, share_rank0_outcome, start_progress, stop_requested)
+from run_state import (StopFlag, checkpoint_state, end_ddp_process, eval_rng, evaluated_at,
+                       finished_already, hold_out_dir, kept, open_inputs, rng_state, seed_rngs,
+                       set_rng_state, share_interval, share_rank0_outcome, start_progress,
+                       stop_requested)
 from lora import apply_lora, has_lora_keys, lora_parameters
 from train_checks import (TRAINABLE, TrainError, check_against_checkpoint, check_family_options,
                           check_state_fits, check_train_config, model_config)
@@ -229,6 +230,11 @@ def train_loop(run, argv):
                     stopped = True
                     stop_with_checkpoint(run, argv, 'during the evaluation at')
                     break
+            # a signal in the eval's last batch or its save: stop on the checkpoint just saved
+            if abandon is not None and abandon() and 0 < run.iter_num < run.cfg.max_iters:
+                stopped = True
+                stop_with_checkpoint(run, argv, 'after the evaluation at', save=False)
+                break
             run.t_last, run.it_last = time.time(), run.iter_num
         if run.iter_num >= run.cfg.max_iters or run.cfg.eval_only:
             break
@@ -236,7 +242,8 @@ def train_loop(run, argv):
         logged = run.iter_num % run.cfg.log_interval == 0 or run.iter_num == run.cfg.max_iters
         if logged:
             log_progress(run, lr, loss_sum, norm, step)
-        if run.iter_num < run.cfg.max_iters and stop_requested(run, stop, logged):   # else: finish
+        # at max_iters: the final eval (which a lone process's signal abandons) and the summary
+        if run.iter_num < run.cfg.max_iters and stop_requested(run, stop, logged):
             stopped = True
             stop_with_checkpoint(run, argv, 'at')
             break
@@ -245,10 +252,11 @@ def train_loop(run, argv):
             finish_run(run, stopped)
 
 
-def stop_with_checkpoint(run, argv, when):
+def stop_with_checkpoint(run, argv, when, save=True):
     """A signal's stop: the checkpoint (at an eval's iteration without its record: the resumed run
-    evaluates first) and, on rank 0, the command that resumes."""
-    if run.master or run.sharded:
+    evaluates first; save False: one is saved already) and, on rank 0, the command that
+    resumes."""
+    if save and (run.master or run.sharded):
         save_run(run)
     if run.master:
         print(
@@ -326,7 +334,8 @@ def setup(cfg, cfg_dict, proc, argv):
             # --log (W&B, TensorBoard): before --overwrite removes the old run, as W&B may refuse
             run.loggers = Loggers(cfg, cfg_dict, run.iter_num)
             try:
-                run.metrics_f = open_run_files(cfg, cfg_dict, proc, run.iter_num)
+                run.metrics_f = open_run_files(cfg, cfg_dict, proc, run.iter_num,
+                                               evaluated_at(run.history, run.iter_num))
             except BaseException:
                 run.loggers.close()
                 raise
@@ -604,7 +613,7 @@ def eval_due(run):
     # by the run this one resumes, if its checkpoint has the record: one saved by a signal at an
     # eval's iteration has not (an eval-only run evaluates the checkpoint once, whatever it has)
     logged_already = (run.resumed and run.iter_num == run.start_iter and not cfg.eval_only
-                      and any(e['iter'] == run.iter_num for e in run.history['eval']))
+                      and evaluated_at(run.history, run.iter_num))
     return (
         run.iter_num % cfg.eval_interval == 0 or run.iter_num >= cfg.max_iters or cfg.eval_only
     ) and not logged_already

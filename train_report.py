@@ -26,8 +26,9 @@ from train_checks import RUN_FILES, TrainError
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def open_run_files(cfg, cfg_dict, proc, iter_num):
-    """config.json and run_info.json, and metrics.jsonl open for appending (rank 0 only)."""
+def open_run_files(cfg, cfg_dict, proc, iter_num, evaluated=True):
+    """config.json and run_info.json, and metrics.jsonl open for appending (rank 0 only). evaluated:
+    does a resumed checkpoint hold its iteration's eval (run_state.drop_records_after)?"""
     os.makedirs(cfg.out_dir, exist_ok=True)
     if not (cfg.eval_only and cfg.init_from == 'resume'):     # an evaluation keeps the training's
         write_whole(os.path.join(cfg.out_dir, 'config.json'),
@@ -46,7 +47,7 @@ def open_run_files(cfg, cfg_dict, proc, iter_num):
             shutil.rmtree(os.path.join(cfg.out_dir, SHARDED_DIR))
     else:                              # records a killed run logged after its last checkpoint are
                                        # redone
-        drop_records_after(os.path.join(cfg.out_dir, 'metrics.jsonl'), iter_num)
+        drop_records_after(os.path.join(cfg.out_dir, 'metrics.jsonl'), iter_num, evaluated)
     return open(os.path.join(cfg.out_dir, 'metrics.jsonl'), 'a')
 
 

@@ -297,15 +297,20 @@ def test_sigterm_mid_step_then_resume_is_bit_exact(reference, data_dir, wrapper,
 def test_sigterm_in_the_step_before_an_eval_keeps_that_eval(reference, data_dir, wrapper,
                                                             tmp_path):
     """Stopped after step 3 -> 4, the run saves at iteration 4 before the eval of iteration 4: the
-    resumed run evaluates iteration 4 first, so its metrics hold every eval of the uninterrupted
-    run, equal to the bit."""
-    out, rec = tmp_path / "out", tmp_path / "sigterm.json"
+    resumed run evaluates iteration 4 first. That resume is killed while saving after logging the
+    eval, so its checkpoint still lacks it: the next resume drops the logged record and evaluates
+    again. The metrics hold every eval of the uninterrupted run once, equal to the bit."""
+    out, rec, kill = tmp_path / "out", tmp_path / "sigterm.json", tmp_path / "kill.json"
     args = [*CFG, *data_args(data_dir), f"--out_dir={out}"]
     r, pid = run_py(wrapper, args, fault_env("sigterm_at_iter", 3, rec))
     ok(r)
     assert json.loads(rec.read_text()) == {"pid": pid, "iter": 3}, "the SIGTERM was never sent"
     assert "stopped by signal at iteration 4" in r.stdout, r.stdout[-2000:]
     assert [e["iter"] for e in eval_records(out)] == [0, 2]
+    r, pid = run_py(wrapper, [*args, "--init_from=resume"], fault_env("kill_in_save", 1, kill))
+    assert r.returncode == -signal.SIGKILL and json.loads(kill.read_text())["iter_num"] == 4
+    assert [e["iter"] for e in eval_records(out)] == [0, 2, 4]
+    assert load_checkpoint(str(out / "ckpt.pt"))["history"]["eval"][-1]["iter"] == 2
     ok(run_train([*args, "--init_from=resume"]))
     reference.ckpt()
     assert eval_records(out) == eval_records(reference.out)
@@ -347,8 +352,8 @@ def test_sigterm_during_an_eval_stops_before_it_ends(reference, data_dir, wrappe
 def test_sigint_during_checkpoint_write_completes_the_save(reference, data_dir, wrapper, tmp_path):
     """Ctrl-C arrives when 30% of the iteration-4 checkpoint is written: the handler only sets the
     stop flag, so the save finishes (the file is exactly the bytes torch.save produced) and is
-    renamed into place; the run then finishes step 5, saves again and exits 0; resuming ends
-    bit-equal to the uninterrupted run."""
+    renamed into place; the run then stops on that checkpoint (no further step, no second save)
+    and exits 0; resuming ends bit-equal to the uninterrupted run."""
     out, rec, copy = tmp_path / "out", tmp_path / "sigint.json", tmp_path / "saved_during_sigint.pt"
     args = [*CFG, *data_args(data_dir), f"--out_dir={out}"]
     r, pid = run_py(wrapper, args, fault_env("sigint_in_save", 2, rec, frac=0.3, copy=copy))
@@ -360,10 +365,9 @@ def test_sigint_during_checkpoint_write_completes_the_save(reference, data_dir, 
     assert copy.exists(), "the checkpoint write interrupted by SIGINT never completed"
     assert sha256(copy) == info["sha256"]                           # complete, byte for byte
     assert load_checkpoint(str(copy))["iter_num"] == 4
-    assert "stopped by signal at iteration 5" in r.stdout and "done:" not in r.stdout, r.stdout[
-        -2000:
-    ]
-    assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 5
+    assert "stopped by signal after the evaluation at iteration 4" in r.stdout, r.stdout[-2000:]
+    assert "done:" not in r.stdout and "iter 5:" not in r.stdout, r.stdout[-2000:]
+    assert sha256(out / "ckpt.pt") == info["sha256"]          # the one the SIGINT landed in
     assert temps(out) == []
     ok(run_train([*args, "--init_from=resume"]))
     assert_same_final_state(out, reference)

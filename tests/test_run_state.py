@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from run_state import (StopFlag, drop_records_after, finished_already, parse_record, rng_state,
-                       seed_rngs, set_rng_state)
+from run_state import (StopFlag, drop_records_after, evaluated_at, finished_already, parse_record,
+                       rng_state, seed_rngs, set_rng_state)
 
 
 def read_metrics(out_dir):
@@ -35,6 +35,23 @@ def test_resume_drops_metrics_lines_cut_short(tmp_path):
     assert path.read_text() == '{"type": "train", "iter": 1}\n{"type": "train", "iter": 2}\n'
     drop_records_after(str(path), 1)
     assert read_metrics(tmp_path) == [{"type": "train", "iter": 1}]
+
+
+def test_resume_redoes_an_eval_its_checkpoint_lacks(tmp_path):
+    """Resumed at iteration 4 from a checkpoint without the eval of 4 (a signal saved it before or
+    during the eval): a training eval record at 4 (logged by a run killed before its save) goes,
+    as the resume evaluates 4 again; the train record and an eval-only record at 4 stay. With the
+    eval in the checkpoint, everything at 4 stays."""
+    records = [dict(type="eval", iter=2), dict(type="train", iter=4), dict(type="eval", iter=4),
+               dict(type="eval", iter=4, eval_only=True), dict(type="train", iter=5)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    drop_records_after(str(path), 4, evaluated=True)
+    assert read_metrics(tmp_path) == records[:4]
+    drop_records_after(str(path), 4, evaluated=False)
+    assert read_metrics(tmp_path) == [records[0], records[1], records[3]]
+    history = dict(eval=[dict(type="eval", iter=2)])
+    assert not evaluated_at(history, 4) and evaluated_at(history, 2)
 
 
 def test_parse_record_reads_a_record_and_drops_anything_else():
