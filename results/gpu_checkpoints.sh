@@ -2,12 +2,12 @@
 #
 #   bash results/gpu_checkpoints.sh [LOG]
 #
-# The four trained 8-layer Shakespeare models of docs/results.md (exit, mod, halt, and ffn with a
-# draft distilled after training), trained with the commands their runs were trained with, two at
-# a time with a thread each (30-45 minutes on 2 cores), and copied without their optimizer
-# state to out/gpu/<name>, 26 MB in all, small enough to travel with the tree to a GPU machine
-# (`carry`). A model whose copy is already there is not trained again; a training stopped part
-# way resumes from its last checkpoint. Output goes to LOG (out/gpu/train_log.txt).
+# The six trained 8-layer Shakespeare models of docs/results.md (exit, mod, halt, ffn with a
+# draft distilled after training, ensemble and dense), trained with the commands their runs were
+# trained with, two at a time with a thread each (50-75 minutes on 2 cores), and copied without
+# their optimizer state to out/gpu/<name>, 38 MB in all, small enough to travel with the tree to a
+# GPU machine (`carry`). A model whose copy is already there is not trained again; a training
+# stopped part way resumes from its last checkpoint. Output goes to LOG (out/gpu/train_log.txt).
 set -eu
 mkdir -p out/gpu
 log=${1:-out/gpu/train_log.txt}
@@ -38,10 +38,11 @@ print(f"{dst}: copied without the optimizer state")
 EOF
 }
 
-# two chains side by side, 17-45 minutes each on one core (results/cpu_2026-11-2[78]/)
+# two chains side by side, 9-19 minutes a model on one core (results/cpu_2026-11-2[78]/)
 {
   train spec_exit_w4d2 $base --exit_weight=4.0 --layer_dropout=0.2 --out_dir=out/spec_exit_w4d2
   train spec_mod $base --route=mod --mod_capacity=0.125 --layer_dropout=0.0 --out_dir=out/spec_mod
+  train spec_ensemble $base --route=ensemble --layer_dropout=0.0 --out_dir=out/spec_ensemble
 } &
 first=$!
 {
@@ -52,6 +53,7 @@ first=$!
   train ffn_distilled_drafter_shakespeare config/ffn_distilled_drafter_shakespeare.py \
     --init_from=out/spec_ffn/ckpt.pt
   train spec_halt $base --route=halt --halt_lambda=0.05 --layer_dropout=0.0 --out_dir=out/spec_halt
+  train spec_dense $base --route=none --layer_dropout=0.0 --out_dir=out/spec_dense
 } &
 second=$!
 status=0

@@ -18,20 +18,24 @@
 set -u
 folder=${1:?usage: bash results/gpu_speculative.sh FOLDER [SECONDS]}
 source "$(dirname "$0")/speculative_stages.sh"
-require_files "make them with bash results/gpu_checkpoints.sh (on the CPU, 30-45 minutes) and \
+require_files "make them with bash results/gpu_checkpoints.sh (on the CPU, 50-75 minutes) and \
 carry out/gpu and data/shakespeare_char" \
   out/gpu/{spec_exit_w4d2,spec_mod,spec_halt,ffn_distilled_drafter_shakespeare}/ckpt.pt \
+  out/gpu/{spec_ensemble,spec_dense}/ckpt.pt \
   data/shakespeare_char/{val.bin,meta.json}
 end=${2:-540}
 cache=${COMPILE_CACHE:-out/compile_cache_gpu.bin}
 start_log
 exit_model="--init_from=out/gpu/spec_exit_w4d2 --draft_layers=2"
 # first what no GPU has measured (mod chained on these checkpoints; exit at K = 2 with the GPU's
-# busy time), then the stages measured on 2026-11-27 and 2026-11-28 (results/h200_2026-11-2*/
-# gpu_speculative/) again; a cold stage took 74-170 s there (4 chained: 31-102 s of warm-up), so
+# busy time; the ensemble's earliest layer and the dense model's first 4 blocks as drafts), then
+# the stages measured on 2026-11-27 and 2026-11-28 (results/h200_2026-11-2*/gpu_speculative/)
+# again; a cold stage took 74-170 s there (4 chained: 31-102 s of warm-up), so
 # a limit below 170 s may stop it unfinished
 stage mod_b1_K4 170 --init_from=out/gpu/spec_mod --speculate=4 --decode_batches=1
 stage exit_b1_K2 180 $exit_model --speculate=2 --decode_batches=1 --profile=True
+stage ensemble_b1_K4 170 --init_from=out/gpu/spec_ensemble --speculate=4 --decode_batches=1
+stage dense_b1_K4 170 --init_from=out/gpu/spec_dense --speculate=4 --decode_batches=1
 stage ffn_b1_K4 170 --init_from=out/gpu/ffn_distilled_drafter_shakespeare --speculate=4 \
   --decode_batches=1
 stage halt_b1_K4 170 --init_from=out/gpu/spec_halt --speculate=4 --decode_batches=1

@@ -751,7 +751,8 @@ esac
 """
 SCRIPT_MODELS = {'spec_exit_w4d2': dict(route='exit'), 'spec_mod': dict(route='mod'),
                  'spec_halt': dict(route='halt'),
-                 'ffn_distilled_drafter_shakespeare': dict(route='ffn', ffn_draft_rank=8)}
+                 'ffn_distilled_drafter_shakespeare': dict(route='ffn', ffn_draft_rank=8),
+                 'spec_ensemble': dict(route='ensemble'), 'spec_dense': dict(route='none')}
 
 
 def script_checkpoints(root):
@@ -812,9 +813,10 @@ def test_the_gpu_speculative_script_runs_only_options_bench_accepts(tmp_path):
     assert r.returncode == 0, r.stderr
     stages = [next(a for a in argv if a.startswith('--out=')) for argv in commands]
     assert [os.path.basename(o) for o in stages] == [
-        f'speculative_{name}.json' for name in ('mod_b1_K4', 'exit_b1_K2', 'ffn_b1_K4',
-                                                'halt_b1_K4', 'exit_b8_K2',
-                                                'exit_b1_K4_one_graph', 'mod_b1_K4')]
+        f'speculative_{name}.json' for name in ('mod_b1_K4', 'exit_b1_K2', 'ensemble_b1_K4',
+                                                'dense_b1_K4', 'ffn_b1_K4', 'halt_b1_K4',
+                                                'exit_b8_K2', 'exit_b1_K4_one_graph',
+                                                'mod_b1_K4')]
     assert commands[0] == commands[-1]
     assert 'mod_b1_K4: rc=124' in r.stdout and 'mod_b1_K4: rc=0' in r.stdout
     assert 'halt_b1_K4: rc=124' in r.stdout and r.stdout.count('halt_b1_K4, limit') == 1
@@ -859,7 +861,7 @@ elif sys.argv[1] == '-':               # the script's copying code, run as writt
 
 def test_the_gpu_checkpoints_script_trains_each_missing_model_once(tmp_path):
     """results/gpu_checkpoints.sh with train.py standing in (its real config check, then a
-    checkpoint with optimizer state): each of the four models is trained with options train.py
+    checkpoint with optimizer state): each of the six models is trained with options train.py
     accepts (the distilled one from the ffn run it needs, first), copied to out/gpu without its
     optimizer state; a second run trains nothing; a model whose copy is gone is made again by
     resuming its finished run, not by training it anew."""
@@ -881,13 +883,15 @@ def test_the_gpu_checkpoints_script_trains_each_missing_model_once(tmp_path):
     def trained(argvs):
         return [a for a in argvs if a[0] == 'train.py']
 
-    names = ['spec_exit_w4d2', 'spec_mod', 'spec_halt', 'ffn_distilled_drafter_shakespeare']
+    names = list(SCRIPT_MODELS)
     first = trained(run_script())
-    assert len(first) == 5 and all(a[-1] == '--overwrite=True' for a in first)
+    assert len(first) == 7 and all(a[-1] == '--overwrite=True' for a in first)
     outs = [next(o for o in a if o.startswith('--out_dir=')) if 'config/ffn_distilled' not in a[1]
             else 'distilled' for a in first]
     assert outs.index('--out_dir=out/spec_ffn') < outs.index('distilled')
     assert outs.index('--out_dir=out/spec_exit_w4d2') < outs.index('--out_dir=out/spec_mod')
+    assert outs.index('--out_dir=out/spec_mod') < outs.index('--out_dir=out/spec_ensemble')
+    assert outs.index('--out_dir=out/spec_halt') < outs.index('--out_dir=out/spec_dense')
     assert sorted(os.listdir(tmp_path / 'out' / 'gpu')) == sorted([*names, 'train_log.txt'])
     for name in names:
         copy = torch.load(tmp_path / 'out' / 'gpu' / name / 'ckpt.pt', weights_only=False)
