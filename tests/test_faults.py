@@ -294,53 +294,62 @@ def test_sigterm_mid_step_then_resume_is_bit_exact(reference, data_dir, wrapper,
 
 
 @pytest.mark.xdist_group('faults_reference')
-def test_sigterm_in_the_step_before_an_eval_keeps_that_eval(reference, data_dir, wrapper,
-                                                            tmp_path):
-    """Stopped after step 3 -> 4, the run saves at iteration 4 before the eval of iteration 4: the
-    resumed run evaluates iteration 4 first. That resume is killed while saving after logging the
-    eval, so its checkpoint still lacks it: the next resume drops the logged record and evaluates
-    again. The metrics hold every eval of the uninterrupted run once, equal to the bit."""
-    out, rec, kill = tmp_path / "out", tmp_path / "sigterm.json", tmp_path / "kill.json"
+def test_signals_around_evals_keep_every_eval_once(reference, data_dir, wrapper, tmp_path):
+    """One run stopped and resumed four times (one test, as each start costs seconds):
+    1. SIGTERM at the start of iteration 0's val-split evaluation: the lone process abandons the
+       eval (a long one would outlast a scheduler's grace period), saves at 0 without its record
+       and exits 0;
+    2. resumed, it evaluates 0 again; SIGTERM in step 3 -> 4 stops it at 4, before 4's eval;
+    3. resumed, it evaluates 4, logs it, and is SIGKILLed while saving: its checkpoint still
+       lacks the eval of 4;
+    4. resumed, the record it logged is dropped and 4 evaluated again; SIGTERM at the start of
+       the final val-split evaluation stops it at max_iters (not a finished run);
+    5. resumed, it makes the final eval and its summary.
+    It ends bit-equal to the uninterrupted run, with the same eval records, each once."""
+    out = tmp_path / "out"
     args = [*CFG, *data_args(data_dir), f"--out_dir={out}"]
-    r, pid = run_py(wrapper, args, fault_env("sigterm_at_iter", 3, rec))
+    resume = [*args, "--init_from=resume"]
+
+    def evals():
+        return [e["iter"] for e in eval_records(out)]
+
+    def fault(run_args, mode, at):
+        rec = tmp_path / f"{mode}.json"
+        r, pid = run_py(wrapper, run_args, fault_env(mode, at, rec))
+        return r, pid, json.loads(rec.read_text())       # (no record: the fault never struck)
+
+    r, pid, rec = fault(args, "sigterm_in_eval", 2)      # each eval: the train split, then val
     ok(r)
-    assert json.loads(rec.read_text()) == {"pid": pid, "iter": 3}, "the SIGTERM was never sent"
+    assert rec == {"pid": pid, "evaluation": 2, "batches": 1}
+    assert "stopped by signal during the evaluation at iteration 0" in r.stdout, r.stdout
+    assert "iter 0: train loss" not in r.stdout           # no eval line: it was abandoned
+    assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == 0 and evals() == []
+
+    r, pid, rec = fault(resume, "sigterm_at_iter", 3)
+    ok(r)
+    assert rec == {"pid": pid, "iter": 3}
     assert "stopped by signal at iteration 4" in r.stdout, r.stdout[-2000:]
-    assert [e["iter"] for e in eval_records(out)] == [0, 2]
-    r, pid = run_py(wrapper, [*args, "--init_from=resume"], fault_env("kill_in_save", 1, kill))
-    assert r.returncode == -signal.SIGKILL and json.loads(kill.read_text())["iter_num"] == 4
-    assert [e["iter"] for e in eval_records(out)] == [0, 2, 4]
+    assert evals() == [0, 2]
+
+    r, pid, rec = fault(resume, "kill_in_save", 1)
+    assert r.returncode == -signal.SIGKILL and rec["iter_num"] == 4
+    assert evals() == [0, 2, 4]
     assert load_checkpoint(str(out / "ckpt.pt"))["history"]["eval"][-1]["iter"] == 2
-    ok(run_train([*args, "--init_from=resume"]))
+
+    final = 2 * (MAX_ITERS - 4) // EVAL_INTERVAL + 2     # evals at 4, 6, ..., MAX_ITERS
+    r, pid, rec = fault(resume, "sigterm_in_eval", final)
+    ok(r)
+    assert rec == {"pid": pid, "evaluation": final, "batches": 1}
+    assert f"stopped by signal during the evaluation at iteration {MAX_ITERS}" in r.stdout
+    assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == MAX_ITERS
+    assert evals() == list(range(0, MAX_ITERS, EVAL_INTERVAL))
+    assert temps(out) == []
+
+    r = ok(run_train(resume))
+    assert "done:" in r.stdout, r.stdout[-2000:]
     reference.ckpt()
     assert eval_records(out) == eval_records(reference.out)
-    assert [e["iter"] for e in eval_records(out)] == list(range(0, MAX_ITERS + 1, EVAL_INTERVAL))
-    assert_same_final_state(out, reference)
-
-
-@pytest.mark.xdist_group('faults_reference')
-@pytest.mark.parametrize("at_iter", [0, MAX_ITERS])     # before any checkpoint; the final eval
-def test_sigterm_during_an_eval_stops_before_it_ends(reference, data_dir, wrapper, tmp_path,
-                                                     at_iter):
-    """SIGTERM at the start of the val split's evaluation at iteration at_iter: the lone process
-    abandons the evaluation (a long eval would outlast a scheduler's grace period), saves at that
-    iteration without the eval's record, and exits 0; the resumed run evaluates that iteration
-    again (the final one too: a checkpoint at max_iters without its eval is not a finished run)
-    and ends bit-equal to the uninterrupted run, with the same eval records."""
-    out, rec = tmp_path / "out", tmp_path / "sigterm.json"
-    args = [*CFG, *data_args(data_dir), f"--out_dir={out}"]
-    nth = 2 * (at_iter // EVAL_INTERVAL) + 2          # (each eval: the train split, then val)
-    r, pid = run_py(wrapper, args, fault_env("sigterm_in_eval", nth, rec))
-    ok(r)
-    assert json.loads(rec.read_text()) == {"pid": pid, "evaluation": nth, "batches": 1}
-    assert f"stopped by signal during the evaluation at iteration {at_iter}" in r.stdout, r.stdout
-    assert f"iter {at_iter}: train loss" not in r.stdout      # no eval line: it was abandoned
-    assert load_checkpoint(str(out / "ckpt.pt"))["iter_num"] == at_iter
-    assert [e["iter"] for e in eval_records(out)] == list(range(0, at_iter, EVAL_INTERVAL))
-    assert temps(out) == []
-    r2 = ok(run_train([*args, "--init_from=resume"]))
-    assert "done:" in r2.stdout
-    assert eval_records(out) == eval_records(reference.out)
+    assert evals() == list(range(0, MAX_ITERS + 1, EVAL_INTERVAL))
     assert_same_final_state(out, reference)
 
 
