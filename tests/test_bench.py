@@ -842,43 +842,55 @@ def test_the_gpu_speculative_script_stops_before_any_work_without_its_inputs(tmp
 
 
 FAKE_TRAIN = """
-import json, os, sys
-sys.path.insert(0, os.environ['REPO'])
-import torch
+import json, os, shutil, sys
 with open(os.environ['CALLS'], 'a') as f:
     f.write(json.dumps(sys.argv[1:]) + '\\n')
-if sys.argv[1] == 'train.py':          # the real config check, then a checkpoint in out_dir
-    import train
-    cfg, _ = train.read_config(sys.argv[2:])
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    torch.save(dict(model={'w': torch.full((3,), 2.0)}, optimizer={'m': torch.ones(3)},
-                    model_args={}, config={'out_dir': cfg.out_dir}), f'{cfg.out_dir}/ckpt.pt')
+if sys.argv[1] == 'train.py':          # a checkpoint in out_dir (the options: checked by the test)
+    out = next((a.split('=', 1)[1] for a in reversed(sys.argv) if a.startswith('--out_dir=')), None)
+    if out is None:                    # the config file's
+        config = {}
+        exec(open(sys.argv[2]).read(), config)
+        out = config['out_dir']
+    os.makedirs(out, exist_ok=True)
+    shutil.copy(os.environ['CKPT'], os.path.join(out, 'ckpt.pt'))
 elif sys.argv[1] == '-':               # the script's copying code, run as written
+    sys.path.insert(0, os.environ['REPO'])
     sys.argv = sys.argv[1:]
     exec(sys.stdin.read())
 """
 
 
-def test_the_gpu_checkpoints_script_trains_each_missing_model_once(tmp_path):
-    """results/gpu_checkpoints.sh with train.py standing in (its real config check, then a
-    checkpoint with optimizer state): each of the six models is trained with options train.py
-    accepts (the distilled one from the ffn run it needs, first), copied to out/gpu without its
-    optimizer state; a second run trains nothing; a model whose copy is gone is made again by
-    resuming its finished run, not by training it anew."""
+def test_the_gpu_checkpoints_script_trains_each_missing_model_once(tmp_path, monkeypatch):
+    """results/gpu_checkpoints.sh with train.py standing in (a checkpoint with optimizer state in
+    its out_dir, without importing torch: seven trainings), each command's options then put
+    through train.py's real config check here: each of the six models is trained with options
+    train.py accepts, into the folder the script copies from (the distilled one from the ffn run
+    it needs, first), copied to out/gpu without its optimizer state; a second run trains nothing;
+    a model whose copy is gone is made again by resuming its finished run, not by training it
+    anew."""
     fake = fake_python3(tmp_path, f'#!/bin/sh\nexec {sys.executable} {tmp_path / "fake.py"} "$@"\n')
     (tmp_path / 'fake.py').write_text(FAKE_TRAIN)
     (tmp_path / 'config').symlink_to(os.path.join(REPO, 'config'))
     shakespeare_data(tmp_path)
+    template = tmp_path / 'template.pt'
+    torch.save(dict(model={'w': torch.full((3,), 2.0)}, optimizer={'m': torch.ones(3)},
+                    model_args={}, config={}), template)
     calls = tmp_path / 'calls.jsonl'
     env = {**os.environ, 'PATH': f"{fake.parent}:{os.environ['PATH']}", 'CALLS': str(calls),
-           'REPO': REPO}
+           'REPO': REPO, 'CKPT': str(template)}
+    monkeypatch.chdir(tmp_path)        # (the commands' relative paths, as the script ran them)
 
     def run_script():
         calls.write_text('')
         r = finish(start(['bash', os.path.join(REPO, 'results', 'gpu_checkpoints.sh')],
                          env=env, cwd=tmp_path), timeout=170)
         assert r.returncode == 0, (tmp_path / 'out' / 'gpu' / 'train_log.txt').read_text()
-        return [json.loads(line) for line in calls.read_text().splitlines()]
+        argvs = [json.loads(line) for line in calls.read_text().splitlines()]
+        for argv in argvs:             # train.py's own check, where the script ran it
+            if argv[0] == 'train.py':
+                cfg, _ = train.read_config(argv[1:])
+                assert (tmp_path / cfg.out_dir / 'ckpt.pt').exists(), argv
+        return argvs
 
     def trained(argvs):
         return [a for a in argvs if a[0] == 'train.py']
