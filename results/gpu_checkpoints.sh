@@ -4,7 +4,7 @@
 #
 # The six trained 8-layer Shakespeare models of docs/results.md (exit, mod, halt, ffn with a
 # draft distilled after training, ensemble and dense), trained with the commands their runs were
-# trained with, two at a time with a thread each (50-75 minutes on 2 cores), and copied without
+# trained with, two at a time with a thread each (60-75 minutes on 2 cores), and copied without
 # their optimizer state to out/gpu/<name>, 38 MB in all, small enough to travel with the tree to a
 # GPU machine (`carry`). A model whose copy is already there is not trained again; a training
 # stopped part way resumes from its last checkpoint. Output goes to LOG (out/gpu/train_log.txt).

@@ -18,7 +18,7 @@
 set -u
 folder=${1:?usage: bash results/gpu_speculative.sh FOLDER [SECONDS]}
 source "$(dirname "$0")/speculative_stages.sh"
-require_files "make them with bash results/gpu_checkpoints.sh (on the CPU, 50-75 minutes) and \
+require_files "make them with bash results/gpu_checkpoints.sh (on the CPU, 60-75 minutes) and \
 carry out/gpu and data/shakespeare_char" \
   out/gpu/{spec_exit_w4d2,spec_mod,spec_halt,ffn_distilled_drafter_shakespeare}/ckpt.pt \
   out/gpu/{spec_ensemble,spec_dense}/ckpt.pt \
