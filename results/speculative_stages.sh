@@ -43,8 +43,12 @@ stage() {
     --out="$json" 2>&1 | tee -a "$log"
   local rc=${PIPESTATUS[0]}
   echo "=== $name: rc=$rc t=${SECONDS}s" | tee -a "$log"
-  # stopped at its limit, unless only while saving the compile cache after its final JSON
-  if { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && ! [ "$json" -nt "$started" ]; then
+  # stopped at its limit, unless only while saving the compile cache after its final JSON: one
+  # not older than the stage's start mark (a file system's clock ticks in milliseconds, so a JSON
+  # written soon after the mark can carry the mark's very time)
+  local wrote=no
+  [ -f "$json" ] && ! [ "$started" -nt "$json" ] && wrote=yes
+  if { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && [ $wrote = no ]; then
     stopped+=("$name 9999 $*")
   fi
   rm -f "$started"

@@ -738,14 +738,19 @@ def test_a_run_stopped_while_saving_its_compiled_code_keeps_its_figures(tmp_path
 RECORD_ARGS = """#!/bin/sh
 # stands in for python3: records its arguments, one per line, each call ending in a blank line;
 # the first call for $STOP_ONCE's output exits as if stopped at its time limit;
-# $SAVED_THEN_STOPPED's writes its output, then exits so (stopped while saving its compile cache)
+# $SAVED_THEN_STOPPED's writes its output, then exits so (stopped while saving its compile cache),
+# the output's time set to the stage's start mark's: written within one tick of the file system's
+# clock, as a fast stage's can be
 for a in "$@"; do printf '%s\\n' "$a"; done >> "$CALLS"
 printf '\\n' >> "$CALLS"
 case "$*" in *"speculative_$STOP_ONCE.json"*)
   [ -e "$CALLS.stopped" ] || { touch "$CALLS.stopped"; exit 124; };;
 esac
 case "$*" in *"speculative_$SAVED_THEN_STOPPED.json"*)
-  for a in "$@"; do case "$a" in --out=*) echo '{"command": "python bench.py"}' > "${a#--out=}";;
+  for a in "$@"; do case "$a" in --out=*)
+    out=${a#--out=}
+    echo '{"command": "python bench.py"}' > "$out"
+    touch -r "$(dirname "$out")/.started_$SAVED_THEN_STOPPED" "$out";;
   esac; done; exit 124;;
 esac
 """
