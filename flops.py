@@ -34,6 +34,9 @@ def dense_forward_flops(config, T):
 # The first matching fragment wins, so specific names come before general ones.
 PEAK_FLOPS = [
     ('H100 PCIe', {'bfloat16': 756e12, 'float16': 756e12, 'tf32': 378e12, 'float32': 51.2e12}),
+    # the NVL cards (PCIe, 350-600 W) clock lower than the SXM parts whose names they contain
+    ('H100 NVL', {'bfloat16': 835.5e12, 'float16': 835.5e12, 'tf32': 417.5e12, 'float32': 60e12}),
+    ('H200 NVL', {'bfloat16': 835.5e12, 'float16': 835.5e12, 'tf32': 417.5e12, 'float32': 60e12}),
     ('H100', {'bfloat16': 989.4e12, 'float16': 989.4e12, 'tf32': 494.7e12, 'float32': 66.9e12}),
     ('H200', {'bfloat16': 989.4e12, 'float16': 989.4e12, 'tf32': 494.7e12, 'float32': 66.9e12}),
     ('A100', {'bfloat16': 312e12, 'float16': 312e12, 'tf32': 156e12, 'float32': 19.5e12}),

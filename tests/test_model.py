@@ -205,6 +205,9 @@ def test_peak_flops_table(monkeypatch):
     names = {
         'NVIDIA H100 80GB HBM3': ('bfloat16', 989.4e12),
         'NVIDIA H100 PCIe': ('bfloat16', 756e12),
+        'NVIDIA H100 NVL': ('bfloat16', 835.5e12),      # not the SXM part its name contains
+        'NVIDIA H200 NVL': ('bfloat16', 835.5e12),
+        'NVIDIA H200': ('bfloat16', 989.4e12),
         'Tesla V100-SXM2-32GB': ('float16', 125e12),
         'NVIDIA A100-SXM4-40GB': ('bfloat16', 312e12),
     }
