@@ -8,7 +8,7 @@ Writes results/<gpu>_<date>/suite.json (with --smoke: results/<gpu>_<date>_smoke
 names another folder; NANODEPTH_SMOKE=1 runs the tiny shapes too, as in every script's smoke run)
 and suite.md beside it, a Markdown table of the same rows, both rewritten after every row (a run
 cut short keeps what it measured). Header: commit, torch / triton / CUDA versions, GPU name, the
-exact command, the date and the path kernels.default_path picks here.
+exact command, the date and the path routed_rows.default_path picks here.
 
 1. Correctness first: ffn and MoD at budget 0.5 on the suite's model, sparse eval on every
    available path against the masked-dense reference (model(idx, sparse=False)). Decisions must
@@ -17,7 +17,7 @@ exact command, the date and the path kernels.default_path picks here.
    it, which is no kernel error. Logits must agree within CHECK_TOL x max|reference logit|. A
    mismatch stops the suite: one line naming path, family and difference, exit 1.
 2. Rows of kind prefill, then decode, then train (a short --suite_seconds skips training first),
-   each with every path kernels.available_paths allows here forced, in the main dtype (bf16 on
+   each with every path routed_rows.available_paths allows here forced, in the main dtype (bf16 on
    CUDA sm_80+, fp32 on the CPU), plus the compact path in the stand-in dtype (fp16 on CUDA:
    the V100/T4 stand-in; bf16 on the CPU, so smoke runs it too):
    - prefill: ffn and MoD at budgets 1.0/0.5/0.25/0.125, shapes 16x1024 and 64x256, last-position
@@ -58,7 +58,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import flops
-import kernels
+import routed_rows
 import train
 from bench import (controller_g1_config, eval_model, prefill_flops_ratio, routed_model,
                    time_train_step, timed, timed_difference)
@@ -178,23 +178,23 @@ def dtype_passes(dev, compiling=False):
         standin = 'float16' if main == 'bfloat16' else None
     else:
         main, standin = 'float32', 'bfloat16'
-    passes = [(main, kernels.available_paths(dev, DTYPES[main], compiling))]
+    passes = [(main, routed_rows.available_paths(dev, DTYPES[main], compiling))]
     if standin and not compiling:
         passes.append((standin, ['compact']))
     return passes
 
 
 def default_paths(dev):
-    """The path kernels.default_path picks here for each dtype of the suite, eagerly and under
+    """The path routed_rows.default_path picks here for each dtype of the suite, eagerly and under
     torch.compile."""
     kind = 'cuda' if dev.type == 'cuda' and torch.version.hip is None else dev.type
     capability = torch.cuda.get_device_capability(dev) if kind == 'cuda' else None
     out = {}
     for name, _ in dtype_passes(dev):
         with autocast_context(dev, name):
-            eager = kernels.default_path(torch.zeros(1, device=dev))
-        compiled = os.environ.get('NANODEPTH_PATH') or kernels.choose_path(
-            torch.__version__, kind, capability, DTYPES[name], kernels.installed_apis(), True)
+            eager = routed_rows.default_path(torch.zeros(1, device=dev))
+        compiled = os.environ.get('NANODEPTH_PATH') or routed_rows.choose_path(
+            torch.__version__, kind, capability, DTYPES[name], routed_rows.installed_apis(), True)
         out[name] = dict(eager=eager, compiled=compiled)
     return out
 
@@ -273,8 +273,8 @@ def markdown(res):
              f"commit {res['git_sha']}{' (dirty)' if res['git_dirty'] else ''}; torch "
              f"{res['torch']}, triton {res['triton']}, CUDA {res['cuda']}; device {res['gpu']}"
              f"{' (smoke: tiny shapes, the numbers mean nothing)' if res['smoke'] else ''}; "
-             f"kernels.default_path: {json.dumps(res['default_path'])}. The float16 compact rows "
-             "stand in for a V100/T4 (compute capability 7.x).", '',
+             f"routed_rows.default_path: {json.dumps(res['default_path'])}. The float16 compact "
+             "rows stand in for a V100/T4 (compute capability 7.x).", '',
              '| ' + ' | '.join(COLUMNS) + ' |', '|' + '---|' * len(COLUMNS)]
     for r in res['rows']:
         cells = (r['kind'], r['route'], r['budget'], r.get('shape', r.get('batch')),
@@ -391,7 +391,7 @@ def prefill_section(rec, base, dev, plan, seed, compile_prefill):
     passes = dtype_passes(dev)
     # --compile=True compiles the paths torch.compile can trace in that dtype (not compact, nor
     # grouped_mm outside bf16: its meta kernel refuses them); the others run eagerly
-    compilable = {dtype: kernels.available_paths(dev, DTYPES[dtype], compiling=True)
+    compilable = {dtype: routed_rows.available_paths(dev, DTYPES[dtype], compiling=True)
                   for dtype, _ in passes}
     for route in ROUTES:
         for budget in BUDGETS:
@@ -532,11 +532,13 @@ def train_section(rec, base, dev, plan, seed, compile_train):
 
 def decode_paths(dev):
     """[(dtype, path, compiled)] in the order they run: on CUDA the paths a CUDA graph can hold
-    (kernels.default_path's first) compiled, then compact eagerly; on the CPU every path eagerly."""
+    (routed_rows.default_path's first) compiled, then compact eagerly; on the CPU every path
+    eagerly."""
     out = []
     for dtype, paths in dtype_passes(dev):
         graphed = dev.type == 'cuda'
-        capturable = kernels.available_paths(dev, DTYPES[dtype], compiling=True) if graphed else []
+        capturable = (routed_rows.available_paths(dev, DTYPES[dtype], compiling=True)
+                      if graphed else [])
         first = default_paths(dev)[dtype]['compiled' if graphed else 'eager']
         for path in sorted(paths, key=lambda p: (p != first, paths.index(p))):
             out.append((dtype, path, graphed and path in capturable))

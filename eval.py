@@ -92,7 +92,7 @@ def evaluate(model, batches, autocast=nullcontext(), force=None, quiet=True, des
     """Mean loss over batches [(x, y), ...] in eval mode (causal, hard routing), the mean realised
     full-path fraction per controlled layer (None for a dense model), exec_frac: the fraction
     sparse execution runs (compact MoD: the longest row's, each row padded to it; the reference
-    path: 1; else full), and exec_path: the path it ran on (kernels.PATHS).
+    path: 1; else full), and exec_path: the path it ran on (routed_rows.PATHS).
     quiet=False: a progress bar over the batches named desc, on a terminal (eval.py's command
     line; train.py's periodic evals keep the default, between its log lines).
     abandon: a function asked before each batch; where it says True, None is returned at once

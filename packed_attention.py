@@ -27,7 +27,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from kernels import device_facts, version_tuple
+from routed_rows import device_facts, version_tuple
 
 # varlen_attn and FlexAttention, imported by load_attention_apis: importing either loads torch's
 # compiler stack (about 2 s a process), which a CPU process that never asks for them need not pay

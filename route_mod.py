@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import losses
 from gates import MembershipPredictor, ModRouter, capacity, random_mask, topk_mask
-from kernels import matmul_dtype, mlp_rows, prefix_linear, sort_by_mask
+from routed_rows import matmul_dtype, mlp_rows, prefix_linear, sort_by_mask
 from packed_attention import packed_causal_attention
 from routing import (
     BLOCK_PROJECTIONS,
@@ -302,10 +302,10 @@ def mod_static(block, x, pos, cache, mask, r, path):
 def mod_packed(block, x, pos, cache, mask, r, path):
     """Sparse eval at static shapes on the selected tokens only, attention included: every
     sequence's selected tokens packed first, contiguously across the batch, in original order
-    (kernels.sort_by_mask; the count, per-sequence counts and offsets stay on the device); ln_1,
-    QKV and the output projection on the packed prefix (kernels.prefix_linear on `path`), causal
+    (routed_rows.sort_by_mask; the count, per-sequence counts and offsets stay on the device); ln_1,
+    QKV and the output projection on the packed prefix (routed_rows.prefix_linear on `path`), causal
     attention among each sequence's selected tokens at their real positions (RoPE rotates by them)
-    by packed_attention, then ln_2 and the FFN on the prefix (kernels.mlp_rows), σ(r)·update
+    by packed_attention, then ln_2 and the FFN on the prefix (routed_rows.mlp_rows), σ(r)·update
     added, and the rows scattered back. With a KV cache (decoding, cached prefill) it is mod_static:
     the cache needs a write at every position, and a token that skips the block writes no K/V."""
     if cache is not None:

@@ -60,7 +60,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import PATHS, default_path, matmul_dtype, mlp_rows, sort_by_mask
+from routed_rows import PATHS, default_path, matmul_dtype, mlp_rows, sort_by_mask
 
 
 @dataclass
@@ -72,7 +72,7 @@ class RouteCtx:
     sparse: (eval) run the expensive path on the selected tokens only (gather, compute, scatter), or
     masked-dense (every path on every token, mixed by the mask: the reference sparse must equal).
     options: the family's per-step options, from its step_options, which only it interprets.
-    exec_mode: how sparse eval runs: a path of kernels.PATHS, 'static' or None (see exec_path).
+    exec_mode: how sparse eval runs: a path of routed_rows.PATHS, 'static' or None (see exec_path).
     state: what the family itself keeps during this forward, in an object of its own (route_ffn's
     FFNState, ...); None until the family sets it."""
     force: str = None
@@ -299,8 +299,8 @@ class Family:
         return routed_report_lines(r) if self.budget_field else []
 
     def executed_fracs(self, masks, path='compact'):
-        """Fraction of tokens sparse execution on `path` (kernels.PATHS) runs per routed layer, when
-        it differs from the mean: on the reference, which computes every row (static shapes,
+        """Fraction of tokens sparse execution on `path` (routed_rows.PATHS) runs per routed layer,
+        when it differs from the mean: on the reference, which computes every row (static shapes,
         saving nothing), 1 at every layer."""
         return torch.ones(len(masks), dtype=torch.float64) if path == 'reference' else None
 
@@ -572,7 +572,7 @@ class MLP(nn.Module):
         return self.dropout(y) if self.training else y      # eval: no dropout call to pay
 
 
-# Sparse eval runs on one of the paths of kernels.py (kernels.PATHS):
+# Sparse eval runs on one of the paths of routed_rows.py (routed_rows.PATHS):
 #   'compact':   gather exactly the selected tokens (a host sync and data-dependent shapes),
 #                compute, scatter. The fastest eagerly on a CPU and on GPUs without a faster kernel.
 #   'grouped_mm', 'triton', 'reference': static. Sort the tokens selected-first, keep the count as a
@@ -580,12 +580,12 @@ class MLP(nn.Module):
 #                its device-side range of the order (rows_apply). No host sync, no data-dependent
 #                shape: what torch.compile(fullgraph=True) and CUDA graphs need.
 # A model's exec_mode names one of them, or 'static' (the fastest static one here), or None
-# (kernels.default_path: by torch version, device, dtype and whether torch.compile traces).
+# (routed_rows.default_path: by torch version, device, dtype and whether torch.compile traces).
 EXEC_MODES = ('static',) + PATHS
 
 
 def exec_path(x, mode=None):
-    """The path sparse eval on tensor x runs (one of kernels.PATHS) for exec_mode `mode`."""
+    """The path sparse eval on tensor x runs (one of routed_rows.PATHS) for exec_mode `mode`."""
     if mode is not None and mode not in EXEC_MODES:
         raise ValueError(f"exec_mode must be one of {EXEC_MODES} or None, got {mode!r}")
     if mode not in (None, 'static'):
@@ -597,7 +597,7 @@ def exec_path(x, mode=None):
 def rows_apply(x_flat, order, lo, hi, fn, out=None, path=None):
     """out[order[i]] = fn(x_flat[order[i]]) for lo <= i < hi; every other row of out untouched. lo,
     hi: Python ints or 0-dim device tensors. fn maps rows to rows; out=None starts from zeros of
-    fn's output. Returns out (written in place when given). An MLP goes to kernels.mlp_rows on
+    fn's output. Returns out (written in place when given). An MLP goes to routed_rows.mlp_rows on
     `path` (None: the fastest static one). Any other fn (an exit head) runs the reference: fn on
     all N rows, those in range written (static shapes, no host sync)."""
     # mlp_rows runs dropout-free

@@ -34,7 +34,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels import version_tuple
+from routed_rows import version_tuple
 from routing import RouteCtx
 
 

@@ -578,8 +578,8 @@ def grouped_mm_on_cpu():
     """Whether this torch runs grouped_mm on the CPU (2.9 and later; 2.8 has it on CUDA only):
     a test that forces the path on the CPU skips without it (NO_CPU_GROUPED_MM)."""
     import torch
-    import kernels
-    return 'grouped_mm' in kernels.available_paths(torch.device('cpu'), torch.float32)
+    import routed_rows
+    return 'grouped_mm' in routed_rows.available_paths(torch.device('cpu'), torch.float32)
 
 
 NO_CPU_GROUPED_MM = 'torch before 2.9 has no CPU kernel for grouped_mm'

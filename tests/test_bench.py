@@ -271,7 +271,7 @@ def test_gpu_suite_smoke_writes_every_row(tmp_path):
     speedup = dense_ms / ms, realised = speedup / ideal; routed prefill's ideal lies in
     (1, 1/budget] below budget 1 (<= 1 at 1.0: ffn's gate and cheap path cost FLOPs); suite.md has
     one table line per row; the header names this commit, torch and the command."""
-    import kernels
+    import routed_rows
     out = tmp_path / 'suite'
     r = run_group([sys.executable, 'bench.py', '--suite=gpu', '--smoke=True', f'--out_dir={out}'],
                   180, cwd=REPO, env={**os.environ, 'OMP_NUM_THREADS': '1'})
@@ -283,7 +283,7 @@ def test_gpu_suite_smoke_writes_every_row(tmp_path):
     assert res['gpu'] == 'cpu' and res['command'] == (
         f'python bench.py --suite=gpu --smoke=True --out_dir={out}')
     assert res['default_path']['float32'] == dict(eager='compact', compiled='reference')
-    paths = kernels.available_paths(torch.device('cpu'), torch.float32)
+    paths = routed_rows.available_paths(torch.device('cpu'), torch.float32)
     assert {(c['route'], c['dtype'], c['path']) for c in res['check']} == {
         (route, dt, p) for route in ('ffn', 'mod')
         for dt, ps in (('float32', paths), ('bfloat16', ['compact'])) for p in ps}
@@ -326,7 +326,7 @@ def test_gpu_suite_compiles_only_the_prefill_paths_torch_compile_traces(tmp_path
     compact and grouped_mm (whose meta kernel refuses fp32) eager, in both dtypes; timing is
     stubbed, so this checks which rows would compile, not their speed."""
     import bench_suite
-    import kernels
+    import routed_rows
     runs = []
 
     def fake_seconds(m, x, seed, dtype, path, plan, compiled):
@@ -339,7 +339,7 @@ def test_gpu_suite_compiles_only_the_prefill_paths_torch_compile_traces(tmp_path
     bench_suite.prefill_section(rec, tiny_suite_base(), torch.device('cpu'), plan, 0, True)
     assert rec.res['failed'] == [] and rec.res['rows']
     rows = {(x['route'], x['path'], x['dtype'], x['compiled']) for x in rec.res['rows']}
-    paths = kernels.available_paths(torch.device('cpu'), torch.float32)
+    paths = routed_rows.available_paths(torch.device('cpu'), torch.float32)
     assert ('grouped_mm' in paths) == grouped_mm_on_cpu()   # (2.9+: the case that stays eager)
     assert rows == {(route, p, 'float32', p == 'reference') for route in ('ffn', 'mod')
                     for p in paths} | {(route, 'compact', 'bfloat16', False)
@@ -362,15 +362,15 @@ def test_gpu_suite_check_catches_a_wrong_path(route, dtype, monkeypatch):
     naming path, family and difference, also within bf16's wider tolerance; the same check passes
     on the unbroken kernels."""
     import bench_suite
-    import kernels
+    import routed_rows
     cpu, base, passes = torch.device('cpu'), tiny_suite_base(), [(dtype, ['grouped_mm'])]
     check = lambda: bench_suite.check_paths(base, cpu, passes, (2, 32), 0, routes=[route])
     assert check()[0]['masks_equal']
-    right = kernels.mlp_rows_grouped
+    right = routed_rows.mlp_rows_grouped
 
     def one_row_short(x, order, lo, hi, *rest):
         return right(x, order, lo, torch.clamp(hi - 1, min=lo), *rest)
-    monkeypatch.setattr(kernels, 'mlp_rows_grouped', one_row_short)
+    monkeypatch.setattr(routed_rows, 'mlp_rows_grouped', one_row_short)
     with pytest.raises(bench_suite.PathMismatch,
                        match=rf"path 'grouped_mm', route={route}, {dtype}: logits differ .* by "
                              r"up to"):

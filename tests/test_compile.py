@@ -54,7 +54,7 @@ def fresh_dynamo():
 @pytest.mark.skipif(not grouped_mm_on_cpu(), reason=NO_CPU_GROUPED_MM)
 @pytest.mark.parametrize('route', ROUTES)
 def test_grouped_mm_eval_and_decode_trace_without_graph_breaks_in_bf16(route):
-    """The CPU's traced path under bf16 autocast (kernels.choose_path): the eval prefill and a
+    """The CPU's traced path under bf16 autocast (routed_rows.choose_path): the eval prefill and a
     decoding step of every family on the grouped GEMM path are one graph each, with the grouped
     GEMM in it wherever the family runs an FFN on a subset of tokens."""
     model = build(route).eval()

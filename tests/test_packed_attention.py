@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 import packed_attention
 from conftest import SETTINGS
-from kernels import sort_by_mask
+from routed_rows import sort_by_mask
 from packed_attention import choose_backend, packed_causal_attention, varlen_call
 
 pytestmark = pytest.mark.usefixtures('one_thread')      # tiny ops: see conftest.py

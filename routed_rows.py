@@ -497,7 +497,7 @@ def check_triton_runs(path):
         raise RuntimeError("path 'triton' needs triton: pip install triton")
     if path == 'triton' and not TRITON_RUNS:
         raise RuntimeError("path 'triton' runs on a CUDA device, or on the CPU under "
-                           "TRITON_INTERPRET=1 (set before kernels.py is imported)")
+                           "TRITON_INTERPRET=1 (set before routed_rows.py is imported)")
 
 
 def prefix_linear(x, count, weight, bias=None, path=None):

@@ -1,14 +1,14 @@
-"""Tests of kernels.py: sort_by_mask, the PyTorch reference mlp_rows_reference, and the Triton
+"""Tests of routed_rows.py: sort_by_mask, the PyTorch reference mlp_rows_reference, and the Triton
 kernels behind mlp_rows, each against an independent computation written here (a per-row loop over
 the selected rows through the model's own MLP module).
 
 The Triton kernels run on CPU under Triton's interpreter. Triton (3.9, read in its source) reads
-TRITON_INTERPRET when a kernel is decorated with @triton.jit, i.e. when kernels.py is imported, not
-when it is launched; and kernels.py registers its custom op once per process. So the interpreter
-checks (the tests named test_interp_*) run in a child pytest process started by
+TRITON_INTERPRET when a kernel is decorated with @triton.jit, i.e. when routed_rows.py is
+imported, not when it is launched; and routed_rows.py registers its custom op once per process.
+So the interpreter checks (the tests named test_interp_*) run in a child pytest process started by
 test_triton_kernels_under_interpreter with TRITON_INTERPRET=1 and NANODEPTH_PATH=triton in its
-environment: no other test module sees either variable, whatever was imported first. In this process
-they skip."""
+environment: no other test module sees either variable, whatever was imported first. In this
+process they skip."""
 import os
 import sys
 from pathlib import Path
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import kernels
+import routed_rows
 from conftest import NO_CPU_GROUPED_MM, cpu_path_choices, cpu_paths, grouped_mm_on_cpu, run_group
 from routing import MLP
 
@@ -89,7 +89,7 @@ def cases(draw, max_n=70, dtypes=(torch.float32, torch.bfloat16, torch.float16),
     that grouped_mm's 16-byte stride rule holds (others fall back to the reference)."""
     mask = draw(masks(max_n))
     n = mask.numel()
-    order, count = kernels.sort_by_mask(mask)
+    order, count = routed_rows.sort_by_mask(mask)
     which = draw(st.sampled_from(['full', 'cheap', 'any']))
     if which == 'full':
         lo, hi = 0, count
@@ -130,10 +130,10 @@ def check_rows(c, fn):
 def routed_ffn(full, cheap):
     """One routed FFN layer as the model runs it: both paths into one buffer."""
     def f(x, mask):
-        order, count = kernels.sort_by_mask(mask)
+        order, count = routed_rows.sort_by_mask(mask)
         out = torch.empty_like(x)
-        kernels.mlp_rows(x, order, 0, count, full, out)
-        kernels.mlp_rows(x, order, count, x.size(0), cheap, out)
+        routed_rows.mlp_rows(x, order, 0, count, full, out)
+        routed_rows.mlp_rows(x, order, count, x.size(0), cheap, out)
         return out
     return f
 
@@ -146,7 +146,7 @@ def routed_ffn(full, cheap):
 def test_sort_by_mask_is_a_stable_partition(mask, shape):
     n = mask.numel()
     m = mask.view(1, n) if shape == 'batch' else mask     # (B, T) masks are flattened row-major
-    order, count = kernels.sort_by_mask(m)
+    order, count = routed_rows.sort_by_mask(m)
     assert order.dtype == torch.int64 and order.shape == (n,)
     assert count.dtype == torch.int64 and count.dim() == 0 and count.device == mask.device
     assert count.item() == int(mask.sum())
@@ -158,7 +158,7 @@ def test_sort_by_mask_is_a_stable_partition(mask, shape):
 @settings(max_examples=40, **SETTINGS)
 @given(c=cases())
 def test_reference_writes_the_selected_rows_only(c):
-    check_rows(c, kernels.mlp_rows_reference)
+    check_rows(c, routed_rows.mlp_rows_reference)
 
 
 def test_reference_full_and_cheap_cover_every_row():
@@ -227,7 +227,7 @@ PATH_TABLE = [
 
 @pytest.mark.parametrize('version,device,capability,dtype,apis,compiling,expected', PATH_TABLE)
 def test_path_choice_table(version, device, capability, dtype, apis, compiling, expected):
-    assert kernels.choose_path(version, device, capability, dtype, apis, compiling) == expected
+    assert routed_rows.choose_path(version, device, capability, dtype, apis, compiling) == expected
 
 
 def test_path_choice_holds_its_rules_on_every_combination():
@@ -241,9 +241,9 @@ def test_path_choice_holds_its_rules_on_every_combination():
             for dtype in (FP, BF, HF):
                 for apis in (BOTH, GROUPED):
                     for compiling in (False, True):
-                        path = kernels.choose_path(version, device, capability, dtype, apis,
+                        path = routed_rows.choose_path(version, device, capability, dtype, apis,
                                                    compiling)
-                        assert path in kernels.PATHS
+                        assert path in routed_rows.PATHS
                         assert not (compiling and path == 'compact')
                         if path == 'grouped_mm':
                             assert dtype == BF and (capability in [(9, 0), (10, 0)]
@@ -256,14 +256,14 @@ def test_path_choice_holds_its_rules_on_every_combination():
 
 def test_default_path_here_and_forced(monkeypatch):
     monkeypatch.delenv('NANODEPTH_PATH', raising=False)
-    assert kernels.default_path(torch.zeros(1)) == 'compact'          # the CPU, eager
+    assert routed_rows.default_path(torch.zeros(1)) == 'compact'          # the CPU, eager
     with torch.autocast('cpu', dtype=torch.bfloat16):
-        assert kernels.matmul_dtype(torch.zeros(1)) == torch.bfloat16
+        assert routed_rows.matmul_dtype(torch.zeros(1)) == torch.bfloat16
     monkeypatch.setenv('NANODEPTH_PATH', 'grouped_mm')
-    assert kernels.default_path(torch.zeros(1)) == 'grouped_mm'
+    assert routed_rows.default_path(torch.zeros(1)) == 'grouped_mm'
     monkeypatch.setenv('NANODEPTH_PATH', 'fast')
     with pytest.raises(ValueError, match='NANODEPTH_PATH must be one of'):
-        kernels.default_path(torch.zeros(1))
+        routed_rows.default_path(torch.zeros(1))
 
 
 @pytest.mark.parametrize('capability,dtype,listed', [
@@ -273,20 +273,20 @@ def test_available_paths_on_torch_2_8_gpus(monkeypatch, capability, dtype, liste
     """torch 2.8's grouped_mm is the CUTLASS kernel alone: it refuses any GPU but compute
     capability 9.x and any dtype but bf16 (the loop that widened both came in 2.9)."""
     monkeypatch.setattr(torch, '__version__', '2.8.0+cu128')
-    monkeypatch.setattr(kernels, 'device_facts', lambda device: ('cuda', capability))
-    monkeypatch.setattr(kernels, 'installed_apis', lambda: GROUPED)
+    monkeypatch.setattr(routed_rows, 'device_facts', lambda device: ('cuda', capability))
+    monkeypatch.setattr(routed_rows, 'installed_apis', lambda: GROUPED)
     for compiling in (False, True):
-        paths = kernels.available_paths('cpu', dtype, compiling)
+        paths = routed_rows.available_paths('cpu', dtype, compiling)
         assert ('grouped_mm' in paths) == listed, (compiling, paths)
 
 
 def test_available_paths_on_this_cpu():
     cpu = torch.device('cpu')
-    grouped = ['grouped_mm'] if kernels.version_tuple(torch.__version__) >= (2, 9) else []
-    eager = kernels.available_paths(cpu, torch.float32)
+    grouped = ['grouped_mm'] if routed_rows.version_tuple(torch.__version__) >= (2, 9) else []
+    eager = routed_rows.available_paths(cpu, torch.float32)
     assert eager[-2:] == ['compact', 'reference'] and eager[:len(grouped)] == grouped
-    assert kernels.available_paths(cpu, torch.float32, compiling=True) == ['reference']
-    assert kernels.available_paths(cpu, torch.bfloat16, compiling=True) == [
+    assert routed_rows.available_paths(cpu, torch.float32, compiling=True) == ['reference']
+    assert routed_rows.available_paths(cpu, torch.bfloat16, compiling=True) == [
         *grouped, 'reference']
 
 
@@ -300,16 +300,16 @@ class CountCalls:
         self.name = name
 
     def __enter__(self):
-        self.calls, self.orig = 0, getattr(kernels, self.name)
+        self.calls, self.orig = 0, getattr(routed_rows, self.name)
 
         def counted(*args, **kw):
             self.calls += 1
             return self.orig(*args, **kw)
-        setattr(kernels, self.name, counted)
+        setattr(routed_rows, self.name, counted)
         return self
 
     def __exit__(self, *exc):
-        setattr(kernels, self.name, self.orig)
+        setattr(routed_rows, self.name, self.orig)
 
 
 PATH_FUNCTION = {'grouped_mm': 'mlp_rows_grouped', 'compact': 'mlp_rows_compact',
@@ -320,9 +320,9 @@ PATH_FUNCTION = {'grouped_mm': 'mlp_rows_grouped', 'compact': 'mlp_rows_compact'
 @given(c=cases(aligned=True), path=st.sampled_from(cpu_path_choices('grouped_mm', 'compact')))
 def test_every_path_writes_the_selected_rows_only(c, path):
     with torch.no_grad(), CountCalls(PATH_FUNCTION[path]) as ran:
-        got, before, sel = check_rows(c, lambda *a: kernels.mlp_rows(*a, path=path))
+        got, before, sel = check_rows(c, lambda *a: routed_rows.mlp_rows(*a, path=path))
     assert ran.calls == 1
-    reference = kernels.mlp_rows_reference(c.x, c.order, c.lo, c.hi, c.mlp, before.clone())
+    reference = routed_rows.mlp_rows_reference(c.x, c.order, c.lo, c.hi, c.mlp, before.clone())
     torch.testing.assert_close(got, reference, **TOL[c.x.dtype])
 
 
@@ -338,11 +338,11 @@ def test_every_path_at_the_edge_counts(path, count, dtype):
     x = torch.randn(40, 16).to(dtype)
     mask = torch.zeros(40, dtype=torch.bool)
     mask[torch.randperm(40)[:count]] = True
-    order, n = kernels.sort_by_mask(mask)
+    order, n = routed_rows.sort_by_mask(mask)
     out = torch.full((40, 16), float('nan'), dtype=dtype)
     with torch.no_grad():
-        kernels.mlp_rows(x, order, 0, n, full, out, path=path)
-        kernels.mlp_rows(x, order, n, 40, cheap, out, path=path)
+        routed_rows.mlp_rows(x, order, 0, n, full, out, path=path)
+        routed_rows.mlp_rows(x, order, n, 40, cheap, out, path=path)
         expected = torch.where(mask[:, None], full(x), cheap(x))
     torch.testing.assert_close(out, expected, **TOL[dtype])
 
@@ -355,11 +355,11 @@ def test_every_path_stops_at_the_last_row(path, lo, hi):
     mlp = make_mlp(16, 32, True, 'none', torch.float32, 0)
     torch.manual_seed(lo)
     x, out = torch.randn(12, 16), torch.randn(12, 16)
-    order, _ = kernels.sort_by_mask(torch.rand(12) < 0.5)
+    order, _ = routed_rows.sort_by_mask(torch.rand(12) < 0.5)
     c = SimpleNamespace(x=x, order=order, lo=torch.tensor(lo), hi=torch.tensor(hi), mlp=mlp,
                         out=out)
     with torch.no_grad():
-        check_rows(c, lambda *a: kernels.mlp_rows(*a, path=path))
+        check_rows(c, lambda *a: routed_rows.mlp_rows(*a, path=path))
 
 
 @pytest.mark.parametrize('path', cpu_paths('grouped_mm', 'compact', 'reference'))
@@ -368,7 +368,7 @@ def test_prefix_linear_computes_the_packed_rows(path, count):
     torch.manual_seed(count)
     x, w, b = torch.randn(24, 32), torch.randn(40, 32), torch.randn(40)
     with torch.no_grad():
-        got = kernels.prefix_linear(x, torch.tensor(count), w, b, path=path)
+        got = routed_rows.prefix_linear(x, torch.tensor(count), w, b, path=path)
     assert got.shape == (24, 40)
     torch.testing.assert_close(got[:count], x[:count] @ w.T + b, **TOL[torch.float32])
 
@@ -389,12 +389,12 @@ def test_grouped_mm_path_takes_column_major_weights(width, x_dtype):
     w_col = w.t().contiguous().t()
     x = torch.randn(24, 16, dtype=x_dtype)
     mask = torch.rand(24) < 0.5
-    order, n = kernels.sort_by_mask(mask)
+    order, n = routed_rows.sort_by_mask(mask)
     out = torch.zeros(24, 16, dtype=x_dtype)
     autocast = torch.autocast('cpu', dtype=torch.bfloat16, enabled=x_dtype == torch.float32)
     with torch.no_grad(), autocast:
-        kernels.mlp_rows(x, order, 0, n, mlp, out, path='grouped_mm')
-        got = kernels.prefix_linear(x, torch.tensor(10), w_col, path='grouped_mm')
+        routed_rows.mlp_rows(x, order, 0, n, mlp, out, path='grouped_mm')
+        got = routed_rows.prefix_linear(x, torch.tensor(10), w_col, path='grouped_mm')
         expected = torch.where(mask[:, None], mlp(x), out.new_zeros(()))
         want = F.linear(x[:10], w)
     torch.testing.assert_close(out.float(), expected.float(), **TOL[torch.bfloat16])
@@ -409,10 +409,10 @@ def test_grouped_mm_path_compiles_without_graph_break_in_bf16():
                    make_mlp(16, 8, False, 'none', torch.bfloat16, 1))
 
     def f(x, mask):
-        order, count = kernels.sort_by_mask(mask)
+        order, count = routed_rows.sort_by_mask(mask)
         out = torch.empty_like(x)
-        kernels.mlp_rows(x, order, 0, count, full, out, path='grouped_mm')
-        kernels.mlp_rows(x, order, count, x.size(0), cheap, out, path='grouped_mm')
+        routed_rows.mlp_rows(x, order, 0, count, full, out, path='grouped_mm')
+        routed_rows.mlp_rows(x, order, count, x.size(0), cheap, out, path='grouped_mm')
         return out
     x, mask = torch.randn(20, 16).bfloat16(), torch.rand(20) < 0.5
     torch._dynamo.reset()
@@ -468,9 +468,10 @@ def test_triton_kernels_under_interpreter():
 
 @interp
 def test_interp_runs_the_interpreted_kernels():
-    assert kernels.triton is not None and kernels._interpreted(kernels._gather_fc_gelu_kernel)
-    assert kernels.default_path(torch.zeros(1)) == 'triton' and not kernels.TUNED
-    assert 'triton' in kernels.available_paths(torch.device('cpu'), torch.float32)
+    assert routed_rows.triton is not None
+    assert routed_rows._interpreted(routed_rows._gather_fc_gelu_kernel)
+    assert routed_rows.default_path(torch.zeros(1)) == 'triton' and not routed_rows.TUNED
+    assert 'triton' in routed_rows.available_paths(torch.device('cpu'), torch.float32)
 
 
 @interp
@@ -479,7 +480,7 @@ def test_interp_prefix_linear_computes_the_packed_rows(count):
     torch.manual_seed(count)
     x, w, b = torch.randn(70, 32), torch.randn(40, 32), torch.randn(40)
     with torch.no_grad():
-        got = kernels.prefix_linear(x, torch.tensor(count), w, b, path='triton')
+        got = routed_rows.prefix_linear(x, torch.tensor(count), w, b, path='triton')
     torch.testing.assert_close(got[:count], x[:count] @ w.T + b, **TOL[torch.float32])
 
 
@@ -490,9 +491,9 @@ def test_interp_kernel_writes_the_selected_rows_only(c):
     """kernel == the per-row loop on the selected rows == the reference; the other rows keep their
     bits."""
     with torch.no_grad(), CountCalls('launch_mlp_rows') as launches:
-        got, before, sel = check_rows(c, kernels.mlp_rows)
+        got, before, sel = check_rows(c, routed_rows.mlp_rows)
     assert launches.calls == 1
-    reference = kernels.mlp_rows_reference(c.x, c.order, c.lo, c.hi, c.mlp, before.clone())
+    reference = routed_rows.mlp_rows_reference(c.x, c.order, c.lo, c.hi, c.mlp, before.clone())
     torch.testing.assert_close(got, reference, **TOL[c.x.dtype])
 
 
@@ -505,11 +506,11 @@ def test_interp_autocast_runs_the_kernels_in_its_dtype():
     x, order = torch.randn(40, 24), torch.randperm(40)
     with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
         with CountCalls('launch_mlp_rows') as launches:
-            got = kernels.mlp_rows(x, order, 5, 33, mlp, torch.zeros(40, 24))
-        reference = kernels.mlp_rows_reference(x, order, 5, 33, mlp, torch.zeros(40, 24))
+            got = routed_rows.mlp_rows(x, order, 5, 33, mlp, torch.zeros(40, 24))
+        reference = routed_rows.mlp_rows_reference(x, order, 5, 33, mlp, torch.zeros(40, 24))
     assert launches.calls == 1 and got.dtype == torch.float32
     torch.testing.assert_close(got, reference, **TOL[torch.bfloat16])
-    fp32 = kernels.mlp_rows_reference(x, order, 5, 33, mlp, torch.zeros(40, 24))
+    fp32 = routed_rows.mlp_rows_reference(x, order, 5, 33, mlp, torch.zeros(40, 24))
     assert (got - fp32).abs().max() > 1e-4            # it did compute in bf16
 
 
@@ -519,7 +520,7 @@ def test_interp_gradients_take_the_reference():
     mlp = make_mlp(16, 32, True, 'none', torch.float32, 0)
     x, order = torch.randn(9, 16), torch.arange(9)
     with CountCalls('launch_mlp_rows') as launches:
-        out = kernels.mlp_rows(x, order, 0, 4, mlp, torch.zeros(9, 16))
+        out = routed_rows.mlp_rows(x, order, 0, 4, mlp, torch.zeros(9, 16))
     assert launches.calls == 0
     out.sum().backward()
     assert mlp.c_fc.weight.grad is not None and mlp.c_fc.weight.grad.abs().sum() > 0
@@ -555,11 +556,11 @@ def test_interp_programs_outside_the_range_exit_before_loading_weights(lo, hi):
     the early exit every program would count."""
     n, C, W, block_m = 70, 24, 96, 16
     mlp = make_mlp(C, W, True, 'none', torch.float32, 0)
-    order, _ = kernels.sort_by_mask(torch.rand(n) < 0.5)
+    order, _ = routed_rows.sort_by_mask(torch.rand(n) < 0.5)
     x, out = torch.randn(n, C), torch.randn(n, C)
     before = out.clone()
     started = torch.zeros(1, dtype=torch.int32)
-    kernels.launch_mlp_rows(
+    routed_rows.launch_mlp_rows(
         x,
         order,
         torch.tensor(lo),
@@ -573,7 +574,7 @@ def test_interp_programs_outside_the_range_exit_before_loading_weights(lo, hi):
         block_m=block_m,
         started=started,
     )
-    col_blocks = -(-W // kernels.BLOCK_N) + -(-C // kernels.BLOCK_N)
+    col_blocks = -(-W // routed_rows.BLOCK_N) + -(-C // routed_rows.BLOCK_N)
     assert started.item() == _blocks_touching(lo, hi, n, block_m) * col_blocks
     sel = selected(order, lo, hi)
     assert torch.equal(out[~sel], before[~sel])
@@ -645,9 +646,9 @@ def test_kernels_compile_to_cubin(capability, dtype):
     if IN_CHILD:
         pytest.skip('compiles the non-interpreted kernels')
     pytest.importorskip('triton')
-    tile = (kernels.BLOCK_M, kernels.BLOCK_N, kernels.BLOCK_K, 4, 3)
+    tile = (routed_rows.BLOCK_M, routed_rows.BLOCK_N, routed_rows.BLOCK_K, 4, 3)
     for name, data in KERNEL_DATA:
-        compiled = compile_for_gpu(getattr(kernels, name), data, dtype, capability, tile)
+        compiled = compile_for_gpu(getattr(routed_rows, name), data, dtype, capability, tile)
         assert len(compiled.asm['cubin']) > 0
         if dtype != 'fp32':
             assert 'mma' in compiled.asm['ptx']
@@ -662,9 +663,9 @@ def test_every_autotune_tile_compiles_for_ampere_and_hopper(capability):
     if IN_CHILD:
         pytest.skip('compiles the non-interpreted kernels')
     pytest.importorskip('triton')
-    for tile in kernels.AUTOTUNE_TILES:
+    for tile in routed_rows.AUTOTUNE_TILES:
         for name, data in KERNEL_DATA:
-            compiled = compile_for_gpu(getattr(kernels, name), data, 'bf16', capability, tile)
+            compiled = compile_for_gpu(getattr(routed_rows, name), data, 'bf16', capability, tile)
             assert 'mma' in compiled.asm['ptx'], (name, tile)
             assert compiled.metadata.shared <= 227 * 1024, (name, tile)   # H100's per-block max
 
@@ -706,7 +707,7 @@ def test_interp_model_static_eval_through_the_kernels(route):
 @pytest.mark.skipif(torch.cuda.is_available() or IN_CHILD,
                     reason='a CPU process outside the interpreter')
 def test_a_cpu_process_running_a_model_does_not_load_the_compiler_stack():
-    """kernels.py registers its Triton ops, and packed_attention.py imports varlen_attn and
+    """routed_rows.py registers its Triton ops, and packed_attention.py imports varlen_attn and
     FlexAttention, only where they can run (CUDA, the interpreter) or are asked for: importing them
     loads torch._dynamo, about 2 s a process of every command line on the CPU."""
     code = ('import sys, torch, model, train, packed_attention as pa\n'
@@ -722,4 +723,5 @@ def test_a_cpu_process_running_a_model_does_not_load_the_compiler_stack():
     assert (model_loads, apis_listed) == ('False', 'True'), proc.stdout
     # the check can fail: importing the APIs loads torch._dynamo (torch 2.13; torch 2.11 imports
     # them without it, so there is no cost to avoid; 2.12 untried)
-    assert apis_load == 'True' or kernels.version_tuple(torch.__version__) < (2, 13), proc.stdout
+    assert (apis_load == 'True' or routed_rows.version_tuple(torch.__version__) < (2, 13)), \
+        proc.stdout
