@@ -16,10 +16,12 @@ scalars named <type>/<key> (a list adds /<index>, a dict /<key>: 'train/loss', '
                online, log in first (`wandb login`). A resumed run is a new W&B run.
 
 Only rank 0 logs under DDP (it alone writes metrics.jsonl). The packages are optional: a --log
-naming one that is not installed is refused before any work, naming the pip install. A W&B run that
-W&B refuses to start (no login, a bad project, no network) is one error line, given before
---overwrite=True removes the run in out_dir; under DDP every rank stops at once, the others saying
-that rank 0's error is above (train.setup).
+naming one that is not installed is refused before any work, naming the pip install. W&B is asked
+for its run before the model and data are built (its config gains the built model's fields once
+they are known): a run that W&B refuses to start (no login, a bad project, no network) is one error
+line, before any work and before --overwrite=True removes the run in out_dir; under DDP every rank
+stops at once, the others saying that rank 0's error is above (train.setup). TensorBoard starts
+once the run files are open, as it replaces the old run's events.
 """
 import glob
 import importlib.util
@@ -74,7 +76,7 @@ def scalars(record):
 
 
 class TensorBoard:
-    def __init__(self, cfg, cfg_dict, iter_num):
+    def __init__(self, cfg, iter_num):
         from torch.utils.tensorboard import SummaryWriter
         resumed = cfg.init_from == 'resume'
         if not resumed:                     # the run this one replaces (as its metrics.jsonl)
@@ -94,7 +96,7 @@ class TensorBoard:
 
 
 class WandB:
-    def __init__(self, cfg, cfg_dict, iter_num):
+    def __init__(self, cfg, cfg_dict):
         import wandb
         folder = os.environ.get('WANDB_DIR') or cfg.out_dir
         os.makedirs(folder, exist_ok=True)
@@ -108,6 +110,9 @@ class WandB:
                               f"project name and `wandb login`, or log offline with "
                               f"WANDB_MODE=offline") from None
 
+    def update_config(self, fields):
+        self.run.config.update(fields, allow_val_change=True)
+
     def write(self, step, values):
         self.run.log(values, step=step)
 
@@ -116,14 +121,20 @@ class WandB:
 
 
 class Loggers:
-    """The sinks --log names, opened at the start of a run (rank 0) before the run it replaces is
-    removed: write(record) sends a metrics record to each, close() ends them."""
+    """The sinks --log names (rank 0): W&B, which may refuse the run, starts at construction, before
+    any work; open_local(fields, iter_num), once the model is built and the run files are open,
+    gives W&B the built model's fields and starts TensorBoard. write(record) sends a metrics record
+    to each, close() ends them."""
 
-    def __init__(self, cfg, cfg_dict, iter_num):
-        # W&B first: it may refuse the run (ConfigError), and TensorBoard removes the old events
-        kinds = dict(wandb=WandB, tensorboard=TensorBoard)
-        names = parse_log(cfg.log)
-        self.sinks = [kind(cfg, cfg_dict, iter_num) for n, kind in kinds.items() if n in names]
+    def __init__(self, cfg, cfg_dict):
+        self.cfg, self.names = cfg, parse_log(cfg.log)
+        self.sinks = [WandB(cfg, cfg_dict)] if 'wandb' in self.names else []
+
+    def open_local(self, fields, iter_num):
+        for sink in self.sinks:
+            sink.update_config(fields)
+        if 'tensorboard' in self.names:
+            self.sinks.append(TensorBoard(self.cfg, iter_num))
 
     def write(self, record):
         values = scalars(record)

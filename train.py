@@ -293,6 +293,24 @@ def setup(cfg, cfg_dict, proc, argv):
                   f"further with a larger --max_iters, or evaluate it with --eval_only=True")
         return None
     check_batch_fits(cfg.batch_size, cfg.block_size, meta['vocab_size'], proc.dev)
+    # W&B may refuse the run (no login, a bad project, no network): ask before any work
+    loggers, failed = None, None
+    if proc.master:
+        try:
+            loggers = Loggers(cfg, cfg_dict)
+        except Exception as e:        # raised once every rank knows
+            failed = e
+    share_rank0_outcome(proc, failed, 'start its loggers')
+    try:
+        return build_run(cfg, cfg_dict, proc, argv, meta, ckpt, loggers)
+    except BaseException:
+        if loggers is not None:
+            loggers.close()
+        raise
+
+
+def build_run(cfg, cfg_dict, proc, argv, meta, ckpt, loggers):
+    """setup's namespace, from its checked inputs and rank 0's loggers."""
     seed_rngs(cfg.seed + proc.rank)
     model = build_model(cfg, meta, ckpt)
     if proc.sharded and proc.rank > 0:   # FSDP, unlike DDP, copies no weights from rank 0: build
@@ -313,7 +331,6 @@ def setup(cfg, cfg_dict, proc, argv):
     progress = start_progress(cfg, ckpt, optimizer, scaler, proc.master)
     if progress['resumed'] and proc.sharded:       # the model's and optimizer's shards (DCP)
         sharding.load_sharded(model, optimizer, cfg.out_dir, ckpt['sharded'])
-    del ckpt                                       # loaded: free its memory before the loop
     run = SimpleNamespace(
         **vars(proc), **progress, cfg=cfg, cfg_dict=cfg_dict, argv=argv, meta=meta, raw_model=model,
         model=wrap_model(model, cfg, proc), params=params,
@@ -327,21 +344,20 @@ def setup(cfg, cfg_dict, proc, argv):
                    'val': (val_data, val_data.eval_batches(cfg.eval_iters, 2, cfg.eval_seed))},
         calib=[train_data.fetch(s)[0]
                for s in train_data.eval_batches(cfg.calib_iters, 3, cfg.eval_seed)],
-        ckpt_path=os.path.join(cfg.out_dir, 'ckpt.pt'), metrics_f=None, loggers=None)
+        ckpt_path=os.path.join(cfg.out_dir, 'ckpt.pt'), metrics_f=None, loggers=loggers)
     failed = None
     if run.master:
         try:
-            # --log (W&B, TensorBoard): before --overwrite removes the old run, as W&B may refuse
-            run.loggers = Loggers(cfg, cfg_dict, run.iter_num)
-            try:
-                run.metrics_f = open_run_files(cfg, cfg_dict, proc, run.iter_num,
-                                               evaluated_at(run.history, run.iter_num))
-            except BaseException:
-                run.loggers.close()
-                raise
+            run.metrics_f = open_run_files(cfg, cfg_dict, proc, run.iter_num,
+                                           evaluated_at(run.history, run.iter_num))
+            # W&B gains what was built; TensorBoard replaces the old run's events, as the run
+            # files just replaced its checkpoint and metrics
+            loggers.open_local({k: cfg_dict[k] for k in MODEL_KEYS}, run.iter_num)
         except Exception as e:        # raised once every rank knows
+            if run.metrics_f is not None:
+                run.metrics_f.close()
             failed = e
-    share_rank0_outcome(proc, failed, 'start its loggers or run files')
+    share_rank0_outcome(proc, failed, 'open its run files or loggers')
     if run.master:
         print(
             f"model: {model.get_num_params() / 1e6:.2f}M parameters ({count_params(params):,} "

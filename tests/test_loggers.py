@@ -135,6 +135,13 @@ def test_wandb_offline_run_holds_the_logged_values(data_args, tmp_path, monkeypa
     monkeypatch.setenv('WANDB_DIR', str(tmp_path / 'wandb_dir'))
     monkeypatch.setenv('WANDB_SILENT', 'true')
     out = tmp_path / 'out'
+    build = train.build_model
+
+    def build_model(cfg, meta, ckpt):         # as GPT-2 weights do: the built shape wins
+        model = build(cfg, meta, ckpt)
+        cfg.vocab_size = model.config.vocab_size
+        return model
+    monkeypatch.setattr(train, 'build_model', build_model)
     try:
         train.main([*TINY, *data_args, f'--out_dir={out}', '--log=wandb',
                     '--wandb_project=tiny', '--wandb_run_name=run-a'])
@@ -142,9 +149,13 @@ def test_wandb_offline_run_holds_the_logged_values(data_args, tmp_path, monkeypa
         wandb.teardown()                      # its service process ends with the test
     runs = glob.glob(str(tmp_path / 'wandb_dir' / 'wandb' / 'offline-run-*' / 'run-*.wandb'))
     assert len(runs) == 1, runs
-    history, summary, names = {}, {}, []
+    history, summary, names, config = {}, {}, [], {}
     for record in wandb_records(runs[0]):
         kind = record.WhichOneof('record_type')
+        # the config: the run record's, then updates (the last value of each key counts)
+        for item in (record.run.config.update if kind == 'run' else
+                     record.config.update if kind == 'config' else []):
+            config[item.key] = json.loads(item.value_json)
         items = (record.history.item if kind == 'history' else
                  record.summary.update if kind == 'summary' else [])
         for item in items:
@@ -158,6 +169,10 @@ def test_wandb_offline_run_holds_the_logged_values(data_args, tmp_path, monkeypa
             names.append((record.run.project, record.run.display_name))
     recs = records(out)
     assert names[0] == ('tiny', 'run-a')
+    # the run's config.json, the built model's fields included (W&B started before the build)
+    written = json.loads((out / 'config.json').read_text())
+    assert written['vocab_size'] > 0
+    assert {k: config[k] for k in written} == written
     assert history['train/loss'] == pytest.approx([v for _, v in expected(recs, 'train', 'loss')])
     assert history['eval/val_loss'] == pytest.approx(
         [v for _, v in expected(recs, 'eval', 'val_loss')])
@@ -170,8 +185,8 @@ def test_wandb_offline_run_holds_the_logged_values(data_args, tmp_path, monkeypa
 def test_a_failed_wandb_start_is_one_line_and_keeps_the_run_it_would_replace(data_args, tmp_path,
                                                                              monkeypatch):
     """W&B refuses the run (no login, a bad project, no network): one error line naming the
-    project and W&B's reason, and --overwrite=True has not yet removed the old run's checkpoint,
-    metrics or TensorBoard events."""
+    project and W&B's reason, before the model is built, and --overwrite=True has not yet removed
+    the old run's checkpoint, metrics or TensorBoard events."""
     pytest.importorskip('tensorboard')
     wandb = pytest.importorskip('wandb')
     out = tmp_path / 'out'
@@ -182,6 +197,10 @@ def test_a_failed_wandb_start_is_one_line_and_keeps_the_run_it_would_replace(dat
     def refuse(**kw):
         raise wandb.errors.CommError('project tiny not found\n(more detail)')
     monkeypatch.setattr(wandb, 'init', refuse)
+
+    def build_model(*a):
+        raise AssertionError('the model was built before W&B was asked')
+    monkeypatch.setattr(train, 'build_model', build_model)
     with pytest.raises(train.TrainError) as e:
         train.main([*TINY, *data_args, f'--out_dir={out}', '--log=tensorboard,wandb',
                     '--wandb_project=tiny', '--overwrite=True'])
