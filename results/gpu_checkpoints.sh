@@ -1,17 +1,24 @@
-# The checkpoints results/gpu_speculative.sh decodes with, trained on this machine's CPU:
+# The checkpoints results/gpu_speculative.sh decodes with, trained on this machine:
 #
 #   bash results/gpu_checkpoints.sh [LOG]
 #
 # The six trained 8-layer Shakespeare models of docs/results.md (exit, mod, halt, ffn with a
 # draft distilled after training, ensemble and dense), trained with the commands their runs were
-# trained with, two at a time with a thread each (60-75 minutes on 2 cores), and copied without
-# their optimizer state to out/gpu/<name>, 38 MB in all, small enough to travel with the tree to a
-# GPU machine (`carry`). A model whose copy is already there is not trained again; a training
-# stopped part way resumes from its last checkpoint. Output goes to LOG (out/gpu/train_log.txt).
+# trained with and copied without their optimizer state to out/gpu/<name>, 38 MB in all, small
+# enough to travel with the tree to a GPU machine (`carry`). JOBS of them train at once, with a
+# thread each: 2 on the CPU (60-75 minutes on 2 cores), all 6 where torch sees a GPU (there,
+# device and dtype as train.py picks them: bf16 autocast on a recent GPU; never timed on one). A
+# model whose copy is already there is not trained again; a training stopped part way resumes from
+# its last checkpoint. Output goes to LOG (out/gpu/train_log.txt).
 set -eu
 mkdir -p out/gpu
 log=${1:-out/gpu/train_log.txt}
-python3 data/prepare.py shakespeare_char >> "$log" 2>&1
+if [ -z "${JOBS:-}" ]; then
+  JOBS=2
+  python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null && JOBS=6
+fi
+# (where it is there, as carried to a GPU machine that has no ../shared/data to make it from)
+[ -f data/shakespeare_char/meta.json ] || python3 data/prepare.py shakespeare_char >> "$log" 2>&1
 base=config/exit_drafter_shakespeare.py
 
 # train NAME [train.py options]: out/NAME trained, then its optimizer-free copy in out/gpu/NAME
@@ -38,27 +45,47 @@ print(f"{dst}: copied without the optimizer state")
 EOF
 }
 
-# two chains side by side, 9-19 minutes a model on one core (results/cpu_2026-11-2[78]/)
-{
+# each model, in the order they start; the distilled ffn draft needs the ffn run first
+exit_model() {
   train spec_exit_w4d2 $base --exit_weight=4.0 --layer_dropout=0.2 --out_dir=out/spec_exit_w4d2
-  train spec_mod $base --route=mod --mod_capacity=0.125 --layer_dropout=0.0 --out_dir=out/spec_mod
-  train spec_ensemble $base --route=ensemble --layer_dropout=0.0 --out_dir=out/spec_ensemble
-} &
-first=$!
-{
+}
+ffn_models() {
   if [ ! -f out/gpu/ffn_distilled_drafter_shakespeare/ckpt.pt ]; then
     train spec_ffn $base --route=ffn --ffn_gate=mlp --ffn_budget=0.5 --ffn_layers=all \
       --layer_dropout=0.0 --out_dir=out/spec_ffn
   fi
   train ffn_distilled_drafter_shakespeare config/ffn_distilled_drafter_shakespeare.py \
     --init_from=out/spec_ffn/ckpt.pt
+}
+mod_model() {
+  train spec_mod $base --route=mod --mod_capacity=0.125 --layer_dropout=0.0 --out_dir=out/spec_mod
+}
+halt_model() {
   train spec_halt $base --route=halt --halt_lambda=0.05 --layer_dropout=0.0 --out_dir=out/spec_halt
+}
+ensemble_model() {
+  train spec_ensemble $base --route=ensemble --layer_dropout=0.0 --out_dir=out/spec_ensemble
+}
+dense_model() {
   train spec_dense $base --route=none --layer_dropout=0.0 --out_dir=out/spec_dense
-} &
-second=$!
+}
+
+# JOBS at a time, each started as one ends (9-19 minutes a model on one core,
+# results/cpu_2026-11-2[78]/)
+echo "=== $(date +%T) $JOBS at a time" >> "$log"
+running() {
+  local n=0 pid
+  for pid in ${pids[@]+"${pids[@]}"}; do kill -0 "$pid" 2>/dev/null && n=$((n + 1)); done
+  echo $n
+}
+pids=()
+for models in exit_model ffn_models mod_model halt_model ensemble_model dense_model; do
+  while [ "$(running)" -ge "$JOBS" ]; do sleep 1; done
+  $models &
+  pids+=($!)
+done
 status=0
-wait $first || status=$?
-wait $second || status=$?
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done    # (bash keeps each one's status)
 rm -rf out/gpu/spec_ffn          # (only the distilled model's copy is decoded)
 echo "=== $(date +%T) done, status $status" >> "$log"
 du -sh out/gpu/* >> "$log"

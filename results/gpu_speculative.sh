@@ -12,20 +12,37 @@
 # starts bare then compiles only what no run kept. Time
 # left after the last stage goes to the stages stopped at their limit, in order, again: each then
 # starts from the code it compiled before its stop.
-# Needs the checkpoints out/gpu/<name> (optimizer-free copies of the runs in docs/results.md: bash
-# results/gpu_checkpoints.sh makes them on the CPU) and data/shakespeare_char (the prompts), and
-# stops before any work if one is missing.
+# Needs data/shakespeare_char (the prompts; python data/prepare.py shakespeare_char makes it, 1 MB:
+# carry it) and the checkpoints out/gpu/<name>, optimizer-free copies of the runs in
+# docs/results.md. Where torch sees a GPU, the missing ones are first trained there by
+# results/gpu_checkpoints.sh (all six at once, at most TRAIN_SECONDS, 300, of SECONDS; their log in
+# FOLDER/train_log.txt); elsewhere carry out/gpu (the same script makes it on the CPU in 60-75
+# minutes). Stops before any work if the data, or a checkpoint it cannot train, is missing.
 set -u
 folder=${1:?usage: bash results/gpu_speculative.sh FOLDER [SECONDS]}
 source "$(dirname "$0")/speculative_stages.sh"
-require_files "make them with bash results/gpu_checkpoints.sh (on the CPU, 60-75 minutes) and \
-carry out/gpu and data/shakespeare_char" \
-  out/gpu/{spec_exit_w4d2,spec_mod,spec_halt,ffn_distilled_drafter_shakespeare}/ckpt.pt \
-  out/gpu/{spec_ensemble,spec_dense}/ckpt.pt \
-  data/shakespeare_char/{val.bin,meta.json}
+checkpoints=(out/gpu/{spec_exit_w4d2,spec_mod,spec_halt,ffn_distilled_drafter_shakespeare}/ckpt.pt
+             out/gpu/{spec_ensemble,spec_dense}/ckpt.pt)
+carry="carry out/gpu and data/shakespeare_char"
+require_files "make it with python data/prepare.py shakespeare_char and $carry" \
+  data/shakespeare_char/{train.bin,val.bin,meta.json}
+gpu=no
+python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null && gpu=yes
+if [ $gpu = no ]; then
+  require_files "make them with bash results/gpu_checkpoints.sh (on the CPU, 60-75 minutes) and \
+$carry, or run this where torch sees a GPU, which trains them first" "${checkpoints[@]}"
+fi
 end=${2:-540}
 cache=${COMPILE_CACHE:-out/compile_cache_gpu.bin}
 start_log
+if ! all_files "${checkpoints[@]}"; then
+  limit=${TRAIN_SECONDS:-300}
+  echo "=== $(date +%T) t=${SECONDS}s training the missing checkpoints, limit ${limit} s" \
+    | tee -a "$log"
+  timeout -k 10 $limit bash "$(dirname "$0")/gpu_checkpoints.sh" "$folder/train_log.txt"
+  echo "=== training: rc=$? t=${SECONDS}s" | tee -a "$log"
+  tail -n 8 "$folder/train_log.txt" | tee -a "$log"
+fi
 exit_model="--init_from=out/gpu/spec_exit_w4d2 --draft_layers=2"
 # first what no GPU has measured (mod chained on these checkpoints; exit at K = 2 with the GPU's
 # busy time; the ensemble's earliest layer and the dense model's first 4 blocks as drafts), then

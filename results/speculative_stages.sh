@@ -5,13 +5,15 @@
 #
 #   require_files HOW FILE...           exit 2 before any work, naming the missing FILEs and HOW
 #                                       to make them, where one is missing
+#   all_files FILE...                   status 0 where every FILE is there
 #   start_log                           FOLDER made; the commit, torch and the GPU into its log.txt
 #   stage NAME LIMIT BENCH_OPTIONS...   one bench.py --speculate process: greedy, 60 tokens from
 #                                       64-token prompts, 10 repeats a side, both sides compiled,
 #                                       passes apart and 4 chained in one graph timed in the same
 #                                       process, writing $folder/speculative_NAME.json
 #                                       (.partial.json if stopped first), stopped at LIMIT seconds
-#                                       or at what is left before `end`, skipped under 30
+#                                       or at what is left before `end`, skipped under 30 or
+#                                       where its --init_from folder holds no ckpt.pt
 #   stages_again                        the stages stopped at their limit, again, in order, with
 #                                       the time left: each starts from the code it compiled
 #
@@ -21,6 +23,10 @@ require_files() {
   local how=$1 missing= f; shift
   for f in "$@"; do [ -f "$f" ] || missing="$missing $f"; done
   if [ -n "$missing" ]; then echo "$(basename "$0"): no$missing; $how" >&2; exit 2; fi
+}
+all_files() {
+  local f
+  for f in "$@"; do [ -f "$f" ] || return 1; done
 }
 start_log() {
   mkdir -p "$folder"
@@ -33,6 +39,12 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" 2>&1 |
 stopped=()
 stage() {
   local name=$1 limit=$2; shift 2
+  local a
+  for a in "$@"; do case "$a" in --init_from=*)
+    if [ ! -f "${a#--init_from=}/ckpt.pt" ]; then
+      echo "=== $name: skipped, no ${a#--init_from=}/ckpt.pt" | tee -a "$log"; return
+    fi;;
+  esac; done
   local left=$((end - SECONDS)); [ $left -lt $limit ] && limit=$left
   if [ $limit -lt 30 ]; then echo "=== $name: skipped, ${left} s left" | tee -a "$log"; return; fi
   echo "=== $(date +%T) t=${SECONDS}s $name, limit ${limit} s" | tee -a "$log"

@@ -6,7 +6,9 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -736,11 +738,13 @@ def test_a_run_stopped_while_saving_its_compiled_code_keeps_its_figures(tmp_path
 
 
 RECORD_ARGS = """#!/bin/sh
-# stands in for python3: records its arguments, one per line, each call ending in a blank line;
+# stands in for python3: asked whether torch sees a GPU (-c), says yes where $FAKE_GPU is set;
+# otherwise records its arguments, one per line, each call ending in a blank line;
 # the first call for $STOP_ONCE's output exits as if stopped at its time limit;
 # $SAVED_THEN_STOPPED's writes its output, then exits so (stopped while saving its compile cache),
 # the output's time set to the stage's start mark's: written within one tick of the file system's
 # clock, as a fast stage's can be
+case "$1" in -c) [ -n "$FAKE_GPU" ]; exit;; esac
 for a in "$@"; do printf '%s\\n' "$a"; done >> "$CALLS"
 printf '\\n' >> "$CALLS"
 case "$*" in *"speculative_$STOP_ONCE.json"*)
@@ -798,11 +802,11 @@ def gpu_script(tmp_path, *args, **env):
     fake = fake_python3(tmp_path, RECORD_ARGS)
     calls = tmp_path / 'calls.txt'
     env = {**os.environ, 'PATH': f"{fake.parent}:{os.environ['PATH']}", 'CALLS': str(calls),
-           'STOP_ONCE': '', 'SAVED_THEN_STOPPED': '', **env}
+           'STOP_ONCE': '', 'SAVED_THEN_STOPPED': '', 'FAKE_GPU': '', **env}
     r = finish(start(['bash', os.path.join(REPO, 'results', 'gpu_speculative.sh'), *args],
                      env=env, cwd=tmp_path), timeout=60)
     text = calls.read_text() if calls.exists() else ''
-    return r, [c.split('\n') for c in text.split('\n\n') if c.startswith('bench.py')]
+    return r, [c.split('\n') for c in text.split('\n\n') if c.startswith(('bench.py', 'train.py'))]
 
 
 def test_the_gpu_speculative_script_runs_only_options_bench_accepts(tmp_path):
@@ -833,24 +837,58 @@ def test_the_gpu_speculative_script_runs_only_options_bench_accepts(tmp_path):
         assert cfg['compile'] and cfg['compile_cache'] == str(tmp_path / 'cache.bin')
 
 
-@pytest.mark.parametrize('remove', ['out/gpu/spec_halt/ckpt.pt', 'data/shakespeare_char/val.bin'])
-def test_the_gpu_speculative_script_stops_before_any_work_without_its_inputs(tmp_path, remove):
-    """A checkpoint or the prompts' data missing: exit 2 before the first stage (a GPU's time is
-    not spent on a run that would fail or decode random prompts), naming the file and the script
-    that makes it."""
+@pytest.mark.parametrize('remove, gpu', [('out/gpu/spec_halt/ckpt.pt', ''),
+                                         ('data/shakespeare_char/val.bin', ''),
+                                         ('data/shakespeare_char/val.bin', '1')])
+def test_the_gpu_speculative_script_stops_before_any_work_without_its_inputs(tmp_path, remove,
+                                                                             gpu):
+    """The prompts' data missing, or a checkpoint where no GPU can train it: exit 2 before the
+    first stage (a GPU's time is not spent on a run that would fail or decode random prompts),
+    naming the file and the command that makes it."""
     script_checkpoints(tmp_path)
     (tmp_path / remove).unlink()
-    r, commands = gpu_script(tmp_path, tmp_path / 'results', '600')
+    r, commands = gpu_script(tmp_path, tmp_path / 'results', '600', FAKE_GPU=gpu)
     assert r.returncode == 2 and commands == []
-    assert f'no {remove};' in r.stderr and 'results/gpu_checkpoints.sh' in r.stderr
+    how = 'results/gpu_checkpoints.sh' if 'ckpt' in remove else 'data/prepare.py shakespeare_char'
+    assert f'no {remove};' in r.stderr and how in r.stderr
     assert not (tmp_path / 'results').exists()
+
+
+def test_the_gpu_speculative_script_trains_missing_checkpoints_on_a_gpu(tmp_path):
+    """Where torch sees a GPU, a missing checkpoint is trained there first, by
+    results/gpu_checkpoints.sh with its own command (here python3 stands in, so it makes none):
+    then the stage that needs it is skipped, naming it, and every other stage runs."""
+    script_checkpoints(tmp_path)
+    (tmp_path / 'config').symlink_to(os.path.join(REPO, 'config'))
+    shutil.rmtree(tmp_path / 'out' / 'gpu' / 'spec_halt')
+    r, commands = gpu_script(tmp_path, tmp_path / 'results', '600', FAKE_GPU='1')
+    assert r.returncode == 0, r.stderr
+    trained = [argv for argv in commands if argv[0] == 'train.py']
+    assert trained == [['train.py', 'config/exit_drafter_shakespeare.py', '--route=halt',
+                        '--halt_lambda=0.05', '--layer_dropout=0.0', '--out_dir=out/spec_halt',
+                        '--overwrite=True']]
+    assert '6 at a time' in (tmp_path / 'results' / 'train_log.txt').read_text()
+    assert 'halt_b1_K4: skipped, no out/gpu/spec_halt/ckpt.pt' in r.stdout
+    stages = [os.path.basename(next(a for a in argv if a.startswith('--out=')))
+              for argv in commands if argv[0] == 'bench.py']
+    assert len(stages) == 7 and 'speculative_halt_b1_K4.json' not in stages
 
 
 FAKE_TRAIN = """
 import json, os, shutil, sys
 with open(os.environ['CALLS'], 'a') as f:
     f.write(json.dumps(sys.argv[1:]) + '\\n')
+if sys.argv[1] == '-c':                # the script's question: does torch see a GPU?
+    sys.exit(0 if os.environ.get('FAKE_GPU') else 1)
 if sys.argv[1] == 'train.py':          # a checkpoint in out_dir (the options: checked by the test)
+    if os.environ.get('FAKE_GPU'):     # wait (20 s at most) until six trainings are in flight
+        import time
+        open(os.path.join(os.environ['FAKE_GPU'], str(os.getpid())), 'w').close()
+        deadline = time.time() + 20
+        while len(os.listdir(os.environ['FAKE_GPU'])) < 6 and time.time() < deadline:
+            time.sleep(0.05)
+        with open(os.environ['CALLS'] + '.together', 'a') as f:
+            f.write(f"{len(os.listdir(os.environ['FAKE_GPU']))}\\n")
     out = next((a.split('=', 1)[1] for a in reversed(sys.argv) if a.startswith('--out_dir=')), None)
     if out is None:                    # the config file's
         config = {}
@@ -872,7 +910,7 @@ def test_the_gpu_checkpoints_script_trains_each_missing_model_once(tmp_path, mon
     train.py accepts, into the folder the script copies from (the distilled one from the ffn run
     it needs, first), copied to out/gpu without its optimizer state; a second run trains nothing;
     a model whose copy is gone is made again by resuming its finished run, not by training it
-    anew."""
+    anew. Two train at once on the CPU, all six where torch sees a GPU."""
     fake = fake_python3(tmp_path, f'#!/bin/sh\nexec {sys.executable} {tmp_path / "fake.py"} "$@"\n')
     (tmp_path / 'fake.py').write_text(FAKE_TRAIN)
     (tmp_path / 'config').symlink_to(os.path.join(REPO, 'config'))
@@ -883,12 +921,13 @@ def test_the_gpu_checkpoints_script_trains_each_missing_model_once(tmp_path, mon
     calls = tmp_path / 'calls.jsonl'
     env = {**os.environ, 'PATH': f"{fake.parent}:{os.environ['PATH']}", 'CALLS': str(calls),
            'REPO': REPO, 'CKPT': str(template)}
+    env.pop('JOBS', None)
     monkeypatch.chdir(tmp_path)        # (the commands' relative paths, as the script ran them)
 
-    def run_script():
+    def run_script(**more):
         calls.write_text('')
         r = finish(start(['bash', os.path.join(REPO, 'results', 'gpu_checkpoints.sh')],
-                         env=env, cwd=tmp_path), timeout=170)
+                         env={**env, **more}, cwd=tmp_path), timeout=170)
         assert r.returncode == 0, (tmp_path / 'out' / 'gpu' / 'train_log.txt').read_text()
         argvs = [json.loads(line) for line in calls.read_text().splitlines()]
         for argv in argvs:             # train.py's own check, where the script ran it
@@ -918,6 +957,15 @@ def test_the_gpu_checkpoints_script_trains_each_missing_model_once(tmp_path, mon
     again = trained(run_script())
     assert len(again) == 1 and '--out_dir=out/spec_mod' in again[0]
     assert again[0][-1] == '--init_from=resume'
+    assert not os.path.exists(f'{calls}.together')
+    assert '2 at a time' in (tmp_path / 'out' / 'gpu' / 'train_log.txt').read_text()
+    shutil.rmtree(tmp_path / 'out')
+    (tmp_path / 'barrier').mkdir()
+    on_gpu = trained(run_script(FAKE_GPU=str(tmp_path / 'barrier')))
+    assert len(on_gpu) == 7 and sorted(map(str, on_gpu)) == sorted(map(str, first))
+    together = Path(f'{calls}.together').read_text().split()    # none waited 20 s
+    assert len(together) == 7 and min(map(int, together)) >= 6
+    assert '6 at a time' in (tmp_path / 'out' / 'gpu' / 'train_log.txt').read_text()
 
 
 FAKE_TRAIN_124M = """
