@@ -9,7 +9,7 @@ Writes into out_dir: metrics.jsonl (one JSON object per log line and per eval), 
 resolved config), run_info.json (code version, torch, device), ckpt.pt (written atomically: model,
 optimizer, scaler, RNG states, iteration, best val loss, config, sampler state).
 `--init_from=resume` continues exactly where ckpt.pt left off (a finished run says so and writes
-nothing). Ctrl-C / SIGTERM finishes the current step (one process: or stops an evaluation), saves,
+nothing). Ctrl-C / SIGTERM finishes the current step (or stops an evaluation), saves,
 exits 0. One run at a time per out_dir (runlock.py).
 
 The file reads as a run: the config defaults, main, setup, the loop, one optimisation step. The
@@ -217,23 +217,26 @@ def train_loop(run, argv):
     stop = StopFlag()                 # from here, a first Ctrl-C / SIGTERM ends the run with a
                                       # checkpoint
     stopped = False                   # by a signal to this process or, under DDP, to any process
-    # a lone process abandons an evaluation a signal lands in: a long eval would outlast a
-    # scheduler's grace period. (DDP and FSDP processes finish theirs: they agree on a stop at a
-    # log step. An eval-only run has no checkpoint to save instead.)
-    abandon = None if run.ddp or run.cfg.eval_only else lambda: stop.signum is not None
+    # an evaluation a signal lands in is abandoned at its next batch: a long eval would outlast a
+    # scheduler's grace period. (An eval-only run has no checkpoint to save instead.)
+    abandon = None if run.cfg.eval_only else eval_abandoner(run, stop)
     while True:
         if eval_due(run):
             if run.ddp:                           # the checkpoint keeps every rank's interval
                 share_interval(run)
+            outcome = 'done'
             if run.master or run.sharded:         # FSDP: every rank (forward and save gather)
                 if not evaluate_and_checkpoint(run, abandon):
-                    stopped = True
-                    stop_with_checkpoint(run, argv, 'during the evaluation at')
-                    break
-            # a signal in the eval's last batch or its save: stop on the checkpoint just saved
-            if abandon is not None and abandon() and 0 < run.iter_num < run.cfg.max_iters:
+                    outcome = 'abandoned'
+                # a signal in the eval's last batch or its save: stop on the checkpoint just saved
+                elif abandon is not None and abandon() and 0 < run.iter_num < run.cfg.max_iters:
+                    outcome = 'stop'
+            if run.ddp and not run.sharded:       # rank 0 alone evaluated: it tells the others
+                outcome = share_eval_outcome(run, outcome)
+            if outcome != 'done':
                 stopped = True
-                stop_with_checkpoint(run, argv, 'after the evaluation at', save=False)
+                stop_with_checkpoint(run, argv, 'during the evaluation at' if outcome == 'abandoned'
+                                     else 'after the evaluation at', save=outcome == 'abandoned')
                 break
             run.t_last, run.it_last = time.time(), run.iter_num
         if run.iter_num >= run.cfg.max_iters or run.cfg.eval_only:
@@ -242,7 +245,7 @@ def train_loop(run, argv):
         logged = run.iter_num % run.cfg.log_interval == 0 or run.iter_num == run.cfg.max_iters
         if logged:
             log_progress(run, lr, loss_sum, norm, step)
-        # at max_iters: the final eval (which a lone process's signal abandons) and the summary
+        # at max_iters: the final eval (which a signal abandons) and the summary
         if run.iter_num < run.cfg.max_iters and stop_requested(run, stop, logged):
             stopped = True
             stop_with_checkpoint(run, argv, 'at')
@@ -250,6 +253,31 @@ def train_loop(run, argv):
     if run.master or run.sharded:                 # FSDP: every rank joins the report's forward
         with evaluated(run):
             finish_run(run, stopped)
+
+
+def eval_abandoner(run, stop):
+    """The question an evaluation asks before each batch: abandon it for a signal? One process
+    (DDP: rank 0, which alone evaluates) asks its own flag; FSDP's ranks, which evaluate together,
+    agree on it (a collective each batch: all stop at the same batch, if any got the signal)."""
+    if not run.sharded:
+        return lambda: stop.signum is not None
+
+    def any_rank_signalled():
+        flag = torch.tensor(float(stop.signum is not None), device=run.dev)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return flag.item() > 0
+    return any_rank_signalled
+
+
+EVAL_OUTCOMES = ('done', 'abandoned', 'stop')
+
+
+def share_eval_outcome(run, outcome):
+    """DDP, after rank 0's evaluation (every rank: a collective): rank 0's outcome, 'done', or a
+    stop ('abandoned' during the eval, or 'stop' after it), so that every rank stops with it."""
+    code = torch.tensor([EVAL_OUTCOMES.index(outcome)], dtype=torch.int64, device=run.dev)
+    torch.distributed.broadcast(code, 0)
+    return EVAL_OUTCOMES[code.item()]
 
 
 def stop_with_checkpoint(run, argv, when, save=True):

@@ -5,7 +5,9 @@ seconds on a busy machine):
 1. `uninterrupted`: the run whose losses the test compares with one process and with a resume;
 2. one short run per family configuration given in FAMILY_RUNS (routers and heads included, and
    the configurations whose DDP needs find_unused_parameters);
-3. `killed`: the run of 1 again, which blocks after logging iteration KILL_AT (its last checkpoint
+3. `abandoned`: the run of 1 again, rank 0 alone sent a SIGTERM as its second evaluation starts
+   (both ranks evaluate under FSDP: they agree to abandon it before its first batch);
+4. `killed`: the run of 1 again, which blocks after logging iteration KILL_AT (its last checkpoint
    is older) and writes `blocked` in its out_dir, for the test to kill the whole group.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/sharding_driver.py \\
@@ -13,6 +15,7 @@ seconds on a busy machine):
 """
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -37,6 +40,16 @@ def main():
     run([*common, f"--out_dir={tmp / 'uninterrupted'}"])
     for name, extra in families.items():
         run([*extra, f"--out_dir={tmp / name}"])
+    evaluate, evaluations = train.evaluation.evaluate, []
+
+    def signal_rank_0_at_the_second_eval(*a, **kw):     # (each eval: its train split, then val)
+        evaluations.append(1)
+        if len(evaluations) == 3 and int(os.environ['RANK']) == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return evaluate(*a, **kw)
+    train.evaluation.evaluate = signal_rank_0_at_the_second_eval
+    run([*common, f"--out_dir={tmp / 'abandoned'}"])
+    train.evaluation.evaluate = evaluate
     log_progress = train.log_progress
 
     def block_at_kill(r, *a):          # the kill: after logging iteration kill_at, wait for it

@@ -250,7 +250,9 @@ def test_fsdp_matches_one_process_resumes_after_a_kill_and_trains_every_family(t
     may differ) and weights; (c) every family: its controller's parameters get optimizer state,
     losses near ln(vocab); (b) the run again, SIGKILLed with its group one step after its last
     checkpoint: a second launch resumes from that checkpoint (iteration 3, its sharded optimizer)
-    and logs the uninterrupted run's losses (rel 1e-6) to the end."""
+    and logs the uninterrupted run's losses (rel 1e-6) to the end; (d) the run again, a SIGTERM
+    to rank 0 alone as an evaluation starts: both ranks abandon it and stop with a checkpoint at
+    its iteration, without its record."""
     data = tmp_path / 'data' / 'syn'
     prepare.prepare('synthetic', out_dir=data, num_tokens=20000)
     common = [*TINY, f'--data_dir={data.parent}', f'--dataset={data.name}',
@@ -318,3 +320,10 @@ def test_fsdp_matches_one_process_resumes_after_a_kill_and_trains_every_family(t
         if name in FAMILIES or name == 'exit_rotating_own_heads':
             assert stepped == ctrl, (name, ctrl, stepped)
     assert set(FAMILIES) <= set(FAMILY_RUNS)
+
+    # (d) rank 0 alone signalled as the eval at CKPT_EVERY starts: both ranks abandon it and save
+    abandoned = tmp_path / 'abandoned'
+    assert ckpt(abandoned)['iter_num'] == CKPT_EVERY
+    assert [m['iter'] for m in read_metrics(abandoned, 'eval')] == [0]
+    assert [m['iter'] for m in read_metrics(abandoned, 'train')] == list(range(1, CKPT_EVERY + 1))
+    assert read_metrics(abandoned, 'summary')[-1]['stopped'] is True

@@ -580,6 +580,41 @@ def test_ddp_signal_to_one_worker_stops_all_with_one_message(synth, tmp_path):
     assert load_ckpt(out)["iter_num"] > 0
 
 
+SIGNAL_RANK_0_IN_EVAL = """\
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+import train
+evaluate, calls = train.evaluation.evaluate, []
+def signalled(*a, **kw):              # rank 0's third split evaluated: the eval at iteration 5
+    calls.append(1)
+    if len(calls) == 3:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return evaluate(*a, **kw)
+train.evaluation.evaluate = signalled
+sys.argv = ['train.py'] + sys.argv[1:]
+train.run_cli(train.main)
+"""
+
+
+@pytest.mark.slow
+def test_ddp_signal_to_rank_0_in_an_eval_abandons_it_and_stops_every_rank(synth, tmp_path):
+    """SIGTERM to rank 0 (which alone evaluates) as its eval at iteration 5 starts: the eval is
+    abandoned, rank 0 saves at 5 without the eval's record and tells rank 1 in its broadcast, and
+    the launch ends with one stop message, not after more training steps."""
+    wrapper, out = tmp_path / "signal_in_eval.py", tmp_path / "out"
+    wrapper.write_text(SIGNAL_RANK_0_IN_EVAL.format(repo=str(REPO)))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    r = run_group([*torchrun, wrapper, *TINY, *data_args(synth), f"--out_dir={out}",
+                   "--gradient_accumulation_steps=2", "--max_iters=20"], 240, cwd=REPO, env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("stopped by signal") == 1, r.stdout[-2000:]
+    assert "stopped by signal during the evaluation at iteration 5" in r.stdout, r.stdout[-2000:]
+    assert load_ckpt(out)["iter_num"] == 5
+    records = read_metrics(out)
+    assert [m["iter"] for m in records if m["type"] == "eval"] == [0]
+    assert [m["iter"] for m in records if m["type"] == "train"] == [1, 2, 3, 4, 5]
+
+
 @pytest.mark.slow
 def test_ddp_hung_worker_times_out_with_an_error(synth, tmp_path):
     """A stopped (hung) rank: the other gives up after ddp_timeout with one error line, instead of
