@@ -41,7 +41,6 @@ import os
 import sys
 from contextlib import nullcontext, redirect_stdout
 from dataclasses import fields
-from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -484,6 +483,10 @@ def calibrated_eval_batches(
     return [val_data.fetch(s) for s in starts], starts
 
 
+class Abandoned(Exception):
+    """report's `abandon` said True before a batch (train.py's stop on a signal)."""
+
+
 def report(
     model,
     train_data,
@@ -495,22 +498,29 @@ def report(
     eval_seed=1337,
     quiet=True,
     calibrate=True,
+    abandon=None,
 ):
     """The end-of-run numbers: causal val loss beside the forced-full (dense) and forced-cheap
     references, realised budget, TLOps saved, MoD's causal-rule accuracy, TSA's soft vs hard and the
     exits' threshold sweep, and per-difficulty-class routing (synthetic corpus). quiet=False: a
     progress bar per pass over the batches, on a terminal (eval.py's command line). calibrate=False
-    keeps the model's thresholds as they are."""
+    keeps the model's thresholds as they are. abandon: asked before each batch of every pass
+    through `evaluate` (the family's too); where it says True, Abandoned is raised."""
     batches, starts = calibrated_eval_batches(
         model, train_data, val_data, eval_iters, calib_iters, autocast, eval_seed, calibrate
     )
     family = model.family
-    out = dict(val_loss=evaluate(model, batches, autocast, quiet=quiet))
-    out.update(family.report(model, batches, autocast, partial(evaluate, quiet=quiet)))
+
+    def evaluated(*args, **kwargs):
+        res = evaluate(*args, quiet=quiet, abandon=abandon, **kwargs)
+        if res is None:
+            raise Abandoned
+        return res
+    out = dict(val_loss=evaluated(model, batches, autocast))
+    out.update(family.report(model, batches, autocast, evaluated))
     for force in family.references:     # forced full = the dense model; forced cheap = every token
                                         # skips
-        out[f'val_loss_{force}'] = evaluate(model, batches, autocast, force=force,
-                                            quiet=quiet)['loss']
+        out[f'val_loss_{force}'] = evaluated(model, batches, autocast, force=force)['loss']
     if family.by_class and meta.get('difficulty_classes'):
         diff = np.memmap(
             os.path.join(meta['folder'], 'val_difficulty.bin'), dtype=np.uint8, mode='r'

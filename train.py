@@ -252,7 +252,8 @@ def train_loop(run, argv):
             break
     if run.master or run.sharded:                 # FSDP: every rank joins the report's forward
         with evaluated(run):
-            finish_run(run, stopped)
+            if not finish_run(run, stopped, abandon):   # (stopped in it: at its last checkpoint)
+                stop_with_checkpoint(run, argv, 'during the end-of-run report at', save=False)
 
 
 def eval_abandoner(run, stop):

@@ -297,10 +297,12 @@ def check_divergence(run, lossf):
 # --------------------------------------------------------------------------------------------------
 # the end of the run
 
-def finish_run(run, stopped):
+def finish_run(run, stopped, abandon=None):
     """Rank 0 (FSDP: every rank, rank 0 alone writing): the 'summary' record (and, for a routing
     family after a complete run, its routing report). An eval-only run's summary is marked
-    eval_only and keeps the training's wall time; a run stopped by a signal's, stopped."""
+    eval_only and keeps the training's wall time; a run stopped by a signal's, stopped. abandon:
+    asked before each batch of the report; where it says True, the report is dropped and the
+    summary marked stopped (its resume makes both). False then, else True."""
     cfg = run.cfg
     if not cfg.eval_only:
         run.flops_state['wall_s'] = time.time() - run.t_run
@@ -318,10 +320,14 @@ def finish_run(run, stopped):
         summary['eval_only'] = True
     if stopped:                        # by a signal: its resume writes the run's summary
         summary['stopped'] = True
+    complete = True
     if not stopped and run.raw_model.family.routes:
-        summary.update(routing_summary(run))
+        try:
+            summary.update(routing_summary(run, abandon))
+        except evaluation.Abandoned:
+            stopped, complete, summary['stopped'] = True, False, True
     if not run.master:                 # FSDP: the other ranks joined the report's forward
-        return
+        return complete
     per_token = flops.dense_forward_flops(run.raw_model.config, cfg.block_size) / cfg.block_size
     if not run.raw_model.family.routes:
         summary['eval_flops'] = per_token             # absolute: puts models of different sizes on
@@ -345,6 +351,7 @@ def finish_run(run, stopped):
                 else ''
             )
         )
+    return complete
 
 
 def run_summary(log_lines, evals, cfg, wall_s):
@@ -360,7 +367,7 @@ def run_summary(log_lines, evals, cfg, wall_s):
     return out
 
 
-def routing_summary(run):
+def routing_summary(run, abandon=None):
     """The family's end-of-run report (eval.report), printed, and the eval forward's FLOPs at the
     realised routing: ideal (mean fractions) and as executed (sparse execution may run more, e.g.
     MoD pads every row to the longest)."""
@@ -377,6 +384,7 @@ def routing_summary(run):
                 run.autocast,
                 cfg.eval_seed,
                 calibrate=cfg.trainable != 'draft',     # a draft run keeps the model as it was
+                abandon=abandon,
             )
         )
     if run.master:

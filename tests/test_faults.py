@@ -295,7 +295,7 @@ def test_sigterm_mid_step_then_resume_is_bit_exact(reference, data_dir, wrapper,
 
 @pytest.mark.xdist_group('faults_reference')
 def test_signals_around_evals_keep_every_eval_once(reference, data_dir, wrapper, tmp_path):
-    """One run stopped and resumed four times (one test, as each start costs seconds):
+    """One run stopped and resumed five times (one test, as each start costs seconds):
     1. SIGTERM at the start of iteration 0's val-split evaluation: the lone process abandons the
        eval (a long one would outlast a scheduler's grace period), saves at 0 without its record
        and exits 0;
@@ -304,7 +304,9 @@ def test_signals_around_evals_keep_every_eval_once(reference, data_dir, wrapper,
        lacks the eval of 4;
     4. resumed, the record it logged is dropped and 4 evaluated again; SIGTERM at the start of
        the final val-split evaluation stops it at max_iters (not a finished run);
-    5. resumed, it makes the final eval and its summary.
+    5. resumed, it makes the final eval; SIGTERM at the start of the end-of-run report's first
+       pass: the report is abandoned, the summary marked stopped;
+    6. resumed, it makes the report and the summary.
     It ends bit-equal to the uninterrupted run, with the same eval records, each once."""
     out = tmp_path / "out"
     args = [*CFG, *data_args(data_dir), f"--out_dir={out}"]
@@ -312,6 +314,10 @@ def test_signals_around_evals_keep_every_eval_once(reference, data_dir, wrapper,
 
     def evals():
         return [e["iter"] for e in eval_records(out)]
+
+    def summaries():
+        return [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                if m["type"] == "summary"]
 
     def fault(run_args, mode, at):
         rec = tmp_path / f"{mode}.json"
@@ -345,8 +351,18 @@ def test_signals_around_evals_keep_every_eval_once(reference, data_dir, wrapper,
     assert evals() == list(range(0, MAX_ITERS, EVAL_INTERVAL))
     assert temps(out) == []
 
+    r, pid, rec = fault(resume, "sigterm_in_eval", 3)      # the final eval's 2, the report's 1st
+    ok(r)
+    assert rec == {"pid": pid, "evaluation": 3, "batches": 1}
+    assert f"stopped by signal during the end-of-run report at iteration {MAX_ITERS}" in r.stdout
+    assert "done:" not in r.stdout and "val loss with" not in r.stdout, r.stdout[-2000:]
+    last = summaries()[-1]
+    assert last["stopped"] is True and "routing" not in last
+    assert evals() == list(range(0, MAX_ITERS + 1, EVAL_INTERVAL))
+
     r = ok(run_train(resume))
     assert "done:" in r.stdout, r.stdout[-2000:]
+    assert "stopped" not in summaries()[-1] and "routing" in summaries()[-1]
     reference.ckpt()
     assert eval_records(out) == eval_records(reference.out)
     assert evals() == list(range(0, MAX_ITERS + 1, EVAL_INTERVAL))
