@@ -20,8 +20,10 @@ naming one that is not installed is refused before any work, naming the pip inst
 for its run before the model and data are built (its config gains the built model's fields once
 they are known): a run that W&B refuses to start (no login, a bad project, no network) is one error
 line, before any work and before --overwrite=True removes the run in out_dir; under DDP every rank
-stops at once, the others saying that rank 0's error is above (train.setup). TensorBoard starts
-once the run files are open, as it replaces the old run's events.
+stops at once, the others saying that rank 0's error is above (train.setup). A run that fails
+after W&B started is finished there with exit code 1. TensorBoard starts once the model is built,
+before the run files are opened, and removes the old run's events only once those have replaced
+its checkpoint and metrics, so that a failure of either keeps the old run whole.
 """
 import glob
 import importlib.util
@@ -79,19 +81,24 @@ class TensorBoard:
     def __init__(self, cfg, iter_num):
         from torch.utils.tensorboard import SummaryWriter
         resumed = cfg.init_from == 'resume'
-        if not resumed:                     # the run this one replaces (as its metrics.jsonl)
-            for old in glob.glob(os.path.join(glob.escape(cfg.out_dir), 'events.out.tfevents.*')):
-                os.remove(old)
+        # the event files of the run this one replaces, removed once its run files are (replace)
+        self.old = [] if resumed else glob.glob(
+            os.path.join(glob.escape(cfg.out_dir), 'events.out.tfevents.*'))
         # any resume, an eval-only one too, drops the killed run's records past the checkpoint
         # from metrics.jsonl (train_report.open_run_files): hide the same steps here
         self.writer = SummaryWriter(cfg.out_dir, purge_step=iter_num + 1 if resumed else None)
+
+    def replace(self):
+        for old in self.old:
+            os.remove(old)
+        self.old = []
 
     def write(self, step, values):
         for tag, value in values.items():
             self.writer.add_scalar(tag, value, step)
         self.writer.flush()
 
-    def close(self):
+    def close(self, failed=False):
         self.writer.close()
 
 
@@ -116,15 +123,16 @@ class WandB:
     def write(self, step, values):
         self.run.log(values, step=step)
 
-    def close(self):
-        self.run.finish()
+    def close(self, failed=False):
+        self.run.finish(exit_code=1 if failed else 0)     # (W&B marks a failed run so)
 
 
 class Loggers:
     """The sinks --log names (rank 0): W&B, which may refuse the run, starts at construction, before
-    any work; open_local(fields, iter_num), once the model is built and the run files are open,
-    gives W&B the built model's fields and starts TensorBoard. write(record) sends a metrics record
-    to each, close() ends them."""
+    any work; open_local(fields, iter_num), once the model is built, gives W&B the built model's
+    fields and starts TensorBoard; replace(), once the run files have replaced the old run's,
+    removes its TensorBoard events too. write(record) sends a metrics record to each, close(failed)
+    ends them (a W&B run that failed is marked so)."""
 
     def __init__(self, cfg, cfg_dict):
         self.cfg, self.names = cfg, parse_log(cfg.log)
@@ -136,12 +144,17 @@ class Loggers:
         if 'tensorboard' in self.names:
             self.sinks.append(TensorBoard(self.cfg, iter_num))
 
+    def replace(self):
+        for sink in self.sinks:
+            if isinstance(sink, TensorBoard):
+                sink.replace()
+
     def write(self, record):
         values = scalars(record)
         for sink in self.sinks:
             sink.write(record.get('iter', 0), values)
 
-    def close(self):
+    def close(self, failed=False):
         for sink in self.sinks:
-            sink.close()
+            sink.close(failed)
         self.sinks = []

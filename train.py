@@ -195,19 +195,21 @@ def train(argv):
     proc = setup_process(cfg)
     start_process_group(cfg, proc)
     lock = hold_out_dir(cfg, proc)    # one writer per run folder, before anything is read or done
-    run = None
+    run, failed = None, True
     try:
         run = setup(cfg, cfg_dict, proc, argv)
-        if run is None:               # a resumed run that is already finished: nothing to do
-            return 0
-        train_loop(run, argv)
+        if run is not None:           # (None: a resumed run that is already finished)
+            train_loop(run, argv)
+        failed = False
     finally:
         if run is not None and run.metrics_f is not None:
             run.metrics_f.close()
         if run is not None and run.loggers is not None:
-            run.loggers.close()
+            run.loggers.close(failed)
         if lock is not None:
             lock.release()
+    if run is None:                   # nothing to do
+        return 0
     if proc.ddp:        # rank 0 may still be writing its summary: leave together (no destroy:
         torch.distributed.barrier()    # the process ends with os._exit, see end_ddp_process)
     return 0
@@ -329,12 +331,12 @@ def setup(cfg, cfg_dict, proc, argv):
             loggers = Loggers(cfg, cfg_dict)
         except Exception as e:        # raised once every rank knows
             failed = e
-    share_rank0_outcome(proc, failed, 'start its loggers')
     try:
+        share_rank0_outcome(proc, failed, 'start its loggers')
         return build_run(cfg, cfg_dict, proc, argv, meta, ckpt, loggers)
     except BaseException:
         if loggers is not None:
-            loggers.close()
+            loggers.close(failed=True)
         raise
 
 
@@ -377,16 +379,24 @@ def build_run(cfg, cfg_dict, proc, argv, meta, ckpt, loggers):
     failed = None
     if run.master:
         try:
+            # W&B gains what was built; TensorBoard starts, and removes the old run's events only
+            # once the run files have replaced its checkpoint and metrics
+            loggers.open_local({k: cfg_dict[k] for k in MODEL_KEYS}, run.iter_num)
             run.metrics_f = open_run_files(cfg, cfg_dict, proc, run.iter_num,
                                            evaluated_at(run.history, run.iter_num))
-            # W&B gains what was built; TensorBoard replaces the old run's events, as the run
-            # files just replaced its checkpoint and metrics
-            loggers.open_local({k: cfg_dict[k] for k in MODEL_KEYS}, run.iter_num)
-        except Exception as e:        # raised once every rank knows
+            loggers.replace()
+        except BaseException as e:    # raised once every rank knows
             if run.metrics_f is not None:
                 run.metrics_f.close()
+            if not isinstance(e, Exception):
+                raise
             failed = e
-    share_rank0_outcome(proc, failed, 'open its run files or loggers')
+    try:
+        share_rank0_outcome(proc, failed, 'open its run files or loggers')
+    except BaseException:
+        if run.metrics_f is not None:
+            run.metrics_f.close()
+        raise
     if run.master:
         print(
             f"model: {model.get_num_params() / 1e6:.2f}M parameters ({count_params(params):,} "

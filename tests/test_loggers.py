@@ -210,6 +210,54 @@ def test_a_failed_wandb_start_is_one_line_and_keeps_the_run_it_would_replace(dat
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == kept
 
 
+def test_a_failed_tensorboard_start_keeps_the_run_it_would_replace(data_args, tmp_path,
+                                                                   monkeypatch):
+    """TensorBoard's writer fails (a broken install, an I/O error) in a run that replaces another
+    (--overwrite=True): the old run's checkpoint, metrics and events are all still there."""
+    tensorboard = pytest.importorskip('torch.utils.tensorboard')
+    out = tmp_path / 'out'
+    train.main([*TINY, *data_args, f'--out_dir={out}', '--log=tensorboard', '--max_iters=2'])
+    kept = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert {'ckpt.pt', 'metrics.jsonl'} <= set(kept) and len(glob.glob(str(out / 'events.*'))) == 1
+
+    def broken(*a, **kw):
+        raise OSError(5, 'Input/output error')
+    monkeypatch.setattr(tensorboard, 'SummaryWriter', broken)
+    with pytest.raises(OSError, match='Input/output error'):
+        train.main([*TINY, *data_args, f'--out_dir={out}', '--log=tensorboard',
+                    '--overwrite=True'])
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == kept
+
+
+def test_a_wandb_run_whose_training_fails_is_marked_failed(data_args, tmp_path, monkeypatch):
+    """W&B starts before the model is built: a run that then fails (here, its model) is finished
+    with exit code 1 in W&B, not left looking like a finished run; a good run ends with 0."""
+    wandb = pytest.importorskip('wandb')
+    monkeypatch.setenv('WANDB_MODE', 'offline')
+    monkeypatch.setenv('WANDB_SILENT', 'true')
+
+    def exit_codes(folder):
+        codes = []
+        for path in glob.glob(str(folder / 'wandb' / 'offline-run-*' / 'run-*.wandb')):
+            codes += [r.exit.exit_code for r in wandb_records(path)
+                      if r.WhichOneof('record_type') == 'exit']
+        return codes
+
+    def build_model(*a):
+        raise train.TrainError('the model cannot be built')
+    try:
+        monkeypatch.setenv('WANDB_DIR', str(tmp_path / 'failed'))
+        with monkeypatch.context() as m:
+            m.setattr(train, 'build_model', build_model)
+            with pytest.raises(train.TrainError, match='cannot be built'):
+                train.main([*TINY, *data_args, f'--out_dir={tmp_path / "a"}', '--log=wandb'])
+        monkeypatch.setenv('WANDB_DIR', str(tmp_path / 'good'))
+        train.main([*TINY, *data_args, f'--out_dir={tmp_path / "b"}', '--log=wandb'])
+    finally:
+        wandb.teardown()
+    assert exit_codes(tmp_path / 'failed') == [1] and exit_codes(tmp_path / 'good') == [0]
+
+
 @pytest.mark.parametrize('value', ['tensorbord', 'tensorboard,mlflow', 'wandb;tensorboard'])
 def test_an_unknown_logger_is_refused_naming_the_valid_ones(data_args, tmp_path, value):
     with pytest.raises(train.TrainError, match=r"unknown logger .*tensorboard, wandb") as e:
