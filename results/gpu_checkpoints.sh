@@ -9,7 +9,9 @@
 # thread each: 2 on the CPU (60-75 minutes on 2 cores), all 6 where torch sees a GPU (there,
 # device and dtype as train.py picks them: bf16 autocast on a recent GPU; never timed on one). A
 # model whose copy is already there is not trained again; a training stopped part way resumes from
-# its last checkpoint. Output goes to LOG (out/gpu/train_log.txt).
+# its last checkpoint. Only a finished run is copied. A SIGTERM or Ctrl-C stops the trainings in
+# flight, each with a checkpoint, and the script waits for them before it exits (143 or 130).
+# Output goes to LOG (out/gpu/train_log.txt).
 set -eu
 mkdir -p out/gpu
 log=${1:-out/gpu/train_log.txt}
@@ -34,6 +36,9 @@ import shutil, sys
 from pathlib import Path
 from checkpoint import load_checkpoint, save_checkpoint
 src, dst = Path(sys.argv[1]), Path(sys.argv[2])
+import sweep
+if not sweep.finished(src):               # stopped by a signal: its next run resumes it
+    sys.exit(f"{src}: the run did not finish: not copied (run this script again to resume it)")
 ckpt = load_checkpoint(src / 'ckpt.pt')
 ckpt['optimizer'] = None                  # (what run_state reads for a run without one)
 dst.mkdir(parents=True, exist_ok=True)
@@ -70,6 +75,30 @@ dense_model() {
   train spec_dense $base --route=none --layer_dropout=0.0 --out_dir=out/spec_dense
 }
 
+# a SIGTERM (a `timeout`'s, to the whole process group) or Ctrl-C: no more trainings; the ones in
+# flight (which the signal stops, each at its next step with a checkpoint) are waited for, so that
+# none runs on once the script has returned
+pgroup() { sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f3; }  # (after "(name) ")
+group=$(pgroup $$)
+trainings() {                    # the train.py processes of this script's process group
+  local d
+  for d in /proc/[0-9]*; do
+    [ "$(pgroup "${d#/proc/}")" = "$group" ] || continue
+    tr '\0' ' ' < "$d/cmdline" 2>/dev/null | grep -q 'train\.py' && echo "${d#/proc/}"
+  done
+  return 0
+}
+stopping() {
+  trap '' TERM INT
+  local left; left=$(trainings)
+  [ -z "$left" ] || kill -TERM $left 2>/dev/null || true
+  while [ -n "$(trainings)" ]; do sleep 1; done
+  echo "=== $(date +%T) stopped by a signal" >> "$log"
+  exit "$1"
+}
+trap 'stopping 143' TERM
+trap 'stopping 130' INT
+
 # JOBS at a time, each started as one ends (9-19 minutes a model on one core,
 # results/cpu_2026-11-2[78]/)
 echo "=== $(date +%T) $JOBS at a time" >> "$log"
@@ -80,7 +109,7 @@ running() {
 }
 pids=()
 for models in exit_model ffn_models mod_model halt_model ensemble_model dense_model; do
-  while [ "$(running)" -ge "$JOBS" ]; do sleep 1; done
+  while [ "$(running)" -ge "$JOBS" ]; do sleep 0.2; done
   $models &
   pids+=($!)
 done
@@ -88,5 +117,5 @@ status=0
 for pid in "${pids[@]}"; do wait "$pid" || status=$?; done    # (bash keeps each one's status)
 rm -rf out/gpu/spec_ffn          # (only the distilled model's copy is decoded)
 echo "=== $(date +%T) done, status $status" >> "$log"
-du -sh out/gpu/* >> "$log"
+du -sh out/gpu/* >> "$log" 2>&1 || true
 exit $status

@@ -7,7 +7,9 @@ import math
 import os
 import re
 import shutil
+import signal
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +20,7 @@ import bench
 import flops
 import train
 from configurator import ConfigError, load_config
-from conftest import NO_CPU_GROUPED_MM, finish, grouped_mm_on_cpu, run_group, start
+from conftest import NO_CPU_GROUPED_MM, finish, grouped_mm_on_cpu, run_group, start, stop
 from dataclasses import replace
 from model import FAMILIES, controlled_layer_ids
 
@@ -895,7 +897,21 @@ if sys.argv[1] == 'train.py':          # a checkpoint in out_dir (the options: c
         exec(open(sys.argv[2]).read(), config)
         out = config['out_dir']
     os.makedirs(out, exist_ok=True)
+    if os.environ.get('HOLD'):         # in flight until a SIGTERM, then a second to save
+        import signal, time
+        signal.signal(signal.SIGTERM, lambda *a: None)
+        open(os.path.join(os.environ['HOLD'], f'started{os.getpid()}'), 'w').close()
+        signal.pause()
+        time.sleep(1)
+        open(os.path.join(os.environ['HOLD'], f'saved{os.getpid()}'), 'w').close()
     shutil.copy(os.environ['CKPT'], os.path.join(out, 'ckpt.pt'))
+    # the run's records: finished (a summary at max_iters), or, for the one named, stopped
+    stopped = os.environ.get('STOPPED') == out
+    with open(os.path.join(out, 'config.json'), 'w') as f:
+        json.dump({'max_iters': 1}, f)
+    with open(os.path.join(out, 'metrics.jsonl'), 'w') as f:
+        f.write(json.dumps({'type': 'summary', 'iter': 1, **({'stopped': True} if stopped else {})})
+                + '\\n')
 elif sys.argv[1] == '-':               # the script's copying code, run as written
     sys.path.insert(0, os.environ['REPO'])
     sys.argv = sys.argv[1:]
@@ -968,6 +984,51 @@ def test_the_gpu_checkpoints_script_trains_each_missing_model_once(tmp_path, mon
     assert '6 at a time' in (tmp_path / 'out' / 'gpu' / 'train_log.txt').read_text()
 
 
+def test_the_gpu_checkpoints_script_copies_only_finished_runs_and_waits_for_stopped_ones(
+        tmp_path, monkeypatch):
+    """results/gpu_checkpoints.sh with train.py standing in: a run stopped by a signal (its
+    summary says so) is not copied to out/gpu, and the script fails naming it (its next run
+    resumes it); a SIGTERM to the script's process group, as `timeout` sends, while two trainings
+    are in flight: the script stops them and returns only once both have saved, exit 143."""
+    fake = fake_python3(tmp_path, f'#!/bin/sh\nexec {sys.executable} {tmp_path / "fake.py"} "$@"\n')
+    (tmp_path / 'fake.py').write_text(FAKE_TRAIN)
+    (tmp_path / 'config').symlink_to(os.path.join(REPO, 'config'))
+    shakespeare_data(tmp_path)
+    template = tmp_path / 'template.pt'
+    torch.save(dict(model={}, optimizer={}, model_args={}, config={}), template)
+    env = {**os.environ, 'PATH': f"{fake.parent}:{os.environ['PATH']}", 'JOBS': '2',
+           'CALLS': str(tmp_path / 'calls.jsonl'), 'REPO': REPO, 'CKPT': str(template)}
+    log = tmp_path / 'out' / 'gpu' / 'train_log.txt'
+    r = finish(start(['bash', os.path.join(REPO, 'results', 'gpu_checkpoints.sh')],
+                     env={**env, 'STOPPED': 'out/spec_mod'}, cwd=tmp_path), timeout=170)
+    assert r.returncode != 0
+    assert 'out/spec_mod: the run did not finish: not copied' in log.read_text()
+    assert not (tmp_path / 'out' / 'gpu' / 'spec_mod').exists()
+    assert (tmp_path / 'out' / 'gpu' / 'spec_halt' / 'ckpt.pt').exists()
+
+    shutil.rmtree(tmp_path / 'out')
+    hold = tmp_path / 'hold'
+    hold.mkdir()
+    script = start(['bash', os.path.join(REPO, 'results', 'gpu_checkpoints.sh')],
+                   env={**env, 'HOLD': str(hold)}, cwd=tmp_path)
+    try:
+        deadline = time.time() + 60
+        while len(os.listdir(hold)) < 2 and time.time() < deadline and script.poll() is None:
+            time.sleep(0.1)
+        assert len(os.listdir(hold)) == 2, log.read_text()
+        os.killpg(script.pid, signal.SIGTERM)
+        deadline = time.time() + 60
+        while script.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        names = sorted(os.listdir(hold))         # as the script returned
+        r = finish(script, timeout=60)
+    finally:
+        stop(script)
+    assert r.returncode == 143 and [n[:5] for n in names] == ['saved'] * 2 + ['start'] * 2, names
+    assert 'stopped by a signal' in log.read_text()
+    assert not (tmp_path / 'out' / 'gpu' / 'spec_exit_w4d2').exists()
+
+
 FAKE_TRAIN_124M = """
 import json, os, sys
 sys.path.insert(0, os.environ['REPO'])
@@ -992,8 +1053,9 @@ def test_the_gpu_124m_script_trains_then_runs_only_options_bench_accepts(tmp_pat
     """results/gpu_124m.sh with python3 standing in (train.py's real config check, then a small
     model with the config's depth and exits): the 124M config trained once, its metrics copied,
     then each stage's bench.py command passes bench.py's option check with that checkpoint (the
-    drafts of 6 and 2 blocks are exits of it); a second run trains nothing; without the data it
-    stops with exit 2 before any work, naming the command that makes it."""
+    drafts of 6 and 2 blocks are exits of it); a second run resumes that checkpoint (train.py
+    stops at once where it is finished) instead of training anew; without the data it stops with
+    exit 2 before any work, naming the command that makes it."""
     fake = fake_python3(tmp_path, f'#!/bin/sh\nexec {sys.executable} {tmp_path / "fake.py"} "$@"\n')
     (tmp_path / 'fake.py').write_text(FAKE_TRAIN_124M)
     (tmp_path / 'config').symlink_to(os.path.join(REPO, 'config'))
@@ -1025,8 +1087,10 @@ def test_the_gpu_124m_script_trains_then_runs_only_options_bench_accepts(tmp_pat
                 else a for a in argv[1:]]
         cfg, _, _ = bench.parse_args([*argv, '--device=cpu'])
         assert cfg['compile'] and cfg['draft_layers'] in (2, 6)
-    r, argvs = run_script(tmp_path / 'r2')
-    assert r.returncode == 0 and not [a for a in argvs if a[0] == 'train.py']
+    r, argvs = run_script(tmp_path / 'r2')          # the checkpoint there: resumed, not replaced
+    assert r.returncode == 0
+    assert [a for a in argvs if a[0] == 'train.py'] == [
+        ['train.py', 'config/exit_drafter_124m_fineweb.py', '--init_from=resume']]
     assert len([a for a in argvs if a[0] == 'bench.py']) == 3
 
 
