@@ -299,7 +299,9 @@ def stop_with_checkpoint(run, argv, when, save=True):
 
 def resume_command(run, argv):
     """The command that continues a stopped run: under torchrun the same launch (FSDP's sharded
-    optimizer state resumes only there), else one process."""
+    optimizer state resumes only there), else one process; its options, with one
+    --init_from=resume in place of any --init_from it had (a resumed run's included)."""
+    argv = [a for a in argv if not a.startswith('--init_from=')]
     launch = 'python'
     if run.ddp:
         per_node = int(os.environ.get('LOCAL_WORLD_SIZE', run.world))

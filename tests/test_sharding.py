@@ -92,6 +92,10 @@ def test_a_stopped_run_prints_the_launch_that_resumes_it(monkeypatch):
     monkeypatch.delenv('LOCAL_WORLD_SIZE')
     assert train.resume_command(SimpleNamespace(ddp=False, world=1), argv) == (
         'python train.py --parallel=fsdp --out_dir=out/x --init_from=resume')
+    # a resumed run's, or one started from another checkpoint: one --init_from, the resume
+    for start in ('--init_from=resume', '--init_from=out/base/ckpt.pt'):
+        assert train.resume_command(SimpleNamespace(ddp=False, world=1), [start, *argv]) == (
+            'python train.py --parallel=fsdp --out_dir=out/x --init_from=resume')
 
 
 def test_prune_keeps_only_the_folder_ckpt_names(tmp_path):
