@@ -345,8 +345,11 @@ def stop_requested(run, stop, logged):
     collective), so that all of them stop at the same iteration."""
     if not run.ddp:
         return stop.signum is not None
-    if not logged:
-        return False
-    flag = torch.tensor(float(stop.signum is not None), device=run.dev)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return flag.item() > 0
+    return logged and any_rank(run.dev, stop.signum is not None)
+
+
+def any_rank(dev, flag):
+    """Whether `flag` holds on any rank (a collective: every rank calls it at the same point)."""
+    value = torch.tensor(float(flag), device=dev)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return value.item() > 0

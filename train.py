@@ -36,10 +36,10 @@ from device import autocast_context, check_batch_fits, resolve_device_dtype
 from loggers import Loggers
 import sharding
 from model import FAMILIES, GPT, GPTConfig, allow_graphs, is_controller_key, is_draft_key
-from run_state import (StopFlag, checkpoint_state, end_ddp_process, eval_rng, evaluated_at,
-                       finished_already, hold_out_dir, kept, open_inputs, rng_state, seed_rngs,
-                       set_rng_state, share_interval, share_rank0_outcome, start_progress,
-                       stop_requested)
+from run_state import (StopFlag, any_rank, checkpoint_state, end_ddp_process, eval_rng,
+                       evaluated_at, finished_already, hold_out_dir, kept, open_inputs, rng_state,
+                       seed_rngs, set_rng_state, share_interval, share_rank0_outcome,
+                       start_progress, stop_requested)
 from lora import apply_lora, has_lora_keys, lora_parameters
 from train_checks import (TRAINABLE, TrainError, check_against_checkpoint, check_family_options,
                           check_state_fits, check_train_config, model_config)
@@ -264,12 +264,7 @@ def eval_abandoner(run, stop):
     agree on it (a collective each batch: all stop at the same batch, if any got the signal)."""
     if not run.sharded:
         return lambda: stop.signum is not None
-
-    def any_rank_signalled():
-        flag = torch.tensor(float(stop.signum is not None), device=run.dev)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return flag.item() > 0
-    return any_rank_signalled
+    return lambda: any_rank(run.dev, stop.signum is not None)
 
 
 EVAL_OUTCOMES = ('done', 'abandoned', 'stop')
@@ -379,21 +374,17 @@ def build_run(cfg, cfg_dict, proc, argv, meta, ckpt, loggers):
                for s in train_data.eval_batches(cfg.calib_iters, 3, cfg.eval_seed)],
         ckpt_path=os.path.join(cfg.out_dir, 'ckpt.pt'), metrics_f=None, loggers=loggers)
     failed = None
-    if run.master:
-        try:
-            # W&B gains what was built; TensorBoard starts, and removes the old run's events only
-            # once the run files have replaced its checkpoint and metrics
-            loggers.open_local({k: cfg_dict[k] for k in MODEL_KEYS}, run.iter_num)
-            run.metrics_f = open_run_files(cfg, cfg_dict, proc, run.iter_num,
-                                           evaluated_at(run.history, run.iter_num))
-            loggers.replace()
-        except BaseException as e:    # raised once every rank knows
-            if run.metrics_f is not None:
-                run.metrics_f.close()
-            if not isinstance(e, Exception):
-                raise
-            failed = e
     try:
+        if run.master:
+            try:
+                # W&B gains what was built; TensorBoard starts, and removes the old run's events
+                # only once the run files have replaced its checkpoint and metrics
+                loggers.open_local({k: cfg_dict[k] for k in MODEL_KEYS}, run.iter_num)
+                run.metrics_f = open_run_files(cfg, cfg_dict, proc, run.iter_num,
+                                               evaluated_at(run.history, run.iter_num))
+                loggers.replace()
+            except Exception as e:    # raised once every rank knows
+                failed = e
         share_rank0_outcome(proc, failed, 'open its run files or loggers')
     except BaseException:
         if run.metrics_f is not None:

@@ -13,11 +13,12 @@
 # flight, each with a checkpoint, and the script waits for them before it exits (143 or 130).
 # Output goes to LOG (out/gpu/train_log.txt).
 set -eu
+source "$(dirname "$0")/speculative_stages.sh"
 mkdir -p out/gpu
 log=${1:-out/gpu/train_log.txt}
 if [ -z "${JOBS:-}" ]; then
   JOBS=2
-  python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null && JOBS=6
+  torch_sees_gpu && JOBS=6
 fi
 # (where it is there, as carried to a GPU machine that has no ../shared/data to make it from)
 [ -f data/shakespeare_char/meta.json ] || python3 data/prepare.py shakespeare_char >> "$log" 2>&1

@@ -26,16 +26,14 @@ checkpoints=(out/gpu/{spec_exit_w4d2,spec_mod,spec_halt,ffn_distilled_drafter_sh
 carry="carry out/gpu and data/shakespeare_char"
 require_files "make it with python data/prepare.py shakespeare_char and $carry" \
   data/shakespeare_char/{train.bin,val.bin,meta.json}
-gpu=no
-python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null && gpu=yes
-if [ $gpu = no ]; then
+if ! torch_sees_gpu; then
   require_files "make them with bash results/gpu_checkpoints.sh (on the CPU, 60-75 minutes) and \
 $carry, or run this where torch sees a GPU, which trains them first" "${checkpoints[@]}"
 fi
 end=${2:-540}
 cache=${COMPILE_CACHE:-out/compile_cache_gpu.bin}
 start_log
-if ! all_files "${checkpoints[@]}"; then
+if [ -n "$(missing_files "${checkpoints[@]}")" ]; then
   limit=${TRAIN_SECONDS:-300}
   echo "=== $(date +%T) t=${SECONDS}s training the missing checkpoints, limit ${limit} s" \
     | tee -a "$log"

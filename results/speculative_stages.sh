@@ -1,11 +1,12 @@
 # Sourced by results/gpu_speculative.sh and results/gpu_124m.sh, which set `folder` (where the
 # JSON and log.txt go), `end` (the second of the script's clock, bash's SECONDS, by which every
-# stage must be done) and `cache` (the compile cache's file); sourcing it defines these and does
-# nothing else:
+# stage must be done) and `cache` (the compile cache's file), and by results/gpu_checkpoints.sh
+# (torch_sees_gpu); sourcing it defines these and does nothing else:
 #
+#   missing_files FILE...               the FILEs that are not there, each after a space
 #   require_files HOW FILE...           exit 2 before any work, naming the missing FILEs and HOW
 #                                       to make them, where one is missing
-#   all_files FILE...                   status 0 where every FILE is there
+#   torch_sees_gpu                      status 0 where torch sees a GPU
 #   start_log                           FOLDER made; the commit, torch and the GPU into its log.txt
 #   stage NAME LIMIT BENCH_OPTIONS...   one bench.py --speculate process: greedy, 60 tokens from
 #                                       64-token prompts, 10 repeats a side, both sides compiled,
@@ -19,14 +20,17 @@
 #
 # Compiled code is kept in $cache by every stage, also one that is stopped (bench.py saves it on
 # SIGTERM): a machine that starts bare then compiles only what no run kept.
+missing_files() {
+  local f
+  for f in "$@"; do [ -f "$f" ] || printf ' %s' "$f"; done
+}
 require_files() {
-  local how=$1 missing= f; shift
-  for f in "$@"; do [ -f "$f" ] || missing="$missing $f"; done
+  local how=$1 missing; shift
+  missing=$(missing_files "$@")
   if [ -n "$missing" ]; then echo "$(basename "$0"): no$missing; $how" >&2; exit 2; fi
 }
-all_files() {
-  local f
-  for f in "$@"; do [ -f "$f" ] || return 1; done
+torch_sees_gpu() {
+  python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null
 }
 start_log() {
   mkdir -p "$folder"

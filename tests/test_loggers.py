@@ -182,6 +182,18 @@ def test_wandb_offline_run_holds_the_logged_values(data_args, tmp_path, monkeypa
     assert summary['summary/best_val_loss'] == pytest.approx(recs[-1]['best_val_loss'])
 
 
+def files(out):
+    return {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+
+
+def run_to_replace(out, data_args):
+    """A finished run with TensorBoard events in out, for a run to replace: its files' bytes."""
+    train.main([*TINY, *data_args, f'--out_dir={out}', '--log=tensorboard', '--max_iters=2'])
+    kept = files(out)
+    assert {'ckpt.pt', 'metrics.jsonl'} <= set(kept) and len(glob.glob(str(out / 'events.*'))) == 1
+    return kept
+
+
 def test_a_failed_wandb_start_is_one_line_and_keeps_the_run_it_would_replace(data_args, tmp_path,
                                                                              monkeypatch):
     """W&B refuses the run (no login, a bad project, no network): one error line naming the
@@ -190,9 +202,7 @@ def test_a_failed_wandb_start_is_one_line_and_keeps_the_run_it_would_replace(dat
     pytest.importorskip('tensorboard')
     wandb = pytest.importorskip('wandb')
     out = tmp_path / 'out'
-    train.main([*TINY, *data_args, f'--out_dir={out}', '--log=tensorboard', '--max_iters=2'])
-    kept = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
-    assert {'ckpt.pt', 'metrics.jsonl'} <= set(kept) and len(glob.glob(str(out / 'events.*'))) == 1
+    kept = run_to_replace(out, data_args)
 
     def refuse(**kw):
         raise wandb.errors.CommError('project tiny not found\n(more detail)')
@@ -207,7 +217,7 @@ def test_a_failed_wandb_start_is_one_line_and_keeps_the_run_it_would_replace(dat
     assert str(e.value) == ("--log=wandb: W&B could not start a run in project 'tiny' (CommError: "
                             "project tiny not found); check the project name and `wandb login`, "
                             "or log offline with WANDB_MODE=offline")
-    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == kept
+    assert files(out) == kept
 
 
 def test_a_failed_tensorboard_start_keeps_the_run_it_would_replace(data_args, tmp_path,
@@ -216,9 +226,7 @@ def test_a_failed_tensorboard_start_keeps_the_run_it_would_replace(data_args, tm
     (--overwrite=True): the old run's checkpoint, metrics and events are all still there."""
     tensorboard = pytest.importorskip('torch.utils.tensorboard')
     out = tmp_path / 'out'
-    train.main([*TINY, *data_args, f'--out_dir={out}', '--log=tensorboard', '--max_iters=2'])
-    kept = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
-    assert {'ckpt.pt', 'metrics.jsonl'} <= set(kept) and len(glob.glob(str(out / 'events.*'))) == 1
+    kept = run_to_replace(out, data_args)
 
     def broken(*a, **kw):
         raise OSError(5, 'Input/output error')
@@ -226,7 +234,7 @@ def test_a_failed_tensorboard_start_keeps_the_run_it_would_replace(data_args, tm
     with pytest.raises(OSError, match='Input/output error'):
         train.main([*TINY, *data_args, f'--out_dir={out}', '--log=tensorboard',
                     '--overwrite=True'])
-    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == kept
+    assert files(out) == kept
 
 
 def test_a_wandb_run_whose_training_fails_is_marked_failed(data_args, tmp_path, monkeypatch):
