@@ -10,7 +10,6 @@ import shutil
 import signal
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -934,7 +933,7 @@ def test_the_gpu_checkpoints_script_trains_each_missing_model_once(tmp_path, mon
     train.py accepts, into the folder the script copies from (the distilled one from the ffn run
     it needs, first), copied to out/gpu without its optimizer state; a second run trains nothing;
     a model whose copy is gone is made again by resuming its finished run, not by training it
-    anew. Two train at once on the CPU, all six where torch sees a GPU."""
+    anew. Two train at once on the CPU."""
     fake = fake_python3(tmp_path, f'#!/bin/sh\nexec {sys.executable} {tmp_path / "fake.py"} "$@"\n')
     (tmp_path / 'fake.py').write_text(FAKE_TRAIN)
     (tmp_path / 'config').symlink_to(os.path.join(REPO, 'config'))
@@ -983,21 +982,15 @@ def test_the_gpu_checkpoints_script_trains_each_missing_model_once(tmp_path, mon
     assert again[0][-1] == '--init_from=resume'
     assert not os.path.exists(f'{calls}.together')
     assert '2 at a time' in (tmp_path / 'out' / 'gpu' / 'train_log.txt').read_text()
-    shutil.rmtree(tmp_path / 'out')
-    (tmp_path / 'barrier').mkdir()
-    on_gpu = trained(run_script(FAKE_GPU=str(tmp_path / 'barrier')))
-    assert len(on_gpu) == 7 and sorted(map(str, on_gpu)) == sorted(map(str, first))
-    together = Path(f'{calls}.together').read_text().split()    # none waited 20 s
-    assert len(together) == 7 and min(map(int, together)) >= 6
-    assert '6 at a time' in (tmp_path / 'out' / 'gpu' / 'train_log.txt').read_text()
 
 
 def test_the_gpu_checkpoints_script_copies_only_finished_runs_and_waits_for_stopped_ones(
         tmp_path, monkeypatch):
-    """results/gpu_checkpoints.sh with train.py standing in: a run stopped by a signal (its
-    summary says so) is not copied to out/gpu, and the script fails naming it (its next run
-    resumes it); a SIGTERM to the script's process group, as `timeout` sends, while two trainings
-    are in flight: the script stops them and returns only once both have saved, exit 143."""
+    """results/gpu_checkpoints.sh with train.py standing in, where torch sees a GPU: all six
+    models train at once, and a run stopped by a signal (its summary says so) is not copied to
+    out/gpu, and the script fails naming it (its next run resumes it); on the CPU, a SIGTERM to the
+    script's process group, as `timeout` sends, while two trainings are in flight: the script stops
+    them and returns only once both have saved, exit 143."""
     fake = fake_python3(tmp_path, f'#!/bin/sh\nexec {sys.executable} {tmp_path / "fake.py"} "$@"\n')
     (tmp_path / 'fake.py').write_text(FAKE_TRAIN)
     (tmp_path / 'config').symlink_to(os.path.join(REPO, 'config'))
@@ -1007,9 +1000,19 @@ def test_the_gpu_checkpoints_script_copies_only_finished_runs_and_waits_for_stop
     env = {**os.environ, 'PATH': f"{fake.parent}:{os.environ['PATH']}", 'JOBS': '2',
            'CALLS': str(tmp_path / 'calls.jsonl'), 'REPO': REPO, 'CKPT': str(template)}
     log = tmp_path / 'out' / 'gpu' / 'train_log.txt'
+    (tmp_path / 'barrier').mkdir()
+    on_gpu = {**env, 'STOPPED': 'out/spec_mod', 'FAKE_GPU': str(tmp_path / 'barrier')}
+    del on_gpu['JOBS']
     r = finish(start(['bash', os.path.join(REPO, 'results', 'gpu_checkpoints.sh')],
-                     env={**env, 'STOPPED': 'out/spec_mod'}, cwd=tmp_path), timeout=170)
+                     env=on_gpu, cwd=tmp_path), timeout=170)
     assert r.returncode != 0
+    calls = [json.loads(line) for line in (tmp_path / 'calls.jsonl').read_text().splitlines()]
+    outs = {a[-2] if a[-2].startswith('--out_dir=') else a[1] for a in calls if a[0] == 'train.py'}
+    assert outs == {*(f'--out_dir=out/{n}' for n in SCRIPT_MODELS if n.startswith('spec_')),
+                    '--out_dir=out/spec_ffn', 'config/ffn_distilled_drafter_shakespeare.py'}
+    together = (tmp_path / 'calls.jsonl.together').read_text().split()    # none waited 20 s
+    assert len(together) == 7 and min(map(int, together)) >= 6
+    assert '6 at a time' in log.read_text()
     assert 'out/spec_mod: the run did not finish: not copied' in log.read_text()
     assert not (tmp_path / 'out' / 'gpu' / 'spec_mod').exists()
     assert (tmp_path / 'out' / 'gpu' / 'spec_halt' / 'ckpt.pt').exists()
