@@ -1007,6 +1007,9 @@ def test_the_gpu_checkpoints_script_copies_only_finished_runs_and_waits_for_stop
                      env=on_gpu, cwd=tmp_path), timeout=170)
     assert r.returncode != 0
     calls = [json.loads(line) for line in (tmp_path / 'calls.jsonl').read_text().splitlines()]
+    monkeypatch.chdir(tmp_path)        # (the commands' relative paths, as the script ran them)
+    for argv in (a for a in calls if a[0] == 'train.py'):
+        train.read_config(argv[1:])    # train.py's own check of what the GPU mode runs
     outs = {a[-2] if a[-2].startswith('--out_dir=') else a[1] for a in calls if a[0] == 'train.py'}
     assert outs == {*(f'--out_dir=out/{n}' for n in SCRIPT_MODELS if n.startswith('spec_')),
                     '--out_dir=out/spec_ffn', 'config/ffn_distilled_drafter_shakespeare.py'}

@@ -284,7 +284,8 @@ def with_every_draft():
 
 def speculative_trace_cases():
     """(case, passes): every family's drafts apart and chained (whose graph calls the whole pass,
-    one_graph's function), but ffn's first option set chained (its drafts are among ffn2's);
+    one_graph's function), but ffn's first option set (every layer routed) apart only, as ffn2
+    (two layers routed, a distilled draft besides) is traced chained with the same draft names;
     one_graph alone for two families (its own graph count)."""
     cases = [(c, p) for c in with_every_draft() for p in ('apart', 'chained')
              if (c, p) != (('ffn', 0), 'chained')]
