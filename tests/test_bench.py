@@ -926,6 +926,14 @@ elif sys.argv[1] == '-':               # the script's copying code, run as writt
 """
 
 
+def trained_run(argv):
+    """Which run a recorded train.py command trains: its --out_dir, or 'distilled' (the distilled
+    draft's config file gives its folder)."""
+    if 'config/ffn_distilled' in argv[1]:
+        return 'distilled'
+    return next(o for o in argv if o.startswith('--out_dir='))
+
+
 def test_the_gpu_checkpoints_script_trains_each_missing_model_once(tmp_path, monkeypatch):
     """results/gpu_checkpoints.sh with train.py standing in (a checkpoint with optimizer state in
     its out_dir, without importing torch: seven trainings), each command's options then put
@@ -965,8 +973,7 @@ def test_the_gpu_checkpoints_script_trains_each_missing_model_once(tmp_path, mon
     names = list(SCRIPT_MODELS)
     first = trained(run_script())
     assert len(first) == 7 and all(a[-1] == '--overwrite=True' for a in first)
-    outs = [next(o for o in a if o.startswith('--out_dir=')) if 'config/ffn_distilled' not in a[1]
-            else 'distilled' for a in first]
+    outs = [trained_run(a) for a in first]
     assert outs.index('--out_dir=out/spec_ffn') < outs.index('distilled')
     assert outs.index('--out_dir=out/spec_exit_w4d2') < outs.index('--out_dir=out/spec_mod')
     assert outs.index('--out_dir=out/spec_mod') < outs.index('--out_dir=out/spec_ensemble')
@@ -1010,9 +1017,9 @@ def test_the_gpu_checkpoints_script_copies_only_finished_runs_and_waits_for_stop
     monkeypatch.chdir(tmp_path)        # (the commands' relative paths, as the script ran them)
     for argv in (a for a in calls if a[0] == 'train.py'):
         train.read_config(argv[1:])    # train.py's own check of what the GPU mode runs
-    outs = {a[-2] if a[-2].startswith('--out_dir=') else a[1] for a in calls if a[0] == 'train.py'}
+    outs = {trained_run(a) for a in calls if a[0] == 'train.py'}
     assert outs == {*(f'--out_dir=out/{n}' for n in SCRIPT_MODELS if n.startswith('spec_')),
-                    '--out_dir=out/spec_ffn', 'config/ffn_distilled_drafter_shakespeare.py'}
+                    '--out_dir=out/spec_ffn', 'distilled'}
     together = (tmp_path / 'calls.jsonl.together').read_text().split()    # none waited 20 s
     assert len(together) == 7 and min(map(int, together)) >= 6
     assert '6 at a time' in log.read_text()
