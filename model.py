@@ -509,8 +509,9 @@ class GPT(nn.Module):
             lengths = [int(n) for n in lengths]         # a list or a tensor of lengths
         bs = self.config.block_size
         if stats is not None:           # a dict filled by an earlier call: this call's figures
-            for k in ('full_frac', 'tlops_saved'):
-                stats.pop(k, None)
+            for k in [k for k in stats if k in ('full_frac', 'tlops_saved') or
+                      k.startswith('spec_')]:
+                stats.pop(k)
         record = (
             (
                 lambda aux: [
@@ -669,7 +670,7 @@ class GPT(nn.Module):
         # forget what the padding wrote
         cache.kpos.masked_fill_((slot >= n[:, None]) & (slot < T), -1)
         logits = logits[torch.arange(B, device=dev), n - 1]
-        out = torch.zeros(B, max(lengths) + max_new_tokens, dtype=idx.dtype, device=dev)
+        out = torch.zeros(B, max(lengths) + max_new_tokens, dtype=torch.long, device=dev)
         out[:, :T] = idx
         for i in range(max_new_tokens):
             nxt = self.sample_next(logits, temperature, top_k, vocab_limit)

@@ -358,7 +358,7 @@ def generate(model, idx, max_new_tokens, speculate, draft=None, draft_layers=Non
     else:
         logits = logits[:, -1]
     new = max_new_tokens
-    out = torch.zeros(B, max(lengths) + new + K + 1, dtype=idx.dtype, device=dev)
+    out = torch.zeros(B, max(lengths) + new + K + 1, dtype=torch.long, device=dev)
     out[:, :T] = idx
     tok = model.sample_next(logits, temperature, top_k, vocab_limit)[:, 0]
     out[rows, torch.tensor(lengths, device=dev)] = tok

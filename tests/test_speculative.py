@@ -242,6 +242,34 @@ def test_routing_statistics_count_the_kept_tokens_only(case, seed, K, B, T, new)
     assert len(got['spec_accept_rate']) == K
 
 
+def test_a_stats_dict_passed_again_holds_only_the_last_calls_figures():
+    """stats= given to a speculative decode and then to a plain one ends as a fresh dict given to
+    the plain one alone: its routing figures, and no speculation figures left from before."""
+    model = build('exit', seed=1).eval()
+    idx = tokens(1, 1, 5)
+    again, fresh = {}, {}
+    model.generate(idx, 8, temperature=0, speculate=3, stats=again)
+    assert again['spec_passes'] >= 1 and 'full_frac' in again
+    model.generate(idx, 8, temperature=0, stats=again)
+    model.generate(idx, 8, temperature=0, stats=fresh)
+    assert again == fresh and 'full_frac' in fresh
+
+
+@pytest.mark.parametrize('speculate,lengths', [(0, None), (0, [5, 3]), (3, None), (3, [5, 3])])
+def test_an_int32_prompt_decodes_as_an_int64_one(speculate, lengths):
+    """Token ids as int32 (which the embedding takes too) decode to the int64 prompt's tokens, as
+    int64, plain or speculative, one prompt length or several (a list of rows)."""
+    model = build('exit', seed=2).eval()
+    idx = tokens(2, 2, 5)
+    decode = lambda prompt: model.generate(prompt, 6, temperature=0, speculate=speculate,
+                                           lengths=lengths)
+    want, got = decode(idx), decode(idx.int())
+    want, got = ([x] if torch.is_tensor(x) else x for x in (want, got))
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.int64 and torch.equal(a, b)
+
+
 @settings(**SETTINGS)
 @given(case=st.sampled_from(DETERMINISTIC), seed=st.integers(0, 999), K=st.integers(1, 6),
        T=st.integers(1, 8), new=st.integers(1, 12), temperature=st.sampled_from([0.0, 1.0]))
@@ -419,18 +447,20 @@ def chi2_critical(dof, z=3.719):
 ])
 def test_sampled_speculative_decoding_has_plain_samplings_distribution(
         route, draft, K, temperature, top_k, vocab_limit, chain):
-    """On a 5-token vocabulary, N = 20000 speculative samples of the three tokens after a prompt
-    (the first from the prefill, the next two from one draft of K tokens and its verification: kept
-    drafts, the residual norm(max(0, p − q)) at a rejection, the verifier's bonus token) follow the
-    exact joint distribution of plain sampling, enumerated from the model's probabilities: Pearson's
-    chi-square over the cells of non-zero probability (those expecting < 5 samples pooled) stays
-    below its 1e-4 quantile, and no sample
-    falls in a cell of probability 0 (top_k, vocab_limit). Power: sampling the two tokens from the
-    draft instead would exceed that quantile by the stated margin (its expected statistic, N·Σ(q −
-    p)²/p, is more than 3x the critical value), and the draft is neither always kept nor always
-    rejected. chain = 2: on a 3-token vocabulary, the five tokens after a prompt, the four after
-    the first starting with two passes (K = 1) chained in one function (passes_per_graph)."""
-    (V, steps), N = ((5, 3) if chain == 1 else (3, 5)), 20000
+    """On a 5-token vocabulary, N = 20000 speculative samples of the K + 2 tokens after a prompt
+    (the first from the prefill, the next K + 1 from one draft of all K tokens and its
+    verification: kept drafts, the residual norm(max(0, p − q)) at a rejection, the verifier's
+    bonus token; after a rejection a shorter pass) follow the exact joint distribution of plain
+    sampling, enumerated from the model's probabilities: Pearson's chi-square over the cells of
+    non-zero probability (those expecting < 5 samples pooled) stays below its 1e-4 quantile, and no
+    sample falls in a cell of probability 0 (top_k, vocab_limit). Power: sampling the tokens after
+    the first from the draft instead would exceed that quantile by the stated margin (its expected
+    statistic, N·Σ(q − p)²/p, is more than 3x the critical value), and the draft is neither always
+    kept nor always rejected. A rule broken only after a kept draft (the residual at a rejection at
+    position 2 or later) fails every case with K >= 2. chain = 2: on a 3-token vocabulary, the
+    five tokens after a prompt, the four after the first starting with two passes (K = 1) chained
+    in one function (passes_per_graph)."""
+    (V, steps), N = ((5, K + 2) if chain == 1 else (3, 5)), 20000
     model = build(route, seed=1, n_layer=3, vocab_size=V, block_size=8, exit_layers='1',
                   noise=0.5).eval()
     prompt = torch.tensor([[1, V - 2, 0]])
@@ -469,6 +499,8 @@ def test_sampled_speculative_decoding_has_plain_samplings_distribution(
                        / p.flatten().double()[live]).sum())
     assert power > 3 * critical, (power, critical)
     assert 0.1 < stats['spec_accept_rate'][0] < 0.95, stats
+    if chain == 1:                  # every row's first pass drafted all K tokens
+        assert stats['spec_drafted'][K - 1] >= N, stats
     assert (stats['spec_calls'] < stats['spec_passes']) == (chain > 1), stats
 
 
