@@ -927,6 +927,9 @@ def parse_args(argv):
     ns = SimpleNamespace(**dict(cfg, **start))
     train.check_train_config(ns)
     train.model_config(ns)
+    if not bench_speculative.checkpoint_file(cfg['init_from'] if cfg['speculate'] else ''):
+        # the config's own model: another family's option would change nothing, as in train.py
+        train.check_family_options(ns, argv, train.DEFAULTS)
     check_bench_config(cfg)
     cli_device(cfg['device'], cfg['dtype'])
     import bench_suite                  # here: it imports this file's helpers

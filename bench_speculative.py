@@ -4,25 +4,28 @@ Self-speculative decoding timed beside plain decoding (bench.py --speculate=1,2,
     python bench.py --init_from=out/exit_shakespeare --speculate=1,2,4,8 --json
     python bench.py config/bench_cpu.py --route=exit --speculate=2,4 --draft=exit --json
 
-The model is a trained run's (--init_from=<run folder> or its ckpt.pt: checkpoint.load_model), or,
-without --init_from, a random one of the config's shape (its acceptance rates mean nothing, its
-costs do). Per decode batch b (decode_batches) and K: greedy decode (or, with --temperature=T > 0,
-sampling at T: a drafted token is kept with probability min(1, p/q)) of decode_tokens = N tokens
-from b decode_prompt-token prompts (64 when 0), decode alone (generate of 1 + N tokens minus
-generate of 1, back to back in each repeat: the prefill and the first token are not counted),
-median of bench_steps repeats after bench_warmup (at least one), with the spread of each side and
-bench.py's NOISY flag; plain decoding (model.generate) and each K take turns in every repeat. The
-prompts are windows of the run's validation split where --init_from names a run whose data is
-prepared here (how often a draft is kept depends on text like the model's own), else random
-tokens; `prompt_source` says which. --compile=True compiles both sides' steps: plain decoding's
-decode step and each pass's draft and verification (a CUDA graph each on a GPU; `compiled` in the
-JSON). Most compiling (and CUDA-graph recording) falls in the warm-up rounds; a shape first met
-late (the pass that enters a new cache bucket, a last short window) may be recorded in a timed
-repeat, which the median mostly hides. plain_warmup_s and warmup_s: the seconds of each side's
-warm-up rounds, compiling included (a cold compile of a chained variant can take minutes on a GPU
-machine: size a run's time limit by them). Each decode batch's rows are handed to bench.py as soon
-as they are timed, which prints them and writes them to x.partial.json beside --out=x.json
-(complete: false), x.json itself once the last batch is done.
+The model is a trained run's (--init_from=<run folder> or its ckpt.pt: checkpoint.load_model),
+or, without --init_from, a random one of the config's shape (its acceptance rates mean
+nothing, its costs do); a model option given beside --init_from with a value the run does not
+have is refused (the run is timed as trained). Per decode batch b (decode_batches) and K:
+greedy decode (or, with --temperature=T > 0, sampling at T: a drafted token is kept with
+probability min(1, p/q)) of decode_tokens = N tokens from b decode_prompt-token prompts (64
+when 0), decode alone (generate of 1 + N tokens minus generate of 1, back to back in each
+repeat: the prefill and the first token are not counted), median of bench_steps repeats after
+bench_warmup (at least one), with the spread of each side and bench.py's NOISY flag; plain
+decoding (model.generate) and each K take turns in every repeat. The prompts are windows of
+the run's validation split where --init_from names a run whose data is prepared here (how
+often a draft is kept depends on text like the model's own), else random tokens;
+`prompt_source` says which. --compile=True compiles both sides' steps: plain decoding's decode
+step and each pass's draft and verification (a CUDA graph each on a GPU; `compiled` in the
+JSON). Most compiling (and CUDA-graph recording) falls in the warm-up rounds; a shape first
+met late (the pass that enters a new cache bucket, a last short window) may be recorded in a
+timed repeat, which the median mostly hides. plain_warmup_s and warmup_s: the seconds of each
+side's warm-up rounds, compiling included (a cold compile of a chained variant can take
+minutes on a GPU machine: size a run's time limit by them). Each decode batch's rows are
+handed to bench.py as soon as they are timed, which prints them and writes them to
+x.partial.json beside --out=x.json (complete: false), x.json itself once the last batch is
+done.
 
 Per row: plain and speculative tokens/s and ms, speedup = plain_ms / spec_ms (= spec tokens/s over
 plain tokens/s), and, pooled over the timed decodes (bench.py's repeats: sampled decodes differ),
@@ -158,7 +161,12 @@ def check_options(cfg, argv):
         raise ConfigError(f"{whole} drafts whole passes, --draft_stop a step at a time: "
                           "drop one of them")
     path = checkpoint_file(cfg['init_from'])
-    mcfg = (GPTConfig.from_dict(load_checkpoint(path)['model_args']) if path
+    trained = load_checkpoint(path)['model_args'] if path else None
+    for key in sorted(given & set(trained or ())):
+        if cfg[key] != trained[key]:    # the run's model is timed as trained: its own value holds
+            raise ConfigError(f"--{key}={cfg[key]}: the run {cfg['init_from']} has "
+                              f"{key}={trained[key]!r} and is timed as trained; drop --{key}")
+    mcfg = (GPTConfig.from_dict(trained) if path
             else train.model_config(SimpleNamespace(**cfg), vocab_size=cfg['vocab_size'] or 50304))
     family = FAMILIES[mcfg.route]
     refusal = family.cannot_generate(mcfg)

@@ -18,7 +18,7 @@ import torch
 import bench
 import flops
 import train
-from configurator import ConfigError, load_config
+from configurator import ConfigError, UserError, load_config
 from conftest import NO_CPU_GROUPED_MM, finish, grouped_mm_on_cpu, run_group, start, stop
 from dataclasses import replace
 from model import FAMILIES, controlled_layer_ids
@@ -187,8 +187,7 @@ def test_bench_routed_table(route, tmp_path):
         f'--route={route}',
         '--budgets=1.0,0.5',
         '--prefill_shapes=2x16,1x32',
-        '--ffn_cheap_rank=4',
-        '--exit_layers=1',
+        *family_args(route, exit_layers=1),
         f'--out={tmp_path / "bench.json"}',
         '--json',
     ]
@@ -773,6 +772,13 @@ SCRIPT_MODELS = {'spec_exit_w4d2': dict(route='exit'), 'spec_mod': dict(route='m
                  'spec_ensemble': dict(route='ensemble'), 'spec_dense': dict(route='none')}
 
 
+def family_args(route, exit_layers=None):
+    """The tiny models' family options: only those `route` reads (bench.py, as train.py, refuses
+    another family's option given on the command line)."""
+    return {'ffn': ['--ffn_cheap_rank=4'],
+            'exit': [f'--exit_layers={exit_layers}'] if exit_layers else []}.get(route, [])
+
+
 def script_checkpoints(root):
     """out/gpu/<name> and data/shakespeare_char under root, as results/gpu_checkpoints.sh and
     data/prepare.py leave them: small models of each family with the block_size of the real ones."""
@@ -1320,7 +1326,8 @@ def test_pooled_speculative_figures():
 
 def test_bench_speculate_init_from(tmp_path, capsys):
     """--init_from=<run folder> times the checkpoint's model (its route and shape, not the
-    config's), with the draft --draft names."""
+    config's), with the draft --draft names; a model option given on the command line that the
+    run does not have is refused, one it has is taken."""
     import torch
     from dataclasses import asdict
     from model import GPT, GPTConfig
@@ -1329,7 +1336,11 @@ def test_bench_speculate_init_from(tmp_path, capsys):
     m = GPT(mcfg)
     torch.save(dict(model=m.state_dict(), model_args=asdict(mcfg), config={}),
                tmp_path / 'ckpt.pt')
-    assert bench.main([*SPEC_TINY, '--route=exit', f'--init_from={tmp_path}', '--speculate=2',
+    argv = [a for a in SPEC_TINY if not a.startswith('--n_layer=')]
+    for clash in ('--route=exit', '--n_layer=3'):    # the run's own route and shape hold
+        with pytest.raises(ConfigError, match=f'{clash}: the run {tmp_path} has .* drop --'):
+            bench.parse_args([*argv, clash, f'--init_from={tmp_path}', '--speculate=2'])
+    assert bench.main([*argv, '--n_layer=4', f'--init_from={tmp_path}', '--speculate=2',
                        '--draft=layers', '--draft_layers=2', '--json']) == 0
     res = json.loads(capsys.readouterr().out)
     assert res['n_layer'] == 4 and res['init_from'] == str(tmp_path)
@@ -1418,6 +1429,19 @@ def test_bench_speculate_predicted():
 def test_bench_speculate_refused(argv, message):
     """Refused before any work with a ConfigError naming the option."""
     with pytest.raises(ConfigError, match=re.escape(message)):
+        bench.parse_args([*SPEC_TINY, *argv])
+
+
+@pytest.mark.parametrize('argv,message', [
+    (['--route=none', '--ffn_budget=0.3'], '--ffn_budget is an option of route=ffn'),
+    (['--route=ffn', '--exit_layers=2'], '--exit_layers is an option of route=exit'),
+    (['--route=exit', '--speculate=2', '--ffn_cheap_rank=4'],
+     '--ffn_cheap_rank is an option of route=ffn'),
+])
+def test_bench_refuses_an_option_of_another_family(argv, message):
+    """As train.py does: an option the timed model's family does not read would change nothing,
+    so it is refused, naming it, before any work."""
+    with pytest.raises(UserError, match=re.escape(message)):
         bench.parse_args([*SPEC_TINY, *argv])
 
 
@@ -1575,7 +1599,7 @@ def test_bench_routed_decodes_the_same_prompts_routed_and_dense(route, monkeypat
     bench_json(['--n_layer=2', '--n_head=2', '--n_embd=16', '--block_size=16', '--batch_size=1',
                 '--vocab_size=50', '--bench_steps=3', '--decode_tokens=2', '--decode_batches=1,2',
                 f'--route={route}', '--budgets=1.0,0.5', '--prefill_shapes=1x8',
-                '--ffn_cheap_rank=4', '--json'])
+                *family_args(route), '--json'])
     dense = {b: p for r, b, p in prompts if r == 'none'}
     routed = [(b, p) for r, b, p in prompts if r == route]
     assert sorted(dense) == [1, 2] and len(routed) == 4        # 2 budgets x 2 batches
@@ -1765,7 +1789,7 @@ def test_bench_routed_masked_dense_executes_every_path_on_every_token(route, mon
     monkeypatch.setattr(bench, 'time_train_step', lambda *a, **k: bench.Timing([0.1] * 3))
     args = ['--n_layer=2', '--n_head=2', '--n_embd=16', '--block_size=16', '--batch_size=1',
             '--vocab_size=50', '--bench_steps=3', '--decode_tokens=2', '--decode_batches=1',
-            f'--route={route}', '--budgets=0.5', '--prefill_shapes=2x8', '--ffn_cheap_rank=4',
+            f'--route={route}', '--budgets=0.5', '--prefill_shapes=2x8', *family_args(route),
             '--sparse=False', '--json']
     pre = [r for r in bench_json(args)['rows'] if r['kind'] == 'prefill'][0]
     mcfg = FAMILIES[route].bench_config(bench.routed_base(bench.parse_args(args)[0])[0], 0.5)
