@@ -969,7 +969,6 @@ def write_json_whole(path, obj):
     """obj as JSON at path (json_text), written whole: a reader (or a run stopped mid-write) sees
     the old file or the new one, never part of one."""
     text = json_text(obj, indent=1)     # first: a figure JSON cannot hold leaves the old file
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     write_whole(path, lambda f: f.write(text))
 
 

@@ -21,10 +21,12 @@ except ImportError:   # Windows: no advisory file locks
 
 
 def write_whole(path, write, binary=False):
-    """Call write(f) on path's temporary file, fsync it and rename it over path. On any error the
-    temporary file is removed, path is left as it was, and the error propagates. Temporary files
-    of path that dead writers left are removed first."""
+    """Call write(f) on path's temporary file, fsync it and rename it over path, making path's
+    folder first if it is missing (configurator.writable_file accepts a folder it can make). On
+    any error the temporary file is removed, path is left as it was, and the error propagates.
+    Temporary files of path that dead writers left are removed first."""
     folder, name = os.path.split(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
     remove_stale_temps(folder, name)
     tmp = os.path.join(folder, f"{name}.tmp-{host_name()}-{os.getpid()}")
     try:

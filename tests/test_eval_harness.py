@@ -3,6 +3,8 @@ forward of the whole text and the summed log-softmax of its tokens), the rolling
 of a text, the realised budget against a recount of the routing masks, and the command line's
 refusals; with lm_eval installed, its simple_evaluate on this repository's offline tasks."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -263,6 +265,22 @@ def test_without_lm_eval_one_line_and_exit_2_before_loading(tmp_path, monkeypatc
     assert eh.main([f'--ckpt={ckpt}', '--tasks=nanodepth_arith']) == 2
     out, err = capsys.readouterr()
     assert out == '' and err == 'error: eval_harness.py needs lm_eval: pip install lm_eval\n'
+
+
+def test_out_in_a_folder_not_made_yet_gets_the_results(tmp_path, monkeypatch, capsys):
+    """--out may name a folder that does not exist yet (the option check accepts one it can make):
+    the results are written there after the evaluation, not lost to a missing folder."""
+    ckpt, out = tmp_path / 'ckpt.pt', tmp_path / 'new' / 'deeper' / 'harness.json'
+    ckpt.write_bytes(b'not read')
+    real = eh.importlib.util.find_spec
+    monkeypatch.setattr(eh.importlib.util, 'find_spec',
+                        lambda name, *a: object() if name == 'lm_eval' else real(name, *a))
+    monkeypatch.setattr(eh, 'known_tasks', lambda *a: None)
+    monkeypatch.setattr(eh, 'load_scorer', lambda *a, **k: None)
+    monkeypatch.setattr(eh, 'evaluate_tasks', lambda *a, **k: {'results': {'t': {'acc': 0.5}}})
+    assert eh.main([f'--ckpt={ckpt}', '--tasks=nanodepth_arith', f'--out={out}']) == 0
+    assert json.loads(out.read_text())['results'] == {'t': {'acc': 0.5}}
+    assert json.loads(capsys.readouterr().out) == json.loads(out.read_text())
 
 
 def test_help_lists_every_option(capsys):
