@@ -476,10 +476,14 @@ def main(argv):
     if asks_help(argv):
         return print_help(__doc__, "python plots.py OUT_ROOT   (a study's out_root, as written by "
                           "sweep.py)", [])
-    if len(argv) != 1 or not os.path.isdir(argv[0]):
-        raise ConfigError(
-            "usage: python plots.py OUT_ROOT   (a study's out_root, as written by sweep.py)"
-        )
+    usage = "usage: python plots.py OUT_ROOT   (a study's out_root, as written by sweep.py)"
+    if len(argv) != 1:
+        raise ConfigError(f"plots.py takes one folder, got {len(argv)} arguments; {usage}")
+    if argv[0].startswith('--'):
+        raise ConfigError(f"plots.py takes no options ({argv[0]}); {usage}")
+    if not os.path.isdir(argv[0]):
+        what = 'is a file, not a folder' if os.path.exists(argv[0]) else 'does not exist'
+        raise ConfigError(f"{argv[0]} {what}; {usage}")
     plots_dir = os.path.join(argv[0], 'plots')      # where the PNGs go: checked before any work
     if os.path.exists(plots_dir) and not os.path.isdir(plots_dir):
         raise ConfigError(f"{plots_dir} is a file, where the plots' folder goes; move it away")

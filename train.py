@@ -538,7 +538,9 @@ def backbone_from_checkpoint(cfg, meta, ckpt):
     bad = [k for k in missing if not (is_controller_key(k) or is_draft_key(k))] + list(unexpected)
     if bad:
         raise TrainError(f"checkpoint {cfg.init_from} does not fit this model's backbone (route "
-                         f"{ckpt['model_args'].get('route')!r} -> {cfg.route!r}): {bad[:5]}")
+                         f"{ckpt['model_args'].get('route')!r} -> {cfg.route!r}): {bad[:5]}; "
+                         "give the options of its run's config.json that shape these weights, or "
+                         "another checkpoint")
     model.family.after_load(model)     # e.g. a family's own norms start as copies of ln_f
     return model
 

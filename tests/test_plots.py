@@ -5,6 +5,7 @@ per-class fractions against an independent recomputation, and `eval.py --routing
 a tiny hand-made checkpoint."""
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -184,6 +185,18 @@ def test_cli_refuses_a_folder_without_runs(tmp_path):
     with pytest.raises(ConfigError, match=f"^{tmp_path} holds no runs"):
         plots.main([str(tmp_path)])
     assert sorted(p.name for p in tmp_path.iterdir()) == ['arm']
+
+
+def test_cli_says_what_is_wrong_with_its_argument(tmp_path):
+    """A missing folder, a file, an option or a second argument: one line saying which, with the
+    usage."""
+    (tmp_path / 'a.txt').write_text('')
+    for argv, says in (([str(tmp_path / 'nope')], 'does not exist'),
+                       ([str(tmp_path / 'a.txt')], 'is a file, not a folder'),
+                       (['--out_root=x'], 'takes no options (--out_root=x)'),
+                       ([str(tmp_path), str(tmp_path)], 'takes one folder, got 2 arguments')):
+        with pytest.raises(ConfigError, match=re.escape(says) + '.*usage: python plots.py'):
+            plots.main(argv)
 
 
 def test_cli_refuses_a_file_where_the_plots_folder_goes(tmp_path):
