@@ -11,9 +11,10 @@ with AutoModelForCausalLM and prints the largest logit difference from nanodepth
 random batch (--check=False skips that), then moves them into --to; a difference past 1e-4 of the
 largest logit is an error that leaves --to as it was. A --to that holds files is refused unless
 --overwrite=True (files of the same names are replaced), and a run folder (one holding ckpt.pt,
-whose config.json is the run's own) always. The mapping is model.py's GPT.from_pretrained run
-backwards: the same names, and HF's Conv1D weights transposed. What GPT-2 cannot hold is mapped
-exactly or refused:
+metrics.jsonl or run_info.json, whose config.json is the run's own) or one holding a PEFT adapter
+(adapter_config.json: transformers would load that adapter instead) always. The mapping is
+model.py's GPT.from_pretrained run backwards: the same names, and HF's Conv1D weights
+transposed. What GPT-2 cannot hold is mapped exactly or refused:
   bias=False   HF GPT-2 always has biases: they are written as zeros (the same function)
   gelu         'none' (exact) -> activation_function 'gelu'; 'tanh' -> 'gelu_new'
   pos='rope'   refused: GPT-2 has learned absolute positions only
@@ -73,8 +74,9 @@ def check_config(argv):
     where = 'inside' if staging == os.path.realpath(to) else 'beside'     # (a mount point: inside)
     writable_folder(staging, 'to', label=f"--to={to} (written first in a temporary folder {where} "
                                          "it)")
-    if os.path.isfile(os.path.join(to, 'ckpt.pt')):     # --overwrite or not
-        raise ConfigError(f"--to={to} holds a training run (ckpt.pt), whose config.json "
+    run_file = next((n for n in RUN_FILES if os.path.isfile(os.path.join(to, n))), None)
+    if run_file:                                        # --overwrite or not
+        raise ConfigError(f"--to={to} holds a training run ({run_file}), whose config.json "
                           "the export would replace; export into a folder of its own, e.g. "
                           f"--to={os.path.join(to, 'hf')}")
     # (an export stopped in a mount point leaves its temporary folder there: not the user's files)
@@ -83,6 +85,10 @@ def check_config(argv):
     if held and not cfg['overwrite']:
         raise ConfigError(f"--to={to} already holds files; pick another folder or pass "
                           "--overwrite=True (files of the same names are replaced)")
+    if 'adapter_config.json' in held:       # transformers would load that adapter's base model
+        raise ConfigError(f"--to={to} holds a PEFT adapter (adapter_config.json), which "
+                          "transformers loads in place of the exported model (on its own base "
+                          "model); remove it or export into another folder")
     if os.path.isfile(cfg['out_dir']):        # e.g. the checkpoint file itself
         raise ConfigError(f"--out_dir={cfg['out_dir']} is a file; --out_dir names the run's "
                           f"folder: --out_dir={os.path.dirname(cfg['out_dir']) or '.'}")
@@ -94,6 +100,8 @@ def check_config(argv):
 
 
 STAGING_PREFIX = '.export-'          # export()'s temporary folder
+RUN_FILES = ('ckpt.pt', 'metrics.jsonl', 'run_info.json')     # a training run's (before its
+                                                               # first checkpoint too)
 
 
 def staging_folder(to):

@@ -146,6 +146,29 @@ def test_a_run_folder_is_refused_as_the_export_folder_even_with_overwrite(tmp_pa
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
 
 
+@pytest.mark.parametrize('kept', ['metrics.jsonl', 'run_info.json'])
+def test_a_run_folder_before_its_first_checkpoint_is_refused_too(tmp_path, kept):
+    run, _ = save_run(tmp_path / 'run')
+    (tmp_path / 'new').mkdir()
+    for name in ('config.json', kept):
+        (tmp_path / 'new' / name).write_text('{"the run": "its own"}')
+    with pytest.raises(ConfigError, match=fr"holds a training run \({kept}\)"):
+        export_hf.main([f'--out_dir={run}', f'--to={tmp_path / "new"}', '--overwrite=True'])
+    assert (tmp_path / 'new' / 'config.json').read_text() == '{"the run": "its own"}'
+
+
+def test_a_peft_adapter_in_the_export_folder_is_refused_even_with_overwrite(tmp_path):
+    """transformers loads a folder holding adapter_config.json as that adapter on its base model,
+    not as the model.safetensors beside it: exporting there would leave a folder that loads as
+    another model."""
+    run, _ = save_run(tmp_path / 'run')
+    (tmp_path / 'hf').mkdir()
+    (tmp_path / 'hf' / 'adapter_config.json').write_text('{"base_model_name_or_path": "x"}')
+    with pytest.raises(ConfigError, match=r"holds a PEFT adapter \(adapter_config\.json\)"):
+        export_hf.main([f'--out_dir={run}', f'--to={tmp_path / "hf"}', '--overwrite=True'])
+    assert sorted(p.name for p in (tmp_path / 'hf').iterdir()) == ['adapter_config.json']
+
+
 def test_a_missing_checkpoint_is_refused(tmp_path):
     with pytest.raises(ConfigError, match='no checkpoint at'):
         export_hf.main([f'--out_dir={tmp_path}', f'--to={tmp_path / "hf"}'])
