@@ -50,13 +50,14 @@ def _free_bytes(folder):
         return float('nan')
 
 
-def load_checkpoint(path, map_location='cpu'):
+def load_checkpoint(path, map_location='cpu', mmap=False):
     """torch.load of a nanodepth checkpoint; CheckpointError for a missing, truncated, corrupt or
-    foreign file (one line naming it), never a raw traceback."""
+    foreign file (one line naming it), never a raw traceback. mmap: tensors read only when used
+    (to check a checkpoint's fields without reading its weights)."""
     if not os.path.isfile(path):
         raise CheckpointError(f"no checkpoint file at {path}")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=False)
+        ckpt = torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
     except PermissionError as e:     # the file is fine; this user may not read it
         raise CheckpointError(f"checkpoint {path} cannot be read by this user ({e.strerror}); "
                               "make it "

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_map_only
 
 from checkpoint import load_checkpoint
 from configurator import UserError
-from data.loader import check_data, data_identity, load_dataset_meta
+from data.loader import check_data, data_identity, load_dataset_meta, needs_preparing
 from files import remove_stale_temps, write_whole
 from runlock import LOCK_NAME, FolderBusy, holder, lock_folder
 from train_checks import TrainError, check_out_dir, check_run_files
@@ -106,22 +106,12 @@ def open_inputs(cfg, master, check_fields):
     """The dataset's meta.json and the checkpoint the run starts from (None from scratch or GPT-2),
     checked against each other; check_fields(cfg, ckpt) compares the config with the checkpoint
     first, before the data is read or prepared."""
-    ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
     check_out_dir(cfg, held=False)      # (the run files: rank 0 checked them, hold_out_dir)
     if master:                  # temp files of writers killed mid-write (the files they were to
                                 # replace are intact)
         for tmp in remove_stale_temps(cfg.out_dir):
             print(f"removed {tmp}, left by a write that was killed")
-    if cfg.init_from == 'resume' and not os.path.exists(ckpt_path):    # (before data is prepared)
-        raise TrainError(
-            f"init_from=resume but there is no checkpoint at {ckpt_path}; start the run afresh "
-            f"(with --overwrite=True if {cfg.out_dir} holds its other files)"
-        )
-    ckpt = None
-    if cfg.init_from == 'resume':
-        ckpt = load_checkpoint(ckpt_path)
-    elif os.path.isfile(cfg.init_from):
-        ckpt = load_checkpoint(cfg.init_from)
+    ckpt = start_checkpoint(cfg)        # (before data is prepared)
     done = finished_already(cfg, ckpt)
     if ckpt is not None and not done:
         check_fields(cfg, ckpt)
@@ -130,6 +120,30 @@ def open_inputs(cfg, master, check_fields):
         return meta, ckpt
     check_data(cfg, meta, ckpt)
     return meta, ckpt
+
+
+def start_checkpoint(cfg, mmap=False):
+    """The checkpoint the run starts from: its own when it resumes (refused where it has none), the
+    file init_from names, or None (from scratch or GPT-2)."""
+    if cfg.init_from == 'resume':
+        path = os.path.join(cfg.out_dir, 'ckpt.pt')
+        if not os.path.exists(path):
+            raise TrainError(
+                f"init_from=resume but there is no checkpoint at {path}; start the run afresh "
+                f"(with --overwrite=True if {cfg.out_dir} holds its other files)"
+            )
+        return load_checkpoint(path, mmap=mmap)
+    return load_checkpoint(cfg.init_from, mmap=mmap) if os.path.isfile(cfg.init_from) else None
+
+
+def check_inputs(cfg, check_fields):
+    """open_inputs's checks without its work (no data prepared, no file removed, the checkpoint's
+    tensors not read): the checkpoint against the config, and the data's meta.json, returned (None
+    for a built-in corpus the run will prepare). For a sweep, each run's before the first starts."""
+    ckpt = start_checkpoint(cfg, mmap=True)
+    if ckpt is not None and not finished_already(cfg, ckpt):
+        check_fields(cfg, ckpt)
+    return None if needs_preparing(cfg) else load_dataset_meta(cfg, True, prepare_missing=False)
 
 
 def finished_already(cfg, ckpt):

@@ -93,7 +93,10 @@ named), 2 for a bad study file or option.
 Before the first run, every run's whole configuration (base + overrides + arm + seed, and the
 'before' runs) goes through train.py's own parsing and checks: a typo, a wrong type or another
 family's option in any arm refuses the study (exit 2, one line naming the arm and the key) and
-nothing runs.
+nothing runs. So do the inputs train.py checks before its work, for each run not finished: the
+device and dtype, the checkpoint it resumes or starts from (where it exists already: one a
+'before' run writes is checked by that run), the prepared data and the batch against memory.
+Not checked: whether W&B will start a run (--log=wandb: only starting one tells).
 
 Stopping: each train.py runs in its own process group, so Ctrl-C at the terminal reaches the sweep
 alone. On SIGINT or SIGTERM the sweep passes the signal on to the runs in flight (each checkpoints
@@ -234,6 +237,13 @@ def load_study(path):
         if not argv_list(ns.setdefault(key, [])):
             raise ConfigError(f"study {path}: {key} must be a list of {script} arguments, e.g. "
                               f"['--eval_iters=20']; got {ns[key]!r}")
+    for where, argv in [*((f"arm {a!r}", ov) for a, ov in ns['arms'].items()),
+                        ('overrides', ns['overrides'])]:
+        mine = next((a for a in argv if a.split('=', 1)[0] in ('--seed', '--out_dir')), None)
+        if mine:        # the sweep appends its own after them: they would change nothing
+            key = mine.split('=', 1)[0][2:]
+            raise ConfigError(f"study {path}: {where} gives {mine}, but the sweep sets each run's "
+                              f"{key} itself; drop it and change {SET_BY_THE_SWEEP[key]}")
     before = ns.setdefault('before', [])
     if not isinstance(before, (list, tuple)) or not all(argv_list(a) for a in before):
         raise ConfigError(f"study {path}: before must be a list of train.py argument lists, e.g. "
@@ -483,17 +493,21 @@ def signal_group(proc, signum):
         pass
 
 
+def start_argv(out_dir):
+    """How run_one starts a run not finished: resuming its checkpoint, or over what a run that died
+    before its first checkpoint left."""
+    if os.path.exists(os.path.join(out_dir, 'ckpt.pt')):
+        return ['--init_from=resume']
+    return ['--overwrite=True']
+
+
 def run_one(argv, out_dir, log_path, jobs=1, children=None):
     """Run train.py (resuming if a checkpoint exists), one of `jobs` at a time; returns (out_dir,
     exit code), the code None when a stop was asked for before it started."""
     if finished(out_dir):
         return out_dir, 0
     children = children or Children()
-    args = [sys.executable, TRAIN, *argv, f'--out_dir={out_dir}']
-    if os.path.exists(os.path.join(out_dir, 'ckpt.pt')):
-        args.append('--init_from=resume')
-    else:                       # a run that died before its first checkpoint starts over
-        args.append('--overwrite=True')
+    args = [sys.executable, TRAIN, *argv, f'--out_dir={out_dir}', *start_argv(out_dir)]
     if children.signum is not None:
         return out_dir, None
     os.makedirs(out_dir, exist_ok=True)
@@ -538,11 +552,14 @@ def stop_on_signals(children):
             signal.signal(s, handler)
 
 
-def check_configs(runs, made_later):
+def check_configs(runs, made_later, inputs=True):
     """Every run's full configuration (config files, overrides, seed) through train.py's own
-    parsing and checks, before the first run starts: one bad option refuses the study, rather than
-    failing its arm after the others ran. runs: (name, argv); made_later: folders the study's
-    'before' runs write, whose checkpoints a later run may start from (they do not exist yet)."""
+    parsing and checks, before the first run starts, and its inputs as train.py checks them before
+    any work (train.check_run_inputs: device and dtype, its starting or resumed checkpoint, the
+    prepared data, the batch against memory), for the run run_one would start: one bad option or
+    input refuses the study, rather than failing its arm after the others ran. runs: (name, argv)
+    with --out_dir; made_later: folders the study's 'before' runs write, whose checkpoints a later
+    run may start from (they do not exist yet). inputs=False: the configurations alone."""
     import train             # torch: only where runs are started
     later = [os.path.abspath(os.path.join(HERE, d)) + os.sep for d in made_later]
     with contextlib.chdir(HERE), contextlib.redirect_stdout(io.StringIO()), \
@@ -565,6 +582,12 @@ def check_configs(runs, made_later):
                     "results would be summarised as the study's: remove that folder to run it "
                     "again, or give the study another out_root"
                 )
+            if inputs and not finished(cfg['out_dir']):    # the run run_one would start
+                try:
+                    run_cfg, _ = train.read_config([*argv, *start_argv(cfg['out_dir'])])
+                    train.check_run_inputs(run_cfg)
+                except UserError as e:
+                    raise ConfigError(f"{name}: {e}; no run was started") from None
 
 
 def check_room_args(study):

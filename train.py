@@ -36,8 +36,9 @@ from device import autocast_context, check_batch_fits, resolve_device_dtype
 from loggers import Loggers
 import sharding
 from model import FAMILIES, GPT, GPTConfig, allow_graphs, is_controller_key, is_draft_key
-from run_state import (StopFlag, any_rank, checkpoint_state, end_ddp_process, eval_rng,
-                       evaluated_at, finished_already, hold_out_dir, kept, open_inputs, rng_state,
+from run_state import (StopFlag, any_rank, check_inputs, checkpoint_state, end_ddp_process,
+                       eval_rng, evaluated_at, finished_already, hold_out_dir, kept, open_inputs,
+                       rng_state,
                        seed_rngs, set_rng_state, share_interval, share_rank0_outcome,
                        start_progress, stop_requested)
 from lora import apply_lora, has_lora_keys, lora_parameters
@@ -335,6 +336,17 @@ def setup(cfg, cfg_dict, proc, argv):
         if loggers is not None:
             loggers.close(failed=True)
         raise
+
+
+def check_run_inputs(cfg):
+    """What setup refuses before any work, checked without doing it (sweep.py, for every run of a
+    study before its first starts): the device and dtype, the checkpoint the run starts from
+    against the config, the prepared data, and the batch against the device's memory. W&B's
+    login is not checked: only starting a W&B run tells."""
+    dev, _ = resolve_device_dtype(cfg)
+    meta = check_inputs(cfg, check_start_fields)
+    if meta is not None:
+        check_batch_fits(cfg.batch_size, cfg.block_size, meta['vocab_size'], dev)
 
 
 def build_run(cfg, cfg_dict, proc, argv, meta, ckpt, loggers):

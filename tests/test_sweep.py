@@ -195,14 +195,14 @@ def study_runs(study, path):
 def test_study_files_parse():
     """Every study in config/ passes the check sweep.py makes before its first run: each run's
     whole configuration through train.py's own parsing (another family's option on the command
-    line, a typo)."""
+    line, a typo); not their inputs, which this machine may lack (prepared data, a GPU)."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for name in sorted(os.listdir(os.path.join(here, 'config'))):
         if name.startswith('study_'):
             study = sweep.load_study(os.path.join(here, 'config', name))
             assert study['reference'] in study['arms'] and len(study['seeds']) >= 1
             assert os.path.exists(os.path.join(here, study['base']))
-            sweep.check_configs(*study_runs(study, name))
+            sweep.check_configs(*study_runs(study, name), inputs=False)
 
 
 def test_run_metrics_reads_tlops_saved_and_final_train_lm(tmp_path):
@@ -684,6 +684,7 @@ def test_a_run_made_under_other_options_refuses_the_study_before_any_run(tmp_pat
     import train
     started = []
     monkeypatch.setattr(sweep.subprocess, 'Popen', fake_popen(started))
+    monkeypatch.setattr(train, 'check_run_inputs', lambda cfg: None)   # (an empty ckpt.pt here)
     out = tmp_path / 'out'
     study = tmp_path / 'study.py'
     study.write_text(f"base = 'config/mod_synthetic.py'\nout_root = {str(out)!r}\n"
@@ -713,6 +714,40 @@ def test_a_run_made_under_other_options_refuses_the_study_before_any_run(tmp_pat
         config.write_text(json.dumps(dict(ran, max_iters=5)))
         with pytest.raises(sweep.ConfigError, match=r"ran with max_iters=5, the study now gives"):
             sweep.main([str(study), '--no_plots'])
+
+
+@pytest.mark.parametrize('bad,says', [
+    ('--dataset=shakespeare_char', r'shakespeare_char is not a prepared dataset'),
+    ('--dtype=float16', r'float16'),
+    ('--init_from=resume', r'init_from=resume but there is no checkpoint at .*b/seed1/ckpt\.pt'),
+    ('--batch_size=100000000', r'batch_size'),
+    ('--init_from={notes}', r'notes\.pt is a text file, not a checkpoint'),
+    ('--init_from={narrow}', r"config field 'n_head' differs from the checkpoint"),
+])
+def test_an_arm_whose_inputs_train_py_refuses_refuses_the_study_before_any_run(tmp_path,
+                                                                              monkeypatch, bad,
+                                                                              says):
+    """What train.py refuses only once it looks at its inputs (the data, the device's dtypes, the
+    checkpoint it resumes or starts from, the batch against memory) refuses the whole study before
+    its first run: before, the arms before it trained, then that arm failed."""
+    from dataclasses import asdict
+    import torch
+    import data.prepare as prep
+    from model import GPTConfig
+    started = []
+    monkeypatch.setattr(sweep.subprocess, 'Popen', fake_popen(started))
+    prep.prepare('synthetic', out_dir=str(tmp_path / 'data' / 'synthetic'))
+    (tmp_path / 'notes.pt').write_text('not a checkpoint')
+    torch.save(dict(model={}, model_args=asdict(GPTConfig(n_embd=8, n_head=1)), config={}),
+               tmp_path / 'narrow.pt')
+    bad = bad.format(notes=tmp_path / 'notes.pt', narrow=tmp_path / 'narrow.pt')
+    study = tmp_path / 'study.py'
+    study.write_text(f"base = 'config/mod_synthetic.py'\nout_root = {str(tmp_path / 'out')!r}\n"
+                     f"seeds = [1]\narms = {{'a': [], 'b': [{bad!r}]}}\n"
+                     f"overrides = ['--data_dir={tmp_path / 'data'}']\n")
+    with pytest.raises(sweep.ConfigError, match=f"^arm 'b' seed 1: .*{says}.*no run was started"):
+        sweep.main([str(study), '--no_plots'])
+    assert started == []
 
 
 def test_a_bad_option_refuses_the_study_in_one_line(tmp_path):
@@ -1366,12 +1401,18 @@ def test_a_good_threshold_and_room_metric_are_taken(tmp_path):
     ("room_key = ['gate_room']", "room_key must be a string or None"),
     ("score = ['no_such_script.py', '--ckpt={ckpt}']", "'no_such_script.py' is no script"),
     ("score = ['no-such-program-here', '{ckpt}']", "'no-such-program-here' is no script"),
+    ("arms = {'a': ['--seed=7']}",
+     r"arm 'a' gives --seed=7, but the sweep sets each run's seed itself; drop it and change "
+     "seeds in the study file"),
+    ("overrides = ['--out_dir=/tmp/x']",
+     r"overrides gives --out_dir=/tmp/x, but the sweep sets each run's out_dir itself"),
     *[(f"arms = {{{name!r}: []}}", f"arm name {re.escape(repr(name))} must be letters")
       for name in ('../../escape', 'a/b', '', '.', '..', '.hidden', '-x', 'a b', 5)],
 ])
 def test_a_study_field_of_the_wrong_shape_is_refused(tmp_path, line, needle):
     """A string where a list is meant would be spread into one argument per character, a seed
-    given twice would count one run as two seeds, and seeds = 3 crashed."""
+    given twice would count one run as two seeds, seeds = 3 crashed, and a seed or out_dir in an
+    arm or the overrides was overridden by the sweep's own in silence."""
     path = tmp_path / 'study.py'
     path.write_text(f"base = 'x.py'\narms = {{'a': []}}\nseeds = [1]\nout_root = 'o'\n{line}\n")
     with pytest.raises(sweep.ConfigError, match=needle):
