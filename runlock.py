@@ -5,7 +5,9 @@ sweep into the same folder) is refused with one line naming the folder and the h
 PID, before it touches anything. The lock is an flock on <folder>/.lock, so the kernel drops it when
 its holder dies, even by SIGKILL; the file left behind is then simply locked again. Where the file
 system has no flock, the run goes on unlocked after a note saying so; its .lock file, which names
-it, is still removed at release unless another run has rewritten or replaced it since.
+it, is still removed at release unless another run has rewritten or replaced it since. A folder
+inside one another live process holds (a run folder of a running sweep) is refused too, except to
+the runs of the sweep that holds it (SWEEP_ROOT_ENV).
 
     from runlock import lock_folder
     lock = lock_folder(cfg.out_dir, 'out_dir')     # FolderBusy (a UserError) if another holds it
@@ -18,21 +20,52 @@ import sys
 import time
 
 from configurator import UserError, writable_folder
-from files import NoFlock, locked_fd, unlock_and_remove
+from files import NoFlock, locked_fd, pid_alive, unlock_and_remove
 
 LOCK_NAME = '.lock'
 
 
 class FolderBusy(UserError):
-    """Another live process holds the folder's lock."""
+    """Another live process holds the folder's lock, or (inside) a folder above it."""
 
-    def __init__(self, folder, pid, option, host=None):
+    def __init__(self, folder, pid, option, host=None, inside=None):
         self.pid, self.host = pid, host
         holder = (f"PID {pid} on {host}" if pid and host else f"PID {pid}" if pid else
                   "a process whose PID it did not record")
-        super().__init__(f"{option} {folder} is in use by another run ({holder}, a train.py or "
-                         f"sweep.py still writing there); wait for it to end or stop it, or choose "
-                         f"another {option}")
+        if inside is None:
+            super().__init__(f"{option} {folder} is in use by another run ({holder}, a train.py "
+                             f"or sweep.py still writing there); wait for it to end or stop it, "
+                             f"or choose another {option}")
+            return
+        super().__init__(f"{option} {folder} is inside {inside}, which another run holds "
+                         f"({holder}: a sweep.py's out_root, whose runs it writes itself, or a "
+                         f"train.py's out_dir); choose an {option} outside it, or wait for that "
+                         f"run to end (if it has, remove {os.path.join(inside, LOCK_NAME)})")
+
+
+SWEEP_ROOT_ENV = 'NANODEPTH_SWEEP_ROOT'     # a sweep's out_root, set for the runs it starts there
+
+
+def enclosing_holder(folder):
+    """(folder above, PID, host) of the nearest folder above `folder` whose lock file names a
+    holder still running (on this host; another host's, which a PID says nothing of here, counts
+    as running: a released lock leaves no file), or None. A .lock that names no host is another
+    tool's (pytest's names its PID alone). The folder in SWEEP_ROOT_ENV is passed
+    over: it is the out_root of the sweep that started this run."""
+    own_sweep = os.environ.get(SWEEP_ROOT_ENV)
+    here = os.path.realpath(folder)
+    while True:
+        above = os.path.dirname(here)
+        if above == here:
+            return None
+        here = above
+        path = os.path.join(here, LOCK_NAME)
+        if here == own_sweep or not os.path.isfile(path):
+            continue
+        pid, host = holder(path, wait_s=0)      # (a file of PID and host: ours, not another
+        if pid is not None and host is not None and (   # tool's .lock, such as pytest's PID alone)
+                host != socket.gethostname() or pid_alive(pid)):
+            return here, pid, host
 
 
 class FolderLock:
@@ -69,6 +102,9 @@ def lock_folder(folder, option='out_dir'):
     Where there is no flock (Windows, some network file systems), two writers are not kept apart:
     a note on stderr says so."""
     writable_folder(folder, option)        # (a file on the way, a dangling link: named as such)
+    above = enclosing_holder(folder)      # e.g. a train.py into a run folder of a running sweep
+    if above is not None:
+        raise FolderBusy(folder, above[1], option, above[2], inside=above[0])
     created = None if os.path.isdir(folder) else folder
     path = os.path.join(folder, LOCK_NAME)
     try:

@@ -134,7 +134,7 @@ from data.loader import EVAL_WINDOWS
 from files import write_whole
 from plots import mean_std, read_metrics, run_metrics, train_lm_curve, write_plots
 import progress
-from runlock import lock_folder
+from runlock import SWEEP_ROOT_ENV, lock_folder
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(HERE, 'train.py')
@@ -344,7 +344,7 @@ def run_before(stages, root, jobs, children):
         out = in_here(next(a.split('=', 1)[1] for a in argv if a.startswith('--out_dir=')))
         print(f"before: {' '.join(argv)}", flush=True)
         return run_one([a for a in argv if not a.startswith('--out_dir=')], out,
-                       os.path.join(root, log), jobs, children)
+                       os.path.join(root, log), jobs, children, root)
     for stage in stages:
         codes = run_all(one, stage, jobs, children)
         if children.signum is not None:
@@ -417,12 +417,13 @@ def finished(out_dir):
         return recs[-1]['iter'] >= json.load(f)['max_iters']
 
 
-def child_env(jobs):
+def child_env(jobs, root=None):
     """The environment of the train.py processes. PyTorch gives every process all the cores, so N
     processes at a time oversubscribe the machine (2 runs on 2 cores, each with 2 threads: 7× slower
     per iteration than each with 1); with jobs > 1 each gets cpu_count // jobs threads, unless the
-    user set OMP_NUM_THREADS."""
-    env = dict(os.environ)
+    user set OMP_NUM_THREADS. root: the out_root this sweep holds, where its own runs may write
+    (runlock refuses any other run there)."""
+    env = dict(os.environ, **({SWEEP_ROOT_ENV: os.path.realpath(root)} if root else {}))
     if jobs > 1 and 'OMP_NUM_THREADS' not in env:
         env['OMP_NUM_THREADS'] = str(max(1, (os.cpu_count() or 1) // jobs))
     return env
@@ -501,9 +502,10 @@ def start_argv(out_dir):
     return ['--overwrite=True']
 
 
-def run_one(argv, out_dir, log_path, jobs=1, children=None):
+def run_one(argv, out_dir, log_path, jobs=1, children=None, root=None):
     """Run train.py (resuming if a checkpoint exists), one of `jobs` at a time; returns (out_dir,
-    exit code), the code None when a stop was asked for before it started."""
+    exit code), the code None when a stop was asked for before it started. root: the out_root
+    this sweep holds (child_env)."""
     if finished(out_dir):
         return out_dir, 0
     children = children or Children()
@@ -513,7 +515,7 @@ def run_one(argv, out_dir, log_path, jobs=1, children=None):
     os.makedirs(out_dir, exist_ok=True)
     with open(log_path, 'a') as log:
         proc = children.start(args, stdout=log, stderr=subprocess.STDOUT, cwd=HERE,
-                              env=child_env(jobs))
+                              env=child_env(jobs, root))
         if proc is None:
             return out_dir, None
         try:
@@ -1204,7 +1206,7 @@ def sweep(argv, children):
         def one(run):
             arm, s, a = run
             out = f'{root}/{arm}/seed{s}'
-            return run_one(a, out, f'{out}.log', int(jobs), children)
+            return run_one(a, out, f'{out}.log', int(jobs), children, root)
 
         def report(run, result):
             out, code = result

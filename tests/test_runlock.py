@@ -144,6 +144,44 @@ def test_release_without_flock_removes_the_lock_file_while_it_is_ours(tmp_path, 
     assert (kept / runlock.LOCK_NAME).read_text() == mine
 
 
+def test_a_folder_inside_a_held_one_is_refused_but_for_the_holding_sweeps_own_runs(
+        tmp_path, monkeypatch):
+    """A train.py into a run folder of a running sweep (or inside another run's out_dir) would
+    write where the holder writes, and the sweep would summarise that run as its own: refused,
+    naming the folder above and its holder. The sweep's own runs (its out_root in the
+    environment) pass, and so does everyone once the holder has died."""
+    root = tmp_path / "study"
+    holder = hold_in_another_process(root)
+    try:
+        inside = root / "arm" / "seed1"
+        with pytest.raises(runlock.FolderBusy) as e:
+            runlock.lock_folder(inside, "out_dir")
+        assert str(e.value).startswith(
+            f"out_dir {inside} is inside {root}, which another run holds (PID {holder.pid} on "
+            f"{socket.gethostname()}: a sweep.py's out_root")
+        assert not inside.exists()
+        monkeypatch.setenv(runlock.SWEEP_ROOT_ENV, os.path.realpath(root))
+        runlock.lock_folder(inside, "out_dir").release()
+        monkeypatch.delenv(runlock.SWEEP_ROOT_ENV)
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=30)
+    finally:
+        stop(holder)
+    assert (root / runlock.LOCK_NAME).exists()          # a dead holder's file: no longer held
+    runlock.lock_folder(inside, "out_dir").release()
+
+
+def test_a_lock_file_above_naming_another_host_counts_and_another_tools_does_not(tmp_path):
+    """Another host's PID says nothing here, and a released lock leaves no file: held. A .lock
+    with a PID alone (pytest keeps one in its temporary folders) is not runlock's."""
+    (tmp_path / runlock.LOCK_NAME).write_text(f"{os.getpid()}\n")
+    runlock.lock_folder(tmp_path / "a", "out_dir").release()
+    (tmp_path / runlock.LOCK_NAME).write_text("4242 another-host\n")
+    with pytest.raises(runlock.FolderBusy, match=r"inside .*\(PID 4242 on another-host: .*"
+                                                 r"\(if it has, remove .*\.lock\)$"):
+        runlock.lock_folder(tmp_path / "a", "out_dir")
+
+
 def test_lock_is_released_when_the_holder_is_killed(tmp_path):
     holder = hold_in_another_process(tmp_path)
     try:
