@@ -475,6 +475,13 @@ def check_start_fields(cfg, ckpt):
         keys = draft_run_keys(family) if cfg.trainable == 'draft' else BACKBONE_KEYS
         return check_against_checkpoint(cfg, None, ckpt, keys)
     check_against_checkpoint(cfg, None, ckpt, RESUME_KEYS)
+    if cfg.max_iters < ckpt['iter_num'] and not cfg.eval_only:
+        # it would train nothing and record the run as ending at max_iters, over its own
+        raise TrainError(
+            f"--max_iters={cfg.max_iters} is below the iteration the checkpoint reached "
+            f"({ckpt['iter_num']}); give --max_iters={ckpt['iter_num']} to end the run there, a "
+            "larger one to train it further, or --eval_only=True to evaluate it"
+        )
     if cfg.trainable == 'draft':            # thresholds are never recalibrated: nothing moves
         check_against_checkpoint(cfg, None, ckpt, draft_run_keys(family))
     sharding.check_resume(cfg, ckpt)           # fsdp's optimizer state is sharded

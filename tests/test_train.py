@@ -1488,14 +1488,31 @@ def test_bad_input_in_process(case, synth, synth_other, text_data, base_run, tmp
 ])
 def test_a_run_refused_by_its_options_prepares_no_data(args, needle, base_run, tmp_path):
     """Options the config (or the checkpoint it starts from) refuses are refused before the data is
-    prepared: a fresh --data_dir stays without a corpus."""
+    prepared: a fresh --data_dir stays without a corpus, and the run resumed is as it was."""
     run = copy_run(base_run, tmp_path)
-    fresh = tmp_path / "data"
+    fresh, before = tmp_path / "data", snapshot(run)
     args = [a.format(ckpt=base_run.out / "ckpt.pt", run=run) for a in args]
     with pytest.raises(train.TrainError, match=re.escape(needle)):
         train.main([*TINY, f"--data_dir={fresh}", "--dataset=synthetic",
                     f"--out_dir={tmp_path / 'o'}", *args])
     assert not (fresh / "synthetic").exists()
+    assert snapshot(run) == before
+
+
+def test_resuming_a_run_not_finished_below_its_iteration_is_refused(base_run, tmp_path):
+    """A run stopped at iteration 6 (here: its summary gone) resumed with --max_iters=5 would train
+    nothing, write its summary at 6 and record max_iters=5 in config.json over the run's own:
+    refused, naming the iteration, before anything is written. A finished run says it is."""
+    run = copy_run(base_run, tmp_path)
+    metrics = run / "metrics.jsonl"
+    metrics.write_text("".join(line for line in metrics.read_text().splitlines(True)
+                               if '"type": "summary"' not in line))
+    before = snapshot(run)
+    with pytest.raises(train.TrainError, match=re.escape(
+            "--max_iters=5 is below the iteration the checkpoint reached (6); give "
+            "--max_iters=6 to end the run there")):
+        train.main([*base_run.args, "--init_from=resume", f"--out_dir={run}", "--max_iters=5"])
+    assert snapshot(run) == before
 
 
 @pytest.mark.parametrize("case", ["unknown_key", "resume_other_data", "fresh_over_existing_run",
