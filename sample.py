@@ -8,6 +8,7 @@ corpus's symbols), refusing a data folder that is not the checkpoint's own (its 
 vocabulary and content hash), and uses the KV cache unless --use_cache=False. Routed models
 decode routed (as model.eval() routes, causal per token) and print the realised full-path
 fraction per routed layer.
+--start=FILE:prompt.txt: the file's whole text is the prompt (as in nanoGPT).
 --prompts_file=FILE: one prompt per line, decoded together as one batch of different lengths.
 --speculate=K (0: off): self-speculative decoding (speculative.py), K tokens drafted at a time by
 the cheap version of the model --draft names (default: the family's first; a wrong name lists
@@ -41,7 +42,8 @@ from speculative import resolve_draft
 
 DEFAULTS = dict(
     out_dir='out/quickstart',   # the run's folder, holding ckpt.pt
-    start='\n',                 # the prompt (on the synthetic corpus the default is '|')
+    start='\n',                 # the prompt (on the synthetic corpus the default is '|'), or
+                                # FILE:path for a file's text
     num_samples=3,              # samples drawn from --start
     max_new_tokens=200,         # tokens generated per sample
     temperature=0.8,            # softmax temperature (0: greedy)
@@ -137,6 +139,9 @@ def check_config(argv):
                           f"folder: --out_dir={folder}")
     if not cfg['prompts_file'] and not cfg['start']:
         raise ConfigError("--start is empty: give at least one character to start from")
+    if cfg['start'].startswith('FILE:'):        # nanoGPT's form: the file's whole text
+        cfg['start'] = read_text_file(cfg['start'][5:], f"--start={cfg['start']}", 'the prompt',
+                                      'is blank: give at least one character to start from')
     if cfg['data_dir'] and not os.path.isdir(cfg['data_dir']):
         raise ConfigError(f"--data_dir={cfg['data_dir']} is not a folder; give the folder that "
                           f"holds the run's prepared dataset, or leave it out for the run's own")
@@ -148,22 +153,28 @@ def check_config(argv):
     return cfg
 
 
-def read_prompts_file(path):
+def read_text_file(path, label, what, blank):
+    """The UTF-8 text of the file at path, or one ConfigError (naming it as `label`) where it is
+    missing, unreadable, not UTF-8 or blank (known without the checkpoint: refused before it is
+    read); `what` says what the file should hold, `blank` what a blank one lacks."""
     if not os.path.isfile(path):
-        raise ConfigError(f"prompts_file {path!r} is not a file; give a text file of one prompt "
-                          "per line")
+        raise ConfigError(f"{label} is not a file; give a text file of {what}")
     try:
         with open(path, encoding='utf-8') as f:
             text = f.read()
     except UnicodeDecodeError as e:
-        raise ConfigError(f"prompts_file {path!r} is not UTF-8 text (byte offset {e.start}); save "
-                          "it as "
-                          f"UTF-8 (e.g. iconv -f <its encoding> -t utf-8)") from None
+        raise ConfigError(f"{label} is not UTF-8 text (byte offset {e.start}); save it as UTF-8 "
+                          "(e.g. iconv -f <its encoding> -t utf-8)") from None
     except OSError as e:
-        raise ConfigError(f"prompts_file {path!r} cannot be read ({e.strerror})") from None
-    if not text.strip():            # known without the checkpoint: refused before it is read
-        raise ConfigError(f"prompts_file {path!r} has no prompts: give one prompt per line")
+        raise ConfigError(f"{label} cannot be read ({e.strerror})") from None
+    if not text.strip():
+        raise ConfigError(f"{label} {blank}")
     return text
+
+
+def read_prompts_file(path):
+    return read_text_file(path, f"prompts_file {path!r}", 'one prompt per line',
+                          'has no prompts: give one prompt per line')
 
 
 def main(argv):

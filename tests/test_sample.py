@@ -4,6 +4,7 @@ options are one UserError naming the field, before the checkpoint is looked at.
 
 The char-level checkpoint is made in-process; the synthetic one is conftest's `run`."""
 import json
+import re
 
 import pytest
 import torch
@@ -122,6 +123,29 @@ def test_sample_prompts_file_decodes_only_real_ids(char_run, tmp_path, capsys):
         and lines[2].startswith("lazy dog")
         and len(lines[2]) == 12
     )
+
+
+def test_sample_start_from_a_file_is_that_text(char_run, tmp_path, capsys):
+    """--start=FILE:path (nanoGPT's form) starts from the file's whole text: greedily, the same
+    samples as that text given as --start."""
+    (tmp_path / "prompt.txt").write_text("the lazy")
+    outs = []
+    for start in (f"--start=FILE:{tmp_path / 'prompt.txt'}", "--start=the lazy"):
+        assert sample.main([f"--out_dir={char_run / 'out'}", start, "--num_samples=1",
+                            "--max_new_tokens=6", "--temperature=0", "--device=cpu"]) == 0
+        outs.append(capsys.readouterr().out.splitlines()[0])
+    assert outs[0] == outs[1] and outs[0].startswith("the lazy") and len(outs[0]) == 14
+
+
+@pytest.mark.parametrize("text,needle", [(None, "is not a file; give a text file of the prompt"),
+                                         (" \n", "is blank: give at least one character")])
+def test_sample_start_from_a_missing_or_blank_file_is_refused_before_the_checkpoint(tmp_path,
+                                                                                   text, needle):
+    path = tmp_path / "prompt.txt"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(UserError, match=re.escape(f"--start=FILE:{path} {needle}")):
+        sample.main([f"--out_dir={tmp_path}", f"--start=FILE:{path}"])
 
 
 # --------------------------------------------------------------------------------------------------
