@@ -258,6 +258,15 @@ def by_class_path(path):
     return os.path.splitext(path)[0] + '_by_class.png'
 
 
+def is_png(path):
+    """The file starts with the PNG signature (an earlier routing map, or another image)."""
+    try:
+        with open(path, 'rb') as f:
+            return f.read(8) == b'\x89PNG\r\n\x1a\n'
+    except OSError:
+        return False
+
+
 def save_figure(plt, fig, path):
     fig.tight_layout()
     fmt = os.path.splitext(path)[1][1:] or 'png'
@@ -365,6 +374,10 @@ def parse_args(argv):
                                        and not os.access(by_class, os.W_OK)):
             raise ConfigError(f"--out={args['out']}: {by_class}, where the per-class PNG goes, is "
                               "a folder or not writable; choose another --out")
+        for path in (args['out'], by_class):        # an earlier map is replaced, nothing else
+            if os.path.isfile(path) and not is_png(path):
+                raise ConfigError(f"--out={args['out']}: {path} exists and is not a PNG image, "
+                                  "which the routing map would replace; choose another --out")
     cli_device(args['device'], args['dtype'])
     if not os.path.isfile(args['ckpt']):         # after the options: their errors come first
         raise ConfigError(f"--ckpt={args['ckpt']} is not a checkpoint file; name one, e.g. "

@@ -224,6 +224,21 @@ def test_eval_json_on_a_terminal_is_the_same_object_with_a_bar_beside_it(run, mo
     assert results['False'] == results['True']
 
 
+@pytest.mark.parametrize('name', ['map.png', 'map_by_class.png'])
+def test_routing_map_replaces_an_earlier_png_only(tmp_path, name):
+    """A file that is not a PNG image where a routing map goes (a misnamed note, a run's file) is
+    refused before any work and kept; an earlier map (a PNG) may be replaced."""
+    ckpt = tmp_path / 'ckpt.pt'
+    ckpt.write_bytes(b'not read by the option checks')
+    argv = [f'--ckpt={ckpt}', '--routing_map', f"--out={tmp_path / 'map.png'}", '--device=cpu']
+    (tmp_path / name).write_text('my notes')
+    with pytest.raises(UserError, match=rf"{name} exists and is not a PNG image"):
+        ev.parse_args(argv)
+    assert (tmp_path / name).read_text() == 'my notes'
+    (tmp_path / name).write_bytes(b'\x89PNG\r\n\x1a\n' + bytes(16))
+    assert ev.parse_args(argv)[0]['out'] == str(tmp_path / 'map.png')
+
+
 def test_routing_map_refuses_a_folder_where_its_per_class_png_goes(tmp_path):
     """--routing_map writes <out>_by_class.png after <out>: a folder there is refused before any
     work, not met after the first PNG is written."""
