@@ -44,6 +44,7 @@ import torch
 from checkpoint import load_checkpoint, load_model
 from configurator import (ConfigError, asks_help, load_config, print_help, run_cli, source_group,
                           writable_folder)
+from files import run_file_in
 
 DEFAULTS = dict(
     out_dir='out/quickstart',       # the run folder holding ckpt.pt
@@ -74,7 +75,7 @@ def check_config(argv):
     where = 'inside' if staging == os.path.realpath(to) else 'beside'     # (a mount point: inside)
     writable_folder(staging, 'to', label=f"--to={to} (written first in a temporary folder {where} "
                                          "it)")
-    run_file = next((n for n in RUN_FILES if os.path.isfile(os.path.join(to, n))), None)
+    run_file = run_file_in(to)
     if run_file:                                        # --overwrite or not
         raise ConfigError(f"--to={to} holds a training run ({run_file}), whose config.json "
                           "the export would replace; export into a folder of its own, e.g. "
@@ -100,8 +101,6 @@ def check_config(argv):
 
 
 STAGING_PREFIX = '.export-'          # export()'s temporary folder
-RUN_FILES = ('ckpt.pt', 'metrics.jsonl', 'run_info.json')     # a training run's (before its
-                                                               # first checkpoint too)
 
 
 def staging_folder(to):

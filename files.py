@@ -20,6 +20,15 @@ except ImportError:   # Windows: no advisory file locks
     fcntl = None
 
 
+RUN_FILES = ('ckpt.pt', 'metrics.jsonl', 'run_info.json')     # a training run's, before its
+                                                               # first checkpoint too
+
+
+def run_file_in(folder):
+    """The first of a training run's own files that folder holds (it is a run's folder), or None."""
+    return next((n for n in RUN_FILES if os.path.isfile(os.path.join(folder, n))), None)
+
+
 def write_whole(path, write, binary=False):
     """Call write(f) on path's temporary file, fsync it and rename it over path, making path's
     folder first if it is missing (configurator.writable_file accepts a folder it can make). On

@@ -77,7 +77,7 @@ REPO_ROOT = DATA_DIR.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: the repository's modules are its parent's
     sys.path.append(str(REPO_ROOT))
 from configurator import ConfigError, writable_folder  # noqa: E402
-from files import remove_stale_temps, taking_turns, write_whole  # noqa: E402
+from files import remove_stale_temps, run_file_in, taking_turns, write_whole  # noqa: E402
 from progress import progress  # noqa: E402
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 SHAKESPEARE_URL = (
@@ -847,6 +847,10 @@ def check_options(args, out_dir):
         writable_folder(str(out_dir) if out_dir is not None else str(DATA_DIR), "out_dir")
     except ConfigError as e:
         raise PrepareError(str(e)) from None
+    run_file = run_file_in(out_dir) if out_dir is not None else None
+    if run_file:            # a dataset's files beside a run's would be taken for part of it
+        raise PrepareError(f"--out_dir {out_dir} holds a training run ({run_file}); prepare the "
+                           f"data into a folder of its own, e.g. --out_dir=data/<name>")
 
 
 def check_prepared(folder):

@@ -544,6 +544,19 @@ def test_idempotent(tmp_path):
         assert not [p for p in out.iterdir() if ".tmp-" in p.name]
 
 
+@pytest.mark.parametrize("run_file", ["ckpt.pt", "metrics.jsonl", "run_info.json"])
+def test_a_training_runs_folder_is_refused_as_the_data_folder(tmp_path, run_file):
+    """A dataset's files written beside a run's (train.bin beside ckpt.pt) would be taken for
+    part of it: refused before any work, with --overwrite too, the run's files kept."""
+    (tmp_path / run_file).write_text("the run's")
+    for extra in ({}, dict(overwrite=True)):
+        with pytest.raises(P.PrepareError, match=re.escape(
+                f"--out_dir {tmp_path} holds a training run ({run_file}); prepare the data into "
+                "a folder of its own")):
+            P.prepare("synthetic", tmp_path, num_tokens=3000, **extra)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [run_file]
+
+
 def test_a_dataset_of_other_options_is_replaced_only_with_overwrite(tmp_path):
     """The same options rewrite the same files; others are refused before any work, naming the
     command that made the folder, unless --overwrite=True (runs trained on a replaced dataset
