@@ -161,7 +161,7 @@ def check_options(cfg, argv):
         raise ConfigError(f"{whole} drafts whole passes, --draft_stop a step at a time: "
                           "drop one of them")
     path = checkpoint_file(cfg['init_from'])
-    trained = load_checkpoint(path)['model_args'] if path else None
+    trained = load_checkpoint(path, mmap=True)['model_args'] if path else None
     for key in sorted(given & set(trained or ())):
         if cfg[key] != trained[key]:    # the run's model is timed as trained: its own value holds
             raise ConfigError(f"--{key}={cfg[key]}: the run {cfg['init_from']} has "
@@ -350,8 +350,9 @@ def speculate_row(model, b, K, plain_s, spec_s, stats, N):
 def bench_speculative(cfg, batch_done=lambda res, rows: None, warmed_up=lambda: None):
     """Plain and speculative decode per decode batch and K (see the module docstring).
     batch_done(result so far, the batch's rows) is called as each decode batch's rows are done,
-    the result then marked complete=False: a run stopped later keeps them. warmed_up() is called
-    after each batch's warm-up rounds (everything compiled)."""
+    the result marked complete=False while batches remain: a run stopped later keeps them (and
+    one stopped after the last batch's, while it saves its compiled code, has its whole result).
+    warmed_up() is called after each batch's warm-up rounds (everything compiled)."""
     dev, dt = resolve_device_dtype(SimpleNamespace(**cfg))
     autocast = autocast_context(dev, dt)
     model = load_bench_model(cfg, dev)
@@ -359,10 +360,11 @@ def bench_speculative(cfg, batch_done=lambda res, rows: None, warmed_up=lambda: 
                                       cfg['draft_layers'] or None)
     g = torch.Generator().manual_seed(cfg['seed'])
     path = checkpoint_file(cfg['init_from'])
-    run_cfg = (load_checkpoint(path).get('config') or {}) if path else {}
+    run_cfg = (load_checkpoint(path, mmap=True).get('config') or {}) if path else {}
     n, N = prompt_tokens(cfg), cfg['decode_tokens']
     rows, ks, ps = [], draft_lengths(cfg), chain_lengths(cfg)
-    for b in (int(s) for s in str(cfg['decode_batches']).split(',') if s.strip()):
+    batches = [int(s) for s in str(cfg['decode_batches']).split(',') if s.strip()]
+    for i, b in enumerate(batches):
         prompt, source = decode_prompts(run_cfg, model.config.vocab_size, b, n, g)
         prompt = prompt.to(dev)
         temp, decodes = cfg['temperature'], {(K, P): [] for K in ks for P in ps}
@@ -385,7 +387,8 @@ def bench_speculative(cfg, batch_done=lambda res, rows: None, warmed_up=lambda: 
                     r[f'{side}_device_ms'] = busy[key]
                     r[f'{side}_device_share'] = None if busy[key] is None else busy[key] / ms
         rows += more
-        batch_done(result(cfg, model, dev, dt, n, N, source, rows, complete=False), more)
+        batch_done(result(cfg, model, dev, dt, n, N, source, rows,
+                          complete=i == len(batches) - 1), more)
     return result(cfg, model, dev, dt, n, N, source, rows, complete=True)
 
 

@@ -12,6 +12,8 @@
 # starts bare then compiles only what no run kept. Time
 # left after the last stage goes to the stages stopped at their limit, in order, again: each then
 # starts from the code it compiled before its stop.
+# On a lent GPU, whose lease returns at most 8 files (this writes 10 or more): PACK=$OUT/r.tgz
+# bash results/gpu_speculative.sh /tmp/r 540 (the folder packed into one archive at the end).
 # Needs data/shakespeare_char (the prompts; python data/prepare.py shakespeare_char makes it, 1 MB:
 # carry it) and the checkpoints out/gpu/<name>, optimizer-free copies of the runs in
 # docs/results.md. Where torch sees a GPU, the missing ones are first trained there by

@@ -7,7 +7,9 @@
 #   require_files HOW FILE...           exit 2 before any work, naming the missing FILEs and HOW
 #                                       to make them, where one is missing
 #   torch_sees_gpu                      status 0 where torch sees a GPU
-#   start_log                           FOLDER made; the commit, torch and the GPU into its log.txt
+#   start_log                           FOLDER made; the commit, torch and the GPU into its log.txt;
+#                                       with PACK=FILE.tgz set, FOLDER packed into that archive
+#                                       when the script ends (a GPU lease returns a few files)
 #   stage NAME LIMIT BENCH_OPTIONS...   one bench.py --speculate process: greedy, 60 tokens from
 #                                       64-token prompts, 10 repeats a side, both sides compiled,
 #                                       passes apart and 4 chained in one graph timed in the same
@@ -34,6 +36,9 @@ torch_sees_gpu() {
 }
 start_log() {
   mkdir -p "$folder"
+  if [ -n "${PACK:-}" ]; then
+    trap 'tar czf "$PACK" -C "$(dirname "$folder")" "$(basename "$folder")"' EXIT
+  fi
   log=$folder/log.txt
   export PYTHONUNBUFFERED=1
   echo "commit $(git rev-parse HEAD 2>/dev/null || echo unknown)" | tee -a "$log"

@@ -9,6 +9,7 @@ import re
 import shutil
 import signal
 import sys
+import tarfile
 import time
 from types import SimpleNamespace
 
@@ -745,6 +746,20 @@ def test_a_run_stopped_while_saving_its_compiled_code_keeps_its_figures(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ['spec.json']
 
 
+def test_the_last_batchs_rows_come_complete_before_its_compiled_code_is_saved(monkeypatch):
+    """bench.py saves the compile cache after each batch's rows (seconds for a large model): the
+    last batch's are handed over complete, so --out is then the final file, and a stop during
+    that save leaves the whole result, not a partial one the GPU scripts would time again."""
+    import bench_speculative
+    monkeypatch.setattr(bench, 'timed', lambda fn, *a, **k: [fn(), 1.0][1])
+    cfg = bench.parse_args([*SPEC_TINY, '--route=exit', '--speculate=1', '--bench_warmup=0',
+                            '--bench_steps=1', '--decode_tokens=2'])[0]
+    handed = []
+    res = bench_speculative.bench_speculative(
+        cfg, lambda res, rows: handed.append((res['complete'], len(res['rows']), len(rows))))
+    assert handed == [(False, 1, 1), (True, 2, 1)] and res['complete'] is True
+
+
 RECORD_ARGS = """#!/bin/sh
 # stands in for python3: asked whether torch sees a GPU (-c), says yes where $FAKE_GPU is set;
 # otherwise records its arguments, one per line, each call ending in a blank line;
@@ -1072,7 +1087,8 @@ if sys.argv[1] == 'train.py':          # the real config check, then a small mod
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.save(dict(model=GPT(mcfg).state_dict(), model_args=asdict(mcfg),
                     config={'dataset': cfg.dataset}), f'{cfg.out_dir}/ckpt.pt')
-    open(f'{cfg.out_dir}/metrics.jsonl', 'w').write('{}\\n')
+    for name in ('metrics.jsonl', 'run_info.json'):
+        open(f'{cfg.out_dir}/{name}', 'w').write('{}\\n')
 """
 
 
@@ -1090,10 +1106,10 @@ def test_the_gpu_124m_script_trains_then_runs_only_options_bench_accepts(tmp_pat
     env = {**os.environ, 'PATH': f"{fake.parent}:{os.environ['PATH']}", 'CALLS': str(calls),
            'REPO': REPO, 'COMPILE_CACHE': str(tmp_path / 'cache.bin')}
 
-    def run_script(folder):
+    def run_script(folder, **more):
         calls.write_text('')
         r = finish(start(['bash', os.path.join(REPO, 'results', 'gpu_124m.sh'), str(folder),
-                          '600'], env=env, cwd=tmp_path), timeout=120)
+                          '600'], env={**env, **more}, cwd=tmp_path), timeout=120)
         return r, [json.loads(line) for line in calls.read_text().splitlines()]
 
     r, argvs = run_script(tmp_path / 'none')
@@ -1101,11 +1117,13 @@ def test_the_gpu_124m_script_trains_then_runs_only_options_bench_accepts(tmp_pat
     assert 'no data/fineweb_edu/train.bin' in r.stderr
     assert 'python data/prepare.py fineweb_edu --input=../shared/data/' in r.stderr
     shakespeare_data(tmp_path, 'fineweb_edu', 50257)
-    r, argvs = run_script(tmp_path / 'r')
+    r, argvs = run_script(tmp_path / 'r', PACK=str(tmp_path / 'r.tgz'))
     assert r.returncode == 0, r.stdout + r.stderr
     trained = [a for a in argvs if a[0] == 'train.py']
     assert trained == [['train.py', 'config/exit_drafter_124m_fineweb.py', '--overwrite=True']]
-    assert (tmp_path / 'r' / 'metrics.jsonl').exists()
+    with tarfile.open(tmp_path / 'r.tgz') as packed:    # PACK: the folder, as one file
+        assert set(packed.getnames()) == {'r', 'r/log.txt', 'r/train_log.txt', 'r/metrics.jsonl',
+                                          'r/run_info.json'}
     benches = [a for a in argvs if a[0] == 'bench.py']
     assert [next(o for o in a if o.startswith('--out=')).rsplit('/', 1)[1] for a in benches] == [
         f'speculative_exit124m_{name}.json' for name in ('E6_b1_K4', 'E2_b1_K4', 'E6_b1_K2')]
