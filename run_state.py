@@ -21,7 +21,7 @@ from checkpoint import load_checkpoint
 from configurator import UserError
 from data.loader import check_data, data_identity, load_dataset_meta, needs_preparing
 from files import remove_stale_temps, write_whole
-from runlock import LOCK_NAME, FolderBusy, holder, lock_folder
+from runlock import LOCK_NAME, FolderBusy, enclosing_holder, holder, lock_folder
 from train_checks import TrainError, check_out_dir, check_run_files
 
 
@@ -76,7 +76,11 @@ def hold_out_dir(cfg, proc):
         code = int(status.item())
         if refusal is None and code > 0:         # its host: from the lock file, where seen here
             pid, host = holder(os.path.join(cfg.out_dir, LOCK_NAME), wait_s=0)
-            refusal = FolderBusy(cfg.out_dir, code, 'out_dir', host if pid == code else None)
+            above = enclosing_holder(cfg.out_dir) if pid != code else None
+            if above is not None and above[1] == code:      # a folder above out_dir is held
+                refusal = FolderBusy(cfg.out_dir, code, 'out_dir', above[2], inside=above[0])
+            else:
+                refusal = FolderBusy(cfg.out_dir, code, 'out_dir', host if pid == code else None)
         elif refusal is None and code < 0:
             refusal = TrainError(f"rank 0 refused out_dir {cfg.out_dir} (its error is above)")
     if refusal is not None:

@@ -19,6 +19,11 @@ import socket
 import sys
 import time
 
+try:
+    import fcntl
+except ImportError:   # Windows: no advisory file locks
+    fcntl = None
+
 from configurator import UserError, writable_folder
 from files import NoFlock, locked_fd, pid_alive, unlock_and_remove
 
@@ -47,11 +52,12 @@ SWEEP_ROOT_ENV = 'NANODEPTH_SWEEP_ROOT'     # a sweep's out_root, set for the ru
 
 
 def enclosing_holder(folder):
-    """(folder above, PID, host) of the nearest folder above `folder` whose lock file names a
-    holder still running (on this host; another host's, which a PID says nothing of here, counts
-    as running: a released lock leaves no file), or None. A .lock that names no host is another
-    tool's (pytest's names its PID alone). The folder in SWEEP_ROOT_ENV is passed
-    over: it is the out_root of the sweep that started this run."""
+    """(folder above, PID, host) of the nearest folder above `folder` whose lock is held, or None.
+    A .lock that names no host is another tool's (pytest's names its PID alone). Held: its flock
+    is taken (a shared flock on it is refused); where there is no flock, its holder is still
+    running (on this host; another host's, which a PID says nothing of here, counts as running:
+    a released lock leaves no file). The folder in SWEEP_ROOT_ENV is passed over: it is the
+    out_root of the sweep that started this run."""
     own_sweep = os.environ.get(SWEEP_ROOT_ENV)
     here = os.path.realpath(folder)
     while True:
@@ -62,10 +68,35 @@ def enclosing_holder(folder):
         path = os.path.join(here, LOCK_NAME)
         if here == own_sweep or not os.path.isfile(path):
             continue
-        pid, host = holder(path, wait_s=0)      # (a file of PID and host: ours, not another
-        if pid is not None and host is not None and (   # tool's .lock, such as pytest's PID alone)
-                host != socket.gethostname() or pid_alive(pid)):
+        pid, host = holder(path, wait_s=0)
+        if pid is None or host is None:
+            continue
+        held = flock_held(path)
+        if held is None:                        # no flock here: judged by its PID
+            held = host != socket.gethostname() or pid_alive(pid)
+        if held:
             return here, pid, host
+
+
+def flock_held(path):
+    """Whether another process holds path's flock (a shared flock, taken and dropped at once, is
+    refused), or None where there is no flock. (The dead holder's PID may be another process's
+    by now: the lock itself says whether it is held.)"""
+    if fcntl is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False                    # released and removed meanwhile
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)                    # (drops the shared flock, where taken)
 
 
 class FolderLock:

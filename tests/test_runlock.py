@@ -6,6 +6,7 @@ refuses an out_root another process holds before it runs anything. The helpers t
 train.py's own lock is tested in test_train.py."""
 import errno
 import os
+import re
 import select
 import signal
 import socket
@@ -171,15 +172,24 @@ def test_a_folder_inside_a_held_one_is_refused_but_for_the_holding_sweeps_own_ru
     runlock.lock_folder(inside, "out_dir").release()
 
 
-def test_a_lock_file_above_naming_another_host_counts_and_another_tools_does_not(tmp_path):
-    """Another host's PID says nothing here, and a released lock leaves no file: held. A .lock
-    with a PID alone (pytest keeps one in its temporary folders) is not runlock's."""
-    (tmp_path / runlock.LOCK_NAME).write_text(f"{os.getpid()}\n")
+def test_a_lock_above_is_judged_by_its_flock_and_without_flock_by_its_pid(tmp_path, monkeypatch):
+    """A .lock above whose flock nobody holds is not held, whatever PID it names (a dead holder's
+    PID may be another process's by now: here this test's own). Without flock, a live PID on this
+    host, or any PID of another host (which says nothing here), counts as held. A .lock with a PID
+    alone is another tool's (pytest keeps one in its temporary folders)."""
+    lock, mine = tmp_path / runlock.LOCK_NAME, f"{os.getpid()} {socket.gethostname()}\n"
+    for text in (mine, "4242 another-host\n", f"{os.getpid()}\n"):
+        lock.write_text(text)
+        runlock.lock_folder(tmp_path / "a", "out_dir").release()
+    monkeypatch.setattr(runlock, "flock_held", lambda path: None)
+    for text, named in ((mine, f"PID {os.getpid()} on {socket.gethostname()}"),
+                        ("4242 another-host\n", "PID 4242 on another-host")):
+        lock.write_text(text)
+        with pytest.raises(runlock.FolderBusy, match=re.escape(f"({named}: ") + r".*\(if it "
+                           r"has, remove .*\.lock\)$"):
+            runlock.lock_folder(tmp_path / "a", "out_dir")
+    lock.write_text(f"{os.getpid()}\n")
     runlock.lock_folder(tmp_path / "a", "out_dir").release()
-    (tmp_path / runlock.LOCK_NAME).write_text("4242 another-host\n")
-    with pytest.raises(runlock.FolderBusy, match=r"inside .*\(PID 4242 on another-host: .*"
-                                                 r"\(if it has, remove .*\.lock\)$"):
-        runlock.lock_folder(tmp_path / "a", "out_dir")
 
 
 def test_lock_is_released_when_the_holder_is_killed(tmp_path):

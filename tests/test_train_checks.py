@@ -1,6 +1,7 @@
 """Tests for train_checks.py: a resume compares the fields that shape the model with the checkpoint
 (by what they mean, not how they are spelled) and any other shape difference by the state dicts,
 each refusal naming the field; a fresh run never writes over a run in out_dir."""
+import os
 from dataclasses import asdict
 from types import SimpleNamespace
 
@@ -97,6 +98,28 @@ def test_only_rank_0_judges_the_run_files_under_its_lock(tmp_path):
     with pytest.raises(TrainError, match=r"already holds a run \(config.json\)"):
         run_state.hold_out_dir(cfg, master)
     lock_folder(str(out)).release()                        # the refusal let the lock go
+
+
+def test_a_ddp_rank_told_of_a_held_folder_above_names_it(tmp_path, monkeypatch):
+    """Under DDP only rank 0 takes the lock and the others learn the holder's PID: where that PID
+    holds a folder above out_dir (a running sweep's out_root), they say so, as rank 0 does, not
+    that out_dir itself is in use."""
+    import run_state
+    import torch
+    from runlock import FolderBusy, lock_folder
+    root = tmp_path / "study"
+    held = lock_folder(str(root), "out_root")
+    try:
+        cfg = SimpleNamespace(**{**train.DEFAULTS, 'out_dir': str(root / "arm" / "seed1")})
+        rank1 = SimpleNamespace(master=False, ddp=True, dev=torch.device('cpu'))
+        monkeypatch.setattr(torch.distributed, 'broadcast',
+                            lambda status, src: status.fill_(os.getpid()))   # rank 0's verdict
+        with pytest.raises(FolderBusy) as e:
+            run_state.hold_out_dir(cfg, rank1)
+        assert str(e.value).startswith(f"out_dir {root / 'arm' / 'seed1'} is inside {root}, which "
+                                       f"another run holds (PID {os.getpid()} on ")
+    finally:
+        held.release()
 
 
 def test_a_draft_run_ignores_other_families_options_but_not_its_models():
