@@ -77,6 +77,7 @@ compiled or reused (after each --speculate batch's warm-up and rows, and when th
 included), keeping every earlier run's code this one did not use. A GPU machine that starts bare
 compiles again only what no run kept.
 """
+import contextlib
 import inspect
 import json
 import math
@@ -929,7 +930,9 @@ def parse_args(argv):
     train.model_config(ns)
     if not bench_speculative.checkpoint_file(cfg['init_from'] if cfg['speculate'] else ''):
         # the config's own model: another family's option would change nothing, as in train.py
-        train.check_family_options(ns, argv, train.DEFAULTS)
+        # (its note on a config file's such options to stderr: --json's stdout is the JSON alone)
+        with contextlib.redirect_stdout(sys.stderr):
+            train.check_family_options(ns, argv, train.DEFAULTS)
     check_bench_config(cfg)
     cli_device(cfg['device'], cfg['dtype'])
     import bench_suite                  # here: it imports this file's helpers

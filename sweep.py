@@ -1187,12 +1187,14 @@ def sweep(argv, children):
         dry_run(study, grid, before, overrides)
         return stopped_summarising(children, argv) if stopping(children) else 0
     failed = []
-    # (--summarize_only too: runs made under other options would be summarised as the study's)
+    # (--summarize_only too: runs made under other options would be summarised as the study's;
+    # but not their inputs, which summarising does not read: a copy of the study's folder
+    # elsewhere may lack its data or GPU)
     made_later = [a.split('=', 1)[1] for stage in before for argv_, _ in stage for a in argv_
                   if a.startswith('--out_dir=')]
     check_configs([(f"'before' run {' '.join(a)}", a) for stage in before for a, _ in stage]
                   + [(f"arm {arm!r} seed {s}", [*a, f'--out_dir={root}/{arm}/seed{s}'])
-                     for arm, s, a in grid], made_later)
+                     for arm, s, a in grid], made_later, inputs=not opts.get('--summarize_only'))
     check_room_args(study)
     _lock = lock_folder(root, 'out_root')   # one sweep per folder, held until this returns
     if overrides:

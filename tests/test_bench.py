@@ -1463,6 +1463,21 @@ def test_bench_refuses_an_option_of_another_family(argv, message):
         bench.parse_args([*SPEC_TINY, *argv])
 
 
+def test_a_config_files_option_of_another_family_is_noted_on_stderr_not_in_the_json(
+        tmp_path, capsys):
+    """A shared config file may set another family's option (config/bench_cpu.py sets
+    ffn_cheap_rank, read by route=ffn alone): noted, as train.py notes it, but on stderr, so that
+    --json's stdout stays one JSON object."""
+    conf = tmp_path / 'shared.py'
+    conf.write_text('ffn_cheap_rank = 8\n')
+    res = bench_json([str(conf), '--n_layer=2', '--n_head=2', '--n_embd=16', '--block_size=16',
+                      '--batch_size=1', '--vocab_size=50', '--bench_steps=1', '--bench_warmup=0',
+                      '--decode_tokens=2', '--decode_batches=1', '--route=mod', '--budgets=0.5',
+                      '--prefill_shapes=1x8', '--json'])
+    assert {r['kind'] for r in res['rows']} >= {'prefill', 'decode'}
+    assert 'note: route=mod does not read ffn_cheap_rank' in capsys.readouterr().err
+
+
 @pytest.mark.parametrize('extra', [[], ['--budgets=0.5'], ['--decode_vs_hf=True']])
 def test_bench_init_from_without_speculate_is_refused(tmp_path, extra):
     """Only --speculate times a checkpoint's model; the other timings build a random model of the

@@ -1557,7 +1557,8 @@ def test_a_room_against_one_seed_is_unknown_whichever_way_it_is_measured():
 
 def test_summarize_only_refuses_runs_made_under_other_options(tmp_path, capsys):
     """--summarize_only skipped the check that the runs were made under the study's options, so
-    runs made under others were summarised as the study's: it refuses them as a sweep does."""
+    runs made under others were summarised as the study's: it refuses them as a sweep does. It
+    does not check the inputs of runs not finished, which summarising does not read."""
     out = tmp_path / 'out'
     (tmp_path / 'cfg.py').write_text('max_iters = 4\n')
     study = tmp_path / 'study.py'
@@ -1574,6 +1575,14 @@ def test_summarize_only_refuses_runs_made_under_other_options(tmp_path, capsys):
     assert sweep.main([str(study), '--summarize_only', '--no_plots']) == 0
     summary = json.loads((out / 'summary.json').read_text())
     assert summary['table']['A']['avg_lm']['per_seed'] == [2.0]
+    # a stopped run whose inputs are not here (a study copied off its machine): still summarised
+    study.write_text(study.read_text().replace("'--eval_iters=3'", "'--eval_iters=3', "
+                                               "'--dataset=not_prepared_here'"))
+    fake_run(out / 'A' / 'seed1', 2, summary=None)
+    config.write_text(json.dumps(dict(max_iters=4, eval_iters=3, dataset='not_prepared_here')))
+    assert sweep.main([str(study), '--summarize_only', '--no_plots']) == 0
+    with pytest.raises(sweep.ConfigError, match=r"not_prepared_here is not a prepared dataset"):
+        sweep.main([str(study), '--no_plots'])
 
 
 def test_estimates_cost_each_run_with_its_step_options(monkeypatch):

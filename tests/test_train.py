@@ -1502,7 +1502,7 @@ def test_a_run_refused_by_its_options_prepares_no_data(args, needle, base_run, t
 def test_resuming_a_run_not_finished_below_its_iteration_is_refused(base_run, tmp_path):
     """A run stopped at iteration 6 (here: its summary gone) resumed with --max_iters=5 would train
     nothing, write its summary at 6 and record max_iters=5 in config.json over the run's own:
-    refused, naming the iteration, before anything is written. A finished run says it is."""
+    refused, naming the iteration, before anything is written."""
     run = copy_run(base_run, tmp_path)
     metrics = run / "metrics.jsonl"
     metrics.write_text("".join(line for line in metrics.read_text().splitlines(True)
