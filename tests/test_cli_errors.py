@@ -212,7 +212,7 @@ def study_file(tmp_path, text=None):
 def test_sweep_exits_1_after_the_summary_when_runs_fail(tmp_path, monkeypatch, capsys):
     (tmp_path / "fake_train.py").write_text(FAKE_TRAIN)
     monkeypatch.setattr(sweep, "TRAIN", str(tmp_path / "fake_train.py"))
-    monkeypatch.setattr(sweep, "check_configs", lambda runs, made_later: None)  # no train.py keys
+    monkeypatch.setattr(sweep, "check_configs", lambda *args, **kw: None)  # no train.py keys
     assert sweep.main([study_file(tmp_path), "--no_plots"]) == 1
     summary = json.loads((tmp_path / "study" / "summary.json").read_text())
     assert summary["table"]["A"]["avg_lm"]["per_seed"] == [2.0] and summary["table"]["B"]["avg_lm"][

@@ -294,7 +294,7 @@ def test_parallel_runs_share_the_cores_instead_of_each_taking_all(tmp_path, monk
 def test_jobs_2_runs_two_at_once_and_summarises_as_sequential(tmp_path, monkeypatch):
     (tmp_path / 'fake_train.py').write_text(FAKE_TRAIN)
     monkeypatch.setattr(sweep, 'TRAIN', str(tmp_path / 'fake_train.py'))
-    monkeypatch.setattr(sweep, 'check_configs', lambda runs, made_later: None)  # no train.py keys
+    monkeypatch.setattr(sweep, 'check_configs', lambda *args, **kw: None)  # no train.py keys
     (tmp_path / 'barrier').mkdir()
     monkeypatch.setenv('FAKE_BARRIER', str(tmp_path / 'barrier'))
     assert sweep.main([fake_study(tmp_path, 'par'), '--jobs=2', '--no_plots']) == 0
@@ -332,7 +332,7 @@ def test_a_relative_out_root_is_the_same_folder_from_any_working_directory(tmp_p
     (tmp_path / 'fake_train.py').write_text(FAKE_TRAIN)
     monkeypatch.setattr(sweep, 'HERE', str(here))
     monkeypatch.setattr(sweep, 'TRAIN', str(tmp_path / 'fake_train.py'))
-    monkeypatch.setattr(sweep, 'check_configs', lambda runs, made_later: None)
+    monkeypatch.setattr(sweep, 'check_configs', lambda *args, **kw: None)
     monkeypatch.delenv('FAKE_BARRIER', raising=False)
     measured = []
     monkeypatch.setattr(sweep.subprocess, 'run', lambda args, **kw: measured.append(args) or
@@ -886,7 +886,7 @@ def start_fake_sweep(tmp_path, jobs, grace=120, env=()):
                      f"arms = {{'A': []}}\n")
     boot = (f"import sys; sys.path.insert(0, {REPO!r}); import sweep; "
             f"sweep.TRAIN = {str(tmp_path / 'train.py')!r}; sweep.STOP_GRACE_S = {grace}; "
-            f"sweep.check_configs = lambda runs, made_later: None; "
+            f"sweep.check_configs = lambda *args, **kw: None; "
             f"from configurator import run_cli; run_cli(sweep.main)")
     argv = [str(study), f'--jobs={jobs}', '--no_plots']
     proc = subprocess.Popen([sys.executable, '-c', boot, *argv], cwd=REPO, stdout=subprocess.PIPE,
@@ -931,7 +931,7 @@ def test_a_signal_stops_the_runs_in_flight_and_starts_none_of_the_queued(tmp_pat
     assert not runs[jobs].exists()                                   # queued: never started
     # the printed command resumes: the stopped runs from their checkpoints, the queued one afresh
     monkeypatch.setattr(sweep, 'TRAIN', str(tmp_path / 'train.py'))   # as the boot line set it
-    monkeypatch.setattr(sweep, 'check_configs', lambda runs, made_later: None)
+    monkeypatch.setattr(sweep, 'check_configs', lambda *args, **kw: None)
     monkeypatch.setenv('FAKE_FINISH', '1')
     assert sweep.main(err.split('resume with: python sweep.py ')[1].split()) == 0
     calls = {run: [json.loads(line) for line in (run / 'calls').read_text().splitlines()]
@@ -1063,7 +1063,7 @@ def fake_sweep(tmp_path, monkeypatch, name, *args):
     """sweep.main on a fake study (FAKE_TRAIN runs, no train.py checks); its stdout."""
     (tmp_path / 'fake_train.py').write_text(FAKE_TRAIN)
     monkeypatch.setattr(sweep, 'TRAIN', str(tmp_path / 'fake_train.py'))
-    monkeypatch.setattr(sweep, 'check_configs', lambda runs, made_later: None)
+    monkeypatch.setattr(sweep, 'check_configs', lambda *args, **kw: None)
     monkeypatch.delenv('FAKE_BARRIER', raising=False)
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
