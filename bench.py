@@ -928,7 +928,7 @@ def parse_args(argv):
     ns = SimpleNamespace(**dict(cfg, **start))
     train.check_train_config(ns)
     train.model_config(ns)
-    if not bench_speculative.checkpoint_file(cfg['init_from'] if cfg['speculate'] else ''):
+    if not (cfg['speculate'] and bench_speculative.checkpoint_file(cfg['init_from'])):
         # the config's own model: another family's option would change nothing, as in train.py
         # (its note on a config file's such options to stderr: --json's stdout is the JSON alone)
         with contextlib.redirect_stdout(sys.stderr):

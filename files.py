@@ -20,13 +20,14 @@ except ImportError:   # Windows: no advisory file locks
     fcntl = None
 
 
-RUN_FILES = ('ckpt.pt', 'metrics.jsonl', 'run_info.json')     # a training run's, before its
-                                                               # first checkpoint too
+RUN_FILES = ('ckpt.pt', 'metrics.jsonl', 'config.json', 'run_info.json')    # what a run writes
 
 
 def run_file_in(folder):
-    """The first of a training run's own files that folder holds (it is a run's folder), or None."""
-    return next((n for n in RUN_FILES if os.path.isfile(os.path.join(folder, n))), None)
+    """The first of a training run's own files that folder holds (it is a run's folder, before its
+    first checkpoint too), or None. config.json alone is not one: a Hugging Face export has one."""
+    return next((n for n in RUN_FILES if n != 'config.json'
+                 and os.path.isfile(os.path.join(folder, n))), None)
 
 
 def write_whole(path, write, binary=False):

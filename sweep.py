@@ -568,11 +568,14 @@ def check_configs(runs, made_later, inputs=True):
             contextlib.redirect_stderr(io.StringIO()):     # the notes are for the runs' own logs
         for name, argv in runs:
             try:
-                init_from = train.load_config(train.DEFAULTS, argv)['init_from']
-                made = os.path.abspath(init_from).startswith(tuple(later))
-                if made and not os.path.exists(init_from):
+                given = train.load_config(train.DEFAULTS, argv)
+                made = os.path.abspath(given['init_from']).startswith(tuple(later))
+                if made and not os.path.exists(given['init_from']):
                     argv = [*argv, '--init_from=scratch']    # checked as far as it can be
-                _, cfg = train.read_config(argv)
+                starts = inputs and not finished(given['out_dir'])
+                if starts:                  # as run_one starts it (HOW_KEYS: not compared below)
+                    argv = [*argv, *start_argv(given['out_dir'])]
+                run_cfg, cfg = train.read_config(argv)
             except UserError as e:
                 raise ConfigError(f"{name}: {e}; fix the study file, no run was started") from None
             changed = changed_since_ran(cfg)
@@ -584,9 +587,8 @@ def check_configs(runs, made_later, inputs=True):
                     "results would be summarised as the study's: remove that folder to run it "
                     "again, or give the study another out_root"
                 )
-            if inputs and not finished(cfg['out_dir']):    # the run run_one would start
+            if starts:
                 try:
-                    run_cfg, _ = train.read_config([*argv, *start_argv(cfg['out_dir'])])
                     train.check_run_inputs(run_cfg)
                 except UserError as e:
                     raise ConfigError(f"{name}: {e}; no run was started") from None

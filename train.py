@@ -38,8 +38,7 @@ import sharding
 from model import FAMILIES, GPT, GPTConfig, allow_graphs, is_controller_key, is_draft_key
 from run_state import (StopFlag, any_rank, check_inputs, checkpoint_state, end_ddp_process,
                        eval_rng, evaluated_at, finished_already, hold_out_dir, kept, open_inputs,
-                       rng_state,
-                       seed_rngs, set_rng_state, share_interval, share_rank0_outcome,
+                       rng_state, seed_rngs, set_rng_state, share_interval, share_rank0_outcome,
                        start_progress, stop_requested)
 from lora import apply_lora, has_lora_keys, lora_parameters
 from train_checks import (TRAINABLE, TrainError, check_against_checkpoint, check_family_options,

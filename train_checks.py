@@ -15,11 +15,11 @@ import loggers
 from checkpoint import CheckpointError, check_init_from
 from configurator import UserError, given_keys, writable_folder
 from data.loader import check_checkpoint_data, check_data_folder
+from files import RUN_FILES
 from lora import check_targets, matching
 from model import FAMILIES, GPT, GPTConfig, read_stored_config
 from routing import BLOCK_PROJECTIONS, adapters_of, projection_name
 
-RUN_FILES = ('ckpt.pt', 'metrics.jsonl', 'config.json', 'run_info.json')    # what a run writes
 TRAINABLE = ('all', 'controller', 'last_layers', 'lora', 'controller+lora', 'draft')
 
 

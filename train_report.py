@@ -18,10 +18,10 @@ from torch.utils._pytree import tree_map_only
 
 import eval as evaluation
 import flops
-from files import write_whole
+from files import RUN_FILES, write_whole
 from run_state import drop_records_after, eval_rng, kept, restore_interval_lm
 from sharding import SHARDED_DIR
-from train_checks import RUN_FILES, TrainError
+from train_checks import TrainError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
