@@ -92,12 +92,22 @@ def share_rank0_outcome(proc, error, what):
     """Raise error, rank 0's exception in a step only it does (None: it succeeded), on every rank
     at once: under DDP one broadcast tells the others, which raise a TrainError naming `what` rank 0
     could not do. Left to find out in their next collective, they would stop only when rank 0's
-    connection drops (under NCCL, at ddp_timeout), blaming an unresponsive process."""
+    connection drops (under NCCL, at ddp_timeout), blaming an unresponsive process. Rank 0 says
+    its error before the broadcast and then exits as run_cli would (2 for a UserError, else 1):
+    once another rank has stopped, torchrun ends the rest, rank 0 too, perhaps before it spoke."""
     if proc.ddp:
+        if error is not None:
+            if isinstance(error, UserError):
+                print(f"error: {error}", file=sys.stderr, flush=True)
+            else:
+                traceback.print_exception(error)
+                sys.stderr.flush()
         status = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=proc.dev)
         torch.distributed.broadcast(status, 0)
-        if error is None and status.item():
-            error = TrainError(f"rank 0 could not {what} (its error is above)")
+        if error is not None:
+            raise SystemExit(2 if isinstance(error, UserError) else 1) from error
+        if status.item():
+            raise TrainError(f"rank 0 could not {what} (its error is above)")
     if error is not None:
         raise error
 
